@@ -1,0 +1,312 @@
+//! The end-to-end demo, and the synthetic corpus it (and the tests and benches) use.
+//!
+//! The demo starts the fault-injecting provider in-process, writes a corpus with poison
+//! inputs and broken lines, ingests it with a progress bar, ingests it again to show that an
+//! identical rerun makes no provider call, and checks the seed's leak and duplicate queries.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{build_pipeline, exit, print_summary, write_human_summary};
+use crate::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use crate::mock_provider::{self, MockConfig, MockProvider};
+
+/// Shape of a synthetic corpus.
+#[derive(Debug, Clone)]
+pub struct CorpusSpec {
+    /// Prefix of every doc_id, so runs do not collide.
+    pub doc_prefix: String,
+    pub chunks: usize,
+    pub chunks_per_doc: usize,
+    /// One chunk in this many carries a poison marker (0 = none); markers rotate through
+    /// 400, NaN, wrong dimension, empty text and too long.
+    pub poison_every: usize,
+    /// Broken lines appended at the end (malformed JSON, invalid UTF-8, missing text).
+    pub broken_lines: bool,
+    /// Approximate words per chunk.
+    pub words: usize,
+}
+
+impl Default for CorpusSpec {
+    fn default() -> Self {
+        CorpusSpec {
+            doc_prefix: "doc".into(),
+            chunks: 1000,
+            chunks_per_doc: 8,
+            poison_every: 0,
+            broken_lines: false,
+            words: 40,
+        }
+    }
+}
+
+/// What a written corpus contains, for checking outcomes.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CorpusFacts {
+    pub clean: usize,
+    pub poison_400: usize,
+    pub poison_nan: usize,
+    pub poison_dim: usize,
+    pub empty: usize,
+    pub too_long: usize,
+    /// Broken lines that keep an identity (parked as invalid_record).
+    pub invalid_records: usize,
+    /// Broken lines without an identity (rejected).
+    pub rejected_lines: usize,
+}
+
+const WORDS: &[&str] = &[
+    "vector",
+    "index",
+    "recall",
+    "chunk",
+    "embedding",
+    "replay",
+    "outbox",
+    "stream",
+    "backoff",
+    "jitter",
+    "postgres",
+    "redis",
+    "manifest",
+    "payload",
+    "latency",
+    "quorum",
+    "shard",
+    "cosine",
+    "token",
+    "batch",
+];
+
+/// Writes `spec` as JSONL; `too_long_chars` sizes the over-long poison inputs.
+pub fn write_corpus(
+    out: &mut dyn Write,
+    spec: &CorpusSpec,
+    too_long_chars: usize,
+) -> std::io::Result<CorpusFacts> {
+    let mut facts = CorpusFacts::default();
+    let per_doc = spec.chunks_per_doc.max(1);
+    for n in 0..spec.chunks {
+        let (doc, idx) = (n / per_doc, n % per_doc);
+        let mut text = String::with_capacity(spec.words * 8);
+        for w in 0..spec.words {
+            if w > 0 {
+                text.push(' ');
+            }
+            text.push_str(WORDS[(n * 7 + w * 13 + w * w) % WORDS.len()]);
+        }
+        text.push_str(&format!(" #{n}"));
+        if spec.poison_every > 0 && n % spec.poison_every == spec.poison_every / 2 {
+            match (n / spec.poison_every) % 5 {
+                0 => {
+                    text.push_str(mock_provider::POISON_400);
+                    facts.poison_400 += 1;
+                }
+                1 => {
+                    text.push_str(mock_provider::POISON_NAN);
+                    facts.poison_nan += 1;
+                }
+                2 => {
+                    text.push_str(mock_provider::POISON_DIM);
+                    facts.poison_dim += 1;
+                }
+                3 => {
+                    text = "   ".into();
+                    facts.empty += 1;
+                }
+                _ => {
+                    text = "x".repeat(too_long_chars + 1);
+                    facts.too_long += 1;
+                }
+            }
+        } else {
+            facts.clean += 1;
+        }
+        let line = serde_json::json!({
+            "doc_id": format!("{}-{doc}", spec.doc_prefix),
+            "chunk_index": idx,
+            "text": text,
+            "metadata": {"source": "demo", "doc_no": doc},
+        });
+        writeln!(out, "{line}")?;
+    }
+    if spec.broken_lines {
+        writeln!(out, "{{\"doc_id\": \"{}-broken\", \"chunk_index\": 0, \"text\": ", spec.doc_prefix)?;
+        out.write_all(
+            format!("{{\"doc_id\":\"{}-broken\",\"chunk_index\":1,\"text\":\"caf", spec.doc_prefix)
+                .as_bytes(),
+        )?;
+        out.write_all(b"\xe9\"}\n")?;
+        writeln!(out, "{{\"doc_id\":\"{}-broken\",\"chunk_index\":2}}", spec.doc_prefix)?;
+        writeln!(out, "{{\"chunk_index\":3,\"text\":\"orphan without doc_id\"}}")?;
+        facts.rejected_lines += 2;
+        facts.invalid_records += 2;
+    }
+    Ok(facts)
+}
+
+/// The fault mix the demo runs against.
+pub fn demo_faults() -> MockConfig {
+    MockConfig {
+        dimensions: 768,
+        rate_429: 0.03,
+        retry_after_ms: 100,
+        rate_5xx: 0.04,
+        rate_timeout: 0.003,
+        timeout_hold_ms: 3_000,
+        rate_reset: 0.01,
+        ..MockConfig::default()
+    }
+}
+
+/// Runs the demo against `database_url`; returns the exit code.
+pub async fn run(
+    database_url: &str,
+    chunks: usize,
+    concurrency: usize,
+    json: bool,
+    cancel: CancellationToken,
+) -> anyhow::Result<i32> {
+    let mock = MockProvider::start(demo_faults(), SocketAddr::from(([127, 0, 0, 1], 0)), cancel.clone())
+        .await
+        .context("starting the mock provider")?;
+    eprintln!("mock provider on {} with faults: 3% 429, 4% 5xx, 0.3% timeouts, 1% resets", mock.base_url());
+
+    let dir = std::env::temp_dir().join(format!("embed-dlq-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let corpus = dir.join("corpus.jsonl");
+    let run_id = chrono::Utc::now().format("%Y%m%dT%H%M%S").to_string();
+    let spec = CorpusSpec {
+        doc_prefix: format!("demo-{run_id}"),
+        chunks,
+        poison_every: 200,
+        broken_lines: true,
+        ..CorpusSpec::default()
+    };
+    let max_input_chars = 8_000;
+    let facts = {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&corpus)?);
+        let facts = write_corpus(&mut f, &spec, max_input_chars)?;
+        f.flush()?;
+        facts
+    };
+    eprintln!(
+        "corpus {}: {chunks} chunks ({} poison inputs, {} broken lines)",
+        corpus.display(),
+        chunks - facts.clean,
+        facts.invalid_records + facts.rejected_lines
+    );
+
+    let settings = IngestSettings::resolve(
+        ServiceArgs { database_url: Some(database_url.to_string()), redis_url: None },
+        ProviderArgs {
+            base_url: Some(mock.base_url()),
+            model: Some("mock-embed-768".into()),
+            request_timeout_ms: Some(1_000),
+            ..Default::default()
+        },
+        IngestArgs {
+            concurrency: Some(concurrency),
+            max_input_chars: Some(max_input_chars),
+            ..Default::default()
+        },
+        RetryArgs {
+            retry_max_attempts: Some(4),
+            retry_base_ms: Some(50),
+            retry_cap_ms: Some(1_000),
+            ..Default::default()
+        },
+        None,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let mut pipeline = build_pipeline(&settings).await.map_err(anyhow::Error::msg)?;
+    use std::io::IsTerminal;
+    pipeline.options.progress = !json && std::io::stderr().is_terminal();
+    pipeline.options.total_bytes = std::fs::metadata(&corpus).ok().map(|m| m.len());
+
+    if !json {
+        println!("== pass 1: ingest with faults ==");
+    }
+    let first = open_and_run(&pipeline, &corpus, cancel.clone()).await?;
+    print_summary(&first, json);
+    if cancel.is_cancelled() {
+        return Ok(exit::INTERRUPTED);
+    }
+
+    if !json {
+        println!("\n== pass 2: the same corpus again (must make no provider call) ==");
+    }
+    let calls_before = mock.control.stats().requests;
+    let second = open_and_run(&pipeline, &corpus, cancel.clone()).await?;
+    let calls_second = mock.control.stats().requests - calls_before;
+    if json {
+        print_summary(&second, true);
+    } else {
+        let mut out = std::io::stdout().lock();
+        write_human_summary(&mut out, &second)?;
+        writeln!(out, "provider requests seen by the mock in pass 2: {calls_second}")?;
+    }
+
+    let pool = pipeline.store.pool();
+    let leaks: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ingest_manifest m
+           LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
+           LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+          WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    let duplicates: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM doc_embeddings GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?;
+    let stats = mock.control.stats();
+    if !json {
+        println!("\n== checks ==");
+        println!("leaks (manifest rows with neither vector nor DLQ row): {leaks}");
+        println!("duplicate vectors by (doc_id, chunk_index):            {duplicates}");
+        println!(
+            "mock provider served {} requests: {} ok, {} rate-limited, {} 5xx, {} timeouts, {} resets, {} rejected",
+            stats.requests,
+            stats.ok,
+            stats.rate_limited,
+            stats.server_errors,
+            stats.timeouts,
+            stats.resets,
+            stats.rejected
+        );
+        println!(
+            "inspect the DLQ: psql \"$DATABASE_URL\" -c 'SELECT error_class, error_reason, count(*) FROM embedding_dlq GROUP BY 1, 2'"
+        );
+    }
+    mock.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let accounted = first.stored + first.parked_total() + first.unchanged + first.already_parked;
+    let ok = leaks == 0 && duplicates == 0 && calls_second == 0 && accounted == first.records;
+    if !ok {
+        eprintln!(
+            "embed-dlq: demo checks FAILED (leaks {leaks}, duplicates {duplicates}, pass-2 calls {calls_second}, accounted {accounted}/{})",
+            first.records
+        );
+        return Ok(exit::FAILURE);
+    }
+    Ok(exit::OK)
+}
+
+async fn open_and_run(
+    pipeline: &crate::ingest::Pipeline,
+    path: &std::path::Path,
+    cancel: CancellationToken,
+) -> anyhow::Result<crate::ingest::IngestSummary> {
+    let f = tokio::fs::File::open(path).await?;
+    let reader = tokio::io::BufReader::with_capacity(256 * 1024, f);
+    let summary = pipeline.run(reader, cancel).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Leave the stream of logs a moment to flush before the summary.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    Ok(summary)
+}

@@ -1,0 +1,494 @@
+//! OpenAI-compatible `POST /v1/embeddings` client.
+//!
+//! Covers OpenAI, Azure-style deployments (extra headers, full URL), vLLM, TEI, Ollama and
+//! LiteLLM. Asks for base64 (little-endian f32, several times cheaper to parse than JSON
+//! floats) and accepts float arrays from servers that ignore the request. Every response is
+//! validated (count, index permutation, dimension, finite values) before anything is stored.
+//! The API key is sent as a sensitive header and never appears in an error or a log line.
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde::Deserialize;
+
+use crate::model::ErrorClass;
+
+/// Longest error-body excerpt we keep: a real server echoed a 1 MB input in a 2 MB body.
+pub const MAX_ERROR_EXCERPT: usize = 512;
+/// Most bytes of an error body we ever read off the wire.
+const MAX_ERROR_BODY_READ: usize = 64 * 1024;
+
+/// Wire format asked of the provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EncodingFormat {
+    Base64,
+    Float,
+}
+
+/// How to reach the provider; built from [`crate::config::Settings`].
+#[derive(Clone)]
+pub struct ClientConfig {
+    /// Base URL up to and excluding `/embeddings` (e.g. `http://host:8080/v1`).
+    pub base_url: String,
+    pub model: String,
+    /// Sent as the `dimensions` request field when set (models that support shortening).
+    pub request_dimensions: Option<usize>,
+    pub encoding: EncodingFormat,
+    pub api_key: Option<String>,
+    /// Header carrying the key: `None` means `Authorization: Bearer <key>`; Azure-style
+    /// deployments use e.g. `api-key: <key>`.
+    pub api_key_header: Option<String>,
+    pub extra_headers: Vec<(String, String)>,
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("base_url", &self.base_url)
+            .field("model", &self.model)
+            .field("request_dimensions", &self.request_dimensions)
+            .field("encoding", &self.encoding)
+            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .field("extra_headers", &self.extra_headers.len())
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// What went wrong with one request. Carries only what classification needs: status codes,
+/// error types from the body's JSON, and a short sanitised excerpt for the DLQ row.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum EmbedError {
+    #[error("request timed out")]
+    Timeout,
+    #[error("connect error: {0}")]
+    Connect(String),
+    /// Connection reset, closed mid-response, protocol error.
+    #[error("transport error: {0}")]
+    Transport(String),
+    #[error("HTTP {status}{}: {excerpt}", error_type.as_deref().map(|t| format!(" ({t})")).unwrap_or_default())]
+    Status {
+        status: u16,
+        /// `error.type` or `error.code` from an OpenAI-style error body.
+        error_type: Option<String>,
+        retry_after: Option<Duration>,
+        excerpt: String,
+    },
+    /// A 2xx whose body is not a valid embeddings response (truncated, garbage).
+    #[error("undecodable response: {0}")]
+    Decode(String),
+    /// A valid body whose vectors do not line up with the inputs.
+    #[error("response does not match request: {0}")]
+    Mismatch(String),
+}
+
+/// One validated response.
+#[derive(Debug)]
+pub struct EmbedResponse {
+    /// One entry per input, in input order: a usable vector or the reason it is not.
+    pub items: Vec<Result<Vec<f32>, VectorProblem>>,
+    /// `usage.total_tokens` as the provider reported it (some count characters: informative
+    /// only, never used for budgeting).
+    pub reported_tokens: u64,
+}
+
+/// Why a single returned vector cannot be stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VectorProblem {
+    pub class: ErrorClass,
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+/// The embeddings client. Cheap to clone (shares the connection pool).
+#[derive(Clone)]
+pub struct EmbedClient {
+    http: reqwest::Client,
+    url: String,
+    config: std::sync::Arc<ClientConfig>,
+}
+
+#[derive(Deserialize)]
+struct WireResponse {
+    data: Vec<WireItem>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize)]
+struct WireItem {
+    index: Option<usize>,
+    embedding: WireEmbedding,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WireEmbedding {
+    Base64(String),
+    Float(Vec<Option<f32>>),
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    total_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct WireErrorBody {
+    error: Option<WireErrorDetail>,
+}
+
+#[derive(Deserialize)]
+struct WireErrorDetail {
+    #[serde(rename = "type")]
+    kind: Option<serde_json::Value>,
+    code: Option<serde_json::Value>,
+}
+
+impl EmbedClient {
+    /// Builds the client; fails only on unusable configuration (bad header names/values).
+    pub fn new(config: ClientConfig) -> Result<Self, String> {
+        let mut headers = HeaderMap::new();
+        if let Some(key) = &config.api_key {
+            let (name, value) = match config.api_key_header.as_deref() {
+                None => (reqwest::header::AUTHORIZATION, format!("Bearer {key}")),
+                Some(h) if h.eq_ignore_ascii_case("authorization") => {
+                    (reqwest::header::AUTHORIZATION, format!("Bearer {key}"))
+                }
+                Some(h) => (
+                    HeaderName::from_bytes(h.as_bytes()).map_err(|_| format!("invalid header name {h:?}"))?,
+                    key.clone(),
+                ),
+            };
+            let mut v = HeaderValue::from_str(&value)
+                .map_err(|_| "the API key contains characters not allowed in a header".to_string())?;
+            v.set_sensitive(true);
+            headers.insert(name, v);
+        }
+        for (name, value) in &config.extra_headers {
+            let n = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("invalid header name {name:?}"))?;
+            let mut v =
+                HeaderValue::from_str(value).map_err(|_| format!("invalid value for header {name:?}"))?;
+            v.set_sensitive(true);
+            headers.insert(n, v);
+        }
+        let http = reqwest::Client::builder()
+            .default_headers(headers)
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout.min(Duration::from_secs(10)))
+            .pool_max_idle_per_host(64)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| format!("cannot build HTTP client: {e}"))?;
+        let url = format!("{}/embeddings", config.base_url.trim_end_matches('/'));
+        Ok(EmbedClient { http, url, config: std::sync::Arc::new(config) })
+    }
+
+    /// The configured model name (part of the content hash).
+    pub fn model(&self) -> &str {
+        &self.config.model
+    }
+
+    /// Embeds `inputs` in one request and validates the answer against `dimensions`.
+    pub async fn embed(&self, inputs: &[&str], dimensions: usize) -> Result<EmbedResponse, EmbedError> {
+        let mut body = serde_json::json!({
+            "model": self.config.model,
+            "input": inputs,
+            "encoding_format": match self.config.encoding {
+                EncodingFormat::Base64 => "base64",
+                EncodingFormat::Float => "float",
+            },
+        });
+        if let Some(d) = self.config.request_dimensions {
+            body["dimensions"] = d.into();
+        }
+        let resp = self.http.post(&self.url).json(&body).send().await.map_err(|e| self.transport_error(e))?;
+        let status = resp.status();
+        if !status.is_success() {
+            let retry_after = parse_retry_after(resp.headers(), std::time::SystemTime::now());
+            let raw = read_capped(resp, MAX_ERROR_BODY_READ).await;
+            let error_type = serde_json::from_slice::<WireErrorBody>(&raw)
+                .ok()
+                .and_then(|b| b.error)
+                .and_then(|d| value_str(d.code).or_else(|| value_str(d.kind)));
+            return Err(EmbedError::Status {
+                status: status.as_u16(),
+                error_type,
+                retry_after,
+                excerpt: self.sanitize(&String::from_utf8_lossy(&raw)),
+            });
+        }
+        let bytes = resp.bytes().await.map_err(|e| self.transport_error(e))?;
+        let wire: WireResponse = serde_json::from_slice(&bytes)
+            .map_err(|e| EmbedError::Decode(format!("{e} (body of {} bytes)", bytes.len())))?;
+        validate(wire, inputs.len(), dimensions)
+    }
+
+    fn transport_error(&self, e: reqwest::Error) -> EmbedError {
+        let msg = self.sanitize(&error_chain(&e));
+        if e.is_timeout() {
+            EmbedError::Timeout
+        } else if e.is_connect() {
+            EmbedError::Connect(msg)
+        } else {
+            EmbedError::Transport(msg)
+        }
+    }
+
+    /// Truncates, strips control characters and removes any echo of a secret.
+    fn sanitize(&self, s: &str) -> String {
+        let mut s = sanitize_excerpt(s);
+        if let Some(key) = self.config.api_key.as_deref().filter(|k| k.len() >= 4) {
+            s = s.replace(key, "[redacted]");
+        }
+        for (_, v) in &self.config.extra_headers {
+            if v.len() >= 4 {
+                s = s.replace(v.as_str(), "[redacted]");
+            }
+        }
+        s
+    }
+}
+
+/// Cuts an error text to [`MAX_ERROR_EXCERPT`] characters on a char boundary and replaces
+/// control characters, so a DLQ row never stores a provider's full echo of the input.
+pub fn sanitize_excerpt(s: &str) -> String {
+    let mut out = String::with_capacity(s.len().min(MAX_ERROR_EXCERPT + 16));
+    for (n, c) in s.chars().enumerate() {
+        if n >= MAX_ERROR_EXCERPT {
+            out.push_str("…[truncated]");
+            break;
+        }
+        out.push(if c.is_control() { ' ' } else { c });
+    }
+    out.trim().to_string()
+}
+
+fn value_str(v: Option<serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) if !s.is_empty() => Some(s),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
+    let mut buf = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        let room = cap.saturating_sub(buf.len());
+        buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if buf.len() >= cap {
+            break;
+        }
+    }
+    buf
+}
+
+/// Reads `retry-after-ms` (milliseconds, as sent by OpenAI and Azure) or `Retry-After`
+/// (delta-seconds or an HTTP date). `now` is injected so the date form is testable.
+pub fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
+    if let Some(ms) = headers
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
+    }
+    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    let when = httpdate::parse_http_date(v).ok()?;
+    Some(when.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+fn validate(wire: WireResponse, expected: usize, dimensions: usize) -> Result<EmbedResponse, EmbedError> {
+    if wire.data.len() != expected {
+        return Err(EmbedError::Mismatch(format!("{} vectors for {expected} inputs", wire.data.len())));
+    }
+    let mut slots: Vec<Option<Result<Vec<f32>, VectorProblem>>> = (0..expected).map(|_| None).collect();
+    for (pos, item) in wire.data.into_iter().enumerate() {
+        let index = item.index.unwrap_or(pos);
+        let slot = slots.get_mut(index).ok_or_else(|| {
+            EmbedError::Mismatch(format!("index {index} out of range for {expected} inputs"))
+        })?;
+        if slot.is_some() {
+            return Err(EmbedError::Mismatch(format!("index {index} returned twice")));
+        }
+        *slot = Some(decode_vector(item.embedding, dimensions));
+    }
+    let items = slots
+        .into_iter()
+        .map(|s| s.expect("every slot filled: counts match and indices are unique"))
+        .collect();
+    let reported_tokens = wire.usage.and_then(|u| u.total_tokens.or(u.prompt_tokens)).unwrap_or(0);
+    Ok(EmbedResponse { items, reported_tokens })
+}
+
+fn decode_vector(e: WireEmbedding, dimensions: usize) -> Result<Vec<f32>, VectorProblem> {
+    let problem = |class, reason, detail: String| VectorProblem { class, reason, detail };
+    let v: Vec<f32> = match e {
+        WireEmbedding::Base64(s) => {
+            let bytes = base64::engine::general_purpose::STANDARD.decode(s.as_bytes()).map_err(|e| {
+                problem(
+                    ErrorClass::InvalidVector,
+                    "bad_base64",
+                    format!("embedding is not valid base64: {e}"),
+                )
+            })?;
+            if bytes.len() % 4 != 0 {
+                return Err(problem(
+                    ErrorClass::InvalidVector,
+                    "bad_base64",
+                    format!("base64 embedding of {} bytes is not a whole number of f32", bytes.len()),
+                ));
+            }
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+        }
+        WireEmbedding::Float(xs) => {
+            let mut out = Vec::with_capacity(xs.len());
+            for x in xs {
+                match x {
+                    Some(x) => out.push(x),
+                    None => {
+                        return Err(problem(
+                            ErrorClass::InvalidVector,
+                            "non_finite",
+                            "embedding contains null".into(),
+                        ));
+                    }
+                }
+            }
+            out
+        }
+    };
+    if v.is_empty() {
+        return Err(problem(ErrorClass::InvalidVector, "empty_vector", "empty embedding".into()));
+    }
+    if v.len() != dimensions {
+        return Err(problem(
+            ErrorClass::DimensionMismatch,
+            "dimension_mismatch",
+            format!("embedding has {} dimensions, the target column has {dimensions}", v.len()),
+        ));
+    }
+    if let Some(pos) = v.iter().position(|x| !x.is_finite()) {
+        return Err(problem(
+            ErrorClass::InvalidVector,
+            "non_finite",
+            format!("embedding value {pos} is {}", v[pos]),
+        ));
+    }
+    if v.iter().all(|x| *x == 0.0) {
+        return Err(problem(ErrorClass::InvalidVector, "zero_vector", "embedding is all zeros".into()));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hm(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", "7")]), now), Some(Duration::from_secs(7)));
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", "1.5")]), now), Some(Duration::from_millis(1500)));
+        assert_eq!(
+            parse_retry_after(&hm(&[("retry-after-ms", "250"), ("retry-after", "9")]), now),
+            Some(Duration::from_millis(250)),
+            "retry-after-ms is more precise and wins"
+        );
+        let date = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", &date)]), now), Some(Duration::from_secs(30)));
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", &past)]), now), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", "soon")]), now), None);
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", "-3")]), now), None);
+        assert_eq!(parse_retry_after(&hm(&[]), now), None);
+    }
+
+    fn wire(items: Vec<(Option<usize>, WireEmbedding)>) -> WireResponse {
+        WireResponse {
+            data: items.into_iter().map(|(index, embedding)| WireItem { index, embedding }).collect(),
+            usage: None,
+        }
+    }
+
+    fn b64(v: &[f32]) -> WireEmbedding {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        WireEmbedding::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
+    }
+
+    #[test]
+    fn validation_reorders_by_index_and_flags_bad_vectors() {
+        let r = validate(
+            wire(vec![
+                (Some(2), b64(&[1.0, 2.0])),
+                (Some(0), WireEmbedding::Float(vec![Some(0.5), Some(0.5)])),
+                (Some(1), b64(&[f32::NAN, 1.0])),
+                (Some(3), b64(&[1.0, 2.0, 3.0])),
+                (Some(4), b64(&[])),
+                (Some(5), b64(&[0.0, 0.0])),
+            ]),
+            6,
+            2,
+        )
+        .unwrap();
+        assert_eq!(r.items[0].as_ref().unwrap(), &vec![0.5, 0.5]);
+        assert_eq!(r.items[2].as_ref().unwrap(), &vec![1.0, 2.0]);
+        assert_eq!(r.items[1].as_ref().unwrap_err().class, ErrorClass::InvalidVector);
+        assert_eq!(r.items[3].as_ref().unwrap_err().class, ErrorClass::DimensionMismatch);
+        assert_eq!(r.items[4].as_ref().unwrap_err().reason, "empty_vector");
+        assert_eq!(r.items[5].as_ref().unwrap_err().reason, "zero_vector");
+    }
+
+    #[test]
+    fn validation_rejects_count_and_index_errors() {
+        assert!(matches!(validate(wire(vec![(Some(0), b64(&[1.0]))]), 2, 1), Err(EmbedError::Mismatch(_))));
+        assert!(matches!(
+            validate(wire(vec![(Some(0), b64(&[1.0])), (Some(0), b64(&[1.0]))]), 2, 1),
+            Err(EmbedError::Mismatch(_))
+        ));
+        assert!(matches!(
+            validate(wire(vec![(Some(0), b64(&[1.0])), (Some(5), b64(&[1.0]))]), 2, 1),
+            Err(EmbedError::Mismatch(_))
+        ));
+    }
+
+    #[test]
+    fn excerpts_are_truncated_and_flattened() {
+        let long = "x".repeat(2_000_000);
+        let e = sanitize_excerpt(&long);
+        assert!(e.chars().count() < MAX_ERROR_EXCERPT + 20);
+        assert_eq!(sanitize_excerpt("a\nb\0c"), "a b c");
+    }
+}

@@ -1,0 +1,180 @@
+//! *When* to try again, kept apart from *whether* to (see [`super::classify`]).
+//!
+//! Two schedules: [`RetryPolicy`] for the few in-process retries of a request, and
+//! [`DlqSchedule`] for parked work, which waits much longer between passes and is persisted
+//! as `next_retry_at` rather than slept on.
+
+use std::time::Duration;
+
+use rand::RngExt;
+
+/// Capped exponential backoff with full jitter for in-process retries.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts in total, the first included. After the last one the batch is parked at once
+    /// (no sleep after the final attempt).
+    pub max_attempts: u32,
+    pub base: Duration,
+    pub factor: f64,
+    /// Upper bound of one sleep, before jitter; also bounds a server's Retry-After.
+    pub cap: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 5,
+            base: Duration::from_millis(500),
+            factor: 2.0,
+            cap: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The ceiling of the sleep after failed attempt `attempt` (1-based): base·factor^(n-1),
+    /// saturating at `cap`.
+    pub fn ceiling(&self, attempt: u32) -> Duration {
+        exp_ceiling(self.base, self.factor, self.cap, attempt)
+    }
+
+    /// The sleep after failed attempt `attempt`: uniform in [0, ceiling] (full jitter), so a
+    /// fleet of workers hit by one outage does not come back in lockstep.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        jitter(self.ceiling(attempt))
+    }
+
+    /// Whether another attempt is allowed after `attempt` attempts have failed.
+    pub fn allows_another(&self, attempt: u32) -> bool {
+        attempt < self.max_attempts
+    }
+
+    /// The wait before the next attempt, honouring a server-provided Retry-After (never
+    /// shorter than it asked, never longer than `cap`).
+    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        match retry_after {
+            Some(ra) => ra.min(self.cap),
+            None => self.backoff(attempt),
+        }
+    }
+}
+
+/// The schedule of parked, replayable work: much longer than the in-process one, persisted as
+/// `next_retry_at` so nothing sleeps while holding a row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DlqSchedule {
+    pub base: Duration,
+    pub factor: f64,
+    pub cap: Duration,
+    /// Replay passes before a row is marked exhausted.
+    pub max_replays: u32,
+}
+
+impl Default for DlqSchedule {
+    fn default() -> Self {
+        DlqSchedule {
+            base: Duration::from_secs(60),
+            factor: 2.0,
+            cap: Duration::from_secs(6 * 3600),
+            max_replays: 8,
+        }
+    }
+}
+
+impl DlqSchedule {
+    /// Delay before replay pass `replays + 1` of a row that has had `replays` passes: half the
+    /// ceiling plus up to half again of jitter ("equal jitter"), so parked work is never due
+    /// immediately after it was parked, yet a burst of parks spreads out.
+    pub fn delay(&self, replays: u32) -> Duration {
+        let ceiling = exp_ceiling(self.base, self.factor, self.cap, replays.saturating_add(1));
+        let half = ceiling / 2;
+        half + jitter(half)
+    }
+}
+
+fn exp_ceiling(base: Duration, factor: f64, cap: Duration, attempt: u32) -> Duration {
+    let exp = attempt.saturating_sub(1).min(64) as i32;
+    let secs = base.as_secs_f64() * factor.max(1.0).powi(exp);
+    if !secs.is_finite() || secs >= cap.as_secs_f64() { cap } else { Duration::from_secs_f64(secs) }
+}
+
+fn jitter(ceiling: Duration) -> Duration {
+    if ceiling.is_zero() {
+        return ceiling;
+    }
+    let frac: f64 = rand::rng().random::<f64>();
+    ceiling.mul_f64(frac)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn backoff_stays_within_zero_and_cap(
+            base_ms in 0u64..10_000,
+            factor in 1.0f64..10.0,
+            cap_ms in 0u64..120_000,
+            attempt in 1u32..200,
+        ) {
+            let p = RetryPolicy {
+                max_attempts: 10,
+                base: Duration::from_millis(base_ms),
+                factor,
+                cap: Duration::from_millis(cap_ms),
+            };
+            let ceiling = p.ceiling(attempt);
+            prop_assert!(ceiling <= p.cap);
+            let b = p.backoff(attempt);
+            prop_assert!(b <= ceiling);
+        }
+
+        #[test]
+        fn ceiling_never_decreases(attempt in 1u32..100) {
+            let p = RetryPolicy::default();
+            prop_assert!(p.ceiling(attempt) <= p.ceiling(attempt + 1));
+        }
+
+        #[test]
+        fn retry_after_is_honoured_up_to_cap(ra_ms in 0u64..100_000, attempt in 1u32..10) {
+            let p = RetryPolicy::default();
+            let ra = Duration::from_millis(ra_ms);
+            let d = p.delay(attempt, Some(ra));
+            prop_assert!(d >= ra.min(p.cap));
+            prop_assert!(d <= p.cap);
+        }
+
+        #[test]
+        fn dlq_delay_is_positive_and_capped(replays in 0u32..1000) {
+            let s = DlqSchedule::default();
+            let d = s.delay(replays);
+            prop_assert!(d >= s.base.min(s.cap) / 2);
+            prop_assert!(d <= s.cap);
+        }
+    }
+
+    #[test]
+    fn first_ceiling_is_base_and_grows_by_factor() {
+        let p = RetryPolicy {
+            max_attempts: 4,
+            base: Duration::from_millis(100),
+            factor: 3.0,
+            cap: Duration::from_secs(1),
+        };
+        assert_eq!(p.ceiling(1), Duration::from_millis(100));
+        assert_eq!(p.ceiling(2), Duration::from_millis(300));
+        assert_eq!(p.ceiling(3), Duration::from_millis(900));
+        assert_eq!(p.ceiling(4), Duration::from_secs(1));
+        assert!(p.allows_another(3));
+        assert!(!p.allows_another(4));
+    }
+
+    #[test]
+    fn jitter_is_not_constant() {
+        let p = RetryPolicy::default();
+        let samples: std::collections::HashSet<_> = (0..50).map(|_| p.backoff(3)).collect();
+        assert!(samples.len() > 1, "full jitter must vary between calls");
+    }
+}

@@ -1,0 +1,636 @@
+//! The ingest pipeline: corpus → batches → embed → store or park.
+//!
+//! ```text
+//! reader task ──records──> batcher ──jobs──> N workers ──> Store::store_batch / park_batch
+//!   (JSONL, bounded)        │ manifest lookup: skip unchanged / already parked
+//!                           │ pre-flight: empty, too long, broken record → park directly
+//! ```
+//!
+//! Every channel is bounded, so memory stays flat whatever the corpus size. A chunk's
+//! manifest row is written only together with its outcome (vector or DLQ row), so a crash at
+//! any point leaves either a finished chunk or no trace of it, and rerunning the same corpus
+//! completes the work without duplicates or repeated provider calls.
+//!
+//! Shutdown: cancelling the token stops intake; batches already handed to workers finish,
+//! or park if they were mid-retry. A systemic provider error stops the run without parking
+//! anything for it.
+
+pub mod reader;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::io::AsyncBufRead;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::embed::retry::DlqSchedule;
+use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
+use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
+use crate::store::{ParkedChunk, Store, StoreError, StoredChunk};
+use reader::{LineReader, Record, parse_line};
+
+/// Tuning of one ingest run.
+#[derive(Debug, Clone)]
+pub struct IngestOptions {
+    /// Most inputs in one provider request.
+    pub batch_max_inputs: usize,
+    /// Approximate budget of characters in one request (a token budget proxy: ~4 chars/token).
+    pub batch_max_chars: usize,
+    /// Concurrent provider requests.
+    pub concurrency: usize,
+    /// Longer inputs are parked as `permanent_input/too_long` without a provider call.
+    pub max_input_chars: usize,
+    /// Longer lines are rejected without being held in memory.
+    pub max_line_bytes: usize,
+    /// How long a partly filled batch waits for more records (slow stdin producers).
+    pub batch_linger: Duration,
+    pub dlq_schedule: DlqSchedule,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+    /// Expected total bytes of input (a file's size), for the progress bar.
+    pub total_bytes: Option<u64>,
+}
+
+impl Default for IngestOptions {
+    fn default() -> Self {
+        IngestOptions {
+            batch_max_inputs: 64,
+            batch_max_chars: 200_000,
+            concurrency: 4,
+            max_input_chars: 32_000,
+            max_line_bytes: 8 * 1024 * 1024,
+            batch_linger: Duration::from_millis(20),
+            dlq_schedule: DlqSchedule::default(),
+            progress: false,
+            total_bytes: None,
+        }
+    }
+}
+
+/// A line that could not become a record, as reported to the user.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RejectedLine {
+    pub line: u64,
+    pub problem: String,
+}
+
+/// What a run did. Every record read is accounted for exactly once in `stored`, `unchanged`,
+/// `already_parked`, `parked`, `rejected_lines` or `not_attempted`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct IngestSummary {
+    pub lines_read: u64,
+    pub records: u64,
+    /// Chunks stored in this run (including ones whose identical vector was already there).
+    pub stored: u64,
+    /// Vector rows actually inserted or changed.
+    pub vectors_written: u64,
+    /// Skipped: the same content is already stored.
+    pub unchanged: u64,
+    /// Skipped: the same content is already parked (replay owns it now).
+    pub already_parked: u64,
+    /// Parked in this run, by error class.
+    pub parked: BTreeMap<ErrorClass, u64>,
+    /// Old DLQ rows superseded by a newly stored vector.
+    pub dlq_resolved: u64,
+    /// Lines without a usable identity: reported, not stored anywhere.
+    pub rejected_lines: u64,
+    /// The first rejected lines, for the report (all of them go to the log).
+    pub rejected_examples: Vec<RejectedLine>,
+    /// Claimed by the run but left untouched by a shutdown or stop: a rerun does them.
+    pub not_attempted: u64,
+    /// In-process retries, by reason.
+    pub retries: BTreeMap<String, u64>,
+    pub provider_calls: u64,
+    pub provider_inputs: u64,
+    /// Tokens as the provider reported them (some count characters).
+    pub reported_tokens: u64,
+    pub batch_splits: u64,
+    pub breaker_opened: u64,
+    pub elapsed_secs: f64,
+    /// Set when the run ended early: shutdown requested or provider refused the run.
+    pub stopped: Option<String>,
+}
+
+impl IngestSummary {
+    /// Total parked in this run.
+    pub fn parked_total(&self) -> u64 {
+        self.parked.values().sum()
+    }
+}
+
+/// Why a run failed as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    /// Bad key, no quota, unknown model, long outage: nothing was parked for it.
+    #[error("{stop}")]
+    Provider { stop: Stop, summary: Box<IngestSummary> },
+    #[error("reading input failed: {0}")]
+    Input(#[from] std::io::Error),
+    #[error("{0}")]
+    Store(#[from] StoreError),
+}
+
+/// A unit of work for a worker: chunks to embed plus pre-decided failures to park.
+struct Job {
+    embed: Vec<Claimed>,
+    park: Vec<ParkedChunk>,
+}
+
+struct Claimed {
+    chunk: Chunk,
+    hash: String,
+}
+
+#[derive(Default)]
+struct Tally {
+    summary: IngestSummary,
+    stop: Option<Stop>,
+    fatal: Option<StoreError>,
+}
+
+/// Everything a run needs besides its input.
+#[derive(Clone)]
+pub struct Pipeline {
+    pub store: Store,
+    pub embedder: Embedder,
+    pub options: IngestOptions,
+}
+
+impl Pipeline {
+    /// Runs one ingest over `input` until it ends, `cancel` fires, or the provider refuses
+    /// the run.
+    pub async fn run<R>(&self, input: R, cancel: CancellationToken) -> Result<IngestSummary, IngestError>
+    where
+        R: AsyncBufRead + Unpin + Send + 'static,
+    {
+        let started = Instant::now();
+        let opts = &self.options;
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        // `halt` stops intake and queued jobs (shutdown or a systemic stop); `cancel` alone
+        // (shutdown) also interrupts retry waits so in-flight work parks quickly.
+        let halt = cancel.child_token();
+        let progress = Progress::new(opts.progress, opts.total_bytes);
+
+        let (rec_tx, mut rec_rx) = mpsc::channel::<Record>(4096);
+        let tracker = TaskTracker::new();
+        let reader_halt = halt.clone();
+        let max_line = opts.max_line_bytes;
+        let reader_progress = progress.clone();
+        let reader = tracker.spawn(async move {
+            let mut lines = LineReader::new(input, max_line);
+            let mut count = 0u64;
+            loop {
+                if reader_halt.is_cancelled() {
+                    break;
+                }
+                let Some(raw) = lines.next_line().await? else { break };
+                count += 1;
+                reader_progress.set_bytes(lines.bytes_read);
+                if let Some(rec) = parse_line(&raw)
+                    && rec_tx.send(rec).await.is_err()
+                {
+                    break;
+                }
+            }
+            Ok::<u64, std::io::Error>(count)
+        });
+
+        let (job_tx, job_rx) = mpsc::channel::<Job>(opts.concurrency * 2);
+        let job_rx = Arc::new(tokio::sync::Mutex::new(job_rx));
+        for _ in 0..opts.concurrency {
+            let worker = Worker {
+                store: self.store.clone(),
+                embedder: self.embedder.clone(),
+                schedule: opts.dlq_schedule,
+                tally: tally.clone(),
+                cancel: cancel.clone(),
+                halt: halt.clone(),
+                progress: progress.clone(),
+            };
+            let rx = job_rx.clone();
+            tracker.spawn(async move { worker.run(rx).await });
+        }
+        tracker.close();
+
+        // The batcher runs here: it owns the manifest lookups and the order of intake.
+        let mut batcher = Batcher::new(self, tally.clone());
+        let mut intake_error: Option<IngestError> = None;
+        loop {
+            let rec = if batcher.is_empty() {
+                tokio::select! {
+                    r = rec_rx.recv() => r,
+                    _ = halt.cancelled() => None,
+                }
+            } else {
+                tokio::select! {
+                    r = rec_rx.recv() => r,
+                    _ = halt.cancelled() => None,
+                    _ = tokio::time::sleep(opts.batch_linger) => {
+                        if let Err(e) = batcher.flush(&job_tx).await { intake_error = Some(e); break; }
+                        continue;
+                    }
+                }
+            };
+            let Some(rec) = rec else { break };
+            if let Err(e) = batcher.push(rec, &job_tx).await {
+                intake_error = Some(e);
+                break;
+            }
+        }
+        if intake_error.is_none()
+            && !halt.is_cancelled()
+            && let Err(e) = batcher.flush(&job_tx).await
+        {
+            intake_error = Some(e);
+        }
+        if cancel.is_cancelled() && intake_error.is_none() {
+            // Records already claimed are finished or parked; anything after them is left
+            // for a rerun.
+            let _ = batcher.flush(&job_tx).await;
+        }
+        drop(job_tx);
+        drop(rec_rx);
+        let lines = reader.await.expect("reader task panicked");
+        tracker.wait().await;
+        progress.finish();
+
+        let mut t = std::mem::take(&mut *tally.lock().unwrap());
+        let s = &mut t.summary;
+        s.elapsed_secs = started.elapsed().as_secs_f64();
+        s.breaker_opened = self.embedder.gate.times_opened();
+        s.lines_read = match &lines {
+            Ok(n) => *n,
+            Err(_) => s.lines_read,
+        };
+        if cancel.is_cancelled() && s.stopped.is_none() {
+            s.stopped = Some("shutdown requested".into());
+        }
+        if let Some(e) = intake_error {
+            return Err(e);
+        }
+        if let Some(e) = t.fatal {
+            return Err(IngestError::Store(e));
+        }
+        if let Some(stop) = t.stop {
+            t.summary.stopped = Some(stop.to_string());
+            return Err(IngestError::Provider { stop, summary: Box::new(t.summary) });
+        }
+        lines?;
+        Ok(t.summary)
+    }
+}
+
+/// Groups records into provider-sized batches with unique keys, filters them against the
+/// manifest and hands them to workers.
+struct Batcher<'a> {
+    pipeline: &'a Pipeline,
+    tally: Arc<Mutex<Tally>>,
+    chunks: Vec<(Chunk, String)>,
+    invalid: Vec<ParkedChunk>,
+    keys: HashSet<(String, i32)>,
+    chars: usize,
+}
+
+impl<'a> Batcher<'a> {
+    fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>) -> Self {
+        Batcher { pipeline, tally, chunks: vec![], invalid: vec![], keys: HashSet::new(), chars: 0 }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunks.is_empty() && self.invalid.is_empty()
+    }
+
+    async fn push(&mut self, rec: Record, jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
+        let opts = &self.pipeline.options;
+        match rec {
+            Record::Rejected { line, problem } => {
+                tracing::warn!(line, %problem, "rejected input line (no usable identity)");
+                let mut t = self.tally.lock().unwrap();
+                t.summary.lines_read = t.summary.lines_read.max(line);
+                t.summary.rejected_lines += 1;
+                if t.summary.rejected_examples.len() < 20 {
+                    t.summary.rejected_examples.push(RejectedLine { line, problem });
+                }
+                return Ok(());
+            }
+            Record::Invalid { line, doc_id, chunk_index, problem, payload, raw_hash } => {
+                tracing::warn!(line, %doc_id, chunk_index, %problem, "invalid record, parking it");
+                self.tally.lock().unwrap().summary.records += 1;
+                self.make_room(&(doc_id.clone(), chunk_index), 0, jobs).await?;
+                self.keys.insert((doc_id.clone(), chunk_index));
+                self.invalid.push(ParkedChunk {
+                    doc_id,
+                    chunk_index,
+                    content_hash: raw_hash,
+                    payload,
+                    class: ErrorClass::InvalidRecord,
+                    reason: "invalid_record".into(),
+                    last_error: format!("line {line}: {problem}"),
+                    last_status: None,
+                    attempts: 0,
+                    retry_in: None,
+                });
+            }
+            Record::Chunk { chunk, .. } => {
+                self.tally.lock().unwrap().summary.records += 1;
+                let key = (chunk.doc_id.clone(), chunk.chunk_index);
+                let len = chunk.text.len();
+                self.make_room(&key, len, jobs).await?;
+                let hash = content_hash(
+                    self.pipeline.embedder.client.model(),
+                    self.pipeline.embedder.dimensions,
+                    &chunk.text,
+                );
+                self.keys.insert(key);
+                self.chars += len.min(opts.batch_max_chars);
+                self.chunks.push((chunk, hash));
+            }
+        }
+        if self.chunks.len() >= opts.batch_max_inputs
+            || self.chars >= opts.batch_max_chars
+            || self.invalid.len() >= 256
+        {
+            self.flush(jobs).await?;
+        }
+        Ok(())
+    }
+
+    /// Flushes first if `key` is already in the batch (a later line for the same chunk must
+    /// not share a statement with an earlier one) or `chars` would overflow the budget.
+    async fn make_room(
+        &mut self,
+        key: &(String, i32),
+        chars: usize,
+        jobs: &mpsc::Sender<Job>,
+    ) -> Result<(), IngestError> {
+        if self.keys.contains(key)
+            || (!self.chunks.is_empty() && self.chars + chars > self.pipeline.options.batch_max_chars)
+        {
+            self.flush(jobs).await?;
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self, jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        let chunks = std::mem::take(&mut self.chunks);
+        let mut invalid = std::mem::take(&mut self.invalid);
+        self.keys.clear();
+        self.chars = 0;
+        let keys: Vec<(String, i32)> = chunks
+            .iter()
+            .map(|(c, _)| (c.doc_id.clone(), c.chunk_index))
+            .chain(invalid.iter().map(|p| (p.doc_id.clone(), p.chunk_index)))
+            .collect();
+        let known = with_db_retry(|| self.pipeline.store.manifest_lookup(&keys)).await?;
+        let opts = &self.pipeline.options;
+        let mut job = Job { embed: Vec::with_capacity(chunks.len()), park: Vec::new() };
+        let (mut unchanged, mut already_parked) = (0u64, 0u64);
+        let mut seen = |k: (String, i32), hash: &str| match known.get(&k) {
+            Some((h, ChunkStatus::Stored)) if h == hash => {
+                unchanged += 1;
+                true
+            }
+            Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
+                already_parked += 1;
+                true
+            }
+            _ => false,
+        };
+        invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash));
+        job.park.extend(invalid);
+        for (chunk, hash) in chunks {
+            if seen((chunk.doc_id.clone(), chunk.chunk_index), &hash) {
+                continue;
+            }
+            match preflight(&chunk, opts.max_input_chars) {
+                Some((reason, detail)) => job.park.push(ParkedChunk {
+                    doc_id: chunk.doc_id.clone(),
+                    chunk_index: chunk.chunk_index,
+                    content_hash: hash,
+                    payload: serde_json::to_value(&chunk).expect("chunk serializes"),
+                    class: ErrorClass::PermanentInput,
+                    reason: reason.into(),
+                    last_error: detail,
+                    last_status: None,
+                    attempts: 0,
+                    retry_in: None,
+                }),
+                None => job.embed.push(Claimed { chunk, hash }),
+            }
+        }
+        {
+            let mut t = self.tally.lock().unwrap();
+            t.summary.unchanged += unchanged;
+            t.summary.already_parked += already_parked;
+        }
+        if !job.embed.is_empty() || !job.park.is_empty() {
+            // A closed channel means every worker is gone (systemic stop): drop the job
+            // unrecorded, a rerun does it.
+            if let Err(mpsc::error::SendError(job)) = jobs.send(job).await {
+                self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Client-side checks that save a provider call: empty input (some servers answer it with a
+/// real-looking vector) and inputs beyond the configured length.
+fn preflight(chunk: &Chunk, max_chars: usize) -> Option<(&'static str, String)> {
+    if chunk.text.trim().is_empty() {
+        return Some(("empty_text", "text is empty or whitespace only".into()));
+    }
+    let chars = chunk.text.chars().count();
+    if chars > max_chars {
+        return Some(("too_long", format!("text has {chars} characters, the limit is {max_chars}")));
+    }
+    None
+}
+
+struct Worker {
+    store: Store,
+    embedder: Embedder,
+    schedule: DlqSchedule,
+    tally: Arc<Mutex<Tally>>,
+    cancel: CancellationToken,
+    halt: CancellationToken,
+    progress: Progress,
+}
+
+impl Worker {
+    async fn run(self, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>) {
+        loop {
+            let job = { jobs.lock().await.recv().await };
+            let Some(job) = job else { break };
+            // After a systemic stop, queued jobs are dropped unrecorded; after a shutdown
+            // request they still run (they were claimed) but retry waits are cut short.
+            if self.halt.is_cancelled() && !self.cancel.is_cancelled() {
+                self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
+                continue;
+            }
+            if let Err(e) = self.process(job).await {
+                let mut t = self.tally.lock().unwrap();
+                if t.fatal.is_none() {
+                    tracing::error!(error = %e, "database write failed; stopping the run");
+                    t.fatal = Some(e);
+                }
+                self.halt.cancel();
+            }
+        }
+    }
+
+    async fn process(&self, job: Job) -> Result<(), StoreError> {
+        let mut stats = BatchStats::default();
+        let mut to_store = Vec::with_capacity(job.embed.len());
+        let mut to_park = job.park;
+        let mut not_attempted = 0u64;
+        if !job.embed.is_empty() {
+            let texts: Vec<&str> = job.embed.iter().map(|c| c.chunk.text.as_str()).collect();
+            let outcomes = match self.embedder.embed_batch(&texts, &self.cancel, &mut stats).await {
+                Ok(o) => o,
+                Err(stop) => {
+                    tracing::error!(error = %stop, "provider refused the run; stopping without parking");
+                    let mut t = self.tally.lock().unwrap();
+                    merge_stats(&mut t.summary, &stats);
+                    t.summary.not_attempted += (job.embed.len() + to_park.len()) as u64;
+                    if t.stop.is_none() {
+                        t.stop = Some(stop);
+                    }
+                    drop(t);
+                    self.halt.cancel();
+                    return Ok(());
+                }
+            };
+            for (claimed, outcome) in job.embed.into_iter().zip(outcomes) {
+                match outcome {
+                    ItemOutcome::Embedded(embedding) => to_store.push(StoredChunk {
+                        doc_id: claimed.chunk.doc_id,
+                        chunk_index: claimed.chunk.chunk_index,
+                        content_hash: claimed.hash,
+                        embedding,
+                    }),
+                    ItemOutcome::Failed(f) => to_park.push(ParkedChunk {
+                        payload: serde_json::to_value(&claimed.chunk).expect("chunk serializes"),
+                        doc_id: claimed.chunk.doc_id,
+                        chunk_index: claimed.chunk.chunk_index,
+                        content_hash: claimed.hash,
+                        retry_in: f.class.is_replayable().then(|| self.schedule.delay(0)),
+                        class: f.class,
+                        reason: f.reason.into(),
+                        last_error: f.detail,
+                        last_status: f.status,
+                        attempts: f.attempts,
+                    }),
+                    ItemOutcome::NotAttempted => not_attempted += 1,
+                }
+            }
+        }
+        let counts = with_db_retry(|| self.store.store_batch(&to_store)).await?;
+        with_db_retry(|| self.store.park_batch(&to_park)).await?;
+        for p in &to_park {
+            tracing::info!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class, reason = %p.reason,
+                attempts = p.attempts, "parked");
+        }
+        let mut t = self.tally.lock().unwrap();
+        let s = &mut t.summary;
+        merge_stats(s, &stats);
+        s.stored += to_store.len() as u64;
+        s.vectors_written += counts.vectors_written;
+        s.dlq_resolved += counts.dlq_resolved;
+        s.not_attempted += not_attempted;
+        for p in &to_park {
+            *s.parked.entry(p.class).or_default() += 1;
+        }
+        self.progress.set_counts(s.stored + s.unchanged, s.parked_total());
+        Ok(())
+    }
+}
+
+fn merge_stats(s: &mut IngestSummary, b: &BatchStats) {
+    s.provider_calls += b.provider_calls;
+    s.provider_inputs += b.provider_inputs;
+    s.reported_tokens += b.reported_tokens;
+    s.batch_splits += b.splits;
+    for (reason, n) in &b.retries {
+        *s.retries.entry((*reason).to_string()).or_default() += n;
+    }
+}
+
+/// Retries a database step a few times on connection-level errors (restart, failover), then
+/// gives up: the run stops with the error and a rerun resumes where it left off.
+async fn with_db_retry<T, F, Fut>(mut op: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let policy = crate::embed::retry::RetryPolicy {
+        max_attempts: 6,
+        base: Duration::from_millis(200),
+        factor: 2.0,
+        cap: Duration::from_secs(5),
+    };
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_transient() && policy.allows_another(attempt) => {
+                tracing::warn!(error = %e, attempt, "database step failed, retrying");
+                tokio::time::sleep(policy.backoff(attempt)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Progress bar on stderr (bytes of input when the size is known, a spinner otherwise).
+#[derive(Clone)]
+struct Progress(Option<indicatif::ProgressBar>);
+
+impl Progress {
+    fn new(enabled: bool, total_bytes: Option<u64>) -> Self {
+        if !enabled {
+            return Progress(None);
+        }
+        let bar = match total_bytes {
+            Some(total) => {
+                let b = indicatif::ProgressBar::new(total);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template(
+                        "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} ({eta}) {msg}",
+                    )
+                    .expect("valid template"),
+                );
+                b
+            }
+            None => indicatif::ProgressBar::new_spinner(),
+        };
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Progress(Some(bar))
+    }
+
+    fn set_bytes(&self, n: u64) {
+        if let Some(b) = &self.0 {
+            b.set_position(n);
+        }
+    }
+
+    fn set_counts(&self, done: u64, parked: u64) {
+        if let Some(b) = &self.0 {
+            b.set_message(format!("{done} stored, {parked} parked"));
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Streaming JSONL corpus reader with bounded memory.
+//!
+//! Each line is one record: `{"doc_id": str, "chunk_index": int, "text": str, "metadata"?: obj}`.
+//! Nothing is dropped silently: a line becomes a [`Record::Chunk`], a [`Record::Invalid`]
+//! (broken, but its identity is readable, so it is parked with what could be saved) or a
+//! [`Record::Rejected`] (no usable identity: reported with its line number and counted).
+//! Lines longer than the configured cap are skipped through without being held in memory.
+
+use serde_json::{Map, Value};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt};
+
+use crate::model::Chunk;
+
+/// One parsed line.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    Chunk {
+        line: u64,
+        chunk: Chunk,
+    },
+    /// Broken record with a readable identity; `payload` keeps what could be read.
+    Invalid {
+        line: u64,
+        doc_id: String,
+        chunk_index: i32,
+        problem: String,
+        payload: Value,
+        raw_hash: String,
+    },
+    /// No identity could be read; only the line number and the reason survive.
+    Rejected {
+        line: u64,
+        problem: String,
+    },
+}
+
+/// Reads lines of at most `max_line_bytes`, tracking line numbers and bytes consumed.
+pub struct LineReader<R> {
+    inner: R,
+    max_line_bytes: usize,
+    line: u64,
+    /// Bytes consumed so far (for progress).
+    pub bytes_read: u64,
+}
+
+/// One raw line.
+#[derive(Debug)]
+pub struct RawLine {
+    pub number: u64,
+    /// The line without its terminator; empty when `oversized`.
+    pub bytes: Vec<u8>,
+    /// Length of the whole line, when it exceeded the cap and was skipped.
+    pub oversized: Option<u64>,
+}
+
+impl<R: AsyncBufRead + Unpin> LineReader<R> {
+    pub fn new(inner: R, max_line_bytes: usize) -> Self {
+        LineReader { inner, max_line_bytes, line: 0, bytes_read: 0 }
+    }
+
+    /// The next line, or `None` at end of input.
+    pub async fn next_line(&mut self) -> std::io::Result<Option<RawLine>> {
+        let mut buf = Vec::new();
+        let mut total: u64 = 0;
+        let mut oversized = false;
+        loop {
+            let available = self.inner.fill_buf().await?;
+            if available.is_empty() {
+                if total == 0 {
+                    return Ok(None);
+                }
+                break;
+            }
+            let (take, done) = match memchr(b'\n', available) {
+                Some(pos) => (pos + 1, true),
+                None => (available.len(), false),
+            };
+            total += take as u64;
+            if !oversized {
+                if buf.len() + take > self.max_line_bytes + 2 {
+                    oversized = true;
+                    buf = Vec::new();
+                } else {
+                    buf.extend_from_slice(&available[..take]);
+                }
+            }
+            self.inner.consume(take);
+            if done {
+                break;
+            }
+        }
+        self.bytes_read += total;
+        self.line += 1;
+        while matches!(buf.last(), Some(b'\n' | b'\r')) {
+            buf.pop();
+        }
+        Ok(Some(RawLine { number: self.line, bytes: buf, oversized: oversized.then_some(total) }))
+    }
+}
+
+fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
+    hay.iter().position(|b| *b == needle)
+}
+
+/// Parses one raw line; `None` for a blank line (allowed, skipped, not counted as a record).
+pub fn parse_line(raw: &RawLine) -> Option<Record> {
+    let line = raw.number;
+    if let Some(len) = raw.oversized {
+        return Some(Record::Rejected {
+            line,
+            problem: format!("line of {len} bytes exceeds the line size limit"),
+        });
+    }
+    if raw.bytes.iter().all(u8::is_ascii_whitespace) {
+        return None;
+    }
+    let (text, utf8_problem) = match std::str::from_utf8(&raw.bytes) {
+        Ok(s) => (std::borrow::Cow::Borrowed(s), None),
+        Err(e) => {
+            (String::from_utf8_lossy(&raw.bytes), Some(format!("invalid UTF-8 at byte {}", e.valid_up_to())))
+        }
+    };
+    let value: Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            let problem = match &utf8_problem {
+                Some(p) => format!("{p}; then malformed JSON: {e}"),
+                None => format!("malformed JSON: {e}"),
+            };
+            return Some(Record::Rejected { line, problem });
+        }
+    };
+    let Value::Object(obj) = value else {
+        return Some(Record::Rejected { line, problem: "not a JSON object".into() });
+    };
+    let doc_id = match obj.get("doc_id") {
+        Some(Value::String(s)) if !s.is_empty() && !s.contains('\0') => s.clone(),
+        Some(Value::String(_)) => {
+            return Some(Record::Rejected { line, problem: "doc_id is empty or contains NUL".into() });
+        }
+        Some(_) => return Some(Record::Rejected { line, problem: "doc_id is not a string".into() }),
+        None => return Some(Record::Rejected { line, problem: "missing key doc_id".into() }),
+    };
+    let chunk_index = match obj.get("chunk_index") {
+        Some(Value::Number(n)) => match n.as_i64().and_then(|i| i32::try_from(i).ok()).filter(|i| *i >= 0) {
+            Some(i) => i,
+            None => {
+                return Some(Record::Rejected {
+                    line,
+                    problem: format!("chunk_index {n} is not an integer in 0..=2147483647"),
+                });
+            }
+        },
+        Some(_) => return Some(Record::Rejected { line, problem: "chunk_index is not a number".into() }),
+        None => return Some(Record::Rejected { line, problem: "missing key chunk_index".into() }),
+    };
+    let invalid = |problem: String| {
+        Some(Record::Invalid {
+            line,
+            doc_id: doc_id.clone(),
+            chunk_index,
+            problem,
+            payload: invalid_payload(&doc_id, chunk_index, line, &text),
+            raw_hash: crate::model::raw_record_hash(&raw.bytes),
+        })
+    };
+    if let Some(p) = utf8_problem {
+        return invalid(p);
+    }
+    let text_field = match obj.get("text") {
+        Some(Value::String(s)) => s,
+        Some(_) => return invalid("text is not a string".into()),
+        None => return invalid("missing key text".into()),
+    };
+    if text_field.contains('\0') {
+        return invalid("text contains NUL characters (Postgres cannot store them)".into());
+    }
+    let metadata = match obj.get("metadata") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => {
+            if contains_nul(&Value::Object(m.clone())) {
+                return invalid("metadata contains NUL characters (Postgres cannot store them)".into());
+            }
+            Some(Value::Object(m.clone()))
+        }
+        Some(_) => return invalid("metadata is not an object".into()),
+    };
+    Some(Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text: text_field.clone(), metadata } })
+}
+
+fn contains_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(a) => a.iter().any(contains_nul),
+        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
+        _ => false,
+    }
+}
+
+/// What a broken record keeps: its identity, line number and the raw line (lossily decoded,
+/// NULs replaced) — the most a human needs to repair and requeue it.
+fn invalid_payload(doc_id: &str, chunk_index: i32, line: u64, raw: &str) -> Value {
+    let mut m = Map::new();
+    m.insert("doc_id".into(), doc_id.into());
+    m.insert("chunk_index".into(), chunk_index.into());
+    m.insert("line".into(), line.into());
+    m.insert("raw_line".into(), raw.replace('\0', "\u{FFFD}").into());
+    Value::Object(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn lines(input: &[u8], cap: usize) -> Vec<RawLine> {
+        let mut r = LineReader::new(input, cap);
+        let mut out = vec![];
+        while let Some(l) = r.next_line().await.unwrap() {
+            out.push(l);
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn splits_lines_and_skips_oversized_ones() {
+        let input = b"{\"a\":1}\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\nlast";
+        let ls = lines(input, 10).await;
+        assert_eq!(ls.len(), 3);
+        assert_eq!(ls[0].bytes, b"{\"a\":1}");
+        assert_eq!(ls[1].oversized, Some(41));
+        assert!(ls[1].bytes.is_empty());
+        assert_eq!(ls[2].bytes, b"last");
+        assert_eq!(ls[2].number, 3);
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Record> {
+        parse_line(&RawLine { number: 7, bytes: bytes.to_vec(), oversized: None })
+    }
+
+    #[test]
+    fn good_record() {
+        let r = parse(br#"{"doc_id":"d","chunk_index":3,"text":"hi","metadata":{"k":1}}"#).unwrap();
+        let Record::Chunk { line, chunk } = r else { panic!("{r:?}") };
+        assert_eq!(line, 7);
+        assert_eq!(chunk.chunk_index, 3);
+        assert_eq!(chunk.metadata, Some(serde_json::json!({"k": 1})));
+    }
+
+    #[test]
+    fn every_kind_of_bad_line() {
+        let rejected = |b: &[u8]| matches!(parse(b), Some(Record::Rejected { line: 7, .. }));
+        let invalid = |b: &[u8]| matches!(parse(b), Some(Record::Invalid { line: 7, .. }));
+        assert!(rejected(b"{not json"));
+        assert!(rejected(b"[1,2]"));
+        assert!(rejected(br#"{"chunk_index":1,"text":"x"}"#));
+        assert!(rejected(br#"{"doc_id":"d","text":"x"}"#));
+        assert!(rejected(br#"{"doc_id":"d","chunk_index":-1,"text":"x"}"#));
+        assert!(rejected(br#"{"doc_id":"d","chunk_index":1.5,"text":"x"}"#));
+        assert!(rejected(br#"{"doc_id":5,"chunk_index":1,"text":"x"}"#));
+        assert!(rejected(b"\xff\xfe{garbage"));
+        assert!(invalid(br#"{"doc_id":"d","chunk_index":1}"#));
+        assert!(invalid(br#"{"doc_id":"d","chunk_index":1,"text":5}"#));
+        assert!(invalid(br#"{"doc_id":"d","chunk_index":1,"text":"a\u0000b"}"#));
+        assert!(invalid(br#"{"doc_id":"d","chunk_index":1,"text":"x","metadata":[1]}"#));
+        assert!(invalid(b"{\"doc_id\":\"d\",\"chunk_index\":1,\"text\":\"caf\xe9\"}"));
+        assert_eq!(parse(b"   "), None);
+    }
+
+    #[test]
+    fn invalid_utf8_keeps_identity_and_text() {
+        let Some(Record::Invalid { doc_id, chunk_index, payload, problem, .. }) =
+            parse(b"{\"doc_id\":\"d\",\"chunk_index\":4,\"text\":\"caf\xe9\"}")
+        else {
+            panic!()
+        };
+        assert_eq!((doc_id.as_str(), chunk_index), ("d", 4));
+        assert!(problem.contains("UTF-8"), "{problem}");
+        assert!(payload["raw_line"].as_str().unwrap().contains("caf\u{FFFD}"));
+    }
+}

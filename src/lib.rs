@@ -1,0 +1,31 @@
+//! # embed-dlq
+//!
+//! Lossless embedding ingestion: chunks are embedded through an OpenAI-compatible API and
+//! upserted into pgvector; failures are classified, retried with capped exponential backoff
+//! and full jitter, and parked in a Postgres dead-letter table whose changes are announced
+//! through a transactional outbox (relayed to Redis Streams). Postgres is the system of
+//! record.
+//!
+//! # Layout
+//!
+//! The modules follow the flow of a chunk:
+//!
+//! - [`ingest`]: JSONL reader and the pipeline (batching, manifest filter, workers).
+//! - [`embed`]: the provider client, the failure classifier, the retry policy and the shared
+//!   gate (rate-limit pause and circuit breaker).
+//! - [`store`]: Postgres — manifest, vector table, DLQ and outbox; the atomic store and park
+//!   statements; migrations.
+//! - [`model`]: the shared vocabulary (chunk, manifest state, error class, content hash).
+//! - [`mock_provider`]: the fault-injecting provider used by the demo, tests and benches.
+//! - [`config`], [`cli`], [`shutdown`], [`telemetry`], [`demo`]: the edges.
+
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod embed;
+pub mod ingest;
+pub mod mock_provider;
+pub mod model;
+pub mod shutdown;
+pub mod store;
+pub mod telemetry;

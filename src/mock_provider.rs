@@ -1,0 +1,551 @@
+//! A fault-injecting, OpenAI-compatible embeddings server for the demo, the tests and the
+//! benchmarks. It speaks real HTTP, so the client under test runs its real code paths.
+//!
+//! Vectors are deterministic functions of the text (unit length, `dimensions` long). Faults:
+//! - random, per request, at configured rates: 429 with `Retry-After`/`retry-after-ms`,
+//!   500/502/503, timeouts (the answer is held back far longer than any client waits) and
+//!   connection resets (the connection is closed without an answer);
+//! - an outage window (every request answers 503), set by config or at run time;
+//! - systemic states: a required API key (401 otherwise), quota exhausted
+//!   (429 `insufficient_quota`);
+//! - limits like real servers: more than `max_inputs` per request → 413, an input longer than
+//!   `max_input_chars` → 422 with a body that echoes the whole input;
+//! - deterministic poison markers inside a text:
+//!   `[[poison:400]]` the whole request answers 400; `[[poison:422]]` 422;
+//!   `[[poison:500]]` 500 every time (like Ollama on certain inputs); `[[poison:dim]]` that
+//!   input's vector has one extra dimension; `[[poison:nan]]` it contains NaN;
+//!   `[[poison:empty]]` it is empty.
+//!
+//! `GET /stats` returns the counters as JSON; `POST /control/outage/on|off` and
+//! `POST /control/quota/on|off` flip the run-time switches.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Marker that makes every request containing it answer 400.
+pub const POISON_400: &str = "[[poison:400]]";
+/// Marker that makes every request containing it answer 422.
+pub const POISON_422: &str = "[[poison:422]]";
+/// Marker that makes every request containing it answer 500, forever.
+pub const POISON_500: &str = "[[poison:500]]";
+/// Marker that gives that input a vector one dimension too long.
+pub const POISON_DIM: &str = "[[poison:dim]]";
+/// Marker that puts a NaN into that input's vector.
+pub const POISON_NAN: &str = "[[poison:nan]]";
+/// Marker that gives that input an empty vector.
+pub const POISON_EMPTY: &str = "[[poison:empty]]";
+
+/// Behaviour of the mock; every rate is a probability per request in [0, 1].
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MockConfig {
+    pub dimensions: usize,
+    /// Fixed latency added to every answer.
+    pub latency_ms: u64,
+    pub rate_429: f64,
+    /// Retry-After sent with a random 429 (as `retry-after-ms`, and rounded up in seconds).
+    pub retry_after_ms: u64,
+    pub rate_5xx: f64,
+    pub rate_timeout: f64,
+    /// How long a "timed out" answer is held back.
+    pub timeout_hold_ms: u64,
+    pub rate_reset: f64,
+    /// 413 above this many inputs per request.
+    pub max_inputs: usize,
+    /// 422 (echoing the input) above this many characters in one input.
+    pub max_input_chars: usize,
+    /// When set, requests must carry `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Outage window, measured from server start: 503 for every request inside it.
+    pub outage_after_ms: Option<u64>,
+    pub outage_for_ms: u64,
+    /// Seed of the fault dice, for repeatable runs.
+    pub seed: u64,
+    /// Adversarial: echo the request's Authorization header in error bodies (a leaky proxy),
+    /// to prove the client never stores or logs the key.
+    pub echo_auth_in_errors: bool,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig {
+            dimensions: 768,
+            latency_ms: 0,
+            rate_429: 0.0,
+            retry_after_ms: 200,
+            rate_5xx: 0.0,
+            rate_timeout: 0.0,
+            timeout_hold_ms: 60_000,
+            rate_reset: 0.0,
+            max_inputs: 2048,
+            max_input_chars: 1_000_000,
+            api_key: None,
+            outage_after_ms: None,
+            outage_for_ms: 0,
+            seed: 42,
+            echo_auth_in_errors: false,
+        }
+    }
+}
+
+/// Counters of what the mock served, for assertions and the demo summary.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct MockStats {
+    /// Every request to the embeddings endpoint, whatever the answer.
+    pub requests: u64,
+    /// Inputs in those requests.
+    pub inputs: u64,
+    pub ok: u64,
+    pub rate_limited: u64,
+    pub server_errors: u64,
+    pub timeouts: u64,
+    pub resets: u64,
+    pub rejected: u64,
+    pub unauthorized: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    inputs: AtomicU64,
+    ok: AtomicU64,
+    rate_limited: AtomicU64,
+    server_errors: AtomicU64,
+    timeouts: AtomicU64,
+    resets: AtomicU64,
+    rejected: AtomicU64,
+    unauthorized: AtomicU64,
+}
+
+struct Shared {
+    config: MockConfig,
+    started: tokio::time::Instant,
+    rng: Mutex<StdRng>,
+    outage: AtomicBool,
+    quota_exhausted: AtomicBool,
+    counters: Counters,
+}
+
+/// Run-time switches and counters of a running mock; cheap to clone.
+#[derive(Clone)]
+pub struct MockControl(Arc<Shared>);
+
+impl MockControl {
+    /// Starts or ends an outage (every request answers 503).
+    pub fn set_outage(&self, on: bool) {
+        self.0.outage.store(on, Ordering::SeqCst);
+    }
+
+    /// Simulates an account out of credit (429 `insufficient_quota`).
+    pub fn set_quota_exhausted(&self, on: bool) {
+        self.0.quota_exhausted.store(on, Ordering::SeqCst);
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> MockStats {
+        let c = &self.0.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        MockStats {
+            requests: g(&c.requests),
+            inputs: g(&c.inputs),
+            ok: g(&c.ok),
+            rate_limited: g(&c.rate_limited),
+            server_errors: g(&c.server_errors),
+            timeouts: g(&c.timeouts),
+            resets: g(&c.resets),
+            rejected: g(&c.rejected),
+            unauthorized: g(&c.unauthorized),
+        }
+    }
+}
+
+/// A running mock provider.
+pub struct MockProvider {
+    pub addr: SocketAddr,
+    pub control: MockControl,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl MockProvider {
+    /// Base URL to give the client (`http://addr/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Starts serving on `bind` (port 0 picks a free one) until [`MockProvider::shutdown`]
+    /// or `cancel`.
+    pub async fn start(
+        config: MockConfig,
+        bind: SocketAddr,
+        cancel: CancellationToken,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(bind).await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            rng: Mutex::new(StdRng::seed_from_u64(config.seed)),
+            config,
+            started: tokio::time::Instant::now(),
+            outage: AtomicBool::new(false),
+            quota_exhausted: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
+        let tracker = TaskTracker::new();
+        let control = MockControl(shared.clone());
+        let accept_cancel = cancel.clone();
+        let conn_tracker = tracker.clone();
+        tracker.spawn(async move {
+            loop {
+                let (stream, _) = tokio::select! {
+                    _ = accept_cancel.cancelled() => break,
+                    r = listener.accept() => match r {
+                        Ok(s) => s,
+                        Err(_) => { tokio::time::sleep(Duration::from_millis(10)).await; continue; }
+                    },
+                };
+                let _ = stream.set_nodelay(true);
+                let shared = shared.clone();
+                let conn_cancel = accept_cancel.clone();
+                conn_tracker.spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| handle(shared.clone(), req));
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc);
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = conn_cancel.cancelled() => {}
+                    }
+                });
+            }
+        });
+        tracker.close();
+        Ok(MockProvider { addr, control, cancel, tracker })
+    }
+
+    /// Stops accepting, drops open connections and waits for every task.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        self.tracker.wait().await;
+    }
+}
+
+/// An error returned to hyper closes the connection without an answer: a "reset" to the
+/// client.
+#[derive(Debug)]
+struct InjectedReset;
+impl std::fmt::Display for InjectedReset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("injected connection reset")
+    }
+}
+impl std::error::Error for InjectedReset {}
+
+type Answer = Result<Response<Full<Bytes>>, InjectedReset>;
+
+#[derive(Deserialize)]
+struct EmbeddingsRequest {
+    input: InputField,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum InputField {
+    One(String),
+    Many(Vec<String>),
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
+    match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/embeddings" | "/embeddings") => embeddings(shared, req).await,
+        (&Method::GET, "/stats") => {
+            Ok(json(StatusCode::OK, serde_json::to_string(&MockControl(shared).stats()).unwrap()))
+        }
+        (&Method::GET, "/healthz") => Ok(json(StatusCode::OK, "{\"ok\":true}".into())),
+        (&Method::POST, path) if path.starts_with("/control/") => {
+            let on = path.ends_with("/on");
+            match path.trim_end_matches("/on").trim_end_matches("/off") {
+                "/control/outage" => shared.outage.store(on, Ordering::SeqCst),
+                "/control/quota" => shared.quota_exhausted.store(on, Ordering::SeqCst),
+                _ => return Ok(error(StatusCode::NOT_FOUND, "not_found", "unknown control")),
+            }
+            Ok(json(StatusCode::OK, format!("{{\"ok\":true,\"on\":{on}}}")))
+        }
+        _ => Ok(error(StatusCode::NOT_FOUND, "not_found", "no such endpoint")),
+    }
+}
+
+enum Dice {
+    Ok,
+    RateLimit,
+    ServerError(StatusCode),
+    Timeout,
+    Reset,
+}
+
+fn roll(shared: &Shared) -> Dice {
+    let c = &shared.config;
+    let mut rng = shared.rng.lock().unwrap();
+    let x: f64 = rng.random();
+    let mut edge = c.rate_429;
+    if x < edge {
+        return Dice::RateLimit;
+    }
+    edge += c.rate_5xx;
+    if x < edge {
+        let codes =
+            [StatusCode::INTERNAL_SERVER_ERROR, StatusCode::BAD_GATEWAY, StatusCode::SERVICE_UNAVAILABLE];
+        return Dice::ServerError(codes[rng.random_range(0..codes.len())]);
+    }
+    edge += c.rate_timeout;
+    if x < edge {
+        return Dice::Timeout;
+    }
+    edge += c.rate_reset;
+    if x < edge {
+        return Dice::Reset;
+    }
+    Dice::Ok
+}
+
+async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
+    let c = &shared.config;
+    let counters = &shared.counters;
+    let echo = if c.echo_auth_in_errors {
+        let auth = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        format!(" (request carried Authorization: {})", auth.unwrap_or("none"))
+    } else {
+        String::new()
+    };
+    let authorized = match &c.api_key {
+        None => true,
+        Some(key) => req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str())),
+    };
+    let body = match Limited::new(req.into_body(), 256 * 1024 * 1024).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return Err(InjectedReset),
+    };
+    counters.requests.fetch_add(1, Ordering::Relaxed);
+    if c.latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(c.latency_ms)).await;
+    }
+    if !authorized {
+        counters.unauthorized.fetch_add(1, Ordering::Relaxed);
+        return Ok(error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_api_key",
+            &format!("Incorrect API key provided{echo}"),
+        ));
+    }
+    let parsed: EmbeddingsRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            counters.rejected.fetch_add(1, Ordering::Relaxed);
+            return Ok(error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("bad JSON: {e}")));
+        }
+    };
+    let inputs = match parsed.input {
+        InputField::One(s) => vec![s],
+        InputField::Many(v) => v,
+    };
+    counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+    if shared.quota_exhausted.load(Ordering::SeqCst) {
+        counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+        return Ok(error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "insufficient_quota",
+            "You exceeded your current quota, please check your plan and billing details.",
+        ));
+    }
+    let elapsed = shared.started.elapsed().as_millis() as u64;
+    let in_window =
+        c.outage_after_ms.is_some_and(|start| elapsed >= start && elapsed < start + c.outage_for_ms);
+    if shared.outage.load(Ordering::SeqCst) || in_window {
+        counters.server_errors.fetch_add(1, Ordering::Relaxed);
+        return Ok(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "The server is overloaded or not ready yet.",
+        ));
+    }
+    if inputs.len() > c.max_inputs {
+        counters.rejected.fetch_add(1, Ordering::Relaxed);
+        return Ok(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            &format!("batch size {} > maximum allowed batch size {}", inputs.len(), c.max_inputs),
+        ));
+    }
+    for (status, marker) in
+        [(StatusCode::BAD_REQUEST, POISON_400), (StatusCode::UNPROCESSABLE_ENTITY, POISON_422)]
+    {
+        if inputs.iter().any(|t| t.contains(marker)) {
+            counters.rejected.fetch_add(1, Ordering::Relaxed);
+            return Ok(error(status, "invalid_request_error", &format!("input rejected{echo}")));
+        }
+    }
+    if let Some(long) = inputs.iter().find(|t| t.chars().count() > c.max_input_chars) {
+        counters.rejected.fetch_add(1, Ordering::Relaxed);
+        // Like a real server: the error echoes the whole input.
+        let msg = format!(
+            "Input validation error: inputs must have less than {} characters. Given: {long}",
+            c.max_input_chars
+        );
+        return Ok(error(StatusCode::UNPROCESSABLE_ENTITY, "validation", &msg));
+    }
+    if inputs.iter().any(|t| t.contains(POISON_500)) {
+        counters.server_errors.fetch_add(1, Ordering::Relaxed);
+        return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed to run the model"));
+    }
+    match roll(&shared) {
+        Dice::Ok => {}
+        Dice::RateLimit => {
+            counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+            let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached");
+            let h = r.headers_mut();
+            h.insert("retry-after-ms", c.retry_after_ms.to_string().parse().unwrap());
+            h.insert("retry-after", c.retry_after_ms.div_ceil(1000).to_string().parse().unwrap());
+            return Ok(r);
+        }
+        Dice::ServerError(code) => {
+            counters.server_errors.fetch_add(1, Ordering::Relaxed);
+            return Ok(error(code, "server_error", &format!("injected server error{echo}")));
+        }
+        Dice::Timeout => {
+            counters.timeouts.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(c.timeout_hold_ms)).await;
+            return Ok(error(StatusCode::GATEWAY_TIMEOUT, "timeout", "held back"));
+        }
+        Dice::Reset => {
+            counters.resets.fetch_add(1, Ordering::Relaxed);
+            return Err(InjectedReset);
+        }
+    }
+    counters.ok.fetch_add(1, Ordering::Relaxed);
+    let base64 = parsed.encoding_format.as_deref() != Some("float");
+    Ok(json(StatusCode::OK, render(&inputs, c.dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
+}
+
+fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(inputs.len() * (dimensions * 6 + 64) + 128);
+    out.push_str("{\"object\":\"list\",\"data\":[");
+    let mut chars = 0usize;
+    for (i, text) in inputs.iter().enumerate() {
+        chars += text.chars().count();
+        let v = vector_for(text, dimensions);
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{{\"object\":\"embedding\",\"index\":{i},\"embedding\":");
+        if base64 {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            out.push('"');
+            base64::engine::general_purpose::STANDARD.encode_string(bytes, &mut out);
+            out.push('"');
+        } else {
+            out.push('[');
+            for (j, x) in v.iter().enumerate() {
+                if j > 0 {
+                    out.push(',');
+                }
+                if x.is_finite() {
+                    let _ = write!(out, "{x}");
+                } else {
+                    out.push_str("null");
+                }
+            }
+            out.push(']');
+        }
+        out.push('}');
+    }
+    // Like some real servers, usage counts characters rather than tokens.
+    let _ = write!(
+        out,
+        "],\"model\":{},\"usage\":{{\"prompt_tokens\":{chars},\"total_tokens\":{chars}}}}}",
+        serde_json::Value::from(model)
+    );
+    out
+}
+
+/// The deterministic vector the mock returns for `text` (poison markers applied), exposed so
+/// tests can check what was stored.
+pub fn vector_for(text: &str, dimensions: usize) -> Vec<f32> {
+    if text.contains(POISON_EMPTY) {
+        return Vec::new();
+    }
+    let dims = if text.contains(POISON_DIM) { dimensions + 1 } else { dimensions };
+    let mut h = DefaultHasher::new();
+    text.hash(&mut h);
+    let mut state = h.finish() | 1;
+    let mut v: Vec<f32> = (0..dims)
+        .map(|_| {
+            // splitmix64: fast and good enough for spreading points on the sphere.
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(f32::MIN_POSITIVE);
+    v.iter_mut().for_each(|x| *x /= norm);
+    if text.contains(POISON_NAN) {
+        v[0] = f32::NAN;
+    }
+    v
+}
+
+fn json(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, "application/json".parse().unwrap());
+    r
+}
+
+fn error(status: StatusCode, kind: &str, message: &str) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": kind}});
+    json(status, body.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vectors_are_deterministic_unit_length_and_poisonable() {
+        let a = vector_for("hello", 16);
+        assert_eq!(a, vector_for("hello", 16));
+        assert_ne!(a, vector_for("hello!", 16));
+        let norm: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4);
+        assert_eq!(vector_for("x [[poison:dim]]", 16).len(), 17);
+        assert!(vector_for("x [[poison:nan]]", 16)[0].is_nan());
+        assert!(vector_for("x [[poison:empty]]", 16).is_empty());
+    }
+}

@@ -1,0 +1,163 @@
+//! The vocabulary shared by every stage: a chunk, its identity, its manifest state and the
+//! error classes a failure can be parked under. The string forms here are mirrored by the
+//! `CHECK` constraints in `migrations/0001_core.sql`; change both together.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// One unit of work: a piece of a document to embed, as read from the corpus.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Chunk {
+    pub doc_id: String,
+    pub chunk_index: i32,
+    pub text: String,
+    /// Free-form metadata carried along untouched so a DLQ row can be replayed on its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<serde_json::Value>,
+}
+
+/// Where a chunk lives, as recorded in `ingest_manifest.status`.
+///
+/// Moved in by ingest (stored/parked) and, later, by replay (parked -> stored, parked ->
+/// exhausted). A chunk with no manifest row has simply not finished an ingest yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChunkStatus {
+    /// A vector with this content hash is in the target table.
+    Stored,
+    /// A DLQ row holds the chunk; replay or an operator may still store it.
+    Parked,
+    /// A DLQ row holds the chunk and automatic replay has given up on it.
+    Exhausted,
+}
+
+impl ChunkStatus {
+    /// The SQL spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChunkStatus::Stored => "stored",
+            ChunkStatus::Parked => "parked",
+            ChunkStatus::Exhausted => "exhausted",
+        }
+    }
+
+    /// Parses the SQL spelling; `None` for anything the schema would reject.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "stored" => Some(ChunkStatus::Stored),
+            "parked" => Some(ChunkStatus::Parked),
+            "exhausted" => Some(ChunkStatus::Exhausted),
+            _ => None,
+        }
+    }
+}
+
+/// Why a chunk was parked. A small fixed set, so it is safe as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// Timeouts, connection errors, 408/425/429/5xx that outlived the in-process retries.
+    /// The only class replayed automatically.
+    Transient,
+    /// The provider (400/413/422) or our own pre-flight check (empty, too long) rejected
+    /// the input. Replaying it unchanged would fail again.
+    PermanentInput,
+    /// The corpus line itself is broken (missing text, invalid UTF-8, wrong types) but its
+    /// identity could be read, so it is parked instead of dropped.
+    InvalidRecord,
+    /// The provider returned a vector whose length differs from the target column.
+    DimensionMismatch,
+    /// NaN/Inf, empty vectors, or a response whose vectors do not match its inputs.
+    InvalidVector,
+}
+
+impl ErrorClass {
+    /// Every class, for metrics and reports that must show zeros too.
+    pub const ALL: [ErrorClass; 5] = [
+        ErrorClass::Transient,
+        ErrorClass::PermanentInput,
+        ErrorClass::InvalidRecord,
+        ErrorClass::DimensionMismatch,
+        ErrorClass::InvalidVector,
+    ];
+
+    /// The SQL and label spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::Transient => "transient",
+            ErrorClass::PermanentInput => "permanent_input",
+            ErrorClass::InvalidRecord => "invalid_record",
+            ErrorClass::DimensionMismatch => "dimension_mismatch",
+            ErrorClass::InvalidVector => "invalid_vector",
+        }
+    }
+
+    /// Whether parked rows of this class are scheduled for automatic replay.
+    pub fn is_replayable(self) -> bool {
+        matches!(self, ErrorClass::Transient)
+    }
+}
+
+impl std::fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Hash that decides whether a chunk must be (re-)embedded: it covers the text and the
+/// embedding space (model and dimensions), so a model change re-embeds while a rerun of the
+/// same corpus makes no provider call.
+pub fn content_hash(model: &str, dimensions: usize, text: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(model.as_bytes());
+    h.update([0]);
+    h.update(dimensions.to_string().as_bytes());
+    h.update([0]);
+    h.update(text.as_bytes());
+    hex(&h.finalize())
+}
+
+/// Hash for a record that could not be parsed: it covers the raw line, so rerunning the same
+/// broken corpus does not re-park (and re-announce) the same line.
+pub fn raw_record_hash(raw: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(b"invalid-record\0");
+    h.update(raw);
+    hex(&h.finalize())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_depends_on_model_dimensions_and_text() {
+        let base = content_hash("m", 768, "hello");
+        assert_eq!(base, content_hash("m", 768, "hello"));
+        assert_ne!(base, content_hash("m2", 768, "hello"));
+        assert_ne!(base, content_hash("m", 512, "hello"));
+        assert_ne!(base, content_hash("m", 768, "hello!"));
+        assert_eq!(base.len(), 64);
+    }
+
+    #[test]
+    fn class_and_status_spellings_round_trip() {
+        for c in ErrorClass::ALL {
+            let json = serde_json::to_string(&c).unwrap();
+            assert_eq!(json, format!("\"{}\"", c.as_str()));
+        }
+        for s in [ChunkStatus::Stored, ChunkStatus::Parked, ChunkStatus::Exhausted] {
+            assert_eq!(ChunkStatus::parse(s.as_str()), Some(s));
+        }
+        assert!(ErrorClass::Transient.is_replayable());
+        assert!(!ErrorClass::PermanentInput.is_replayable());
+    }
+}

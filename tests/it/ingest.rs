@@ -1,0 +1,487 @@
+//! The ingest pipeline against real Postgres+pgvector and the fault-injecting provider.
+
+use std::collections::HashMap;
+
+use embed_dlq::demo::{CorpusSpec, write_corpus};
+use embed_dlq::embed::Stop;
+use embed_dlq::ingest::IngestError;
+use embed_dlq::mock_provider::{self, MockConfig};
+use embed_dlq::model::ErrorClass;
+use sqlx::Row;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+async fn dlq_by_class(db: &TestDb) -> HashMap<String, i64> {
+    sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get("error_class"), r.get("n")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_mix_over_10k_chunks_loses_nothing_and_duplicates_nothing() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig {
+        rate_429: 0.03,
+        retry_after_ms: 20,
+        rate_5xx: 0.05,
+        rate_timeout: 0.003,
+        timeout_hold_ms: 2_000,
+        rate_reset: 0.02,
+        seed: 7,
+        ..MockConfig::default()
+    })
+    .await;
+    let mut s = settings(&db, &mock);
+    s.options.max_input_chars = 4_000;
+    let spec = CorpusSpec { chunks: 10_000, poison_every: 100, broken_lines: true, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    let facts = write_corpus(&mut corpus, &spec, 4_000).unwrap();
+    let summary = pipeline(&s).await.run(input(corpus), CancellationToken::new()).await.unwrap();
+
+    assert_eq!(db.leaks().await, 0, "seed reconciliation query must return no rows");
+    assert_eq!(db.duplicates().await, 0, "seed duplicate query must return no rows");
+    assert_eq!(db.manifest_disagreements().await, 0);
+
+    // Every record is accounted for exactly once.
+    assert_eq!(summary.records, 10_000 + facts.invalid_records as u64);
+    assert_eq!(summary.stored + summary.parked_total(), summary.records);
+    assert_eq!(summary.rejected_lines, facts.rejected_lines as u64);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await as u64, summary.records);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await as u64, summary.stored);
+
+    let by_class = dlq_by_class(&db).await;
+    let get = |c: ErrorClass| by_class.get(c.as_str()).copied().unwrap_or(0) as usize;
+    assert_eq!(get(ErrorClass::PermanentInput), facts.poison_400 + facts.empty + facts.too_long);
+    assert_eq!(get(ErrorClass::InvalidVector), facts.poison_nan);
+    assert_eq!(get(ErrorClass::DimensionMismatch), facts.poison_dim);
+    assert_eq!(get(ErrorClass::InvalidRecord), facts.invalid_records);
+    // Faults were really injected and mostly absorbed by retries.
+    let mstats = mock.control.stats();
+    assert!(mstats.rate_limited > 0 && mstats.server_errors > 0 && mstats.resets > 0, "{mstats:?}");
+    assert!(summary.retries.values().sum::<u64>() > 0);
+    assert!(get(ErrorClass::Transient) < 200, "retries should absorb most faults: {by_class:?}");
+    // One outbox event per parked chunk, in the same transactions.
+    assert_eq!(
+        db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'parked'").await,
+        db.count("SELECT count(*) FROM embedding_dlq").await
+    );
+    // The stored vectors are the provider's, bit for bit.
+    let row = sqlx::query(
+        "SELECT e.embedding::text AS v FROM doc_embeddings e WHERE doc_id = 'doc-0' AND chunk_index = 0",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let stored: Vec<f32> =
+        serde_json::from_str(&row.get::<String, _>("v")).expect("pgvector text form is a JSON array");
+    let mut first = Vec::new();
+    write_corpus(&mut first, &CorpusSpec { chunks: 1, broken_lines: false, ..spec.clone() }, 4_000).unwrap();
+    let first: serde_json::Value = serde_json::from_slice(&first).unwrap();
+    let text = first["text"].as_str().unwrap();
+    assert_eq!(stored, mock_provider::vector_for(text, 768));
+}
+
+/// Snapshot of every row's identity, content and physical version (xmin changes on any
+/// update, even one that writes the same values).
+async fn snapshot(db: &TestDb) -> Vec<String> {
+    let mut out = Vec::new();
+    for sql in [
+        "SELECT doc_id || '/' || chunk_index || '/' || content_hash || '/' || updated_at || '/' || xmin AS s FROM doc_embeddings ORDER BY 1",
+        "SELECT doc_id || '/' || chunk_index || '/' || status || '/' || updated_at || '/' || xmin AS s FROM ingest_manifest ORDER BY 1",
+        "SELECT doc_id || '/' || chunk_index || '/' || attempts || '/' || last_failed_at || '/' || xmin AS s FROM embedding_dlq ORDER BY 1",
+        "SELECT count(*)::text AS s FROM dlq_outbox",
+    ] {
+        for r in sqlx::query(sql).fetch_all(&db.pool).await.unwrap() {
+            out.push(r.get("s"));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rerun_of_the_same_corpus_makes_no_call_and_changes_no_row() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let spec = CorpusSpec { chunks: 2_000, poison_every: 50, broken_lines: true, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    write_corpus(&mut corpus, &spec, s.options.max_input_chars).unwrap();
+    let p = pipeline(&s).await;
+    let first = p.run(input(corpus.clone()), CancellationToken::new()).await.unwrap();
+    assert!(first.parked_total() > 0 && first.stored > 0);
+    let before = snapshot(&db).await;
+    let calls = mock.control.stats().requests;
+
+    let second = p.run(input(corpus), CancellationToken::new()).await.unwrap();
+    assert_eq!(mock.control.stats().requests, calls, "an identical rerun must not call the provider");
+    assert_eq!(second.provider_calls, 0);
+    assert_eq!(second.unchanged, first.stored);
+    assert_eq!(second.already_parked, first.parked_total());
+    assert_eq!(second.stored + second.parked_total(), 0);
+    assert_eq!(snapshot(&db).await, before, "no row may change, updated_at and xmin included");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_text_or_model_reembeds_without_duplicates() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    let mut corpus = String::new();
+    for i in 0..50 {
+        corpus.push_str(&line("d", i, &format!("text {i}")));
+    }
+    pipeline(&s).await.run(input(corpus.clone().into_bytes()), CancellationToken::new()).await.unwrap();
+    // One chunk changes: only it is re-embedded.
+    let changed = corpus.replace("\"text 7\"", "\"text 7 revised\"");
+    let calls = mock.control.stats().inputs;
+    let r = pipeline(&s).await.run(input(changed.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(mock.control.stats().inputs - calls, 1);
+    assert_eq!((r.stored, r.unchanged, r.vectors_written), (1, 49, 1));
+    // A model change re-embeds everything, in place.
+    s.client.model = "mock-v2".into();
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!((r.stored, r.vectors_written), (50, 50));
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 50);
+    assert_eq!(db.duplicates().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_input_is_isolated_from_its_batch() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.batch_max_inputs = 64;
+    let mut corpus = String::new();
+    for i in 0..64 {
+        let text = if i == 17 { format!("bad {}", mock_provider::POISON_400) } else { format!("good {i}") };
+        corpus.push_str(&line("batch", i, &text));
+    }
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.stored, 63);
+    assert_eq!(r.parked.get(&ErrorClass::PermanentInput), Some(&1));
+    assert!(r.batch_splits > 0);
+    let row = sqlx::query(
+        "SELECT chunk_index, attempts, next_retry_at IS NULL AS never, error_reason FROM embedding_dlq",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(row.get::<i32, _>("chunk_index"), 17);
+    assert_eq!(row.get::<i32, _>("attempts"), 1, "permanent failures park at attempt 1");
+    assert!(row.get::<bool, _>("never"), "permanent rows are never scheduled for replay");
+    assert_eq!(row.get::<String, _>("error_reason"), "http_400");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'batch'").await, 63);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_faults_beyond_the_cap_park_with_attempts_equal_to_the_cap() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    mock.control.set_outage(true);
+    let s = settings(&db, &mock);
+    let mut corpus = String::new();
+    for i in 0..10 {
+        corpus.push_str(&line("t", i, &format!("transient {i}")));
+    }
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&10));
+    // One batch, max_attempts requests, no extra attempt or sleep after the last one.
+    assert_eq!(mock.control.stats().server_errors, s.retry.max_attempts as u64);
+    let rows = sqlx::query(
+        "SELECT doc_id, error_class, error_reason, attempts, last_status,
+                next_retry_at > now() + interval '10 seconds' AS future, payload
+           FROM embedding_dlq ORDER BY doc_id, chunk_index",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 10);
+    for r in rows.iter().filter(|r| r.get::<String, _>("doc_id") == "t") {
+        assert_eq!(r.get::<String, _>("error_class"), "transient");
+        assert_eq!(r.get::<String, _>("error_reason"), "http_503");
+        assert_eq!(r.get::<i32, _>("attempts"), s.retry.max_attempts as i32);
+        assert_eq!(r.get::<Option<i32>, _>("last_status"), Some(503));
+        assert_eq!(
+            r.get::<Option<bool>, _>("future"),
+            Some(true),
+            "next_retry_at follows the longer DLQ schedule"
+        );
+        let payload: serde_json::Value = r.get("payload");
+        assert!(payload["text"].as_str().unwrap().starts_with("transient "), "full payload kept: {payload}");
+    }
+    // Permanent failures, by contrast, park at attempt 1.
+    mock.control.set_outage(false);
+    let mut corpus = String::new();
+    corpus.push_str(&line("p", 1, &format!("perm {}", mock_provider::POISON_422)));
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::PermanentInput), Some(&1));
+    let attempts: i32 =
+        sqlx::query_scalar("SELECT attempts FROM embedding_dlq WHERE doc_id = 'p' AND chunk_index = 1")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn park_is_atomic_when_a_later_part_fails() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    // Fail the outbox insert of a park: the DLQ row and the manifest status must roll back too.
+    sqlx::raw_sql(
+        "CREATE FUNCTION fail_outbox() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'injected failure after the DLQ upsert'; END $$;
+         CREATE TRIGGER fail_outbox BEFORE INSERT ON dlq_outbox
+           FOR EACH ROW WHEN (NEW.doc_id = 'atomic') EXECUTE FUNCTION fail_outbox();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let corpus = line("atomic", 0, &format!("x {}", mock_provider::POISON_400));
+    let err = pipeline(&s)
+        .await
+        .run(input(corpus.clone().into_bytes()), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, IngestError::Store(_)), "{err}");
+    assert!(err.to_string().contains("injected failure"), "{err}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0, "no DLQ row without its outbox row");
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 0, "no manifest change either");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox").await, 0);
+
+    // Same for the manifest, the last part of the statement.
+    sqlx::raw_sql(
+        "DROP TRIGGER fail_outbox ON dlq_outbox;
+         CREATE TRIGGER fail_manifest BEFORE INSERT ON ingest_manifest
+           FOR EACH ROW WHEN (NEW.doc_id = 'atomic') EXECUTE FUNCTION fail_outbox();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let err = pipeline(&s)
+        .await
+        .run(input(corpus.clone().into_bytes()), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("injected failure"), "{err}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox").await, 0);
+
+    // Once the fault is gone, a rerun parks it completely.
+    sqlx::raw_sql("DROP TRIGGER fail_manifest ON ingest_manifest").execute(&db.pool).await.unwrap();
+    pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'parked'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'parked'").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthorized_and_out_of_quota_stop_the_run_and_park_nothing() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { api_key: Some("right-key".into()), ..MockConfig::default() }).await;
+    let mut s = settings(&db, &mock);
+    s.client.api_key = Some("wrong-key".into());
+    let mut corpus = String::new();
+    for i in 0..200 {
+        corpus.push_str(&line("sys", i, &format!("chunk {i}")));
+    }
+    let err = pipeline(&s)
+        .await
+        .run(input(corpus.clone().into_bytes()), CancellationToken::new())
+        .await
+        .unwrap_err();
+    match &err {
+        IngestError::Provider { stop: Stop::Systemic { reason, .. }, summary } => {
+            assert_eq!(*reason, "unauthorized");
+            assert_eq!(summary.parked_total(), 0);
+        }
+        other => panic!("expected a systemic stop, got {other}"),
+    }
+    assert!(err.to_string().contains("401"), "clear message: {err}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 0);
+    assert!(mock.control.stats().requests < 20, "the run stops promptly, not after trying every chunk");
+
+    s.client.api_key = Some("right-key".into());
+    mock.control.set_quota_exhausted(true);
+    let err = pipeline(&s)
+        .await
+        .run(input(corpus.clone().into_bytes()), CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            IngestError::Provider { stop: Stop::Systemic { reason: "insufficient_quota", .. }, .. }
+        ),
+        "{err}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 0);
+
+    // Fixed: the rerun does everything.
+    mock.control.set_quota_exhausted(false);
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.stored, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_bad_line_is_reported_or_parked() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.max_input_chars = 100;
+    s.options.max_line_bytes = 4096;
+    let mut corpus: Vec<u8> = Vec::new();
+    corpus.extend_from_slice(line("ok", 0, "fine").as_bytes()); // 1
+    corpus.extend_from_slice(b"{\"doc_id\": \"x\", \"chunk_index\": \n"); // 2 malformed JSON
+    corpus.extend_from_slice(b"{\"doc_id\":\"bad\",\"chunk_index\":1,\"text\":\"caf\xe9\"}\n"); // 3 invalid UTF-8
+    corpus.extend_from_slice(b"{\"doc_id\":\"bad\",\"chunk_index\":2}\n"); // 4 missing text
+    corpus.extend_from_slice(b"{\"chunk_index\":3,\"text\":\"no doc\"}\n"); // 5 missing doc_id
+    corpus.extend_from_slice(line("bad", 5, "").as_bytes()); // 6 empty text
+    corpus.extend_from_slice(line("bad", 6, &"y".repeat(500)).as_bytes()); // 7 too long
+    corpus.extend_from_slice(b"\n"); // 8 blank: skipped
+    corpus.extend_from_slice(
+        format!("{{\"doc_id\":\"huge\",\"chunk_index\":0,\"text\":\"{}\"}}\n", "z".repeat(10_000)).as_bytes(),
+    ); // 9 line too long
+    corpus.extend_from_slice(b"[\"an\", \"array\"]\n"); // 10 not an object
+    corpus.extend_from_slice(b"{\"doc_id\":\"bad\",\"chunk_index\":7,\"text\":\"a\\u0000b\"}\n"); // 11 NUL
+    corpus
+        .extend_from_slice(b"{\"doc_id\":\"bad\",\"chunk_index\":8,\"text\":\"ok\",\"metadata\":\"str\"}\n"); // 12 bad metadata
+    corpus.extend_from_slice(b"{\"doc_id\":\"bad\",\"chunk_index\":-4,\"text\":\"neg\"}"); // 13 negative index, no newline
+    let r = pipeline(&s).await.run(input(corpus), CancellationToken::new()).await.unwrap();
+    let rejected: Vec<u64> = r.rejected_examples.iter().map(|x| x.line).collect();
+    assert_eq!(rejected, vec![2, 5, 9, 10, 13], "{:?}", r.rejected_examples);
+    assert_eq!(r.rejected_lines, 5);
+    assert!(r.rejected_examples[0].problem.contains("malformed JSON"));
+    assert!(r.rejected_examples[1].problem.contains("doc_id"));
+    assert_eq!(r.stored, 1);
+    let rows = sqlx::query("SELECT chunk_index, error_class, error_reason, last_error, payload FROM embedding_dlq WHERE doc_id = 'bad' ORDER BY chunk_index")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let got: Vec<(i32, String, String)> =
+        rows.iter().map(|r| (r.get("chunk_index"), r.get("error_class"), r.get("error_reason"))).collect();
+    let want = vec![
+        (1, "invalid_record", "invalid_record"),
+        (2, "invalid_record", "invalid_record"),
+        (5, "permanent_input", "empty_text"),
+        (6, "permanent_input", "too_long"),
+        (7, "invalid_record", "invalid_record"),
+        (8, "invalid_record", "invalid_record"),
+    ];
+    let want: Vec<(i32, String, String)> =
+        want.into_iter().map(|(i, c, r)| (i, c.into(), r.into())).collect();
+    assert_eq!(got, want);
+    let utf8: &sqlx::postgres::PgRow = &rows[0];
+    assert!(utf8.get::<String, _>("last_error").starts_with("line 3: invalid UTF-8"));
+    let payload: serde_json::Value = utf8.get("payload");
+    assert!(payload["raw_line"].as_str().unwrap().contains("caf\u{FFFD}"), "{payload}");
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(mock.control.stats().inputs, 1, "only the good chunk reached the provider");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_error_body_is_truncated_before_it_is_stored() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { max_input_chars: 1_000, ..MockConfig::default() }).await;
+    let mut s = settings(&db, &mock);
+    s.options.max_input_chars = 2_000_000;
+    let corpus = line("big", 0, &"w".repeat(1_000_000));
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::PermanentInput), Some(&1));
+    let (reason, len): (String, i32) =
+        sqlx::query_as("SELECT error_reason, length(last_error) FROM embedding_dlq")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reason, "http_422");
+    assert!(len < 600, "the provider echoed 1 MB; we keep an excerpt, got {len} chars");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vectors_are_checked_against_the_target_column_dimension() {
+    let db = TestDb::new().await;
+    embed_dlq::store::create_target_table(&db.pool, "small_vectors", 16).await.unwrap();
+    let mock = start_mock(MockConfig { dimensions: 16, ..MockConfig::default() }).await;
+    let mut s = settings(&db, &mock);
+    s.table = "small_vectors".into();
+    let mut corpus = String::new();
+    for i in 0..20 {
+        let text = match i {
+            3 => format!("d {}", mock_provider::POISON_DIM),
+            4 => format!("n {}", mock_provider::POISON_NAN),
+            5 => format!("e {}", mock_provider::POISON_EMPTY),
+            _ => format!("fine {i}"),
+        };
+        corpus.push_str(&line("dims", i, &text));
+    }
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.stored, 17);
+    assert_eq!(r.parked.get(&ErrorClass::DimensionMismatch), Some(&1));
+    assert_eq!(r.parked.get(&ErrorClass::InvalidVector), Some(&2));
+    assert_eq!(db.count("SELECT count(*) FROM small_vectors").await, 17);
+
+    // A provider whose every vector has the wrong size is misconfigured: stop, park nothing.
+    let wrong = start_mock(MockConfig { dimensions: 32, ..MockConfig::default() }).await;
+    let mut s2 = settings(&db, &wrong);
+    s2.table = "small_vectors".into();
+    let mut corpus = String::new();
+    for i in 0..20 {
+        corpus.push_str(&line("wrongdims", i, &format!("text {i}")));
+    }
+    let err =
+        pipeline(&s2).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            IngestError::Provider { stop: Stop::Systemic { reason: "dimension_mismatch", .. }, .. }
+        ),
+        "{err}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'wrongdims'").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sustained_outage_opens_the_breaker_instead_of_parking_the_corpus() {
+    let db = TestDb::new().await;
+    // 503 for the first 1.5 s of the server's life, then healthy.
+    let mock =
+        start_mock(MockConfig { outage_after_ms: Some(0), outage_for_ms: 1_500, ..MockConfig::default() })
+            .await;
+    let mut s = settings(&db, &mock);
+    s.breaker.failure_threshold = 5;
+    s.breaker.cooldown = std::time::Duration::from_millis(200);
+    let mut corpus = String::new();
+    for i in 0..2_000 {
+        corpus.push_str(&line("outage", i, &format!("chunk {i}")));
+    }
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert!(r.breaker_opened >= 1, "{r:?}");
+    let parked = r.parked.get(&ErrorClass::Transient).copied().unwrap_or(0);
+    assert!(parked < 400, "the breaker paused intake; only in-flight batches may park, got {parked}");
+    assert_eq!(r.stored + parked, 2_000);
+    assert_eq!(db.leaks().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_are_waited_out_not_parked() {
+    let db = TestDb::new().await;
+    let mock =
+        start_mock(MockConfig { rate_429: 0.3, retry_after_ms: 30, seed: 3, ..MockConfig::default() }).await;
+    let mut s = settings(&db, &mock);
+    s.retry.max_attempts = 8;
+    let mut corpus = String::new();
+    for i in 0..300 {
+        corpus.push_str(&line("rl", i, &format!("chunk {i}")));
+    }
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert!(r.retries.get("rate_limited").copied().unwrap_or(0) > 0, "{r:?}");
+    assert_eq!(r.stored, 300);
+}

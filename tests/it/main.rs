@@ -1,0 +1,7 @@
+//! The one integration-test binary (one link step on a 2-core machine). Every test talks to
+//! the real Postgres+pgvector named by `DATABASE_URL` (a fresh database each) and, where it
+//! needs a provider, to the fault-injecting mock over real HTTP. Run it with scripts/test.sh.
+
+mod ingest;
+mod process;
+mod support;

@@ -1,0 +1,217 @@
+//! The real binary as a user runs it: signals, crashes, exit codes, and secrets in output.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::demo::{CorpusSpec, write_corpus};
+use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
+use tokio::process::{Child, Command};
+
+use crate::support::*;
+
+fn binary() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.env_remove("EMBED_DLQ_API_KEY").env_remove("RUST_LOG").stdin(Stdio::null());
+    c
+}
+
+fn ingest_cmd(db: &TestDb, mock: &MockProvider, corpus: &std::path::Path) -> Command {
+    let mut c = binary();
+    c.arg("ingest")
+        .arg(corpus)
+        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+        .args(["--batch-max-inputs", "16", "--concurrency", "2", "--request-timeout-ms", "2000"])
+        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"]);
+    c
+}
+
+fn write_temp_corpus(spec: &CorpusSpec) -> (tempdir::Dir, std::path::PathBuf) {
+    let dir = tempdir::Dir::new();
+    let path = dir.0.join("corpus.jsonl");
+    let mut f = std::fs::File::create(&path).unwrap();
+    write_corpus(&mut f, spec, 32_000).unwrap();
+    (dir, path)
+}
+
+mod tempdir {
+    /// A temporary directory removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            let p = std::env::temp_dir().join(format!(
+                "embed-dlq-it-{}-{}",
+                std::process::id(),
+                rand::random::<u64>()
+            ));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+async fn wait_for_vectors(db: &TestDb, at_least: i64, child: &mut Child) {
+    for _ in 0..600 {
+        if db.count("SELECT count(*) FROM doc_embeddings").await >= at_least {
+            return;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("ingest exited early with {status}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("ingest made no progress");
+}
+
+fn signal(child: &Child, sig: &str) {
+    let pid = child.id().expect("child running").to_string();
+    let status = std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
+    assert!(status.success());
+}
+
+/// Interrupts (SIGTERM) or crashes (SIGKILL) an ingest in the middle, checks that what was
+/// written is consistent, then reruns to completion and checks that nothing was lost,
+/// duplicated or embedded twice.
+async fn interrupt_then_rerun(sig: &str) {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { latency_ms: 15, ..MockConfig::default() }).await;
+    let spec = CorpusSpec { chunks: 3_000, poison_every: 100, ..CorpusSpec::default() };
+    let (_dir, path) = write_temp_corpus(&spec);
+    let mut child =
+        ingest_cmd(&db, &mock, &path).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    wait_for_vectors(&db, 300, &mut child).await;
+    signal(&child, sig);
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("ingest exits promptly after the signal")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if sig == "-TERM" {
+        assert_eq!(out.status.code(), Some(130), "graceful stop exit code; stderr: {stderr}");
+        assert!(stderr.contains("shutdown requested"), "{stderr}");
+    }
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    let done_before = db.count("SELECT count(*) FROM ingest_manifest").await;
+    assert!(done_before > 0 && done_before < 3_000, "interrupted in the middle: {done_before}");
+
+    let inputs_before = mock.control.stats().inputs;
+    let rerun = ingest_cmd(&db, &mock, &path).arg("--json").output().await.unwrap();
+    assert_eq!(rerun.status.code(), Some(0), "{}", String::from_utf8_lossy(&rerun.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
+    assert_eq!(
+        summary["unchanged"].as_i64().unwrap() + summary["already_parked"].as_i64().unwrap(),
+        done_before,
+        "finished chunks are not embedded again: {summary}"
+    );
+    let embedded_again = mock.control.stats().inputs - inputs_before;
+    assert!(
+        embedded_again <= (3_000 - done_before) as u64 + 200,
+        "rerun embedded {embedded_again} inputs for {} missing chunks",
+        3_000 - done_before
+    );
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 3_000);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    let stored = db.count("SELECT count(*) FROM doc_embeddings").await;
+    let parked = db.count("SELECT count(*) FROM embedding_dlq").await;
+    assert_eq!(stored + parked, 3_000);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'parked'").await, parked);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_ingest_then_rerun_completes_exactly_once() {
+    interrupt_then_rerun("-TERM").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_ingest_then_rerun_completes_exactly_once() {
+    interrupt_then_rerun("-KILL").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_never_appears_in_output_rows_or_events() {
+    const KEY: &str = "sk-test-5ecret-Key-0f-the-t3st";
+    let db = TestDb::new().await;
+    // A leaky provider that echoes the Authorization header in its error bodies.
+    let mock = start_mock(MockConfig {
+        api_key: Some(KEY.into()),
+        echo_auth_in_errors: true,
+        rate_5xx: 0.5,
+        seed: 11,
+        ..MockConfig::default()
+    })
+    .await;
+    let mut corpus = String::new();
+    for i in 0..100 {
+        let text =
+            if i % 10 == 0 { format!("p {}", mock_provider::POISON_400) } else { format!("chunk {i}") };
+        corpus.push_str(&line("secret", i, &text));
+    }
+    let dir = tempdir::Dir::new();
+    let path = dir.0.join("c.jsonl");
+    std::fs::write(&path, corpus).unwrap();
+    let out = ingest_cmd(&db, &mock, &path)
+        .env("EMBED_DLQ_API_KEY", KEY)
+        .env("RUST_LOG", "trace")
+        .args(["--retry-max-attempts", "2"])
+        .output()
+        .await
+        .unwrap();
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(mock.control.stats().server_errors > 0 && mock.control.stats().rejected > 0);
+    assert!(!all.contains(KEY), "key leaked into output");
+    assert!(!all.contains("5ecret"), "part of the key leaked into output");
+    let leaked_rows = db
+        .count(
+            "SELECT (SELECT count(*) FROM embedding_dlq
+                      WHERE last_error LIKE '%5ecret%' OR payload::text LIKE '%5ecret%')
+                  + (SELECT count(*) FROM dlq_outbox WHERE body::text LIKE '%5ecret%')",
+        )
+        .await;
+    assert_eq!(leaked_rows, 0);
+    assert!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE last_error LIKE '%[redacted]%'").await > 0,
+        "the echo was there and was redacted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_codes_and_clear_errors() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { api_key: Some("k".repeat(8)), ..MockConfig::default() }).await;
+    let dir = tempdir::Dir::new();
+    let path = dir.0.join("c.jsonl");
+    std::fs::write(&path, format!("{}not json\n", line("e", 0, "hello"))).unwrap();
+
+    // Wrong key: stops with 4 and says why.
+    let out = ingest_cmd(&db, &mock, &path).env("EMBED_DLQ_API_KEY", "nope-nope").output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("unauthorized") && stderr.contains("401"), "{stderr}");
+
+    // Right key, one rejected line: finishes with 3 and names the line.
+    let out = ingest_cmd(&db, &mock, &path).env("EMBED_DLQ_API_KEY", "k".repeat(8)).output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{stdout}");
+    assert!(stdout.contains("line 2: malformed JSON"), "{stdout}");
+
+    // Unknown config key: usage error 2.
+    let cfg = dir.0.join("c.toml");
+    std::fs::write(&cfg, "[provider]\nmodle = \"x\"\n").unwrap();
+    let out = ingest_cmd(&db, &mock, &path).arg("--config").arg(&cfg).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("modle"));
+
+    // Missing target table: 1 with a hint.
+    let out = ingest_cmd(&db, &mock, &path).args(["--table", "nope"]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+}

@@ -1,0 +1,152 @@
+//! Shared test fixtures: a fresh migrated database per test on the real Postgres, the mock
+//! provider on a random port, and pipelines wired to both.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use embed_dlq::ingest::Pipeline;
+use embed_dlq::mock_provider::{MockConfig, MockProvider};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+/// A database of its own, migrated, on the server `DATABASE_URL` points at.
+pub struct TestDb {
+    pub url: String,
+    pub pool: PgPool,
+}
+
+fn admin_url() -> String {
+    std::env::var("DATABASE_URL").expect(
+        "DATABASE_URL is not set: run the tests with scripts/test.sh (it starts Postgres+pgvector and Redis)",
+    )
+}
+
+/// `url` with its database name replaced.
+fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let path_start = base[scheme_end..].find('/').map(|i| i + scheme_end).unwrap_or(base.len());
+    let mut out = format!("{}/{db}", &base[..path_start]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let admin = admin_url();
+        let name = format!(
+            "it_{}_{}_{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst),
+            rand::random::<u32>()
+        );
+        let mut conn = PgConnection::connect(&admin).await.expect("connect to DATABASE_URL");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .execute(&mut conn)
+            .await
+            .expect("create test database");
+        conn.close().await.ok();
+        let url = with_database(&admin, &name);
+        let pool = embed_dlq::store::connect(&url, 4).await.expect("connect to test database");
+        embed_dlq::store::migrate(&pool).await.expect("migrate test database");
+        TestDb { url, pool }
+    }
+
+    pub async fn count(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.expect(sql)
+    }
+
+    /// The seed's reconciliation query: manifest rows with neither a vector nor a DLQ row.
+    pub async fn leaks(&self) -> i64 {
+        self.count(
+            "SELECT count(*) FROM ingest_manifest m
+               LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
+               LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+              WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
+        )
+        .await
+    }
+
+    /// The seed's duplicate query.
+    pub async fn duplicates(&self) -> i64 {
+        self.count(
+            "SELECT count(*) FROM (SELECT doc_id, chunk_index FROM doc_embeddings
+               GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+        )
+        .await
+    }
+
+    /// Stronger than the seed's queries: every manifest row agrees with where the chunk is.
+    pub async fn manifest_disagreements(&self) -> i64 {
+        self.count(
+            "SELECT count(*) FROM ingest_manifest m
+               LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
+               LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+              WHERE NOT (
+                    (m.status = 'stored' AND e.content_hash = m.content_hash AND d.id IS NULL)
+                 OR (m.status IN ('parked', 'exhausted') AND d.content_hash = m.content_hash))",
+        )
+        .await
+    }
+}
+
+pub async fn start_mock(config: MockConfig) -> MockProvider {
+    MockProvider::start(config, SocketAddr::from(([127, 0, 0, 1], 0)), CancellationToken::new())
+        .await
+        .expect("start mock provider")
+}
+
+/// Settings for a test run: fast retries, short timeouts, small batches.
+pub fn settings(db: &TestDb, mock: &MockProvider) -> IngestSettings {
+    IngestSettings::resolve(
+        ServiceArgs { database_url: Some(db.url.clone()), redis_url: None },
+        ProviderArgs {
+            base_url: Some(mock.base_url()),
+            model: Some("mock".into()),
+            request_timeout_ms: Some(400),
+            ..Default::default()
+        },
+        IngestArgs { batch_max_inputs: Some(32), concurrency: Some(4), ..Default::default() },
+        RetryArgs {
+            retry_max_attempts: Some(3),
+            retry_base_ms: Some(5),
+            retry_cap_ms: Some(40),
+            breaker_failure_threshold: Some(1000),
+            ..Default::default()
+        },
+        None,
+    )
+    .expect("valid test settings")
+}
+
+pub async fn pipeline(settings: &IngestSettings) -> Pipeline {
+    embed_dlq::cli::build_pipeline(settings).await.expect("build pipeline")
+}
+
+/// Reader over in-memory JSONL.
+pub fn input(bytes: Vec<u8>) -> std::io::Cursor<Vec<u8>> {
+    std::io::Cursor::new(bytes)
+}
+
+/// One JSONL line.
+pub fn line(doc: &str, idx: i32, text: &str) -> String {
+    format!("{}\n", serde_json::json!({"doc_id": doc, "chunk_index": idx, "text": text}))
+}
+
+#[test]
+fn database_url_rewrite() {
+    assert_eq!(with_database("postgres://u@h:1/db", "x"), "postgres://u@h:1/x");
+    assert_eq!(
+        with_database("postgres://u@h:1/db?sslmode=disable", "x"),
+        "postgres://u@h:1/x?sslmode=disable"
+    );
+    assert_eq!(with_database("postgres://u@h:1", "x"), "postgres://u@h:1/x");
+}
