@@ -78,7 +78,11 @@ async fn run() {
     let settings = IngestSettings::resolve(
         ServiceArgs { database_url: Some(url.clone()), redis_url: None },
         ProviderArgs { base_url: Some(mock.base_url()), model: Some("bench".into()), ..Default::default() },
-        IngestArgs::default(),
+        IngestArgs {
+            batch_max_inputs: std::env::var("BENCH_BATCH").ok().and_then(|v| v.parse().ok()),
+            concurrency: std::env::var("BENCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()),
+            ..IngestArgs::default()
+        },
         RetryArgs::default(),
         None,
     )

@@ -153,12 +153,12 @@ pub fn write_corpus(
 pub fn demo_faults() -> MockConfig {
     MockConfig {
         dimensions: 768,
-        rate_429: 0.03,
+        rate_429: 0.05,
         retry_after_ms: 100,
-        rate_5xx: 0.04,
-        rate_timeout: 0.003,
+        rate_5xx: 0.08,
+        rate_timeout: 0.005,
         timeout_hold_ms: 3_000,
-        rate_reset: 0.01,
+        rate_reset: 0.02,
         ..MockConfig::default()
     }
 }
@@ -174,7 +174,7 @@ pub async fn run(
     let mock = MockProvider::start(demo_faults(), SocketAddr::from(([127, 0, 0, 1], 0)), cancel.clone())
         .await
         .context("starting the mock provider")?;
-    eprintln!("mock provider on {} with faults: 3% 429, 4% 5xx, 0.3% timeouts, 1% resets", mock.base_url());
+    eprintln!("mock provider on {} with faults: 5% 429, 8% 5xx, 0.5% timeouts, 2% resets", mock.base_url());
 
     let dir = std::env::temp_dir().join(format!("embed-dlq-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

@@ -42,6 +42,10 @@ pub struct IngestOptions {
     pub batch_max_chars: usize,
     /// Concurrent provider requests.
     pub concurrency: usize,
+    /// Records filtered against the manifest in one lookup.
+    pub intake_window: usize,
+    /// Rows per store/park statement (gathered across provider batches).
+    pub write_batch_rows: usize,
     /// Longer inputs are parked as `permanent_input/too_long` without a provider call.
     pub max_input_chars: usize,
     /// Longer lines are rejected without being held in memory.
@@ -61,6 +65,8 @@ impl Default for IngestOptions {
             batch_max_inputs: 64,
             batch_max_chars: 200_000,
             concurrency: 4,
+            intake_window: 512,
+            write_batch_rows: 512,
             max_input_chars: 32_000,
             max_line_bytes: 8 * 1024 * 1024,
             batch_linger: Duration::from_millis(20),
@@ -199,21 +205,31 @@ impl Pipeline {
             Ok::<u64, std::io::Error>(count)
         });
 
+        let (out_tx, out_rx) = mpsc::channel::<Outcomes>(opts.concurrency * 2);
+        let writer = Writer {
+            store: self.store.clone(),
+            tally: tally.clone(),
+            halt: halt.clone(),
+            progress: progress.clone(),
+            rows: opts.write_batch_rows,
+            linger: opts.batch_linger,
+        };
+        tracker.spawn(writer.run(out_rx));
         let (job_tx, job_rx) = mpsc::channel::<Job>(opts.concurrency * 2);
         let job_rx = Arc::new(tokio::sync::Mutex::new(job_rx));
         for _ in 0..opts.concurrency {
             let worker = Worker {
-                store: self.store.clone(),
                 embedder: self.embedder.clone(),
                 schedule: opts.dlq_schedule,
                 tally: tally.clone(),
                 cancel: cancel.clone(),
                 halt: halt.clone(),
-                progress: progress.clone(),
+                writer: out_tx.clone(),
             };
             let rx = job_rx.clone();
             tracker.spawn(async move { worker.run(rx).await });
         }
+        drop(out_tx);
         tracker.close();
 
         // The batcher runs here: it owns the manifest lookups and the order of intake.
@@ -284,20 +300,19 @@ impl Pipeline {
     }
 }
 
-/// Groups records into provider-sized batches with unique keys, filters them against the
-/// manifest and hands them to workers.
+/// Groups records into intake windows with unique keys, filters each window against the
+/// manifest in one lookup and hands provider-sized batches to the workers.
 struct Batcher<'a> {
     pipeline: &'a Pipeline,
     tally: Arc<Mutex<Tally>>,
     chunks: Vec<(Chunk, String)>,
     invalid: Vec<ParkedChunk>,
     keys: HashSet<(String, i32)>,
-    chars: usize,
 }
 
 impl<'a> Batcher<'a> {
     fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>) -> Self {
-        Batcher { pipeline, tally, chunks: vec![], invalid: vec![], keys: HashSet::new(), chars: 0 }
+        Batcher { pipeline, tally, chunks: vec![], invalid: vec![], keys: HashSet::new() }
     }
 
     fn is_empty(&self) -> bool {
@@ -305,12 +320,10 @@ impl<'a> Batcher<'a> {
     }
 
     async fn push(&mut self, rec: Record, jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
-        let opts = &self.pipeline.options;
         match rec {
             Record::Rejected { line, problem } => {
                 tracing::warn!(line, %problem, "rejected input line (no usable identity)");
                 let mut t = self.tally.lock().unwrap();
-                t.summary.lines_read = t.summary.lines_read.max(line);
                 t.summary.rejected_lines += 1;
                 if t.summary.rejected_examples.len() < 20 {
                     t.summary.rejected_examples.push(RejectedLine { line, problem });
@@ -318,9 +331,9 @@ impl<'a> Batcher<'a> {
                 return Ok(());
             }
             Record::Invalid { line, doc_id, chunk_index, problem, payload, raw_hash } => {
-                tracing::warn!(line, %doc_id, chunk_index, %problem, "invalid record, parking it");
+                tracing::warn!(line, %doc_id, chunk_index, %problem, "invalid record (parked unless already in the DLQ)");
                 self.tally.lock().unwrap().summary.records += 1;
-                self.make_room(&(doc_id.clone(), chunk_index), 0, jobs).await?;
+                self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
                 self.keys.insert((doc_id.clone(), chunk_index));
                 self.invalid.push(ParkedChunk {
                     doc_id,
@@ -338,38 +351,26 @@ impl<'a> Batcher<'a> {
             Record::Chunk { chunk, .. } => {
                 self.tally.lock().unwrap().summary.records += 1;
                 let key = (chunk.doc_id.clone(), chunk.chunk_index);
-                let len = chunk.text.len();
-                self.make_room(&key, len, jobs).await?;
+                self.make_room(&key, jobs).await?;
                 let hash = content_hash(
                     self.pipeline.embedder.client.model(),
                     self.pipeline.embedder.dimensions,
                     &chunk.text,
                 );
                 self.keys.insert(key);
-                self.chars += len.min(opts.batch_max_chars);
                 self.chunks.push((chunk, hash));
             }
         }
-        if self.chunks.len() >= opts.batch_max_inputs
-            || self.chars >= opts.batch_max_chars
-            || self.invalid.len() >= 256
-        {
+        if self.keys.len() >= self.pipeline.options.intake_window {
             self.flush(jobs).await?;
         }
         Ok(())
     }
 
-    /// Flushes first if `key` is already in the batch (a later line for the same chunk must
-    /// not share a statement with an earlier one) or `chars` would overflow the budget.
-    async fn make_room(
-        &mut self,
-        key: &(String, i32),
-        chars: usize,
-        jobs: &mpsc::Sender<Job>,
-    ) -> Result<(), IngestError> {
-        if self.keys.contains(key)
-            || (!self.chunks.is_empty() && self.chars + chars > self.pipeline.options.batch_max_chars)
-        {
+    /// Flushes first if `key` is already in the window: a later line for the same chunk must
+    /// not share a statement with an earlier one.
+    async fn make_room(&mut self, key: &(String, i32), jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
+        if self.keys.contains(key) {
             self.flush(jobs).await?;
         }
         Ok(())
@@ -382,7 +383,6 @@ impl<'a> Batcher<'a> {
         let chunks = std::mem::take(&mut self.chunks);
         let mut invalid = std::mem::take(&mut self.invalid);
         self.keys.clear();
-        self.chars = 0;
         let keys: Vec<(String, i32)> = chunks
             .iter()
             .map(|(c, _)| (c.doc_id.clone(), c.chunk_index))
@@ -390,7 +390,6 @@ impl<'a> Batcher<'a> {
             .collect();
         let known = with_db_retry(|| self.pipeline.store.manifest_lookup(&keys)).await?;
         let opts = &self.pipeline.options;
-        let mut job = Job { embed: Vec::with_capacity(chunks.len()), park: Vec::new() };
         let (mut unchanged, mut already_parked) = (0u64, 0u64);
         let mut seen = |k: (String, i32), hash: &str| match known.get(&k) {
             Some((h, ChunkStatus::Stored)) if h == hash => {
@@ -404,13 +403,15 @@ impl<'a> Batcher<'a> {
             _ => false,
         };
         invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash));
-        job.park.extend(invalid);
+        let mut park = invalid;
+        let mut batches: Vec<Vec<Claimed>> = Vec::new();
+        let (mut current, mut chars) = (Vec::new(), 0usize);
         for (chunk, hash) in chunks {
             if seen((chunk.doc_id.clone(), chunk.chunk_index), &hash) {
                 continue;
             }
-            match preflight(&chunk, opts.max_input_chars) {
-                Some((reason, detail)) => job.park.push(ParkedChunk {
+            if let Some((reason, detail)) = preflight(&chunk, opts.max_input_chars) {
+                park.push(ParkedChunk {
                     doc_id: chunk.doc_id.clone(),
                     chunk_index: chunk.chunk_index,
                     content_hash: hash,
@@ -421,16 +422,36 @@ impl<'a> Batcher<'a> {
                     last_status: None,
                     attempts: 0,
                     retry_in: None,
-                }),
-                None => job.embed.push(Claimed { chunk, hash }),
+                });
+                continue;
             }
+            let len = chunk.text.len();
+            if !current.is_empty()
+                && (current.len() >= opts.batch_max_inputs || chars + len > opts.batch_max_chars)
+            {
+                batches.push(std::mem::take(&mut current));
+                chars = 0;
+            }
+            chars += len;
+            current.push(Claimed { chunk, hash });
+        }
+        if !current.is_empty() {
+            batches.push(current);
         }
         {
             let mut t = self.tally.lock().unwrap();
             t.summary.unchanged += unchanged;
             t.summary.already_parked += already_parked;
         }
-        if !job.embed.is_empty() || !job.park.is_empty() {
+        let mut jobs_out: Vec<Job> =
+            batches.into_iter().map(|embed| Job { embed, park: Vec::new() }).collect();
+        if !park.is_empty() {
+            match jobs_out.first_mut() {
+                Some(first) => first.park = park,
+                None => jobs_out.push(Job { embed: Vec::new(), park }),
+            }
+        }
+        for job in jobs_out {
             // A closed channel means every worker is gone (systemic stop): drop the job
             // unrecorded, a rerun does it.
             if let Err(mpsc::error::SendError(job)) = jobs.send(job).await {
@@ -454,14 +475,19 @@ fn preflight(chunk: &Chunk, max_chars: usize) -> Option<(&'static str, String)> 
     None
 }
 
+/// Outcomes of one job, on their way to the writer.
+struct Outcomes {
+    store: Vec<StoredChunk>,
+    park: Vec<ParkedChunk>,
+}
+
 struct Worker {
-    store: Store,
     embedder: Embedder,
     schedule: DlqSchedule,
     tally: Arc<Mutex<Tally>>,
     cancel: CancellationToken,
     halt: CancellationToken,
-    progress: Progress,
+    writer: mpsc::Sender<Outcomes>,
 }
 
 impl Worker {
@@ -469,27 +495,24 @@ impl Worker {
         loop {
             let job = { jobs.lock().await.recv().await };
             let Some(job) = job else { break };
-            // After a systemic stop, queued jobs are dropped unrecorded; after a shutdown
-            // request they still run (they were claimed) but retry waits are cut short.
+            // After a systemic stop or a write failure, queued jobs are dropped unrecorded;
+            // after a shutdown request they still run (they were claimed) but retry waits
+            // are cut short.
             if self.halt.is_cancelled() && !self.cancel.is_cancelled() {
                 self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
                 continue;
             }
-            if let Err(e) = self.process(job).await {
-                let mut t = self.tally.lock().unwrap();
-                if t.fatal.is_none() {
-                    tracing::error!(error = %e, "database write failed; stopping the run");
-                    t.fatal = Some(e);
-                }
-                self.halt.cancel();
+            if let Some(out) = self.process(job).await
+                && self.writer.send(out).await.is_err()
+            {
+                break;
             }
         }
     }
 
-    async fn process(&self, job: Job) -> Result<(), StoreError> {
+    async fn process(&self, job: Job) -> Option<Outcomes> {
         let mut stats = BatchStats::default();
-        let mut to_store = Vec::with_capacity(job.embed.len());
-        let mut to_park = job.park;
+        let mut out = Outcomes { store: Vec::with_capacity(job.embed.len()), park: job.park };
         let mut not_attempted = 0u64;
         if !job.embed.is_empty() {
             let texts: Vec<&str> = job.embed.iter().map(|c| c.chunk.text.as_str()).collect();
@@ -499,24 +522,24 @@ impl Worker {
                     tracing::error!(error = %stop, "provider refused the run; stopping without parking");
                     let mut t = self.tally.lock().unwrap();
                     merge_stats(&mut t.summary, &stats);
-                    t.summary.not_attempted += (job.embed.len() + to_park.len()) as u64;
+                    t.summary.not_attempted += (job.embed.len() + out.park.len()) as u64;
                     if t.stop.is_none() {
                         t.stop = Some(stop);
                     }
                     drop(t);
                     self.halt.cancel();
-                    return Ok(());
+                    return None;
                 }
             };
             for (claimed, outcome) in job.embed.into_iter().zip(outcomes) {
                 match outcome {
-                    ItemOutcome::Embedded(embedding) => to_store.push(StoredChunk {
+                    ItemOutcome::Embedded(embedding) => out.store.push(StoredChunk {
                         doc_id: claimed.chunk.doc_id,
                         chunk_index: claimed.chunk.chunk_index,
                         content_hash: claimed.hash,
                         embedding,
                     }),
-                    ItemOutcome::Failed(f) => to_park.push(ParkedChunk {
+                    ItemOutcome::Failed(f) => out.park.push(ParkedChunk {
                         payload: serde_json::to_value(&claimed.chunk).expect("chunk serializes"),
                         doc_id: claimed.chunk.doc_id,
                         chunk_index: claimed.chunk.chunk_index,
@@ -532,24 +555,113 @@ impl Worker {
                 }
             }
         }
-        let counts = with_db_retry(|| self.store.store_batch(&to_store)).await?;
-        with_db_retry(|| self.store.park_batch(&to_park)).await?;
-        for p in &to_park {
-            tracing::info!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class, reason = %p.reason,
-                attempts = p.attempts, "parked");
-        }
         let mut t = self.tally.lock().unwrap();
-        let s = &mut t.summary;
-        merge_stats(s, &stats);
-        s.stored += to_store.len() as u64;
-        s.vectors_written += counts.vectors_written;
-        s.dlq_resolved += counts.dlq_resolved;
-        s.not_attempted += not_attempted;
-        for p in &to_park {
-            *s.parked.entry(p.class).or_default() += 1;
+        merge_stats(&mut t.summary, &stats);
+        t.summary.not_attempted += not_attempted;
+        Some(out)
+    }
+}
+
+/// The single writer: gathers the workers' outcomes into large statements (the provider's
+/// batch size is not the database's), one store and one park statement per flush.
+struct Writer {
+    store: Store,
+    tally: Arc<Mutex<Tally>>,
+    halt: CancellationToken,
+    progress: Progress,
+    rows: usize,
+    linger: Duration,
+}
+
+impl Writer {
+    async fn run(self, mut rx: mpsc::Receiver<Outcomes>) {
+        let mut store: Vec<StoredChunk> = Vec::new();
+        let mut park: Vec<ParkedChunk> = Vec::new();
+        let mut keys: HashSet<(String, i32)> = HashSet::new();
+        let mut failed = false;
+        loop {
+            let next = if store.is_empty() && park.is_empty() {
+                rx.recv().await
+            } else {
+                tokio::select! {
+                    r = rx.recv() => r,
+                    _ = tokio::time::sleep(self.linger) => {
+                        failed |= !self.flush(&mut store, &mut park, &mut keys).await;
+                        continue;
+                    }
+                }
+            };
+            let Some(out) = next else { break };
+            if failed {
+                // The run is stopping after a write failure: what is left stays unwritten and
+                // a rerun does it.
+                self.tally.lock().unwrap().summary.not_attempted += (out.store.len() + out.park.len()) as u64;
+                continue;
+            }
+            let clash = out
+                .store
+                .iter()
+                .map(|s| (&s.doc_id, s.chunk_index))
+                .chain(out.park.iter().map(|p| (&p.doc_id, p.chunk_index)))
+                .any(|(d, i)| keys.contains(&(d.clone(), i)));
+            if clash {
+                failed |= !self.flush(&mut store, &mut park, &mut keys).await;
+            }
+            keys.extend(out.store.iter().map(|s| (s.doc_id.clone(), s.chunk_index)));
+            keys.extend(out.park.iter().map(|p| (p.doc_id.clone(), p.chunk_index)));
+            store.extend(out.store);
+            park.extend(out.park);
+            if store.len() + park.len() >= self.rows {
+                failed |= !self.flush(&mut store, &mut park, &mut keys).await;
+            }
         }
-        self.progress.set_counts(s.stored + s.unchanged, s.parked_total());
-        Ok(())
+        if !failed {
+            self.flush(&mut store, &mut park, &mut keys).await;
+        }
+    }
+
+    /// Writes what is gathered; false (and the run halted) if the database refused.
+    async fn flush(
+        &self,
+        store: &mut Vec<StoredChunk>,
+        park: &mut Vec<ParkedChunk>,
+        keys: &mut HashSet<(String, i32)>,
+    ) -> bool {
+        keys.clear();
+        let (to_store, to_park) = (std::mem::take(store), std::mem::take(park));
+        let result = async {
+            let counts = with_db_retry(|| self.store.store_batch(&to_store)).await?;
+            with_db_retry(|| self.store.park_batch(&to_park)).await?;
+            Ok::<_, StoreError>(counts)
+        }
+        .await;
+        let mut t = self.tally.lock().unwrap();
+        match result {
+            Ok(counts) => {
+                for p in &to_park {
+                    tracing::debug!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class,
+                        reason = %p.reason, attempts = p.attempts, "parked");
+                }
+                let s = &mut t.summary;
+                s.stored += to_store.len() as u64;
+                s.vectors_written += counts.vectors_written;
+                s.dlq_resolved += counts.dlq_resolved;
+                for p in &to_park {
+                    *s.parked.entry(p.class).or_default() += 1;
+                }
+                self.progress.set_counts(s.stored + s.unchanged, s.parked_total());
+                true
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "database write failed; stopping the run");
+                t.summary.not_attempted += (to_store.len() + to_park.len()) as u64;
+                if t.fatal.is_none() {
+                    t.fatal = Some(e);
+                }
+                self.halt.cancel();
+                false
+            }
+        }
     }
 }
 
