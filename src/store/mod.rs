@@ -10,6 +10,8 @@
 //! Each is a single SQL statement over `UNNEST` arrays (binary binds, no per-row round trip),
 //! so its parts commit or roll back together.
 
+pub mod replay;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -153,6 +155,11 @@ impl Store {
     /// The target table.
     pub fn target(&self) -> &TargetTable {
         &self.target
+    }
+
+    /// The target table's name, quoted for SQL.
+    pub(crate) fn target_sql_name(&self) -> &str {
+        &self.target.quoted
     }
 
     /// Manifest rows for `keys`: content hash and status of each chunk that has finished an

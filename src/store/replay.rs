@@ -1,0 +1,270 @@
+//! Postgres side of replay: scheduling due DLQ rows as replay work, loading them, and the two
+//! ways a replay result is committed. Every commit is guarded by the row's generation
+//! (`replays`): a result applies only if the row still has the generation its work item
+//! carried, so a redelivered or stolen work item can never apply twice, and a result for a
+//! chunk whose manifest now holds newer content is never applied at all.
+
+use std::time::Duration;
+
+use pgvector::Vector;
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{Store, StoreError};
+
+/// A DLQ row as replay needs it.
+#[derive(Debug, Clone)]
+pub struct DlqRow {
+    pub id: i64,
+    pub doc_id: String,
+    pub chunk_index: i32,
+    pub content_hash: String,
+    pub payload: serde_json::Value,
+    pub replays: i32,
+    pub attempts: i32,
+    pub error_class: String,
+    pub error_reason: String,
+    pub last_error: Option<String>,
+    pub last_status: Option<i32>,
+    pub exhausted: bool,
+    pub last_error_signature: Option<String>,
+    pub same_error_count: i32,
+    /// The manifest's hash for this chunk (None: no manifest row).
+    pub manifest_hash: Option<String>,
+}
+
+/// A successful replay: the vector for row `id` at generation `replays`.
+#[derive(Debug, Clone)]
+pub struct Replayed {
+    pub id: i64,
+    pub replays: i32,
+    pub embedding: Vec<f32>,
+}
+
+/// A failed replay pass (or a give-up) for row `id` at generation `replays`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Repark {
+    pub id: i64,
+    pub replays: i32,
+    pub error_class: String,
+    pub error_reason: String,
+    pub last_error: Option<String>,
+    pub last_status: Option<i32>,
+    /// Provider attempts spent in this pass.
+    pub attempts: i32,
+    /// Delay to the next pass; None: not scheduled again.
+    pub retry_in: Option<Duration>,
+    /// Set when automatic replay gives up: the row becomes `exhausted`.
+    pub exhausted_reason: Option<String>,
+    pub signature: Option<String>,
+    pub same_error_count: i32,
+}
+
+impl Store {
+    /// Publishes up to `limit` due transient rows as replay work (outbox → replay stream) and
+    /// pushes their `next_retry_at` out by `lease`, so work lost in Redis is scheduled again.
+    /// Safe to run from many processes at once (`SKIP LOCKED`, one statement).
+    pub async fn schedule_due(&self, limit: usize, lease: Duration) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(
+            "WITH due AS (
+                 SELECT id FROM embedding_dlq
+                  WHERE next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
+                  ORDER BY next_retry_at, id
+                  LIMIT $1
+                  FOR UPDATE SKIP LOCKED
+             ), upd AS (
+                 UPDATE embedding_dlq d
+                    SET next_retry_at = now() + make_interval(secs => $2), enqueued_at = now()
+                   FROM due WHERE d.id = due.id
+                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.replays, d.attempts
+             ), work AS (
+                 INSERT INTO dlq_outbox (event, stream, dlq_id, doc_id, chunk_index, body)
+                 SELECT 'replay', 'replay', id, doc_id, chunk_index,
+                        jsonb_build_object('dlq_id', id, 'replays', replays, 'doc_id', doc_id,
+                                           'chunk_index', chunk_index, 'attempts', attempts)
+                   FROM upd
+                 RETURNING 1
+             )
+             SELECT count(*) FROM work",
+        )
+        .bind(limit as i64)
+        .bind(lease.as_secs_f64())
+        .fetch_one(self.pool())
+        .await?;
+        Ok(n as u64)
+    }
+
+    /// Loads DLQ rows (with their manifest hash) by id; missing ids are simply absent.
+    pub async fn load_dlq_rows(&self, ids: &[i64]) -> Result<Vec<DlqRow>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT d.id, d.doc_id, d.chunk_index, d.content_hash, d.payload, d.replays, d.attempts,
+                    d.error_class, d.error_reason, d.last_error, d.last_status,
+                    d.exhausted_at IS NOT NULL AS exhausted, d.last_error_signature,
+                    d.same_error_count, m.content_hash AS manifest_hash
+               FROM embedding_dlq d
+               LEFT JOIN ingest_manifest m USING (doc_id, chunk_index)
+              WHERE d.id = ANY($1)",
+        )
+        .bind(ids)
+        .fetch_all(self.pool())
+        .await?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(DlqRow {
+                    id: r.try_get("id")?,
+                    doc_id: r.try_get("doc_id")?,
+                    chunk_index: r.try_get("chunk_index")?,
+                    content_hash: r.try_get("content_hash")?,
+                    payload: r.try_get("payload")?,
+                    replays: r.try_get("replays")?,
+                    attempts: r.try_get("attempts")?,
+                    error_class: r.try_get("error_class")?,
+                    error_reason: r.try_get("error_reason")?,
+                    last_error: r.try_get("last_error")?,
+                    last_status: r.try_get("last_status")?,
+                    exhausted: r.try_get("exhausted")?,
+                    last_error_signature: r.try_get("last_error_signature")?,
+                    same_error_count: r.try_get("same_error_count")?,
+                    manifest_hash: r.try_get("manifest_hash")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(StoreError::from)
+    }
+
+    /// Commits successful replays in one statement: vector upsert (a no-op for unchanged
+    /// content), DLQ delete, manifest `stored`, `replayed` event. Returns the ids applied;
+    /// the others were already handled by someone else or superseded.
+    pub async fn commit_replayed(&self, rows: &[Replayed]) -> Result<Vec<i64>, StoreError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let gens: Vec<i32> = rows.iter().map(|r| r.replays).collect();
+        let vectors: Vec<Vector> = rows.iter().map(|r| Vector::from(r.embedding.clone())).collect();
+        let sql = format!(
+            "WITH input AS (
+                 SELECT * FROM UNNEST($1::bigint[], $2::int[], $3::vector[]) AS t(id, replays, embedding)
+             ), claimed AS (
+                 DELETE FROM embedding_dlq d USING input i
+                  WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL
+                    AND EXISTS (SELECT 1 FROM ingest_manifest m
+                                 WHERE m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
+                                   AND m.content_hash = d.content_hash)
+                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.attempts, d.replays,
+                           d.error_class, i.embedding
+             ), vectors AS (
+                 INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
+                 SELECT doc_id, chunk_index, content_hash, embedding FROM claimed
+                 ON CONFLICT (doc_id, chunk_index) DO UPDATE
+                     SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash,
+                         updated_at = now()
+                     WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
+                 RETURNING 1
+             ), manifest AS (
+                 UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+                   FROM claimed c
+                  WHERE m.doc_id = c.doc_id AND m.chunk_index = c.chunk_index
+                    AND m.content_hash = c.content_hash
+                 RETURNING 1
+             ), events AS (
+                 INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+                 SELECT 'replayed', id, doc_id, chunk_index,
+                        jsonb_build_object('event', 'replayed', 'dlq_id', id, 'doc_id', doc_id,
+                                           'chunk_index', chunk_index, 'error_class', error_class,
+                                           'attempts', attempts, 'replays', replays + 1, 'at', now())
+                   FROM claimed
+                 RETURNING 1
+             )
+             SELECT id FROM claimed",
+            table = self.target_sql_name()
+        );
+        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(&ids)
+            .bind(&gens)
+            .bind(&vectors)
+            .fetch_all(self.pool())
+            .await?;
+        Ok(applied)
+    }
+
+    /// Commits failed passes and give-ups in one statement: DLQ row updated (attempts,
+    /// generation, schedule or exhaustion), manifest `parked`/`exhausted`, `reparked` or
+    /// `exhausted` event. Returns the ids applied.
+    pub async fn commit_reparked(&self, rows: &[Repark]) -> Result<Vec<i64>, StoreError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let gens: Vec<i32> = rows.iter().map(|r| r.replays).collect();
+        let classes: Vec<&str> = rows.iter().map(|r| r.error_class.as_str()).collect();
+        let reasons: Vec<&str> = rows.iter().map(|r| r.error_reason.as_str()).collect();
+        let errors: Vec<Option<&str>> = rows.iter().map(|r| r.last_error.as_deref()).collect();
+        let statuses: Vec<Option<i32>> = rows.iter().map(|r| r.last_status).collect();
+        let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
+        let retry_in: Vec<Option<f64>> = rows.iter().map(|r| r.retry_in.map(|d| d.as_secs_f64())).collect();
+        let exhausted: Vec<Option<&str>> = rows.iter().map(|r| r.exhausted_reason.as_deref()).collect();
+        let sigs: Vec<Option<&str>> = rows.iter().map(|r| r.signature.as_deref()).collect();
+        let same: Vec<i32> = rows.iter().map(|r| r.same_error_count).collect();
+        let applied: Vec<i64> = sqlx::query_scalar(
+            "WITH input AS (
+                 SELECT * FROM UNNEST($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[],
+                                      $6::int[], $7::int[], $8::float8[], $9::text[], $10::text[], $11::int[])
+                     AS t(id, replays, error_class, error_reason, last_error, last_status, attempts,
+                          retry_in, exhausted_reason, signature, same_count)
+             ), upd AS (
+                 UPDATE embedding_dlq d SET
+                        attempts = d.attempts + i.attempts,
+                        replays = d.replays + 1,
+                        error_class = i.error_class,
+                        error_reason = i.error_reason,
+                        last_error = i.last_error,
+                        last_status = i.last_status,
+                        last_failed_at = now(),
+                        next_retry_at = CASE WHEN i.retry_in IS NULL THEN NULL
+                                             ELSE now() + make_interval(secs => i.retry_in) END,
+                        exhausted_at = CASE WHEN i.exhausted_reason IS NULL THEN NULL ELSE now() END,
+                        exhausted_reason = i.exhausted_reason,
+                        last_error_signature = i.signature,
+                        same_error_count = i.same_count
+                   FROM input i
+                  WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL
+                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_class,
+                           d.error_reason, d.attempts, d.replays, d.next_retry_at, d.exhausted_reason,
+                           CASE WHEN d.exhausted_reason IS NULL THEN 'parked' ELSE 'exhausted' END AS status
+             ), manifest AS (
+                 UPDATE ingest_manifest m SET status = u.status, updated_at = now()
+                   FROM upd u
+                  WHERE m.doc_id = u.doc_id AND m.chunk_index = u.chunk_index
+                    AND m.content_hash = u.content_hash AND m.status <> u.status
+                 RETURNING 1
+             ), events AS (
+                 INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+                 SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
+                        id, doc_id, chunk_index,
+                        jsonb_build_object('event', CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
+                                           'dlq_id', id, 'doc_id', doc_id, 'chunk_index', chunk_index,
+                                           'error_class', error_class, 'error_reason', error_reason,
+                                           'attempts', attempts, 'replays', replays,
+                                           'next_retry_at', next_retry_at,
+                                           'exhausted_reason', exhausted_reason, 'at', now())
+                   FROM upd
+                 RETURNING 1
+             )
+             SELECT id FROM upd",
+        )
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&classes)
+        .bind(&reasons)
+        .bind(&errors)
+        .bind(&statuses)
+        .bind(&attempts)
+        .bind(&retry_in)
+        .bind(&exhausted)
+        .bind(&sigs)
+        .bind(&same)
+        .fetch_all(self.pool())
+        .await?;
+        Ok(applied)
+    }
+}

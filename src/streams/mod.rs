@@ -1,0 +1,120 @@
+//! Redis: the delivery and fan-out channel (Postgres stays the system of record).
+//!
+//! Structures, all under one configurable prefix wrapped in a hash tag so they share a slot
+//! on Redis Cluster (default prefix `embed-dlq` → keys `{embed-dlq}:...`):
+//!
+//! | key | type | written by | read by |
+//! | --- | --- | --- | --- |
+//! | `{p}:events` | stream | relay (every park, resolve, replay, re-park, exhaustion) | `tail`, any consumer |
+//! | `{p}:replay` | stream | relay (due replay work items) | group [`REPLAY_GROUP`] |
+//! | `{p}:outbox:<id>` | string, TTL | `redis/publish.lua` (dedup marker → entry id) | `redis/publish.lua` |
+//!
+//! Stream entries carry `outbox_id`, `event` and `body` (the compact JSON envelope from the
+//! outbox: ids, error class, attempts, timestamps — never the payload or a secret).
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::{AsyncConnectionConfig, Client, Script};
+
+/// The consumer group of the replayers on the replay stream.
+pub const REPLAY_GROUP: &str = "replayers";
+
+/// Default key prefix.
+pub const DEFAULT_PREFIX: &str = "embed-dlq";
+
+/// The dedup-and-append script (`redis/publish.lua`).
+pub fn publish_script() -> Script {
+    Script::new(include_str!("../../redis/publish.lua"))
+}
+
+/// Every key name, derived from one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamKeys {
+    tag: String,
+}
+
+impl StreamKeys {
+    /// `prefix` is wrapped in a hash tag: `{prefix}`.
+    pub fn new(prefix: &str) -> Self {
+        StreamKeys { tag: format!("{{{prefix}}}") }
+    }
+
+    /// Stream of every DLQ event.
+    pub fn events(&self) -> String {
+        format!("{}:events", self.tag)
+    }
+
+    /// Stream of due replay work, read by [`REPLAY_GROUP`].
+    pub fn replay(&self) -> String {
+        format!("{}:replay", self.tag)
+    }
+
+    /// Dedup marker of one outbox row.
+    pub fn outbox_marker(&self, outbox_id: i64) -> String {
+        format!("{}:outbox:{outbox_id}", self.tag)
+    }
+
+    /// The stream an outbox row's `stream` column names.
+    pub fn for_outbox_stream(&self, stream: &str) -> String {
+        match stream {
+            "replay" => self.replay(),
+            _ => self.events(),
+        }
+    }
+}
+
+impl Default for StreamKeys {
+    fn default() -> Self {
+        StreamKeys::new(DEFAULT_PREFIX)
+    }
+}
+
+/// Opens a client for `url`.
+pub fn client(url: &str) -> redis::RedisResult<Client> {
+    Client::open(url)
+}
+
+/// A self-reconnecting connection for ordinary (non-blocking) commands.
+pub async fn managed(client: &Client) -> redis::RedisResult<ConnectionManager> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        .set_response_timeout(Some(Duration::from_secs(10)))
+        .set_number_of_retries(2);
+    client.get_connection_manager_with_config(config).await
+}
+
+/// A dedicated connection for blocking reads (`XREAD(GROUP) BLOCK`): redis-rs gives every
+/// reply a 500 ms timeout by default, which would cut a blocking read short, and a blocking
+/// read on a shared connection would stall every other command on it.
+pub async fn blocking(client: &Client, block: Duration) -> redis::RedisResult<MultiplexedConnection> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        .set_response_timeout(Some(block + Duration::from_secs(10)));
+    client.get_multiplexed_async_connection_with_config(&config).await
+}
+
+/// Reads a field of a stream entry as a string.
+pub fn field(map: &std::collections::HashMap<String, redis::Value>, name: &str) -> Option<String> {
+    match map.get(name)? {
+        redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        redis::Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_share_one_hash_tag() {
+        let k = StreamKeys::new("prod");
+        assert_eq!(k.events(), "{prod}:events");
+        assert_eq!(k.replay(), "{prod}:replay");
+        assert_eq!(k.outbox_marker(42), "{prod}:outbox:42");
+        assert_eq!(k.for_outbox_stream("replay"), k.replay());
+        assert_eq!(k.for_outbox_stream("events"), k.events());
+    }
+}
