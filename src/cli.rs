@@ -53,6 +53,38 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// Settings of `serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Replayer tasks in this process (0 runs only the relay and the scheduler).
+    #[arg(long, default_value_t = 2)]
+    pub replayers: usize,
+    /// Entries per replay batch.
+    #[arg(long, default_value_t = 32)]
+    pub replay_batch: usize,
+    /// Entries idle this long are taken over by another replayer.
+    #[arg(long, default_value_t = 60_000)]
+    pub min_idle_ms: u64,
+    /// Deliveries after which an entry is marked exhausted.
+    #[arg(long, default_value_t = 5)]
+    pub delivery_cap: u32,
+    /// Time to finish in-flight work after SIGTERM.
+    #[arg(long, default_value_t = 10_000)]
+    pub grace_ms: u64,
+    /// Key prefix of the streams (wrapped in a hash tag).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
+    pub stream_prefix: String,
+    /// Prefix of this process's consumer names (default: hostname-pid).
+    #[arg(long)]
+    pub consumer_name: Option<String>,
+    /// Outbox rows per relay pass.
+    #[arg(long, default_value_t = 500)]
+    pub relay_batch: usize,
+    /// Relay poll interval when no notification arrives.
+    #[arg(long, default_value_t = 1_000)]
+    pub relay_poll_ms: u64,
+}
+
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -86,6 +118,38 @@ pub enum Command {
         /// No progress bar.
         #[arg(long)]
         no_progress: bool,
+    },
+    /// Relay parked failures to Redis Streams and replay due work with a consumer group.
+    Serve {
+        #[command(flatten)]
+        provider: Box<ProviderArgs>,
+        #[command(flatten)]
+        ingest: Box<IngestArgs>,
+        #[command(flatten)]
+        retry: Box<RetryArgs>,
+        #[command(flatten)]
+        serve: ServeArgs,
+    },
+    /// Follow the events stream (every park, replay, re-park, exhaustion).
+    Tail {
+        /// Where to start: `$` (new events only), `0` (everything kept) or an entry id.
+        #[arg(long, default_value = "$")]
+        from: String,
+        /// One JSON object per event.
+        #[arg(long)]
+        json: bool,
+        /// Resume from this file and save the last printed id to it.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// Exit after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Exit once caught up.
+        #[arg(long)]
+        no_follow: bool,
+        /// Key prefix of the streams.
+        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
+        stream_prefix: String,
     },
     /// Run the fault-injecting OpenAI-compatible provider.
     MockProvider {
@@ -139,6 +203,31 @@ pub async fn run(cli: Cli) -> i32 {
             };
             ingest_command(settings, &input, json, !no_progress, cancel).await
         }
+        Command::Serve { provider, ingest, retry, serve } => {
+            let redis_url =
+                cli.services.redis_url.clone().or(file.as_ref().and_then(|f| f.services.redis_url.clone()));
+            let Some(redis_url) = redis_url else {
+                return fail(exit::USAGE, "no Redis: set REDIS_URL or --redis-url");
+            };
+            let settings = match IngestSettings::resolve(cli.services, *provider, *ingest, *retry, file) {
+                Ok(s) => s,
+                Err(e) => return fail(exit::USAGE, &e),
+            };
+            serve_command(settings, &redis_url, serve, cancel).await
+        }
+        Command::Tail { from, json, checkpoint, count, no_follow, stream_prefix } => {
+            let redis_url = cli.services.redis_url.or(file.and_then(|f| f.services.redis_url));
+            let Some(redis_url) = redis_url else {
+                return fail(exit::USAGE, "no Redis: set REDIS_URL or --redis-url");
+            };
+            let opts = crate::tail::TailOptions { from, json, checkpoint, count, no_follow };
+            let keys = crate::streams::StreamKeys::new(&stream_prefix);
+            let mut out = std::io::stdout();
+            match crate::tail::tail(&redis_url, &keys, &opts, &mut out, cancel).await {
+                Ok(_) => exit::OK,
+                Err(e) => fail(exit::FAILURE, &e),
+            }
+        }
         Command::MockProvider { listen, settings } => {
             let config: MockConfig = match serde_json::from_str(&settings) {
                 Ok(c) => c,
@@ -163,6 +252,43 @@ pub async fn run(cli: Cli) -> i32 {
                 Err(e) => fail(exit::FAILURE, &format!("{e:#}")),
             }
         }
+    }
+}
+
+async fn serve_command(
+    settings: IngestSettings,
+    redis_url: &str,
+    args: ServeArgs,
+    cancel: CancellationToken,
+) -> i32 {
+    let pipeline = match build_pipeline(&settings).await {
+        Ok(p) => p,
+        Err(e) => return fail(exit::FAILURE, &e),
+    };
+    let replay = crate::replay::ReplayConfig {
+        batch: args.replay_batch.max(1),
+        min_idle: std::time::Duration::from_millis(args.min_idle_ms.max(100)),
+        delivery_cap: args.delivery_cap.max(1),
+        schedule: settings.options.dlq_schedule,
+        ..Default::default()
+    };
+    let relay = crate::relay::RelayConfig {
+        batch: args.relay_batch.max(1),
+        poll: std::time::Duration::from_millis(args.relay_poll_ms.max(10)),
+        ..Default::default()
+    };
+    let config = crate::serve::ServeConfig {
+        replayers: args.replayers,
+        relay,
+        replay,
+        keys: crate::streams::StreamKeys::new(&args.stream_prefix),
+        grace: std::time::Duration::from_millis(args.grace_ms),
+        consumer_prefix: args.consumer_name.unwrap_or_else(crate::serve::default_consumer_prefix),
+    };
+    match crate::serve::serve(pipeline.store, pipeline.embedder, redis_url, config, cancel.clone()).await {
+        Ok(()) if cancel.is_cancelled() => exit::OK,
+        Ok(()) => exit::OK,
+        Err(e) => fail(exit::FAILURE, &e),
     }
 }
 

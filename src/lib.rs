@@ -15,6 +15,10 @@
 //!   gate (rate-limit pause and circuit breaker).
 //! - [`store`]: Postgres — manifest, vector table, DLQ and outbox; the atomic store and park
 //!   statements; migrations.
+//! - [`relay`]: outbox → Redis Streams, deduplicated by `redis/publish.lua`.
+//! - [`streams`]: key names, connections and the stream layout.
+//! - [`replay`]: scheduler (due rows → work), replayers (consumer group, XAUTOCLAIM).
+//! - [`serve`], [`tail`]: the long-running service and the event follower.
 //! - [`model`]: the shared vocabulary (chunk, manifest state, error class, content hash).
 //! - [`mock_provider`]: the fault-injecting provider used by the demo, tests and benches.
 //! - [`config`], [`cli`], [`shutdown`], [`telemetry`], [`demo`]: the edges.
@@ -23,9 +27,15 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod embed;
+pub mod failpoint;
 pub mod ingest;
 pub mod mock_provider;
 pub mod model;
+pub mod relay;
+pub mod replay;
+pub mod serve;
 pub mod shutdown;
 pub mod store;
+pub mod streams;
+pub mod tail;
 pub mod telemetry;

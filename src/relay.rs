@@ -108,9 +108,8 @@ impl Relay {
             let id: i64 = r.try_get("id")?;
             let stream: String = r.try_get("stream")?;
             let maxlen = if stream == "events" { self.config.events_maxlen } else { 0 };
-            let invocation = self
-                .script
-                .key(self.keys.outbox_marker(id))
+            let mut invocation = self.script.key(self.keys.outbox_marker(id));
+            invocation
                 .key(self.keys.for_outbox_stream(&stream))
                 .arg(ttl)
                 .arg(maxlen)
@@ -119,8 +118,7 @@ impl Relay {
                 .arg("event")
                 .arg(r.try_get::<String, _>("event")?)
                 .arg("body")
-                .arg(r.try_get::<String, _>("body")?)
-                .clone();
+                .arg(r.try_get::<String, _>("body")?);
             pipe.invoke_script(&invocation);
             ids.push(id);
         }

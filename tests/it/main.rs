@@ -4,4 +4,5 @@
 
 mod ingest;
 mod process;
+mod streams;
 mod support;

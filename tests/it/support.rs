@@ -150,3 +150,18 @@ fn database_url_rewrite() {
     );
     assert_eq!(with_database("postgres://u@h:1", "x"), "postgres://u@h:1/x");
 }
+
+/// The Redis named by `REDIS_URL` (scripts/test.sh starts one).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").expect("REDIS_URL is not set: run the tests with scripts/test.sh")
+}
+
+/// Stream keys under a prefix of their own, so tests never see each other's entries.
+pub fn fresh_keys() -> embed_dlq::streams::StreamKeys {
+    embed_dlq::streams::StreamKeys::new(&format!("it-{}-{}", std::process::id(), rand::random::<u32>()))
+}
+
+pub async fn redis() -> redis::aio::ConnectionManager {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    embed_dlq::streams::managed(&client).await.expect("connect to REDIS_URL")
+}

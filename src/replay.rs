@@ -1,0 +1,620 @@
+//! Replay: parked transient work goes back through the same client, classifier and retry
+//! policy, in parallel, through the `replayers` consumer group on the replay stream.
+//!
+//! - [`Scheduler`]: due DLQ rows → replay work items (outbox → relay → replay stream).
+//! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
+//!   A result commits only if the DLQ row still has the generation the work item carried
+//!   ([`crate::store::replay`]), so a redelivered entry whose row is gone, already replayed,
+//!   or superseded by newer content is acknowledged and skipped.
+//! - Stuck work: entries idle longer than `min_idle` are taken over with `XAUTOCLAIM`
+//!   (delivery counts read from `XPENDING`). While a replayer works on a batch it refreshes
+//!   its claim (`XCLAIM ... JUSTID` to itself), so a short `min_idle` never causes double
+//!   processing. Past `delivery_cap` deliveries the row is marked exhausted and the entry
+//!   acknowledged. Consumers idle past `dead_consumer_after` with nothing pending are removed.
+//! - Failed passes are re-parked on the DLQ schedule; the same content failing with the same
+//!   `http_500` several passes in a row is reclassified as permanent; past `max_replays` the
+//!   row is exhausted. Nothing loops forever.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionManager;
+use redis::streams::{StreamAutoClaimReply, StreamPendingCountReply, StreamReadReply};
+use tokio_util::sync::CancellationToken;
+
+use crate::embed::retry::DlqSchedule;
+use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome};
+use crate::failpoint;
+use crate::model::ErrorClass;
+use crate::relay::sleep_or_cancel;
+use crate::store::replay::{DlqRow, Repark, Replayed};
+use crate::store::{Store, StoreError};
+use crate::streams::{REPLAY_GROUP, StreamKeys, field};
+
+/// Replay tuning.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// Entries per XREADGROUP (and per provider batch).
+    pub batch: usize,
+    /// XREADGROUP BLOCK time.
+    pub block: Duration,
+    /// Entries idle longer than this are taken over by another replayer.
+    pub min_idle: Duration,
+    /// Deliveries after which an entry is given up on (row exhausted, entry acked).
+    pub delivery_cap: u32,
+    /// Consumers idle this long with nothing pending are removed from the group.
+    pub dead_consumer_after: Duration,
+    /// Passes failing with the same `http_500` before the row is reclassified as permanent.
+    pub deterministic_failures: i32,
+    pub schedule: DlqSchedule,
+    /// How far `next_retry_at` is pushed when a row is published as work (re-published if
+    /// the work is lost and the lease runs out).
+    pub lease: Duration,
+    /// How often the scheduler looks for due rows.
+    pub schedule_every: Duration,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            batch: 32,
+            block: Duration::from_secs(2),
+            min_idle: Duration::from_secs(60),
+            delivery_cap: 5,
+            dead_consumer_after: Duration::from_secs(3600),
+            deterministic_failures: 3,
+            schedule: DlqSchedule::default(),
+            lease: Duration::from_secs(15 * 60),
+            schedule_every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What one batch did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayCounts {
+    pub replayed: u64,
+    pub reparked: u64,
+    pub exhausted: u64,
+    /// Entries acknowledged without work (row gone, already replayed, superseded, unreadable).
+    pub skipped: u64,
+    /// Entries left pending (shutdown before the first attempt, provider refused the run).
+    pub left_pending: u64,
+    /// Entries taken over from other consumers.
+    pub reclaimed: u64,
+}
+
+impl ReplayCounts {
+    fn add(&mut self, o: ReplayCounts) {
+        self.replayed += o.replayed;
+        self.reparked += o.reparked;
+        self.exhausted += o.exhausted;
+        self.skipped += o.skipped;
+        self.left_pending += o.left_pending;
+        self.reclaimed += o.reclaimed;
+    }
+}
+
+/// Why a replay step failed (the loop backs off and retries).
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// Publishes due rows as replay work.
+pub struct Scheduler {
+    pub store: Store,
+    pub config: ReplayConfig,
+}
+
+impl Scheduler {
+    /// One pass: rows made into work items.
+    pub async fn run_once(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let n = self.store.schedule_due(500, self.config.lease).await?;
+            total += n;
+            if n < 500 {
+                return Ok(total);
+            }
+        }
+    }
+
+    pub async fn run(self, cancel: CancellationToken) {
+        while !cancel.is_cancelled() {
+            if let Err(e) = self.run_once().await {
+                tracing::warn!(error = %e, "scheduler pass failed; retrying");
+            }
+            sleep_or_cancel(self.config.schedule_every, &cancel).await;
+        }
+    }
+}
+
+/// Creates the consumer group (and the stream) if missing.
+pub async fn ensure_group(redis: &mut ConnectionManager, keys: &StreamKeys) -> Result<(), redis::RedisError> {
+    let r: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(keys.replay())
+        .arg(REPLAY_GROUP)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(redis)
+        .await;
+    match r {
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        other => other,
+    }
+}
+
+/// One entry of the replay stream.
+#[derive(Debug, Clone)]
+struct Entry {
+    id: String,
+    deliveries: u32,
+    work: Option<(i64, i32)>,
+}
+
+/// One member of the `replayers` group.
+pub struct Replayer {
+    pub name: String,
+    pub store: Store,
+    pub embedder: Embedder,
+    pub client: redis::Client,
+    pub redis: ConnectionManager,
+    pub keys: StreamKeys,
+    pub config: ReplayConfig,
+}
+
+impl Replayer {
+    /// Reads and processes one batch of new entries (blocking up to `block`).
+    pub async fn read_once(
+        &mut self,
+        conn: &mut redis::aio::MultiplexedConnection,
+        cancel: &CancellationToken,
+    ) -> Result<ReplayCounts, ReplayError> {
+        let entries = self.read_once_entries(conn).await?;
+        self.process(entries, cancel).await
+    }
+
+    /// Takes over entries idle longer than `min_idle` and processes them; also removes dead
+    /// consumers.
+    pub async fn reclaim_once(&mut self, cancel: &CancellationToken) -> Result<ReplayCounts, ReplayError> {
+        let mut total = ReplayCounts::default();
+        let mut cursor = "0-0".to_string();
+        loop {
+            let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+                .arg(self.keys.replay())
+                .arg(REPLAY_GROUP)
+                .arg(&self.name)
+                .arg(self.config.min_idle.as_millis() as u64)
+                .arg(&cursor)
+                .arg("COUNT")
+                .arg(self.config.batch)
+                .query_async(&mut self.redis)
+                .await?;
+            if !reply.deleted_ids.is_empty() {
+                // Trimmed away while pending: nothing to do but forget them.
+                let mut ack = redis::cmd("XACK");
+                ack.arg(self.keys.replay()).arg(REPLAY_GROUP);
+                for id in &reply.deleted_ids {
+                    ack.arg(id);
+                }
+                let _: i64 = ack.query_async(&mut self.redis).await?;
+            }
+            if !reply.claimed.is_empty() {
+                let counts = self.delivery_counts(&reply.claimed).await?;
+                let entries: Vec<Entry> = reply
+                    .claimed
+                    .into_iter()
+                    .map(|e| Entry {
+                        deliveries: counts.get(&e.id).copied().unwrap_or(1),
+                        work: parse_work(&e.map),
+                        id: e.id,
+                    })
+                    .collect();
+                total.reclaimed += entries.len() as u64;
+                tracing::info!(consumer = %self.name, entries = entries.len(), "reclaimed idle replay entries");
+                total.add(self.process(entries, cancel).await?);
+            }
+            if reply.next_stream_id == "0-0" || cancel.is_cancelled() {
+                break;
+            }
+            cursor = reply.next_stream_id;
+        }
+        self.remove_dead_consumers().await?;
+        Ok(total)
+    }
+
+    async fn delivery_counts(
+        &mut self,
+        entries: &[redis::streams::StreamId],
+    ) -> Result<HashMap<String, u32>, ReplayError> {
+        let first = &entries.first().expect("non-empty").id;
+        let last = &entries.last().expect("non-empty").id;
+        let pending: StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(self.keys.replay())
+            .arg(REPLAY_GROUP)
+            .arg(first)
+            .arg(last)
+            .arg(entries.len() * 2 + 10)
+            .arg(&self.name)
+            .query_async(&mut self.redis)
+            .await?;
+        Ok(pending.ids.into_iter().map(|p| (p.id, p.times_delivered as u32)).collect())
+    }
+
+    async fn remove_dead_consumers(&mut self) -> Result<(), ReplayError> {
+        let info: redis::streams::StreamInfoConsumersReply = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(self.keys.replay())
+            .arg(REPLAY_GROUP)
+            .query_async(&mut self.redis)
+            .await?;
+        for c in info.consumers {
+            if c.name != self.name
+                && c.pending == 0
+                && c.idle as u128 > self.config.dead_consumer_after.as_millis()
+            {
+                let _: i64 = redis::cmd("XGROUP")
+                    .arg("DELCONSUMER")
+                    .arg(self.keys.replay())
+                    .arg(REPLAY_GROUP)
+                    .arg(&c.name)
+                    .query_async(&mut self.redis)
+                    .await?;
+                tracing::info!(consumer = %c.name, "removed dead consumer");
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles a batch of entries owned by this consumer: skip, exhaust or replay each, commit,
+    /// then acknowledge what was settled.
+    async fn process(
+        &mut self,
+        entries: Vec<Entry>,
+        cancel: &CancellationToken,
+    ) -> Result<ReplayCounts, ReplayError> {
+        let mut counts = ReplayCounts::default();
+        if entries.is_empty() {
+            return Ok(counts);
+        }
+        let ids: Vec<i64> = entries.iter().filter_map(|e| e.work.map(|w| w.0)).collect();
+        let rows: HashMap<i64, DlqRow> =
+            self.store.load_dlq_rows(&ids).await?.into_iter().map(|r| (r.id, r)).collect();
+        let mut ack: Vec<String> = Vec::new();
+        let mut give_up: Vec<Repark> = Vec::new();
+        let mut todo: Vec<(Entry, DlqRow)> = Vec::new();
+        let mut seen: HashSet<i64> = HashSet::new();
+        for e in entries {
+            let Some((dlq_id, generation)) = e.work else {
+                tracing::warn!(entry = %e.id, "unreadable replay entry; acknowledging it");
+                counts.skipped += 1;
+                ack.push(e.id);
+                continue;
+            };
+            let live = rows.get(&dlq_id).filter(|r| {
+                r.replays == generation
+                    && !r.exhausted
+                    && r.error_class == ErrorClass::Transient.as_str()
+                    && r.manifest_hash.as_deref() == Some(r.content_hash.as_str())
+            });
+            match live {
+                Some(row) if seen.insert(dlq_id) => {
+                    if e.deliveries > self.config.delivery_cap {
+                        give_up.push(exhaust(
+                            row,
+                            &format!("delivery cap reached ({} deliveries)", e.deliveries),
+                        ));
+                        ack.push(e.id);
+                    } else {
+                        todo.push((e, row.clone()));
+                    }
+                }
+                _ => {
+                    counts.skipped += 1;
+                    ack.push(e.id);
+                }
+            }
+        }
+
+        let mut replayed: Vec<Replayed> = Vec::new();
+        let mut reparked: Vec<Repark> = Vec::new();
+        if !todo.is_empty() {
+            let texts: Vec<String> = todo
+                .iter()
+                .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
+                .collect();
+            let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let mut stats = BatchStats::default();
+            let entry_ids: Vec<String> = todo.iter().map(|(e, _)| e.id.clone()).collect();
+            let outcome = {
+                let embed = self.embedder.embed_batch(&text_refs, cancel, &mut stats);
+                let keepalive =
+                    keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
+                tokio::select! {
+                    r = embed => r,
+                    _ = keepalive => unreachable!("keepalive never ends"),
+                }
+            };
+            match outcome {
+                Err(stop) => {
+                    // Not the items' fault: leave them pending; they are retried after min_idle.
+                    tracing::error!(error = %stop, "provider refused replay; leaving entries pending");
+                    counts.left_pending += todo.len() as u64;
+                    todo.clear();
+                }
+                Ok(outcomes) => {
+                    for ((e, row), outcome) in todo.into_iter().zip(outcomes) {
+                        match outcome {
+                            ItemOutcome::Embedded(embedding) => {
+                                replayed.push(Replayed { id: row.id, replays: row.replays, embedding });
+                                ack.push(e.id);
+                            }
+                            ItemOutcome::Failed(f) => {
+                                reparked.push(next_state(&row, &f, &self.config));
+                                ack.push(e.id);
+                            }
+                            ItemOutcome::NotAttempted => counts.left_pending += 1,
+                        }
+                    }
+                }
+            }
+        }
+        failpoint::hit("replay_before_commit");
+        let applied = self.store.commit_replayed(&replayed).await?;
+        counts.replayed += applied.len() as u64;
+        counts.skipped += (replayed.len() - applied.len()) as u64;
+        reparked.extend(give_up);
+        let applied = self.store.commit_reparked(&reparked).await?;
+        let applied: HashSet<i64> = applied.into_iter().collect();
+        for r in &reparked {
+            if !applied.contains(&r.id) {
+                counts.skipped += 1;
+            } else if r.exhausted_reason.is_some() {
+                counts.exhausted += 1;
+            } else {
+                counts.reparked += 1;
+            }
+        }
+        failpoint::hit("replay_after_commit");
+        if !ack.is_empty() {
+            let mut cmd = redis::cmd("XACK");
+            cmd.arg(self.keys.replay()).arg(REPLAY_GROUP);
+            for id in &ack {
+                cmd.arg(id);
+            }
+            let _: i64 = cmd.query_async(&mut self.redis).await?;
+        }
+        Ok(counts)
+    }
+
+    /// Runs until `stop` (stop claiming), finishing the batch in hand; `hard` cuts retry
+    /// waits short when the grace period is over.
+    pub async fn run(mut self, stop: CancellationToken, hard: CancellationToken) {
+        let mut conn = None;
+        let mut backoff = Duration::from_millis(100);
+        let mut last_reclaim = Instant::now() - Duration::from_secs(3600);
+        if let Err(e) = ensure_group(&mut self.redis, &self.keys).await {
+            tracing::warn!(error = %e, "cannot create the consumer group yet; will retry");
+        }
+        while !stop.is_cancelled() {
+            let step: Result<ReplayCounts, ReplayError> = async {
+                if last_reclaim.elapsed() >= self.config.min_idle / 2 {
+                    last_reclaim = Instant::now();
+                    ensure_group(&mut self.redis, &self.keys).await?;
+                    self.reclaim_once(&hard).await?;
+                }
+                if conn.is_none() {
+                    conn = Some(crate::streams::blocking(&self.client, self.config.block).await?);
+                }
+                let c = conn.as_mut().expect("just set");
+                let read = tokio::select! {
+                    _ = stop.cancelled() => return Ok(ReplayCounts::default()),
+                    r = self.read_once_entries(c) => r,
+                };
+                match read {
+                    Ok(entries) => self.process(entries, &hard).await,
+                    Err(e) => {
+                        if e.code() == Some("NOGROUP") {
+                            ensure_group(&mut self.redis, &self.keys).await?;
+                        }
+                        Err(e.into())
+                    }
+                }
+            }
+            .await;
+            match step {
+                Ok(c) => {
+                    backoff = Duration::from_millis(100);
+                    if c != ReplayCounts::default() {
+                        tracing::debug!(consumer = %self.name, ?c, "replay batch");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(consumer = %self.name, error = %e, "replay step failed; retrying");
+                    conn = None;
+                    sleep_or_cancel(backoff, &stop).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn read_once_entries(
+        &self,
+        conn: &mut redis::aio::MultiplexedConnection,
+    ) -> Result<Vec<Entry>, redis::RedisError> {
+        let reply: StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(REPLAY_GROUP)
+            .arg(&self.name)
+            .arg("COUNT")
+            .arg(self.config.batch)
+            .arg("BLOCK")
+            .arg(self.config.block.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(self.keys.replay())
+            .arg(">")
+            .query_async(conn)
+            .await?;
+        Ok(reply
+            .keys
+            .into_iter()
+            .flat_map(|k| k.ids)
+            .map(|e| Entry { work: parse_work(&e.map), id: e.id, deliveries: 1 })
+            .collect())
+    }
+}
+
+/// Refreshes this consumer's claim on `ids` (resets their idle time) every third of
+/// `min_idle` until dropped, so nobody reclaims a batch that is still being worked on.
+async fn keep_claim(
+    mut redis: ConnectionManager,
+    keys: &StreamKeys,
+    me: &str,
+    ids: &[String],
+    min_idle: Duration,
+) {
+    let every = (min_idle / 3).max(Duration::from_millis(50));
+    loop {
+        tokio::time::sleep(every).await;
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(keys.replay()).arg(REPLAY_GROUP).arg(me).arg(0);
+        for id in ids {
+            cmd.arg(id);
+        }
+        cmd.arg("JUSTID");
+        if let Err(e) = cmd.query_async::<redis::Value>(&mut redis).await {
+            tracing::warn!(error = %e, "could not refresh the claim on a replay batch");
+        }
+    }
+}
+
+fn parse_work(map: &HashMap<String, redis::Value>) -> Option<(i64, i32)> {
+    let body: serde_json::Value = serde_json::from_str(&field(map, "body")?).ok()?;
+    Some((body["dlq_id"].as_i64()?, i32::try_from(body["replays"].as_i64()?).ok()?))
+}
+
+fn exhaust(row: &DlqRow, why: &str) -> Repark {
+    Repark {
+        id: row.id,
+        replays: row.replays,
+        error_class: row.error_class.clone(),
+        error_reason: row.error_reason.clone(),
+        last_error: row.last_error.clone(),
+        last_status: row.last_status,
+        attempts: 0,
+        retry_in: None,
+        exhausted_reason: Some(why.to_string()),
+        signature: row.last_error_signature.clone(),
+        same_error_count: row.same_error_count,
+    }
+}
+
+/// The DLQ row's next state after a failed replay pass: a pure function of the stored state
+/// and the failure, so it is tested without a clock or a database.
+pub fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
+    let signature = format!("{}:{}", f.reason, f.status.unwrap_or(0));
+    let same = if row.last_error_signature.as_deref() == Some(signature.as_str()) {
+        row.same_error_count + 1
+    } else {
+        1
+    };
+    let passes = row.replays.saturating_add(1);
+    let mut r = Repark {
+        id: row.id,
+        replays: row.replays,
+        error_class: f.class.as_str().to_string(),
+        error_reason: f.reason.to_string(),
+        last_error: Some(f.detail.clone()),
+        last_status: f.status.map(i32::from),
+        attempts: f.attempts as i32,
+        retry_in: None,
+        exhausted_reason: None,
+        signature: Some(signature),
+        same_error_count: same,
+    };
+    if f.class != ErrorClass::Transient {
+        return r;
+    }
+    if f.reason == "http_500" && same >= config.deterministic_failures {
+        r.error_class = ErrorClass::PermanentInput.as_str().to_string();
+        r.error_reason = "repeated_http_500".into();
+        return r;
+    }
+    if passes as u32 >= config.schedule.max_replays {
+        r.exhausted_reason = Some(format!("replay limit reached after {passes} passes"));
+        return r;
+    }
+    r.retry_in = Some(config.schedule.delay(passes as u32));
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(replays: i32, sig: Option<&str>, same: i32) -> DlqRow {
+        DlqRow {
+            id: 1,
+            doc_id: "d".into(),
+            chunk_index: 0,
+            content_hash: "h".into(),
+            payload: serde_json::json!({"text": "t"}),
+            replays,
+            attempts: 5,
+            error_class: "transient".into(),
+            error_reason: "http_503".into(),
+            last_error: None,
+            last_status: Some(503),
+            exhausted: false,
+            last_error_signature: sig.map(str::to_string),
+            same_error_count: same,
+            manifest_hash: Some("h".into()),
+        }
+    }
+
+    fn failure(reason: &'static str, status: u16, class: ErrorClass) -> Failure {
+        Failure { class, reason, detail: "x".into(), status: Some(status), attempts: 3 }
+    }
+
+    #[test]
+    fn transient_failure_is_rescheduled_on_the_dlq_schedule() {
+        let cfg = ReplayConfig::default();
+        let r = next_state(&row(0, None, 0), &failure("http_503", 503, ErrorClass::Transient), &cfg);
+        assert_eq!(r.error_class, "transient");
+        assert!(r.retry_in.unwrap() >= cfg.schedule.base);
+        assert_eq!(r.exhausted_reason, None);
+        assert_eq!(r.same_error_count, 1);
+        assert_eq!(r.attempts, 3);
+    }
+
+    #[test]
+    fn repeated_500_becomes_permanent_before_the_cap() {
+        let cfg = ReplayConfig::default();
+        let f = failure("http_500", 500, ErrorClass::Transient);
+        let r = next_state(&row(1, Some("http_500:500"), 1), &f, &cfg);
+        assert_eq!(r.error_class, "transient", "two in a row is not yet a pattern");
+        let r = next_state(&row(2, Some("http_500:500"), 2), &f, &cfg);
+        assert_eq!(r.error_class, "permanent_input");
+        assert_eq!(r.error_reason, "repeated_http_500");
+        assert_eq!(r.retry_in, None);
+    }
+
+    #[test]
+    fn replay_limit_exhausts_and_permanent_classes_are_not_rescheduled() {
+        let cfg = ReplayConfig::default();
+        let last = cfg.schedule.max_replays as i32 - 1;
+        let r = next_state(&row(last, None, 0), &failure("timeout", 0, ErrorClass::Transient), &cfg);
+        assert!(r.exhausted_reason.is_some());
+        assert_eq!(r.retry_in, None);
+        let r = next_state(&row(0, None, 0), &failure("http_400", 400, ErrorClass::PermanentInput), &cfg);
+        assert_eq!(r.error_class, "permanent_input");
+        assert_eq!(r.retry_in, None);
+        assert_eq!(r.exhausted_reason, None);
+    }
+}

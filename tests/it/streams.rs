@@ -1,0 +1,501 @@
+//! Outbox relay, replay through the consumer group, XAUTOCLAIM, crashes at the dangerous
+//! points (real processes killed by failpoints), tail. Real Postgres, real Redis.
+
+use std::collections::HashSet;
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::ingest::Pipeline;
+use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
+use embed_dlq::relay::{Relay, RelayConfig};
+use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
+use redis::AsyncCommands;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// Parks `n` chunks as transient (the provider is down), returns the pipeline used.
+async fn park_transient(db: &TestDb, n: usize, doc: &str) -> (MockProvider, Pipeline) {
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(db, &down);
+    s.retry.max_attempts = 2;
+    let p = pipeline(&s).await;
+    let mut corpus = String::new();
+    for i in 0..n {
+        corpus.push_str(&line(doc, i as i32, &format!("{doc} chunk {i}")));
+    }
+    let r = p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked_total(), n as u64);
+    (down, p)
+}
+
+async fn make_due(db: &TestDb) {
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE next_retry_at IS NOT NULL")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+async fn relay_all(db: &TestDb, keys: &StreamKeys) -> u64 {
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let mut total = 0;
+    loop {
+        let c = relay.run_once().await.unwrap();
+        total += c.published;
+        if c.claimed == 0 {
+            return total;
+        }
+    }
+}
+
+fn replay_config() -> ReplayConfig {
+    ReplayConfig {
+        batch: 64,
+        block: Duration::from_millis(200),
+        min_idle: Duration::from_millis(300),
+        ..Default::default()
+    }
+}
+
+/// A replayer embedding through a healthy mock.
+async fn replayer(
+    db: &TestDb,
+    mock: &MockProvider,
+    keys: &StreamKeys,
+    name: &str,
+    config: ReplayConfig,
+) -> Replayer {
+    replayer_with_timeout(db, mock, keys, name, config, Duration::from_millis(400)).await
+}
+
+async fn replayer_with_timeout(
+    db: &TestDb,
+    mock: &MockProvider,
+    keys: &StreamKeys,
+    name: &str,
+    config: ReplayConfig,
+    timeout: Duration,
+) -> Replayer {
+    let mut s = settings(db, mock);
+    s.client.timeout = timeout;
+    let p = pipeline(&s).await;
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
+    Replayer {
+        name: name.into(),
+        store: p.store,
+        embedder: p.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+    }
+}
+
+/// Schedules every due row and relays it into the replay stream.
+async fn enqueue_due(db: &TestDb, p: &Pipeline, keys: &StreamKeys) -> u64 {
+    make_due(db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, keys).await.unwrap();
+    let n = Scheduler { store: p.store.clone(), config: replay_config() }.run_once().await.unwrap();
+    relay_all(db, keys).await;
+    n
+}
+
+async fn pending(keys: &StreamKeys) -> usize {
+    let mut r = redis().await;
+    let reply: redis::streams::StreamPendingReply =
+        redis::cmd("XPENDING").arg(keys.replay()).arg(REPLAY_GROUP).query_async(&mut r).await.unwrap();
+    reply.count()
+}
+
+async fn drain(r: &mut Replayer, db: &TestDb, secs: u64) {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let cancel = CancellationToken::new();
+    while db.count("SELECT count(*) FROM embedding_dlq").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "replay did not drain the DLQ");
+        r.read_once(&mut conn, &cancel).await.unwrap();
+    }
+}
+
+fn serve_cmd(db: &TestDb, mock: &MockProvider, keys_prefix: &str) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--model", "mock", "--stream-prefix", keys_prefix, "--request-timeout-ms", "2000"])
+        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--relay-poll-ms", "100"])
+        .env_remove("EMBED_DLQ_FAILPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    c
+}
+
+fn prefix_of(keys: &StreamKeys) -> String {
+    keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_transient(&db, 300, "relay").await;
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 300);
+    let mock = start_mock(MockConfig::default()).await;
+    let out = serve_cmd(&db, &mock, &prefix_of(&keys))
+        .args(["--replayers", "0", "--relay-batch", "100"])
+        .env("EMBED_DLQ_FAILPOINT", "relay_after_publish")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint aborts the relay");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("failpoint relay_after_publish"));
+    let mut r = redis().await;
+    let len: usize = r.xlen(keys.events()).await.unwrap();
+    assert_eq!(len, 100, "one batch was added to the stream before the crash");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 300);
+
+    let published = relay_all(&db, &keys).await;
+    assert_eq!(published, 200, "the 100 already in the stream were recognised, not added again");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 0);
+    let entries: redis::streams::StreamRangeReply = r.xrange_all(keys.events()).await.unwrap();
+    let ids: Vec<String> =
+        entries.ids.iter().map(|e| embed_dlq::streams::field(&e.map, "outbox_id").unwrap()).collect();
+    let unique: HashSet<&String> = ids.iter().collect();
+    assert_eq!(ids.len(), 300);
+    assert_eq!(unique.len(), 300, "no outbox row appears twice");
+    // Stream order follows outbox order.
+    let nums: Vec<i64> = ids.iter().map(|s| s.parse().unwrap()).collect();
+    assert!(nums.windows(2).all(|w| w[0] < w[1]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 50, "ac").await;
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 50);
+    let mock = start_mock(MockConfig::default()).await;
+    let out = serve_cmd(&db, &mock, &prefix_of(&keys))
+        .args(["--replayers", "1", "--replay-batch", "64", "--min-idle-ms", "60000"])
+        .env("EMBED_DLQ_FAILPOINT", "replay_after_commit")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0, "committed before the crash");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 50);
+    assert_eq!(pending(&keys).await, 50, "never acknowledged");
+    let before: Vec<String> = sqlx::query_scalar(
+        "SELECT doc_id || chunk_index || updated_at || xmin FROM doc_embeddings ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let embedded = mock.control.stats().inputs;
+
+    let mut other = replayer(&db, &mock, &keys, "survivor", replay_config()).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c = other.reclaim_once(&CancellationToken::new()).await.unwrap();
+    assert_eq!((c.reclaimed, c.skipped, c.replayed), (50, 50, 0), "{c:?}");
+    assert_eq!(pending(&keys).await, 0);
+    assert_eq!(mock.control.stats().inputs, embedded, "no re-embedding for settled rows");
+    let after: Vec<String> = sqlx::query_scalar(
+        "SELECT doc_id || chunk_index || updated_at || xmin FROM doc_embeddings ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(before, after, "the redelivery changed no vector row");
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, 50);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 40, "bc").await;
+    enqueue_due(&db, &p, &keys).await;
+    let mock = start_mock(MockConfig::default()).await;
+    let out = serve_cmd(&db, &mock, &prefix_of(&keys))
+        .args(["--replayers", "1", "--replay-batch", "64"])
+        .env("EMBED_DLQ_FAILPOINT", "replay_before_commit")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 40, "nothing committed");
+    assert_eq!(pending(&keys).await, 40);
+
+    let mut other = replayer(&db, &mock, &keys, "survivor", replay_config()).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c = other.reclaim_once(&CancellationToken::new()).await.unwrap();
+    assert_eq!((c.reclaimed, c.replayed), (40, 40), "{c:?}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
+    assert_eq!(pending(&keys).await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 10, "slow").await;
+    enqueue_due(&db, &p, &keys).await;
+    // Each replay request takes 1.5 s, five times the min-idle time.
+    let slow = start_mock(MockConfig { latency_ms: 1_500, ..MockConfig::default() }).await;
+    let mut owner =
+        replayer_with_timeout(&db, &slow, &keys, "owner", replay_config(), Duration::from_secs(10)).await;
+    let mut thief = replayer(&db, &slow, &keys, "thief", replay_config()).await;
+    let owner_task = tokio::spawn(async move {
+        let client = embed_dlq::streams::client(&redis_url()).unwrap();
+        let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+        owner.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
+    });
+    let mut stolen = 0;
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        stolen += thief.reclaim_once(&CancellationToken::new()).await.unwrap().reclaimed;
+    }
+    let c = owner_task.await.unwrap();
+    assert_eq!(stolen, 0, "the owner's claim was kept fresh");
+    assert_eq!(c.replayed, 10);
+    assert_eq!(slow.control.stats().inputs, 10, "every item embedded exactly once");
+    assert_eq!(pending(&keys).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 5, "cap").await;
+    enqueue_due(&db, &p, &keys).await;
+    // A consumer that takes the entries and dies without acknowledging them.
+    let mut r = redis().await;
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(REPLAY_GROUP)
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(100)
+        .arg("STREAMS")
+        .arg(keys.replay())
+        .arg(">")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep =
+        replayer(&db, &mock, &keys, "reaper", ReplayConfig { delivery_cap: 1, ..replay_config() }).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c = rep.reclaim_once(&CancellationToken::new()).await.unwrap();
+    assert_eq!((c.reclaimed, c.exhausted), (5, 5), "{c:?}");
+    assert_eq!(pending(&keys).await, 0, "acknowledged, so never delivered again");
+    assert_eq!(mock.control.stats().requests, 0, "given up without another attempt");
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM embedding_dlq WHERE exhausted_at IS NOT NULL AND next_retry_at IS NULL"
+        )
+        .await,
+        5
+    );
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'exhausted'").await, 5);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'exhausted'").await, 5);
+    // The scheduler never picks them up again.
+    make_due(&db).await;
+    assert_eq!(Scheduler { store: p.store.clone(), config: replay_config() }.run_once().await.unwrap(), 0);
+}
+
+/// Replays `doc` until the scheduler has nothing left to enqueue; returns the passes made.
+async fn replay_until_settled(db: &TestDb, p: &Pipeline, keys: &StreamKeys, rep: &mut Replayer) -> usize {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    for pass in 0..20 {
+        if enqueue_due(db, p, keys).await == 0 {
+            return pass;
+        }
+        rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    }
+    panic!("still replaying after 20 passes: a loop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_replays_end_permanent_or_exhausted_never_forever() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let config = ReplayConfig {
+        schedule: embed_dlq::embed::retry::DlqSchedule { max_replays: 4, ..Default::default() },
+        ..replay_config()
+    };
+    // A chunk the server fails with 500 every time (parked during an outage first).
+    let (_down, p) = park_transient(&db, 1, &format!("bad500 {}", mock_provider::POISON_500)).await;
+    let failing = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &failing, &keys, "r", config.clone()).await;
+    let passes = replay_until_settled(&db, &p, &keys, &mut rep).await;
+    assert_eq!(passes, 3, "reclassified after three identical 500s, before the replay cap of 4");
+    let (class, reason, next): (String, String, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT error_class, error_reason, next_retry_at FROM embedding_dlq")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((class.as_str(), reason.as_str(), next), ("permanent_input", "repeated_http_500", None));
+
+    // A chunk that meets an outage on every pass: exhausted at the replay cap.
+    sqlx::query("DELETE FROM embedding_dlq").execute(&db.pool).await.unwrap();
+    let (_down2, p2) = park_transient(&db, 1, "outage").await;
+    failing.control.set_outage(true);
+    let passes = replay_until_settled(&db, &p2, &keys, &mut rep).await;
+    assert_eq!(passes, 4);
+    let (exhausted, status): (bool, String) = sqlx::query_as(
+        "SELECT d.exhausted_at IS NOT NULL, m.status FROM embedding_dlq d JOIN ingest_manifest m USING (doc_id, chunk_index)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(exhausted);
+    assert_eq!(status, "exhausted");
+    assert_eq!(pending(&keys).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replayers_drain_10k_parked_items_each_exactly_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 10_000, "bulk").await;
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 10_000);
+    let mock = start_mock(MockConfig::default()).await;
+    let mut tasks = Vec::new();
+    for n in 0..3 {
+        let mut rep = replayer(&db, &mock, &keys, &format!("r{n}"), replay_config()).await;
+        let pool = db.pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let client = embed_dlq::streams::client(&redis_url()).unwrap();
+            let mut conn = embed_dlq::streams::blocking(&client, Duration::from_millis(200)).await.unwrap();
+            let mut replayed = 0;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+            loop {
+                let left: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(&pool).await.unwrap();
+                if left == 0 {
+                    return replayed;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "drain timed out");
+                replayed += rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap().replayed;
+            }
+        }));
+    }
+    let mut per_replayer = Vec::new();
+    for t in tasks {
+        per_replayer.push(t.await.unwrap());
+    }
+    assert_eq!(per_replayer.iter().sum::<u64>(), 10_000, "{per_replayer:?}");
+    assert!(per_replayer.iter().filter(|n| **n > 0).count() >= 2, "work was shared: {per_replayer:?}");
+    assert_eq!(mock.control.stats().inputs, 10_000, "each item embedded exactly once");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 10_000);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    assert_eq!(pending(&keys).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_transient(&db, 30, "tail").await;
+    relay_all(&db, &keys).await;
+    let dir = std::env::temp_dir().join(format!("embed-dlq-tail-{}", rand::random::<u64>()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let checkpoint = dir.join("tail.checkpoint");
+    let opts = |count: Option<u64>, no_follow: bool| embed_dlq::tail::TailOptions {
+        from: "0".into(),
+        json: true,
+        checkpoint: Some(checkpoint.clone()),
+        count,
+        no_follow,
+    };
+    let mut first = Vec::new();
+    let n = embed_dlq::tail::tail(
+        &redis_url(),
+        &keys,
+        &opts(Some(10), false),
+        &mut first,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 10);
+    // "Restart": a new tail from the same checkpoint.
+    let mut second = Vec::new();
+    let n =
+        embed_dlq::tail::tail(&redis_url(), &keys, &opts(None, true), &mut second, CancellationToken::new())
+            .await
+            .unwrap();
+    assert_eq!(n, 20);
+    let lines: Vec<serde_json::Value> = String::from_utf8(first)
+        .unwrap()
+        .lines()
+        .chain(
+            String::from_utf8(second)
+                .unwrap()
+                .lines()
+                .map(|l| Box::leak(l.to_string().into_boxed_str()) as &str),
+        )
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let printed: Vec<i64> = lines.iter().map(|v| v["dlq_id"].as_i64().unwrap()).collect();
+    let expected: Vec<i64> =
+        sqlx::query_scalar("SELECT dlq_id FROM dlq_outbox WHERE event = 'parked' ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(printed, expected, "every park, in order, no gap and no repeat across the restart");
+    assert!(lines.iter().all(|v| v["event"] == "parked" && v["error_class"] == "transient"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_heavy_replay_exits_in_grace_and_leaves_work_reclaimable() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 400, "term").await;
+    enqueue_due(&db, &p, &keys).await;
+    let slow = start_mock(MockConfig { latency_ms: 200, ..MockConfig::default() }).await;
+    let mut child = serve_cmd(&db, &slow, &prefix_of(&keys))
+        .args(["--replayers", "2", "--replay-batch", "16", "--grace-ms", "3000", "--min-idle-ms", "500"])
+        .spawn()
+        .unwrap();
+    for _ in 0..200 {
+        if db.count("SELECT count(*) FROM embedding_dlq").await < 380 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id().unwrap().to_string();
+    let started = tokio::time::Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("exits").unwrap();
+    assert!(status.success(), "{status}");
+    assert!(started.elapsed() < Duration::from_secs(9), "exited within the grace period");
+    let left = db.count("SELECT count(*) FROM embedding_dlq").await;
+    assert!(left > 0, "stopped in the middle");
+    // Whatever the dead consumers still held is reclaimable: a new replayer finishes it all.
+    let healthy = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &healthy, &keys, "after", replay_config()).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    rep.reclaim_once(&CancellationToken::new()).await.unwrap();
+    drain(&mut rep, &db, 60).await;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 400);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(pending(&keys).await, 0);
+}
