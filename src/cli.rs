@@ -247,7 +247,10 @@ pub async fn run(cli: Cli) -> i32 {
             let Some(url) = cli.services.database_url else {
                 return fail(exit::USAGE, "no database: run scripts/demo.sh, or set DATABASE_URL");
             };
-            match crate::demo::run(&url, chunks, concurrency, json, cancel).await {
+            let Some(redis_url) = cli.services.redis_url else {
+                return fail(exit::USAGE, "no Redis: run scripts/demo.sh, or set REDIS_URL");
+            };
+            match crate::demo::run(&url, &redis_url, chunks, concurrency, json, cancel).await {
                 Ok(code) => code,
                 Err(e) => fail(exit::FAILURE, &format!("{e:#}")),
             }
@@ -285,7 +288,11 @@ async fn serve_command(
         grace: std::time::Duration::from_millis(args.grace_ms),
         consumer_prefix: args.consumer_name.unwrap_or_else(crate::serve::default_consumer_prefix),
     };
-    match crate::serve::serve(pipeline.store, pipeline.embedder, redis_url, config, cancel.clone()).await {
+    let client = match crate::streams::client(redis_url) {
+        Ok(c) => c,
+        Err(e) => return fail(exit::USAGE, &format!("bad Redis URL: {e}")),
+    };
+    match crate::serve::serve(pipeline.store, pipeline.embedder, client, config, cancel.clone()).await {
         Ok(()) if cancel.is_cancelled() => exit::OK,
         Ok(()) => exit::OK,
         Err(e) => fail(exit::FAILURE, &e),

@@ -166,6 +166,7 @@ pub fn demo_faults() -> MockConfig {
 /// Runs the demo against `database_url`; returns the exit code.
 pub async fn run(
     database_url: &str,
+    redis_url: &str,
     chunks: usize,
     concurrency: usize,
     json: bool,
@@ -265,6 +266,14 @@ pub async fn run(
     )
     .fetch_one(pool)
     .await?;
+    if !json {
+        println!("\n== pass 3: provider outage, then replay drains the DLQ ==");
+    }
+    let drained =
+        outage_and_drain(&pipeline, &mock, redis_url, &run_id, chunks.min(2_000), json, cancel.clone())
+            .await?;
+    let (leaks, duplicates) = (leaks + count_leaks(pool).await?, duplicates + count_duplicates(pool).await?);
+
     let stats = mock.control.stats();
     if !json {
         println!("\n== checks ==");
@@ -287,7 +296,7 @@ pub async fn run(
     mock.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
     let accounted = first.stored + first.parked_total() + first.unchanged + first.already_parked;
-    let ok = leaks == 0 && duplicates == 0 && calls_second == 0 && accounted == first.records;
+    let ok = leaks == 0 && duplicates == 0 && calls_second == 0 && accounted == first.records && drained;
     if !ok {
         eprintln!(
             "embed-dlq: demo checks FAILED (leaks {leaks}, duplicates {duplicates}, pass-2 calls {calls_second}, accounted {accounted}/{})",
@@ -296,6 +305,119 @@ pub async fn run(
         return Ok(exit::FAILURE);
     }
     Ok(exit::OK)
+}
+
+async fn count_leaks(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM ingest_manifest m
+           LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
+           LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+          WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+async fn count_duplicates(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM doc_embeddings GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Pass 3: the provider answers 503 while a corpus is ingested (its chunks park as
+/// transient), the outage ends, `serve` relays the parks to Redis and its replayers drain the
+/// DLQ. Returns whether the DLQ of this pass drained to zero.
+async fn outage_and_drain(
+    pipeline: &crate::ingest::Pipeline,
+    mock: &MockProvider,
+    redis_url: &str,
+    run_id: &str,
+    chunks: usize,
+    json: bool,
+    cancel: CancellationToken,
+) -> anyhow::Result<bool> {
+    let prefix = format!("demo-{run_id}-outage");
+    let mut corpus = Vec::new();
+    write_corpus(
+        &mut corpus,
+        &CorpusSpec { doc_prefix: prefix.clone(), chunks, ..CorpusSpec::default() },
+        100_000,
+    )?;
+    let mut outage = pipeline.clone();
+    outage.options.progress = false;
+    outage.options.dlq_schedule.base = Duration::from_secs(1);
+    outage.embedder.policy.max_attempts = 2;
+    outage.embedder.gate =
+        std::sync::Arc::new(crate::embed::gate::ProviderGate::new(crate::embed::gate::BreakerConfig {
+            failure_threshold: 1_000_000,
+            ..Default::default()
+        }));
+    mock.control.set_outage(true);
+    let parked =
+        outage.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    mock.control.set_outage(false);
+    let pool = pipeline.store.pool();
+    let pattern = format!("{prefix}-%");
+    let depth = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM embedding_dlq WHERE doc_id LIKE $1")
+            .bind(&pattern)
+            .fetch_one(pool)
+            .await
+    };
+    let parked_now = depth().await?;
+    if !json {
+        println!(
+            "outage: {} chunks parked as transient ({} provider calls answered 503); the outage ends now",
+            parked_now, parked.provider_calls
+        );
+        println!("serve: relay + scheduler + 2 replayers (DLQ schedule base 1s)");
+    }
+    let keys = crate::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}"));
+    let serve_cancel = cancel.child_token();
+    let config = crate::serve::ServeConfig {
+        replayers: 2,
+        relay: crate::relay::RelayConfig { poll: Duration::from_millis(200), ..Default::default() },
+        replay: crate::replay::ReplayConfig {
+            schedule: outage.options.dlq_schedule,
+            block: Duration::from_millis(500),
+            ..Default::default()
+        },
+        keys: keys.clone(),
+        grace: Duration::from_secs(5),
+        consumer_prefix: format!("demo-{}", std::process::id()),
+    };
+    let serve = tokio::spawn(crate::serve::serve(
+        pipeline.store.clone(),
+        pipeline.embedder.clone(),
+        crate::streams::client(redis_url)?,
+        config,
+        serve_cancel.clone(),
+    ));
+    let started = std::time::Instant::now();
+    let mut left = parked_now;
+    while left > 0 && started.elapsed() < Duration::from_secs(120) && !cancel.is_cancelled() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        left = depth().await?;
+        if !json {
+            println!("  DLQ rows of this pass: {left:>6}  ({:.1}s)", started.elapsed().as_secs_f64());
+        }
+    }
+    serve_cancel.cancel();
+    serve.await?.map_err(anyhow::Error::msg)?;
+    let client = crate::streams::client(redis_url)?;
+    let mut redis = crate::streams::managed(&client).await?;
+    let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await?;
+    if !json {
+        println!(
+            "drained {} parked chunks in {:.1}s; {events} events on {} (embed-dlq tail --from 0 --stream-prefix embed-dlq-demo-{run_id})",
+            parked_now - left,
+            started.elapsed().as_secs_f64(),
+            keys.events()
+        );
+    }
+    Ok(left == 0)
 }
 
 async fn open_and_run(

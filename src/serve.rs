@@ -42,11 +42,10 @@ pub fn default_consumer_prefix() -> String {
 pub async fn serve(
     store: Store,
     embedder: Embedder,
-    redis_url: &str,
+    client: redis::Client,
     config: ServeConfig,
     cancel: CancellationToken,
 ) -> Result<(), String> {
-    let client = streams::client(redis_url).map_err(|e| format!("bad Redis URL: {e}"))?;
     let manager = streams::managed(&client).await.map_err(|e| format!("cannot connect to Redis: {e}"))?;
     let hard = CancellationToken::new();
     let tracker = TaskTracker::new();

@@ -4,5 +4,6 @@
 
 mod ingest;
 mod process;
+mod restart;
 mod streams;
 mod support;

@@ -1,0 +1,165 @@
+//! `serve` keeps going through a restart of Postgres and of Redis: a private pair of services
+//! (own ports, own data, same scripts/services.sh) is stopped and started again in the middle
+//! of a replay, and the DLQ still drains without loss or duplicate.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::mock_provider::MockConfig;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// A private Postgres+Redis pair, removed on drop.
+struct PrivateServices {
+    env: Vec<(String, String)>,
+    database_url: String,
+    redis_url: String,
+}
+
+fn services_script() -> String {
+    format!("{}/scripts/services.sh", env!("CARGO_MANIFEST_DIR"))
+}
+
+impl PrivateServices {
+    fn start() -> PrivateServices {
+        let main_state =
+            std::env::var("EMBED_DLQ_SERVICES_DIR").unwrap_or_else(|_| "/var/tmp/embed-dlq-services".into());
+        let n = rand::random::<u16>() % 400;
+        let env = vec![
+            (
+                "EMBED_DLQ_SERVICES_DIR".to_string(),
+                format!("/var/tmp/embed-dlq-it-{}-{n}", std::process::id()),
+            ),
+            ("EMBED_DLQ_PG_DIR".to_string(), format!("{main_state}/pg")),
+            ("EMBED_DLQ_PG_PORT".to_string(), (55_500 + n).to_string()),
+            ("EMBED_DLQ_REDIS_PORT".to_string(), (56_500 + n).to_string()),
+        ];
+        let s = PrivateServices {
+            database_url: format!("postgres://postgres@127.0.0.1:{}/embed_dlq", 55_500 + n),
+            redis_url: format!("redis://127.0.0.1:{}/", 56_500 + n),
+            env,
+        };
+        s.run("up");
+        s
+    }
+
+    fn run(&self, verb: &str) {
+        let out = std::process::Command::new("bash")
+            .arg(services_script())
+            .arg(verb)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "services.sh {verb}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+impl Drop for PrivateServices {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("bash")
+            .arg(services_script())
+            .arg("clean")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .output();
+        if let Some((_, dir)) = self.env.iter().find(|(k, _)| k == "EMBED_DLQ_SERVICES_DIR") {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_survives_postgres_and_redis_restarts_without_loss() {
+    let svc = tokio::task::spawn_blocking(PrivateServices::start).await.unwrap();
+    let pool = embed_dlq::store::connect(&svc.database_url, 4).await.unwrap();
+    embed_dlq::store::migrate(&pool).await.unwrap();
+    let db = TestDb { url: svc.database_url.clone(), pool };
+
+    // Park 600 chunks during an outage, make them due.
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(&db, &down);
+    s.retry.max_attempts = 1;
+    let mut corpus = String::new();
+    for i in 0..600 {
+        corpus.push_str(&line("restart", i, &format!("chunk {i}")));
+    }
+    pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+
+    let slow = start_mock(MockConfig { latency_ms: 40, ..MockConfig::default() }).await;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .arg("serve")
+        .args([
+            "--database-url",
+            &svc.database_url,
+            "--redis-url",
+            &svc.redis_url,
+            "--base-url",
+            &slow.base_url(),
+        ])
+        .args(["--model", "mock", "--replayers", "2", "--replay-batch", "8", "--min-idle-ms", "1500"])
+        .args([
+            "--relay-poll-ms",
+            "100",
+            "--retry-base-ms",
+            "20",
+            "--retry-cap-ms",
+            "200",
+            "--dlq-base-secs",
+            "1",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let db_url = svc.database_url.clone();
+    let left = || async {
+        let pool = embed_dlq::store::connect(&db_url, 1).await.ok()?;
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(&pool).await.ok()?;
+        pool.close().await;
+        Some(n)
+    };
+    for _ in 0..400 {
+        if left().await.unwrap_or(600) < 500 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(left().await.unwrap() > 0, "restart must happen in the middle of the replay");
+    db.pool.close().await;
+    // Both services go away and come back while serve keeps running.
+    let svc = tokio::task::spawn_blocking(move || {
+        svc.run("down");
+        std::thread::sleep(Duration::from_secs(1));
+        svc.run("up");
+        svc
+    })
+    .await
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if left().await == Some(0) {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "serve died");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "DLQ did not drain after the restart: {:?}",
+            left().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let pool = embed_dlq::store::connect(&svc.database_url, 2).await.unwrap();
+    let db = TestDb { url: svc.database_url.clone(), pool };
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 600);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    child.kill().await.ok();
+    db.pool.close().await;
+    drop(svc);
+}
