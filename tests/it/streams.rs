@@ -499,3 +499,82 @@ async fn sigterm_during_heavy_replay_exits_in_grace_and_leaves_work_reclaimable(
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(pending(&keys).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trimming_never_removes_entries_a_group_still_needs() {
+    let keys = fresh_keys();
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        let id: String = r.xadd(keys.replay(), "*", &[("n", i)]).await.unwrap();
+        ids.push(id);
+    }
+    // Deliver the first six; acknowledge 0, 1, 3, 4 (2 and 5 stay pending); 6..9 undelivered.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(REPLAY_GROUP)
+        .arg("c")
+        .arg("COUNT")
+        .arg(6)
+        .arg("STREAMS")
+        .arg(keys.replay())
+        .arg(">")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let _: i64 = r.xack(keys.replay(), REPLAY_GROUP, &[&ids[0], &ids[1], &ids[3], &ids[4]]).await.unwrap();
+    let removed = embed_dlq::relay::trim_below_group_needs(&mut r, &keys.replay()).await.unwrap();
+    assert_eq!(removed, 2, "only the acknowledged entries below the oldest pending one");
+    let left: redis::streams::StreamRangeReply = r.xrange_all(keys.replay()).await.unwrap();
+    let left: Vec<&String> = left.ids.iter().map(|e| &e.id).collect();
+    assert_eq!(left, ids[2..].iter().collect::<Vec<_>>());
+    // Once everything delivered is acknowledged, only undelivered entries remain.
+    let _: i64 = r.xack(keys.replay(), REPLAY_GROUP, &[&ids[2], &ids[5]]).await.unwrap();
+    embed_dlq::relay::trim_below_group_needs(&mut r, &keys.replay()).await.unwrap();
+    let len: usize = r.xlen(keys.replay()).await.unwrap();
+    assert_eq!(len, 4, "entries 6..9 were never delivered and must stay");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_consumers_are_removed_from_the_group() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(
+        &db,
+        &mock,
+        &keys,
+        "alive",
+        ReplayConfig { dead_consumer_after: Duration::from_millis(200), ..replay_config() },
+    )
+    .await;
+    let mut r = redis().await;
+    // A consumer that joined, read nothing and went away.
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg(keys.replay())
+        .arg(REPLAY_GROUP)
+        .arg("ghost")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let consumers = |r: &mut redis::aio::ConnectionManager| {
+        let mut r = r.clone();
+        let stream = keys.replay();
+        async move {
+            let info: redis::streams::StreamInfoConsumersReply = redis::cmd("XINFO")
+                .arg("CONSUMERS")
+                .arg(stream)
+                .arg(REPLAY_GROUP)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            info.consumers.into_iter().map(|c| c.name).collect::<Vec<_>>()
+        }
+    };
+    assert!(consumers(&mut r).await.contains(&"ghost".to_string()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    rep.reclaim_once(&CancellationToken::new()).await.unwrap();
+    assert!(!consumers(&mut r).await.contains(&"ghost".to_string()));
+}
