@@ -128,6 +128,10 @@ async fn run() {
     let (raw_m, pipe_m) = (median(raw_rates), median(pipe_rates));
     println!("median: raw {raw_m:.0} rows/s, pipeline {pipe_m:.0} chunks/s, ratio {:.2}", pipe_m / raw_m);
 
+    if let Ok(redis_url) = std::env::var("REDIS_URL") {
+        streams_bench(&pool, &pipeline, &mock, &redis_url, env_usize("BENCH_STREAM_ROWS", 20_000)).await;
+    }
+
     if let Ok(sizes) = std::env::var("BENCH_MEMORY_CHUNKS") {
         for size in sizes.split(',').filter_map(|s| s.trim().parse::<usize>().ok()) {
             sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
@@ -214,4 +218,158 @@ async fn memory_run(url: &str, base_url: &str, size: usize) -> (u64, f64) {
     let secs = start.elapsed().as_secs_f64();
     let _ = std::fs::remove_dir_all(&dir);
     (peak_kb, secs)
+}
+
+/// Relay and replay rates, and park-to-stream latency.
+async fn streams_bench(
+    pool: &sqlx::PgPool,
+    pipeline: &embed_dlq::ingest::Pipeline,
+    mock: &MockProvider,
+    redis_url: &str,
+    rows: usize,
+) {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    use embed_dlq::streams::{self, StreamKeys};
+
+    sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
+        .execute(pool)
+        .await
+        .unwrap();
+    let keys = StreamKeys::new(&format!("bench-{}", std::process::id()));
+    let client = streams::client(redis_url).unwrap();
+    let mut redis = streams::managed(&client).await.unwrap();
+
+    // Park `rows` chunks during an outage.
+    let mut parking = pipeline.clone();
+    parking.embedder.policy.max_attempts = 1;
+    parking.embedder.gate = std::sync::Arc::new(embed_dlq::embed::gate::ProviderGate::new(
+        embed_dlq::embed::gate::BreakerConfig { failure_threshold: u32::MAX, ..Default::default() },
+    ));
+    let mut corpus = Vec::new();
+    write_corpus(
+        &mut corpus,
+        &CorpusSpec { doc_prefix: "s".into(), chunks: rows, ..CorpusSpec::default() },
+        100_000,
+    )
+    .unwrap();
+    mock.control.set_outage(true);
+    parking.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
+    mock.control.set_outage(false);
+
+    // Baseline: the same number of entries with bodies of the same size, XADD pipelined 500 at a time.
+    let body: String =
+        sqlx::query_scalar("SELECT body::text FROM dlq_outbox LIMIT 1").fetch_one(pool).await.unwrap();
+    let raw_key = format!("{{bench-{}}}:raw", std::process::id());
+    let start = Instant::now();
+    for chunk in (0..rows).collect::<Vec<_>>().chunks(500) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.cmd("XADD")
+                .arg(&raw_key)
+                .arg("*")
+                .arg("outbox_id")
+                .arg(*i)
+                .arg("event")
+                .arg("parked")
+                .arg("body")
+                .arg(&body)
+                .ignore();
+        }
+        let _: () = pipe.query_async(&mut redis).await.unwrap();
+    }
+    let raw_rate = rows as f64 / start.elapsed().as_secs_f64();
+
+    let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    let start = Instant::now();
+    loop {
+        if relay.run_once().await.unwrap().claimed == 0 {
+            break;
+        }
+    }
+    let relay_rate = rows as f64 / start.elapsed().as_secs_f64();
+    println!(
+        "relay: {relay_rate:>8.0} outbox rows/s   raw pipelined XADD {raw_rate:>8.0} entries/s   ratio {:.2}",
+        relay_rate / raw_rate
+    );
+
+    // Replay: schedule everything, relay the work, drain with two replayers.
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(pool).await.unwrap();
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let config = ReplayConfig { batch: 64, block: Duration::from_millis(100), ..Default::default() };
+    let start = Instant::now();
+    Scheduler { store: pipeline.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    let mut tasks = Vec::new();
+    for n in 0..2 {
+        let mut rep = Replayer {
+            name: format!("bench-{n}"),
+            store: pipeline.store.clone(),
+            embedder: pipeline.embedder.clone(),
+            client: client.clone(),
+            redis: redis.clone(),
+            keys: keys.clone(),
+            config: config.clone(),
+        };
+        let client = client.clone();
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut conn = streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+            loop {
+                let left: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(&pool).await.unwrap();
+                if left == 0 {
+                    return;
+                }
+                rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let replay_rate = rows as f64 / start.elapsed().as_secs_f64();
+    println!("replay: {replay_rate:>8.0} items/s (schedule + relay + 2 replayers, re-embed, commit, XACK)");
+
+    // Park-to-stream latency: a relay loop woken by NOTIFY; one park at a time.
+    let cancel = CancellationToken::new();
+    let relay_task = tokio::spawn(
+        Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default()).run(cancel.clone()),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut latencies = Vec::new();
+    let mut last_len: usize = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await.unwrap();
+    mock.control.set_outage(true);
+    for i in 0..30 {
+        let line = format!("{{\"doc_id\":\"lat\",\"chunk_index\":{i},\"text\":\"latency probe {i}\"}}\n");
+        let start = Instant::now();
+        parking.run(std::io::Cursor::new(line.into_bytes()), CancellationToken::new()).await.unwrap();
+        let committed = start.elapsed();
+        loop {
+            let len: usize = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await.unwrap();
+            if len > last_len {
+                last_len = len;
+                break;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        latencies.push((start.elapsed() - committed).as_secs_f64() * 1000.0);
+    }
+    mock.control.set_outage(false);
+    cancel.cancel();
+    relay_task.await.unwrap();
+    latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "park-to-stream latency (commit to entry visible): median {:.1} ms, p90 {:.1} ms, max {:.1} ms",
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() * 9 / 10],
+        latencies[latencies.len() - 1]
+    );
+    let _: () = redis::cmd("DEL")
+        .arg(&raw_key)
+        .arg(keys.events())
+        .arg(keys.replay())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
 }
