@@ -30,6 +30,8 @@ pub mod exit {
     /// The provider refused the run (bad key, no quota, unknown model, long outage); nothing
     /// was parked for it, rerun once fixed.
     pub const PROVIDER_STOP: i32 = 4;
+    /// `reconcile` found something (repaired or not; a second run tells whether it is clean).
+    pub const FINDINGS: i32 = 5;
     /// Stopped by SIGINT/SIGTERM after finishing or parking in-flight work; rerun to resume.
     pub const INTERRUPTED: i32 = 130;
 }
@@ -51,6 +53,45 @@ pub struct Cli {
     pub services: ServiceArgs,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `dlq` actions.
+#[derive(Subcommand, Debug)]
+pub enum DlqAction {
+    /// Rows by error class, plus ready / still backing off / exhausted / next due.
+    Stats,
+    /// List rows (oldest first), with filters and paging.
+    List {
+        #[command(flatten)]
+        filter: crate::dlq::Filter,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Show rows after this id (the last id of the previous page).
+        #[arg(long, default_value_t = 0)]
+        after_id: i64,
+    },
+    /// One row: payload, last error and error history.
+    Show { id: i64 },
+    /// Make matching rows due now and publish them for replay (permanent classes too).
+    Requeue {
+        #[command(flatten)]
+        filter: crate::dlq::Filter,
+        #[arg(long)]
+        dry_run: bool,
+        /// Rows per second.
+        #[arg(long, default_value_t = 500)]
+        rate: u32,
+    },
+    /// Delete matching rows for good (and their manifest rows).
+    Purge {
+        #[command(flatten)]
+        filter: crate::dlq::Filter,
+        #[arg(long)]
+        dry_run: bool,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 /// Settings of `serve`.
@@ -83,6 +124,12 @@ pub struct ServeArgs {
     /// Relay poll interval when no notification arrives.
     #[arg(long, default_value_t = 1_000)]
     pub relay_poll_ms: u64,
+    /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Also run the reconciler (check only) every this many seconds; 0 = never.
+    #[arg(long, default_value_t = 0)]
+    pub reconcile_every_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -150,6 +197,39 @@ pub enum Command {
         /// Key prefix of the streams.
         #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
         stream_prefix: String,
+    },
+    /// Check that manifest, vectors, DLQ, outbox and streams agree; optionally repair.
+    /// Exits 5 when something was found.
+    Reconcile {
+        /// Fix what can be fixed safely.
+        #[arg(long)]
+        repair: bool,
+        /// With --repair: show what would be done, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Run periodically, every this many seconds (a long-running job).
+        #[arg(long)]
+        every_secs: Option<u64>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Serve Prometheus metrics here while running (e.g. 127.0.0.1:9465).
+        #[arg(long)]
+        metrics_addr: Option<SocketAddr>,
+        /// Target vector table.
+        #[arg(long, default_value = crate::config::DEFAULT_TABLE)]
+        table: String,
+        /// Key prefix of the streams.
+        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
+        stream_prefix: String,
+    },
+    /// Inspect and act on the DLQ.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqAction,
+        /// JSON output.
+        #[arg(long, global = true)]
+        json: bool,
     },
     /// Run the fault-injecting OpenAI-compatible provider.
     MockProvider {
@@ -228,6 +308,40 @@ pub async fn run(cli: Cli) -> i32 {
                 Err(e) => fail(exit::FAILURE, &e),
             }
         }
+        Command::Reconcile { repair, dry_run, every_secs, json, metrics_addr, table, stream_prefix } => {
+            let Some(url) = cli
+                .services
+                .database_url
+                .clone()
+                .or(file.as_ref().and_then(|f| f.services.database_url.clone()))
+            else {
+                return fail(exit::USAGE, "no database: set DATABASE_URL or --database-url");
+            };
+            let redis_url = cli.services.redis_url.or(file.and_then(|f| f.services.redis_url));
+            let mode = match (repair, dry_run) {
+                (true, true) => crate::reconcile::Mode::DryRun,
+                (true, false) => crate::reconcile::Mode::Repair,
+                (false, _) => crate::reconcile::Mode::Check,
+            };
+            reconcile_command(
+                &url,
+                redis_url.as_deref(),
+                &table,
+                &stream_prefix,
+                mode,
+                every_secs,
+                json,
+                metrics_addr,
+                cancel,
+            )
+            .await
+        }
+        Command::Dlq { action, json } => {
+            let Some(url) = cli.services.database_url.or(file.and_then(|f| f.services.database_url)) else {
+                return fail(exit::USAGE, "no database: set DATABASE_URL or --database-url");
+            };
+            dlq_command(&url, action, json).await
+        }
         Command::MockProvider { listen, settings } => {
             let config: MockConfig = match serde_json::from_str(&settings) {
                 Ok(c) => c,
@@ -280,7 +394,15 @@ async fn serve_command(
         poll: std::time::Duration::from_millis(args.relay_poll_ms.max(10)),
         ..Default::default()
     };
+    if let Some(addr) = args.metrics_addr
+        && let Err(e) = crate::metrics::install(addr)
+    {
+        return fail(exit::FAILURE, &e);
+    }
     let config = crate::serve::ServeConfig {
+        reconcile_every: (args.reconcile_every_secs > 0)
+            .then(|| std::time::Duration::from_secs(args.reconcile_every_secs)),
+        metrics: args.metrics_addr.is_some(),
         replayers: args.replayers,
         relay,
         replay,
@@ -294,6 +416,209 @@ async fn serve_command(
     };
     match crate::serve::serve(pipeline.store, pipeline.embedder, client, config, cancel.clone()).await {
         Ok(()) if cancel.is_cancelled() => exit::OK,
+        Ok(()) => exit::OK,
+        Err(e) => fail(exit::FAILURE, &e),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn reconcile_command(
+    url: &str,
+    redis_url: Option<&str>,
+    table: &str,
+    prefix: &str,
+    mode: crate::reconcile::Mode,
+    every_secs: Option<u64>,
+    json: bool,
+    metrics_addr: Option<SocketAddr>,
+    cancel: CancellationToken,
+) -> i32 {
+    if let Some(addr) = metrics_addr
+        && let Err(e) = crate::metrics::install(addr)
+    {
+        return fail(exit::FAILURE, &e);
+    }
+    let store = match async {
+        let pool = store::connect(url, 4).await?;
+        store::migrate(&pool).await?;
+        Store::open(pool, table).await
+    }
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => return fail(exit::FAILURE, &e.to_string()),
+    };
+    let redis = match redis_url {
+        Some(u) => match crate::streams::client(u) {
+            Ok(c) => match crate::streams::managed(&c).await {
+                Ok(m) => Some(m),
+                Err(e) => return fail(exit::FAILURE, &format!("cannot connect to Redis: {e}")),
+            },
+            Err(e) => return fail(exit::USAGE, &format!("bad Redis URL: {e}")),
+        },
+        None => None,
+    };
+    let keys = crate::streams::StreamKeys::new(prefix);
+    let mut reconciler = crate::reconcile::Reconciler {
+        store: store.clone(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: Default::default(),
+    };
+    crate::metrics::zero_findings();
+    loop {
+        let code = match reconciler.run_once(mode).await {
+            Ok(report) => {
+                crate::metrics::reconcile_report(&report);
+                let mut redis = redis.clone();
+                if let Err(e) = crate::metrics::sample(&store, redis.as_mut(), &keys).await {
+                    tracing::warn!(error = %e, "sampling gauges failed");
+                }
+                let mut out = std::io::stdout().lock();
+                if json {
+                    let _ = writeln!(out, "{}", serde_json::to_string(&report).expect("report serializes"));
+                } else {
+                    let _ = crate::reconcile::write_report(&mut out, &report);
+                }
+                if report.total_found() > 0 { exit::FINDINGS } else { exit::OK }
+            }
+            Err(e) => fail(exit::FAILURE, &format!("reconcile failed: {e}")),
+        };
+        let Some(every) = every_secs else { return code };
+        tokio::select! {
+            _ = cancel.cancelled() => return exit::OK,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(every.max(1))) => {}
+        }
+    }
+}
+
+async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
+    let store = match async {
+        let pool = store::connect(url, 2).await?;
+        store::migrate(&pool).await?;
+        Store::open(pool, crate::config::DEFAULT_TABLE).await
+    }
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => return fail(exit::FAILURE, &e.to_string()),
+    };
+    let mut out = std::io::stdout().lock();
+    let result: Result<(), String> = async {
+        match action {
+            DlqAction::Stats => {
+                let s = crate::dlq::stats(&store).await.map_err(|e| e.to_string())?;
+                if json {
+                    let _ = writeln!(out, "{}", serde_json::to_string(&s).unwrap());
+                } else {
+                    let _ = writeln!(
+                        out,
+                        "{:<20}{:>8}  {:<26}{:<26}{:>8}",
+                        "error_class", "parked", "oldest", "newest", "avg_att"
+                    );
+                    for c in &s.by_class {
+                        let _ = writeln!(
+                            out,
+                            "{:<20}{:>8}  {:<26}{:<26}{:>8.1}",
+                            c.error_class,
+                            c.parked,
+                            c.oldest.map(|t| t.to_rfc3339()).unwrap_or_default(),
+                            c.newest.map(|t| t.to_rfc3339()).unwrap_or_default(),
+                            c.avg_attempts
+                        );
+                    }
+                    let _ = writeln!(
+                        out,
+                        "ready to replay {}  still backing off {}  exhausted {}  next due {}",
+                        s.ready_to_replay,
+                        s.still_backing_off,
+                        s.exhausted,
+                        s.next_due.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into())
+                    );
+                }
+            }
+            DlqAction::List { filter, limit, after_id } => {
+                let rows = crate::dlq::list(&store, &filter, limit.clamp(1, 10_000), after_id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if json {
+                    let _ = writeln!(out, "{}", serde_json::to_string(&rows).unwrap());
+                } else {
+                    for r in &rows {
+                        let _ = writeln!(
+                            out,
+                            "{:>8} {}#{} {} {} attempts={} replays={} first={} next={}{}",
+                            r.id,
+                            r.doc_id,
+                            r.chunk_index,
+                            r.error_class,
+                            r.error_reason,
+                            r.attempts,
+                            r.replays,
+                            r.first_failed_at.to_rfc3339(),
+                            r.next_retry_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "never".into()),
+                            if r.exhausted { " EXHAUSTED" } else { "" }
+                        );
+                    }
+                    if let Some(last) = rows.last() {
+                        let _ = writeln!(out, "next page: --after-id {}", last.id);
+                    }
+                }
+            }
+            DlqAction::Show { id } => match crate::dlq::show(&store, id).await.map_err(|e| e.to_string())? {
+                Some(d) => {
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        if json { serde_json::to_string(&d) } else { serde_json::to_string_pretty(&d) }
+                            .unwrap()
+                    );
+                }
+                None => return Err(format!("no DLQ row with id {id}")),
+            },
+            DlqAction::Requeue { filter, dry_run, rate } => {
+                let n =
+                    crate::dlq::requeue(&store, &filter, dry_run, rate).await.map_err(|e| e.to_string())?;
+                let verb = if dry_run { "would requeue" } else { "requeued" };
+                let _ = if json {
+                    writeln!(out, "{{\"{}\":{n}}}", verb.replace(' ', "_"))
+                } else {
+                    writeln!(out, "{verb} {n} rows")
+                };
+            }
+            DlqAction::Purge { filter, dry_run, yes } => {
+                let n = crate::dlq::purge(&store, &filter, true).await.map_err(|e| e.to_string())?;
+                if dry_run {
+                    let _ = if json {
+                        writeln!(out, "{{\"would_purge\":{n}}}")
+                    } else {
+                        writeln!(out, "would purge {n} rows")
+                    };
+                    return Ok(());
+                }
+                if !yes {
+                    use std::io::IsTerminal;
+                    if !std::io::stdin().is_terminal() {
+                        return Err(format!(
+                            "refusing to purge {n} rows without --yes (stdin is not a terminal)"
+                        ));
+                    }
+                    eprint!("purge {n} DLQ rows for good? type 'yes': ");
+                    let mut answer = String::new();
+                    let _ = std::io::stdin().read_line(&mut answer);
+                    if answer.trim() != "yes" {
+                        return Err("not confirmed; nothing purged".into());
+                    }
+                }
+                let n = crate::dlq::purge(&store, &filter, false).await.map_err(|e| e.to_string())?;
+                let _ =
+                    if json { writeln!(out, "{{\"purged\":{n}}}") } else { writeln!(out, "purged {n} rows") };
+            }
+        }
+        Ok(())
+    }
+    .await;
+    match result {
         Ok(()) => exit::OK,
         Err(e) => fail(exit::FAILURE, &e),
     }

@@ -387,6 +387,8 @@ async fn outage_and_drain(
         keys: keys.clone(),
         grace: Duration::from_secs(5),
         consumer_prefix: format!("demo-{}", std::process::id()),
+        reconcile_every: None,
+        metrics: false,
     };
     let serve = tokio::spawn(crate::serve::serve(
         pipeline.store.clone(),

@@ -18,19 +18,25 @@
 //! - [`relay`]: outbox → Redis Streams, deduplicated by `redis/publish.lua`.
 //! - [`streams`]: key names, connections and the stream layout.
 //! - [`replay`]: scheduler (due rows → work), replayers (consumer group, XAUTOCLAIM).
+//! - [`reconcile`]: checks that manifest, vectors, DLQ, outbox and streams agree; repairs.
 //! - [`serve`], [`tail`]: the long-running service and the event follower.
 //! - [`model`]: the shared vocabulary (chunk, manifest state, error class, content hash).
 //! - [`mock_provider`]: the fault-injecting provider used by the demo, tests and benches.
+//! - [`dlq`]: operator actions (stats, list, show, requeue, purge).
+//! - [`metrics`]: Prometheus names, the exporter and the sampled gauges.
 //! - [`config`], [`cli`], [`shutdown`], [`telemetry`], [`demo`]: the edges.
 
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod dlq;
 pub mod embed;
 pub mod failpoint;
 pub mod ingest;
+pub mod metrics;
 pub mod mock_provider;
 pub mod model;
+pub mod reconcile;
 pub mod relay;
 pub mod replay;
 pub mod serve;

@@ -28,6 +28,9 @@ pub enum ChunkStatus {
     Parked,
     /// A DLQ row holds the chunk and automatic replay has given up on it.
     Exhausted,
+    /// The reconciler found the vector missing or drifted; the next ingest of the corpus
+    /// embeds the chunk again.
+    Reingest,
 }
 
 impl ChunkStatus {
@@ -37,6 +40,7 @@ impl ChunkStatus {
             ChunkStatus::Stored => "stored",
             ChunkStatus::Parked => "parked",
             ChunkStatus::Exhausted => "exhausted",
+            ChunkStatus::Reingest => "reingest",
         }
     }
 
@@ -46,6 +50,7 @@ impl ChunkStatus {
             "stored" => Some(ChunkStatus::Stored),
             "parked" => Some(ChunkStatus::Parked),
             "exhausted" => Some(ChunkStatus::Exhausted),
+            "reingest" => Some(ChunkStatus::Reingest),
             _ => None,
         }
     }
@@ -154,7 +159,7 @@ mod tests {
             let json = serde_json::to_string(&c).unwrap();
             assert_eq!(json, format!("\"{}\"", c.as_str()));
         }
-        for s in [ChunkStatus::Stored, ChunkStatus::Parked, ChunkStatus::Exhausted] {
+        for s in [ChunkStatus::Stored, ChunkStatus::Parked, ChunkStatus::Exhausted, ChunkStatus::Reingest] {
             assert_eq!(ChunkStatus::parse(s.as_str()), Some(s));
         }
         assert!(ErrorClass::Transient.is_replayable());

@@ -130,6 +130,8 @@ impl Relay {
             .await?;
         tx.commit().await?;
         let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
+        metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
+        metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
         Ok(RelayCounts { claimed: ids.len() as u64, published, duplicates: ids.len() as u64 - published })
     }
 

@@ -381,6 +381,15 @@ impl Replayer {
             }
         }
         failpoint::hit("replay_after_commit");
+        for (outcome, n) in [
+            ("replayed", counts.replayed),
+            ("reparked", counts.reparked),
+            ("exhausted", counts.exhausted),
+            ("skipped", counts.skipped),
+        ] {
+            metrics::counter!(crate::metrics::REPLAY_OUTCOMES, "outcome" => outcome).increment(n);
+        }
+        metrics::counter!(crate::metrics::CHUNKS_STORED).increment(counts.replayed);
         if !ack.is_empty() {
             let mut cmd = redis::cmd("XACK");
             cmd.arg(self.keys.replay()).arg(REPLAY_GROUP);

@@ -26,6 +26,10 @@ pub struct ServeConfig {
     pub grace: Duration,
     /// Prefix of this process's consumer names (host and pid by default).
     pub consumer_prefix: String,
+    /// Run the reconciler (check only) this often.
+    pub reconcile_every: Option<Duration>,
+    /// Sample the DLQ/outbox/stream gauges (when a metrics endpoint is installed).
+    pub metrics: bool,
 }
 
 /// A consumer name unique to this process.
@@ -64,6 +68,48 @@ pub async fn serve(
             config: config.replay.clone(),
         };
         tracker.spawn(replayer.run(cancel.clone(), hard.clone()));
+    }
+    if config.metrics || config.reconcile_every.is_some() {
+        let store = store.clone();
+        let keys = config.keys.clone();
+        let mut redis = manager.clone();
+        let every = config.reconcile_every;
+        let cancel = cancel.clone();
+        tracker.spawn(async move {
+            let mut reconciler = crate::reconcile::Reconciler {
+                store: store.clone(),
+                redis: Some(redis.clone()),
+                keys: keys.clone(),
+                config: Default::default(),
+            };
+            crate::metrics::zero_findings();
+            let mut last_reconcile = std::time::Instant::now();
+            let mut first = true;
+            while !cancel.is_cancelled() {
+                if let Some(every) = every
+                    && (first || last_reconcile.elapsed() >= every)
+                {
+                    first = false;
+                    last_reconcile = std::time::Instant::now();
+                    match reconciler.run_once(crate::reconcile::Mode::Check).await {
+                        Ok(r) => {
+                            crate::metrics::reconcile_report(&r);
+                            if r.total_found() > 0 {
+                                tracing::warn!(
+                                    findings = r.total_found(),
+                                    "reconcile found drift (run `embed-dlq reconcile --repair`)"
+                                );
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "reconcile failed"),
+                    }
+                }
+                if let Err(e) = crate::metrics::sample(&store, Some(&mut redis), &keys).await {
+                    tracing::warn!(error = %e, "sampling gauges failed");
+                }
+                crate::relay::sleep_or_cancel(Duration::from_secs(5), &cancel).await;
+            }
+        });
     }
     tracker.close();
     tracing::info!(replayers = config.replayers, "serving: relay, scheduler, replayers");

@@ -166,6 +166,16 @@ impl ProviderGate {
 
     /// Reports how the permitted request went.
     pub fn record(&self, permit: Permit, health: Health) {
+        self.record_inner(permit, health);
+        let state = match self.breaker_state() {
+            BreakerState::Closed => 0.0,
+            BreakerState::HalfOpen => 1.0,
+            BreakerState::Open => 2.0,
+        };
+        metrics::gauge!(crate::metrics::BREAKER_STATE).set(state);
+    }
+
+    fn record_inner(&self, permit: Permit, health: Health) {
         let mut st = self.state.lock().unwrap();
         let now = Instant::now();
         match health {
@@ -192,6 +202,11 @@ impl ProviderGate {
                     }
                     Breaker::Closed if st.consecutive_failures >= self.config.failure_threshold => {
                         st.opened_count += 1;
+                        metrics::counter!(crate::metrics::BREAKER_OPENED).increment(1);
+                        tracing::warn!(
+                            failures = st.consecutive_failures,
+                            "provider failing: circuit breaker open, intake paused"
+                        );
                         st.breaker = Breaker::Open {
                             until: now + self.config.cooldown,
                             since: now,

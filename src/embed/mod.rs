@@ -115,7 +115,18 @@ impl Embedder {
                 attempt += 1;
                 stats.provider_calls += 1;
                 stats.provider_inputs += range.len() as u64;
-                match self.client.embed(&texts[range.clone()], self.dimensions).await {
+                let sent = std::time::Instant::now();
+                let result = self.client.embed(&texts[range.clone()], self.dimensions).await;
+                let outcome = match &result {
+                    Ok(_) => "ok",
+                    Err(e) => match classify(e) {
+                        Verdict::Retry { .. } => "retry",
+                        Verdict::Reject { .. } => "reject",
+                        Verdict::Systemic { .. } => "systemic",
+                    },
+                };
+                crate::metrics::provider_request(outcome, sent.elapsed().as_secs_f64());
+                match result {
                     Ok(resp) => {
                         self.gate.record(permit, Health::Responsive);
                         stats.reported_tokens += resp.reported_tokens;
@@ -176,6 +187,7 @@ impl Embedder {
                                 break;
                             }
                             *stats.retries.entry(reason).or_default() += 1;
+                            metrics::counter!(crate::metrics::RETRIES, "reason" => reason).increment(1);
                             let delay = self.policy.delay(attempt, retry_after);
                             last = Some((err, reason));
                             tokio::select! {

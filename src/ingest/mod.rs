@@ -323,6 +323,7 @@ impl<'a> Batcher<'a> {
         match rec {
             Record::Rejected { line, problem } => {
                 tracing::warn!(line, %problem, "rejected input line (no usable identity)");
+                metrics::counter!(crate::metrics::LINES_REJECTED).increment(1);
                 let mut t = self.tally.lock().unwrap();
                 t.summary.rejected_lines += 1;
                 if t.summary.rejected_examples.len() < 20 {
@@ -443,6 +444,9 @@ impl<'a> Batcher<'a> {
             t.summary.unchanged += unchanged;
             t.summary.already_parked += already_parked;
         }
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
+            .increment(already_parked);
         let mut jobs_out: Vec<Job> =
             batches.into_iter().map(|embed| Job { embed, park: Vec::new() }).collect();
         if !park.is_empty() {
@@ -641,6 +645,10 @@ impl Writer {
                 for p in &to_park {
                     tracing::debug!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class,
                         reason = %p.reason, attempts = p.attempts, "parked");
+                }
+                metrics::counter!(crate::metrics::CHUNKS_STORED).increment(to_store.len() as u64);
+                for p in &to_park {
+                    crate::metrics::parked(p.class, 1);
                 }
                 let s = &mut t.summary;
                 s.stored += to_store.len() as u64;

@@ -263,10 +263,13 @@ WITH input AS (
 ), dlq AS (
     INSERT INTO embedding_dlq AS q
         (doc_id, chunk_index, content_hash, payload, error_class, error_reason, last_error,
-         last_status, attempts, next_retry_at)
+         last_status, attempts, next_retry_at, error_history)
     SELECT doc_id, chunk_index, content_hash, payload, error_class, error_reason, last_error,
            last_status, attempts,
-           CASE WHEN retry_in IS NULL THEN NULL ELSE now() + make_interval(secs => retry_in) END
+           CASE WHEN retry_in IS NULL THEN NULL ELSE now() + make_interval(secs => retry_in) END,
+           jsonb_build_array(jsonb_build_object('at', now(), 'pass', 'ingest', 'error_class', error_class,
+                                                'error_reason', error_reason, 'status', last_status,
+                                                'attempts', attempts, 'error', last_error))
       FROM input
     ON CONFLICT (doc_id, chunk_index) DO UPDATE SET
         payload         = EXCLUDED.payload,
@@ -282,7 +285,11 @@ WITH input AS (
         content_hash    = EXCLUDED.content_hash,
         last_failed_at  = now(),
         next_retry_at   = EXCLUDED.next_retry_at,
-        exhausted_at    = NULL
+        exhausted_at    = NULL,
+        error_history   = jsonb_path_query_array(
+                              CASE WHEN q.content_hash = EXCLUDED.content_hash THEN q.error_history
+                                   ELSE '[]'::jsonb END || EXCLUDED.error_history,
+                              '$[last-19 to last]')
     RETURNING q.id, q.doc_id, q.chunk_index, q.error_class, q.error_reason, q.attempts,
               q.first_failed_at, q.last_failed_at, q.next_retry_at
 ), events AS (

@@ -64,29 +64,24 @@ impl Store {
     /// pushes their `next_retry_at` out by `lease`, so work lost in Redis is scheduled again.
     /// Safe to run from many processes at once (`SKIP LOCKED`, one statement).
     pub async fn schedule_due(&self, limit: usize, lease: Duration) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(
-            "WITH due AS (
-                 SELECT id FROM embedding_dlq
-                  WHERE next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
-                  ORDER BY next_retry_at, id
-                  LIMIT $1
-                  FOR UPDATE SKIP LOCKED
-             ), upd AS (
-                 UPDATE embedding_dlq d
-                    SET next_retry_at = now() + make_interval(secs => $2), enqueued_at = now()
-                   FROM due WHERE d.id = due.id
-                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.replays, d.attempts
-             ), work AS (
-                 INSERT INTO dlq_outbox (event, stream, dlq_id, doc_id, chunk_index, body)
-                 SELECT 'replay', 'replay', id, doc_id, chunk_index,
-                        jsonb_build_object('dlq_id', id, 'replays', replays, 'doc_id', doc_id,
-                                           'chunk_index', chunk_index, 'attempts', attempts)
-                   FROM upd
-                 RETURNING 1
-             )
-             SELECT count(*) FROM work",
-        )
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
+            "next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
+             ORDER BY next_retry_at, id LIMIT $1",
+        )))
         .bind(limit as i64)
+        .bind(lease.as_secs_f64())
+        .fetch_one(self.pool())
+        .await?;
+        Ok(n as u64)
+    }
+
+    /// Publishes the given transient rows as replay work now, whatever their schedule (used by
+    /// the reconciler for work lost in Redis and by `dlq requeue`).
+    pub async fn enqueue_ids(&self, ids: &[i64], lease: Duration) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
+            "id = ANY($1) AND error_class = 'transient' AND exhausted_at IS NULL",
+        )))
+        .bind(ids)
         .bind(lease.as_secs_f64())
         .fetch_one(self.pool())
         .await?;
@@ -225,7 +220,14 @@ impl Store {
                         exhausted_at = CASE WHEN i.exhausted_reason IS NULL THEN NULL ELSE now() END,
                         exhausted_reason = i.exhausted_reason,
                         last_error_signature = i.signature,
-                        same_error_count = i.same_count
+                        same_error_count = i.same_count,
+                        error_history = jsonb_path_query_array(
+                            d.error_history || jsonb_build_array(jsonb_build_object(
+                                'at', now(), 'pass', 'replay ' || (d.replays + 1), 'error_class', i.error_class,
+                                'error_reason', i.error_reason, 'status', i.last_status,
+                                'attempts', i.attempts, 'error', i.last_error,
+                                'exhausted_reason', i.exhausted_reason)),
+                            '$[last-19 to last]')
                    FROM input i
                   WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL
                  RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_class,
@@ -267,4 +269,27 @@ impl Store {
         .await?;
         Ok(applied)
     }
+}
+
+/// Marks the rows selected by `filter` (over `embedding_dlq`, binding `$1`) as enqueued and
+/// writes one replay work item per row to the outbox, in one statement.
+fn enqueue_sql(filter: &str) -> String {
+    format!(
+        "WITH due AS (
+             SELECT id FROM embedding_dlq WHERE {filter} FOR UPDATE SKIP LOCKED
+         ), upd AS (
+             UPDATE embedding_dlq d
+                SET next_retry_at = now() + make_interval(secs => $2), enqueued_at = now()
+               FROM due WHERE d.id = due.id
+             RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.replays, d.attempts
+         ), work AS (
+             INSERT INTO dlq_outbox (event, stream, dlq_id, doc_id, chunk_index, body)
+             SELECT 'replay', 'replay', id, doc_id, chunk_index,
+                    jsonb_build_object('dlq_id', id, 'replays', replays, 'doc_id', doc_id,
+                                       'chunk_index', chunk_index, 'attempts', attempts)
+               FROM upd
+             RETURNING 1
+         )
+         SELECT count(*) FROM work"
+    )
 }

@@ -4,6 +4,7 @@
 
 mod ingest;
 mod process;
+mod reconcile;
 mod restart;
 mod streams;
 mod support;

@@ -1,0 +1,295 @@
+//! Operator actions on the DLQ without writing SQL: stats, list, show, requeue, purge.
+//! Every action that changes rows supports a dry run, selects rows with the same [`Filter`],
+//! and writes its events to the outbox in the same statement as the change.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{Postgres, QueryBuilder, Row};
+
+use crate::store::{Store, StoreError};
+
+/// Which DLQ rows an action applies to. Empty filter = every row.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Filter {
+    /// Only this error class (transient, permanent_input, invalid_record, dimension_mismatch, invalid_vector).
+    #[arg(long)]
+    pub class: Option<String>,
+    /// Only this document.
+    #[arg(long)]
+    pub doc: Option<String>,
+    /// Only rows first parked at least this many seconds ago.
+    #[arg(long)]
+    pub older_than_secs: Option<u64>,
+    /// Only rows with at least this many provider attempts.
+    #[arg(long)]
+    pub min_attempts: Option<i32>,
+    /// Only rows that automatic replay gave up on.
+    #[arg(long)]
+    pub exhausted: bool,
+}
+
+impl Filter {
+    fn push_where(&self, q: &mut QueryBuilder<Postgres>) {
+        q.push(" WHERE true");
+        if let Some(c) = &self.class {
+            q.push(" AND error_class = ").push_bind(c.clone());
+        }
+        if let Some(d) = &self.doc {
+            q.push(" AND doc_id = ").push_bind(d.clone());
+        }
+        if let Some(s) = self.older_than_secs {
+            q.push(" AND first_failed_at <= now() - make_interval(secs => ").push_bind(s as f64).push(")");
+        }
+        if let Some(a) = self.min_attempts {
+            q.push(" AND attempts >= ").push_bind(a);
+        }
+        if self.exhausted {
+            q.push(" AND exhausted_at IS NOT NULL");
+        }
+    }
+}
+
+/// One error class in `dlq stats` (the seed's by-class view).
+#[derive(Debug, Clone, Serialize)]
+pub struct ClassStats {
+    pub error_class: String,
+    pub parked: i64,
+    pub oldest: Option<DateTime<Utc>>,
+    pub newest: Option<DateTime<Utc>>,
+    pub avg_attempts: f64,
+}
+
+/// `dlq stats`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub by_class: Vec<ClassStats>,
+    /// Transient rows due now (permanent rows are never "ready").
+    pub ready_to_replay: i64,
+    pub still_backing_off: i64,
+    pub exhausted: i64,
+    pub next_due: Option<DateTime<Utc>>,
+}
+
+/// One row in `dlq list`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Listed {
+    pub id: i64,
+    pub doc_id: String,
+    pub chunk_index: i32,
+    pub error_class: String,
+    pub error_reason: String,
+    pub attempts: i32,
+    pub replays: i32,
+    pub first_failed_at: DateTime<Utc>,
+    pub last_failed_at: DateTime<Utc>,
+    pub next_retry_at: Option<DateTime<Utc>>,
+    pub exhausted: bool,
+}
+
+/// `dlq show`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Detail {
+    #[serde(flatten)]
+    pub row: Listed,
+    pub content_hash: String,
+    pub last_error: Option<String>,
+    pub last_status: Option<i32>,
+    pub exhausted_reason: Option<String>,
+    pub payload: serde_json::Value,
+    pub error_history: serde_json::Value,
+}
+
+const LISTED_COLUMNS: &str = "id, doc_id, chunk_index, error_class, error_reason, attempts, replays, \
+     first_failed_at, last_failed_at, next_retry_at, exhausted_at IS NOT NULL AS exhausted";
+
+fn listed(r: &sqlx::postgres::PgRow) -> Result<Listed, sqlx::Error> {
+    Ok(Listed {
+        id: r.try_get("id")?,
+        doc_id: r.try_get("doc_id")?,
+        chunk_index: r.try_get("chunk_index")?,
+        error_class: r.try_get("error_class")?,
+        error_reason: r.try_get("error_reason")?,
+        attempts: r.try_get("attempts")?,
+        replays: r.try_get("replays")?,
+        first_failed_at: r.try_get("first_failed_at")?,
+        last_failed_at: r.try_get("last_failed_at")?,
+        next_retry_at: r.try_get("next_retry_at")?,
+        exhausted: r.try_get("exhausted")?,
+    })
+}
+
+/// The seed's two diagnostic queries in one report.
+pub async fn stats(store: &Store) -> Result<Stats, StoreError> {
+    let pool = store.pool();
+    let by_class = sqlx::query(
+        "SELECT error_class, count(*) AS parked, min(first_failed_at) AS oldest,
+                max(last_failed_at) AS newest, round(avg(attempts), 1)::float8 AS avg_attempts
+           FROM embedding_dlq GROUP BY error_class ORDER BY parked DESC",
+    )
+    .fetch_all(pool)
+    .await?
+    .iter()
+    .map(|r| {
+        Ok(ClassStats {
+            error_class: r.try_get("error_class")?,
+            parked: r.try_get("parked")?,
+            oldest: r.try_get("oldest")?,
+            newest: r.try_get("newest")?,
+            avg_attempts: r.try_get("avg_attempts")?,
+        })
+    })
+    .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    let r = sqlx::query(
+        "SELECT count(*) FILTER (WHERE next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL) AS ready,
+                count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient' AND exhausted_at IS NULL) AS backing_off,
+                count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
+                min(next_retry_at) AS next_due
+           FROM embedding_dlq",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Stats {
+        by_class,
+        ready_to_replay: r.try_get("ready")?,
+        still_backing_off: r.try_get("backing_off")?,
+        exhausted: r.try_get("exhausted")?,
+        next_due: r.try_get("next_due")?,
+    })
+}
+
+/// Rows matching `filter`, oldest id first, `limit` at a time after `after_id` (paging).
+pub async fn list(
+    store: &Store,
+    filter: &Filter,
+    limit: i64,
+    after_id: i64,
+) -> Result<Vec<Listed>, StoreError> {
+    let mut q = QueryBuilder::new(format!("SELECT {LISTED_COLUMNS} FROM embedding_dlq"));
+    filter.push_where(&mut q);
+    q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(limit);
+    let rows = q.build().fetch_all(store.pool()).await?;
+    Ok(rows.iter().map(listed).collect::<Result<_, _>>()?)
+}
+
+/// One row with its payload and error history.
+pub async fn show(store: &Store, id: i64) -> Result<Option<Detail>, StoreError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {LISTED_COLUMNS}, content_hash, last_error, last_status, exhausted_reason, payload, error_history
+           FROM embedding_dlq WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(store.pool())
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    Ok(Some(Detail {
+        row: listed(&r)?,
+        content_hash: r.try_get("content_hash")?,
+        last_error: r.try_get("last_error")?,
+        last_status: r.try_get("last_status")?,
+        exhausted_reason: r.try_get("exhausted_reason")?,
+        payload: r.try_get("payload")?,
+        error_history: r.try_get("error_history")?,
+    }))
+}
+
+async fn matching_ids(store: &Store, filter: &Filter) -> Result<Vec<i64>, StoreError> {
+    let mut q = QueryBuilder::new("SELECT id FROM embedding_dlq");
+    filter.push_where(&mut q);
+    q.push(" ORDER BY id");
+    let ids: Vec<i64> = q.build_query_scalar().fetch_all(store.pool()).await?;
+    Ok(ids)
+}
+
+/// Makes matching rows due now and publishes them as replay work through the outbox, at most
+/// `rate_per_sec` rows a second. Permanent classes are requeued too (after their cause was
+/// fixed): they become `transient` with reason `requeued:<class>/<reason>`, and a new
+/// generation, so outstanding work items for them are void. Returns the rows requeued (or
+/// that would be, with `dry_run`).
+pub async fn requeue(
+    store: &Store,
+    filter: &Filter,
+    dry_run: bool,
+    rate_per_sec: u32,
+) -> Result<u64, StoreError> {
+    let ids = matching_ids(store, filter).await?;
+    if dry_run || ids.is_empty() {
+        return Ok(ids.len() as u64);
+    }
+    let batch = (rate_per_sec.max(1) as usize).min(1000);
+    let mut done = 0;
+    for chunk in ids.chunks(batch) {
+        let started = std::time::Instant::now();
+        sqlx::query(
+            "WITH upd AS (
+                 UPDATE embedding_dlq d SET
+                        error_reason = CASE WHEN d.error_class = 'transient' AND d.exhausted_at IS NULL
+                                            THEN d.error_reason
+                                            ELSE 'requeued:' || d.error_class || '/' || d.error_reason END,
+                        error_class = 'transient',
+                        exhausted_at = NULL, exhausted_reason = NULL,
+                        replays = d.replays + 1, same_error_count = 0,
+                        next_retry_at = now()
+                  WHERE d.id = ANY($1)
+                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_reason, d.attempts
+             ), manifest AS (
+                 UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
+                   FROM upd u
+                  WHERE m.doc_id = u.doc_id AND m.chunk_index = u.chunk_index
+                    AND m.content_hash = u.content_hash AND m.status <> 'parked'
+                 RETURNING 1
+             )
+             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+             SELECT 'requeued', id, doc_id, chunk_index,
+                    jsonb_build_object('event', 'requeued', 'dlq_id', id, 'doc_id', doc_id,
+                                       'chunk_index', chunk_index, 'error_reason', error_reason,
+                                       'attempts', attempts, 'at', now())
+               FROM upd",
+        )
+        .bind(chunk)
+        .execute(store.pool())
+        .await?;
+        done += store.enqueue_ids(chunk, Duration::from_secs(15 * 60)).await?;
+        if chunk.len() == batch {
+            let pace = Duration::from_secs_f64(chunk.len() as f64 / rate_per_sec.max(1) as f64);
+            if let Some(rest) = pace.checked_sub(started.elapsed()) {
+                tokio::time::sleep(rest).await;
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// Deletes matching rows for good (and their manifest rows, so a later ingest of the same
+/// chunk starts fresh), announcing each as `purged`. Returns the rows purged (or that would
+/// be, with `dry_run`).
+pub async fn purge(store: &Store, filter: &Filter, dry_run: bool) -> Result<u64, StoreError> {
+    let ids = matching_ids(store, filter).await?;
+    if dry_run || ids.is_empty() {
+        return Ok(ids.len() as u64);
+    }
+    let n: i64 = sqlx::query_scalar(
+        "WITH gone AS (
+             DELETE FROM embedding_dlq WHERE id = ANY($1)
+             RETURNING id, doc_id, chunk_index, content_hash, error_class, error_reason, attempts
+         ), manifest AS (
+             DELETE FROM ingest_manifest m USING gone g
+              WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
+             RETURNING 1
+         ), events AS (
+             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+             SELECT 'purged', id, doc_id, chunk_index,
+                    jsonb_build_object('event', 'purged', 'dlq_id', id, 'doc_id', doc_id,
+                                       'chunk_index', chunk_index, 'error_class', error_class,
+                                       'error_reason', error_reason, 'attempts', attempts, 'at', now())
+               FROM gone
+             RETURNING 1
+         )
+         SELECT count(*) FROM gone",
+    )
+    .bind(&ids)
+    .fetch_one(store.pool())
+    .await?;
+    Ok(n as u64)
+}

@@ -1,0 +1,199 @@
+//! Prometheus metrics: names in `embed_dlq_<thing>_<unit>` form, label values from small fixed
+//! sets only (error class, reason, outcome, check, stream — never ids or messages). Counters
+//! are bumped where things happen; gauges that describe the database and the streams are
+//! sampled by [`sample`] (serve does it every few seconds, reconcile after every run).
+//! A retried attempt is counted in `retries_total`, never as parked or dropped.
+
+use std::net::SocketAddr;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use redis::aio::ConnectionManager;
+use sqlx::Row;
+
+use crate::model::ErrorClass;
+use crate::reconcile::{Check, Report};
+use crate::store::Store;
+use crate::streams::{REPLAY_GROUP, StreamKeys};
+
+pub const CHUNKS_STORED: &str = "embed_dlq_chunks_stored_total";
+pub const CHUNKS_SKIPPED: &str = "embed_dlq_chunks_skipped_total";
+pub const CHUNKS_PARKED: &str = "embed_dlq_chunks_parked_total";
+pub const LINES_REJECTED: &str = "embed_dlq_input_lines_rejected_total";
+pub const RETRIES: &str = "embed_dlq_retries_total";
+pub const PROVIDER_REQUESTS: &str = "embed_dlq_provider_requests_total";
+pub const PROVIDER_DURATION: &str = "embed_dlq_provider_request_duration_seconds";
+pub const BREAKER_STATE: &str = "embed_dlq_breaker_state";
+pub const BREAKER_OPENED: &str = "embed_dlq_breaker_opened_total";
+pub const RELAY_PUBLISHED: &str = "embed_dlq_relay_published_total";
+pub const RELAY_DUPLICATES: &str = "embed_dlq_relay_duplicates_total";
+pub const REPLAY_OUTCOMES: &str = "embed_dlq_replay_outcomes_total";
+pub const DLQ_DEPTH: &str = "embed_dlq_dlq_depth";
+pub const DLQ_READY: &str = "embed_dlq_dlq_ready";
+pub const DLQ_BACKING_OFF: &str = "embed_dlq_dlq_backing_off";
+pub const DLQ_EXHAUSTED: &str = "embed_dlq_dlq_exhausted";
+pub const DLQ_OLDEST_AGE: &str = "embed_dlq_dlq_oldest_age_seconds";
+pub const DLQ_NEXT_DUE: &str = "embed_dlq_dlq_next_due_seconds";
+pub const OUTBOX_BACKLOG: &str = "embed_dlq_outbox_backlog";
+pub const OUTBOX_OLDEST_AGE: &str = "embed_dlq_outbox_oldest_age_seconds";
+pub const STREAM_LENGTH: &str = "embed_dlq_stream_length";
+pub const STREAM_PENDING: &str = "embed_dlq_stream_pending";
+pub const STREAM_LAG: &str = "embed_dlq_stream_lag";
+pub const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
+pub const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
+pub const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
+
+/// Starts the `/metrics` endpoint on `addr` (inside the tokio runtime) and describes every
+/// metric.
+pub fn install(addr: SocketAddr) -> Result<(), String> {
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full(PROVIDER_DURATION.into()),
+            &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
+        )
+        .map_err(|e| e.to_string())?
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    describe();
+    Ok(())
+}
+
+fn describe() {
+    describe_counter!(CHUNKS_STORED, "Chunks whose vector was stored (ingest and replay).");
+    describe_counter!(CHUNKS_SKIPPED, "Chunks skipped because the same content is already stored or parked.");
+    describe_counter!(CHUNKS_PARKED, "Chunks parked in the DLQ, by error class.");
+    describe_counter!(LINES_REJECTED, "Input lines without a usable identity (reported, not stored).");
+    describe_counter!(RETRIES, "In-process retries of provider requests, by reason.");
+    describe_counter!(PROVIDER_REQUESTS, "Provider requests, by outcome (ok, retry, reject, systemic).");
+    describe_histogram!(PROVIDER_DURATION, metrics::Unit::Seconds, "Provider request latency.");
+    describe_gauge!(BREAKER_STATE, "Circuit breaker: 0 closed, 1 half-open, 2 open.");
+    describe_counter!(BREAKER_OPENED, "Times the circuit breaker opened.");
+    describe_counter!(RELAY_PUBLISHED, "Outbox rows published to Redis Streams.");
+    describe_counter!(
+        RELAY_DUPLICATES,
+        "Outbox rows whose entry already existed (republished after a crash)."
+    );
+    describe_counter!(REPLAY_OUTCOMES, "Replay work items, by outcome.");
+    describe_gauge!(DLQ_DEPTH, "DLQ rows, by error class.");
+    describe_gauge!(DLQ_READY, "Transient DLQ rows due for replay (permanent rows never count).");
+    describe_gauge!(DLQ_BACKING_OFF, "Transient DLQ rows waiting for their next replay.");
+    describe_gauge!(DLQ_EXHAUSTED, "DLQ rows automatic replay gave up on.");
+    describe_gauge!(DLQ_OLDEST_AGE, metrics::Unit::Seconds, "Age of the oldest DLQ row.");
+    describe_gauge!(
+        DLQ_NEXT_DUE,
+        metrics::Unit::Seconds,
+        "Seconds until the next scheduled replay (0 if due)."
+    );
+    describe_gauge!(OUTBOX_BACKLOG, "Outbox rows not yet published.");
+    describe_gauge!(OUTBOX_OLDEST_AGE, metrics::Unit::Seconds, "Age of the oldest unpublished outbox row.");
+    describe_gauge!(STREAM_LENGTH, "Entries in a stream.");
+    describe_gauge!(STREAM_PENDING, "Entries delivered to the replayers and not yet acknowledged.");
+    describe_gauge!(STREAM_LAG, "Entries not yet delivered to the replayers.");
+    describe_gauge!(RECONCILE_FINDINGS, "Findings of the last reconcile run, by check.");
+    describe_gauge!(
+        RECONCILE_LAST_SUCCESS,
+        metrics::Unit::Seconds,
+        "Unix time of the last finished reconcile run."
+    );
+    describe_gauge!(RECONCILE_DURATION, metrics::Unit::Seconds, "Duration of the last reconcile run.");
+}
+
+/// Counts one provider request.
+pub fn provider_request(outcome: &'static str, seconds: f64) {
+    counter!(PROVIDER_REQUESTS, "outcome" => outcome).increment(1);
+    metrics::histogram!(PROVIDER_DURATION).record(seconds);
+}
+
+/// Counts parks by class.
+pub fn parked(class: ErrorClass, n: u64) {
+    counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
+}
+
+/// Publishes a reconcile report.
+pub fn reconcile_report(r: &Report) {
+    for f in &r.findings {
+        gauge!(RECONCILE_FINDINGS, "check" => f.check.name()).set(f.found as f64);
+    }
+    gauge!(RECONCILE_DURATION).set(r.duration_secs);
+    gauge!(RECONCILE_LAST_SUCCESS).set(chrono::Utc::now().timestamp() as f64);
+}
+
+/// Samples the DLQ, outbox and stream gauges (a few cheap aggregate queries).
+pub async fn sample(
+    store: &Store,
+    redis: Option<&mut ConnectionManager>,
+    keys: &StreamKeys,
+) -> Result<(), String> {
+    let pool = store.pool();
+    let by_class = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
+        .fetch_all(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    for class in ErrorClass::ALL {
+        let n = by_class
+            .iter()
+            .find(|r| r.get::<String, _>("error_class") == class.as_str())
+            .map(|r| r.get::<i64, _>("n"))
+            .unwrap_or(0);
+        gauge!(DLQ_DEPTH, "error_class" => class.as_str()).set(n as f64);
+    }
+    let r = sqlx::query(
+        "SELECT count(*) FILTER (WHERE next_retry_at <= now() AND error_class = 'transient'
+                                   AND exhausted_at IS NULL) AS ready,
+                count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient'
+                                   AND exhausted_at IS NULL) AS backing_off,
+                count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
+                COALESCE(extract(epoch FROM now() - min(first_failed_at)), 0)::float8 AS oldest,
+                COALESCE(greatest(extract(epoch FROM min(next_retry_at) - now()), 0), 0)::float8 AS next_due
+           FROM embedding_dlq",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    gauge!(DLQ_READY).set(r.get::<i64, _>("ready") as f64);
+    gauge!(DLQ_BACKING_OFF).set(r.get::<i64, _>("backing_off") as f64);
+    gauge!(DLQ_EXHAUSTED).set(r.get::<i64, _>("exhausted") as f64);
+    gauge!(DLQ_OLDEST_AGE).set(r.get::<f64, _>("oldest"));
+    gauge!(DLQ_NEXT_DUE).set(r.get::<f64, _>("next_due"));
+    let o = sqlx::query(
+        "SELECT count(*) AS backlog, COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
+           FROM dlq_outbox WHERE published_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    gauge!(OUTBOX_BACKLOG).set(o.get::<i64, _>("backlog") as f64);
+    gauge!(OUTBOX_OLDEST_AGE).set(o.get::<f64, _>("oldest"));
+    let last: Option<f64> =
+        sqlx::query_scalar("SELECT extract(epoch FROM max(finished_at))::float8 FROM reconcile_runs")
+            .fetch_one(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+    if let Some(t) = last {
+        gauge!(RECONCILE_LAST_SUCCESS).set(t);
+    }
+    if let Some(redis) = redis {
+        for (name, key) in [("events", keys.events()), ("replay", keys.replay())] {
+            let len: u64 =
+                redis::cmd("XLEN").arg(&key).query_async(redis).await.map_err(|e| e.to_string())?;
+            gauge!(STREAM_LENGTH, "stream" => name).set(len as f64);
+        }
+        let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
+            redis::cmd("XINFO").arg("GROUPS").arg(keys.replay()).query_async(redis).await;
+        if let Ok(groups) = groups
+            && let Some(g) = groups.groups.iter().find(|g| g.name == REPLAY_GROUP)
+        {
+            gauge!(STREAM_PENDING, "stream" => "replay").set(g.pending as f64);
+            gauge!(STREAM_LAG, "stream" => "replay").set(g.lag.unwrap_or(0) as f64);
+        }
+    }
+    Ok(())
+}
+
+/// Every check name, so dashboards and alerts see zeros before the first finding.
+pub fn zero_findings() {
+    for c in Check::ALL {
+        gauge!(RECONCILE_FINDINGS, "check" => c.name()).set(0.0);
+    }
+}

@@ -1,0 +1,551 @@
+//! The reconciler: proves that the manifest, the vector table, the DLQ, the outbox and the
+//! Redis streams agree, and repairs what can be repaired safely.
+//!
+//! Every check is one set-based SQL statement or a batched scan of a stream, so a run stays
+//! cheap at a million chunks. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
+//! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
+//! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
+//! recently" alert, whatever process runs it).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionManager;
+use serde::Serialize;
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::store::{Store, StoreError};
+use crate::streams::{REPLAY_GROUP, StreamKeys, field};
+
+/// The checks, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Check {
+    /// Manifest rows with neither a vector nor a DLQ row (the seed's query).
+    Leaks,
+    /// More than one vector for a (doc_id, chunk_index).
+    Duplicates,
+    /// Manifest says stored, but the vector is missing or has another content hash.
+    StoredDrift,
+    /// A DLQ row for a chunk whose vector with the same content is stored.
+    StaleDlq,
+    /// Vectors of the wrong dimension, with NaN, or of zero norm.
+    BadVectors,
+    /// Outbox rows unpublished for longer than the threshold.
+    OutboxBacklog,
+    /// DLQ rows handed out as replay work that are in neither the outbox, the replay stream
+    /// nor its pending list (e.g. Redis lost its data).
+    LostReplayWork,
+    /// Replay stream entries still to be processed whose DLQ row is gone or has moved on.
+    OrphanStreamEntries,
+    /// Rows due for replay for longer than the threshold: the replayers are not draining.
+    ReplayStalled,
+}
+
+impl Check {
+    pub const ALL: [Check; 9] = [
+        Check::Leaks,
+        Check::Duplicates,
+        Check::StoredDrift,
+        Check::StaleDlq,
+        Check::BadVectors,
+        Check::OutboxBacklog,
+        Check::LostReplayWork,
+        Check::OrphanStreamEntries,
+        Check::ReplayStalled,
+    ];
+
+    /// Label value and report name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::Leaks => "leaks",
+            Check::Duplicates => "duplicates",
+            Check::StoredDrift => "stored_drift",
+            Check::StaleDlq => "stale_dlq",
+            Check::BadVectors => "bad_vectors",
+            Check::OutboxBacklog => "outbox_backlog",
+            Check::LostReplayWork => "lost_replay_work",
+            Check::OrphanStreamEntries => "orphan_stream_entries",
+            Check::ReplayStalled => "replay_stalled",
+        }
+    }
+
+    /// What repair does, for the report.
+    pub fn repair_action(self) -> Option<&'static str> {
+        match self {
+            Check::Leaks | Check::StoredDrift => Some("mark the chunk for re-ingest"),
+            Check::Duplicates => Some("keep the newest vector row"),
+            Check::StaleDlq => Some("delete the stale DLQ row, mark stored"),
+            Check::BadVectors => Some("delete the vector, mark for re-ingest"),
+            Check::LostReplayWork => Some("re-publish through the outbox"),
+            Check::OrphanStreamEntries => Some("acknowledge and delete the entries"),
+            Check::OutboxBacklog | Check::ReplayStalled => None,
+        }
+    }
+}
+
+/// One check's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct Finding {
+    pub check: Check,
+    pub found: u64,
+    /// A few examples (chunk keys or entry ids).
+    pub examples: Vec<String>,
+    /// Rows or entries changed by repair (0 in check or dry-run mode).
+    pub repaired: u64,
+    /// Extra context (e.g. backlog size and age).
+    pub note: Option<String>,
+}
+
+/// A whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+    pub mode: Mode,
+    pub duration_secs: f64,
+}
+
+impl Report {
+    /// Findings across all checks.
+    pub fn total_found(&self) -> u64 {
+        self.findings.iter().map(|f| f.found).sum()
+    }
+
+    /// The finding of one check.
+    pub fn get(&self, check: Check) -> &Finding {
+        self.findings.iter().find(|f| f.check == check).expect("every check reports")
+    }
+}
+
+/// Whether to change anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Check,
+    /// Report what repair would do, change nothing.
+    DryRun,
+    Repair,
+}
+
+/// Thresholds.
+#[derive(Debug, Clone)]
+pub struct ReconcileConfig {
+    /// An unpublished outbox row older than this is a finding.
+    pub outbox_stuck_after: Duration,
+    /// A row due for replay for longer than this is a finding.
+    pub replay_stall_after: Duration,
+    /// Replay work younger than this is left alone (the relay may be about to publish it).
+    pub lost_work_grace: Duration,
+    pub examples: usize,
+}
+
+impl Default for ReconcileConfig {
+    fn default() -> Self {
+        ReconcileConfig {
+            outbox_stuck_after: Duration::from_secs(60),
+            replay_stall_after: Duration::from_secs(300),
+            lost_work_grace: Duration::from_secs(30),
+            examples: 5,
+        }
+    }
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    #[error("postgres: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// Runs the checks.
+pub struct Reconciler {
+    pub store: Store,
+    /// Without Redis, the two stream checks are skipped (and say so).
+    pub redis: Option<ConnectionManager>,
+    pub keys: StreamKeys,
+    pub config: ReconcileConfig,
+}
+
+impl Reconciler {
+    /// One run of every check.
+    pub async fn run_once(&mut self, mode: Mode) -> Result<Report, ReconcileError> {
+        let started = Instant::now();
+        let started_at = chrono::Utc::now();
+        let repair = mode == Mode::Repair;
+        let t = self.store.target_sql_name().to_string();
+        let dims = self.store.target().dimensions as i32;
+        let mut findings = Vec::with_capacity(Check::ALL.len());
+
+        let leak_pred = format!(
+            "m.status <> 'reingest'
+             AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
+             AND NOT EXISTS (SELECT 1 FROM embedding_dlq d WHERE d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index)"
+        );
+        findings.push(
+            self.sql_check(
+                Check::Leaks,
+                &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {leak_pred}"),
+                repair.then(|| {
+                    format!("UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {leak_pred}")
+                }),
+            )
+            .await?,
+        );
+        findings.push(
+            self.sql_check(
+                Check::Duplicates,
+                &format!(
+                    "SELECT doc_id || '#' || chunk_index FROM {t} GROUP BY doc_id, chunk_index HAVING count(*) > 1"
+                ),
+                repair.then(|| {
+                    format!(
+                        "DELETE FROM {t} a USING {t} b
+                          WHERE a.doc_id = b.doc_id AND a.chunk_index = b.chunk_index
+                            AND (a.updated_at, a.ctid) < (b.updated_at, b.ctid)"
+                    )
+                }),
+            )
+            .await?,
+        );
+        let drift_pred = format!(
+            "m.status = 'stored' AND NOT EXISTS (
+                 SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+                                       AND e.content_hash = m.content_hash)"
+        );
+        findings.push(
+            self.sql_check(
+                Check::StoredDrift,
+                &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {drift_pred}"),
+                repair.then(|| {
+                    format!("UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}")
+                }),
+            )
+            .await?,
+        );
+        let stale_pred = format!(
+            "EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+                                          AND e.content_hash = d.content_hash)"
+        );
+        findings.push(
+            self.sql_check(
+                Check::StaleDlq,
+                &format!("SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d WHERE {stale_pred}"),
+                repair.then(|| {
+                    format!(
+                        "WITH gone AS (
+                             DELETE FROM embedding_dlq d WHERE {stale_pred}
+                             RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_class, d.attempts
+                         ), manifest AS (
+                             UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+                               FROM gone g
+                              WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
+                                AND m.content_hash = g.content_hash AND m.status <> 'stored'
+                             RETURNING 1
+                         ), events AS (
+                             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+                             SELECT 'resolved', id, doc_id, chunk_index,
+                                    jsonb_build_object('event', 'resolved', 'dlq_id', id, 'doc_id', doc_id,
+                                                       'chunk_index', chunk_index, 'error_class', error_class,
+                                                       'attempts', attempts, 'by', 'reconcile', 'at', now())
+                               FROM gone
+                             RETURNING 1
+                         )
+                         SELECT count(*) FROM gone"
+                    )
+                }),
+            )
+            .await?,
+        );
+        let bad_pred = format!(
+            "(vector_dims(e.embedding) <> {dims} OR vector_norm(e.embedding) = 0
+              OR vector_norm(e.embedding) = 'NaN'::float8)"
+        );
+        findings.push(
+            self.sql_check(
+                Check::BadVectors,
+                &format!("SELECT e.doc_id || '#' || e.chunk_index FROM {t} e WHERE {bad_pred}"),
+                repair.then(|| {
+                    format!(
+                        "WITH gone AS (DELETE FROM {t} e WHERE {bad_pred} RETURNING e.doc_id, e.chunk_index),
+                              manifest AS (
+                                  UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
+                                    FROM gone g WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
+                                  RETURNING 1)
+                         SELECT count(*) FROM gone"
+                    )
+                }),
+            )
+            .await?,
+        );
+        findings.push(self.outbox_check().await?);
+        match self.redis.clone() {
+            Some(mut redis) => {
+                findings.push(self.lost_work_check(&mut redis, repair).await?);
+                findings.push(self.orphan_entries_check(&mut redis, repair).await?);
+            }
+            None => {
+                for check in [Check::LostReplayWork, Check::OrphanStreamEntries] {
+                    findings.push(Finding {
+                        check,
+                        found: 0,
+                        examples: vec![],
+                        repaired: 0,
+                        note: Some("skipped: no Redis configured".into()),
+                    });
+                }
+            }
+        }
+        let stall = self.config.replay_stall_after.as_secs_f64();
+        findings.push(
+            self.sql_check(
+                Check::ReplayStalled,
+                &format!(
+                    "SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d
+                      WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
+                        AND d.next_retry_at < now() - make_interval(secs => {stall})"
+                ),
+                None,
+            )
+            .await?,
+        );
+        let report = Report { findings, mode, duration_secs: started.elapsed().as_secs_f64() };
+        sqlx::query("INSERT INTO reconcile_runs (started_at, repaired, findings) VALUES ($1, $2, $3)")
+            .bind(started_at)
+            .bind(repair)
+            .bind(serde_json::to_value(&report.findings).expect("findings serialize"))
+            .execute(self.store.pool())
+            .await?;
+        Ok(report)
+    }
+
+    /// Runs a counting/example query and, in repair mode, the repair statement.
+    async fn sql_check(
+        &self,
+        check: Check,
+        select: &str,
+        repair: Option<String>,
+    ) -> Result<Finding, ReconcileError> {
+        let pool = self.store.pool();
+        let found: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM ({select}) f")))
+            .fetch_one(pool)
+            .await?;
+        let examples: Vec<String> = if found > 0 {
+            sqlx::query_scalar(AssertSqlSafe(format!("{select} LIMIT {}", self.config.examples)))
+                .fetch_all(pool)
+                .await?
+        } else {
+            vec![]
+        };
+        let mut repaired = 0;
+        if let Some(sql) = repair.filter(|_| found > 0) {
+            repaired = if sql.trim_start().starts_with("WITH") {
+                sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).fetch_one(pool).await? as u64
+            } else {
+                sqlx::query(AssertSqlSafe(sql)).execute(pool).await?.rows_affected()
+            };
+        }
+        Ok(Finding { check, found: found as u64, examples, repaired, note: None })
+    }
+
+    async fn outbox_check(&self) -> Result<Finding, ReconcileError> {
+        let row = sqlx::query(
+            "SELECT count(*) AS backlog,
+                    count(*) FILTER (WHERE created_at < now() - make_interval(secs => $1)) AS stuck,
+                    COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
+               FROM dlq_outbox WHERE published_at IS NULL",
+        )
+        .bind(self.config.outbox_stuck_after.as_secs_f64())
+        .fetch_one(self.store.pool())
+        .await?;
+        let (backlog, stuck, oldest): (i64, i64, f64) =
+            (row.get("backlog"), row.get("stuck"), row.get("oldest"));
+        Ok(Finding {
+            check: Check::OutboxBacklog,
+            found: stuck as u64,
+            examples: vec![],
+            repaired: 0,
+            note: Some(format!("{backlog} unpublished, oldest {oldest:.0}s old (is a relay running?)")),
+        })
+    }
+
+    /// Scans the replay stream: entry id → (dlq_id, generation).
+    async fn replay_entries(
+        &self,
+        redis: &mut ConnectionManager,
+    ) -> Result<Vec<(String, Option<(i64, i32)>)>, ReconcileError> {
+        let mut out = Vec::new();
+        let mut start = "-".to_string();
+        loop {
+            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(self.keys.replay())
+                .arg(&start)
+                .arg("+")
+                .arg("COUNT")
+                .arg(5000)
+                .query_async(redis)
+                .await?;
+            let n = page.ids.len();
+            for e in page.ids {
+                let work = field(&e.map, "body")
+                    .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+                    .and_then(|v| Some((v["dlq_id"].as_i64()?, i32::try_from(v["replays"].as_i64()?).ok()?)));
+                start = format!("({}", e.id);
+                out.push((e.id, work));
+            }
+            if n < 5000 {
+                return Ok(out);
+            }
+        }
+    }
+
+    async fn lost_work_check(
+        &self,
+        redis: &mut ConnectionManager,
+        repair: bool,
+    ) -> Result<Finding, ReconcileError> {
+        // Outbox first, then the stream: a row the relay publishes in between is seen in
+        // the outbox snapshot, never missed by both.
+        let in_outbox: HashSet<i64> = sqlx::query_scalar(
+            "SELECT dlq_id FROM dlq_outbox WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
+        )
+        .fetch_all(self.store.pool())
+        .await?
+        .into_iter()
+        .collect();
+        let in_stream: HashSet<(i64, i32)> =
+            self.replay_entries(redis).await?.into_iter().filter_map(|(_, w)| w).collect();
+        let leased = sqlx::query(
+            "SELECT id, replays, doc_id || '#' || chunk_index AS key FROM embedding_dlq
+              WHERE error_class = 'transient' AND exhausted_at IS NULL
+                AND enqueued_at IS NOT NULL AND enqueued_at > last_failed_at
+                AND enqueued_at < now() - make_interval(secs => $1)
+                AND next_retry_at > now()",
+        )
+        .bind(self.config.lost_work_grace.as_secs_f64())
+        .fetch_all(self.store.pool())
+        .await?;
+        let mut lost = Vec::new();
+        let mut examples = Vec::new();
+        for r in leased {
+            let (id, generation): (i64, i32) = (r.get("id"), r.get("replays"));
+            if !in_outbox.contains(&id) && !in_stream.contains(&(id, generation)) {
+                lost.push(id);
+                if examples.len() < self.config.examples {
+                    examples.push(r.get::<String, _>("key"));
+                }
+            }
+        }
+        let mut repaired = 0;
+        if repair && !lost.is_empty() {
+            repaired = self.store.enqueue_ids(&lost, Duration::from_secs(15 * 60)).await?;
+        }
+        Ok(Finding { check: Check::LostReplayWork, found: lost.len() as u64, examples, repaired, note: None })
+    }
+
+    async fn orphan_entries_check(
+        &self,
+        redis: &mut ConnectionManager,
+        repair: bool,
+    ) -> Result<Finding, ReconcileError> {
+        let entries = self.replay_entries(redis).await?;
+        if entries.is_empty() {
+            return Ok(Finding {
+                check: Check::OrphanStreamEntries,
+                found: 0,
+                examples: vec![],
+                repaired: 0,
+                note: None,
+            });
+        }
+        // Entries still to be processed: pending in the group, or after its last delivered id.
+        let groups: redis::streams::StreamInfoGroupsReply =
+            redis::cmd("XINFO").arg("GROUPS").arg(self.keys.replay()).query_async(redis).await?;
+        let last_delivered = groups
+            .groups
+            .iter()
+            .find(|g| g.name == REPLAY_GROUP)
+            .map(|g| parse_id(&g.last_delivered_id))
+            .unwrap_or((0, 0));
+        let pending: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(self.keys.replay())
+            .arg(REPLAY_GROUP)
+            .arg("-")
+            .arg("+")
+            .arg(1_000_000)
+            .query_async(redis)
+            .await
+            .unwrap_or_default();
+        let pending: HashSet<String> = pending.ids.into_iter().map(|p| p.id).collect();
+        let live: HashMap<i64, i32> = {
+            let ids: Vec<i64> = entries.iter().filter_map(|(_, w)| w.map(|w| w.0)).collect();
+            sqlx::query(
+                "SELECT id, replays FROM embedding_dlq
+                  WHERE id = ANY($1) AND exhausted_at IS NULL AND error_class = 'transient'",
+            )
+            .bind(&ids)
+            .fetch_all(self.store.pool())
+            .await?
+            .into_iter()
+            .map(|r| (r.get("id"), r.get("replays")))
+            .collect()
+        };
+        let orphans: Vec<String> = entries
+            .into_iter()
+            .filter(|(id, _)| pending.contains(id) || parse_id(id) > last_delivered)
+            .filter(|(_, w)| match w {
+                Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
+                None => true,
+            })
+            .map(|(id, _)| id)
+            .collect();
+        let mut repaired = 0;
+        if repair && !orphans.is_empty() {
+            let mut pipe = redis::pipe();
+            for chunk in orphans.chunks(1000) {
+                pipe.cmd("XACK").arg(self.keys.replay()).arg(REPLAY_GROUP).arg(chunk).ignore();
+                pipe.cmd("XDEL").arg(self.keys.replay()).arg(chunk);
+            }
+            let deleted: Vec<u64> = pipe.query_async(redis).await?;
+            repaired = deleted.iter().sum();
+        }
+        Ok(Finding {
+            check: Check::OrphanStreamEntries,
+            found: orphans.len() as u64,
+            examples: orphans.iter().take(self.config.examples).cloned().collect(),
+            repaired,
+            note: None,
+        })
+    }
+}
+
+fn parse_id(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+}
+
+/// The report as a table, written to any writer.
+pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result<()> {
+    writeln!(out, "{:<24}{:>10}{:>10}  notes", "check", "found", "repaired")?;
+    for f in &r.findings {
+        let repaired = match (r.mode, f.check.repair_action()) {
+            (_, None) => "-".to_string(),
+            (Mode::Repair, Some(_)) => f.repaired.to_string(),
+            (Mode::DryRun, Some(a)) if f.found > 0 => format!("would: {a}"),
+            _ => "-".to_string(),
+        };
+        let mut notes = f.note.clone().unwrap_or_default();
+        if !f.examples.is_empty() {
+            if !notes.is_empty() {
+                notes.push_str("; ");
+            }
+            notes.push_str(&format!("e.g. {}", f.examples.join(", ")));
+        }
+        writeln!(out, "{:<24}{:>10}{:>10}  {notes}", f.check.name(), f.found, repaired)?;
+    }
+    writeln!(out, "total findings: {} ({:.2}s, mode {:?})", r.total_found(), r.duration_secs, r.mode)?;
+    Ok(())
+}

@@ -1,0 +1,437 @@
+//! Reconciler checks (each drift made on purpose, reported, repaired, then clean), Redis
+//! data loss, `dlq requeue`, the metrics endpoint and the alert rules (promtool).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::mock_provider::MockConfig;
+use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Report};
+use embed_dlq::relay::{Relay, RelayConfig};
+use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+use embed_dlq::streams::StreamKeys;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+async fn reconciler(db: &TestDb, keys: &StreamKeys, config: ReconcileConfig) -> Reconciler {
+    let p = pipeline(&settings(db, &start_mock(MockConfig::default()).await)).await;
+    Reconciler { store: p.store, redis: Some(redis().await), keys: keys.clone(), config }
+}
+
+fn immediate() -> ReconcileConfig {
+    ReconcileConfig {
+        outbox_stuck_after: Duration::from_secs(3600),
+        replay_stall_after: Duration::from_secs(3600),
+        lost_work_grace: Duration::ZERO,
+        examples: 5,
+    }
+}
+
+async fn ingest(db: &TestDb, doc: &str, n: i32) -> String {
+    let mock = start_mock(MockConfig::default()).await;
+    let mut corpus = String::new();
+    for i in 0..n {
+        corpus.push_str(&line(doc, i, &format!("{doc} text {i}")));
+    }
+    pipeline(&settings(db, &mock))
+        .await
+        .run(input(corpus.clone().into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    corpus
+}
+
+/// Report → repair → a second run must be clean for `check`.
+async fn assert_found_repaired_clean(r: &mut Reconciler, check: Check, found: u64) -> Report {
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(check).found, found, "{check:?}: {report:#?}");
+    let dry = r.run_once(Mode::DryRun).await.unwrap();
+    assert_eq!(dry.get(check).found, found, "dry run changes nothing");
+    assert_eq!(dry.get(check).repaired, 0);
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert!(repaired.get(check).repaired >= found, "{check:?}: {repaired:#?}");
+    let clean = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(clean.total_found(), 0, "second run is clean: {clean:#?}");
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_database_has_no_findings() {
+    let db = TestDb::new().await;
+    ingest(&db, "clean", 20).await;
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.total_found(), 0, "{report:#?}");
+    assert_eq!(report.findings.len(), Check::ALL.len());
+    assert_eq!(db.count("SELECT count(*) FROM reconcile_runs").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaked_chunk_is_marked_for_reingest_and_the_next_ingest_restores_it() {
+    let db = TestDb::new().await;
+    let corpus = ingest(&db, "leak", 10).await;
+    sqlx::query("DELETE FROM doc_embeddings WHERE chunk_index = 3").execute(&db.pool).await.unwrap();
+    assert_eq!(db.leaks().await, 1);
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    assert_found_repaired_clean(&mut r, Check::Leaks, 1).await;
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'reingest'").await, 1);
+    let mock = start_mock(MockConfig::default()).await;
+    let again = pipeline(&settings(&db, &mock))
+        .await
+        .run(input(corpus.into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!((again.stored, again.unchanged), (1, 9));
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drifted_vector_is_found_and_requeued() {
+    let db = TestDb::new().await;
+    ingest(&db, "drift", 10).await;
+    sqlx::query("UPDATE doc_embeddings SET content_hash = 'something-else' WHERE chunk_index = 4")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    let report = assert_found_repaired_clean(&mut r, Check::StoredDrift, 1).await;
+    assert_eq!(report.get(Check::StoredDrift).examples, vec!["drift#4".to_string()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_vectors_are_found_and_removed() {
+    let db = TestDb::new().await;
+    ingest(&db, "dup", 5).await;
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    sqlx::raw_sql(
+        "ALTER TABLE doc_embeddings DROP CONSTRAINT doc_embeddings_doc_id_chunk_index_key;
+         INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT doc_id, chunk_index, content_hash, embedding FROM doc_embeddings WHERE chunk_index = 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(db.duplicates().await, 1);
+    assert_found_repaired_clean(&mut r, Check::Duplicates, 1).await;
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_dlq_row_next_to_its_stored_vector_is_removed() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    mock.control.set_outage(true);
+    let mut s = settings(&db, &mock);
+    s.retry.max_attempts = 1;
+    pipeline(&s)
+        .await
+        .run(input(line("stale", 0, "stale text").into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    // The vector arrives by another path (say, a manual fix), the DLQ row stays behind.
+    sqlx::query(
+        "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT doc_id, chunk_index, content_hash, array_fill(0.5, ARRAY[768])::vector FROM embedding_dlq",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    assert_found_repaired_clean(&mut r, Check::StaleDlq, 1).await;
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'resolved'").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_norm_vector_is_found_and_removed_for_reingest() {
+    let db = TestDb::new().await;
+    ingest(&db, "bad", 6).await;
+    sqlx::query(
+        "UPDATE doc_embeddings SET embedding = array_fill(0, ARRAY[768])::vector WHERE chunk_index = 2",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    assert_found_repaired_clean(&mut r, Check::BadVectors, 1).await;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 5);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'reingest'").await, 1);
+}
+
+async fn park(db: &TestDb, doc: &str, n: i32) {
+    let mock = start_mock(MockConfig::default()).await;
+    mock.control.set_outage(true);
+    let mut s = settings(db, &mock);
+    s.retry.max_attempts = 1;
+    let mut corpus = String::new();
+    for i in 0..n {
+        corpus.push_str(&line(doc, i, &format!("{doc} {i}")));
+    }
+    pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+}
+
+async fn relay_all(db: &TestDb, keys: &StreamKeys) {
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+}
+
+async fn schedule_and_relay(db: &TestDb, keys: &StreamKeys, r: &Reconciler) {
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE error_class = 'transient'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
+    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    relay_all(db, keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stuck_outbox_is_reported_until_a_relay_runs() {
+    let db = TestDb::new().await;
+    park(&db, "ob", 3).await;
+    let keys = fresh_keys();
+    let mut r =
+        reconciler(&db, &keys, ReconcileConfig { outbox_stuck_after: Duration::ZERO, ..immediate() }).await;
+    let report = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(report.get(Check::OutboxBacklog).found, 3);
+    assert!(report.get(Check::OutboxBacklog).note.as_deref().unwrap().starts_with("3 unpublished"));
+    relay_all(&db, &keys).await;
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::OutboxBacklog).found, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_data_loss_is_repaired_and_replay_drains_to_zero() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "lost", 25).await;
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    schedule_and_relay(&db, &keys, &r).await;
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0, "work is in the stream");
+    // Redis loses everything under our prefix (what FLUSHALL does to us, without touching
+    // the other tests sharing this Redis).
+    let mut redis = redis().await;
+    let mut keys_found: Vec<String> = Vec::new();
+    let mut iter: redis::AsyncIter<String> = redis::AsyncCommands::scan_match(
+        &mut redis,
+        format!("{}*", keys.events().trim_end_matches(":events")),
+    )
+    .await
+    .unwrap();
+    while let Some(k) = iter.next_item().await {
+        keys_found.push(k.unwrap());
+    }
+    drop(iter);
+    assert!(keys_found.len() >= 2);
+    let _: () = redis::cmd("DEL").arg(&keys_found).query_async(&mut redis).await.unwrap();
+
+    let report = assert_found_repaired_clean(&mut r, Check::LostReplayWork, 25).await;
+    assert_eq!(report.get(Check::LostReplayWork).examples.len(), 5);
+    relay_all(&db, &keys).await;
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &mock)).await;
+    let mut rep = Replayer {
+        name: "after-loss".into(),
+        store: p.store,
+        embedder: p.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+    };
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    for _ in 0..50 {
+        if db.count("SELECT count(*) FROM embedding_dlq").await == 0 {
+            break;
+        }
+        rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    }
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_entries_without_a_dlq_row_are_acknowledged_and_deleted() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "orphan", 8).await;
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    schedule_and_relay(&db, &keys, &r).await;
+    // The rows go away behind the stream's back (e.g. an operator deleted them by hand).
+    sqlx::query("DELETE FROM embedding_dlq WHERE chunk_index < 3").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM ingest_manifest WHERE chunk_index < 3").execute(&db.pool).await.unwrap();
+    assert_found_repaired_clean(&mut r, Check::OrphanStreamEntries, 3).await;
+    let mut redis = redis().await;
+    let len: u64 = redis::cmd("XLEN").arg(keys.replay()).query_async(&mut redis).await.unwrap();
+    assert_eq!(len, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_that_does_not_drain_is_reported() {
+    let db = TestDb::new().await;
+    park(&db, "stall", 4).await;
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() - interval '1 hour'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut r = reconciler(
+        &db,
+        &fresh_keys(),
+        ReconcileConfig { replay_stall_after: Duration::from_secs(60), ..immediate() },
+    )
+    .await;
+    let report = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(report.get(Check::ReplayStalled).found, 4);
+    assert_eq!(report.get(Check::ReplayStalled).repaired, 0, "nothing to repair: an alert for the operator");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // A provider that rejects long inputs with 422...
+    let strict = start_mock(MockConfig { max_input_chars: 20, ..MockConfig::default() }).await;
+    let mut corpus = String::new();
+    for i in 0..6 {
+        corpus.push_str(&line("perm", i, &format!("a text longer than twenty characters {i}")));
+    }
+    pipeline(&settings(&db, &strict))
+        .await
+        .run(input(corpus.into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'permanent_input'").await, 6);
+    // ...is fixed: replays go to one that accepts them.
+    let fixed = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &fixed)).await;
+    let filter = embed_dlq::dlq::Filter { class: Some("permanent_input".into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, true, 100).await.unwrap(), 6);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 0, "dry run");
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, false, 100).await.unwrap(), 6);
+    relay_all(&db, &keys).await;
+    let mut rep = Replayer {
+        name: "requeue".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+    };
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!(c.replayed, 6, "{c:?}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'perm'").await, 6);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, 6);
+    // Purge, for completeness: dry run, then for real.
+    park(&db, "purge", 3).await;
+    let filter = embed_dlq::dlq::Filter { doc: Some("purge".into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::purge(&p.store, &filter, true).await.unwrap(), 3);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 3);
+    assert_eq!(embed_dlq::dlq::purge(&p.store, &filter, false).await.unwrap(), 3);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.leaks().await, 0);
+}
+
+fn promtool() -> std::process::Command {
+    let c = std::process::Command::new("promtool");
+    if which_promtool().is_none() {
+        panic!("promtool is missing: scripts/test.sh installs Debian's prometheus package");
+    }
+    c
+}
+
+fn which_promtool() -> Option<()> {
+    std::process::Command::new("promtool")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| ())
+}
+
+#[test]
+fn alert_rules_pass_promtool_check_and_unit_tests() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/prometheus");
+    let check = promtool().args(["check", "rules", "alerts.yml"]).current_dir(dir).output().unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+    let test = promtool().args(["test", "rules", "alerts_test.yml"]).current_dir(dir).output().unwrap();
+    assert!(
+        test.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&test.stdout),
+        String::from_utf8_lossy(&test.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
+    let db = TestDb::new().await;
+    park(&db, "metrics", 7).await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let port = 20_000 + rand::random::<u16>() % 20_000;
+    let prefix = keys.events().trim_start_matches('{').split('}').next().unwrap().to_string();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--stream-prefix", &prefix, "--replayers", "1", "--reconcile-every-secs", "1"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let mut body = String::new();
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Ok(r) = reqwest::get(&url).await
+            && let Ok(text) = r.text().await
+            && text.contains("embed_dlq_dlq_depth")
+            && text.contains("embed_dlq_reconcile_last_success_timestamp_seconds")
+        {
+            body = text;
+            break;
+        }
+    }
+    child.kill().await.ok();
+    assert!(!body.is_empty(), "metrics endpoint never showed the DLQ gauges");
+    let depth_line = body
+        .lines()
+        .find(|l| l.starts_with("embed_dlq_dlq_depth{error_class=\"transient\"}"))
+        .expect("transient depth exported");
+    let depth: f64 = depth_line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert_eq!(
+        depth as i64,
+        db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'transient'").await
+    );
+    let mut check = promtool()
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    check.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
+    let out = check.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}\n{body}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
