@@ -146,6 +146,23 @@ async fn run() {
             );
         }
     }
+    // Reconcile over whatever the last memory run left (1M manifest rows when it was 1M).
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ingest_manifest").fetch_one(&pool).await.unwrap();
+    if rows > 0 {
+        let mut reconciler = embed_dlq::reconcile::Reconciler {
+            store: pipeline.store.clone(),
+            redis: None,
+            keys: embed_dlq::streams::StreamKeys::default(),
+            config: Default::default(),
+        };
+        let report = reconciler.run_once(embed_dlq::reconcile::Mode::Check).await.unwrap();
+        println!(
+            "reconcile (all SQL checks) over {rows} manifest rows and {rows} vectors: {:.1}s, {} findings",
+            report.duration_secs,
+            report.total_found()
+        );
+    }
     pool.close().await;
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db_name}\" WITH (FORCE)")))
         .execute(&mut conn)

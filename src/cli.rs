@@ -165,6 +165,9 @@ pub enum Command {
         /// No progress bar.
         #[arg(long)]
         no_progress: bool,
+        /// Serve Prometheus metrics here while ingesting (e.g. 127.0.0.1:9466).
+        #[arg(long)]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Relay parked failures to Redis Streams and replay due work with a consumer group.
     Serve {
@@ -276,7 +279,12 @@ pub async fn run(cli: Cli) -> i32 {
                 Err(e) => fail(exit::FAILURE, &e.to_string()),
             }
         }
-        Command::Ingest { input, provider, ingest, retry, json, no_progress } => {
+        Command::Ingest { input, provider, ingest, retry, json, no_progress, metrics_addr } => {
+            if let Some(addr) = metrics_addr
+                && let Err(e) = crate::metrics::install(addr)
+            {
+                return fail(exit::FAILURE, &e);
+            }
             let settings = match IngestSettings::resolve(cli.services, *provider, *ingest, *retry, file) {
                 Ok(s) => s,
                 Err(e) => return fail(exit::USAGE, &e),

@@ -274,8 +274,17 @@ pub async fn run(
             .await?;
     let (leaks, duplicates) = (leaks + count_leaks(pool).await?, duplicates + count_duplicates(pool).await?);
 
+    let mut reconciler = crate::reconcile::Reconciler {
+        store: pipeline.store.clone(),
+        redis: Some(crate::streams::managed(&crate::streams::client(redis_url)?).await?),
+        keys: crate::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}")),
+        config: Default::default(),
+    };
+    let report = reconciler.run_once(crate::reconcile::Mode::Check).await?;
     let stats = mock.control.stats();
     if !json {
+        println!("\n== reconcile ==");
+        crate::reconcile::write_report(&mut std::io::stdout().lock(), &report)?;
         println!("\n== checks ==");
         println!("leaks (manifest rows with neither vector nor DLQ row): {leaks}");
         println!("duplicate vectors by (doc_id, chunk_index):            {duplicates}");
@@ -296,7 +305,14 @@ pub async fn run(
     mock.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
     let accounted = first.stored + first.parked_total() + first.unchanged + first.already_parked;
-    let ok = leaks == 0 && duplicates == 0 && calls_second == 0 && accounted == first.records && drained;
+    let reconciled = report.get(crate::reconcile::Check::Leaks).found == 0
+        && report.get(crate::reconcile::Check::Duplicates).found == 0;
+    let ok = leaks == 0
+        && duplicates == 0
+        && calls_second == 0
+        && accounted == first.records
+        && drained
+        && reconciled;
     if !ok {
         eprintln!(
             "embed-dlq: demo checks FAILED (leaks {leaks}, duplicates {duplicates}, pass-2 calls {calls_second}, accounted {accounted}/{})",
