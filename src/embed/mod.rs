@@ -3,7 +3,8 @@
 //! [`Embedder::embed_batch`] turns a batch into one [`ItemOutcome`] per chunk. Transient
 //! failures are retried on the [`RetryPolicy`] schedule through the shared [`ProviderGate`];
 //! an input rejection on a batch splits it in halves until the guilty input stands alone, so
-//! one poison input never fails its neighbours; a systemic error stops the run without
+//! one poison input never fails its neighbours (so does a 500 that outlives the retries:
+//! some servers fail one input with 500 forever); a systemic error stops the run without
 //! charging any chunk for it.
 
 pub mod classify;
@@ -179,6 +180,15 @@ impl Embedder {
                             };
                             self.gate.record(permit, health);
                             if !self.policy.allows_another(attempt) {
+                                if reason == "http_500" && range.len() > 1 {
+                                    // Some servers answer 500 for one input forever (Ollama):
+                                    // isolate it instead of parking its neighbours with it.
+                                    stats.splits += 1;
+                                    let mid = range.start + range.len() / 2;
+                                    work.push(mid..range.end);
+                                    work.push(range.start..mid);
+                                    break;
+                                }
                                 fill(
                                     &mut outcomes,
                                     range.clone(),

@@ -485,3 +485,25 @@ async fn rate_limits_are_waited_out_not_parked() {
     assert!(r.retries.get("rate_limited").copied().unwrap_or(0) > 0, "{r:?}");
     assert_eq!(r.stored, 300);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_that_always_gets_500_does_not_take_its_batch_down() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.batch_max_inputs = 16;
+    let mut corpus = String::new();
+    for i in 0..16 {
+        let text = if i == 5 { format!("ollama {}", mock_provider::POISON_500) } else { format!("fine {i}") };
+        corpus.push_str(&line("o500", i, &text));
+    }
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.stored, 15, "{r:?}");
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&1));
+    let (idx, reason, attempts): (i32, String, i32) =
+        sqlx::query_as("SELECT chunk_index, error_reason, attempts FROM embedding_dlq")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((idx, reason.as_str(), attempts), (5, "http_500", s.retry.max_attempts as i32));
+}
