@@ -501,6 +501,13 @@ async fn reconcile_command(
 }
 
 async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
+    if let DlqAction::List { filter, .. }
+    | DlqAction::Requeue { filter, .. }
+    | DlqAction::Purge { filter, .. } = &action
+        && let Err(e) = filter.validate()
+    {
+        return fail(exit::USAGE, &e);
+    }
     let store = match async {
         let pool = store::connect(url, 2).await?;
         store::migrate(&pool).await?;
@@ -519,19 +526,22 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
                 if json {
                     let _ = writeln!(out, "{}", serde_json::to_string(&s).unwrap());
                 } else {
+                    let ts = |t: Option<chrono::DateTime<chrono::Utc>>| {
+                        t.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string()).unwrap_or_else(|| "-".into())
+                    };
                     let _ = writeln!(
                         out,
-                        "{:<20}{:>8}  {:<26}{:<26}{:>8}",
-                        "error_class", "parked", "oldest", "newest", "avg_att"
+                        "{:<20}{:>8}  {:<21}{:<21}{:>12}",
+                        "error_class", "parked", "oldest", "newest", "avg_attempts"
                     );
                     for c in &s.by_class {
                         let _ = writeln!(
                             out,
-                            "{:<20}{:>8}  {:<26}{:<26}{:>8.1}",
+                            "{:<20}{:>8}  {:<21}{:<21}{:>12.1}",
                             c.error_class,
                             c.parked,
-                            c.oldest.map(|t| t.to_rfc3339()).unwrap_or_default(),
-                            c.newest.map(|t| t.to_rfc3339()).unwrap_or_default(),
+                            ts(c.oldest),
+                            ts(c.newest),
                             c.avg_attempts
                         );
                     }
@@ -541,7 +551,7 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
                         s.ready_to_replay,
                         s.still_backing_off,
                         s.exhausted,
-                        s.next_due.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into())
+                        ts(s.next_due)
                     );
                 }
             }
@@ -596,7 +606,7 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
             }
             DlqAction::Purge { filter, dry_run, yes } => {
                 let n = crate::dlq::purge(&store, &filter, true).await.map_err(|e| e.to_string())?;
-                if dry_run {
+                if dry_run || n == 0 {
                     let _ = if json {
                         writeln!(out, "{{\"would_purge\":{n}}}")
                     } else {

@@ -31,6 +31,17 @@ pub struct Filter {
 }
 
 impl Filter {
+    /// Refuses an unknown error class (a typo would otherwise match nothing, silently).
+    pub fn validate(&self) -> Result<(), String> {
+        match &self.class {
+            Some(c) if !crate::model::ErrorClass::ALL.iter().any(|k| k.as_str() == c) => Err(format!(
+                "unknown error class {c:?}; one of: {}",
+                crate::model::ErrorClass::ALL.map(|k| k.as_str()).join(", ")
+            )),
+            _ => Ok(()),
+        }
+    }
+
     fn push_where(&self, q: &mut QueryBuilder<Postgres>) {
         q.push(" WHERE true");
         if let Some(c) = &self.class {

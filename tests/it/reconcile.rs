@@ -204,46 +204,43 @@ async fn stuck_outbox_is_reported_until_a_relay_runs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_data_loss_is_repaired_and_replay_drains_to_zero() {
+async fn redis_flushall_is_repaired_and_replay_drains_to_zero() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
+    let private = PrivateRedis::start().await;
+    let mut redis = private.manager().await;
     park(&db, "lost", 25).await;
-    let mut r = reconciler(&db, &keys, immediate()).await;
-    schedule_and_relay(&db, &keys, &r).await;
-    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0, "work is in the stream");
-    // Redis loses everything under our prefix (what FLUSHALL does to us, without touching
-    // the other tests sharing this Redis).
-    let mut redis = redis().await;
-    let mut keys_found: Vec<String> = Vec::new();
-    let mut iter: redis::AsyncIter<String> = redis::AsyncCommands::scan_match(
-        &mut redis,
-        format!("{}*", keys.events().trim_end_matches(":events")),
-    )
-    .await
-    .unwrap();
-    while let Some(k) = iter.next_item().await {
-        keys_found.push(k.unwrap());
-    }
-    drop(iter);
-    assert!(keys_found.len() >= 2);
-    let _: () = redis::cmd("DEL").arg(&keys_found).query_async(&mut redis).await.unwrap();
-
-    let report = assert_found_repaired_clean(&mut r, Check::LostReplayWork, 25).await;
-    assert_eq!(report.get(Check::LostReplayWork).examples.len(), 5);
-    relay_all(&db, &keys).await;
     let mock = start_mock(MockConfig::default()).await;
     let p = pipeline(&settings(&db, &mock)).await;
+    let mut r = Reconciler {
+        store: p.store.clone(),
+        redis: Some(redis.clone()),
+        keys: keys.clone(),
+        config: immediate(),
+    };
+    let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    Scheduler { store: p.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0, "work is in the stream");
+
+    // Redis loses everything in the middle of the run.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut redis).await.unwrap();
+    let report = assert_found_repaired_clean(&mut r, Check::LostReplayWork, 25).await;
+    assert_eq!(report.get(Check::LostReplayWork).examples.len(), 5);
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let client = embed_dlq::streams::client(&private.url).unwrap();
     let mut rep = Replayer {
-        name: "after-loss".into(),
-        store: p.store,
-        embedder: p.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        name: "after-flush".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: client.clone(),
         redis: redis.clone(),
         keys: keys.clone(),
         config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
     };
-    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
     let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
     for _ in 0..50 {
         if db.count("SELECT count(*) FROM embedding_dlq").await == 0 {
@@ -252,8 +249,9 @@ async fn redis_data_loss_is_repaired_and_replay_drains_to_zero() {
         rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
     }
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
-    assert_eq!(db.leaks().await, 0);
-    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 25);
+    assert_eq!(db.leaks().await, 0, "the seed's reconciliation query");
+    assert_eq!(db.duplicates().await, 0, "the seed's duplicate query");
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
 }
 

@@ -578,3 +578,40 @@ async fn dead_consumers_are_removed_from_the_group() {
     rep.reclaim_once(&CancellationToken::new()).await.unwrap();
     assert!(!consumers(&mut r).await.contains(&"ghost".to_string()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_relays_at_once_publish_every_row_exactly_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_transient(&db, 2_000, "multi").await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let mut relay = Relay::new(
+            db.pool.clone(),
+            redis().await,
+            keys.clone(),
+            RelayConfig { batch: 50, ..Default::default() },
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut published = 0;
+            loop {
+                let c = relay.run_once().await.unwrap();
+                published += c.published;
+                if c.claimed == 0 {
+                    return published;
+                }
+            }
+        }));
+    }
+    let mut per_relay = Vec::new();
+    for t in tasks {
+        per_relay.push(t.await.unwrap());
+    }
+    assert_eq!(per_relay.iter().sum::<u64>(), 2_000, "{per_relay:?}");
+    assert!(per_relay.iter().filter(|n| **n > 0).count() >= 2, "relays shared the work: {per_relay:?}");
+    let mut r = redis().await;
+    let entries: redis::streams::StreamRangeReply = r.xrange_all(keys.events()).await.unwrap();
+    let ids: HashSet<String> =
+        entries.ids.iter().map(|e| embed_dlq::streams::field(&e.map, "outbox_id").unwrap()).collect();
+    assert_eq!((entries.ids.len(), ids.len()), (2_000, 2_000));
+}

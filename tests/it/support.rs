@@ -165,3 +165,47 @@ pub async fn redis() -> redis::aio::ConnectionManager {
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
     embed_dlq::streams::managed(&client).await.expect("connect to REDIS_URL")
 }
+
+/// A Redis of this test's own (so it can be flushed or killed), on a free port; stopped on
+/// drop.
+pub struct PrivateRedis {
+    pub url: String,
+    child: std::process::Child,
+}
+
+impl PrivateRedis {
+    pub async fn start() -> PrivateRedis {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server (scripts/services.sh installs it)");
+        let url = format!("redis://127.0.0.1:{port}/");
+        let client = embed_dlq::streams::client(&url).unwrap();
+        for _ in 0..100 {
+            if let Ok(mut c) = client.get_multiplexed_async_connection().await
+                && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+            {
+                return PrivateRedis { url, child };
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("private redis-server did not come up on {port}");
+    }
+
+    pub async fn manager(&self) -> redis::aio::ConnectionManager {
+        embed_dlq::streams::managed(&embed_dlq::streams::client(&self.url).unwrap()).await.unwrap()
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
