@@ -179,7 +179,7 @@ impl PrivateRedis {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()
         };
-        let child = std::process::Command::new("redis-server")
+        let mut child = std::process::Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -195,6 +195,8 @@ impl PrivateRedis {
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("private redis-server did not come up on {port}");
     }
 
