@@ -56,9 +56,34 @@ async fn fault_mix_over_10k_chunks_loses_nothing_and_duplicates_nothing() {
 
     let by_class = dlq_by_class(&db).await;
     let get = |c: ErrorClass| by_class.get(c.as_str()).copied().unwrap_or(0) as usize;
-    assert_eq!(get(ErrorClass::PermanentInput), facts.poison_400 + facts.empty + facts.too_long);
-    assert_eq!(get(ErrorClass::InvalidVector), facts.poison_nan);
-    assert_eq!(get(ErrorClass::DimensionMismatch), facts.poison_dim);
+    // Every poison input is parked under its own class — or as transient when the faults
+    // exhausted its batch's retries before the provider ever judged it.
+    for (marker, expected, count) in [
+        (mock_provider::POISON_400, ErrorClass::PermanentInput, facts.poison_400),
+        (mock_provider::POISON_NAN, ErrorClass::InvalidVector, facts.poison_nan),
+        (mock_provider::POISON_DIM, ErrorClass::DimensionMismatch, facts.poison_dim),
+    ] {
+        let classes: HashMap<String, i64> = sqlx::query(
+            "SELECT error_class, count(*) AS n FROM embedding_dlq
+              WHERE strpos(payload->>'text', $1) > 0 GROUP BY 1",
+        )
+        .bind(marker)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.get("error_class"), r.get("n")))
+        .collect();
+        let own = classes.get(expected.as_str()).copied().unwrap_or(0);
+        let transient = classes.get("transient").copied().unwrap_or(0);
+        assert_eq!((own + transient) as usize, count, "{marker}: {classes:?}");
+        assert_eq!(classes.len() as i64, (own > 0) as i64 + (transient > 0) as i64, "{marker}: {classes:?}");
+        assert!(own as usize >= count * 3 / 4, "{marker}: most are judged by the provider: {classes:?}");
+    }
+    // Pre-flight and broken records never reach the provider: their class is exact.
+    let preflight: i64 =
+        db.count("SELECT count(*) FROM embedding_dlq WHERE error_reason IN ('empty_text', 'too_long')").await;
+    assert_eq!(preflight as usize, facts.empty + facts.too_long);
     assert_eq!(get(ErrorClass::InvalidRecord), facts.invalid_records);
     // Faults were really injected and mostly absorbed by retries.
     let mstats = mock.control.stats();
