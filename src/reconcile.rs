@@ -468,7 +468,7 @@ impl Reconciler {
             .groups
             .iter()
             .find(|g| g.name == REPLAY_GROUP)
-            .map(|g| parse_id(&g.last_delivered_id))
+            .map(|g| crate::streams::parse_entry_id(&g.last_delivered_id))
             .unwrap_or((0, 0));
         let pending: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
             .arg(self.keys.replay())
@@ -495,7 +495,7 @@ impl Reconciler {
         };
         let orphans: Vec<String> = entries
             .into_iter()
-            .filter(|(id, _)| pending.contains(id) || parse_id(id) > last_delivered)
+            .filter(|(id, _)| pending.contains(id) || crate::streams::parse_entry_id(id) > last_delivered)
             .filter(|(_, w)| match w {
                 Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
                 None => true,
@@ -520,11 +520,6 @@ impl Reconciler {
             note: None,
         })
     }
-}
-
-fn parse_id(id: &str) -> (u64, u64) {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
 }
 
 /// The report as a table, written to any writer.

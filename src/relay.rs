@@ -223,11 +223,6 @@ pub async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
     }
 }
 
-fn parse_id(id: &str) -> (u64, u64) {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
-}
-
 /// XTRIM MINID at the smallest id that some group still needs: its oldest pending entry, or
 /// the entry after its last delivered one. Never trims anything a group has not acked.
 pub async fn trim_below_group_needs(redis: &mut ConnectionManager, stream: &str) -> Result<u64, RelayError> {
@@ -242,13 +237,13 @@ pub async fn trim_below_group_needs(redis: &mut ConnectionManager, stream: &str)
     }
     let mut floor: Option<(u64, u64)> = None;
     for g in &groups.groups {
-        let (ms, seq) = parse_id(&g.last_delivered_id);
+        let (ms, seq) = crate::streams::parse_entry_id(&g.last_delivered_id);
         let mut need = (ms, seq.saturating_add(1));
         if g.pending > 0 {
             let summary: redis::streams::StreamPendingReply =
                 redis::cmd("XPENDING").arg(stream).arg(&g.name).query_async(redis).await?;
             if let redis::streams::StreamPendingReply::Data(d) = summary {
-                need = need.min(parse_id(&d.start_id));
+                need = need.min(crate::streams::parse_entry_id(&d.start_id));
             }
         }
         floor = Some(floor.map_or(need, |f| f.min(need)));

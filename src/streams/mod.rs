@@ -104,6 +104,12 @@ pub fn field(map: &std::collections::HashMap<String, redis::Value>, name: &str) 
     }
 }
 
+/// A stream entry id as (milliseconds, sequence), for ordering comparisons.
+pub fn parse_entry_id(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,5 +122,12 @@ mod tests {
         assert_eq!(k.outbox_marker(42), "{prod}:outbox:42");
         assert_eq!(k.for_outbox_stream("replay"), k.replay());
         assert_eq!(k.for_outbox_stream("events"), k.events());
+    }
+
+    #[test]
+    fn entry_ids_order_numerically() {
+        assert!(parse_entry_id("1700000000000-10") > parse_entry_id("1700000000000-9"));
+        assert!(parse_entry_id("1700000000001-0") > parse_entry_id("1700000000000-99"));
+        assert_eq!(parse_entry_id("0-0"), (0, 0));
     }
 }
