@@ -330,6 +330,7 @@ async fn streams_bench(
             redis: redis.clone(),
             keys: keys.clone(),
             config: config.clone(),
+            paused_until: None,
         };
         let client = client.clone();
         let pool = pool.clone();

@@ -52,6 +52,8 @@ pub struct ReplayConfig {
     pub lease: Duration,
     /// How often the scheduler looks for due rows.
     pub schedule_every: Duration,
+    /// How long a replayer pauses after the provider refused the run (bad key, no quota).
+    pub systemic_pause: Duration,
 }
 
 impl Default for ReplayConfig {
@@ -66,6 +68,7 @@ impl Default for ReplayConfig {
             schedule: DlqSchedule::default(),
             lease: Duration::from_secs(15 * 60),
             schedule_every: Duration::from_secs(1),
+            systemic_pause: Duration::from_secs(60),
         }
     }
 }
@@ -78,8 +81,10 @@ pub struct ReplayCounts {
     pub exhausted: u64,
     /// Entries acknowledged without work (row gone, already replayed, superseded, unreadable).
     pub skipped: u64,
-    /// Entries left pending (shutdown before the first attempt, provider refused the run).
+    /// Entries left pending (shutdown before the first attempt).
     pub left_pending: u64,
+    /// Rows put back on the schedule uncharged because the provider refused the run.
+    pub postponed: u64,
     /// Entries taken over from other consumers.
     pub reclaimed: u64,
 }
@@ -91,6 +96,7 @@ impl ReplayCounts {
         self.exhausted += o.exhausted;
         self.skipped += o.skipped;
         self.left_pending += o.left_pending;
+        self.postponed += o.postponed;
         self.reclaimed += o.reclaimed;
     }
 }
@@ -166,6 +172,8 @@ pub struct Replayer {
     pub redis: ConnectionManager,
     pub keys: StreamKeys,
     pub config: ReplayConfig,
+    /// Set after the provider refused the run: no new work is taken before then.
+    pub paused_until: Option<Instant>,
 }
 
 impl Replayer {
@@ -342,10 +350,18 @@ impl Replayer {
             };
             match outcome {
                 Err(stop) => {
-                    // Not the items' fault: leave them pending; they are retried after min_idle.
-                    tracing::error!(error = %stop, "provider refused replay; leaving entries pending");
-                    counts.left_pending += todo.len() as u64;
-                    todo.clear();
+                    // Not the items' fault (bad key, no quota, long outage): charge nothing.
+                    // Leaving the entries pending would burn their delivery count on every
+                    // reclaim until they were exhausted for a problem they did not cause, so
+                    // postpone the rows (same generation, same attempts) and acknowledge.
+                    tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
+                        "provider refused replay; postponing the batch and pausing this replayer");
+                    let ids: Vec<i64> = todo.iter().map(|(_, r)| r.id).collect();
+                    let gens: Vec<i32> = todo.iter().map(|(_, r)| r.replays).collect();
+                    self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
+                    ack.extend(todo.drain(..).map(|(e, _)| e.id));
+                    counts.postponed += ids.len() as u64;
+                    self.paused_until = Some(Instant::now() + self.config.systemic_pause);
                 }
                 Ok(outcomes) => {
                     for ((e, row), outcome) in todo.into_iter().zip(outcomes) {
@@ -411,6 +427,10 @@ impl Replayer {
             tracing::warn!(error = %e, "cannot create the consumer group yet; will retry");
         }
         while !stop.is_cancelled() {
+            if let Some(until) = self.paused_until.take() {
+                sleep_or_cancel(until.saturating_duration_since(Instant::now()), &stop).await;
+                continue;
+            }
             let step: Result<ReplayCounts, ReplayError> = async {
                 if last_reclaim.elapsed() >= self.config.min_idle / 2 {
                     last_reclaim = Instant::now();

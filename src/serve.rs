@@ -66,6 +66,7 @@ pub async fn serve(
             redis: manager.clone(),
             keys: config.keys.clone(),
             config: config.replay.clone(),
+            paused_until: None,
         };
         tracker.spawn(replayer.run(cancel.clone(), hard.clone()));
     }

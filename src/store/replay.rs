@@ -88,6 +88,27 @@ impl Store {
         Ok(n as u64)
     }
 
+    /// Puts rows back on the schedule `delay` from now without charging them (same
+    /// generation, same attempts): used when the provider refused the run, not the rows.
+    pub async fn postpone(
+        &self,
+        ids: &[i64],
+        generations: &[i32],
+        delay: Duration,
+    ) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3)
+               FROM UNNEST($1::bigint[], $2::int[]) AS i(id, replays)
+              WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL",
+        )
+        .bind(ids)
+        .bind(generations)
+        .bind(delay.as_secs_f64())
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected())
+    }
+
     /// Loads DLQ rows (with their manifest hash) by id; missing ids are simply absent.
     pub async fn load_dlq_rows(&self, ids: &[i64]) -> Result<Vec<DlqRow>, StoreError> {
         let rows = sqlx::query(

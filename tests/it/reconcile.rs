@@ -240,6 +240,7 @@ async fn redis_flushall_is_repaired_and_replay_drains_to_zero() {
         redis: redis.clone(),
         keys: keys.clone(),
         config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+        paused_until: None,
     };
     let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
     for _ in 0..50 {
@@ -324,6 +325,7 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
         redis,
         keys: keys.clone(),
         config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+        paused_until: None,
     };
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
     let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
