@@ -298,9 +298,7 @@ pub async fn run(
             stats.resets,
             stats.rejected
         );
-        println!(
-            "inspect the DLQ: psql \"$DATABASE_URL\" -c 'SELECT error_class, error_reason, count(*) FROM embedding_dlq GROUP BY 1, 2'"
-        );
+        println!("inspect the DLQ: target/release/embed-dlq dlq stats  (then dlq list, dlq show ID)");
     }
     mock.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);

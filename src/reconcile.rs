@@ -368,7 +368,10 @@ impl Reconciler {
             found: stuck as u64,
             examples: vec![],
             repaired: 0,
-            note: Some(format!("{backlog} unpublished, oldest {oldest:.0}s old (is a relay running?)")),
+            note: (backlog > 0).then(|| {
+                let hint = if stuck > 0 { " (is a relay running?)" } else { "" };
+                format!("{backlog} unpublished, oldest {oldest:.0}s old{hint}")
+            }),
         })
     }
 

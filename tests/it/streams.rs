@@ -623,12 +623,14 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
     let keys = fresh_keys();
     let (_down, p) = park_transient(&db, 12, "sys").await;
     enqueue_due(&db, &p, &keys).await;
-    let before: Vec<(i64, i32, i32)> = sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq ORDER BY id")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let before: Vec<(i64, i32, i32)> =
+        sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     // The provider now rejects our key: not the rows' fault.
-    let locked = start_mock(MockConfig { api_key: Some("the-right-key".into()), ..MockConfig::default() }).await;
+    let locked =
+        start_mock(MockConfig { api_key: Some("the-right-key".into()), ..MockConfig::default() }).await;
     let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
     let mut rep = replayer(&db, &locked, &keys, "r", config).await;
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
@@ -637,13 +639,15 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
     assert_eq!((c.postponed, c.reparked, c.exhausted), (12, 0, 0), "{c:?}");
     assert!(rep.paused_until.is_some(), "the replayer pauses instead of hammering");
     assert_eq!(pending(&keys).await, 0, "acknowledged: no delivery count is burnt on it");
-    let after: Vec<(i64, i32, i32)> = sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq ORDER BY id")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let after: Vec<(i64, i32, i32)> =
+        sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(before, after, "same generation, same attempts: nothing charged");
     assert_eq!(
-        db.count("SELECT count(*) FROM embedding_dlq WHERE next_retry_at > now() + interval '100 seconds'").await,
+        db.count("SELECT count(*) FROM embedding_dlq WHERE next_retry_at > now() + interval '100 seconds'")
+            .await,
         12,
         "back on the schedule after the pause"
     );
