@@ -381,11 +381,14 @@ pub async fn run(cli: Cli) -> i32 {
 }
 
 async fn serve_command(
-    settings: IngestSettings,
+    mut settings: IngestSettings,
     redis_url: &str,
     args: ServeArgs,
     cancel: CancellationToken,
 ) -> i32 {
+    // The pool is sized from `concurrency`: give every replayer, the relay, the scheduler and
+    // the sampler a connection of their own.
+    settings.options.concurrency = settings.options.concurrency.max(args.replayers + 3);
     let pipeline = match build_pipeline(&settings).await {
         Ok(p) => p,
         Err(e) => return fail(exit::FAILURE, &e),

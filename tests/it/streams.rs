@@ -252,18 +252,19 @@ async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
     let keys = fresh_keys();
     let (_down, p) = park_transient(&db, 10, "slow").await;
     enqueue_due(&db, &p, &keys).await;
-    // Each replay request takes 1.5 s, five times the min-idle time.
-    let slow = start_mock(MockConfig { latency_ms: 1_500, ..MockConfig::default() }).await;
+    // Each replay request takes 3 s, five times the min-idle time.
+    let slow = start_mock(MockConfig { latency_ms: 3_000, ..MockConfig::default() }).await;
+    let config = ReplayConfig { min_idle: Duration::from_millis(600), ..replay_config() };
     let mut owner =
-        replayer_with_timeout(&db, &slow, &keys, "owner", replay_config(), Duration::from_secs(10)).await;
-    let mut thief = replayer(&db, &slow, &keys, "thief", replay_config()).await;
+        replayer_with_timeout(&db, &slow, &keys, "owner", config.clone(), Duration::from_secs(10)).await;
+    let mut thief = replayer(&db, &slow, &keys, "thief", config).await;
     let owner_task = tokio::spawn(async move {
         let client = embed_dlq::streams::client(&redis_url()).unwrap();
         let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
         owner.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
     });
     let mut stolen = 0;
-    for _ in 0..6 {
+    for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(250)).await;
         stolen += thief.reclaim_once(&CancellationToken::new()).await.unwrap().reclaimed;
     }
