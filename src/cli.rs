@@ -9,7 +9,9 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{FileConfig, IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use crate::config::{
+    FileConfig, IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs,
+};
 use crate::embed::Embedder;
 use crate::embed::client::EmbedClient;
 use crate::embed::gate::ProviderGate;
@@ -43,7 +45,7 @@ pub mod exit {
     about = "Lossless embedding ingestion with a Postgres DLQ and Redis Streams"
 )]
 pub struct Cli {
-    /// TOML config file (same keys as the flags, in [services] [provider] [ingest] [retry]).
+    /// TOML config file (same keys as the flags, in [services] [provider] [ingest] [retry] [serve]).
     #[arg(long, global = true, env = "EMBED_DLQ_CONFIG")]
     pub config: Option<PathBuf>,
     /// Log format on stderr.
@@ -92,44 +94,6 @@ pub enum DlqAction {
         #[arg(long)]
         yes: bool,
     },
-}
-
-/// Settings of `serve`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ServeArgs {
-    /// Replayer tasks in this process (0 runs only the relay and the scheduler).
-    #[arg(long, default_value_t = 2)]
-    pub replayers: usize,
-    /// Entries per replay batch.
-    #[arg(long, default_value_t = 32)]
-    pub replay_batch: usize,
-    /// Entries idle this long are taken over by another replayer.
-    #[arg(long, default_value_t = 60_000)]
-    pub min_idle_ms: u64,
-    /// Deliveries after which an entry is marked exhausted.
-    #[arg(long, default_value_t = 5)]
-    pub delivery_cap: u32,
-    /// Time to finish in-flight work after SIGTERM.
-    #[arg(long, default_value_t = 10_000)]
-    pub grace_ms: u64,
-    /// Key prefix of the streams (wrapped in a hash tag).
-    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
-    pub stream_prefix: String,
-    /// Prefix of this process's consumer names (default: hostname-pid).
-    #[arg(long)]
-    pub consumer_name: Option<String>,
-    /// Outbox rows per relay pass.
-    #[arg(long, default_value_t = 500)]
-    pub relay_batch: usize,
-    /// Relay poll interval when no notification arrives.
-    #[arg(long, default_value_t = 1_000)]
-    pub relay_poll_ms: u64,
-    /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
-    #[arg(long)]
-    pub metrics_addr: Option<SocketAddr>,
-    /// Also run the reconciler (check only) every this many seconds; 0 = never.
-    #[arg(long, default_value_t = 0)]
-    pub reconcile_every_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -291,12 +255,15 @@ pub async fn run(cli: Cli) -> i32 {
             };
             ingest_command(settings, &input, json, !no_progress, cancel).await
         }
-        Command::Serve { provider, ingest, retry, serve } => {
+        Command::Serve { provider, ingest, retry, mut serve } => {
             let redis_url =
                 cli.services.redis_url.clone().or(file.as_ref().and_then(|f| f.services.redis_url.clone()));
             let Some(redis_url) = redis_url else {
                 return fail(exit::USAGE, "no Redis: set REDIS_URL or --redis-url");
             };
+            if let Some(f) = file.as_ref() {
+                serve.fill_from(f.serve.clone());
+            }
             let settings = match IngestSettings::resolve(cli.services, *provider, *ingest, *retry, file) {
                 Ok(s) => s,
                 Err(e) => return fail(exit::USAGE, &e),
@@ -388,21 +355,21 @@ async fn serve_command(
 ) -> i32 {
     // The pool is sized from `concurrency`: give every replayer, the relay, the scheduler and
     // the sampler a connection of their own.
-    settings.options.concurrency = settings.options.concurrency.max(args.replayers + 3);
+    settings.options.concurrency = settings.options.concurrency.max(args.replayers() + 3);
     let pipeline = match build_pipeline(&settings).await {
         Ok(p) => p,
         Err(e) => return fail(exit::FAILURE, &e),
     };
     let replay = crate::replay::ReplayConfig {
-        batch: args.replay_batch.max(1),
-        min_idle: std::time::Duration::from_millis(args.min_idle_ms.max(100)),
-        delivery_cap: args.delivery_cap.max(1),
+        batch: args.replay_batch(),
+        min_idle: args.min_idle(),
+        delivery_cap: args.delivery_cap(),
         schedule: settings.options.dlq_schedule,
         ..Default::default()
     };
     let relay = crate::relay::RelayConfig {
-        batch: args.relay_batch.max(1),
-        poll: std::time::Duration::from_millis(args.relay_poll_ms.max(10)),
+        batch: args.relay_batch(),
+        poll: args.relay_poll(),
         ..Default::default()
     };
     if let Some(addr) = args.metrics_addr
@@ -411,22 +378,20 @@ async fn serve_command(
         return fail(exit::FAILURE, &e);
     }
     let config = crate::serve::ServeConfig {
-        reconcile_every: (args.reconcile_every_secs > 0)
-            .then(|| std::time::Duration::from_secs(args.reconcile_every_secs)),
+        reconcile_every: args.reconcile_every(),
         metrics: args.metrics_addr.is_some(),
-        replayers: args.replayers,
+        replayers: args.replayers(),
         relay,
         replay,
-        keys: crate::streams::StreamKeys::new(&args.stream_prefix),
-        grace: std::time::Duration::from_millis(args.grace_ms),
-        consumer_prefix: args.consumer_name.unwrap_or_else(crate::serve::default_consumer_prefix),
+        keys: crate::streams::StreamKeys::new(&args.stream_prefix()),
+        grace: args.grace(),
+        consumer_prefix: args.consumer_name.clone().unwrap_or_else(crate::serve::default_consumer_prefix),
     };
     let client = match crate::streams::client(redis_url) {
         Ok(c) => c,
         Err(e) => return fail(exit::USAGE, &format!("bad Redis URL: {e}")),
     };
     match crate::serve::serve(pipeline.store, pipeline.embedder, client, config, cancel.clone()).await {
-        Ok(()) if cancel.is_cancelled() => exit::OK,
         Ok(()) => exit::OK,
         Err(e) => fail(exit::FAILURE, &e),
     }

@@ -117,6 +117,89 @@ pub struct RetryArgs {
     pub max_outage_secs: Option<u64>,
 }
 
+/// Settings of `serve`; every default is in the accessors below.
+#[derive(Debug, Default, Clone, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeArgs {
+    /// Replayer tasks in this process (0 runs only the relay and the scheduler) [default: 2].
+    #[arg(long)]
+    pub replayers: Option<usize>,
+    /// Entries per replay batch [default: 32].
+    #[arg(long)]
+    pub replay_batch: Option<usize>,
+    /// Entries idle this long are taken over by another replayer [default: 60000].
+    #[arg(long)]
+    pub min_idle_ms: Option<u64>,
+    /// Deliveries after which an entry is marked exhausted [default: 5].
+    #[arg(long)]
+    pub delivery_cap: Option<u32>,
+    /// Time to finish in-flight work after SIGTERM [default: 10000].
+    #[arg(long)]
+    pub grace_ms: Option<u64>,
+    /// Key prefix of the streams, wrapped in a hash tag [default: embed-dlq].
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+    /// Prefix of this process's consumer names [default: hostname-pid].
+    #[arg(long)]
+    pub consumer_name: Option<String>,
+    /// Outbox rows per relay pass [default: 500].
+    #[arg(long)]
+    pub relay_batch: Option<usize>,
+    /// Relay poll interval when no notification arrives [default: 1000].
+    #[arg(long)]
+    pub relay_poll_ms: Option<u64>,
+    /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Also run the reconciler (check only) every this many seconds; 0 = never [default: 0].
+    #[arg(long)]
+    pub reconcile_every_secs: Option<u64>,
+}
+
+impl ServeArgs {
+    /// Fills every unset field from the config file's `[serve]` section.
+    pub fn fill_from(&mut self, mut f: ServeArgs) {
+        fill_from!(self, f; replayers, replay_batch, min_idle_ms, delivery_cap, grace_ms, stream_prefix,
+            consumer_name, relay_batch, relay_poll_ms, metrics_addr, reconcile_every_secs);
+    }
+
+    pub fn replayers(&self) -> usize {
+        self.replayers.unwrap_or(2)
+    }
+
+    pub fn replay_batch(&self) -> usize {
+        self.replay_batch.unwrap_or(32).max(1)
+    }
+
+    pub fn min_idle(&self) -> Duration {
+        Duration::from_millis(self.min_idle_ms.unwrap_or(60_000).max(100))
+    }
+
+    pub fn delivery_cap(&self) -> u32 {
+        self.delivery_cap.unwrap_or(5).max(1)
+    }
+
+    pub fn grace(&self) -> Duration {
+        Duration::from_millis(self.grace_ms.unwrap_or(10_000))
+    }
+
+    pub fn stream_prefix(&self) -> String {
+        self.stream_prefix.clone().unwrap_or_else(|| crate::streams::DEFAULT_PREFIX.to_string())
+    }
+
+    pub fn relay_batch(&self) -> usize {
+        self.relay_batch.unwrap_or(500).max(1)
+    }
+
+    pub fn relay_poll(&self) -> Duration {
+        Duration::from_millis(self.relay_poll_ms.unwrap_or(1_000).max(10))
+    }
+
+    pub fn reconcile_every(&self) -> Option<Duration> {
+        self.reconcile_every_secs.filter(|s| *s > 0).map(Duration::from_secs)
+    }
+}
+
 /// The TOML config file: the same keys as the flags, in sections.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,6 +212,8 @@ pub struct FileConfig {
     pub ingest: IngestArgs,
     #[serde(default)]
     pub retry: RetryArgs,
+    #[serde(default)]
+    pub serve: ServeArgs,
 }
 
 impl FileConfig {
@@ -288,6 +373,17 @@ mod tests {
         assert_eq!(s.options.concurrency, 9);
         assert_eq!(s.options.batch_max_inputs, IngestOptions::default().batch_max_inputs);
         assert_eq!(s.table, DEFAULT_TABLE);
+    }
+
+    #[test]
+    fn serve_section_fills_unset_flags() {
+        let file: FileConfig = toml::from_str("[serve]\nreplayers = 6\nmin_idle_ms = 5000\n").unwrap();
+        let mut flags = ServeArgs { replayers: Some(3), ..Default::default() };
+        flags.fill_from(file.serve);
+        assert_eq!(flags.replayers(), 3, "the flag wins");
+        assert_eq!(flags.min_idle(), Duration::from_secs(5));
+        assert_eq!(flags.relay_batch(), 500, "default");
+        assert!(toml::from_str::<FileConfig>("[serve]\nreplayer = 1\n").is_err());
     }
 
     #[test]
