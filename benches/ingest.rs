@@ -87,7 +87,10 @@ async fn run() {
         None,
     )
     .unwrap();
-    let pipeline = embed_dlq::cli::build_pipeline(&settings).await.unwrap();
+    let mut pipeline = embed_dlq::cli::build_pipeline(&settings).await.unwrap();
+    if let Some(w) = std::env::var("BENCH_WRITERS").ok().and_then(|v| v.parse().ok()) {
+        pipeline.options.writers = w;
+    }
 
     // Precomputed input for the raw writer: same ids and vector size.
     let vectors: Vec<Vector> = (0..chunks)

@@ -621,9 +621,12 @@ async fn migrate(url: &str, table: Option<&str>, dimensions: Option<usize>) -> R
 
 /// Builds the pipeline for `settings` (store bound to its table, client, gate).
 pub async fn build_pipeline(settings: &IngestSettings) -> Result<Pipeline, String> {
-    let pool = store::connect(&settings.database_url, settings.options.concurrency as u32 + 2)
-        .await
-        .map_err(|e| format!("cannot connect to Postgres: {e}"))?;
+    let pool = store::connect(
+        &settings.database_url,
+        (settings.options.concurrency + settings.options.writers) as u32 + 2,
+    )
+    .await
+    .map_err(|e| format!("cannot connect to Postgres: {e}"))?;
     store::migrate(&pool).await.map_err(|e| e.to_string())?;
     let store = Store::open(pool, &settings.table).await.map_err(|e| e.to_string())?;
     let client = EmbedClient::new(settings.client.clone())?;

@@ -46,6 +46,8 @@ pub struct IngestOptions {
     pub intake_window: usize,
     /// Rows per store/park statement (gathered across provider batches).
     pub write_batch_rows: usize,
+    /// Concurrent writers (database connections writing outcomes).
+    pub writers: usize,
     /// Longer inputs are parked as `permanent_input/too_long` without a provider call.
     pub max_input_chars: usize,
     /// Longer lines are rejected without being held in memory.
@@ -67,6 +69,7 @@ impl Default for IngestOptions {
             concurrency: 4,
             intake_window: 512,
             write_batch_rows: 512,
+            writers: 2,
             max_input_chars: 32_000,
             max_line_bytes: 8 * 1024 * 1024,
             batch_linger: Duration::from_millis(20),
@@ -206,15 +209,18 @@ impl Pipeline {
         });
 
         let (out_tx, out_rx) = mpsc::channel::<Outcomes>(opts.concurrency * 2);
-        let writer = Writer {
-            store: self.store.clone(),
-            tally: tally.clone(),
-            halt: halt.clone(),
-            progress: progress.clone(),
-            rows: opts.write_batch_rows,
-            linger: opts.batch_linger,
-        };
-        tracker.spawn(writer.run(out_rx));
+        let out_rx = Arc::new(tokio::sync::Mutex::new(out_rx));
+        for _ in 0..opts.writers.max(1) {
+            let writer = Writer {
+                store: self.store.clone(),
+                tally: tally.clone(),
+                halt: halt.clone(),
+                progress: progress.clone(),
+                rows: opts.write_batch_rows,
+                linger: opts.batch_linger,
+            };
+            tracker.spawn(writer.run(out_rx.clone()));
+        }
         let (job_tx, job_rx) = mpsc::channel::<Job>(opts.concurrency * 2);
         let job_rx = Arc::new(tokio::sync::Mutex::new(job_rx));
         for _ in 0..opts.concurrency {
@@ -566,8 +572,9 @@ impl Worker {
     }
 }
 
-/// The single writer: gathers the workers' outcomes into large statements (the provider's
-/// batch size is not the database's), one store and one park statement per flush.
+/// A writer: gathers the workers' outcomes into large statements (the provider's batch size
+/// is not the database's), one store and one park statement per flush. A couple of writers
+/// keep the database busy while the other one is between statements.
 struct Writer {
     store: Store,
     tally: Arc<Mutex<Tally>>,
@@ -578,18 +585,25 @@ struct Writer {
 }
 
 impl Writer {
-    async fn run(self, mut rx: mpsc::Receiver<Outcomes>) {
+    async fn run(self, rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Outcomes>>>) {
         let mut store: Vec<StoredChunk> = Vec::new();
         let mut park: Vec<ParkedChunk> = Vec::new();
         let mut keys: HashSet<(String, i32)> = HashSet::new();
         let mut failed = false;
         loop {
             let next = if store.is_empty() && park.is_empty() {
-                rx.recv().await
+                rx.lock().await.recv().await
             } else {
-                tokio::select! {
-                    r = rx.recv() => r,
-                    _ = tokio::time::sleep(self.linger) => {
+                let received = {
+                    let mut rx = rx.lock().await;
+                    tokio::select! {
+                        r = rx.recv() => Some(r),
+                        _ = tokio::time::sleep(self.linger) => None,
+                    }
+                };
+                match received {
+                    Some(r) => r,
+                    None => {
                         failed |= !self.flush(&mut store, &mut park, &mut keys).await;
                         continue;
                     }
