@@ -81,16 +81,14 @@ async fn run() {
         IngestArgs {
             batch_max_inputs: std::env::var("BENCH_BATCH").ok().and_then(|v| v.parse().ok()),
             concurrency: std::env::var("BENCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()),
+            writers: std::env::var("BENCH_WRITERS").ok().and_then(|v| v.parse().ok()),
             ..IngestArgs::default()
         },
         RetryArgs::default(),
         None,
     )
     .unwrap();
-    let mut pipeline = embed_dlq::cli::build_pipeline(&settings).await.unwrap();
-    if let Some(w) = std::env::var("BENCH_WRITERS").ok().and_then(|v| v.parse().ok()) {
-        pipeline.options.writers = w;
-    }
+    let pipeline = embed_dlq::cli::build_pipeline(&settings).await.unwrap();
 
     // Precomputed input for the raw writer: same ids and vector size.
     let vectors: Vec<Vector> = (0..chunks)

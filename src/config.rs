@@ -80,6 +80,9 @@ pub struct IngestArgs {
     /// Concurrent provider requests.
     #[arg(long)]
     pub concurrency: Option<usize>,
+    /// Concurrent database writers (each one connection, 512-row statements).
+    #[arg(long)]
+    pub writers: Option<usize>,
     /// Longer inputs are parked as permanent_input/too_long without a provider call.
     #[arg(long)]
     pub max_input_chars: Option<usize>,
@@ -260,7 +263,7 @@ impl IngestSettings {
                 provider.headers = std::mem::take(&mut f.provider.headers);
             }
             fill_from!(ingest, f.ingest; table, batch_max_inputs, batch_max_chars, concurrency,
-                max_input_chars, max_line_bytes);
+                writers, max_input_chars, max_line_bytes);
             fill_from!(retry, f.retry; retry_max_attempts, retry_base_ms, retry_cap_ms, dlq_base_secs,
                 dlq_cap_secs, dlq_max_replays, breaker_failure_threshold, breaker_cooldown_ms, max_outage_secs);
         }
@@ -288,6 +291,7 @@ impl IngestSettings {
                 ingest.batch_max_chars.unwrap_or(defaults.batch_max_chars),
             )?,
             concurrency: positive("concurrency", ingest.concurrency.unwrap_or(defaults.concurrency))?,
+            writers: positive("writers", ingest.writers.unwrap_or(defaults.writers))?,
             max_input_chars: positive(
                 "max_input_chars",
                 ingest.max_input_chars.unwrap_or(defaults.max_input_chars),
