@@ -628,7 +628,10 @@ pub async fn build_pipeline(settings: &IngestSettings) -> Result<Pipeline, Strin
     .await
     .map_err(|e| format!("cannot connect to Postgres: {e}"))?;
     store::migrate(&pool).await.map_err(|e| e.to_string())?;
-    let store = Store::open(pool, &settings.table).await.map_err(|e| e.to_string())?;
+    let store = Store::open(pool, &settings.table)
+        .await
+        .map_err(|e| e.to_string())?
+        .with_model(&settings.client.model, settings.client.request_dimensions);
     let client = EmbedClient::new(settings.client.clone())?;
     let embedder = Embedder {
         client,
@@ -714,6 +717,9 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
     writeln!(out, "parked              {:>10}", s.parked_total())?;
     for (class, n) in &s.parked {
         writeln!(out, "  {:<18}{:>10}", class.as_str(), n)?;
+    }
+    if s.superseded > 0 {
+        writeln!(out, "superseded          {:>10}  (a later line or run of the same chunk won)", s.superseded)?;
     }
     if s.dlq_resolved > 0 {
         writeln!(out, "DLQ rows resolved   {:>10}", s.dlq_resolved)?;

@@ -302,7 +302,8 @@ pub async fn run(
     }
     mock.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
-    let accounted = first.stored + first.parked_total() + first.unchanged + first.already_parked;
+    let accounted =
+        first.stored + first.parked_total() + first.unchanged + first.already_parked + first.superseded;
     let reconciled = report.get(crate::reconcile::Check::Leaks).found == 0
         && report.get(crate::reconcile::Check::Duplicates).found == 0;
     let ok = leaks == 0

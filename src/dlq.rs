@@ -87,12 +87,16 @@ pub struct Stats {
 #[derive(Debug, Clone, Serialize)]
 pub struct Listed {
     pub id: i64,
+    /// Canonical name of the table the row is meant for.
+    pub target_table: String,
     pub doc_id: String,
     pub chunk_index: i32,
     pub error_class: String,
     pub error_reason: String,
     pub attempts: i32,
     pub replays: i32,
+    /// Changes whenever the row's content changes, on every re-park and on requeue.
+    pub generation: i64,
     pub first_failed_at: DateTime<Utc>,
     pub last_failed_at: DateTime<Utc>,
     pub next_retry_at: Option<DateTime<Utc>>,
@@ -105,6 +109,12 @@ pub struct Detail {
     #[serde(flatten)]
     pub row: Listed,
     pub content_hash: String,
+    /// The model the row was parked under (None: parked before models were recorded).
+    pub model: Option<String>,
+    /// The target column's dimension when the row was parked.
+    pub dimensions: Option<i32>,
+    /// The `dimensions` request parameter, if any.
+    pub request_dimensions: Option<i32>,
     pub last_error: Option<String>,
     pub last_status: Option<i32>,
     pub exhausted_reason: Option<String>,
@@ -112,18 +122,20 @@ pub struct Detail {
     pub error_history: serde_json::Value,
 }
 
-const LISTED_COLUMNS: &str = "id, doc_id, chunk_index, error_class, error_reason, attempts, replays, \
+const LISTED_COLUMNS: &str = "id, target_table, doc_id, chunk_index, error_class, error_reason, attempts, replays, generation, \
      first_failed_at, last_failed_at, next_retry_at, exhausted_at IS NOT NULL AS exhausted";
 
 fn listed(r: &sqlx::postgres::PgRow) -> Result<Listed, sqlx::Error> {
     Ok(Listed {
         id: r.try_get("id")?,
+        target_table: r.try_get("target_table")?,
         doc_id: r.try_get("doc_id")?,
         chunk_index: r.try_get("chunk_index")?,
         error_class: r.try_get("error_class")?,
         error_reason: r.try_get("error_reason")?,
         attempts: r.try_get("attempts")?,
         replays: r.try_get("replays")?,
+        generation: r.try_get("generation")?,
         first_failed_at: r.try_get("first_failed_at")?,
         last_failed_at: r.try_get("last_failed_at")?,
         next_retry_at: r.try_get("next_retry_at")?,
@@ -187,7 +199,8 @@ pub async fn list(
 /// One row with its payload and error history.
 pub async fn show(store: &Store, id: i64) -> Result<Option<Detail>, StoreError> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {LISTED_COLUMNS}, content_hash, last_error, last_status, exhausted_reason, payload, error_history
+        "SELECT {LISTED_COLUMNS}, content_hash, model, dimensions, request_dimensions, last_error, last_status,
+                exhausted_reason, payload, error_history
            FROM embedding_dlq WHERE id = $1"
     )))
     .bind(id)
@@ -197,6 +210,9 @@ pub async fn show(store: &Store, id: i64) -> Result<Option<Detail>, StoreError> 
     Ok(Some(Detail {
         row: listed(&r)?,
         content_hash: r.try_get("content_hash")?,
+        model: r.try_get("model")?,
+        dimensions: r.try_get("dimensions")?,
+        request_dimensions: r.try_get("request_dimensions")?,
         last_error: r.try_get("last_error")?,
         last_status: r.try_get("last_status")?,
         exhausted_reason: r.try_get("exhausted_reason")?,
@@ -240,21 +256,24 @@ pub async fn requeue(
                                             ELSE 'requeued:' || d.error_class || '/' || d.error_reason END,
                         error_class = 'transient',
                         exhausted_at = NULL, exhausted_reason = NULL,
-                        replays = d.replays + 1, same_error_count = 0,
+                        generation = nextval('embed_dlq_generation_seq'), same_error_count = 0,
                         next_retry_at = now()
                   WHERE d.id = ANY($1)
-                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_reason, d.attempts
+                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                           d.error_reason, d.attempts
              ), manifest AS (
                  UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
                    FROM upd u
-                  WHERE m.doc_id = u.doc_id AND m.chunk_index = u.chunk_index
+                  WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
+                    AND m.chunk_index = u.chunk_index
                     AND m.content_hash = u.content_hash AND m.status <> 'parked'
                  RETURNING 1
              )
-             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
-             SELECT 'requeued', id, doc_id, chunk_index,
-                    jsonb_build_object('event', 'requeued', 'dlq_id', id, 'doc_id', doc_id,
-                                       'chunk_index', chunk_index, 'error_reason', error_reason,
+             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+             SELECT 'requeued', id, target_table, doc_id, chunk_index,
+                    jsonb_build_object('event', 'requeued', 'dlq_id', id, 'table', target_table,
+                                       'doc_id', doc_id, 'chunk_index', chunk_index,
+                                       'generation', generation, 'error_reason', error_reason,
                                        'attempts', attempts, 'at', now())
                FROM upd",
         )
@@ -283,16 +302,19 @@ pub async fn purge(store: &Store, filter: &Filter, dry_run: bool) -> Result<u64,
     let n: i64 = sqlx::query_scalar(
         "WITH gone AS (
              DELETE FROM embedding_dlq WHERE id = ANY($1)
-             RETURNING id, doc_id, chunk_index, content_hash, error_class, error_reason, attempts
+             RETURNING id, target_table, doc_id, chunk_index, content_hash, generation, error_class,
+                       error_reason, attempts
          ), manifest AS (
              DELETE FROM ingest_manifest m USING gone g
-              WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
+              WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
+                AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
              RETURNING 1
          ), events AS (
-             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
-             SELECT 'purged', id, doc_id, chunk_index,
-                    jsonb_build_object('event', 'purged', 'dlq_id', id, 'doc_id', doc_id,
-                                       'chunk_index', chunk_index, 'error_class', error_class,
+             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+             SELECT 'purged', id, target_table, doc_id, chunk_index,
+                    jsonb_build_object('event', 'purged', 'dlq_id', id, 'table', target_table,
+                                       'doc_id', doc_id, 'chunk_index', chunk_index,
+                                       'generation', generation, 'error_class', error_class,
                                        'error_reason', error_reason, 'attempts', attempts, 'at', now())
                FROM gone
              RETURNING 1

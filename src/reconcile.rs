@@ -15,15 +15,15 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::store::{Store, StoreError};
-use crate::streams::{REPLAY_GROUP, StreamKeys, field};
+use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
 
 /// The checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Check {
-    /// Manifest rows with neither a vector nor a DLQ row (the seed's query).
+    /// Manifest rows with neither a vector nor a DLQ row (the seed's query), per target table.
     Leaks,
-    /// More than one vector for a (doc_id, chunk_index).
+    /// More than one vector for a (doc_id, chunk_index) in a target table.
     Duplicates,
     /// Manifest says stored, but the vector is missing or has another content hash.
     StoredDrift,
@@ -161,6 +161,14 @@ pub enum ReconcileError {
     Redis(#[from] redis::RedisError),
 }
 
+/// Most target tables one run checks (tables named by the manifest or the DLQ).
+const MAX_TABLES: usize = 1000;
+
+/// `s` as an SQL string literal (standard_conforming_strings: only quotes need doubling).
+fn sql_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
 /// Runs the checks.
 pub struct Reconciler {
     pub store: Store,
@@ -176,111 +184,164 @@ impl Reconciler {
         let started = Instant::now();
         let started_at = chrono::Utc::now();
         let repair = mode == Mode::Repair;
-        let t = self.store.target_sql_name().to_string();
-        let dims = self.store.target().dimensions as i32;
         let mut findings = Vec::with_capacity(Check::ALL.len());
-
-        let leak_pred = format!(
-            "m.status <> 'reingest'
-             AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
-             AND NOT EXISTS (SELECT 1 FROM embedding_dlq d WHERE d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index)"
-        );
-        findings.push(
-            self.sql_check(
-                Check::Leaks,
-                &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {leak_pred}"),
-                repair.then(|| {
-                    format!("UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {leak_pred}")
-                }),
-            )
-            .await?,
-        );
-        findings.push(
-            self.sql_check(
-                Check::Duplicates,
-                &format!(
-                    "SELECT doc_id || '#' || chunk_index FROM {t} GROUP BY doc_id, chunk_index HAVING count(*) > 1"
-                ),
-                repair.then(|| {
-                    format!(
-                        "DELETE FROM {t} a USING {t} b
-                          WHERE a.doc_id = b.doc_id AND a.chunk_index = b.chunk_index
-                            AND (a.updated_at, a.ctid) < (b.updated_at, b.ctid)"
-                    )
-                }),
-            )
-            .await?,
-        );
-        let drift_pred = format!(
-            "m.status = 'stored' AND NOT EXISTS (
-                 SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-                                       AND e.content_hash = m.content_hash)"
-        );
-        findings.push(
-            self.sql_check(
-                Check::StoredDrift,
-                &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {drift_pred}"),
-                repair.then(|| {
-                    format!("UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}")
-                }),
-            )
-            .await?,
-        );
-        let stale_pred = format!(
-            "EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
-                                          AND e.content_hash = d.content_hash)"
-        );
-        findings.push(
-            self.sql_check(
-                Check::StaleDlq,
-                &format!("SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d WHERE {stale_pred}"),
-                repair.then(|| {
-                    format!(
-                        "WITH gone AS (
-                             DELETE FROM embedding_dlq d WHERE {stale_pred}
-                             RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_class, d.attempts
-                         ), manifest AS (
-                             UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                               FROM gone g
-                              WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
-                                AND m.content_hash = g.content_hash AND m.status <> 'stored'
-                             RETURNING 1
-                         ), events AS (
-                             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
-                             SELECT 'resolved', id, doc_id, chunk_index,
-                                    jsonb_build_object('event', 'resolved', 'dlq_id', id, 'doc_id', doc_id,
-                                                       'chunk_index', chunk_index, 'error_class', error_class,
-                                                       'attempts', attempts, 'by', 'reconcile', 'at', now())
-                               FROM gone
-                             RETURNING 1
-                         )
-                         SELECT count(*) FROM gone"
-                    )
-                }),
-            )
-            .await?,
-        );
-        let bad_pred = format!(
-            "(vector_dims(e.embedding) <> {dims} OR vector_norm(e.embedding) = 0
-              OR vector_norm(e.embedding) = 'NaN'::float8)"
-        );
-        findings.push(
-            self.sql_check(
-                Check::BadVectors,
-                &format!("SELECT e.doc_id || '#' || e.chunk_index FROM {t} e WHERE {bad_pred}"),
-                repair.then(|| {
-                    format!(
-                        "WITH gone AS (DELETE FROM {t} e WHERE {bad_pred} RETURNING e.doc_id, e.chunk_index),
-                              manifest AS (
-                                  UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
-                                    FROM gone g WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
-                                  RETURNING 1)
-                         SELECT count(*) FROM gone"
-                    )
-                }),
-            )
-            .await?,
-        );
+        // Every table the manifest or the DLQ names is checked with its own joins.
+        let mut targets = Vec::new();
+        let mut skipped_tables = Vec::new();
+        for name in self.store.known_tables(MAX_TABLES).await? {
+            match self.store.target_for(&name).await {
+                Ok(t) => targets.push(t),
+                Err(StoreError::Target { problem, .. }) => skipped_tables.push(format!("{name}: {problem}")),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let several = targets.len() > 1;
+        let mut per_table: Vec<Vec<Finding>> = Vec::with_capacity(targets.len());
+        for target in &targets {
+            let t = target.sql_name();
+            let lit = sql_literal(&target.name);
+            let dims = target.dimensions as i32;
+            let mut out = Vec::new();
+            let leak_pred = format!(
+                "m.target_table = {lit} AND m.status <> 'reingest'
+                 AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
+                 AND NOT EXISTS (SELECT 1 FROM embedding_dlq d
+                                  WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
+                                    AND d.chunk_index = m.chunk_index)"
+            );
+            out.push(
+                self.sql_check(
+                    Check::Leaks,
+                    &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {leak_pred}"),
+                    repair.then(|| {
+                        format!(
+                            "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {leak_pred}"
+                        )
+                    }),
+                )
+                .await?,
+            );
+            out.push(
+                self.sql_check(
+                    Check::Duplicates,
+                    &format!(
+                        "SELECT doc_id || '#' || chunk_index FROM {t} GROUP BY doc_id, chunk_index HAVING count(*) > 1"
+                    ),
+                    repair.then(|| {
+                        format!(
+                            "DELETE FROM {t} a USING {t} b
+                              WHERE a.doc_id = b.doc_id AND a.chunk_index = b.chunk_index
+                                AND (a.updated_at, a.ctid) < (b.updated_at, b.ctid)"
+                        )
+                    }),
+                )
+                .await?,
+            );
+            let drift_pred = format!(
+                "m.target_table = {lit} AND m.status = 'stored' AND NOT EXISTS (
+                     SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+                                           AND e.content_hash = m.content_hash)"
+            );
+            out.push(
+                self.sql_check(
+                    Check::StoredDrift,
+                    &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {drift_pred}"),
+                    repair.then(|| {
+                        format!(
+                            "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}"
+                        )
+                    }),
+                )
+                .await?,
+            );
+            let stale_pred = format!(
+                "d.target_table = {lit}
+                 AND EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+                                                   AND e.content_hash = d.content_hash)"
+            );
+            out.push(
+                self.sql_check(
+                    Check::StaleDlq,
+                    &format!("SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d WHERE {stale_pred}"),
+                    repair.then(|| {
+                        format!(
+                            "WITH gone AS (
+                                 DELETE FROM embedding_dlq d WHERE {stale_pred}
+                                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash,
+                                           d.generation, d.error_class, d.attempts
+                             ), manifest AS (
+                                 UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+                                   FROM gone g
+                                  WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
+                                    AND m.chunk_index = g.chunk_index
+                                    AND m.content_hash = g.content_hash AND m.status <> 'stored'
+                                 RETURNING 1
+                             ), events AS (
+                                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+                                 SELECT 'resolved', id, target_table, doc_id, chunk_index,
+                                        jsonb_build_object('event', 'resolved', 'dlq_id', id,
+                                                           'table', target_table, 'doc_id', doc_id,
+                                                           'chunk_index', chunk_index, 'generation', generation,
+                                                           'error_class', error_class,
+                                                           'attempts', attempts, 'by', 'reconcile', 'at', now())
+                                   FROM gone
+                                 RETURNING 1
+                             )
+                             SELECT count(*) FROM gone"
+                        )
+                    }),
+                )
+                .await?,
+            );
+            let bad_pred = format!(
+                "(vector_dims(e.embedding) <> {dims} OR vector_norm(e.embedding) = 0
+                  OR vector_norm(e.embedding) = 'NaN'::float8)"
+            );
+            out.push(
+                self.sql_check(
+                    Check::BadVectors,
+                    &format!("SELECT e.doc_id || '#' || e.chunk_index FROM {t} e WHERE {bad_pred}"),
+                    repair.then(|| {
+                        format!(
+                            "WITH gone AS (DELETE FROM {t} e WHERE {bad_pred} RETURNING e.doc_id, e.chunk_index),
+                                  manifest AS (
+                                      UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
+                                        FROM gone g
+                                       WHERE m.target_table = {lit} AND m.doc_id = g.doc_id
+                                         AND m.chunk_index = g.chunk_index
+                                      RETURNING 1)
+                             SELECT count(*) FROM gone"
+                        )
+                    }),
+                )
+                .await?,
+            );
+            if several {
+                for f in &mut out {
+                    for e in &mut f.examples {
+                        *e = format!("{}:{e}", target.name);
+                    }
+                }
+            }
+            per_table.push(out);
+        }
+        for (n, check) in
+            [Check::Leaks, Check::Duplicates, Check::StoredDrift, Check::StaleDlq, Check::BadVectors]
+                .into_iter()
+                .enumerate()
+        {
+            let mut merged = Finding { check, found: 0, examples: vec![], repaired: 0, note: None };
+            for f in per_table.iter().map(|fs| &fs[n]) {
+                merged.found += f.found;
+                merged.repaired += f.repaired;
+                let room = self.config.examples.saturating_sub(merged.examples.len());
+                merged.examples.extend(f.examples.iter().take(room).cloned());
+            }
+            if check == Check::Leaks && !skipped_tables.is_empty() {
+                merged.note = Some(format!("not checked: {}", skipped_tables.join("; ")));
+            }
+            findings.push(merged);
+        }
         findings.push(self.outbox_check().await?);
         match self.redis.clone() {
             Some(mut redis) => {
@@ -375,11 +436,11 @@ impl Reconciler {
         })
     }
 
-    /// Scans the replay stream: entry id → (dlq_id, generation).
+    /// Scans the replay stream: entry id → (dlq_id, generation) of its [`WorkItem`].
     async fn replay_entries(
         &self,
         redis: &mut ConnectionManager,
-    ) -> Result<Vec<(String, Option<(i64, i32)>)>, ReconcileError> {
+    ) -> Result<Vec<(String, Option<(i64, i64)>)>, ReconcileError> {
         let mut out = Vec::new();
         let mut start = "-".to_string();
         loop {
@@ -393,9 +454,7 @@ impl Reconciler {
                 .await?;
             let n = page.ids.len();
             for e in page.ids {
-                let work = field(&e.map, "body")
-                    .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
-                    .and_then(|v| Some((v["dlq_id"].as_i64()?, i32::try_from(v["replays"].as_i64()?).ok()?)));
+                let work = WorkItem::parse(&e.map).map(|w| (w.dlq_id, w.generation));
                 start = format!("({}", e.id);
                 out.push((e.id, work));
             }
@@ -419,10 +478,10 @@ impl Reconciler {
         .await?
         .into_iter()
         .collect();
-        let in_stream: HashSet<(i64, i32)> =
+        let in_stream: HashSet<(i64, i64)> =
             self.replay_entries(redis).await?.into_iter().filter_map(|(_, w)| w).collect();
         let leased = sqlx::query(
-            "SELECT id, replays, doc_id || '#' || chunk_index AS key FROM embedding_dlq
+            "SELECT id, generation, doc_id || '#' || chunk_index AS key FROM embedding_dlq
               WHERE error_class = 'transient' AND exhausted_at IS NULL
                 AND enqueued_at IS NOT NULL AND enqueued_at > last_failed_at
                 AND enqueued_at < now() - make_interval(secs => $1)
@@ -434,7 +493,7 @@ impl Reconciler {
         let mut lost = Vec::new();
         let mut examples = Vec::new();
         for r in leased {
-            let (id, generation): (i64, i32) = (r.get("id"), r.get("replays"));
+            let (id, generation): (i64, i64) = (r.get("id"), r.get("generation"));
             if !in_outbox.contains(&id) && !in_stream.contains(&(id, generation)) {
                 lost.push(id);
                 if examples.len() < self.config.examples {
@@ -483,17 +542,17 @@ impl Reconciler {
             .await
             .unwrap_or_default();
         let pending: HashSet<String> = pending.ids.into_iter().map(|p| p.id).collect();
-        let live: HashMap<i64, i32> = {
+        let live: HashMap<i64, i64> = {
             let ids: Vec<i64> = entries.iter().filter_map(|(_, w)| w.map(|w| w.0)).collect();
             sqlx::query(
-                "SELECT id, replays FROM embedding_dlq
+                "SELECT id, generation FROM embedding_dlq
                   WHERE id = ANY($1) AND exhausted_at IS NULL AND error_class = 'transient'",
             )
             .bind(&ids)
             .fetch_all(self.store.pool())
             .await?
             .into_iter()
-            .map(|r| (r.get("id"), r.get("replays")))
+            .map(|r| (r.get("id"), r.get("generation")))
             .collect()
         };
         let orphans: Vec<String> = entries

@@ -3,9 +3,13 @@
 //!
 //! - [`Scheduler`]: due DLQ rows → replay work items (outbox → relay → replay stream).
 //! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
-//!   A result commits only if the DLQ row still has the generation the work item carried
-//!   ([`crate::store::replay`]), so a redelivered entry whose row is gone, already replayed,
-//!   or superseded by newer content is acknowledged and skipped.
+//!   A result commits only if the DLQ row still has the generation and content hash the
+//!   work item ([`WorkItem`]) carried ([`crate::store::replay`]), so a redelivered entry whose
+//!   row is gone, already replayed, or superseded by newer content is acknowledged and
+//!   skipped, and a replay in flight for older content never stores its vector.
+//! - One `serve` replays rows of every target table: a batch is embedded in groups of
+//!   (table, model, request dimensions), each with the model the row records, checked
+//!   against that table's dimension and committed into that table.
 //! - Stuck work: entries idle longer than `min_idle` are taken over with `XAUTOCLAIM`
 //!   (delivery counts read from `XPENDING`). While a replayer works on a batch it refreshes
 //!   its claim (`XCLAIM ... JUSTID` to itself), so a short `min_idle` never causes double
@@ -15,7 +19,7 @@
 //!   `http_500` several passes in a row is reclassified as permanent; past `max_replays` the
 //!   row is exhausted. Nothing loops forever.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManager;
@@ -29,7 +33,7 @@ use crate::model::ErrorClass;
 use crate::relay::sleep_or_cancel;
 use crate::store::replay::{DlqRow, Repark, Replayed};
 use crate::store::{Store, StoreError};
-use crate::streams::{REPLAY_GROUP, StreamKeys, field};
+use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
 
 /// Replay tuning.
 #[derive(Debug, Clone)]
@@ -160,7 +164,7 @@ pub async fn ensure_group(redis: &mut ConnectionManager, keys: &StreamKeys) -> R
 struct Entry {
     id: String,
     deliveries: u32,
-    work: Option<(i64, i32)>,
+    work: Option<WorkItem>,
 }
 
 /// One member of the `replayers` group.
@@ -219,7 +223,7 @@ impl Replayer {
                     .into_iter()
                     .map(|e| Entry {
                         deliveries: counts.get(&e.id).copied().unwrap_or(1),
-                        work: parse_work(&e.map),
+                        work: WorkItem::parse(&e.map),
                         id: e.id,
                     })
                     .collect();
@@ -280,7 +284,9 @@ impl Replayer {
     }
 
     /// Handles a batch of entries owned by this consumer: skip, exhaust or replay each, commit,
-    /// then acknowledge what was settled.
+    /// then acknowledge what was settled. Rows are embedded in groups of (target table, model,
+    /// request dimensions), each with the model the row records and checked against its own
+    /// table's dimension, and committed into their own table.
     async fn process(
         &mut self,
         entries: Vec<Entry>,
@@ -290,7 +296,7 @@ impl Replayer {
         if entries.is_empty() {
             return Ok(counts);
         }
-        let ids: Vec<i64> = entries.iter().filter_map(|e| e.work.map(|w| w.0)).collect();
+        let ids: Vec<i64> = entries.iter().filter_map(|e| e.work.as_ref().map(|w| w.dlq_id)).collect();
         let rows: HashMap<i64, DlqRow> =
             self.store.load_dlq_rows(&ids).await?.into_iter().map(|r| (r.id, r)).collect();
         let mut ack: Vec<String> = Vec::new();
@@ -298,20 +304,17 @@ impl Replayer {
         let mut todo: Vec<(Entry, DlqRow)> = Vec::new();
         let mut seen: HashSet<i64> = HashSet::new();
         for e in entries {
-            let Some((dlq_id, generation)) = e.work else {
+            let Some(work) = e.work.as_ref() else {
                 tracing::warn!(entry = %e.id, "unreadable replay entry; acknowledging it");
                 counts.skipped += 1;
                 ack.push(e.id);
                 continue;
             };
-            let live = rows.get(&dlq_id).filter(|r| {
-                r.replays == generation
-                    && !r.exhausted
-                    && r.error_class == ErrorClass::Transient.as_str()
-                    && r.manifest_hash.as_deref() == Some(r.content_hash.as_str())
+            let live = rows.get(&work.dlq_id).filter(|r| {
+                r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient.as_str()
             });
             match live {
-                Some(row) if seen.insert(dlq_id) => {
+                Some(row) if seen.insert(work.dlq_id) => {
                     if e.deliveries > self.config.delivery_cap {
                         give_up.push(exhaust(
                             row,
@@ -329,55 +332,100 @@ impl Replayer {
             }
         }
 
+        // One group per (table, model, request dimensions), in a stable order.
+        let mut groups: BTreeMap<(String, Option<String>, Option<i32>), Vec<(Entry, DlqRow)>> = BTreeMap::new();
+        for (e, row) in todo {
+            groups
+                .entry((row.target_table.clone(), row.model.clone(), row.request_dimensions))
+                .or_default()
+                .push((e, row));
+        }
         let mut replayed: Vec<Replayed> = Vec::new();
         let mut reparked: Vec<Repark> = Vec::new();
-        if !todo.is_empty() {
-            let texts: Vec<String> = todo
-                .iter()
-                .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
-                .collect();
-            let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-            let mut stats = BatchStats::default();
-            let entry_ids: Vec<String> = todo.iter().map(|(e, _)| e.id.clone()).collect();
-            let outcome = {
-                let embed = self.embedder.embed_batch(&text_refs, cancel, &mut stats);
-                let keepalive =
-                    keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
-                tokio::select! {
-                    r = embed => r,
-                    _ = keepalive => unreachable!("keepalive never ends"),
-                }
-            };
-            match outcome {
-                Err(stop) => {
-                    // Not the items' fault (bad key, no quota, long outage): charge nothing.
-                    // Leaving the entries pending would burn their delivery count on every
-                    // reclaim until they were exhausted for a problem they did not cause, so
-                    // postpone the rows (same generation, same attempts) and acknowledge.
-                    tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
-                        "provider refused replay; postponing the batch and pausing this replayer");
-                    let ids: Vec<i64> = todo.iter().map(|(_, r)| r.id).collect();
-                    let gens: Vec<i32> = todo.iter().map(|(_, r)| r.replays).collect();
-                    self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
-                    ack.extend(todo.drain(..).map(|(e, _)| e.id));
-                    counts.postponed += ids.len() as u64;
-                    self.paused_until = Some(Instant::now() + self.config.systemic_pause);
-                }
-                Ok(outcomes) => {
-                    for ((e, row), outcome) in todo.into_iter().zip(outcomes) {
-                        match outcome {
-                            ItemOutcome::Embedded(embedding) => {
-                                replayed.push(Replayed { id: row.id, replays: row.replays, embedding });
+        if !groups.is_empty() {
+            let entry_ids: Vec<String> = groups.values().flatten().map(|(e, _)| e.id.clone()).collect();
+            let work = async {
+                let mut postpone: Vec<(Entry, DlqRow)> = Vec::new();
+                let mut stopped = None;
+                for ((table, model, request_dimensions), items) in groups {
+                    if stopped.is_some() {
+                        postpone.extend(items);
+                        continue;
+                    }
+                    let target = match self.store.target_for(&table).await {
+                        Ok(t) => t,
+                        Err(StoreError::Target { problem, .. }) => {
+                            // The table is gone or unusable: retrying cannot help until an
+                            // operator fixes it (then `dlq requeue --exhausted`).
+                            tracing::error!(table = %table, %problem, "replay target table unusable; exhausting its rows");
+                            for (e, row) in items {
+                                give_up.push(exhaust(&row, &format!("target table {table}: {problem}")));
                                 ack.push(e.id);
                             }
-                            ItemOutcome::Failed(f) => {
-                                reparked.push(next_state(&row, &f, &self.config));
-                                ack.push(e.id);
+                            continue;
+                        }
+                        Err(e) => return Err(ReplayError::Store(e)),
+                    };
+                    let embedder = Embedder {
+                        client: match &model {
+                            Some(m) => self
+                                .embedder
+                                .client
+                                .with_target(m, request_dimensions.and_then(|d| usize::try_from(d).ok())),
+                            None => self.embedder.client.clone(),
+                        },
+                        dimensions: target.dimensions,
+                        ..self.embedder.clone()
+                    };
+                    let texts: Vec<String> = items
+                        .iter()
+                        .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
+                        .collect();
+                    let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+                    let mut stats = BatchStats::default();
+                    match embedder.embed_batch(&text_refs, cancel, &mut stats).await {
+                        Err(stop) => {
+                            stopped = Some(stop);
+                            postpone.extend(items);
+                        }
+                        Ok(outcomes) => {
+                            for ((e, row), outcome) in items.into_iter().zip(outcomes) {
+                                match outcome {
+                                    ItemOutcome::Embedded(embedding) => {
+                                        replayed.push(Replayed::of(&row, embedding));
+                                        ack.push(e.id);
+                                    }
+                                    ItemOutcome::Failed(f) => {
+                                        reparked.push(next_state(&row, &f, &self.config));
+                                        ack.push(e.id);
+                                    }
+                                    ItemOutcome::NotAttempted => counts.left_pending += 1,
+                                }
                             }
-                            ItemOutcome::NotAttempted => counts.left_pending += 1,
                         }
                     }
                 }
+                Ok::<_, ReplayError>((stopped, postpone))
+            };
+            let keepalive =
+                keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
+            let (stopped, postpone) = tokio::select! {
+                r = work => r?,
+                _ = keepalive => unreachable!("keepalive never ends"),
+            };
+            if let Some(stop) = stopped {
+                // Not the items' fault (bad key, no quota, long outage): charge nothing.
+                // Leaving the entries pending would burn their delivery count on every
+                // reclaim until they were exhausted for a problem they did not cause, so
+                // postpone the rows (same generation, same attempts) and acknowledge.
+                tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
+                    "provider refused replay; postponing the batch and pausing this replayer");
+                let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
+                let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
+                self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
+                ack.extend(postpone.into_iter().map(|(e, _)| e.id));
+                counts.postponed += ids.len() as u64;
+                self.paused_until = Some(Instant::now() + self.config.systemic_pause);
             }
         }
         failpoint::hit("replay_before_commit");
@@ -494,7 +542,7 @@ impl Replayer {
             .keys
             .into_iter()
             .flat_map(|k| k.ids)
-            .map(|e| Entry { work: parse_work(&e.map), id: e.id, deliveries: 1 })
+            .map(|e| Entry { work: WorkItem::parse(&e.map), id: e.id, deliveries: 1 })
             .collect())
     }
 }
@@ -523,15 +571,11 @@ async fn keep_claim(
     }
 }
 
-fn parse_work(map: &HashMap<String, redis::Value>) -> Option<(i64, i32)> {
-    let body: serde_json::Value = serde_json::from_str(&field(map, "body")?).ok()?;
-    Some((body["dlq_id"].as_i64()?, i32::try_from(body["replays"].as_i64()?).ok()?))
-}
-
 fn exhaust(row: &DlqRow, why: &str) -> Repark {
     Repark {
         id: row.id,
-        replays: row.replays,
+        generation: row.generation,
+        content_hash: row.content_hash.clone(),
         error_class: row.error_class.clone(),
         error_reason: row.error_reason.clone(),
         last_error: row.last_error.clone(),
@@ -556,7 +600,8 @@ pub fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
     let passes = row.replays.saturating_add(1);
     let mut r = Repark {
         id: row.id,
-        replays: row.replays,
+        generation: row.generation,
+        content_hash: row.content_hash.clone(),
         error_class: f.class.as_str().to_string(),
         error_reason: f.reason.to_string(),
         last_error: Some(f.detail.clone()),
@@ -590,11 +635,15 @@ mod tests {
     fn row(replays: i32, sig: Option<&str>, same: i32) -> DlqRow {
         DlqRow {
             id: 1,
+            target_table: "public.doc_embeddings".into(),
             doc_id: "d".into(),
             chunk_index: 0,
             content_hash: "h".into(),
+            model: Some("m".into()),
+            request_dimensions: None,
             payload: serde_json::json!({"text": "t"}),
             replays,
+            generation: 7,
             attempts: 5,
             error_class: "transient".into(),
             error_reason: "http_503".into(),

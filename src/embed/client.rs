@@ -256,6 +256,19 @@ impl EmbedClient {
         }
         s
     }
+
+    /// The same client (same HTTP pool, endpoint, credentials and limits) asking for `model`
+    /// and `request_dimensions` instead: replay embeds each DLQ row with the model it was
+    /// parked under, whatever the configured one is.
+    pub fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
+        if model == self.config.model && request_dimensions == self.config.request_dimensions {
+            return self.clone();
+        }
+        let mut config = (*self.config).clone();
+        config.model = model.to_string();
+        config.request_dimensions = request_dimensions;
+        EmbedClient { http: self.http.clone(), url: self.url.clone(), config: std::sync::Arc::new(config) }
+    }
 }
 
 /// Cuts an error text to [`MAX_ERROR_EXCERPT`] characters on a char boundary and replaces

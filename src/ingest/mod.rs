@@ -30,7 +30,7 @@ use tokio_util::task::TaskTracker;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
-use crate::store::{ParkedChunk, Store, StoreError, StoredChunk};
+use crate::store::{ParkedChunk, Store, StoreError, StoredChunk, source_seq};
 use reader::{LineReader, Record, parse_line};
 
 /// Tuning of one ingest run.
@@ -88,7 +88,7 @@ pub struct RejectedLine {
 }
 
 /// What a run did. Every record read is accounted for exactly once in `stored`, `unchanged`,
-/// `already_parked`, `parked`, `rejected_lines` or `not_attempted`.
+/// `already_parked`, `parked`, `superseded`, `rejected_lines` or `not_attempted`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct IngestSummary {
     pub lines_read: u64,
@@ -105,6 +105,9 @@ pub struct IngestSummary {
     pub parked: BTreeMap<ErrorClass, u64>,
     /// Old DLQ rows superseded by a newly stored vector.
     pub dlq_resolved: u64,
+    /// Outcomes not written because a newer record of the same chunk (a later line of this
+    /// corpus, or a later run) was written first: the last line wins.
+    pub superseded: u64,
     /// Lines without a usable identity: reported, not stored anywhere.
     pub rejected_lines: u64,
     /// The first rejected lines, for the report (all of them go to the log).
@@ -152,6 +155,8 @@ struct Job {
 struct Claimed {
     chunk: Chunk,
     hash: String,
+    /// Position of the record ([`crate::store::source_seq`]).
+    seq: i64,
 }
 
 #[derive(Default)]
@@ -177,6 +182,8 @@ impl Pipeline {
         R: AsyncBufRead + Unpin + Send + 'static,
     {
         let started = Instant::now();
+        // Every record's position is (run id << 32 | line): later runs beat earlier ones.
+        let run_id = with_db_retry(|| self.store.next_run_id()).await?;
         let opts = &self.options;
         let tally = Arc::new(Mutex::new(Tally::default()));
         // `halt` stops intake and queued jobs (shutdown or a systemic stop); `cancel` alone
@@ -239,7 +246,7 @@ impl Pipeline {
         tracker.close();
 
         // The batcher runs here: it owns the manifest lookups and the order of intake.
-        let mut batcher = Batcher::new(self, tally.clone());
+        let mut batcher = Batcher::new(self, tally.clone(), run_id);
         let mut intake_error: Option<IngestError> = None;
         loop {
             let rec = if batcher.is_empty() {
@@ -308,17 +315,51 @@ impl Pipeline {
 
 /// Groups records into intake windows with unique keys, filters each window against the
 /// manifest in one lookup and hands provider-sized batches to the workers.
+///
+/// Every record carries its position (`run_id << 32 | line`): when one key occurs twice, the
+/// store keeps the later line whatever order the outcomes are written in. A key seen before
+/// in this run is therefore never skipped as "unchanged" or "already parked" (the manifest
+/// may still hold what an earlier line of this run is about to replace): it is embedded and
+/// written again, and its position decides.
 struct Batcher<'a> {
     pipeline: &'a Pipeline,
     tally: Arc<Mutex<Tally>>,
-    chunks: Vec<(Chunk, String)>,
+    run_id: i64,
+    chunks: Vec<(Chunk, String, i64)>,
     invalid: Vec<ParkedChunk>,
     keys: HashSet<(String, i32)>,
+    /// Hashes of every key of this run so far (8 bytes a key; a collision only costs one
+    /// extra provider call), to recognise a key that occurs twice.
+    seen_in_run: HashSet<u64>,
+    /// Keys of the current window seen earlier in this run: never skipped.
+    repeated: HashSet<(String, i32)>,
+}
+
+fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((doc_id, chunk_index))
 }
 
 impl<'a> Batcher<'a> {
-    fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>) -> Self {
-        Batcher { pipeline, tally, chunks: vec![], invalid: vec![], keys: HashSet::new() }
+    fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>, run_id: i64) -> Self {
+        Batcher {
+            pipeline,
+            tally,
+            run_id,
+            chunks: vec![],
+            invalid: vec![],
+            keys: HashSet::new(),
+            seen_in_run: HashSet::new(),
+            repeated: HashSet::new(),
+        }
+    }
+
+    /// Adds `key` to the window, remembering whether this run met it before.
+    fn claim_key(&mut self, key: (String, i32)) {
+        if !self.seen_in_run.insert(key_hash(&key.0, key.1)) {
+            self.repeated.insert(key.clone());
+        }
+        self.keys.insert(key);
     }
 
     fn is_empty(&self) -> bool {
@@ -341,8 +382,9 @@ impl<'a> Batcher<'a> {
                 tracing::warn!(line, %doc_id, chunk_index, %problem, "invalid record (parked unless already in the DLQ)");
                 self.tally.lock().unwrap().summary.records += 1;
                 self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
-                self.keys.insert((doc_id.clone(), chunk_index));
+                self.claim_key((doc_id.clone(), chunk_index));
                 self.invalid.push(ParkedChunk {
+                    source_seq: source_seq(self.run_id, line),
                     doc_id,
                     chunk_index,
                     content_hash: raw_hash,
@@ -355,7 +397,7 @@ impl<'a> Batcher<'a> {
                     retry_in: None,
                 });
             }
-            Record::Chunk { chunk, .. } => {
+            Record::Chunk { chunk, line } => {
                 self.tally.lock().unwrap().summary.records += 1;
                 let key = (chunk.doc_id.clone(), chunk.chunk_index);
                 self.make_room(&key, jobs).await?;
@@ -364,8 +406,8 @@ impl<'a> Batcher<'a> {
                     self.pipeline.embedder.dimensions,
                     &chunk.text,
                 );
-                self.keys.insert(key);
-                self.chunks.push((chunk, hash));
+                self.claim_key(key);
+                self.chunks.push((chunk, hash, source_seq(self.run_id, line)));
             }
         }
         if self.keys.len() >= self.pipeline.options.intake_window {
@@ -389,16 +431,18 @@ impl<'a> Batcher<'a> {
         }
         let chunks = std::mem::take(&mut self.chunks);
         let mut invalid = std::mem::take(&mut self.invalid);
+        let repeated = std::mem::take(&mut self.repeated);
         self.keys.clear();
         let keys: Vec<(String, i32)> = chunks
             .iter()
-            .map(|(c, _)| (c.doc_id.clone(), c.chunk_index))
+            .map(|(c, _, _)| (c.doc_id.clone(), c.chunk_index))
             .chain(invalid.iter().map(|p| (p.doc_id.clone(), p.chunk_index)))
             .collect();
         let known = with_db_retry(|| self.pipeline.store.manifest_lookup(&keys)).await?;
         let opts = &self.pipeline.options;
         let (mut unchanged, mut already_parked) = (0u64, 0u64);
         let mut seen = |k: (String, i32), hash: &str| match known.get(&k) {
+            _ if repeated.contains(&k) => false,
             Some((h, ChunkStatus::Stored)) if h == hash => {
                 unchanged += 1;
                 true
@@ -413,7 +457,7 @@ impl<'a> Batcher<'a> {
         let mut park = invalid;
         let mut batches: Vec<Vec<Claimed>> = Vec::new();
         let (mut current, mut chars) = (Vec::new(), 0usize);
-        for (chunk, hash) in chunks {
+        for (chunk, hash, seq) in chunks {
             if seen((chunk.doc_id.clone(), chunk.chunk_index), &hash) {
                 continue;
             }
@@ -429,6 +473,7 @@ impl<'a> Batcher<'a> {
                     last_status: None,
                     attempts: 0,
                     retry_in: None,
+                    source_seq: seq,
                 });
                 continue;
             }
@@ -440,7 +485,7 @@ impl<'a> Batcher<'a> {
                 chars = 0;
             }
             chars += len;
-            current.push(Claimed { chunk, hash });
+            current.push(Claimed { chunk, hash, seq });
         }
         if !current.is_empty() {
             batches.push(current);
@@ -548,6 +593,7 @@ impl Worker {
                         chunk_index: claimed.chunk.chunk_index,
                         content_hash: claimed.hash,
                         embedding,
+                        source_seq: claimed.seq,
                     }),
                     ItemOutcome::Failed(f) => out.park.push(ParkedChunk {
                         payload: serde_json::to_value(&claimed.chunk).expect("chunk serializes"),
@@ -555,6 +601,7 @@ impl Worker {
                         chunk_index: claimed.chunk.chunk_index,
                         content_hash: claimed.hash,
                         retry_in: f.class.is_replayable().then(|| self.schedule.delay(0)),
+                        source_seq: claimed.seq,
                         class: f.class,
                         reason: f.reason.into(),
                         last_error: f.detail,
@@ -649,23 +696,32 @@ impl Writer {
         let (to_store, to_park) = (std::mem::take(store), std::mem::take(park));
         let result = async {
             let counts = with_db_retry(|| self.store.store_batch(&to_store)).await?;
-            with_db_retry(|| self.store.park_batch(&to_park)).await?;
-            Ok::<_, StoreError>(counts)
+            let parked = with_db_retry(|| self.store.park_batch(&to_park)).await?;
+            Ok::<_, StoreError>((counts, parked))
         }
         .await;
         let mut t = self.tally.lock().unwrap();
         match result {
-            Ok(counts) => {
+            Ok((counts, parked)) => {
+                let superseded: HashSet<usize> = parked.superseded.iter().copied().collect();
+                let to_park: Vec<&ParkedChunk> = to_park
+                    .iter()
+                    .enumerate()
+                    .filter(|(n, _)| !superseded.contains(n))
+                    .map(|(_, p)| p)
+                    .collect();
                 for p in &to_park {
                     tracing::debug!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class,
                         reason = %p.reason, attempts = p.attempts, "parked");
                 }
-                metrics::counter!(crate::metrics::CHUNKS_STORED).increment(to_store.len() as u64);
+                let stored = to_store.len() as u64 - counts.superseded;
+                metrics::counter!(crate::metrics::CHUNKS_STORED).increment(stored);
                 for p in &to_park {
                     crate::metrics::parked(p.class, 1);
                 }
                 let s = &mut t.summary;
-                s.stored += to_store.len() as u64;
+                s.stored += stored;
+                s.superseded += counts.superseded + superseded.len() as u64;
                 s.vectors_written += counts.vectors_written;
                 s.dlq_resolved += counts.dlq_resolved;
                 for p in &to_park {

@@ -1,25 +1,45 @@
 //! Postgres side of replay: scheduling due DLQ rows as replay work, loading them, and the two
-//! ways a replay result is committed. Every commit is guarded by the row's generation
-//! (`replays`): a result applies only if the row still has the generation its work item
-//! carried, so a redelivered or stolen work item can never apply twice, and a result for a
-//! chunk whose manifest now holds newer content is never applied at all.
+//! ways a replay result is committed.
+//!
+//! Every commit is fenced by the row's `generation` (a number from a sequence that changes
+//! whenever the row's content changes, on every re-park and on requeue, and never goes back)
+//! and by the content hash the replayer actually embedded: a result applies only while the
+//! DLQ row still has both and the manifest still holds that hash. So a redelivered or stolen
+//! work item applies at most once, and a replay still in flight for older content can never
+//! resolve newer content or store its vector under the newer hash. The vector is stored under
+//! the hash that was embedded, never the row's current one.
+//!
+//! Both commits first lock the chunks' manifest rows in key order, like ingest does, so a
+//! replay commit and an ingest of the same chunk are serialised instead of deadlocking.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use pgvector::Vector;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{Store, StoreError};
+use crate::streams::WorkItem;
 
 /// A DLQ row as replay needs it.
 #[derive(Debug, Clone)]
 pub struct DlqRow {
     pub id: i64,
+    /// Canonical name of the table the row is meant for.
+    pub target_table: String,
     pub doc_id: String,
     pub chunk_index: i32,
     pub content_hash: String,
+    /// The model the row was parked under (its content hash covers it); `None` for rows
+    /// parked before models were recorded: replay uses the configured model.
+    pub model: Option<String>,
+    /// The `dimensions` request parameter the row was embedded with, if any.
+    pub request_dimensions: Option<i32>,
     pub payload: serde_json::Value,
+    /// Replay passes made (drives the DLQ schedule).
     pub replays: i32,
+    /// The fence of every replay commit.
+    pub generation: i64,
     pub attempts: i32,
     pub error_class: String,
     pub error_reason: String,
@@ -32,19 +52,48 @@ pub struct DlqRow {
     pub manifest_hash: Option<String>,
 }
 
-/// A successful replay: the vector for row `id` at generation `replays`.
+impl DlqRow {
+    /// Whether `work` is still this row's current work: same generation, same content, and
+    /// the manifest still holds that content.
+    pub fn is_current(&self, work: &WorkItem) -> bool {
+        self.generation == work.generation
+            && self.content_hash == work.content_hash
+            && self.target_table == work.target_table
+            && self.manifest_hash.as_deref() == Some(self.content_hash.as_str())
+    }
+}
+
+/// A successful replay: the vector for row `id`, computed from the content `content_hash`
+/// while the row had generation `generation`.
 #[derive(Debug, Clone)]
 pub struct Replayed {
     pub id: i64,
-    pub replays: i32,
+    pub target_table: String,
+    pub generation: i64,
+    pub content_hash: String,
     pub embedding: Vec<f32>,
 }
 
-/// A failed replay pass (or a give-up) for row `id` at generation `replays`.
+impl Replayed {
+    /// The result for `row` (its generation and the hash of the payload that was embedded).
+    pub fn of(row: &DlqRow, embedding: Vec<f32>) -> Replayed {
+        Replayed {
+            id: row.id,
+            target_table: row.target_table.clone(),
+            generation: row.generation,
+            content_hash: row.content_hash.clone(),
+            embedding,
+        }
+    }
+}
+
+/// A failed replay pass (or a give-up) for row `id` at generation `generation` with content
+/// `content_hash`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Repark {
     pub id: i64,
-    pub replays: i32,
+    pub generation: i64,
+    pub content_hash: String,
     pub error_class: String,
     pub error_reason: String,
     pub last_error: Option<String>,
@@ -58,6 +107,15 @@ pub struct Repark {
     pub signature: Option<String>,
     pub same_error_count: i32,
 }
+
+/// Locks the manifest rows of the given DLQ rows, in key order (first statement of a replay
+/// commit).
+const LOCK_MANIFEST_SQL: &str = "SELECT 1 FROM ingest_manifest m
+      JOIN embedding_dlq d
+        ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
+     WHERE d.id = ANY($1)
+     ORDER BY m.target_table, m.doc_id, m.chunk_index
+       FOR UPDATE OF m";
 
 impl Store {
     /// Publishes up to `limit` due transient rows as replay work (outbox → replay stream) and
@@ -93,13 +151,13 @@ impl Store {
     pub async fn postpone(
         &self,
         ids: &[i64],
-        generations: &[i32],
+        generations: &[i64],
         delay: Duration,
     ) -> Result<u64, StoreError> {
         let done = sqlx::query(
             "UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3)
-               FROM UNNEST($1::bigint[], $2::int[]) AS i(id, replays)
-              WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL",
+               FROM UNNEST($1::bigint[], $2::bigint[]) AS i(id, generation)
+              WHERE d.id = i.id AND d.generation = i.generation AND d.exhausted_at IS NULL",
         )
         .bind(ids)
         .bind(generations)
@@ -112,12 +170,13 @@ impl Store {
     /// Loads DLQ rows (with their manifest hash) by id; missing ids are simply absent.
     pub async fn load_dlq_rows(&self, ids: &[i64]) -> Result<Vec<DlqRow>, StoreError> {
         let rows = sqlx::query(
-            "SELECT d.id, d.doc_id, d.chunk_index, d.content_hash, d.payload, d.replays, d.attempts,
+            "SELECT d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.model,
+                    d.request_dimensions, d.payload, d.replays, d.generation, d.attempts,
                     d.error_class, d.error_reason, d.last_error, d.last_status,
                     d.exhausted_at IS NOT NULL AS exhausted, d.last_error_signature,
                     d.same_error_count, m.content_hash AS manifest_hash
                FROM embedding_dlq d
-               LEFT JOIN ingest_manifest m USING (doc_id, chunk_index)
+               LEFT JOIN ingest_manifest m USING (target_table, doc_id, chunk_index)
               WHERE d.id = ANY($1)",
         )
         .bind(ids)
@@ -127,11 +186,15 @@ impl Store {
             .map(|r| {
                 Ok(DlqRow {
                     id: r.try_get("id")?,
+                    target_table: r.try_get("target_table")?,
                     doc_id: r.try_get("doc_id")?,
                     chunk_index: r.try_get("chunk_index")?,
                     content_hash: r.try_get("content_hash")?,
+                    model: r.try_get("model")?,
+                    request_dimensions: r.try_get("request_dimensions")?,
                     payload: r.try_get("payload")?,
                     replays: r.try_get("replays")?,
+                    generation: r.try_get("generation")?,
                     attempts: r.try_get("attempts")?,
                     error_class: r.try_get("error_class")?,
                     error_reason: r.try_get("error_reason")?,
@@ -147,71 +210,91 @@ impl Store {
             .map_err(StoreError::from)
     }
 
-    /// Commits successful replays in one statement: vector upsert (a no-op for unchanged
-    /// content), DLQ delete, manifest `stored`, `replayed` event. Returns the ids applied;
-    /// the others were already handled by someone else or superseded.
+    /// Commits successful replays, one transaction per target table: manifest rows locked,
+    /// then one statement: DLQ delete fenced by generation and embedded hash (and the
+    /// manifest still holding that hash), vector upsert under the embedded hash (a no-op for
+    /// unchanged content), manifest `stored`, `replayed` event. Returns the ids applied; the
+    /// others were already handled by someone else or superseded.
     pub async fn commit_replayed(&self, rows: &[Replayed]) -> Result<Vec<i64>, StoreError> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
+        let mut by_table: BTreeMap<&str, Vec<&Replayed>> = BTreeMap::new();
+        for r in rows {
+            by_table.entry(r.target_table.as_str()).or_default().push(r);
         }
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        let gens: Vec<i32> = rows.iter().map(|r| r.replays).collect();
-        let vectors: Vec<Vector> = rows.iter().map(|r| Vector::from(r.embedding.clone())).collect();
-        let sql = format!(
-            "WITH input AS (
-                 SELECT * FROM UNNEST($1::bigint[], $2::int[], $3::vector[]) AS t(id, replays, embedding)
-             ), claimed AS (
-                 DELETE FROM embedding_dlq d USING input i
-                  WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL
-                    AND EXISTS (SELECT 1 FROM ingest_manifest m
-                                 WHERE m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
-                                   AND m.content_hash = d.content_hash)
-                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.attempts, d.replays,
-                           d.error_class, i.embedding
-             ), vectors AS (
-                 INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
-                 SELECT doc_id, chunk_index, content_hash, embedding FROM claimed
-                 ON CONFLICT (doc_id, chunk_index) DO UPDATE
-                     SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash,
-                         updated_at = now()
-                     WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
-                 RETURNING 1
-             ), manifest AS (
-                 UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                   FROM claimed c
-                  WHERE m.doc_id = c.doc_id AND m.chunk_index = c.chunk_index
-                    AND m.content_hash = c.content_hash
-                 RETURNING 1
-             ), events AS (
-                 INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
-                 SELECT 'replayed', id, doc_id, chunk_index,
-                        jsonb_build_object('event', 'replayed', 'dlq_id', id, 'doc_id', doc_id,
-                                           'chunk_index', chunk_index, 'error_class', error_class,
-                                           'attempts', attempts, 'replays', replays + 1, 'at', now())
-                   FROM claimed
-                 RETURNING 1
-             )
-             SELECT id FROM claimed",
-            table = self.target_sql_name()
-        );
-        let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
-            .bind(&ids)
-            .bind(&gens)
-            .bind(&vectors)
-            .fetch_all(self.pool())
-            .await?;
+        let mut applied = Vec::with_capacity(rows.len());
+        for (table, rows) in by_table {
+            let target = self.target_for(table).await?;
+            let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+            let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
+            let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
+            let vectors: Vec<Vector> = rows.iter().map(|r| Vector::from(r.embedding.clone())).collect();
+            let sql = format!(
+                "WITH input AS (
+                     SELECT * FROM UNNEST($2::bigint[], $3::bigint[], $4::text[], $5::vector[])
+                         AS t(id, generation, content_hash, embedding)
+                 ), claimed AS (
+                     DELETE FROM embedding_dlq d USING input i
+                      WHERE d.id = i.id AND d.target_table = $1::text AND d.generation = i.generation
+                        AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
+                        AND EXISTS (SELECT 1 FROM ingest_manifest m
+                                     WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                                       AND m.chunk_index = d.chunk_index AND m.content_hash = i.content_hash)
+                     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
+                               d.replays, d.generation, d.error_class, i.embedding
+                 ), vectors AS (
+                     INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
+                     SELECT doc_id, chunk_index, content_hash, embedding FROM claimed
+                      ORDER BY doc_id, chunk_index
+                     ON CONFLICT (doc_id, chunk_index) DO UPDATE
+                         SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash,
+                             updated_at = now()
+                         WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
+                     RETURNING 1
+                 ), manifest AS (
+                     UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+                       FROM claimed c
+                      WHERE m.target_table = c.target_table AND m.doc_id = c.doc_id
+                        AND m.chunk_index = c.chunk_index AND m.content_hash = c.content_hash
+                     RETURNING 1
+                 ), events AS (
+                     INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+                     SELECT 'replayed', id, target_table, doc_id, chunk_index,
+                            jsonb_build_object('event', 'replayed', 'dlq_id', id, 'table', target_table,
+                                               'doc_id', doc_id, 'chunk_index', chunk_index,
+                                               'generation', generation, 'error_class', error_class,
+                                               'attempts', attempts, 'replays', replays + 1, 'at', now())
+                       FROM claimed
+                     RETURNING 1
+                 )
+                 SELECT id FROM claimed",
+                table = target.sql_name()
+            );
+            let mut tx = self.pool().begin().await?;
+            sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
+            let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(&target.name)
+                .bind(&ids)
+                .bind(&gens)
+                .bind(&hashes)
+                .bind(&vectors)
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            applied.extend(done);
+        }
         Ok(applied)
     }
 
-    /// Commits failed passes and give-ups in one statement: DLQ row updated (attempts,
-    /// generation, schedule or exhaustion), manifest `parked`/`exhausted`, `reparked` or
-    /// `exhausted` event. Returns the ids applied.
+    /// Commits failed passes and give-ups in one transaction: manifest rows locked, then one
+    /// statement: DLQ row updated (attempts, a new generation, schedule or exhaustion) when it
+    /// still has the generation and content the pass was for, manifest `parked`/`exhausted`,
+    /// `reparked` or `exhausted` event. Returns the ids applied.
     pub async fn commit_reparked(&self, rows: &[Repark]) -> Result<Vec<i64>, StoreError> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        let gens: Vec<i32> = rows.iter().map(|r| r.replays).collect();
+        let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
+        let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
         let classes: Vec<&str> = rows.iter().map(|r| r.error_class.as_str()).collect();
         let reasons: Vec<&str> = rows.iter().map(|r| r.error_reason.as_str()).collect();
         let errors: Vec<Option<&str>> = rows.iter().map(|r| r.last_error.as_deref()).collect();
@@ -221,16 +304,20 @@ impl Store {
         let exhausted: Vec<Option<&str>> = rows.iter().map(|r| r.exhausted_reason.as_deref()).collect();
         let sigs: Vec<Option<&str>> = rows.iter().map(|r| r.signature.as_deref()).collect();
         let same: Vec<i32> = rows.iter().map(|r| r.same_error_count).collect();
+        let mut tx = self.pool().begin().await?;
+        sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
         let applied: Vec<i64> = sqlx::query_scalar(
             "WITH input AS (
-                 SELECT * FROM UNNEST($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[],
-                                      $6::int[], $7::int[], $8::float8[], $9::text[], $10::text[], $11::int[])
-                     AS t(id, replays, error_class, error_reason, last_error, last_status, attempts,
-                          retry_in, exhausted_reason, signature, same_count)
+                 SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[],
+                                      $6::int[], $7::int[], $8::float8[], $9::text[], $10::text[], $11::int[],
+                                      $12::text[])
+                     AS t(id, generation, error_class, error_reason, last_error, last_status, attempts,
+                          retry_in, exhausted_reason, signature, same_count, content_hash)
              ), upd AS (
                  UPDATE embedding_dlq d SET
                         attempts = d.attempts + i.attempts,
                         replays = d.replays + 1,
+                        generation = nextval('embed_dlq_generation_seq'),
                         error_class = i.error_class,
                         error_reason = i.error_reason,
                         last_error = i.last_error,
@@ -250,22 +337,26 @@ impl Store {
                                 'exhausted_reason', i.exhausted_reason)),
                             '$[last-19 to last]')
                    FROM input i
-                  WHERE d.id = i.id AND d.replays = i.replays AND d.exhausted_at IS NULL
-                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_class,
-                           d.error_reason, d.attempts, d.replays, d.next_retry_at, d.exhausted_reason,
+                  WHERE d.id = i.id AND d.generation = i.generation AND d.content_hash = i.content_hash
+                    AND d.exhausted_at IS NULL
+                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                           d.error_class, d.error_reason, d.attempts, d.replays, d.next_retry_at,
+                           d.exhausted_reason,
                            CASE WHEN d.exhausted_reason IS NULL THEN 'parked' ELSE 'exhausted' END AS status
              ), manifest AS (
                  UPDATE ingest_manifest m SET status = u.status, updated_at = now()
                    FROM upd u
-                  WHERE m.doc_id = u.doc_id AND m.chunk_index = u.chunk_index
-                    AND m.content_hash = u.content_hash AND m.status <> u.status
+                  WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
+                    AND m.chunk_index = u.chunk_index AND m.content_hash = u.content_hash
+                    AND m.status <> u.status
                  RETURNING 1
              ), events AS (
-                 INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
                  SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
-                        id, doc_id, chunk_index,
+                        id, target_table, doc_id, chunk_index,
                         jsonb_build_object('event', CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
-                                           'dlq_id', id, 'doc_id', doc_id, 'chunk_index', chunk_index,
+                                           'dlq_id', id, 'table', target_table, 'doc_id', doc_id,
+                                           'chunk_index', chunk_index, 'generation', generation,
                                            'error_class', error_class, 'error_reason', error_reason,
                                            'attempts', attempts, 'replays', replays,
                                            'next_retry_at', next_retry_at,
@@ -286,14 +377,16 @@ impl Store {
         .bind(&exhausted)
         .bind(&sigs)
         .bind(&same)
-        .fetch_all(self.pool())
+        .bind(&hashes)
+        .fetch_all(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(applied)
     }
 }
 
 /// Marks the rows selected by `filter` (over `embedding_dlq`, binding `$1`) as enqueued and
-/// writes one replay work item per row to the outbox, in one statement.
+/// writes one replay work item ([`WorkItem`]) per row to the outbox, in one statement.
 fn enqueue_sql(filter: &str) -> String {
     format!(
         "WITH due AS (
@@ -302,15 +395,15 @@ fn enqueue_sql(filter: &str) -> String {
              UPDATE embedding_dlq d
                 SET next_retry_at = now() + make_interval(secs => $2), enqueued_at = now()
                FROM due WHERE d.id = due.id
-             RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.replays, d.attempts
+             RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                       d.attempts
          ), work AS (
-             INSERT INTO dlq_outbox (event, stream, dlq_id, doc_id, chunk_index, body)
-             SELECT 'replay', 'replay', id, doc_id, chunk_index,
-                    jsonb_build_object('dlq_id', id, 'replays', replays, 'doc_id', doc_id,
-                                       'chunk_index', chunk_index, 'attempts', attempts)
+             INSERT INTO dlq_outbox (event, stream, dlq_id, target_table, doc_id, chunk_index, body)
+             SELECT 'replay', 'replay', id, target_table, doc_id, chunk_index, {body}
                FROM upd
              RETURNING 1
          )
-         SELECT count(*) FROM work"
+         SELECT count(*) FROM work",
+        body = WorkItem::sql_body("upd")
     )
 }

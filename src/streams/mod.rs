@@ -12,10 +12,14 @@
 //! Stream entries carry `outbox_id`, `event` and `body` (the compact JSON envelope from the
 //! outbox: ids, error class, attempts, timestamps — never the payload or a secret).
 
+pub mod work;
+
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Client, Script};
+
+pub use work::WorkItem;
 
 /// The consumer group of the replayers on the replay stream.
 pub const REPLAY_GROUP: &str = "replayers";

@@ -64,33 +64,47 @@ impl TestDb {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.expect(sql)
     }
 
-    /// The seed's reconciliation query: manifest rows with neither a vector nor a DLQ row.
+    /// The seed's reconciliation query (manifest rows with neither a vector nor a DLQ row) for
+    /// the default table.
     pub async fn leaks(&self) -> i64 {
-        self.count(
+        self.leaks_in("doc_embeddings").await
+    }
+
+    /// The seed's reconciliation query for one target table, joined on the table identity.
+    pub async fn leaks_in(&self, table: &str) -> i64 {
+        let sql = format!(
             "SELECT count(*) FROM ingest_manifest m
-               LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
-               LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
-              WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
-        )
-        .await
+               LEFT JOIN {table} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+               LEFT JOIN embedding_dlq d USING (target_table, doc_id, chunk_index)
+              WHERE m.target_table = embed_dlq_table_name('{table}'::regclass)
+                AND e.doc_id IS NULL AND d.doc_id IS NULL"
+        );
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await.unwrap()
     }
 
-    /// The seed's duplicate query.
+    /// The seed's duplicate query for the default table.
     pub async fn duplicates(&self) -> i64 {
-        self.count(
-            "SELECT count(*) FROM (SELECT doc_id, chunk_index FROM doc_embeddings
-               GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
-        )
-        .await
+        self.duplicates_in("doc_embeddings").await
     }
 
-    /// Stronger than the seed's queries: every manifest row agrees with where the chunk is.
+    /// The seed's duplicate query for one target table.
+    pub async fn duplicates_in(&self, table: &str) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM (SELECT doc_id, chunk_index FROM {table}
+               GROUP BY doc_id, chunk_index HAVING count(*) > 1) d"
+        );
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await.unwrap()
+    }
+
+    /// Stronger than the seed's queries: every manifest row of the default table agrees with
+    /// where the chunk is.
     pub async fn manifest_disagreements(&self) -> i64 {
         self.count(
             "SELECT count(*) FROM ingest_manifest m
-               LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
-               LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
-              WHERE NOT (
+               LEFT JOIN doc_embeddings e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+               LEFT JOIN embedding_dlq d USING (target_table, doc_id, chunk_index)
+              WHERE m.target_table = 'public.doc_embeddings'
+                AND NOT (
                     (m.status = 'stored' AND e.content_hash = m.content_hash AND d.id IS NULL)
                  OR (m.status IN ('parked', 'exhausted') AND d.content_hash = m.content_hash))",
         )
