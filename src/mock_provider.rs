@@ -266,6 +266,10 @@ struct EmbeddingsRequest {
     encoding_format: Option<String>,
     #[serde(default)]
     model: Option<String>,
+    /// Like OpenAI's `text-embedding-3-*`: vectors of this length instead of the configured
+    /// one (1..=16000, else ignored).
+    #[serde(default)]
+    dimensions: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -447,7 +451,8 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     }
     counters.ok.fetch_add(1, Ordering::Relaxed);
     let base64 = parsed.encoding_format.as_deref() != Some("float");
-    Ok(json(StatusCode::OK, render(&inputs, c.dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
+    let dimensions = parsed.dimensions.filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
+    Ok(json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
 }
 
 fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str) -> String {

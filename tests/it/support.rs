@@ -75,7 +75,8 @@ impl TestDb {
         let sql = format!(
             "SELECT count(*) FROM ingest_manifest m
                LEFT JOIN {table} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-               LEFT JOIN embedding_dlq d USING (target_table, doc_id, chunk_index)
+               LEFT JOIN embedding_dlq d
+                 ON d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index
               WHERE m.target_table = embed_dlq_table_name('{table}'::regclass)
                 AND e.doc_id IS NULL AND d.doc_id IS NULL"
         );
@@ -102,7 +103,8 @@ impl TestDb {
         self.count(
             "SELECT count(*) FROM ingest_manifest m
                LEFT JOIN doc_embeddings e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-               LEFT JOIN embedding_dlq d USING (target_table, doc_id, chunk_index)
+               LEFT JOIN embedding_dlq d
+                 ON d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index
               WHERE m.target_table = 'public.doc_embeddings'
                 AND NOT (
                     (m.status = 'stored' AND e.content_hash = m.content_hash AND d.id IS NULL)
