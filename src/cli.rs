@@ -719,7 +719,11 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
         writeln!(out, "  {:<18}{:>10}", class.as_str(), n)?;
     }
     if s.superseded > 0 {
-        writeln!(out, "superseded          {:>10}  (a later line or run of the same chunk won)", s.superseded)?;
+        writeln!(
+            out,
+            "superseded          {:>10}  (a later line or run of the same chunk won)",
+            s.superseded
+        )?;
     }
     if s.dlq_resolved > 0 {
         writeln!(out, "DLQ rows resolved   {:>10}", s.dlq_resolved)?;

@@ -159,6 +159,10 @@ pub async fn ensure_group(redis: &mut ConnectionManager, keys: &StreamKeys) -> R
     }
 }
 
+/// How a group of rows is embedded and where it goes: (canonical target table, model the
+/// rows record, `dimensions` request parameter).
+type EmbedTarget = (String, Option<String>, Option<i32>);
+
 /// One entry of the replay stream.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -333,7 +337,7 @@ impl Replayer {
         }
 
         // One group per (table, model, request dimensions), in a stable order.
-        let mut groups: BTreeMap<(String, Option<String>, Option<i32>), Vec<(Entry, DlqRow)>> = BTreeMap::new();
+        let mut groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>> = BTreeMap::new();
         for (e, row) in todo {
             groups
                 .entry((row.target_table.clone(), row.model.clone(), row.request_dimensions))

@@ -360,11 +360,13 @@ impl Store {
         let accepted = self
             .claim_manifest(
                 &mut tx,
-                rows.iter().map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
+                rows.iter()
+                    .map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
                 ChunkStatus::Stored,
             )
             .await?;
-        let keep: Vec<&StoredChunk> = rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
+        let keep: Vec<&StoredChunk> =
+            rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
         let mut counts = StoreCounts { superseded: (rows.len() - keep.len()) as u64, ..Default::default() };
         if !keep.is_empty() {
             let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
@@ -400,7 +402,8 @@ impl Store {
         let accepted = self
             .claim_manifest(
                 &mut tx,
-                rows.iter().map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
+                rows.iter()
+                    .map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
                 ChunkStatus::Parked,
             )
             .await?;
@@ -408,7 +411,8 @@ impl Store {
             events: 0,
             superseded: accepted.iter().enumerate().filter(|(_, a)| !**a).map(|(n, _)| n).collect(),
         };
-        let keep: Vec<&ParkedChunk> = rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
+        let keep: Vec<&ParkedChunk> =
+            rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
         if !keep.is_empty() {
             let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
             let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
@@ -593,7 +597,8 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
     .bind(&lookup)
     .fetch_optional(pool)
     .await?;
-    let (oid, name) = found.ok_or_else(|| err("does not exist (run `embed-dlq migrate`, or create it)".into()))?;
+    let (oid, name) =
+        found.ok_or_else(|| err("does not exist (run `embed-dlq migrate`, or create it)".into()))?;
     let cols = sqlx::query(
         "SELECT a.attname::text AS name, format_type(a.atttypid, a.atttypmod) AS type, a.atttypmod AS typmod
            FROM pg_attribute a

@@ -74,18 +74,29 @@ mod tests {
         .unwrap();
         assert_eq!(
             w,
-            WorkItem { dlq_id: 7, generation: 42, content_hash: "ab".into(), target_table: "public.t".into() }
+            WorkItem {
+                dlq_id: 7,
+                generation: 42,
+                content_hash: "ab".into(),
+                target_table: "public.t".into()
+            }
         );
         assert_eq!(WorkItem::parse_body(r#"{"dlq_id":7,"replays":0}"#), None, "pre-generation item");
         assert_eq!(WorkItem::parse_body("not json"), None);
-        let long = format!(r#"{{"dlq_id":7,"generation":1,"content_hash":"{}","table":"t"}}"#, "a".repeat(600));
+        let long =
+            format!(r#"{{"dlq_id":7,"generation":1,"content_hash":"{}","table":"t"}}"#, "a".repeat(600));
         assert_eq!(WorkItem::parse_body(&long), None);
     }
 
     #[test]
     fn sql_body_names_every_field_parse_reads() {
         let sql = WorkItem::sql_body("u");
-        for f in ["'dlq_id', u.id", "'generation', u.generation", "'content_hash', u.content_hash", "'table', u.target_table"] {
+        for f in [
+            "'dlq_id', u.id",
+            "'generation', u.generation",
+            "'content_hash', u.content_hash",
+            "'table', u.target_table",
+        ] {
             assert!(sql.contains(f), "{sql} lacks {f}");
         }
     }

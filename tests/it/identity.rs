@@ -89,7 +89,11 @@ async fn replayer(db: &TestDb, mock: &MockProvider, keys: &StreamKeys, name: &st
 }
 
 /// A pipeline whose provider is down: everything it ingests parks as transient.
-async fn down_pipeline(db: &TestDb, table: &str, request_dimensions: Option<usize>) -> (MockProvider, Pipeline) {
+async fn down_pipeline(
+    db: &TestDb,
+    table: &str,
+    request_dimensions: Option<usize>,
+) -> (MockProvider, Pipeline) {
     let down = start_mock(MockConfig::default()).await;
     down.control.set_outage(true);
     let mut s = settings(db, &down);
@@ -128,7 +132,10 @@ async fn two_tables_with_the_same_corpus_each_get_every_vector() {
     assert_eq!(db.count("SELECT count(*) FROM b").await, 20);
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20);
     assert_eq!(
-        db.count("SELECT count(*) FROM ingest_manifest WHERE target_table = 'public.b' AND status = 'stored'").await,
+        db.count(
+            "SELECT count(*) FROM ingest_manifest WHERE target_table = 'public.b' AND status = 'stored'"
+        )
+        .await,
         20
     );
     assert_eq!((db.leaks_in("b").await, db.leaks().await), (0, 0));
@@ -279,7 +286,11 @@ async fn the_last_line_of_a_key_wins_and_leaves_no_dlq_row() {
         let db = TestDb::new().await;
         let s = settings(&db, &mock);
         for run in 0..2 {
-            let r = pipeline(&s).await.run(input(text.clone().into_bytes()), CancellationToken::new()).await.unwrap();
+            let r = pipeline(&s)
+                .await
+                .run(input(text.clone().into_bytes()), CancellationToken::new())
+                .await
+                .unwrap();
             assert_eq!(accounted(&r), r.records, "round {round} run {run}: {r:?}");
             let (hash, v) = vector_of(&db, "doc_embeddings", "dup", 0).await.expect("dup stored");
             assert_eq!(hash, want_hash, "round {round} run {run}");
@@ -322,10 +333,16 @@ async fn a_repeated_park_is_a_no_op_without_a_second_event() {
     let rows = vec![parked("a", 0, "alpha", 1), parked("a", 1, "beta", 2)];
     store.park_batch(&rows).await.unwrap();
     let before: Vec<(i64, i32, i64)> =
-        sqlx::query_as("SELECT id, attempts, generation FROM embedding_dlq ORDER BY id").fetch_all(&db.pool).await.unwrap();
+        sqlx::query_as("SELECT id, attempts, generation FROM embedding_dlq ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     store.park_batch(&rows).await.unwrap();
     let after: Vec<(i64, i32, i64)> =
-        sqlx::query_as("SELECT id, attempts, generation FROM embedding_dlq ORDER BY id").fetch_all(&db.pool).await.unwrap();
+        sqlx::query_as("SELECT id, attempts, generation FROM embedding_dlq ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(before, after);
     assert!(after.iter().all(|(_, attempts, _)| *attempts == 3));
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'parked'").await, 2);
