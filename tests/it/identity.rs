@@ -403,3 +403,60 @@ async fn two_concurrent_ingests_announce_each_park_once() {
     assert_eq!((db.duplicates().await, db.leaks().await, db.manifest_disagreements().await), (0, 0, 0));
     reconcile_clean(&db).await;
 }
+
+/// The migration for existing data: rows written before `0004_identity.sql` belong to the
+/// default table, get a generation, and a parked one is replayed (with the configured model)
+/// into the default table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_from_before_the_identity_migration_belong_to_the_default_table() {
+    let db = TestDb::unmigrated().await;
+    embed_dlq::store::MIGRATOR.run_to(3, &db.pool).await.unwrap();
+    let hash = content_hash("mock", 768, "legacy text");
+    sqlx::query(
+        "INSERT INTO ingest_manifest (doc_id, chunk_index, content_hash, status) VALUES ('old', 0, $1, 'parked')",
+    )
+    .bind(&hash)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO embedding_dlq (doc_id, chunk_index, content_hash, payload, error_class, error_reason,
+                                    attempts, next_retry_at)
+         VALUES ('old', 0, $1, '{\"doc_id\":\"old\",\"chunk_index\":0,\"text\":\"legacy text\"}',
+                 'transient', 'http_503', 3, now())",
+    )
+    .bind(&hash)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    embed_dlq::store::migrate(&db.pool).await.unwrap();
+    let (table, generation, dims, model): (String, i64, Option<i32>, Option<String>) =
+        sqlx::query_as("SELECT target_table, generation, dimensions, model FROM embedding_dlq")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((table.as_str(), dims, model), ("public.doc_embeddings", Some(768), None));
+    assert!(generation > 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE target_table = 'public.doc_embeddings'").await,
+        1
+    );
+
+    let keys = fresh_keys();
+    let healthy = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &healthy, &keys, "legacy").await;
+    let store = rep.store.clone();
+    assert_eq!(schedule_and_relay(&db, &store, &keys).await, 1);
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while db.count("SELECT count(*) FROM embedding_dlq").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "replay did not drain the DLQ");
+        rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    }
+    let (h, v) = vector_of(&db, "doc_embeddings", "old", 0).await.unwrap();
+    assert_eq!(h, hash);
+    assert_same_vector(&v, &mock_provider::vector_for("legacy text", 768), "legacy row");
+    assert_eq!(db.manifest_disagreements().await, 0);
+    reconcile_clean(&db).await;
+}

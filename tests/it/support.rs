@@ -40,6 +40,13 @@ fn with_database(url: &str, db: &str) -> String {
 
 impl TestDb {
     pub async fn new() -> TestDb {
+        let db = TestDb::unmigrated().await;
+        embed_dlq::store::migrate(&db.pool).await.expect("migrate test database");
+        db
+    }
+
+    /// A database of its own with no migration applied yet.
+    pub async fn unmigrated() -> TestDb {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let admin = admin_url();
         let name = format!(
@@ -56,7 +63,6 @@ impl TestDb {
         conn.close().await.ok();
         let url = with_database(&admin, &name);
         let pool = embed_dlq::store::connect(&url, 4).await.expect("connect to test database");
-        embed_dlq::store::migrate(&pool).await.expect("migrate test database");
         TestDb { url, pool }
     }
 
