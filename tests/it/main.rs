@@ -4,6 +4,7 @@
 
 mod ingest;
 mod process;
+mod provider;
 mod reconcile;
 mod restart;
 mod streams;
