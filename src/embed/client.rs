@@ -728,6 +728,67 @@ mod tests {
     }
 
     #[test]
+    fn server_waits_are_clamped_not_panicking() {
+        let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        for (h, v) in [
+            ("retry-after", "1e30"),
+            ("retry-after", "99999999"),
+            ("retry-after", "inf"),
+            ("retry-after-ms", "1e30"),
+            ("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
+        ] {
+            assert_eq!(parse_retry_after(&hm(&[(h, v)]), now), Some(MAX_SERVER_WAIT), "{h}: {v}");
+        }
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", "NaN")]), now), None);
+        assert_eq!(parse_retry_after(&hm(&[("retry-after-ms", "-1")]), now), None);
+    }
+
+    #[test]
+    fn response_cap_follows_the_batch_within_bounds() {
+        assert_eq!(response_cap(1, 768), MIN_RESPONSE_CAP);
+        assert_eq!(response_cap(512, 768), 512 * (768 * 48 + 1024));
+        assert_eq!(response_cap(usize::MAX, usize::MAX), MAX_RESPONSE_CAP);
+    }
+
+    #[test]
+    fn redaction_catches_case_and_base64_echoes_and_comes_before_the_cut() {
+        use base64::engine::general_purpose::{STANDARD, URL_SAFE};
+        let key = "sk-AbCdEfGh0123456789";
+        let r = Redactor::new(&[key, "tenant-7", "ab"]);
+        for echo in [
+            key.to_string(),
+            key.to_lowercase(),
+            key.to_uppercase(),
+            STANDARD.encode(format!("Bearer {key}")),
+            STANDARD.encode(format!("user:{key}")),
+            URL_SAFE.encode(format!("xy{key}?")),
+        ] {
+            let text = format!("before {echo} after");
+            let out = r.redact(&text);
+            assert!(
+                out.contains("[redacted]") && out.starts_with("before ") && out.ends_with(" after"),
+                "{out}"
+            );
+            assert!(!out.to_lowercase().contains(&key[3..11].to_lowercase()), "{out}");
+        }
+        assert_eq!(r.redact("tenant-7 and TENANT-7"), "[redacted] and [redacted]");
+        assert_eq!(r.redact("ab is too short to be a secret"), "ab is too short to be a secret");
+        // A key straddling the cut leaves nothing behind.
+        let text = format!("{}{key}{}", "e".repeat(MAX_ERROR_EXCERPT - 5), "z".repeat(100));
+        let out = sanitize_excerpt(&r.redact(&text));
+        assert!(!out.contains("sk-Ab"), "{out}");
+    }
+
+    #[test]
+    fn bare_non_finite_tokens_become_null_outside_strings_only() {
+        let body =
+            br#"{"data":[{"embedding":[NaN,1.0,-Infinity,+Infinity,Infinity]}],"model":"NaN \"Infinity\""}"#;
+        let fixed = String::from_utf8(lenient_non_finite(body).unwrap()).unwrap();
+        assert_eq!(fixed, r#"{"data":[{"embedding":[null,1.0,null,null,null]}],"model":"NaN \"Infinity\""}"#);
+        assert!(lenient_non_finite(br#"{"a":"NaN"}"#).is_none());
+    }
+
+    #[test]
     fn excerpts_are_truncated_and_flattened() {
         let long = "x".repeat(2_000_000);
         let e = sanitize_excerpt(&long);
