@@ -608,3 +608,74 @@ async fn the_breaker_probes_with_a_canary_not_with_the_batch_that_tripped_it() {
     assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&1), "{r:?}");
     assert!(mock.control.stats().canaries >= 1);
 }
+
+// ---------------------------------------------------------------------------------------
+// The replayer shares the Embedder: a uniform rejection there postpones, charges nothing.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_provider_that_rejects_everything_alike_postpones_instead_of_parking_permanent() {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // Park 12 chunks as transient during an outage.
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(&db, &down);
+    s.retry.max_attempts = 2;
+    let p = pipeline(&s).await;
+    let r = p
+        .run(input(corpus("rep", 12, |i| format!("replay chunk {i}"))), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&12));
+    // Make them due and put them on the replay stream.
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let config = ReplayConfig {
+        batch: 64,
+        block: Duration::from_millis(200),
+        systemic_pause: Duration::from_secs(120),
+        ..Default::default()
+    };
+    Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    let before: Vec<(i64, i32, i32, String)> =
+        sqlx::query_as("SELECT id, replays, attempts, error_class FROM embedding_dlq ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+
+    // Now the gateway in front of the provider answers our (rotated) key with 400.
+    let gateway = start_mock(MockConfig {
+        api_key: Some("the-right-key".into()),
+        unauthorized_status: 400,
+        ..MockConfig::default()
+    })
+    .await;
+    let rp = pipeline(&settings(&db, &gateway)).await;
+    let mut rep = Replayer {
+        name: "uniform".into(),
+        store: rp.store,
+        embedder: rp.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    };
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!((c.postponed, c.reparked, c.exhausted), (12, 0, 0), "{c:?}");
+    let after: Vec<(i64, i32, i32, String)> =
+        sqlx::query_as("SELECT id, replays, attempts, error_class FROM embedding_dlq ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(before, after, "still transient, same generation and attempts: nothing charged");
+    assert!(gateway.control.stats().requests <= 2, "one request and the canary, no bisecting");
+}
