@@ -679,3 +679,37 @@ async fn a_replay_provider_that_rejects_everything_alike_postpones_instead_of_pa
     assert_eq!(before, after, "still transient, same generation and attempts: nothing charged");
     assert!(gateway.control.stats().requests <= 2, "one request and the canary, no bisecting");
 }
+
+// ---------------------------------------------------------------------------------------
+// The binary: a uniform rejection is exit 4, with the status named and the key nowhere.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_exits_4_when_a_gateway_rejects_everything_alike() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig {
+        api_key: Some("the-right-key".into()),
+        unauthorized_status: 400,
+        echo_auth_in_errors: true,
+        ..MockConfig::default()
+    })
+    .await;
+    let path = std::env::temp_dir().join(format!("embed-dlq-it-uniform-{}.jsonl", rand::random::<u64>()));
+    std::fs::write(&path, corpus("bin", 100, |i| format!("chunk {i}"))).unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .env_remove("RUST_LOG")
+        .env("EMBED_DLQ_API_KEY", KEY)
+        .arg("ingest")
+        .arg(&path)
+        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+        .args(["--batch-max-inputs", "16", "--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(4), "{all}");
+    assert!(all.contains("uniform_rejection") && all.contains("400"), "{all}");
+    assert!(leaks(&all, KEY).is_none(), "{all}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+}
