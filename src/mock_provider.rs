@@ -6,8 +6,10 @@
 //!   500/502/503, timeouts (the answer is held back far longer than any client waits) and
 //!   connection resets (the connection is closed without an answer);
 //! - an outage window (every request answers 503), set by config or at run time;
-//! - systemic states: a required API key (401 otherwise), quota exhausted
-//!   (429 `insufficient_quota`);
+//! - systemic states: a required API key (401 otherwise, or the status in
+//!   `unauthorized_status`: a LiteLLM gateway answers a wrong key with 400), quota exhausted
+//!   (429 `insufficient_quota`), a `dimensions` request field out of range (400 for every
+//!   request, like OpenAI);
 //! - limits like real servers: more than `max_inputs` per request → 413, an input longer than
 //!   `max_input_chars` → 422 with a body that echoes the whole input;
 //! - deterministic poison markers inside a text:
@@ -74,6 +76,8 @@ pub struct MockConfig {
     pub max_input_chars: usize,
     /// When set, requests must carry `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
+    /// Status answered to a request without the right key (401; LiteLLM answers 400).
+    pub unauthorized_status: u16,
     /// Outage window, measured from server start: 503 for every request inside it.
     pub outage_after_ms: Option<u64>,
     pub outage_for_ms: u64,
@@ -98,6 +102,7 @@ impl Default for MockConfig {
             max_inputs: 2048,
             max_input_chars: 1_000_000,
             api_key: None,
+            unauthorized_status: 401,
             outage_after_ms: None,
             outage_for_ms: 0,
             seed: 42,
@@ -120,6 +125,10 @@ pub struct MockStats {
     pub resets: u64,
     pub rejected: u64,
     pub unauthorized: u64,
+    /// Requests whose only input was the client's canary text
+    /// ([`crate::embed::canary::CANARY_TEXT`]).
+    #[serde(default)]
+    pub canaries: u64,
 }
 
 #[derive(Default)]
@@ -133,6 +142,7 @@ struct Counters {
     resets: AtomicU64,
     rejected: AtomicU64,
     unauthorized: AtomicU64,
+    canaries: AtomicU64,
 }
 
 struct Shared {
@@ -173,6 +183,7 @@ impl MockControl {
             resets: g(&c.resets),
             rejected: g(&c.rejected),
             unauthorized: g(&c.unauthorized),
+            canaries: g(&c.canaries),
         }
     }
 }
@@ -267,9 +278,9 @@ struct EmbeddingsRequest {
     #[serde(default)]
     model: Option<String>,
     /// Like OpenAI's `text-embedding-3-*`: vectors of this length instead of the configured
-    /// one (1..=16000, else ignored).
+    /// one; above the configured length (or 0) the request is refused with 400.
     #[serde(default)]
-    dimensions: Option<usize>,
+    dimensions: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -359,11 +370,8 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     }
     if !authorized {
         counters.unauthorized.fetch_add(1, Ordering::Relaxed);
-        return Ok(error(
-            StatusCode::UNAUTHORIZED,
-            "invalid_api_key",
-            &format!("Incorrect API key provided{echo}"),
-        ));
+        let status = StatusCode::from_u16(c.unauthorized_status).unwrap_or(StatusCode::UNAUTHORIZED);
+        return Ok(error(status, "invalid_api_key", &format!("Incorrect API key provided{echo}")));
     }
     let parsed: EmbeddingsRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -377,6 +385,19 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
         InputField::Many(v) => v,
     };
     counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+    if inputs.len() == 1 && inputs[0] == crate::embed::canary::CANARY_TEXT {
+        counters.canaries.fetch_add(1, Ordering::Relaxed);
+    }
+    if let Some(d) = parsed.dimensions
+        && (d == 0 || d > c.dimensions as u64)
+    {
+        counters.rejected.fetch_add(1, Ordering::Relaxed);
+        return Ok(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("dimensions must be between 1 and {}, got {d}", c.dimensions),
+        ));
+    }
     if shared.quota_exhausted.load(Ordering::SeqCst) {
         counters.rate_limited.fetch_add(1, Ordering::Relaxed);
         return Ok(error(
@@ -451,7 +472,7 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     }
     counters.ok.fetch_add(1, Ordering::Relaxed);
     let base64 = parsed.encoding_format.as_deref() != Some("float");
-    let dimensions = parsed.dimensions.filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
+    let dimensions = parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
     Ok(json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
 }
 

@@ -43,6 +43,11 @@ pub fn classify(err: &EmbedError) -> Verdict {
         // A 2xx that is not JSON is a broken proxy or a truncated transfer, not the input's
         // fault and certainly not a dimension mismatch.
         EmbedError::Decode(_) => Verdict::Retry { reason: "bad_response", retry_after: None },
+        // An oversized body is a broken server or proxy: the same answer as garbage.
+        EmbedError::TooLarge { .. } => Verdict::Retry { reason: "bad_response", retry_after: None },
+        // A redirect to another origin is configuration (wrong base URL, a login page):
+        // following it would send the key elsewhere, and no input is at fault.
+        EmbedError::Redirect(_) => Verdict::Systemic { reason: "redirect" },
         // Vectors that do not line up with the inputs: isolate by splitting.
         EmbedError::Mismatch(_) => {
             Verdict::Reject { class: ErrorClass::InvalidVector, reason: "response_mismatch" }
@@ -95,6 +100,8 @@ mod tests {
             (EmbedError::Connect("refused".into()), retry("connect")),
             (EmbedError::Transport("connection reset".into()), retry("transport")),
             (EmbedError::Decode("expected value".into()), retry("bad_response")),
+            (EmbedError::TooLarge { limit: 1 }, retry("bad_response")),
+            (EmbedError::Redirect("elsewhere".into()), Verdict::Systemic { reason: "redirect" }),
             (
                 EmbedError::Mismatch("3 for 4".into()),
                 Verdict::Reject { class: InvalidVector, reason: "response_mismatch" },

@@ -5,7 +5,15 @@
 //! floats) and accepts float arrays from servers that ignore the request. Every response is
 //! validated (count, index permutation, dimension, finite values) before anything is stored.
 //! The API key is sent as a sensitive header and never appears in an error or a log line.
+//!
+//! Everything the server sends is bounded before use: a server-given wait is clamped to
+//! [`MAX_SERVER_WAIT`] when it is parsed, a success body is streamed and cut off at
+//! [`response_cap`], an error body at 64 KiB, and any text kept from a body is redacted (the
+//! key and the extra header values, case-insensitively, and their base64 echoes) *before* it
+//! is cut to [`MAX_ERROR_EXCERPT`]. Redirects to another origin are refused: the key and the
+//! extra headers must never reach a host they were not configured for.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -16,8 +24,38 @@ use crate::model::ErrorClass;
 
 /// Longest error-body excerpt we keep: a real server echoed a 1 MB input in a 2 MB body.
 pub const MAX_ERROR_EXCERPT: usize = 512;
-/// Most bytes of an error body we ever read off the wire.
+/// Most bytes of an error body we ever read off the wire (and the most characters of any
+/// server text we redact before cutting it to [`MAX_ERROR_EXCERPT`]).
 const MAX_ERROR_BODY_READ: usize = 64 * 1024;
+/// Longest wait a server may ask for (`Retry-After`, `retry-after-ms`): larger values, years
+/// in the future or `1e30`, are clamped to it when parsed. The retry policy's cap then bounds
+/// it further (`--retry-cap-ms`).
+pub const MAX_SERVER_WAIT: Duration = Duration::from_secs(600);
+/// Smallest cap on a success body, whatever the batch: room for usage, model names and
+/// servers that pretty-print.
+pub const MIN_RESPONSE_CAP: usize = 4 * 1024 * 1024;
+/// Largest cap on a success body, whatever the batch and dimension.
+pub const MAX_RESPONSE_CAP: usize = 256 * 1024 * 1024;
+/// Bytes allowed per vector value in a success body: a float in JSON text takes up to ~24
+/// bytes with its separator and base64 takes 5.3, so this leaves room for a vector twice the
+/// expected length (which is then reported as a dimension mismatch, not as a broken body).
+const RESPONSE_BYTES_PER_VALUE: usize = 48;
+/// Bytes allowed per input for the envelope of its vector (`index`, `object`, quotes).
+const RESPONSE_BYTES_PER_INPUT: usize = 1024;
+/// Redirects followed within the configured origin.
+const MAX_REDIRECTS: usize = 5;
+
+/// The most bytes a success body for `inputs` vectors of `dimensions` values may have:
+/// `inputs × (dimensions × 48 + 1024)`, at least [`MIN_RESPONSE_CAP`] and at most
+/// [`MAX_RESPONSE_CAP`]. A longer body is a bad response (transient); its connection is
+/// dropped as soon as the cap is passed, so memory stays bounded whatever the server sends.
+pub fn response_cap(inputs: usize, dimensions: usize) -> usize {
+    inputs
+        .saturating_mul(
+            dimensions.saturating_mul(RESPONSE_BYTES_PER_VALUE).saturating_add(RESPONSE_BYTES_PER_INPUT),
+        )
+        .clamp(MIN_RESPONSE_CAP, MAX_RESPONSE_CAP)
+}
 
 /// Wire format asked of the provider.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
@@ -78,9 +116,19 @@ pub enum EmbedError {
         retry_after: Option<Duration>,
         excerpt: String,
     },
-    /// A 2xx whose body is not a valid embeddings response (truncated, garbage).
+    /// A 2xx whose body is not a valid embeddings response (truncated, garbage). The text is
+    /// redacted and cut to [`MAX_ERROR_EXCERPT`]: decoder messages quote the body.
     #[error("undecodable response: {0}")]
     Decode(String),
+    /// A 2xx body longer than [`response_cap`]; reading stopped there and the connection was
+    /// dropped.
+    #[error("response body exceeds {limit} bytes; connection dropped")]
+    TooLarge { limit: usize },
+    /// The server redirected to another origin (or too often). Refused so that the key and
+    /// the extra headers never reach a host they were not configured for: a configuration
+    /// problem, the run stops.
+    #[error("redirect refused: {0}")]
+    Redirect(String),
     /// A valid body whose vectors do not line up with the inputs.
     #[error("response does not match request: {0}")]
     Mismatch(String),
@@ -110,6 +158,7 @@ pub struct EmbedClient {
     http: reqwest::Client,
     url: String,
     config: std::sync::Arc<ClientConfig>,
+    redactor: Arc<Redactor>,
 }
 
 #[derive(Deserialize)]
@@ -182,6 +231,7 @@ impl EmbedClient {
         }
         let http = reqwest::Client::builder()
             .default_headers(headers)
+            .redirect(same_origin_redirects())
             .timeout(config.timeout)
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
             .pool_max_idle_per_host(64)
@@ -189,12 +239,20 @@ impl EmbedClient {
             .build()
             .map_err(|e| format!("cannot build HTTP client: {e}"))?;
         let url = format!("{}/embeddings", config.base_url.trim_end_matches('/'));
-        Ok(EmbedClient { http, url, config: std::sync::Arc::new(config) })
+        let mut secrets: Vec<&str> = config.api_key.iter().map(String::as_str).collect();
+        secrets.extend(config.extra_headers.iter().map(|(_, v)| v.as_str()));
+        let redactor = Arc::new(Redactor::new(&secrets));
+        Ok(EmbedClient { http, url, config: std::sync::Arc::new(config), redactor })
     }
 
     /// The configured model name (part of the content hash).
     pub fn model(&self) -> &str {
         &self.config.model
+    }
+
+    /// The `dimensions` request field, when one is sent.
+    pub fn request_dimensions(&self) -> Option<usize> {
+        self.config.request_dimensions
     }
 
     /// Embeds `inputs` in one request and validates the answer against `dimensions`.
@@ -218,7 +276,8 @@ impl EmbedClient {
             let error_type = serde_json::from_slice::<WireErrorBody>(&raw)
                 .ok()
                 .and_then(|b| b.error)
-                .and_then(|d| value_str(d.code).or_else(|| value_str(d.kind)));
+                .and_then(|d| value_str(d.code).or_else(|| value_str(d.kind)))
+                .map(|t| self.redactor.redact(&t));
             return Err(EmbedError::Status {
                 status: status.as_u16(),
                 error_type,
@@ -226,15 +285,45 @@ impl EmbedClient {
                 excerpt: self.sanitize(&String::from_utf8_lossy(&raw)),
             });
         }
-        let bytes = resp.bytes().await.map_err(|e| self.transport_error(e))?;
-        let wire: WireResponse = serde_json::from_slice(&bytes)
-            .map_err(|e| EmbedError::Decode(format!("{e} (body of {} bytes)", bytes.len())))?;
+        let bytes = self.read_success(resp, response_cap(inputs.len(), dimensions)).await?;
+        let wire: WireResponse = match serde_json::from_slice(&bytes) {
+            Ok(w) => w,
+            Err(first) => {
+                // Python servers write NaN/Infinity as bare tokens (not JSON): read them as
+                // null so that only the input they belong to fails, as `non_finite`.
+                let retried = lenient_non_finite(&bytes).and_then(|b| serde_json::from_slice(&b).ok());
+                match retried {
+                    Some(w) => w,
+                    None => {
+                        let msg = format!("{first} (body of {} bytes)", bytes.len());
+                        return Err(EmbedError::Decode(self.sanitize(&msg)));
+                    }
+                }
+            }
+        };
         validate(wire, inputs.len(), dimensions)
+    }
+
+    /// Streams a success body, giving up (and dropping the connection) past `cap` bytes.
+    async fn read_success(&self, mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>, EmbedError> {
+        if resp.content_length().is_some_and(|n| n > cap as u64) {
+            return Err(EmbedError::TooLarge { limit: cap });
+        }
+        let mut buf = Vec::with_capacity(resp.content_length().map_or(64 * 1024, |n| n as usize));
+        while let Some(chunk) = resp.chunk().await.map_err(|e| self.transport_error(e))? {
+            if buf.len() + chunk.len() > cap {
+                return Err(EmbedError::TooLarge { limit: cap });
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf)
     }
 
     fn transport_error(&self, e: reqwest::Error) -> EmbedError {
         let msg = self.sanitize(&error_chain(&e));
-        if e.is_timeout() {
+        if e.is_redirect() {
+            EmbedError::Redirect(msg)
+        } else if e.is_timeout() {
             EmbedError::Timeout
         } else if e.is_connect() {
             EmbedError::Connect(msg)
@@ -243,18 +332,120 @@ impl EmbedClient {
         }
     }
 
-    /// Truncates, strips control characters and removes any echo of a secret.
+    /// Removes any echo of a secret, *then* truncates and strips control characters, so a
+    /// secret straddling the cut can never leave a prefix behind.
     fn sanitize(&self, s: &str) -> String {
-        let mut s = sanitize_excerpt(s);
-        if let Some(key) = self.config.api_key.as_deref().filter(|k| k.len() >= 4) {
-            s = s.replace(key, "[redacted]");
+        sanitize_excerpt(&self.redactor.redact(prefix_chars(s, MAX_ERROR_BODY_READ)))
+    }
+}
+
+/// The first `n` characters of `s`.
+fn prefix_chars(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// Follows redirects only within the configured origin (scheme, host and port), at most
+/// [`MAX_REDIRECTS`] times. A redirect elsewhere is an error: reqwest would forward custom
+/// credential headers (`api-key`) and the extra headers to the other host.
+fn same_origin_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let Some(first) = attempt.previous().first() else { return attempt.follow() };
+        if attempt.url().origin() != first.origin() {
+            let msg = format!(
+                "the provider redirected to another origin ({} -> {}); credentials are never sent there: point --base-url at the final address",
+                first.origin().ascii_serialization(),
+                attempt.url().origin().ascii_serialization()
+            );
+            attempt.error(msg)
+        } else if attempt.previous().len() > MAX_REDIRECTS {
+            attempt.error(format!("more than {MAX_REDIRECTS} redirects"))
+        } else {
+            attempt.follow()
         }
-        for (_, v) in &self.config.extra_headers {
-            if v.len() >= 4 {
-                s = s.replace(v.as_str(), "[redacted]");
+    })
+}
+
+/// Shortest secret that is redacted: shorter values would blank out ordinary words.
+const MIN_SECRET_LEN: usize = 4;
+/// Shortest base64 fragment of a secret that is redacted.
+const MIN_BASE64_NEEDLE: usize = 4;
+
+/// Replaces every echo of the configured secrets in a server's text with `[redacted]`: the
+/// plain value ASCII case-insensitively (a proxy may lower-case a header), and its base64
+/// encodings in the standard and URL-safe alphabets at each of the three byte alignments
+/// (so `Basic` credentials and base64 dumps of a header block are caught too).
+#[derive(Debug, Default)]
+pub struct Redactor {
+    /// Lower-cased plain secrets.
+    plain: Vec<String>,
+    /// Base64 fragments determined by the secret's bytes alone (case-sensitive).
+    encoded: Vec<String>,
+}
+
+impl Redactor {
+    /// Builds the needles for `secrets` (values shorter than 4 characters are ignored).
+    pub fn new(secrets: &[&str]) -> Self {
+        use base64::engine::general_purpose::{STANDARD_NO_PAD, URL_SAFE_NO_PAD};
+        let mut r = Redactor::default();
+        for secret in secrets.iter().filter(|s| s.len() >= MIN_SECRET_LEN) {
+            r.plain.push(secret.to_ascii_lowercase());
+            let n = secret.len();
+            for offset in 0..3usize {
+                let mut bytes = vec![0u8; offset];
+                bytes.extend_from_slice(secret.as_bytes());
+                // Characters whose 6 bits all come from the secret: from ceil(8·offset/6)
+                // to floor(8·(offset+n)/6).
+                let (start, end) = ((8 * offset).div_ceil(6), (8 * (offset + n)) / 6);
+                if end < start + MIN_BASE64_NEEDLE {
+                    continue;
+                }
+                for engine in [&STANDARD_NO_PAD, &URL_SAFE_NO_PAD] {
+                    let enc = engine.encode(&bytes);
+                    r.encoded.push(enc[start..end].to_string());
+                }
             }
         }
-        s
+        r.plain.sort();
+        r.plain.dedup();
+        r.encoded.sort();
+        r.encoded.dedup();
+        r
+    }
+
+    /// `text` with every echo of a secret replaced by `[redacted]`.
+    pub fn redact(&self, text: &str) -> String {
+        if self.plain.is_empty() {
+            return text.to_string();
+        }
+        let lower = text.to_ascii_lowercase();
+        let mut hits: Vec<(usize, usize)> = Vec::new();
+        for needle in &self.plain {
+            hits.extend(lower.match_indices(needle.as_str()).map(|(i, m)| (i, i + m.len())));
+        }
+        for needle in &self.encoded {
+            hits.extend(text.match_indices(needle.as_str()).map(|(i, m)| (i, i + m.len())));
+        }
+        if hits.is_empty() {
+            return text.to_string();
+        }
+        hits.sort_unstable();
+        let mut out = String::with_capacity(text.len());
+        let mut pos = 0;
+        for (start, end) in hits {
+            if end <= pos {
+                continue; // inside the previous redaction
+            }
+            if start >= pos {
+                out.push_str(&text[pos..start]);
+                out.push_str("[redacted]");
+            } // else it overlaps the previous one: extend it
+            pos = end;
+        }
+        out.push_str(&text[pos..]);
+        out
     }
 
     /// The same client (same HTTP pool, endpoint, credentials and limits) asking for `model`
@@ -267,7 +458,10 @@ impl EmbedClient {
         let mut config = (*self.config).clone();
         config.model = model.to_string();
         config.request_dimensions = request_dimensions;
-        EmbedClient { http: self.http.clone(), url: self.url.clone(), config: std::sync::Arc::new(config) }
+        // Same secrets, so the redactor stays valid; the HTTP pool is shared.
+        let mut client = self.clone();
+        client.config = std::sync::Arc::new(config);
+        client
     }
 }
 
@@ -285,9 +479,20 @@ pub fn sanitize_excerpt(s: &str) -> String {
     out.trim().to_string()
 }
 
+/// Longest error type/code kept from a body; longer or odd ones are dropped.
+const MAX_ERROR_TYPE: usize = 64;
+
+/// An `error.type`/`error.code` value, kept only when it looks like an identifier: it is
+/// shown in messages and matched by the classifier, so it must be short and plain.
 fn value_str(v: Option<serde_json::Value>) -> Option<String> {
     match v? {
-        serde_json::Value::String(s) if !s.is_empty() => Some(s),
+        serde_json::Value::String(s)
+            if !s.is_empty()
+                && s.len() <= MAX_ERROR_TYPE
+                && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.:".contains(&b)) =>
+        {
+            Some(s)
+        }
         serde_json::Value::Number(n) => Some(n.to_string()),
         _ => None,
     }
@@ -317,22 +522,63 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
 }
 
 /// Reads `retry-after-ms` (milliseconds, as sent by OpenAI and Azure) or `Retry-After`
-/// (delta-seconds or an HTTP date). `now` is injected so the date form is testable.
+/// (delta-seconds or an HTTP date), clamped to [`MAX_SERVER_WAIT`]; negative or unreadable
+/// values count as absent. `now` is injected so the date form is testable.
 pub fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
     if let Some(ms) = headers
         .get("retry-after-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+        .and_then(|ms| server_wait(ms / 1000.0))
     {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
+        return Some(ms);
     }
     let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = v.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return server_wait(secs);
     }
     let when = httpdate::parse_http_date(v).ok()?;
-    Some(when.duration_since(now).unwrap_or(Duration::ZERO))
+    Some(when.duration_since(now).unwrap_or(Duration::ZERO).min(MAX_SERVER_WAIT))
+}
+
+/// A server-given number of seconds as a wait: `None` if negative or NaN, at most
+/// [`MAX_SERVER_WAIT`] (clamped *before* conversion: `1e30` would overflow a `Duration`).
+fn server_wait(secs: f64) -> Option<Duration> {
+    if secs.is_nan() || secs < 0.0 {
+        return None;
+    }
+    Some(Duration::from_secs_f64(secs.min(MAX_SERVER_WAIT.as_secs_f64())))
+}
+
+/// Rewrites the bare `NaN`, `Infinity`, `-Infinity` and `+Infinity` tokens that Python
+/// servers emit (outside strings) as `null`; `None` when there is none.
+fn lenient_non_finite(body: &[u8]) -> Option<Vec<u8>> {
+    const TOKENS: [&[u8]; 4] = [b"NaN", b"Infinity", b"-Infinity", b"+Infinity"];
+    let mut out = Vec::with_capacity(body.len() + 64);
+    let (mut in_string, mut escaped, mut changed) = (false, false, false);
+    let mut i = 0;
+    while i < body.len() {
+        let b = body[i];
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else if b == b'"' {
+            in_string = true;
+        } else if let Some(t) = TOKENS.iter().find(|t| body[i..].starts_with(t)) {
+            out.extend_from_slice(b"null");
+            i += t.len();
+            changed = true;
+            continue;
+        }
+        out.push(b);
+        i += 1;
+    }
+    changed.then_some(out)
 }
 
 fn validate(wire: WireResponse, expected: usize, dimensions: usize) -> Result<EmbedResponse, EmbedError> {
@@ -495,6 +741,67 @@ mod tests {
             validate(wire(vec![(Some(0), b64(&[1.0])), (Some(5), b64(&[1.0]))]), 2, 1),
             Err(EmbedError::Mismatch(_))
         ));
+    }
+
+    #[test]
+    fn server_waits_are_clamped_not_panicking() {
+        let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        for (h, v) in [
+            ("retry-after", "1e30"),
+            ("retry-after", "99999999"),
+            ("retry-after", "inf"),
+            ("retry-after-ms", "1e30"),
+            ("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
+        ] {
+            assert_eq!(parse_retry_after(&hm(&[(h, v)]), now), Some(MAX_SERVER_WAIT), "{h}: {v}");
+        }
+        assert_eq!(parse_retry_after(&hm(&[("retry-after", "NaN")]), now), None);
+        assert_eq!(parse_retry_after(&hm(&[("retry-after-ms", "-1")]), now), None);
+    }
+
+    #[test]
+    fn response_cap_follows_the_batch_within_bounds() {
+        assert_eq!(response_cap(1, 768), MIN_RESPONSE_CAP);
+        assert_eq!(response_cap(512, 768), 512 * (768 * 48 + 1024));
+        assert_eq!(response_cap(usize::MAX, usize::MAX), MAX_RESPONSE_CAP);
+    }
+
+    #[test]
+    fn redaction_catches_case_and_base64_echoes_and_comes_before_the_cut() {
+        use base64::engine::general_purpose::{STANDARD, URL_SAFE};
+        let key = "sk-AbCdEfGh0123456789";
+        let r = Redactor::new(&[key, "tenant-7", "ab"]);
+        for echo in [
+            key.to_string(),
+            key.to_lowercase(),
+            key.to_uppercase(),
+            STANDARD.encode(format!("Bearer {key}")),
+            STANDARD.encode(format!("user:{key}")),
+            URL_SAFE.encode(format!("xy{key}?")),
+        ] {
+            let text = format!("before {echo} after");
+            let out = r.redact(&text);
+            assert!(
+                out.contains("[redacted]") && out.starts_with("before ") && out.ends_with(" after"),
+                "{out}"
+            );
+            assert!(!out.to_lowercase().contains(&key[3..11].to_lowercase()), "{out}");
+        }
+        assert_eq!(r.redact("tenant-7 and TENANT-7"), "[redacted] and [redacted]");
+        assert_eq!(r.redact("ab is too short to be a secret"), "ab is too short to be a secret");
+        // A key straddling the cut leaves nothing behind.
+        let text = format!("{}{key}{}", "e".repeat(MAX_ERROR_EXCERPT - 5), "z".repeat(100));
+        let out = sanitize_excerpt(&r.redact(&text));
+        assert!(!out.contains("sk-Ab"), "{out}");
+    }
+
+    #[test]
+    fn bare_non_finite_tokens_become_null_outside_strings_only() {
+        let body =
+            br#"{"data":[{"embedding":[NaN,1.0,-Infinity,+Infinity,Infinity]}],"model":"NaN \"Infinity\""}"#;
+        let fixed = String::from_utf8(lenient_non_finite(body).unwrap()).unwrap();
+        assert_eq!(fixed, r#"{"data":[{"embedding":[null,1.0,null,null,null]}],"model":"NaN \"Infinity\""}"#);
+        assert!(lenient_non_finite(br#"{"a":"NaN"}"#).is_none());
     }
 
     #[test]

@@ -5,13 +5,21 @@
 //! (an outage) opens the breaker: no new request starts until the cooldown ends, then one
 //! probe goes out; its success closes the breaker, its failure reopens it with a longer
 //! cooldown. An outage longer than `max_outage` ends the run with a clear error instead of
-//! parking the whole corpus.
+//! parking the whole corpus; so does a provider that answers nothing but 429 for that long.
+//!
+//! The [`crate::embed::Embedder`] probes with a canary input, never with the batch that was
+//! failing (that batch may hold an input the server always fails on), and reports the
+//! failures met while isolating one input as [`Health::InputSuspect`]: they say nothing about
+//! the provider, so they neither open nor close the breaker. The gate also keeps the run's
+//! [`CanaryBook`], shared by every worker like the breaker.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use super::canary::CanaryBook;
 
 /// Breaker tuning; defaults suit a remote API.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,7 +65,15 @@ struct State {
     consecutive_failures: u32,
     breaker: Breaker,
     opened_count: u64,
+    /// First and latest 429 of the current run of rate limits (no answer in between).
+    rate_limited: Option<(Instant, Instant)>,
+    /// Longest shared pause ever set, for tests and the run summary.
+    longest_pause: Duration,
 }
+
+/// Two 429s further apart than this (with nothing in between) are two episodes, not one:
+/// idle time between them is not "being rate-limited".
+const RATE_LIMIT_EPISODE_GAP: Duration = Duration::from_secs(120);
 
 /// Why admission was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -66,6 +82,8 @@ pub enum GateError {
     Cancelled,
     #[error("provider unavailable for longer than {0:?} (circuit breaker open)")]
     Outage(Duration),
+    #[error("provider rate-limited every request for longer than {0:?}")]
+    RateLimited(Duration),
 }
 
 /// A granted request slot; report its outcome with [`ProviderGate::record`].
@@ -73,6 +91,14 @@ pub enum GateError {
 #[must_use]
 pub struct Permit {
     probe: bool,
+}
+
+impl Permit {
+    /// Whether this request is the breaker's probe: send something known to be good (a
+    /// canary), not work that may fail for reasons of its own.
+    pub fn is_probe(&self) -> bool {
+        self.probe
+    }
 }
 
 /// What a request's outcome says about the provider's health.
@@ -84,6 +110,10 @@ pub enum Health {
     RateLimited(Option<Duration>),
     /// Timeout, connection error or 5xx.
     Failing,
+    /// A failure while isolating one input that the provider fails on while its neighbours
+    /// succeed: evidence against the input, not the provider. Neither counts towards the
+    /// breaker nor resets it.
+    InputSuspect,
 }
 
 /// Shared by all workers of a run.
@@ -91,6 +121,7 @@ pub enum Health {
 pub struct ProviderGate {
     config: BreakerConfig,
     state: Mutex<State>,
+    canary: CanaryBook,
 }
 
 impl ProviderGate {
@@ -102,8 +133,22 @@ impl ProviderGate {
                 consecutive_failures: 0,
                 breaker: Breaker::Closed,
                 opened_count: 0,
+                rate_limited: None,
+                longest_pause: Duration::ZERO,
             }),
+            canary: CanaryBook::default(),
         }
+    }
+
+    /// What the run has learnt about the provider as a whole (successes, canary verdicts).
+    pub fn canary(&self) -> &CanaryBook {
+        &self.canary
+    }
+
+    /// The longest shared rate-limit pause set in this run (bounded by the retry cap the
+    /// embedder applies and by `max_cooldown`).
+    pub fn longest_pause(&self) -> Duration {
+        self.state.lock().unwrap().longest_pause
     }
 
     /// Current breaker state.
@@ -134,6 +179,12 @@ impl ProviderGate {
                         return Err(GateError::Outage(self.config.max_outage));
                     }
                     _ => {}
+                }
+                if let Some((first, last)) = st.rate_limited
+                    && last.duration_since(first) > self.config.max_outage
+                    && now.duration_since(last) < RATE_LIMIT_EPISODE_GAP
+                {
+                    return Err(GateError::RateLimited(self.config.max_outage));
                 }
                 match st.paused_until {
                     Some(t) if t > now => t,
@@ -182,10 +233,27 @@ impl ProviderGate {
             Health::Responsive => {
                 st.consecutive_failures = 0;
                 st.breaker = Breaker::Closed;
+                st.rate_limited = None;
+            }
+            Health::InputSuspect => {
+                if permit.probe
+                    && let Breaker::HalfOpen { since, cooldown, .. } = st.breaker
+                {
+                    // Not evidence either way: let another probe go.
+                    st.breaker = Breaker::HalfOpen { since, cooldown, probe_out: false };
+                }
             }
             Health::RateLimited(wait) => {
+                st.rate_limited = match st.rate_limited {
+                    Some((first, last)) if now.duration_since(last) < RATE_LIMIT_EPISODE_GAP => {
+                        Some((first, now))
+                    }
+                    _ => Some((now, now)),
+                };
                 if let Some(wait) = wait {
-                    let until = now + wait.min(self.config.max_cooldown);
+                    let wait = wait.min(self.config.max_cooldown);
+                    st.longest_pause = st.longest_pause.max(wait);
+                    let until = now + wait;
                     st.paused_until = Some(st.paused_until.map_or(until, |p| p.max(until)));
                 }
                 if permit.probe {
@@ -289,6 +357,64 @@ mod tests {
         assert!(Instant::now() - start >= Duration::from_secs(3));
         gate.record(p, Health::Responsive);
         assert_eq!(gate.breaker_state(), BreakerState::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rate_limited_longer_than_max_outage_stops_like_an_outage() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        let mut result = Ok(());
+        for _ in 0..1_000 {
+            match gate.admit(&cancel).await {
+                Ok(p) => gate.record(p, Health::RateLimited(Some(Duration::from_secs(1)))),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        assert_eq!(result, Err(GateError::RateLimited(Duration::from_secs(30))));
+        assert_eq!(gate.breaker_state(), BreakerState::Closed, "429s are not failures");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_ends_a_rate_limit_episode_and_idle_time_does_not_count() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        for _ in 0..20 {
+            let p = gate.admit(&cancel).await.unwrap();
+            gate.record(p, Health::RateLimited(Some(Duration::from_secs(1))));
+        }
+        let p = gate.admit(&cancel).await.unwrap();
+        gate.record(p, Health::Responsive);
+        for _ in 0..20 {
+            let p = gate.admit(&cancel).await.unwrap();
+            gate.record(p, Health::RateLimited(Some(Duration::from_secs(1))));
+        }
+        // Idle for an hour, then one more 429: a new episode.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        let p = gate.admit(&cancel).await.unwrap();
+        gate.record(p, Health::RateLimited(Some(Duration::from_secs(1))));
+        assert!(gate.admit(&cancel).await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn input_suspects_neither_open_nor_reset_the_breaker() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        let p = gate.admit(&cancel).await.unwrap();
+        gate.record(p, Health::Failing);
+        for _ in 0..50 {
+            let p = gate.admit(&cancel).await.unwrap();
+            gate.record(p, Health::InputSuspect);
+        }
+        assert_eq!(gate.breaker_state(), BreakerState::Closed);
+        assert_eq!(gate.times_opened(), 0);
+        for _ in 0..2 {
+            let p = gate.admit(&cancel).await.unwrap();
+            gate.record(p, Health::Failing);
+        }
+        assert_eq!(gate.breaker_state(), BreakerState::Open, "the earlier failure still counted");
     }
 
     #[tokio::test(start_paused = true)]

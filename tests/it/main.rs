@@ -5,6 +5,7 @@
 mod identity;
 mod ingest;
 mod process;
+mod provider;
 mod reconcile;
 mod restart;
 mod streams;
