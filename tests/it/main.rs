@@ -5,6 +5,7 @@
 mod ingest;
 mod process;
 mod reconcile;
+mod relay;
 mod restart;
 mod streams;
 mod support;
