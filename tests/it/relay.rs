@@ -83,3 +83,94 @@ async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
     assert_eq!(next.payload(), "", "a park wakes the relay");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_outbox_table_is_gone_stops_with_an_error() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    sqlx::query("ALTER TABLE dlq_outbox RENAME TO dlq_outbox_renamed").execute(&db.pool).await.unwrap();
+    let relay = Relay::new(db.pool.clone(), redis().await, keys, RelayConfig::default());
+    // A hang guard, not a timing assertion: a relay that retries a permanent error forever
+    // never returns.
+    let ended = tokio::time::timeout(Duration::from_secs(60), relay.run(CancellationToken::new())).await;
+    let result = ended.expect("the relay gave up instead of retrying forever");
+    let err = result.expect_err("a permanent error ends the relay with Err");
+    assert!(!err.is_transient());
+    assert!(err.to_string().contains("dlq_outbox"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_loops_stop_on_permanent_errors() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let r = reconciler(&db, &keys, immediate()).await;
+    sqlx::query("ALTER TABLE embedding_dlq RENAME COLUMN enqueued_at TO enqueued_at_gone")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let scheduler = Scheduler { store: r.store.clone(), config: ReplayConfig::default() };
+    let ended = tokio::time::timeout(Duration::from_secs(60), scheduler.run(CancellationToken::new())).await;
+    let err = ended.expect("the scheduler gave up").expect_err("permanent error");
+    assert!(!err.is_transient(), "{err}");
+
+    // The replay stream's key holds a string: WRONGTYPE on every read is not transient.
+    let mut redis = redis().await;
+    let _: () = redis.set(keys.replay(), "not a stream").await.unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &mock)).await;
+    let rep = Replayer {
+        name: "wrongtype".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+        paused_until: None,
+    };
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        rep.run(CancellationToken::new(), CancellationToken::new()),
+    )
+    .await;
+    let err = ended.expect("the replayer gave up").expect_err("permanent error");
+    assert!(!err.is_transient(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_classified_by_kind_and_code_not_text() {
+    use embed_dlq::relay::RelayError;
+    let db = TestDb::new().await;
+    let missing = sqlx::query("SELECT * FROM no_such_table").execute(&db.pool).await.unwrap_err();
+    assert!(!RelayError::from(missing).is_transient(), "undefined table");
+    let column = sqlx::query("SELECT no_such_column FROM dlq_outbox").execute(&db.pool).await.unwrap_err();
+    assert!(!RelayError::from(column).is_transient(), "undefined column");
+    let mut own = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    let cancelled = sqlx::raw_sql("SET statement_timeout = 1; SELECT pg_sleep(1)")
+        .execute(&mut own)
+        .await
+        .expect_err("statement timeout");
+    assert!(RelayError::from(cancelled).is_transient(), "a cancelled statement may succeed next time");
+
+    let mut redis = redis().await;
+    let key = format!("{}:wrongtype", fresh_keys().events());
+    let _: () = redis.set(&key, "x").await.unwrap();
+    let wrongtype: redis::RedisError = redis::cmd("XADD")
+        .arg(&key)
+        .arg("*")
+        .arg("a")
+        .arg("b")
+        .query_async::<String>(&mut redis)
+        .await
+        .unwrap_err();
+    assert!(!RelayError::from(wrongtype).is_transient(), "WRONGTYPE");
+    let script_error: redis::RedisError = redis::Script::new("return redis.call('NOSUCHCOMMAND')")
+        .invoke_async::<_, redis::Value>(&mut redis)
+        .await
+        .unwrap_err();
+    assert!(!RelayError::from(script_error).is_transient(), "a script error");
+    let _: () = redis.del(&key).await.unwrap();
+
+    let refused = embed_dlq::streams::client("redis://127.0.0.1:1/").unwrap();
+    let err = refused.get_multiplexed_async_connection().await.unwrap_err();
+    assert!(RelayError::from(err).is_transient(), "connection refused");
+}
