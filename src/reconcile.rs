@@ -1,8 +1,8 @@
 //! The reconciler: proves that the manifest, the vector table, the DLQ, the outbox and the
 //! Redis streams agree, and repairs what can be repaired safely.
 //!
-//! Every check is one set-based SQL statement or a batched scan of a stream, so a run stays
-//! cheap at a million chunks. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
+//! Every check is one set-based SQL statement or a batched scan (of a stream, or of outbox
+//! rows against a stream), so a run stays cheap at a million chunks. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
 //! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
 //! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
 //! recently" alert, whatever process runs it).
@@ -33,6 +33,9 @@ pub enum Check {
     BadVectors,
     /// Outbox rows unpublished for longer than the threshold.
     OutboxBacklog,
+    /// Events marked published whose entry is not on the events stream, and was not trimmed
+    /// by its length cap (e.g. Redis lost its data, or entries were deleted by hand).
+    MissingEvents,
     /// DLQ rows handed out as replay work that are in neither the outbox, the replay stream
     /// nor its pending list (e.g. Redis lost its data).
     LostReplayWork,
@@ -43,13 +46,14 @@ pub enum Check {
 }
 
 impl Check {
-    pub const ALL: [Check; 9] = [
+    pub const ALL: [Check; 10] = [
         Check::Leaks,
         Check::Duplicates,
         Check::StoredDrift,
         Check::StaleDlq,
         Check::BadVectors,
         Check::OutboxBacklog,
+        Check::MissingEvents,
         Check::LostReplayWork,
         Check::OrphanStreamEntries,
         Check::ReplayStalled,
@@ -64,6 +68,7 @@ impl Check {
             Check::StaleDlq => "stale_dlq",
             Check::BadVectors => "bad_vectors",
             Check::OutboxBacklog => "outbox_backlog",
+            Check::MissingEvents => "missing_events",
             Check::LostReplayWork => "lost_replay_work",
             Check::OrphanStreamEntries => "orphan_stream_entries",
             Check::ReplayStalled => "replay_stalled",
@@ -77,6 +82,7 @@ impl Check {
             Check::Duplicates => Some("keep the newest vector row"),
             Check::StaleDlq => Some("delete the stale DLQ row, mark stored"),
             Check::BadVectors => Some("delete the vector, mark for re-ingest"),
+            Check::MissingEvents => Some("re-publish from the outbox"),
             Check::LostReplayWork => Some("re-publish through the outbox"),
             Check::OrphanStreamEntries => Some("acknowledge and delete the entries"),
             Check::OutboxBacklog | Check::ReplayStalled => None,
@@ -136,8 +142,19 @@ pub struct ReconcileConfig {
     pub replay_stall_after: Duration,
     /// Replay work younger than this is left alone (the relay may be about to publish it).
     pub lost_work_grace: Duration,
+    /// Examples per finding in the report.
     pub examples: usize,
+    /// Stream entries or outbox rows handled per page by the scanning checks: what bounds a
+    /// run's memory. Clamped to `1..=`[`MAX_PAGE`].
+    pub page: usize,
+    /// The events stream's length cap as the relay applies it (`MAXLEN ~`): entries older
+    /// than the stream's first entry count as trimmed by policy, not as missing, while the
+    /// stream holds at least this many entries. 0: no cap (nothing is ever trimmed).
+    pub events_maxlen: usize,
 }
+
+/// Largest page a scanning check uses, whatever is configured.
+pub const MAX_PAGE: usize = 10_000;
 
 impl Default for ReconcileConfig {
     fn default() -> Self {
@@ -146,7 +163,15 @@ impl Default for ReconcileConfig {
             replay_stall_after: Duration::from_secs(300),
             lost_work_grace: Duration::from_secs(30),
             examples: 5,
+            page: 1000,
+            events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
         }
+    }
+}
+
+impl ReconcileConfig {
+    fn page(&self) -> usize {
+        self.page.clamp(1, MAX_PAGE)
     }
 }
 
@@ -284,11 +309,12 @@ impl Reconciler {
         findings.push(self.outbox_check().await?);
         match self.redis.clone() {
             Some(mut redis) => {
+                findings.push(self.missing_events_check(&mut redis, repair).await?);
                 findings.push(self.lost_work_check(&mut redis, repair).await?);
                 findings.push(self.orphan_entries_check(&mut redis, repair).await?);
             }
             None => {
-                for check in [Check::LostReplayWork, Check::OrphanStreamEntries] {
+                for check in [Check::MissingEvents, Check::LostReplayWork, Check::OrphanStreamEntries] {
                     findings.push(Finding {
                         check,
                         found: 0,
@@ -372,6 +398,103 @@ impl Reconciler {
                 let hint = if stuck > 0 { " (is a relay running?)" } else { "" };
                 format!("{backlog} unpublished, oldest {oldest:.0}s old{hint}")
             }),
+        })
+    }
+
+    /// Events marked published must be on the events stream: pages through the published
+    /// `events` rows of the outbox (by id, [`ReconcileConfig::page`] at a time) and looks up
+    /// the entry id each one recorded at publish time (one pipelined `XRANGE id id` per row).
+    /// An entry older than the stream's first one, while the stream is at its length cap, was
+    /// trimmed by policy and is not a finding. Repair deletes the event's dedup marker (or
+    /// the relay would take the republish for a duplicate) and marks the row unpublished: the
+    /// relay publishes it again with the same `event_id`. Rows published before migration
+    /// 0005 have no entry id and are skipped; rows past the outbox retention are gone.
+    async fn missing_events_check(
+        &self,
+        redis: &mut ConnectionManager,
+        repair: bool,
+    ) -> Result<Finding, ReconcileError> {
+        let page = self.config.page();
+        let stream = self.keys.events();
+        let mut after = 0i64;
+        let (mut found, mut repaired, mut trimmed) = (0u64, 0u64, 0u64);
+        let mut examples = Vec::new();
+        loop {
+            let rows = sqlx::query(
+                "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key
+                   FROM dlq_outbox
+                  WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
+                  ORDER BY id LIMIT $2",
+            )
+            .bind(after)
+            .bind(page as i64)
+            .fetch_all(self.store.pool())
+            .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.try_get("id")?;
+            let mut pipe = redis::pipe();
+            for r in &rows {
+                let entry: String = r.try_get("entry_id")?;
+                pipe.cmd("XRANGE").arg(&stream).arg(&entry).arg(&entry).arg("COUNT").arg(1);
+            }
+            let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
+            // The stream's head after the lookups: trimming only moves it forward, so an entry
+            // missing above is either below this head (trimmed) or deleted.
+            let (len, head): (usize, redis::streams::StreamRangeReply) = redis::pipe()
+                .cmd("XLEN")
+                .arg(&stream)
+                .cmd("XRANGE")
+                .arg(&stream)
+                .arg("-")
+                .arg("+")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(redis)
+                .await?;
+            let capped = self.config.events_maxlen > 0 && len >= self.config.events_maxlen;
+            let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
+            let mut missing: Vec<(i64, String)> = Vec::new();
+            for (r, hit) in rows.iter().zip(&present) {
+                if !hit.is_empty() {
+                    continue;
+                }
+                let entry = crate::streams::parse_entry_id(&r.try_get::<String, _>("entry_id")?);
+                if capped && head.is_some_and(|h| entry < h) {
+                    trimmed += 1;
+                    continue;
+                }
+                if examples.len() < self.config.examples {
+                    examples.push(r.try_get::<String, _>("key")?);
+                }
+                missing.push((r.try_get("id")?, r.try_get("event_id")?));
+            }
+            found += missing.len() as u64;
+            if repair && !missing.is_empty() {
+                let mut del = redis::cmd("DEL");
+                for (_, event_id) in &missing {
+                    del.arg(self.keys.outbox_marker(event_id));
+                }
+                let _: i64 = del.query_async(redis).await?;
+                let ids: Vec<i64> = missing.iter().map(|(id, _)| *id).collect();
+                repaired += sqlx::query(
+                    "UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL
+                      WHERE id = ANY($1) AND published_at IS NOT NULL",
+                )
+                .bind(&ids)
+                .execute(self.store.pool())
+                .await?
+                .rows_affected();
+            }
+            if rows.len() < page {
+                break;
+            }
+        }
+        Ok(Finding {
+            check: Check::MissingEvents,
+            found,
+            examples,
+            repaired,
+            note: (trimmed > 0).then(|| format!("{trimmed} trimmed by the stream's length cap")),
         })
     }
 

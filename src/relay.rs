@@ -4,11 +4,16 @@
 //! One pass ([`Relay::run_once`]): in a transaction, claim the oldest unpublished rows with
 //! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), run
 //! `redis/publish.lua` for each in one pipeline (the script appends to the stream only if the
-//! row's dedup marker is absent), then mark the rows published and commit. A crash after the
-//! XADDs and before the commit leaves the rows unpublished; the next pass re-runs the script,
-//! which finds the markers and adds nothing.
+//! row's dedup marker is absent), then mark the rows published, record the entry id each one
+//! became, and commit. A crash after the XADDs and before the commit leaves the rows
+//! unpublished; the next pass re-runs the script, which finds the markers and adds nothing.
 //! The loop wakes on `LISTEN embed_dlq_outbox` (sent at commit by a trigger, only by
 //! statements that inserted outbox rows) and polls as a fallback.
+//!
+//! Dedup identity: the marker is keyed by the row's `event_id`, a random uuid written with the
+//! row (migration 0005), never by the outbox id: outbox ids repeat after a database restore, in
+//! a re-created database and across deployments sharing a prefix, and a repeated id would
+//! make a new event look like a duplicate of an old one and drop it.
 //!
 //! Maintenance on the same loop: published rows older than the retention are deleted, and the
 //! replay stream is trimmed below the oldest entry still pending or undelivered in any group.
@@ -50,7 +55,7 @@ impl Default for RelayConfig {
             batch: 500,
             poll: Duration::from_millis(1000),
             marker_ttl: Duration::from_secs(7 * 24 * 3600),
-            events_maxlen: 1_000_000,
+            events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
             retention: Duration::from_secs(24 * 3600),
         }
     }
@@ -167,7 +172,7 @@ impl Relay {
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
         let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(
-            "SELECT id, event, stream, body::text AS body FROM dlq_outbox
+            "SELECT id, event_id::text AS event_id, event, stream, body::text AS body FROM dlq_outbox
               WHERE published_at IS NULL
               ORDER BY id
               LIMIT $1
@@ -188,13 +193,16 @@ impl Relay {
             let id: i64 = r.try_get("id")?;
             let stream: String = r.try_get("stream")?;
             let maxlen = if stream == "events" { self.config.events_maxlen } else { 0 };
-            let mut invocation = self.script.key(self.keys.outbox_marker(id));
+            let event_id: String = r.try_get("event_id")?;
+            let mut invocation = self.script.key(self.keys.outbox_marker(&event_id));
             invocation
                 .key(self.keys.for_outbox_stream(&stream))
                 .arg(ttl)
                 .arg(maxlen)
                 .arg("outbox_id")
                 .arg(id)
+                .arg("event_id")
+                .arg(&event_id)
                 .arg("event")
                 .arg(r.try_get::<String, _>("event")?)
                 .arg("body")
@@ -204,10 +212,16 @@ impl Relay {
         }
         let replies: Vec<(String, i64)> = pipe.query_async(&mut self.redis).await?;
         failpoint::hit("relay_after_publish");
-        sqlx::query("UPDATE dlq_outbox SET published_at = now() WHERE id = ANY($1)")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
+        let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
+        sqlx::query(
+            "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
+               FROM UNNEST($1::bigint[], $2::text[]) AS p(id, entry_id)
+              WHERE o.id = p.id",
+        )
+        .bind(&ids)
+        .bind(&entry_ids)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
         metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);

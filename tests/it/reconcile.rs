@@ -23,7 +23,7 @@ fn immediate() -> ReconcileConfig {
         outbox_stuck_after: Duration::from_secs(3600),
         replay_stall_after: Duration::from_secs(3600),
         lost_work_grace: Duration::ZERO,
-        examples: 5,
+        ..Default::default()
     }
 }
 

@@ -63,6 +63,45 @@ async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_installation_on_the_same_prefix_publishes_all_its_events() {
+    let keys = fresh_keys();
+    // Two databases whose outbox ids are the same (1..=5): a re-created database, a restore,
+    // or a second deployment sharing the prefix.
+    let first = TestDb::new().await;
+    park(&first, "first", 5).await;
+    assert_eq!(relay_all(&first, &keys).await, 5);
+    let second = TestDb::new().await;
+    park(&second, "second", 5).await;
+    assert_eq!(relay_all(&second, &keys).await, 5, "no new event is taken for a duplicate of an old one");
+    let entries = events_on_stream(&keys).await;
+    assert_eq!(entries.len(), 10);
+    let docs: HashSet<String> = entries
+        .iter()
+        .map(|e| {
+            let body: serde_json::Value =
+                serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap();
+            format!("{}#{}", body["doc_id"].as_str().unwrap(), body["chunk_index"])
+        })
+        .collect();
+    assert_eq!(docs.len(), 10, "every park of both installations is on the stream once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "again", 6).await;
+    assert_eq!(relay_all(&db, &keys).await, 6);
+    // The relay crashed after XADD and before its commit (or the database was restored to
+    // before the commit): the same rows are unpublished again.
+    sqlx::query("UPDATE dlq_outbox SET published_at = NULL").execute(&db.pool).await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let c = relay.run_once().await.unwrap();
+    assert_eq!((c.claimed, c.published, c.duplicates), (6, 0, 6), "{c:?}");
+    assert_eq!(events_on_stream(&keys).await.len(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
     let db = TestDb::new().await;
     let mut listener = PgListener::connect(&db.url).await.unwrap();
@@ -173,4 +212,54 @@ async fn errors_are_classified_by_kind_and_code_not_text() {
     let refused = embed_dlq::streams::client("redis://127.0.0.1:1/").unwrap();
     let err = refused.get_multiplexed_async_connection().await.unwrap_err();
     assert!(RelayError::from(err).is_transient(), "connection refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_events_missing_from_the_stream_are_found_and_republished() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "gone", 30).await;
+    assert_eq!(relay_all(&db, &keys).await, 30);
+    let mut redis = redis().await;
+    let entries = events_on_stream(&keys).await;
+    let key_of = |e: &redis::streams::StreamId| {
+        let body: serde_json::Value =
+            serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap();
+        format!("{}#{}", body["doc_id"].as_str().unwrap(), body["chunk_index"])
+    };
+    // An operator deletes two entries in the middle (a finding); then the length cap trims
+    // the oldest 8 (policy, not a finding).
+    let _: i64 = redis.xdel(keys.events(), &[&entries[15].id, &entries[22].id]).await.unwrap();
+    let _: i64 =
+        redis::cmd("XTRIM").arg(keys.events()).arg("MAXLEN").arg(20).query_async(&mut redis).await.unwrap();
+    let config = ReconcileConfig { events_maxlen: 20, page: 7, ..immediate() };
+    let mut r = reconciler(&db, &keys, config).await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::MissingEvents).found, 2, "{report:#?}");
+    assert_eq!(report.get(Check::MissingEvents).examples, vec![key_of(&entries[15]), key_of(&entries[22])]);
+    assert_eq!(
+        report.get(Check::MissingEvents).note.as_deref(),
+        Some("8 trimmed by the stream's length cap")
+    );
+    let dry = r.run_once(Mode::DryRun).await.unwrap();
+    assert_eq!((dry.get(Check::MissingEvents).found, dry.get(Check::MissingEvents).repaired), (2, 0));
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(repaired.get(Check::MissingEvents).repaired, 2);
+    assert_eq!(relay_all(&db, &keys).await, 2, "the markers did not swallow the republish");
+    let clean = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(clean.total_found(), 0, "{clean:#?}");
+    let on_stream: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect();
+    assert_eq!(on_stream.len(), 22);
+    assert_eq!(on_stream.iter().collect::<HashSet<_>>().len(), 22, "each event once");
+
+    // Redis loses everything: every event still in the outbox is found and republished.
+    let _: i64 = redis.del(keys.events()).await.unwrap();
+    let report = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(report.get(Check::MissingEvents).found, 30, "{report:#?}");
+    assert_eq!(relay_all(&db, &keys).await, 30);
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
 }
