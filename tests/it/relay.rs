@@ -123,6 +123,60 @@ async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postponed_rows_are_not_lost_replay_work_and_repair_leaves_them_alone() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "paused", 6).await;
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let r = reconciler(&db, &keys, immediate()).await;
+    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    relay_all(&db, &keys).await;
+    // The provider refuses the run (wrong key): the replayer postpones the rows uncharged.
+    let locked =
+        start_mock(MockConfig { api_key: Some("the-right-key".into()), ..MockConfig::default() }).await;
+    let p = pipeline(&settings(&db, &locked)).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut rep = Replayer {
+        name: "paused".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: client.clone(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig {
+            block: Duration::from_millis(200),
+            systemic_pause: Duration::from_secs(600),
+            ..Default::default()
+        },
+        paused_until: None,
+    };
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!(c.postponed, 6, "{c:?}");
+    // The relay's maintenance trims the acknowledged entries away.
+    embed_dlq::relay::trim_below_group_needs(&mut redis, &keys.replay()).await.unwrap();
+    let state = || async {
+        sqlx::query_as::<_, (i64, i32, chrono::DateTime<chrono::Utc>)>(
+            "SELECT id, replays, next_retry_at FROM embedding_dlq ORDER BY id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = state().await;
+    let outbox_before = db.count("SELECT count(*) FROM dlq_outbox").await;
+    let mut r = r;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::LostReplayWork).found, 0, "{report:#?}");
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(repaired.total_found(), 0, "{repaired:#?}");
+    assert_eq!(state().await, before, "repair did not cancel the pause");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox").await, outbox_before, "no new work item");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_outbox_table_is_gone_stops_with_an_error() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
