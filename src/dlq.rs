@@ -272,35 +272,72 @@ pub async fn requeue(
     Ok(done)
 }
 
+/// Rows per `purge` transaction: bounds its locks, its WAL burst and its event batch.
+pub const PURGE_BATCH: usize = 1000;
+
+/// Largest batch `purge_in_batches` accepts; larger values are clamped.
+pub const MAX_PURGE_BATCH: usize = 10_000;
+
 /// Deletes matching rows for good (and their manifest rows, so a later ingest of the same
-/// chunk starts fresh), announcing each as `purged`. Returns the rows purged (or that would
-/// be, with `dry_run`).
+/// chunk starts fresh), announcing each as `purged`, in transactions of [`PURGE_BATCH`] rows.
+/// Returns the rows purged (or that would be, with `dry_run`).
 pub async fn purge(store: &Store, filter: &Filter, dry_run: bool) -> Result<u64, StoreError> {
-    let ids = matching_ids(store, filter).await?;
-    if dry_run || ids.is_empty() {
-        return Ok(ids.len() as u64);
+    purge_in_batches(store, filter, dry_run, PURGE_BATCH).await
+}
+
+/// [`purge`] with a given batch size (clamped to `1..=`[`MAX_PURGE_BATCH`]): each batch is one
+/// statement, so one transaction with its own `purged` events, and a large purge never holds
+/// locks on the whole DLQ nor builds one huge transaction. Batches walk the ids upwards, so a
+/// purge ends even while new rows keep matching.
+pub async fn purge_in_batches(
+    store: &Store,
+    filter: &Filter,
+    dry_run: bool,
+    batch: usize,
+) -> Result<u64, StoreError> {
+    if dry_run {
+        let mut q = QueryBuilder::new("SELECT count(*) FROM embedding_dlq");
+        filter.push_where(&mut q);
+        let n: i64 = q.build_query_scalar().fetch_one(store.pool()).await?;
+        return Ok(n as u64);
     }
-    let n: i64 = sqlx::query_scalar(
-        "WITH gone AS (
-             DELETE FROM embedding_dlq WHERE id = ANY($1)
-             RETURNING id, doc_id, chunk_index, content_hash, error_class, error_reason, attempts
-         ), manifest AS (
-             DELETE FROM ingest_manifest m USING gone g
-              WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
-             RETURNING 1
-         ), events AS (
-             INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
-             SELECT 'purged', id, doc_id, chunk_index,
-                    jsonb_build_object('event', 'purged', 'dlq_id', id, 'doc_id', doc_id,
-                                       'chunk_index', chunk_index, 'error_class', error_class,
-                                       'error_reason', error_reason, 'attempts', attempts, 'at', now())
-               FROM gone
-             RETURNING 1
-         )
-         SELECT count(*) FROM gone",
-    )
-    .bind(&ids)
-    .fetch_one(store.pool())
-    .await?;
-    Ok(n as u64)
+    let batch = batch.clamp(1, MAX_PURGE_BATCH);
+    let mut total = 0u64;
+    let mut after = 0i64;
+    loop {
+        let mut q = QueryBuilder::new(
+            "WITH batch AS (
+                 SELECT id FROM embedding_dlq",
+        );
+        filter.push_where(&mut q);
+        q.push(" AND id > ").push_bind(after).push(" ORDER BY id LIMIT ").push_bind(batch as i64);
+        q.push(
+            " FOR UPDATE
+             ), gone AS (
+                 DELETE FROM embedding_dlq d USING batch b WHERE d.id = b.id
+                 RETURNING d.id, d.doc_id, d.chunk_index, d.content_hash, d.error_class, d.error_reason, d.attempts
+             ), manifest AS (
+                 DELETE FROM ingest_manifest m USING gone g
+                  WHERE m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
+                 RETURNING 1
+             ), events AS (
+                 INSERT INTO dlq_outbox (event, dlq_id, doc_id, chunk_index, body)
+                 SELECT 'purged', id, doc_id, chunk_index,
+                        jsonb_build_object('event', 'purged', 'dlq_id', id, 'doc_id', doc_id,
+                                           'chunk_index', chunk_index, 'error_class', error_class,
+                                           'error_reason', error_reason, 'attempts', attempts, 'at', now())
+                   FROM gone
+                 RETURNING 1
+             )
+             SELECT (SELECT count(*) FROM batch) AS selected, (SELECT count(*) FROM gone) AS purged,
+                    (SELECT max(id) FROM batch) AS last_id",
+        );
+        let r = q.build().fetch_one(store.pool()).await?;
+        let selected: i64 = r.try_get("selected")?;
+        total += r.try_get::<i64, _>("purged")? as u64;
+        match r.try_get::<Option<i64>, _>("last_id")? {
+            Some(last) if selected as usize >= batch => after = last,
+            _ => return Ok(total),
+        }
+    }
 }

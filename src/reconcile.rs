@@ -1,8 +1,9 @@
 //! The reconciler: proves that the manifest, the vector table, the DLQ, the outbox and the
 //! Redis streams agree, and repairs what can be repaired safely.
 //!
-//! Every check is one set-based SQL statement or a batched scan (of a stream, or of outbox
-//! rows against a stream), so a run stays cheap at a million chunks. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
+//! Every check is one set-based SQL statement or a paged scan (of a stream, or of outbox rows
+//! against a stream), so a run stays cheap at a million chunks and its memory is bounded by
+//! the page size ([`ReconcileConfig::page`]), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
 //! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
 //! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
 //! recently" alert, whatever process runs it).
@@ -310,8 +311,9 @@ impl Reconciler {
         match self.redis.clone() {
             Some(mut redis) => {
                 findings.push(self.missing_events_check(&mut redis, repair).await?);
-                findings.push(self.lost_work_check(&mut redis, repair).await?);
-                findings.push(self.orphan_entries_check(&mut redis, repair).await?);
+                let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
+                findings.push(lost);
+                findings.push(orphans);
             }
             None => {
                 for check in [Check::MissingEvents, Check::LostReplayWork, Check::OrphanStreamEntries] {
@@ -498,154 +500,202 @@ impl Reconciler {
         })
     }
 
-    /// Scans the replay stream: entry id → (dlq_id, generation).
-    async fn replay_entries(
+    /// The replay stream against the DLQ, in one paged scan, for two checks:
+    ///
+    /// - lost replay work: rows handed out as work (leased) with no outstanding work item —
+    ///   neither an unpublished outbox row nor a stream entry still to be processed (pending
+    ///   in the group, or not yet delivered). Repair publishes them again.
+    /// - orphan entries: entries still to be processed whose row is gone or has moved on to
+    ///   another generation. Repair acknowledges and deletes them, page by page.
+    ///
+    /// Memory is bounded by the page: outstanding work items go into a temporary table and
+    /// the lost rows are found set-based in Postgres. Order matters: the outbox snapshot is
+    /// taken first (a row the relay publishes meanwhile is seen there, or on the stream), the
+    /// stream is scanned next, and the DLQ rows are read last (a work item consumed meanwhile
+    /// has already moved its row on). Candidates were enqueued before the transaction began
+    /// (`now()` is its start), minus the grace period.
+    async fn replay_stream_checks(
         &self,
         redis: &mut ConnectionManager,
-    ) -> Result<Vec<(String, Option<(i64, i32)>)>, ReconcileError> {
-        let mut out = Vec::new();
+        repair: bool,
+    ) -> Result<[Finding; 2], ReconcileError> {
+        let page = self.config.page();
+        let stream = self.keys.replay();
+        let mut tx = self.store.pool().begin().await?;
+        sqlx::query(
+            "CREATE TEMP TABLE reconcile_unpublished_work ON COMMIT DROP AS
+             SELECT DISTINCT dlq_id FROM dlq_outbox
+              WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "CREATE TEMP TABLE reconcile_outstanding_work (dlq_id bigint, replays int) ON COMMIT DROP",
+        )
+        .execute(&mut *tx)
+        .await?;
+
+        let exists: bool = redis::cmd("EXISTS").arg(&stream).query_async(redis).await?;
+        // Where the group stands: entries after its last delivered id are still to be read.
+        let group = if exists {
+            let groups: redis::streams::StreamInfoGroupsReply =
+                redis::cmd("XINFO").arg("GROUPS").arg(&stream).query_async(redis).await?;
+            groups.groups.into_iter().find(|g| g.name == REPLAY_GROUP)
+        } else {
+            None
+        };
+        let last_delivered =
+            group.as_ref().map(|g| crate::streams::parse_entry_id(&g.last_delivered_id)).unwrap_or((0, 0));
+        let mut orphans = Finding {
+            check: Check::OrphanStreamEntries,
+            found: 0,
+            examples: vec![],
+            repaired: 0,
+            note: None,
+        };
         let mut start = "-".to_string();
-        loop {
-            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-                .arg(self.keys.replay())
+        let mut more = exists;
+        while more {
+            let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(&stream)
                 .arg(&start)
                 .arg("+")
                 .arg("COUNT")
-                .arg(5000)
+                .arg(page)
                 .query_async(redis)
                 .await?;
-            let n = page.ids.len();
-            for e in page.ids {
-                let work = field(&e.map, "body")
-                    .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
-                    .and_then(|v| Some((v["dlq_id"].as_i64()?, i32::try_from(v["replays"].as_i64()?).ok()?)));
-                start = format!("({}", e.id);
-                out.push((e.id, work));
-            }
-            if n < 5000 {
-                return Ok(out);
-            }
-        }
-    }
-
-    async fn lost_work_check(
-        &self,
-        redis: &mut ConnectionManager,
-        repair: bool,
-    ) -> Result<Finding, ReconcileError> {
-        // Outbox first, then the stream: a row the relay publishes in between is seen in
-        // the outbox snapshot, never missed by both.
-        let in_outbox: HashSet<i64> = sqlx::query_scalar(
-            "SELECT dlq_id FROM dlq_outbox WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
-        )
-        .fetch_all(self.store.pool())
-        .await?
-        .into_iter()
-        .collect();
-        let in_stream: HashSet<(i64, i32)> =
-            self.replay_entries(redis).await?.into_iter().filter_map(|(_, w)| w).collect();
-        let leased = sqlx::query(
-            "SELECT id, replays, doc_id || '#' || chunk_index AS key FROM embedding_dlq
-              WHERE error_class = 'transient' AND exhausted_at IS NULL
-                AND enqueued_at IS NOT NULL AND enqueued_at > last_failed_at
-                AND enqueued_at < now() - make_interval(secs => $1)
-                AND next_retry_at > now()",
-        )
-        .bind(self.config.lost_work_grace.as_secs_f64())
-        .fetch_all(self.store.pool())
-        .await?;
-        let mut lost = Vec::new();
-        let mut examples = Vec::new();
-        for r in leased {
-            let (id, generation): (i64, i32) = (r.get("id"), r.get("replays"));
-            if !in_outbox.contains(&id) && !in_stream.contains(&(id, generation)) {
-                lost.push(id);
-                if examples.len() < self.config.examples {
-                    examples.push(r.get::<String, _>("key"));
-                }
-            }
-        }
-        let mut repaired = 0;
-        if repair && !lost.is_empty() {
-            repaired = self.store.enqueue_ids(&lost, Duration::from_secs(15 * 60)).await?;
-        }
-        Ok(Finding { check: Check::LostReplayWork, found: lost.len() as u64, examples, repaired, note: None })
-    }
-
-    async fn orphan_entries_check(
-        &self,
-        redis: &mut ConnectionManager,
-        repair: bool,
-    ) -> Result<Finding, ReconcileError> {
-        let entries = self.replay_entries(redis).await?;
-        if entries.is_empty() {
-            return Ok(Finding {
-                check: Check::OrphanStreamEntries,
-                found: 0,
-                examples: vec![],
-                repaired: 0,
-                note: None,
-            });
-        }
-        // Entries still to be processed: pending in the group, or after its last delivered id.
-        let groups: redis::streams::StreamInfoGroupsReply =
-            redis::cmd("XINFO").arg("GROUPS").arg(self.keys.replay()).query_async(redis).await?;
-        let last_delivered = groups
-            .groups
-            .iter()
-            .find(|g| g.name == REPLAY_GROUP)
-            .map(|g| crate::streams::parse_entry_id(&g.last_delivered_id))
-            .unwrap_or((0, 0));
-        let pending: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
-            .arg(self.keys.replay())
-            .arg(REPLAY_GROUP)
-            .arg("-")
-            .arg("+")
-            .arg(1_000_000)
-            .query_async(redis)
-            .await
-            .unwrap_or_default();
-        let pending: HashSet<String> = pending.ids.into_iter().map(|p| p.id).collect();
-        let live: HashMap<i64, i32> = {
-            let ids: Vec<i64> = entries.iter().filter_map(|(_, w)| w.map(|w| w.0)).collect();
+            let (Some(first), Some(last)) = (entries.ids.first(), entries.ids.last()) else { break };
+            let pending = match &group {
+                Some(g) if g.pending > 0 => self.pending_between(redis, &first.id, &last.id, page).await?,
+                _ => HashSet::new(),
+            };
+            let outstanding: Vec<(String, Option<(i64, i32)>)> = entries
+                .ids
+                .iter()
+                .filter(|e| pending.contains(&e.id) || crate::streams::parse_entry_id(&e.id) > last_delivered)
+                .map(|e| (e.id.clone(), work_item(&e.map)))
+                .collect();
+            let (ids, gens): (Vec<i64>, Vec<i32>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
             sqlx::query(
+                "INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::int[])",
+            )
+            .bind(&ids)
+            .bind(&gens)
+            .execute(&mut *tx)
+            .await?;
+            let live: HashMap<i64, i32> = sqlx::query(
                 "SELECT id, replays FROM embedding_dlq
                   WHERE id = ANY($1) AND exhausted_at IS NULL AND error_class = 'transient'",
             )
             .bind(&ids)
-            .fetch_all(self.store.pool())
+            .fetch_all(&mut *tx)
             .await?
             .into_iter()
             .map(|r| (r.get("id"), r.get("replays")))
-            .collect()
-        };
-        let orphans: Vec<String> = entries
-            .into_iter()
-            .filter(|(id, _)| pending.contains(id) || crate::streams::parse_entry_id(id) > last_delivered)
-            .filter(|(_, w)| match w {
-                Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
-                None => true,
-            })
-            .map(|(id, _)| id)
             .collect();
-        let mut repaired = 0;
-        if repair && !orphans.is_empty() {
-            let mut pipe = redis::pipe();
-            for chunk in orphans.chunks(1000) {
-                pipe.cmd("XACK").arg(self.keys.replay()).arg(REPLAY_GROUP).arg(chunk).ignore();
-                pipe.cmd("XDEL").arg(self.keys.replay()).arg(chunk);
+            let page_orphans: Vec<String> = outstanding
+                .into_iter()
+                .filter(|(_, w)| match w {
+                    Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
+                    None => true,
+                })
+                .map(|(id, _)| id)
+                .collect();
+            orphans.found += page_orphans.len() as u64;
+            for id in &page_orphans {
+                if orphans.examples.len() < self.config.examples {
+                    orphans.examples.push(id.clone());
+                }
             }
-            let deleted: Vec<u64> = pipe.query_async(redis).await?;
-            repaired = deleted.iter().sum();
+            if repair && !page_orphans.is_empty() {
+                let mut pipe = redis::pipe();
+                pipe.cmd("XACK").arg(&stream).arg(REPLAY_GROUP).arg(&page_orphans).ignore();
+                pipe.cmd("XDEL").arg(&stream).arg(&page_orphans);
+                let (deleted,): (u64,) = pipe.query_async(redis).await?;
+                orphans.repaired += deleted;
+            }
+            start = format!("({}", last.id);
+            more = entries.ids.len() >= page;
         }
-        Ok(Finding {
-            check: Check::OrphanStreamEntries,
-            found: orphans.len() as u64,
-            examples: orphans.iter().take(self.config.examples).cloned().collect(),
-            repaired,
-            note: None,
-        })
+
+        sqlx::query("ANALYZE reconcile_outstanding_work").execute(&mut *tx).await?;
+        let mut lost =
+            Finding { check: Check::LostReplayWork, found: 0, examples: vec![], repaired: 0, note: None };
+        let mut after = 0i64;
+        loop {
+            let rows = sqlx::query(
+                "SELECT d.id, d.doc_id || '#' || d.chunk_index AS key FROM embedding_dlq d
+                  WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
+                    AND d.enqueued_at IS NOT NULL AND d.enqueued_at > d.last_failed_at
+                    AND d.enqueued_at < now() - make_interval(secs => $1)
+                    AND d.next_retry_at > now()
+                    AND NOT EXISTS (SELECT 1 FROM reconcile_unpublished_work u WHERE u.dlq_id = d.id)
+                    AND NOT EXISTS (SELECT 1 FROM reconcile_outstanding_work o
+                                     WHERE o.dlq_id = d.id AND o.replays = d.replays)
+                    AND d.id > $2
+                  ORDER BY d.id LIMIT $3",
+            )
+            .bind(self.config.lost_work_grace.as_secs_f64())
+            .bind(after)
+            .bind(page as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.try_get("id")?;
+            lost.found += rows.len() as u64;
+            for r in &rows {
+                if lost.examples.len() < self.config.examples {
+                    lost.examples.push(r.try_get("key")?);
+                }
+            }
+            if repair {
+                let ids: Vec<i64> = rows.iter().map(|r| r.get("id")).collect();
+                lost.repaired += self.store.enqueue_ids(&ids, Duration::from_secs(15 * 60)).await?;
+            }
+            if rows.len() < page {
+                break;
+            }
+        }
+        tx.commit().await?;
+        Ok([lost, orphans])
     }
+
+    /// The ids of the group's pending entries between `first` and `last` (inclusive), read
+    /// `page` at a time.
+    async fn pending_between(
+        &self,
+        redis: &mut ConnectionManager,
+        first: &str,
+        last: &str,
+        page: usize,
+    ) -> Result<HashSet<String>, ReconcileError> {
+        let mut out = HashSet::new();
+        let mut start = first.to_string();
+        loop {
+            let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+                .arg(self.keys.replay())
+                .arg(REPLAY_GROUP)
+                .arg(&start)
+                .arg(last)
+                .arg(page)
+                .query_async(redis)
+                .await?;
+            let n = reply.ids.len();
+            if let Some(p) = reply.ids.last() {
+                start = format!("({}", p.id);
+            }
+            out.extend(reply.ids.into_iter().map(|p| p.id));
+            if n < page {
+                return Ok(out);
+            }
+        }
+    }
+}
+
+/// The (dlq_id, generation) a replay stream entry carries, if readable.
+fn work_item(map: &HashMap<String, redis::Value>) -> Option<(i64, i32)> {
+    let body: serde_json::Value = serde_json::from_str(&field(map, "body")?).ok()?;
+    Some((body["dlq_id"].as_i64()?, i32::try_from(body["replays"].as_i64()?).ok()?))
 }
 
 /// The report as a table, written to any writer.

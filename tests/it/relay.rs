@@ -317,3 +317,77 @@ async fn published_events_missing_from_the_stream_are_found_and_republished() {
     assert_eq!(relay_all(&db, &keys).await, 30);
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_pages_through_the_replay_stream() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "paged", 23).await;
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let mut r = reconciler(&db, &keys, ReconcileConfig { page: 4, ..immediate() }).await;
+    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    relay_all(&db, &keys).await;
+    // Deliver 10 entries to a consumer (pending), leave 13 undelivered.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(REPLAY_GROUP)
+        .arg("c")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg(keys.replay())
+        .arg(">")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0, "all work is outstanding");
+    // Rows deleted by hand: 3 pending and 3 undelivered entries become orphans.
+    sqlx::query("DELETE FROM embedding_dlq WHERE chunk_index IN (1, 5, 9, 12, 17, 22)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM ingest_manifest WHERE chunk_index IN (1, 5, 9, 12, 17, 22)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // Work lost across page boundaries: entries of 7 rows vanish from the stream.
+    let all: redis::streams::StreamRangeReply = redis.xrange_all(keys.replay()).await.unwrap();
+    let lost: Vec<&String> = [2, 3, 4, 13, 14, 15, 16].iter().map(|i| &all.ids[*i].id).collect();
+    let _: i64 = redis.xack(keys.replay(), REPLAY_GROUP, &lost).await.unwrap();
+    let _: i64 = redis.xdel(keys.replay(), &lost).await.unwrap();
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::OrphanStreamEntries).found, 6, "{report:#?}");
+    assert_eq!(report.get(Check::LostReplayWork).found, 7, "{report:#?}");
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(repaired.get(Check::OrphanStreamEntries).repaired, 6);
+    assert_eq!(repaired.get(Check::LostReplayWork).repaired, 7);
+    relay_all(&db, &keys).await;
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
+    let len: usize = redis.xlen(keys.replay()).await.unwrap();
+    assert_eq!(len, 23 - 7 - 6 + 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_in_bounded_batches_each_with_its_events() {
+    let db = TestDb::new().await;
+    park(&db, "purge", 25).await;
+    park(&db, "keep", 3).await;
+    let p = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await;
+    let filter = embed_dlq::dlq::Filter { doc: Some("purge".into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::purge_in_batches(&p.store, &filter, true, 10).await.unwrap(), 25);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 28, "dry run");
+    assert_eq!(embed_dlq::dlq::purge_in_batches(&p.store, &filter, false, 10).await.unwrap(), 25);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 3);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'purged'").await, 25);
+    // One transaction per batch of at most 10 rows, each with its own events.
+    let per_tx: Vec<i64> = sqlx::query_scalar(
+        "SELECT count(*) FROM dlq_outbox WHERE event = 'purged' GROUP BY xmin::text ORDER BY 1 DESC",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(per_tx, vec![10, 10, 5]);
+    assert_eq!(db.leaks().await, 0);
+}
