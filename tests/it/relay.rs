@@ -391,3 +391,53 @@ async fn purge_deletes_in_bounded_batches_each_with_its_events() {
     assert_eq!(per_tx, vec![10, 10, 5]);
     assert_eq!(db.leaks().await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let strict = start_mock(MockConfig { max_input_chars: 20, ..MockConfig::default() }).await;
+    let mut corpus = String::new();
+    corpus.push_str(&line("fix", 0, "a text longer than twenty characters"));
+    corpus.push_str(&line("fix", 1, "another text longer than twenty characters"));
+    corpus.push_str(&format!("{}\n", serde_json::json!({"doc_id": "fix", "chunk_index": 2})));
+    pipeline(&settings(&db, &strict))
+        .await
+        .run(input(corpus.into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'invalid_record'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'permanent_input'").await, 2);
+    // A row whose payload text is empty (written by an older version, or by hand).
+    sqlx::query(
+        "UPDATE embedding_dlq SET payload = jsonb_set(payload, '{text}', '\"\"') WHERE chunk_index = 1",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let p = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await;
+    let all = embed_dlq::dlq::Filter::default();
+    let dry = embed_dlq::dlq::requeue(&p.store, &all, true, 100).await.unwrap();
+    assert_eq!((dry.requeued, dry.needs_reingest), (1, 2));
+    let done = embed_dlq::dlq::requeue(&p.store, &all, false, 100).await.unwrap();
+    assert_eq!((done.requeued, done.needs_reingest), (1, 2));
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'replay'").await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'fix' AND chunk_index = 0 AND error_class = 'transient'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM embedding_dlq
+              WHERE (chunk_index = 1 AND error_class = 'permanent_input')
+                 OR (chunk_index = 2 AND error_class = 'invalid_record')"
+        )
+        .await,
+        2,
+        "left for re-ingest"
+    );
+}
