@@ -379,7 +379,7 @@ async fn streams_bench(
     }
     mock.control.set_outage(false);
     cancel.cancel();
-    relay_task.await.unwrap();
+    relay_task.await.unwrap().expect("relay stopped on a permanent error");
     latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
     println!(
         "park-to-stream latency (commit to entry visible): median {:.1} ms, p90 {:.1} ms, max {:.1} ms",

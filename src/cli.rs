@@ -563,14 +563,18 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
                 None => return Err(format!("no DLQ row with id {id}")),
             },
             DlqAction::Requeue { filter, dry_run, rate } => {
-                let n =
+                let o =
                     crate::dlq::requeue(&store, &filter, dry_run, rate).await.map_err(|e| e.to_string())?;
+                let (n, reingest) = (o.requeued, o.needs_reingest);
                 let verb = if dry_run { "would requeue" } else { "requeued" };
                 let _ = if json {
-                    writeln!(out, "{{\"{}\":{n}}}", verb.replace(' ', "_"))
+                    writeln!(out, "{{\"{}\":{n},\"needs_reingest\":{reingest}}}", verb.replace(' ', "_"))
                 } else {
                     writeln!(out, "{verb} {n} rows")
                 };
+                if reingest > 0 && !json {
+                    let _ = writeln!(out, "{reingest} rows need a corrected payload: re-ingest them");
+                }
             }
             DlqAction::Purge { filter, dry_run, yes } => {
                 let n = crate::dlq::purge(&store, &filter, true).await.map_err(|e| e.to_string())?;

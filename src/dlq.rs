@@ -221,108 +221,185 @@ pub async fn show(store: &Store, id: i64) -> Result<Option<Detail>, StoreError> 
     }))
 }
 
-async fn matching_ids(store: &Store, filter: &Filter) -> Result<Vec<i64>, StoreError> {
-    let mut q = QueryBuilder::new("SELECT id FROM embedding_dlq");
-    filter.push_where(&mut q);
-    q.push(" ORDER BY id");
-    let ids: Vec<i64> = q.build_query_scalar().fetch_all(store.pool()).await?;
-    Ok(ids)
+/// Rows `requeue` must not send to the provider: a broken record (`invalid_record`) or a
+/// payload without a non-empty `text` string. Replaying them cannot succeed (and an empty
+/// string gets a real-looking vector from some providers); they need a corrected payload,
+/// i.e. a re-ingest of the fixed source line.
+const NEEDS_REINGEST: &str = "(error_class = 'invalid_record'
+     OR jsonb_typeof(payload -> 'text') IS DISTINCT FROM 'string'
+     OR payload ->> 'text' = '')";
+
+/// Rows per `purge` transaction: bounds its locks, its WAL burst and its event batch.
+pub const PURGE_BATCH: usize = 1000;
+
+/// Largest batch `purge_in_batches` accepts; larger values are clamped.
+pub const MAX_PURGE_BATCH: usize = 10_000;
+
+/// What `requeue` did (or would do, in a dry run).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RequeueOutcome {
+    /// Rows made due and published as replay work.
+    pub requeued: u64,
+    /// Matching rows left alone because replay cannot fix them: `invalid_record` rows and
+    /// rows whose payload has no text. Re-ingest their corrected source lines.
+    pub needs_reingest: u64,
 }
 
 /// Makes matching rows due now and publishes them as replay work through the outbox, at most
 /// `rate_per_sec` rows a second. Permanent classes are requeued too (after their cause was
 /// fixed): they become `transient` with reason `requeued:<class>/<reason>`, and a new
-/// generation, so outstanding work items for them are void. Returns the rows requeued (or
-/// that would be, with `dry_run`).
+/// generation, so outstanding work items for them are void. Rows that replay can never fix
+/// (`invalid_record`, no payload text) are never sent to the provider: they are counted in
+/// [`RequeueOutcome::needs_reingest`] and left as they are. Rows are read in pages (keyset by
+/// id), so memory does not grow with the DLQ.
 pub async fn requeue(
     store: &Store,
     filter: &Filter,
     dry_run: bool,
     rate_per_sec: u32,
-) -> Result<u64, StoreError> {
-    let ids = matching_ids(store, filter).await?;
-    if dry_run || ids.is_empty() {
-        return Ok(ids.len() as u64);
+) -> Result<RequeueOutcome, StoreError> {
+    if dry_run {
+        let mut q = QueryBuilder::new(format!(
+            "SELECT count(*) FILTER (WHERE NOT {NEEDS_REINGEST}) AS requeue,
+                    count(*) FILTER (WHERE {NEEDS_REINGEST}) AS reingest
+               FROM embedding_dlq"
+        ));
+        filter.push_where(&mut q);
+        let r = q.build().fetch_one(store.pool()).await?;
+        return Ok(RequeueOutcome {
+            requeued: r.try_get::<i64, _>("requeue")? as u64,
+            needs_reingest: r.try_get::<i64, _>("reingest")? as u64,
+        });
     }
     let batch = (rate_per_sec.max(1) as usize).min(1000);
-    let mut done = 0;
-    for chunk in ids.chunks(batch) {
+    let mut outcome = RequeueOutcome::default();
+    let mut after = 0i64;
+    loop {
         let started = std::time::Instant::now();
-        sqlx::query(
-            "WITH upd AS (
-                 UPDATE embedding_dlq d SET
-                        error_reason = CASE WHEN d.error_class = 'transient' AND d.exhausted_at IS NULL
-                                            THEN d.error_reason
-                                            ELSE 'requeued:' || d.error_class || '/' || d.error_reason END,
-                        error_class = 'transient',
-                        exhausted_at = NULL, exhausted_reason = NULL,
-                        generation = nextval('embed_dlq_generation_seq'), same_error_count = 0,
-                        next_retry_at = now()
-                  WHERE d.id = ANY($1)
-                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
-                           d.error_reason, d.attempts
-             ), manifest AS (
-                 UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
-                   FROM upd u
-                  WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
-                    AND m.chunk_index = u.chunk_index
-                    AND m.content_hash = u.content_hash AND m.status <> 'parked'
-                 RETURNING 1
-             )
-             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-             SELECT 'requeued', id, target_table, doc_id, chunk_index,
-                    jsonb_build_object('event', 'requeued', 'dlq_id', id, 'table', target_table,
-                                       'doc_id', doc_id, 'chunk_index', chunk_index,
-                                       'generation', generation, 'error_reason', error_reason,
-                                       'attempts', attempts, 'at', now())
-               FROM upd",
-        )
-        .bind(chunk)
-        .execute(store.pool())
-        .await?;
-        done += store.enqueue_ids(chunk, Duration::from_secs(15 * 60)).await?;
-        if chunk.len() == batch {
-            let pace = Duration::from_secs_f64(chunk.len() as f64 / rate_per_sec.max(1) as f64);
-            if let Some(rest) = pace.checked_sub(started.elapsed()) {
-                tokio::time::sleep(rest).await;
+        let mut q =
+            QueryBuilder::new(format!("SELECT id, {NEEDS_REINGEST} AS needs_reingest FROM embedding_dlq"));
+        filter.push_where(&mut q);
+        q.push(" AND id > ").push_bind(after).push(" ORDER BY id LIMIT ").push_bind(batch as i64);
+        let rows = q.build().fetch_all(store.pool()).await?;
+        let Some(last) = rows.last() else { break };
+        after = last.try_get("id")?;
+        let mut chunk = Vec::with_capacity(rows.len());
+        for r in &rows {
+            if r.try_get::<bool, _>("needs_reingest")? {
+                outcome.needs_reingest += 1;
+            } else {
+                chunk.push(r.try_get::<i64, _>("id")?);
             }
         }
+        if !chunk.is_empty() {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "WITH upd AS (
+                     UPDATE embedding_dlq d SET
+                            error_reason = CASE WHEN d.error_class = 'transient' AND d.exhausted_at IS NULL
+                                                THEN d.error_reason
+                                                ELSE 'requeued:' || d.error_class || '/' || d.error_reason END,
+                            error_class = 'transient',
+                            exhausted_at = NULL, exhausted_reason = NULL,
+                            generation = nextval('embed_dlq_generation_seq'), same_error_count = 0,
+                            next_retry_at = now()
+                      WHERE d.id = ANY($1) AND NOT {NEEDS_REINGEST}
+                     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                               d.error_reason, d.attempts
+                 ), manifest AS (
+                     UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
+                       FROM upd u
+                      WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
+                        AND m.chunk_index = u.chunk_index
+                        AND m.content_hash = u.content_hash AND m.status <> 'parked'
+                     RETURNING 1
+                 )
+                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+                 SELECT 'requeued', id, target_table, doc_id, chunk_index,
+                        jsonb_build_object('event', 'requeued', 'dlq_id', id, 'table', target_table,
+                                           'doc_id', doc_id, 'chunk_index', chunk_index,
+                                           'generation', generation, 'error_reason', error_reason,
+                                           'attempts', attempts, 'at', now())
+                   FROM upd"
+            )))
+            .bind(&chunk)
+            .execute(store.pool())
+            .await?;
+            outcome.requeued += store.enqueue_ids(&chunk, Duration::from_secs(15 * 60)).await?;
+        }
+        if rows.len() < batch {
+            break;
+        }
+        let pace = Duration::from_secs_f64(rows.len() as f64 / rate_per_sec.max(1) as f64);
+        if let Some(rest) = pace.checked_sub(started.elapsed()) {
+            tokio::time::sleep(rest).await;
+        }
     }
-    Ok(done)
+    Ok(outcome)
 }
 
 /// Deletes matching rows for good (and their manifest rows, so a later ingest of the same
-/// chunk starts fresh), announcing each as `purged`. Returns the rows purged (or that would
-/// be, with `dry_run`).
+/// chunk starts fresh), announcing each as `purged`, in transactions of [`PURGE_BATCH`] rows.
+/// Returns the rows purged (or that would be, with `dry_run`).
 pub async fn purge(store: &Store, filter: &Filter, dry_run: bool) -> Result<u64, StoreError> {
-    let ids = matching_ids(store, filter).await?;
-    if dry_run || ids.is_empty() {
-        return Ok(ids.len() as u64);
+    purge_in_batches(store, filter, dry_run, PURGE_BATCH).await
+}
+
+/// [`purge`] with a given batch size (clamped to `1..=`[`MAX_PURGE_BATCH`]): each batch is one
+/// statement, so one transaction with its own `purged` events, and a large purge never holds
+/// locks on the whole DLQ nor builds one huge transaction. Batches walk the ids upwards, so a
+/// purge ends even while new rows keep matching.
+pub async fn purge_in_batches(
+    store: &Store,
+    filter: &Filter,
+    dry_run: bool,
+    batch: usize,
+) -> Result<u64, StoreError> {
+    if dry_run {
+        let mut q = QueryBuilder::new("SELECT count(*) FROM embedding_dlq");
+        filter.push_where(&mut q);
+        let n: i64 = q.build_query_scalar().fetch_one(store.pool()).await?;
+        return Ok(n as u64);
     }
-    let n: i64 = sqlx::query_scalar(
-        "WITH gone AS (
-             DELETE FROM embedding_dlq WHERE id = ANY($1)
-             RETURNING id, target_table, doc_id, chunk_index, content_hash, generation, error_class,
-                       error_reason, attempts
-         ), manifest AS (
-             DELETE FROM ingest_manifest m USING gone g
-              WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
-                AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
-             RETURNING 1
-         ), events AS (
-             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-             SELECT 'purged', id, target_table, doc_id, chunk_index,
-                    jsonb_build_object('event', 'purged', 'dlq_id', id, 'table', target_table,
-                                       'doc_id', doc_id, 'chunk_index', chunk_index,
-                                       'generation', generation, 'error_class', error_class,
-                                       'error_reason', error_reason, 'attempts', attempts, 'at', now())
-               FROM gone
-             RETURNING 1
-         )
-         SELECT count(*) FROM gone",
-    )
-    .bind(&ids)
-    .fetch_one(store.pool())
-    .await?;
-    Ok(n as u64)
+    let batch = batch.clamp(1, MAX_PURGE_BATCH);
+    let mut total = 0u64;
+    let mut after = 0i64;
+    loop {
+        let mut q = QueryBuilder::new(
+            "WITH batch AS (
+                 SELECT id FROM embedding_dlq",
+        );
+        filter.push_where(&mut q);
+        q.push(" AND id > ").push_bind(after).push(" ORDER BY id LIMIT ").push_bind(batch as i64);
+        q.push(
+            " FOR UPDATE
+             ), gone AS (
+                 DELETE FROM embedding_dlq d USING batch b WHERE d.id = b.id
+                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                           d.error_class, d.error_reason, d.attempts
+             ), manifest AS (
+                 DELETE FROM ingest_manifest m USING gone g
+                  WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
+                    AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
+                 RETURNING 1
+             ), events AS (
+                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+                 SELECT 'purged', id, target_table, doc_id, chunk_index,
+                        jsonb_build_object('event', 'purged', 'dlq_id', id, 'table', target_table,
+                                           'doc_id', doc_id, 'chunk_index', chunk_index,
+                                           'generation', generation, 'error_class', error_class,
+                                           'error_reason', error_reason, 'attempts', attempts, 'at', now())
+                   FROM gone
+                 RETURNING 1
+             )
+             SELECT (SELECT count(*) FROM batch) AS selected, (SELECT count(*) FROM gone) AS purged,
+                    (SELECT max(id) FROM batch) AS last_id",
+        );
+        let r = q.build().fetch_one(store.pool()).await?;
+        let selected: i64 = r.try_get("selected")?;
+        total += r.try_get::<i64, _>("purged")? as u64;
+        match r.try_get::<Option<i64>, _>("last_id")? {
+            Some(last) if selected as usize >= batch => after = last,
+            _ => return Ok(total),
+        }
+    }
 }

@@ -1,8 +1,9 @@
 //! The reconciler: proves that the manifest, the vector table, the DLQ, the outbox and the
 //! Redis streams agree, and repairs what can be repaired safely.
 //!
-//! Every check is one set-based SQL statement or a batched scan of a stream, so a run stays
-//! cheap at a million chunks. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
+//! Every check is one set-based SQL statement or a paged scan (of a stream, or of outbox rows
+//! against a stream), so a run stays cheap at a million chunks and its memory is bounded by
+//! the page size ([`ReconcileConfig::page`]), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
 //! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
 //! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
 //! recently" alert, whatever process runs it).
@@ -33,6 +34,9 @@ pub enum Check {
     BadVectors,
     /// Outbox rows unpublished for longer than the threshold.
     OutboxBacklog,
+    /// Events marked published whose entry is not on the events stream, and was not trimmed
+    /// by its length cap (e.g. Redis lost its data, or entries were deleted by hand).
+    MissingEvents,
     /// DLQ rows handed out as replay work that are in neither the outbox, the replay stream
     /// nor its pending list (e.g. Redis lost its data).
     LostReplayWork,
@@ -43,13 +47,14 @@ pub enum Check {
 }
 
 impl Check {
-    pub const ALL: [Check; 9] = [
+    pub const ALL: [Check; 10] = [
         Check::Leaks,
         Check::Duplicates,
         Check::StoredDrift,
         Check::StaleDlq,
         Check::BadVectors,
         Check::OutboxBacklog,
+        Check::MissingEvents,
         Check::LostReplayWork,
         Check::OrphanStreamEntries,
         Check::ReplayStalled,
@@ -64,6 +69,7 @@ impl Check {
             Check::StaleDlq => "stale_dlq",
             Check::BadVectors => "bad_vectors",
             Check::OutboxBacklog => "outbox_backlog",
+            Check::MissingEvents => "missing_events",
             Check::LostReplayWork => "lost_replay_work",
             Check::OrphanStreamEntries => "orphan_stream_entries",
             Check::ReplayStalled => "replay_stalled",
@@ -77,6 +83,7 @@ impl Check {
             Check::Duplicates => Some("keep the newest vector row"),
             Check::StaleDlq => Some("delete the stale DLQ row, mark stored"),
             Check::BadVectors => Some("delete the vector, mark for re-ingest"),
+            Check::MissingEvents => Some("re-publish from the outbox"),
             Check::LostReplayWork => Some("re-publish through the outbox"),
             Check::OrphanStreamEntries => Some("acknowledge and delete the entries"),
             Check::OutboxBacklog | Check::ReplayStalled => None,
@@ -136,8 +143,19 @@ pub struct ReconcileConfig {
     pub replay_stall_after: Duration,
     /// Replay work younger than this is left alone (the relay may be about to publish it).
     pub lost_work_grace: Duration,
+    /// Examples per finding in the report.
     pub examples: usize,
+    /// Stream entries or outbox rows handled per page by the scanning checks: what bounds a
+    /// run's memory. Clamped to `1..=`[`MAX_PAGE`].
+    pub page: usize,
+    /// The events stream's length cap as the relay applies it (`MAXLEN ~`): entries older
+    /// than the stream's first entry count as trimmed by policy, not as missing, while the
+    /// stream holds at least this many entries. 0: no cap (nothing is ever trimmed).
+    pub events_maxlen: usize,
 }
+
+/// Largest page a scanning check uses, whatever is configured.
+pub const MAX_PAGE: usize = 10_000;
 
 impl Default for ReconcileConfig {
     fn default() -> Self {
@@ -146,7 +164,15 @@ impl Default for ReconcileConfig {
             replay_stall_after: Duration::from_secs(300),
             lost_work_grace: Duration::from_secs(30),
             examples: 5,
+            page: 1000,
+            events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
         }
+    }
+}
+
+impl ReconcileConfig {
+    fn page(&self) -> usize {
+        self.page.clamp(1, MAX_PAGE)
     }
 }
 
@@ -345,11 +371,13 @@ impl Reconciler {
         findings.push(self.outbox_check().await?);
         match self.redis.clone() {
             Some(mut redis) => {
-                findings.push(self.lost_work_check(&mut redis, repair).await?);
-                findings.push(self.orphan_entries_check(&mut redis, repair).await?);
+                findings.push(self.missing_events_check(&mut redis, repair).await?);
+                let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
+                findings.push(lost);
+                findings.push(orphans);
             }
             None => {
-                for check in [Check::LostReplayWork, Check::OrphanStreamEntries] {
+                for check in [Check::MissingEvents, Check::LostReplayWork, Check::OrphanStreamEntries] {
                     findings.push(Finding {
                         check,
                         found: 0,
@@ -436,151 +464,292 @@ impl Reconciler {
         })
     }
 
-    /// Scans the replay stream: entry id → (dlq_id, generation) of its [`WorkItem`].
-    async fn replay_entries(
+    /// Events marked published must be on the events stream: pages through the published
+    /// `events` rows of the outbox (by id, [`ReconcileConfig::page`] at a time) and looks up
+    /// the entry id each one recorded at publish time (one pipelined `XRANGE id id` per row).
+    /// An entry older than the stream's first one, while the stream is at its length cap, was
+    /// trimmed by policy and is not a finding. Repair deletes the event's dedup marker (or
+    /// the relay would take the republish for a duplicate) and marks the row unpublished: the
+    /// relay publishes it again with the same `event_id`. Rows published before migration
+    /// 0005 have no entry id and are skipped; rows past the outbox retention are gone.
+    async fn missing_events_check(
         &self,
         redis: &mut ConnectionManager,
-    ) -> Result<Vec<(String, Option<(i64, i64)>)>, ReconcileError> {
-        let mut out = Vec::new();
-        let mut start = "-".to_string();
+        repair: bool,
+    ) -> Result<Finding, ReconcileError> {
+        let page = self.config.page();
+        let stream = self.keys.events();
+        let mut after = 0i64;
+        let (mut found, mut repaired, mut trimmed) = (0u64, 0u64, 0u64);
+        let mut examples = Vec::new();
         loop {
-            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-                .arg(self.keys.replay())
+            let rows = sqlx::query(
+                "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key
+                   FROM dlq_outbox
+                  WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
+                  ORDER BY id LIMIT $2",
+            )
+            .bind(after)
+            .bind(page as i64)
+            .fetch_all(self.store.pool())
+            .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.try_get("id")?;
+            let mut pipe = redis::pipe();
+            for r in &rows {
+                let entry: String = r.try_get("entry_id")?;
+                pipe.cmd("XRANGE").arg(&stream).arg(&entry).arg(&entry).arg("COUNT").arg(1);
+            }
+            let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
+            // The stream's head after the lookups: trimming only moves it forward, so an entry
+            // missing above is either below this head (trimmed) or deleted.
+            let (len, head): (usize, redis::streams::StreamRangeReply) = redis::pipe()
+                .cmd("XLEN")
+                .arg(&stream)
+                .cmd("XRANGE")
+                .arg(&stream)
+                .arg("-")
+                .arg("+")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(redis)
+                .await?;
+            let capped = self.config.events_maxlen > 0 && len >= self.config.events_maxlen;
+            let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
+            let mut missing: Vec<(i64, String)> = Vec::new();
+            for (r, hit) in rows.iter().zip(&present) {
+                if !hit.is_empty() {
+                    continue;
+                }
+                let entry = crate::streams::parse_entry_id(&r.try_get::<String, _>("entry_id")?);
+                if capped && head.is_some_and(|h| entry < h) {
+                    trimmed += 1;
+                    continue;
+                }
+                if examples.len() < self.config.examples {
+                    examples.push(r.try_get::<String, _>("key")?);
+                }
+                missing.push((r.try_get("id")?, r.try_get("event_id")?));
+            }
+            found += missing.len() as u64;
+            if repair && !missing.is_empty() {
+                let mut del = redis::cmd("DEL");
+                for (_, event_id) in &missing {
+                    del.arg(self.keys.outbox_marker(event_id));
+                }
+                let _: i64 = del.query_async(redis).await?;
+                let ids: Vec<i64> = missing.iter().map(|(id, _)| *id).collect();
+                repaired += sqlx::query(
+                    "UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL
+                      WHERE id = ANY($1) AND published_at IS NOT NULL",
+                )
+                .bind(&ids)
+                .execute(self.store.pool())
+                .await?
+                .rows_affected();
+            }
+            if rows.len() < page {
+                break;
+            }
+        }
+        Ok(Finding {
+            check: Check::MissingEvents,
+            found,
+            examples,
+            repaired,
+            note: (trimmed > 0).then(|| format!("{trimmed} trimmed by the stream's length cap")),
+        })
+    }
+
+    /// The replay stream against the DLQ, in one paged scan, for two checks:
+    ///
+    /// - lost replay work: rows handed out as work (leased) with no outstanding work item —
+    ///   neither an unpublished outbox row nor a stream entry still to be processed (pending
+    ///   in the group, or not yet delivered). Repair publishes them again.
+    /// - orphan entries: entries still to be processed whose row is gone or has moved on to
+    ///   another generation. Repair acknowledges and deletes them, page by page.
+    ///
+    /// Memory is bounded by the page: outstanding work items go into a temporary table and
+    /// the lost rows are found set-based in Postgres. Order matters: the outbox snapshot is
+    /// taken first (a row the relay publishes meanwhile is seen there, or on the stream), the
+    /// stream is scanned next, and the DLQ rows are read last (a work item consumed meanwhile
+    /// has already moved its row on). Candidates were enqueued before the transaction began
+    /// (`now()` is its start), minus the grace period.
+    async fn replay_stream_checks(
+        &self,
+        redis: &mut ConnectionManager,
+        repair: bool,
+    ) -> Result<[Finding; 2], ReconcileError> {
+        let page = self.config.page();
+        let stream = self.keys.replay();
+        let mut tx = self.store.pool().begin().await?;
+        sqlx::query(
+            "CREATE TEMP TABLE reconcile_unpublished_work ON COMMIT DROP AS
+             SELECT DISTINCT dlq_id FROM dlq_outbox
+              WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "CREATE TEMP TABLE reconcile_outstanding_work (dlq_id bigint, generation bigint) ON COMMIT DROP",
+        )
+        .execute(&mut *tx)
+        .await?;
+
+        let exists: bool = redis::cmd("EXISTS").arg(&stream).query_async(redis).await?;
+        // Where the group stands: entries after its last delivered id are still to be read.
+        let group = if exists {
+            let groups: redis::streams::StreamInfoGroupsReply =
+                redis::cmd("XINFO").arg("GROUPS").arg(&stream).query_async(redis).await?;
+            groups.groups.into_iter().find(|g| g.name == REPLAY_GROUP)
+        } else {
+            None
+        };
+        let last_delivered =
+            group.as_ref().map(|g| crate::streams::parse_entry_id(&g.last_delivered_id)).unwrap_or((0, 0));
+        let mut orphans = Finding {
+            check: Check::OrphanStreamEntries,
+            found: 0,
+            examples: vec![],
+            repaired: 0,
+            note: None,
+        };
+        let mut start = "-".to_string();
+        let mut more = exists;
+        while more {
+            let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(&stream)
                 .arg(&start)
                 .arg("+")
                 .arg("COUNT")
-                .arg(5000)
+                .arg(page)
                 .query_async(redis)
                 .await?;
-            let n = page.ids.len();
-            for e in page.ids {
-                let work = WorkItem::parse(&e.map).map(|w| (w.dlq_id, w.generation));
-                start = format!("({}", e.id);
-                out.push((e.id, work));
-            }
-            if n < 5000 {
-                return Ok(out);
-            }
-        }
-    }
-
-    async fn lost_work_check(
-        &self,
-        redis: &mut ConnectionManager,
-        repair: bool,
-    ) -> Result<Finding, ReconcileError> {
-        // Outbox first, then the stream: a row the relay publishes in between is seen in
-        // the outbox snapshot, never missed by both.
-        let in_outbox: HashSet<i64> = sqlx::query_scalar(
-            "SELECT dlq_id FROM dlq_outbox WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
-        )
-        .fetch_all(self.store.pool())
-        .await?
-        .into_iter()
-        .collect();
-        let in_stream: HashSet<(i64, i64)> =
-            self.replay_entries(redis).await?.into_iter().filter_map(|(_, w)| w).collect();
-        let leased = sqlx::query(
-            "SELECT id, generation, doc_id || '#' || chunk_index AS key FROM embedding_dlq
-              WHERE error_class = 'transient' AND exhausted_at IS NULL
-                AND enqueued_at IS NOT NULL AND enqueued_at > last_failed_at
-                AND enqueued_at < now() - make_interval(secs => $1)
-                AND next_retry_at > now()",
-        )
-        .bind(self.config.lost_work_grace.as_secs_f64())
-        .fetch_all(self.store.pool())
-        .await?;
-        let mut lost = Vec::new();
-        let mut examples = Vec::new();
-        for r in leased {
-            let (id, generation): (i64, i64) = (r.get("id"), r.get("generation"));
-            if !in_outbox.contains(&id) && !in_stream.contains(&(id, generation)) {
-                lost.push(id);
-                if examples.len() < self.config.examples {
-                    examples.push(r.get::<String, _>("key"));
-                }
-            }
-        }
-        let mut repaired = 0;
-        if repair && !lost.is_empty() {
-            repaired = self.store.enqueue_ids(&lost, Duration::from_secs(15 * 60)).await?;
-        }
-        Ok(Finding { check: Check::LostReplayWork, found: lost.len() as u64, examples, repaired, note: None })
-    }
-
-    async fn orphan_entries_check(
-        &self,
-        redis: &mut ConnectionManager,
-        repair: bool,
-    ) -> Result<Finding, ReconcileError> {
-        let entries = self.replay_entries(redis).await?;
-        if entries.is_empty() {
-            return Ok(Finding {
-                check: Check::OrphanStreamEntries,
-                found: 0,
-                examples: vec![],
-                repaired: 0,
-                note: None,
-            });
-        }
-        // Entries still to be processed: pending in the group, or after its last delivered id.
-        let groups: redis::streams::StreamInfoGroupsReply =
-            redis::cmd("XINFO").arg("GROUPS").arg(self.keys.replay()).query_async(redis).await?;
-        let last_delivered = groups
-            .groups
-            .iter()
-            .find(|g| g.name == REPLAY_GROUP)
-            .map(|g| crate::streams::parse_entry_id(&g.last_delivered_id))
-            .unwrap_or((0, 0));
-        let pending: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
-            .arg(self.keys.replay())
-            .arg(REPLAY_GROUP)
-            .arg("-")
-            .arg("+")
-            .arg(1_000_000)
-            .query_async(redis)
-            .await
-            .unwrap_or_default();
-        let pending: HashSet<String> = pending.ids.into_iter().map(|p| p.id).collect();
-        let live: HashMap<i64, i64> = {
-            let ids: Vec<i64> = entries.iter().filter_map(|(_, w)| w.map(|w| w.0)).collect();
+            let (Some(first), Some(last)) = (entries.ids.first(), entries.ids.last()) else { break };
+            let pending = match &group {
+                Some(g) if g.pending > 0 => self.pending_between(redis, &first.id, &last.id, page).await?,
+                _ => HashSet::new(),
+            };
+            let outstanding: Vec<(String, Option<(i64, i64)>)> = entries
+                .ids
+                .iter()
+                .filter(|e| pending.contains(&e.id) || crate::streams::parse_entry_id(&e.id) > last_delivered)
+                .map(|e| (e.id.clone(), WorkItem::parse(&e.map).map(|w| (w.dlq_id, w.generation))))
+                .collect();
+            let (ids, gens): (Vec<i64>, Vec<i64>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
             sqlx::query(
+                "INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::bigint[])",
+            )
+            .bind(&ids)
+            .bind(&gens)
+            .execute(&mut *tx)
+            .await?;
+            let live: HashMap<i64, i64> = sqlx::query(
                 "SELECT id, generation FROM embedding_dlq
                   WHERE id = ANY($1) AND exhausted_at IS NULL AND error_class = 'transient'",
             )
             .bind(&ids)
-            .fetch_all(self.store.pool())
+            .fetch_all(&mut *tx)
             .await?
             .into_iter()
             .map(|r| (r.get("id"), r.get("generation")))
-            .collect()
-        };
-        let orphans: Vec<String> = entries
-            .into_iter()
-            .filter(|(id, _)| pending.contains(id) || crate::streams::parse_entry_id(id) > last_delivered)
-            .filter(|(_, w)| match w {
-                Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
-                None => true,
-            })
-            .map(|(id, _)| id)
             .collect();
-        let mut repaired = 0;
-        if repair && !orphans.is_empty() {
-            let mut pipe = redis::pipe();
-            for chunk in orphans.chunks(1000) {
-                pipe.cmd("XACK").arg(self.keys.replay()).arg(REPLAY_GROUP).arg(chunk).ignore();
-                pipe.cmd("XDEL").arg(self.keys.replay()).arg(chunk);
+            let page_orphans: Vec<String> = outstanding
+                .into_iter()
+                .filter(|(_, w)| match w {
+                    Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
+                    None => true,
+                })
+                .map(|(id, _)| id)
+                .collect();
+            orphans.found += page_orphans.len() as u64;
+            for id in &page_orphans {
+                if orphans.examples.len() < self.config.examples {
+                    orphans.examples.push(id.clone());
+                }
             }
-            let deleted: Vec<u64> = pipe.query_async(redis).await?;
-            repaired = deleted.iter().sum();
+            if repair && !page_orphans.is_empty() {
+                let mut pipe = redis::pipe();
+                pipe.cmd("XACK").arg(&stream).arg(REPLAY_GROUP).arg(&page_orphans).ignore();
+                pipe.cmd("XDEL").arg(&stream).arg(&page_orphans);
+                let (deleted,): (u64,) = pipe.query_async(redis).await?;
+                orphans.repaired += deleted;
+            }
+            start = format!("({}", last.id);
+            more = entries.ids.len() >= page;
         }
-        Ok(Finding {
-            check: Check::OrphanStreamEntries,
-            found: orphans.len() as u64,
-            examples: orphans.iter().take(self.config.examples).cloned().collect(),
-            repaired,
-            note: None,
-        })
+
+        sqlx::query("ANALYZE reconcile_outstanding_work").execute(&mut *tx).await?;
+        let mut lost =
+            Finding { check: Check::LostReplayWork, found: 0, examples: vec![], repaired: 0, note: None };
+        let mut after = 0i64;
+        loop {
+            let rows = sqlx::query(
+                "SELECT d.id, d.doc_id || '#' || d.chunk_index AS key FROM embedding_dlq d
+                  WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
+                    AND d.enqueued_at IS NOT NULL AND d.enqueued_at > d.last_failed_at
+                    AND d.enqueued_at < now() - make_interval(secs => $1)
+                    AND d.next_retry_at > now()
+                    AND NOT EXISTS (SELECT 1 FROM reconcile_unpublished_work u WHERE u.dlq_id = d.id)
+                    AND NOT EXISTS (SELECT 1 FROM reconcile_outstanding_work o
+                                     WHERE o.dlq_id = d.id AND o.generation = d.generation)
+                    AND d.id > $2
+                  ORDER BY d.id LIMIT $3",
+            )
+            .bind(self.config.lost_work_grace.as_secs_f64())
+            .bind(after)
+            .bind(page as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.try_get("id")?;
+            lost.found += rows.len() as u64;
+            for r in &rows {
+                if lost.examples.len() < self.config.examples {
+                    lost.examples.push(r.try_get("key")?);
+                }
+            }
+            if repair {
+                let ids: Vec<i64> = rows.iter().map(|r| r.get("id")).collect();
+                lost.repaired += self.store.enqueue_ids(&ids, Duration::from_secs(15 * 60)).await?;
+            }
+            if rows.len() < page {
+                break;
+            }
+        }
+        tx.commit().await?;
+        Ok([lost, orphans])
+    }
+
+    /// The ids of the group's pending entries between `first` and `last` (inclusive), read
+    /// `page` at a time.
+    async fn pending_between(
+        &self,
+        redis: &mut ConnectionManager,
+        first: &str,
+        last: &str,
+        page: usize,
+    ) -> Result<HashSet<String>, ReconcileError> {
+        let mut out = HashSet::new();
+        let mut start = first.to_string();
+        loop {
+            let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+                .arg(self.keys.replay())
+                .arg(REPLAY_GROUP)
+                .arg(&start)
+                .arg(last)
+                .arg(page)
+                .query_async(redis)
+                .await?;
+            let n = reply.ids.len();
+            if let Some(p) = reply.ids.last() {
+                start = format!("({}", p.id);
+            }
+            out.extend(reply.ids.into_iter().map(|p| p.id));
+            if n < page {
+                return Ok(out);
+            }
+        }
     }
 }
 

@@ -4,13 +4,24 @@
 //! One pass ([`Relay::run_once`]): in a transaction, claim the oldest unpublished rows with
 //! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), run
 //! `redis/publish.lua` for each in one pipeline (the script appends to the stream only if the
-//! row's dedup marker is absent), then mark the rows published and commit. A crash after the
-//! XADDs and before the commit leaves the rows unpublished; the next pass re-runs the script,
-//! which finds the markers and adds nothing. The loop wakes on `LISTEN embed_dlq_outbox`
-//! (sent by a trigger at commit) and polls as a fallback.
+//! row's dedup marker is absent), then mark the rows published, record the entry id each one
+//! became, and commit. A crash after the XADDs and before the commit leaves the rows
+//! unpublished; the next pass re-runs the script, which finds the markers and adds nothing.
+//! The loop wakes on `LISTEN embed_dlq_outbox` (sent at commit by a trigger, only by
+//! statements that inserted outbox rows) and polls as a fallback.
+//!
+//! Dedup identity: the marker is keyed by the row's `event_id`, a random uuid written with the
+//! row (migration 0005), never by the outbox id: outbox ids repeat after a database restore, in
+//! a re-created database and across deployments sharing a prefix, and a repeated id would
+//! make a new event look like a duplicate of an old one and drop it.
 //!
 //! Maintenance on the same loop: published rows older than the retention are deleted, and the
 //! replay stream is trimmed below the oldest entry still pending or undelivered in any group.
+//!
+//! Errors are classified ([`RelayError::is_transient`]): connection loss, restarts, failovers
+//! and the like are retried with capped backoff; anything else (a missing table or column, a
+//! script error, a key of the wrong type) ends [`Relay::run`] with `Err`, because retrying it
+//! can never succeed and a relay that silently loops publishes nothing.
 
 use std::time::{Duration, Instant};
 
@@ -44,7 +55,7 @@ impl Default for RelayConfig {
             batch: 500,
             poll: Duration::from_millis(1000),
             marker_ttl: Duration::from_secs(7 * 24 * 3600),
-            events_maxlen: 1_000_000,
+            events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
             retention: Duration::from_secs(24 * 3600),
         }
     }
@@ -60,13 +71,87 @@ pub struct RelayCounts {
     pub duplicates: u64,
 }
 
-/// Why a pass failed (the loop backs off and retries).
+/// Why a pass failed. [`RelayError::is_transient`] tells the loop whether to back off and
+/// retry or to stop.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
     #[error("postgres: {0}")]
     Db(#[from] sqlx::Error),
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+}
+
+impl RelayError {
+    /// Whether the same step may succeed later without anyone changing anything (connection
+    /// loss, restart, failover, lock or resource trouble), by error kind and code, never by
+    /// message text.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RelayError::Db(e) => is_transient_db(e),
+            RelayError::Redis(e) => is_transient_redis(e),
+        }
+    }
+}
+
+/// Classifies a Postgres error for the background loops (relay, scheduler, replayers): by
+/// `sqlx` kind and SQLSTATE. Transient: I/O, pool timeouts, protocol trouble, connection
+/// exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
+/// resources (53), lock not available (55P03), operator intervention (57, e.g. a cancelled
+/// statement or a shutting-down server, except 57P04 database dropped), system I/O errors
+/// (58000, 58030) and a read-only server during failover (25006). Everything else, e.g. an
+/// undefined table (42P01) or column (42703), a permission problem or a decode error, needs a
+/// person and is permanent.
+pub fn is_transient_db(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            c.starts_with("08")
+                || c.starts_with("40")
+                || c.starts_with("53")
+                || (c.starts_with("57") && c != "57P04")
+                || matches!(c.as_ref(), "55P03" | "58000" | "58030" | "25006" | "72000")
+        }),
+        _ => false,
+    }
+}
+
+/// Classifies a Redis error for the background loops: by redis-rs kind and server error code.
+/// Transient: I/O (connection refused, dropped, timed out), a server loading its data set,
+/// cluster redirections and failovers (`TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`,
+/// `MOVED`, `ASK`), a busy script (`BUSY`), memory or persistence trouble (`OOM`, `MISCONF`),
+/// missing replicas (`NOREPLICAS`) and a consumer group that vanished with its stream
+/// (`NOGROUP`: the replayer recreates it). Permanent: everything else, e.g. `WRONGTYPE`, a
+/// script error, `NOPERM`, failed authentication, a reply of an unexpected type.
+pub fn is_transient_redis(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return true;
+    }
+    match e.kind() {
+        ErrorKind::Parse
+        | ErrorKind::ClusterConnectionNotFound
+        | ErrorKind::MasterNameNotFoundBySentinel
+        | ErrorKind::NoValidReplicasFoundBySentinel => true,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+        ),
+        ErrorKind::Extension => {
+            matches!(e.code(), Some("BUSY" | "OOM" | "MISCONF" | "NOREPLICAS" | "NOGROUP" | "LOADING"))
+        }
+        _ => false,
+    }
 }
 
 /// One relay; run as many as you like.
@@ -87,7 +172,7 @@ impl Relay {
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
         let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(
-            "SELECT id, event, stream, body::text AS body FROM dlq_outbox
+            "SELECT id, event_id::text AS event_id, event, stream, body::text AS body FROM dlq_outbox
               WHERE published_at IS NULL
               ORDER BY id
               LIMIT $1
@@ -108,13 +193,16 @@ impl Relay {
             let id: i64 = r.try_get("id")?;
             let stream: String = r.try_get("stream")?;
             let maxlen = if stream == "events" { self.config.events_maxlen } else { 0 };
-            let mut invocation = self.script.key(self.keys.outbox_marker(id));
+            let event_id: String = r.try_get("event_id")?;
+            let mut invocation = self.script.key(self.keys.outbox_marker(&event_id));
             invocation
                 .key(self.keys.for_outbox_stream(&stream))
                 .arg(ttl)
                 .arg(maxlen)
                 .arg("outbox_id")
                 .arg(id)
+                .arg("event_id")
+                .arg(&event_id)
                 .arg("event")
                 .arg(r.try_get::<String, _>("event")?)
                 .arg("body")
@@ -124,10 +212,16 @@ impl Relay {
         }
         let replies: Vec<(String, i64)> = pipe.query_async(&mut self.redis).await?;
         failpoint::hit("relay_after_publish");
-        sqlx::query("UPDATE dlq_outbox SET published_at = now() WHERE id = ANY($1)")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
+        let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
+        sqlx::query(
+            "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
+               FROM UNNEST($1::bigint[], $2::text[]) AS p(id, entry_id)
+              WHERE o.id = p.id",
+        )
+        .bind(&ids)
+        .bind(&entry_ids)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
         metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
@@ -156,8 +250,12 @@ impl Relay {
     }
 
     /// Runs until `cancel`: passes back to back while there is work, otherwise waits for a
-    /// notification or the poll interval; errors are logged and retried with backoff.
-    pub async fn run(mut self, cancel: CancellationToken) {
+    /// notification or the poll interval. Transient errors are logged and retried with capped
+    /// backoff; a permanent one ends the loop.
+    ///
+    /// Returns `Ok(())` once cancelled, `Err` on a permanent error (the caller logs it at
+    /// ERROR and stops the process: nothing would be published until someone fixes it).
+    pub async fn run(mut self, cancel: CancellationToken) -> Result<(), RelayError> {
         let mut listener = None;
         let mut backoff = Duration::from_millis(100);
         let mut last_maintenance = Instant::now() - Duration::from_secs(3600);
@@ -181,6 +279,7 @@ impl Relay {
                         }
                     }
                 }
+                Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
                     tracing::warn!(error = %e, "relay pass failed; retrying");
                     sleep_or_cancel(backoff, &cancel).await;
@@ -190,11 +289,15 @@ impl Relay {
             }
             if last_maintenance.elapsed() > Duration::from_secs(30) {
                 last_maintenance = Instant::now();
-                if let Err(e) = self.prune().await {
-                    tracing::warn!(error = %e, "relay: pruning published outbox rows failed");
+                match self.prune().await {
+                    Err(e) if !e.is_transient() => return Err(e),
+                    Err(e) => tracing::warn!(error = %e, "relay: pruning published outbox rows failed"),
+                    Ok(_) => {}
                 }
-                if let Err(e) = self.trim_replay().await {
-                    tracing::warn!(error = %e, "relay: trimming the replay stream failed");
+                match self.trim_replay().await {
+                    Err(e) if !e.is_transient() => return Err(e),
+                    Err(e) => tracing::warn!(error = %e, "relay: trimming the replay stream failed"),
+                    Ok(_) => {}
                 }
             }
             match listener.as_mut() {
@@ -212,6 +315,7 @@ impl Relay {
                 None => sleep_or_cancel(self.config.poll, &cancel).await,
             }
         }
+        Ok(())
     }
 }
 
@@ -252,4 +356,30 @@ pub async fn trim_below_group_needs(redis: &mut ConnectionManager, stream: &str)
     let removed: u64 =
         redis::cmd("XTRIM").arg(stream).arg("MINID").arg(format!("{ms}-{seq}")).query_async(redis).await?;
     Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_trouble_is_transient() {
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(RelayError::from(sqlx::Error::Io(io)).is_transient());
+        assert!(RelayError::from(sqlx::Error::PoolTimedOut).is_transient());
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(RelayError::from(redis::RedisError::from(refused)).is_transient());
+        let timeout = std::io::Error::from(std::io::ErrorKind::TimedOut);
+        assert!(RelayError::from(redis::RedisError::from(timeout)).is_transient());
+    }
+
+    #[test]
+    fn mistakes_that_need_a_person_are_permanent() {
+        assert!(!RelayError::from(sqlx::Error::RowNotFound).is_transient());
+        assert!(!RelayError::from(sqlx::Error::ColumnNotFound("entry_id".into())).is_transient());
+        let decode = redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "not a stream"));
+        assert!(!RelayError::from(decode).is_transient());
+        let auth = redis::RedisError::from((redis::ErrorKind::AuthenticationFailed, "WRONGPASS"));
+        assert!(!RelayError::from(auth).is_transient());
+    }
 }

@@ -105,13 +105,28 @@ impl ReplayCounts {
     }
 }
 
-/// Why a replay step failed (the loop backs off and retries).
+/// Why a replay step failed. [`ReplayError::is_transient`] tells the loops whether to back
+/// off and retry or to stop.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ReplayError {
     #[error("{0}")]
     Store(#[from] StoreError),
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+}
+
+impl ReplayError {
+    /// Whether the same step may succeed later without anyone changing anything; classified
+    /// like the relay's errors ([`crate::relay::is_transient_db`],
+    /// [`crate::relay::is_transient_redis`]), by kind and code, never by message text.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ReplayError::Store(StoreError::Db(e)) => crate::relay::is_transient_db(e),
+            ReplayError::Store(e) => e.is_transient(),
+            ReplayError::Redis(e) => crate::relay::is_transient_redis(e),
+        }
+    }
 }
 
 /// Publishes due rows as replay work.
@@ -133,13 +148,23 @@ impl Scheduler {
         }
     }
 
-    pub async fn run(self, cancel: CancellationToken) {
+    /// Runs a pass every `schedule_every` until `cancel`. Transient errors are logged and
+    /// retried on the next tick; a permanent one ends the loop.
+    ///
+    /// Returns `Ok(())` once cancelled, `Err` on a permanent error (the caller logs it at
+    /// ERROR and stops the process: nothing would be replayed until someone fixes it).
+    pub async fn run(self, cancel: CancellationToken) -> Result<(), ReplayError> {
         while !cancel.is_cancelled() {
             if let Err(e) = self.run_once().await {
+                let e = ReplayError::from(e);
+                if !e.is_transient() {
+                    return Err(e);
+                }
                 tracing::warn!(error = %e, "scheduler pass failed; retrying");
             }
             sleep_or_cancel(self.config.schedule_every, &cancel).await;
         }
+        Ok(())
     }
 }
 
@@ -470,12 +495,19 @@ impl Replayer {
     }
 
     /// Runs until `stop` (stop claiming), finishing the batch in hand; `hard` cuts retry
-    /// waits short when the grace period is over.
-    pub async fn run(mut self, stop: CancellationToken, hard: CancellationToken) {
+    /// waits short when the grace period is over. Transient errors are logged and retried
+    /// with capped backoff; a permanent one ends the loop.
+    ///
+    /// Returns `Ok(())` once stopped, `Err` on a permanent error (the caller logs it at ERROR
+    /// and stops the process).
+    pub async fn run(mut self, stop: CancellationToken, hard: CancellationToken) -> Result<(), ReplayError> {
         let mut conn = None;
         let mut backoff = Duration::from_millis(100);
         let mut last_reclaim = Instant::now() - Duration::from_secs(3600);
         if let Err(e) = ensure_group(&mut self.redis, &self.keys).await {
+            if !crate::relay::is_transient_redis(&e) {
+                return Err(e.into());
+            }
             tracing::warn!(error = %e, "cannot create the consumer group yet; will retry");
         }
         while !stop.is_cancelled() {
@@ -515,6 +547,7 @@ impl Replayer {
                         tracing::debug!(consumer = %self.name, ?c, "replay batch");
                     }
                 }
+                Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
                     tracing::warn!(consumer = %self.name, error = %e, "replay step failed; retrying");
                     conn = None;
@@ -523,6 +556,7 @@ impl Replayer {
                 }
             }
         }
+        Ok(())
     }
 
     async fn read_once_entries(

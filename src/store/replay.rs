@@ -148,6 +148,8 @@ impl Store {
 
     /// Puts rows back on the schedule `delay` from now without charging them (same
     /// generation, same attempts): used when the provider refused the run, not the rows.
+    /// The work item was consumed, so the row is no longer leased (`enqueued_at` cleared):
+    /// the reconciler must not take the pause for lost work and cancel it.
     pub async fn postpone(
         &self,
         ids: &[i64],
@@ -155,7 +157,7 @@ impl Store {
         delay: Duration,
     ) -> Result<u64, StoreError> {
         let done = sqlx::query(
-            "UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3)
+            "UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3), enqueued_at = NULL
                FROM UNNEST($1::bigint[], $2::bigint[]) AS i(id, generation)
               WHERE d.id = i.id AND d.generation = i.generation AND d.exhausted_at IS NULL",
         )

@@ -7,10 +7,13 @@
 //! | --- | --- | --- | --- |
 //! | `{p}:events` | stream | relay (every park, resolve, replay, re-park, exhaustion) | `tail`, any consumer |
 //! | `{p}:replay` | stream | relay (due replay work items) | group [`REPLAY_GROUP`] |
-//! | `{p}:outbox:<id>` | string, TTL | `redis/publish.lua` (dedup marker → entry id) | `redis/publish.lua` |
+//! | `{p}:outbox:<event_id>` | string, TTL | `redis/publish.lua` (dedup marker → entry id) | `redis/publish.lua` |
 //!
-//! Stream entries carry `outbox_id`, `event` and `body` (the compact JSON envelope from the
-//! outbox: ids, error class, attempts, timestamps — never the payload or a secret).
+//! Stream entries carry `outbox_id`, `event_id`, `event` and `body` (the compact JSON envelope
+//! from the outbox: ids, error class, attempts, timestamps — never the payload or a secret).
+//! `event_id` is a random uuid per outbox row: unique across database restores, re-created
+//! databases and deployments sharing a prefix (the outbox id is not), so consumers can
+//! deduplicate by it, and the dedup marker is keyed by it.
 
 pub mod work;
 
@@ -26,6 +29,10 @@ pub const REPLAY_GROUP: &str = "replayers";
 
 /// Default key prefix.
 pub const DEFAULT_PREFIX: &str = "embed-dlq";
+
+/// Approximate length cap of the events stream (`XADD ... MAXLEN ~`): what the relay trims
+/// to, and what the reconciler treats as "trimmed by policy" rather than lost.
+pub const DEFAULT_EVENTS_MAXLEN: usize = 1_000_000;
 
 /// The dedup-and-append script (`redis/publish.lua`).
 pub fn publish_script() -> Script {
@@ -54,9 +61,10 @@ impl StreamKeys {
         format!("{}:replay", self.tag)
     }
 
-    /// Dedup marker of one outbox row.
-    pub fn outbox_marker(&self, outbox_id: i64) -> String {
-        format!("{}:outbox:{outbox_id}", self.tag)
+    /// Dedup marker of one outbox row, keyed by its `event_id` (never by the outbox id, which
+    /// repeats across restores, re-created databases and deployments sharing a prefix).
+    pub fn outbox_marker(&self, event_id: &str) -> String {
+        format!("{}:outbox:{event_id}", self.tag)
     }
 
     /// The stream an outbox row's `stream` column names.
@@ -123,7 +131,10 @@ mod tests {
         let k = StreamKeys::new("prod");
         assert_eq!(k.events(), "{prod}:events");
         assert_eq!(k.replay(), "{prod}:replay");
-        assert_eq!(k.outbox_marker(42), "{prod}:outbox:42");
+        assert_eq!(
+            k.outbox_marker("0b6f0c52-8a56-4e0e-9b43-4c3f8e8d1a2b"),
+            "{prod}:outbox:0b6f0c52-8a56-4e0e-9b43-4c3f8e8d1a2b"
+        );
         assert_eq!(k.for_outbox_stream("replay"), k.replay());
         assert_eq!(k.for_outbox_stream("events"), k.events());
     }

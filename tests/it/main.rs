@@ -7,6 +7,7 @@ mod ingest;
 mod process;
 mod provider;
 mod reconcile;
+mod relay;
 mod restart;
 mod streams;
 mod support;

@@ -23,7 +23,7 @@ fn immediate() -> ReconcileConfig {
         outbox_stuck_after: Duration::from_secs(3600),
         replay_stall_after: Duration::from_secs(3600),
         lost_work_grace: Duration::ZERO,
-        examples: 5,
+        ..Default::default()
     }
 }
 
@@ -311,11 +311,11 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     let fixed = start_mock(MockConfig::default()).await;
     let p = pipeline(&settings(&db, &fixed)).await;
     let filter = embed_dlq::dlq::Filter { class: Some("permanent_input".into()), ..Default::default() };
-    assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, true, 100).await.unwrap(), 6);
+    assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, true, 100).await.unwrap().requeued, 6);
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 0, "dry run");
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
-    assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, false, 100).await.unwrap(), 6);
+    assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, false, 100).await.unwrap().requeued, 6);
     relay_all(&db, &keys).await;
     let mut rep = Replayer {
         name: "requeue".into(),

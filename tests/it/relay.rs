@@ -1,0 +1,443 @@
+//! Relay identity and wake-ups, relay/replayer error classification, the event-stream
+//! reconcile check, postponed work, paged reconcile scans, batched purge and requeue safety.
+//! Real Postgres, real Redis.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use embed_dlq::mock_provider::MockConfig;
+use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler};
+use embed_dlq::relay::{Relay, RelayConfig};
+use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
+use redis::AsyncCommands;
+use sqlx::postgres::PgListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// Parks `n` chunks of `doc` as transient (the provider is down).
+async fn park(db: &TestDb, doc: &str, n: i32) {
+    let mock = start_mock(MockConfig::default()).await;
+    mock.control.set_outage(true);
+    let mut s = settings(db, &mock);
+    s.retry.max_attempts = 1;
+    let mut corpus = String::new();
+    for i in 0..n {
+        corpus.push_str(&line(doc, i, &format!("{doc} {i}")));
+    }
+    pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+}
+
+/// Relays every unpublished outbox row; returns the new stream entries.
+async fn relay_all(db: &TestDb, keys: &StreamKeys) -> u64 {
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let mut published = 0;
+    loop {
+        let c = relay.run_once().await.unwrap();
+        published += c.published;
+        if c.claimed == 0 {
+            return published;
+        }
+    }
+}
+
+async fn reconciler(db: &TestDb, keys: &StreamKeys, config: ReconcileConfig) -> Reconciler {
+    let p = pipeline(&settings(db, &start_mock(MockConfig::default()).await)).await;
+    Reconciler { store: p.store, redis: Some(redis().await), keys: keys.clone(), config }
+}
+
+fn immediate() -> ReconcileConfig {
+    ReconcileConfig {
+        outbox_stuck_after: Duration::from_secs(3600),
+        replay_stall_after: Duration::from_secs(3600),
+        lost_work_grace: Duration::ZERO,
+        ..Default::default()
+    }
+}
+
+async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {
+    let mut r = redis().await;
+    let all: redis::streams::StreamRangeReply = r.xrange_all(keys.events()).await.unwrap();
+    all.ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_installation_on_the_same_prefix_publishes_all_its_events() {
+    let keys = fresh_keys();
+    // Two databases whose outbox ids are the same (1..=5): a re-created database, a restore,
+    // or a second deployment sharing the prefix.
+    let first = TestDb::new().await;
+    park(&first, "first", 5).await;
+    assert_eq!(relay_all(&first, &keys).await, 5);
+    let second = TestDb::new().await;
+    park(&second, "second", 5).await;
+    assert_eq!(relay_all(&second, &keys).await, 5, "no new event is taken for a duplicate of an old one");
+    let entries = events_on_stream(&keys).await;
+    assert_eq!(entries.len(), 10);
+    let docs: HashSet<String> = entries
+        .iter()
+        .map(|e| {
+            let body: serde_json::Value =
+                serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap();
+            format!("{}#{}", body["doc_id"].as_str().unwrap(), body["chunk_index"])
+        })
+        .collect();
+    assert_eq!(docs.len(), 10, "every park of both installations is on the stream once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "again", 6).await;
+    assert_eq!(relay_all(&db, &keys).await, 6);
+    // The relay crashed after XADD and before its commit (or the database was restored to
+    // before the commit): the same rows are unpublished again.
+    sqlx::query("UPDATE dlq_outbox SET published_at = NULL").execute(&db.pool).await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let c = relay.run_once().await.unwrap();
+    assert_eq!((c.claimed, c.published, c.duplicates), (6, 0, 6), "{c:?}");
+    assert_eq!(events_on_stream(&keys).await.len(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
+    let db = TestDb::new().await;
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen("embed_dlq_outbox").await.unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut corpus = String::new();
+    for i in 0..40 {
+        corpus.push_str(&line("quiet", i, &format!("quiet {i}")));
+    }
+    let p = pipeline(&settings(&db, &mock)).await;
+    assert_eq!(p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap().stored, 40);
+    // Notifications arrive in commit order: if the stores notified, theirs come first.
+    sqlx::query("SELECT pg_notify('embed_dlq_outbox', 'marker')").execute(&db.pool).await.unwrap();
+    let first = listener.recv().await.unwrap();
+    assert_eq!(first.payload(), "marker", "a store that wrote no outbox row notified the relay");
+    park(&db, "loud", 1).await;
+    let next = listener.recv().await.unwrap();
+    assert_eq!(next.payload(), "", "a park wakes the relay");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postponed_rows_are_not_lost_replay_work_and_repair_leaves_them_alone() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "paused", 6).await;
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let r = reconciler(&db, &keys, immediate()).await;
+    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    relay_all(&db, &keys).await;
+    // The provider refuses the run (wrong key): the replayer postpones the rows uncharged.
+    let locked =
+        start_mock(MockConfig { api_key: Some("the-right-key".into()), ..MockConfig::default() }).await;
+    let p = pipeline(&settings(&db, &locked)).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut rep = Replayer {
+        name: "paused".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: client.clone(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig {
+            block: Duration::from_millis(200),
+            systemic_pause: Duration::from_secs(600),
+            ..Default::default()
+        },
+        paused_until: None,
+    };
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!(c.postponed, 6, "{c:?}");
+    // The relay's maintenance trims the acknowledged entries away.
+    embed_dlq::relay::trim_below_group_needs(&mut redis, &keys.replay()).await.unwrap();
+    let state = || async {
+        sqlx::query_as::<_, (i64, i32, chrono::DateTime<chrono::Utc>)>(
+            "SELECT id, replays, next_retry_at FROM embedding_dlq ORDER BY id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = state().await;
+    let outbox_before = db.count("SELECT count(*) FROM dlq_outbox").await;
+    let mut r = r;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::LostReplayWork).found, 0, "{report:#?}");
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(repaired.total_found(), 0, "{repaired:#?}");
+    assert_eq!(state().await, before, "repair did not cancel the pause");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox").await, outbox_before, "no new work item");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_outbox_table_is_gone_stops_with_an_error() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    sqlx::query("ALTER TABLE dlq_outbox RENAME TO dlq_outbox_renamed").execute(&db.pool).await.unwrap();
+    let relay = Relay::new(db.pool.clone(), redis().await, keys, RelayConfig::default());
+    // A hang guard, not a timing assertion: a relay that retries a permanent error forever
+    // never returns.
+    let ended = tokio::time::timeout(Duration::from_secs(60), relay.run(CancellationToken::new())).await;
+    let result = ended.expect("the relay gave up instead of retrying forever");
+    let err = result.expect_err("a permanent error ends the relay with Err");
+    assert!(!err.is_transient());
+    assert!(err.to_string().contains("dlq_outbox"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_loops_stop_on_permanent_errors() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let r = reconciler(&db, &keys, immediate()).await;
+    sqlx::query("ALTER TABLE embedding_dlq RENAME COLUMN enqueued_at TO enqueued_at_gone")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let scheduler = Scheduler { store: r.store.clone(), config: ReplayConfig::default() };
+    let ended = tokio::time::timeout(Duration::from_secs(60), scheduler.run(CancellationToken::new())).await;
+    let err = ended.expect("the scheduler gave up").expect_err("permanent error");
+    assert!(!err.is_transient(), "{err}");
+
+    // The replay stream's key holds a string: WRONGTYPE on every read is not transient.
+    let mut redis = redis().await;
+    let _: () = redis.set(keys.replay(), "not a stream").await.unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &mock)).await;
+    let rep = Replayer {
+        name: "wrongtype".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+        paused_until: None,
+    };
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        rep.run(CancellationToken::new(), CancellationToken::new()),
+    )
+    .await;
+    let err = ended.expect("the replayer gave up").expect_err("permanent error");
+    assert!(!err.is_transient(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_classified_by_kind_and_code_not_text() {
+    use embed_dlq::relay::RelayError;
+    let db = TestDb::new().await;
+    let missing = sqlx::query("SELECT * FROM no_such_table").execute(&db.pool).await.unwrap_err();
+    assert!(!RelayError::from(missing).is_transient(), "undefined table");
+    let column = sqlx::query("SELECT no_such_column FROM dlq_outbox").execute(&db.pool).await.unwrap_err();
+    assert!(!RelayError::from(column).is_transient(), "undefined column");
+    let mut own = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    let cancelled = sqlx::raw_sql("SET statement_timeout = 1; SELECT pg_sleep(1)")
+        .execute(&mut own)
+        .await
+        .expect_err("statement timeout");
+    assert!(RelayError::from(cancelled).is_transient(), "a cancelled statement may succeed next time");
+
+    let mut redis = redis().await;
+    let key = format!("{}:wrongtype", fresh_keys().events());
+    let _: () = redis.set(&key, "x").await.unwrap();
+    let wrongtype: redis::RedisError = redis::cmd("XADD")
+        .arg(&key)
+        .arg("*")
+        .arg("a")
+        .arg("b")
+        .query_async::<String>(&mut redis)
+        .await
+        .unwrap_err();
+    assert!(!RelayError::from(wrongtype).is_transient(), "WRONGTYPE");
+    let script_error: redis::RedisError = redis::Script::new("return redis.call('NOSUCHCOMMAND')")
+        .invoke_async::<_, redis::Value>(&mut redis)
+        .await
+        .unwrap_err();
+    assert!(!RelayError::from(script_error).is_transient(), "a script error");
+    let _: () = redis.del(&key).await.unwrap();
+
+    let refused = embed_dlq::streams::client("redis://127.0.0.1:1/").unwrap();
+    let err = refused.get_multiplexed_async_connection().await.unwrap_err();
+    assert!(RelayError::from(err).is_transient(), "connection refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_events_missing_from_the_stream_are_found_and_republished() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "gone", 30).await;
+    assert_eq!(relay_all(&db, &keys).await, 30);
+    let mut redis = redis().await;
+    let entries = events_on_stream(&keys).await;
+    let key_of = |e: &redis::streams::StreamId| {
+        let body: serde_json::Value =
+            serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap();
+        format!("{}#{}", body["doc_id"].as_str().unwrap(), body["chunk_index"])
+    };
+    // An operator deletes two entries in the middle (a finding); then the length cap trims
+    // the oldest 8 (policy, not a finding).
+    let _: i64 = redis.xdel(keys.events(), &[&entries[15].id, &entries[22].id]).await.unwrap();
+    let _: i64 =
+        redis::cmd("XTRIM").arg(keys.events()).arg("MAXLEN").arg(20).query_async(&mut redis).await.unwrap();
+    let config = ReconcileConfig { events_maxlen: 20, page: 7, ..immediate() };
+    let mut r = reconciler(&db, &keys, config).await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::MissingEvents).found, 2, "{report:#?}");
+    assert_eq!(report.get(Check::MissingEvents).examples, vec![key_of(&entries[15]), key_of(&entries[22])]);
+    assert_eq!(
+        report.get(Check::MissingEvents).note.as_deref(),
+        Some("8 trimmed by the stream's length cap")
+    );
+    let dry = r.run_once(Mode::DryRun).await.unwrap();
+    assert_eq!((dry.get(Check::MissingEvents).found, dry.get(Check::MissingEvents).repaired), (2, 0));
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(repaired.get(Check::MissingEvents).repaired, 2);
+    assert_eq!(relay_all(&db, &keys).await, 2, "the markers did not swallow the republish");
+    let clean = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(clean.total_found(), 0, "{clean:#?}");
+    let on_stream: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect();
+    assert_eq!(on_stream.len(), 22);
+    assert_eq!(on_stream.iter().collect::<HashSet<_>>().len(), 22, "each event once");
+
+    // Redis loses everything: every event still in the outbox is found and republished.
+    let _: i64 = redis.del(keys.events()).await.unwrap();
+    let report = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(report.get(Check::MissingEvents).found, 30, "{report:#?}");
+    assert_eq!(relay_all(&db, &keys).await, 30);
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_pages_through_the_replay_stream() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "paged", 23).await;
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let mut r = reconciler(&db, &keys, ReconcileConfig { page: 4, ..immediate() }).await;
+    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    relay_all(&db, &keys).await;
+    // Deliver 10 entries to a consumer (pending), leave 13 undelivered.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(REPLAY_GROUP)
+        .arg("c")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg(keys.replay())
+        .arg(">")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0, "all work is outstanding");
+    // Rows deleted by hand: 3 pending and 3 undelivered entries become orphans.
+    sqlx::query("DELETE FROM embedding_dlq WHERE chunk_index IN (1, 5, 9, 12, 17, 22)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM ingest_manifest WHERE chunk_index IN (1, 5, 9, 12, 17, 22)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // Work lost across page boundaries: entries of 7 rows vanish from the stream.
+    let all: redis::streams::StreamRangeReply = redis.xrange_all(keys.replay()).await.unwrap();
+    let lost: Vec<&String> = [2, 3, 4, 13, 14, 15, 16].iter().map(|i| &all.ids[*i].id).collect();
+    let _: i64 = redis.xack(keys.replay(), REPLAY_GROUP, &lost).await.unwrap();
+    let _: i64 = redis.xdel(keys.replay(), &lost).await.unwrap();
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::OrphanStreamEntries).found, 6, "{report:#?}");
+    assert_eq!(report.get(Check::LostReplayWork).found, 7, "{report:#?}");
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(repaired.get(Check::OrphanStreamEntries).repaired, 6);
+    assert_eq!(repaired.get(Check::LostReplayWork).repaired, 7);
+    relay_all(&db, &keys).await;
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
+    let len: usize = redis.xlen(keys.replay()).await.unwrap();
+    assert_eq!(len, 23 - 7 - 6 + 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_in_bounded_batches_each_with_its_events() {
+    let db = TestDb::new().await;
+    park(&db, "purge", 25).await;
+    park(&db, "keep", 3).await;
+    let p = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await;
+    let filter = embed_dlq::dlq::Filter { doc: Some("purge".into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::purge_in_batches(&p.store, &filter, true, 10).await.unwrap(), 25);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 28, "dry run");
+    assert_eq!(embed_dlq::dlq::purge_in_batches(&p.store, &filter, false, 10).await.unwrap(), 25);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 3);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'purged'").await, 25);
+    // One transaction per batch of at most 10 rows, each with its own events.
+    let per_tx: Vec<i64> = sqlx::query_scalar(
+        "SELECT count(*) FROM dlq_outbox WHERE event = 'purged' GROUP BY xmin::text ORDER BY 1 DESC",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(per_tx, vec![10, 10, 5]);
+    assert_eq!(db.leaks().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let strict = start_mock(MockConfig { max_input_chars: 20, ..MockConfig::default() }).await;
+    let mut corpus = String::new();
+    corpus.push_str(&line("fix", 0, "a text longer than twenty characters"));
+    corpus.push_str(&line("fix", 1, "another text longer than twenty characters"));
+    corpus.push_str(&format!("{}\n", serde_json::json!({"doc_id": "fix", "chunk_index": 2})));
+    pipeline(&settings(&db, &strict))
+        .await
+        .run(input(corpus.into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'invalid_record'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'permanent_input'").await, 2);
+    // A row whose payload text is empty (written by an older version, or by hand).
+    sqlx::query(
+        "UPDATE embedding_dlq SET payload = jsonb_set(payload, '{text}', '\"\"') WHERE chunk_index = 1",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let p = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await;
+    let all = embed_dlq::dlq::Filter::default();
+    let dry = embed_dlq::dlq::requeue(&p.store, &all, true, 100).await.unwrap();
+    assert_eq!((dry.requeued, dry.needs_reingest), (1, 2));
+    let done = embed_dlq::dlq::requeue(&p.store, &all, false, 100).await.unwrap();
+    assert_eq!((done.requeued, done.needs_reingest), (1, 2));
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'replay'").await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'fix' AND chunk_index = 0 AND error_class = 'transient'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM embedding_dlq
+              WHERE (chunk_index = 1 AND error_class = 'permanent_input')
+                 OR (chunk_index = 2 AND error_class = 'invalid_record')"
+        )
+        .await,
+        2,
+        "left for re-ingest"
+    );
+}
