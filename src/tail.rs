@@ -25,6 +25,24 @@ pub struct TailOptions {
     pub no_follow: bool,
 }
 
+/// Checks a `--from` value: `$`, `0`, or a stream entry id (`ms` or `ms-seq`), so a typo is a
+/// usage error rather than a Redis error on every read.
+pub fn check_from(from: &str) -> Result<(), String> {
+    let digits = |s: &str| {
+        !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u64>().is_ok()
+    };
+    let ok = from == "$"
+        || match from.split_once('-') {
+            Some((ms, seq)) => digits(ms) && digits(seq),
+            None => digits(from),
+        };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{from:?} is not `$`, `0` or a stream entry id like 1700000000000-0"))
+    }
+}
+
 /// Prints events to `out` until cancelled, caught up (`no_follow`) or `count` is reached;
 /// returns how many were printed.
 pub async fn tail(
@@ -124,4 +142,19 @@ pub fn human_line(id: &str, event: &str, body: &str) -> String {
         }
     }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_values() {
+        for ok in ["$", "0", "0-0", "1700000000000-3", "18446744073709551615-18446744073709551615"] {
+            assert!(check_from(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "now", "-1", "1-", "1-2-3", "18446744073709551616", "$$"] {
+            assert!(check_from(bad).is_err(), "{bad}");
+        }
+    }
 }
