@@ -546,10 +546,14 @@ impl Settings {
 
         // [services]
         let database_url = r
-            .text("services", "database_url", database_url, f.services.database_url.clone(), non_empty)?
+            .text("services", "database_url", database_url, f.services.database_url.clone(), |u| {
+                check_scheme(u, &["postgres", "postgresql"])
+            })?
             .map(|(v, _)| v);
         let redis_url = r
-            .text("services", "redis_url", redis_url, f.services.redis_url.clone(), non_empty)?
+            .text("services", "redis_url", redis_url, f.services.redis_url.clone(), |u| {
+                check_scheme(u, &["redis", "rediss", "redis+unix", "unix"])
+            })?
             .map(|(v, _)| v);
 
         // [provider]
@@ -915,8 +919,14 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-fn non_empty(s: &str) -> Result<(), String> {
-    if s.trim().is_empty() { Err("must not be empty".into()) } else { Ok(()) }
+/// A service URL of one of `schemes`. The message never repeats the URL (it may hold a
+/// password).
+fn check_scheme(url: &str, schemes: &[&str]) -> Result<(), String> {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    match scheme {
+        Some(s) if schemes.contains(&s.as_str()) => Ok(()),
+        _ => Err(format!("not a URL of scheme {}", schemes.join(", "))),
+    }
 }
 
 fn no_control(s: &str) -> Result<(), String> {
@@ -1281,6 +1291,16 @@ reconcile_every_secs = 7
         assert!(
             with_provider(ProviderArgs { api_key_env: Some("A=B".into()), ..Default::default() }).is_err()
         );
+
+        let with_services = |d: &str, r: &str| {
+            let services = ServiceArgs { database_url: Some(d.into()), redis_url: Some(r.into()) };
+            resolve(FileConfig { services, ..Default::default() }, None)
+        };
+        assert!(with_services("postgres://u@h/db", "redis://h:1/").is_ok());
+        assert!(with_services("postgresql://u@h/db", "rediss://h:1/").is_ok());
+        let err = with_services("mysql://u:pw@h/db", "redis://h/").unwrap_err();
+        assert!(!err.to_string().contains("pw"), "{err}");
+        assert!(with_services("postgres://u@h/db", "").is_err());
 
         let with_table = |t: &str| {
             resolve(
