@@ -63,6 +63,29 @@ pub struct Cli {
 }
 
 impl Cli {
+    /// The command line definition, with every setting's default appended to its help
+    /// (read from [`crate::config::help_defaults`]; clap itself holds no defaults, which would
+    /// shadow the config file).
+    pub fn command_with_defaults() -> clap::Command {
+        use clap::CommandFactory;
+        fn annotate(mut cmd: clap::Command, defaults: &[(&'static str, String)]) -> clap::Command {
+            for (key, value) in defaults {
+                let Some(help) = cmd.get_arguments().find(|a| a.get_id() == *key).and_then(|a| a.get_help())
+                else {
+                    continue;
+                };
+                let help = format!("{help} [default: {value}]");
+                cmd = cmd.mut_arg(*key, |a| a.help(help));
+            }
+            let names: Vec<String> = cmd.get_subcommands().map(|c| c.get_name().to_string()).collect();
+            for name in names {
+                cmd = cmd.mut_subcommand(name, |sc| annotate(sc, defaults));
+            }
+            cmd
+        }
+        annotate(Cli::command(), &crate::config::help_defaults())
+    }
+
     /// Builds the command from parsed matches, remembering where each value came from.
     /// (`main` calls `Cli::command().get_matches()`, which prints help and exits on errors.)
     pub fn from_matches(matches: &clap::ArgMatches) -> Result<Cli, clap::Error> {
@@ -184,7 +207,7 @@ pub enum Command {
         /// Exit once caught up.
         #[arg(long)]
         no_follow: bool,
-        /// Key prefix of the streams (default: `[serve] stream_prefix`, else embed-dlq).
+        /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
         #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
         stream_prefix: Option<String>,
     },
@@ -206,10 +229,10 @@ pub enum Command {
         /// Serve Prometheus metrics here while running (e.g. 127.0.0.1:9465).
         #[arg(long)]
         metrics_addr: Option<SocketAddr>,
-        /// Target vector table (default: `[ingest] table`, else doc_embeddings).
+        /// Target vector table (else `[ingest] table` of the config file).
         #[arg(long)]
         table: Option<String>,
-        /// Key prefix of the streams (default: `[serve] stream_prefix`, else embed-dlq).
+        /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
         #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
         stream_prefix: Option<String>,
     },
@@ -220,7 +243,7 @@ pub enum Command {
         /// JSON output.
         #[arg(long, global = true)]
         json: bool,
-        /// Target vector table (default: `[ingest] table`, else doc_embeddings).
+        /// Target vector table (else `[ingest] table` of the config file).
         #[arg(long, global = true)]
         table: Option<String>,
     },
@@ -895,6 +918,23 @@ fn fail(code: i32, msg: &str) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn help_shows_the_resolved_defaults() {
+        let mut cmd = Cli::command_with_defaults();
+        let ingest = cmd.find_subcommand_mut("ingest").unwrap().render_long_help().to_string();
+        let concurrency = crate::ingest::IngestOptions::default().concurrency;
+        assert!(ingest.contains(&format!("[default: {concurrency}]")), "{ingest}");
+        assert!(ingest.contains("[default: doc_embeddings]"), "{ingest}");
+        let serve = cmd.find_subcommand_mut("serve").unwrap().render_long_help().to_string();
+        assert!(serve.contains("[default: embed-dlq]"), "{serve}");
+        let reconcile = cmd.find_subcommand_mut("reconcile").unwrap().render_long_help().to_string();
+        assert!(reconcile.contains("[default: doc_embeddings]"), "{reconcile}");
+        // Parsing with the annotated definition still works.
+        Cli::command_with_defaults()
+            .try_get_matches_from(["embed-dlq", "ingest", "--concurrency", "3"])
+            .unwrap();
+    }
 
     #[test]
     fn mock_settings_are_bounded() {

@@ -888,6 +888,47 @@ impl Settings {
     }
 }
 
+/// Every setting's default as shown in `--help`, by key, read from the resolved defaults (so
+/// the help can never disagree with what runs).
+pub fn help_defaults() -> Vec<(&'static str, String)> {
+    let s =
+        Settings::resolve(FileConfig::default(), None, &Origins::default()).expect("the defaults are valid");
+    let o = &s.options;
+    let v = &s.serve;
+    vec![
+        ("base_url", s.client.base_url.clone()),
+        ("model", s.client.model.clone()),
+        ("encoding_format", format!("{:?}", s.client.encoding).to_lowercase()),
+        ("api_key_env", DEFAULT_API_KEY_ENV.to_string()),
+        ("request_timeout_ms", millis(s.client.timeout).to_string()),
+        ("table", s.table.clone()),
+        ("batch_max_inputs", o.batch_max_inputs.to_string()),
+        ("batch_max_chars", o.batch_max_chars.to_string()),
+        ("concurrency", o.concurrency.to_string()),
+        ("writers", o.writers.to_string()),
+        ("max_input_chars", o.max_input_chars.to_string()),
+        ("max_line_bytes", o.max_line_bytes.to_string()),
+        ("retry_max_attempts", s.retry.max_attempts.to_string()),
+        ("retry_base_ms", millis(s.retry.base).to_string()),
+        ("retry_cap_ms", millis(s.retry.cap).to_string()),
+        ("dlq_base_secs", o.dlq_schedule.base.as_secs().to_string()),
+        ("dlq_cap_secs", o.dlq_schedule.cap.as_secs().to_string()),
+        ("dlq_max_replays", o.dlq_schedule.max_replays.to_string()),
+        ("breaker_failure_threshold", s.breaker.failure_threshold.to_string()),
+        ("breaker_cooldown_ms", millis(s.breaker.cooldown).to_string()),
+        ("max_outage_secs", s.breaker.max_outage.as_secs().to_string()),
+        ("replayers", v.replayers.to_string()),
+        ("replay_batch", v.replay.batch.to_string()),
+        ("min_idle_ms", millis(v.replay.min_idle).to_string()),
+        ("delivery_cap", v.replay.delivery_cap.to_string()),
+        ("grace_ms", millis(v.grace).to_string()),
+        ("stream_prefix", s.stream_prefix.clone()),
+        ("relay_batch", v.relay.batch.to_string()),
+        ("relay_poll_ms", millis(v.relay.poll).to_string()),
+        ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
+    ]
+}
+
 /// Validated runtime settings of an ingest.
 #[derive(Debug, Clone)]
 pub struct IngestSettings {

@@ -1,11 +1,10 @@
 //! The `embed-dlq` binary: parse, set up logging, hand over to the library.
 
-use clap::CommandFactory;
 use embed_dlq::cli::Cli;
 
 fn main() {
     // Parse with the matches kept, so settings errors can say flag or environment variable.
-    let matches = Cli::command().get_matches();
+    let matches = Cli::command_with_defaults().get_matches();
     let cli = Cli::from_matches(&matches).unwrap_or_else(|e| e.exit());
     embed_dlq::telemetry::init_logging(cli.log_format);
     let runtime =
