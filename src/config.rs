@@ -364,13 +364,16 @@ impl Origins {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// The file cannot be read or parsed (an unknown key, a value of the wrong type).
     #[error("config file {}: {problem}", path.display())]
     File { path: PathBuf, problem: String },
     /// `allowed` is the documented range, e.g. `1..=256`.
     #[error("{setting} = {value} (from {origin}) is out of range: allowed {allowed}")]
     OutOfRange { setting: &'static str, value: String, origin: Origin, allowed: String },
+    /// A value of the right type that cannot work (e.g. a base URL that is not http(s)).
     #[error("{setting} (from {origin}): {problem}")]
     Invalid { setting: &'static str, origin: Origin, problem: String },
+    /// A setting the command needs was given nowhere.
     #[error("no {setting}: {hint}")]
     Missing { setting: &'static str, hint: &'static str },
 }
@@ -454,15 +457,19 @@ impl Resolver<'_> {
     }
 }
 
-/// Every setting of every command, resolved and validated.
-#[derive(Debug, Clone)]
+/// Every setting of every command, resolved and validated. Its `Debug` hides the passwords
+/// of the service URLs.
+#[derive(Clone)]
 pub struct Settings {
+    /// Postgres URL (may hold a password).
     pub database_url: Option<String>,
+    /// Redis URL (may hold a password).
     pub redis_url: Option<String>,
     /// Target vector table.
     pub table: String,
     /// Key prefix of the streams.
     pub stream_prefix: String,
+    /// The provider client (its `Debug` hides the key).
     pub client: ClientConfig,
     pub options: IngestOptions,
     pub retry: RetryPolicy,
@@ -470,17 +477,49 @@ pub struct Settings {
     pub serve: ServeSettings,
 }
 
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("database_url", &self.database_url.as_deref().map(redact_password))
+            .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("table", &self.table)
+            .field("stream_prefix", &self.stream_prefix)
+            .field("client", &self.client)
+            .field("options", &self.options)
+            .field("retry", &self.retry)
+            .field("breaker", &self.breaker)
+            .field("serve", &self.serve)
+            .finish()
+    }
+}
+
+/// `url` with its password (if any) replaced, for debug output.
+pub fn redact_password(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("[redacted]"));
+            u.to_string()
+        }
+        Ok(_) => url.to_string(),
+        Err(_) => "[unparsable URL]".to_string(),
+    }
+}
+
 /// The runtime settings of `serve`.
 #[derive(Debug, Clone)]
 pub struct ServeSettings {
+    /// Replayer tasks (0 runs only the relay and the scheduler).
     pub replayers: usize,
     /// Replayer settings; the DLQ schedule is the one of [`Settings::options`].
     pub replay: ReplayConfig,
     pub relay: RelayConfig,
+    /// Time to finish in-flight work after SIGTERM.
     pub grace: Duration,
     /// Consumer name prefix; `None` means host and pid.
     pub consumer_prefix: Option<String>,
+    /// Where to serve Prometheus metrics, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
+    /// Run the reconciler (check only) this often; `None` = never.
     pub reconcile_every: Option<Duration>,
 }
 
@@ -929,15 +968,29 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Validated runtime settings of an ingest.
-#[derive(Debug, Clone)]
+/// Validated runtime settings of an ingest. Its `Debug` hides the database password.
+#[derive(Clone)]
 pub struct IngestSettings {
+    /// Postgres URL (may hold a password).
     pub database_url: String,
     pub table: String,
     pub client: ClientConfig,
     pub options: IngestOptions,
     pub retry: RetryPolicy,
     pub breaker: BreakerConfig,
+}
+
+impl fmt::Debug for IngestSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IngestSettings")
+            .field("database_url", &redact_password(&self.database_url))
+            .field("table", &self.table)
+            .field("client", &self.client)
+            .field("options", &self.options)
+            .field("retry", &self.retry)
+            .field("breaker", &self.breaker)
+            .finish()
+    }
 }
 
 impl IngestSettings {
@@ -1276,6 +1329,18 @@ reconcile_every_secs = 7
                 assert_eq!(resolve(c, None).is_ok(), ok, "{name} = {v}");
             }
         }
+    }
+
+    #[test]
+    fn debug_output_hides_service_passwords() {
+        let services = ServiceArgs {
+            database_url: Some("postgres://u:pg-pw-1@h/db".into()),
+            redis_url: Some("redis://:redis-pw-2@h:1/".into()),
+        };
+        let s = resolve(FileConfig { services, ..Default::default() }, None).unwrap();
+        let all = format!("{s:?} {:?}", s.ingest().unwrap());
+        assert!(!all.contains("pg-pw-1") && !all.contains("redis-pw-2"), "{all}");
+        assert!(all.contains("postgres://u:[redacted]@h/db") || all.contains("%5Bredacted%5D"), "{all}");
     }
 
     #[test]
