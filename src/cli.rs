@@ -70,7 +70,11 @@ impl Cli {
         use clap::CommandFactory;
         fn annotate(mut cmd: clap::Command, defaults: &[(&'static str, String)]) -> clap::Command {
             for (key, value) in defaults {
-                let Some(help) = cmd.get_arguments().find(|a| a.get_id() == *key).and_then(|a| a.get_help())
+                // Only options without a clap default of their own (command-only flags keep theirs).
+                let Some(help) = cmd
+                    .get_arguments()
+                    .find(|a| a.get_id() == *key && a.get_default_values().is_empty())
+                    .and_then(|a| a.get_help())
                 else {
                     continue;
                 };
@@ -261,7 +265,11 @@ pub enum Command {
         #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
         chunks: u64,
         /// Concurrent provider requests, 1..=256.
-        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
+        #[arg(
+            long,
+            default_value_t = crate::ingest::IngestOptions::default().concurrency as u64,
+            value_parser = clap::value_parser!(u64).range(1..=256)
+        )]
         concurrency: u64,
         /// Print the summaries as JSON.
         #[arg(long)]
