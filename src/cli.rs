@@ -668,6 +668,10 @@ async fn dlq_command(url: &str, table: &str, action: DlqAction, json: bool) -> i
             DlqAction::Requeue { filter, dry_run, rate, all: _ } => {
                 if confirm_requeue_all {
                     let n = crate::dlq::requeue(&store, &filter, true, rate).await.map_err(|e| e.to_string())?;
+                    if n == 0 {
+                        let _ = if json { writeln!(out, "{{\"requeued\":0}}") } else { writeln!(out, "requeued 0 rows") };
+                        return Ok(());
+                    }
                     eprint!("requeue all {n} DLQ rows for replay (they will be sent to the provider again)? type 'yes': ");
                     let mut answer = String::new();
                     let _ = std::io::stdin().read_line(&mut answer);

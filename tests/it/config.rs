@@ -370,6 +370,33 @@ async fn dlq_requeue_without_a_filter_needs_all_when_not_on_a_terminal() {
     let (code, _, err) = dlq(&["requeue", "--all", "--class", "permanent_input"]).await;
     assert_eq!(code, Some(2), "--all and a filter contradict each other: {err}");
 
+    // On a terminal it asks; anything but "yes" changes nothing.
+    let on_terminal = |answer: &'static str| {
+        let mut c = Command::new("script");
+        let cmd = format!("{} dlq requeue --database-url '{}'", env!("CARGO_BIN_EXE_embed-dlq"), db.url);
+        c.args(["-qec", &cmd, "/dev/null"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for v in SETTINGS_ENV {
+            c.env_remove(v);
+        }
+        async move {
+            use tokio::io::AsyncWriteExt;
+            let mut child = c.spawn().expect("`script` (util-linux) runs the command on a pseudo-terminal");
+            child.stdin.take().unwrap().write_all(answer.as_bytes()).await.unwrap();
+            let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+                .await
+                .unwrap()
+                .unwrap();
+            (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+        }
+    };
+    let (code, out) = on_terminal("no\n").await;
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("requeue all 2 DLQ rows"), "{out}");
+    assert_eq!(requeued().await, 0, "not confirmed: nothing requeued");
+
     let (code, out, err) = dlq(&["requeue", "--class", "permanent_input"]).await;
     assert_eq!(code, Some(0), "a filter needs no confirmation: {out}{err}");
     assert_eq!(requeued().await, 2);
@@ -377,4 +404,8 @@ async fn dlq_requeue_without_a_filter_needs_all_when_not_on_a_terminal() {
     let (code, out, err) = dlq(&["requeue", "--all", "--json"]).await;
     assert_eq!(code, Some(0), "{out}{err}");
     assert_eq!(requeued().await, 4);
+
+    let (code, out) = on_terminal("yes\n").await;
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(requeued().await, 6, "confirmed on the terminal");
 }
