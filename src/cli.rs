@@ -10,7 +10,8 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{
-    FileConfig, IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs,
+    ConfigError, ConfigFile, FileConfig, IngestArgs, IngestSettings, Origins, ProviderArgs, RetryArgs,
+    ServeArgs, ServiceArgs, Settings,
 };
 use crate::embed::Embedder;
 use crate::embed::client::EmbedClient;
@@ -25,7 +26,8 @@ pub mod exit {
     pub const OK: i32 = 0;
     /// Could not run (database unreachable, bad table, I/O error).
     pub const FAILURE: i32 = 1;
-    /// Bad flags or config file.
+    /// Bad flags, environment or config file (unknown key, value out of its documented bound,
+    /// a base URL that is not http(s)), or a destructive command that needs `--all`/a terminal.
     pub const USAGE: i32 = 2;
     /// Finished, but some input lines had no usable identity and were only reported.
     pub const REJECTED_INPUT: i32 = 3;
@@ -55,6 +57,47 @@ pub struct Cli {
     pub services: ServiceArgs,
     #[command(subcommand)]
     pub command: Command,
+    /// Which settings came from flags and which from environment variables (for messages).
+    #[arg(skip)]
+    pub origins: Origins,
+}
+
+impl Cli {
+    /// The command line definition, with every setting's default appended to its help
+    /// (read from [`crate::config::help_defaults`]; clap itself holds no defaults, which would
+    /// shadow the config file).
+    pub fn command_with_defaults() -> clap::Command {
+        use clap::CommandFactory;
+        fn annotate(mut cmd: clap::Command, defaults: &[(&'static str, String)]) -> clap::Command {
+            for (key, value) in defaults {
+                // Only options without a clap default of their own (command-only flags keep theirs).
+                let Some(help) = cmd
+                    .get_arguments()
+                    .find(|a| a.get_id() == *key && a.get_default_values().is_empty())
+                    .and_then(|a| a.get_help())
+                else {
+                    continue;
+                };
+                let help = format!("{help} [default: {value}]");
+                cmd = cmd.mut_arg(*key, |a| a.help(help));
+            }
+            let names: Vec<String> = cmd.get_subcommands().map(|c| c.get_name().to_string()).collect();
+            for name in names {
+                cmd = cmd.mut_subcommand(name, |sc| annotate(sc, defaults));
+            }
+            cmd
+        }
+        annotate(Cli::command(), &crate::config::help_defaults())
+    }
+
+    /// Builds the command from parsed matches, remembering where each value came from.
+    /// (`main` calls `Cli::command().get_matches()`, which prints help and exits on errors.)
+    pub fn from_matches(matches: &clap::ArgMatches) -> Result<Cli, clap::Error> {
+        use clap::{CommandFactory, FromArgMatches};
+        let mut cli = <Cli as FromArgMatches>::from_arg_matches(matches)?;
+        cli.origins = Origins::from_matches(&Cli::command(), matches);
+        Ok(cli)
+    }
 }
 
 /// `dlq` actions.
@@ -66,7 +109,8 @@ pub enum DlqAction {
     List {
         #[command(flatten)]
         filter: crate::dlq::Filter,
-        #[arg(long, default_value_t = 50)]
+        /// Rows per page, 1..=10000.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=10_000))]
         limit: i64,
         /// Show rows after this id (the last id of the previous page).
         #[arg(long, default_value_t = 0)]
@@ -75,13 +119,17 @@ pub enum DlqAction {
     /// One row: payload, last error and error history.
     Show { id: i64 },
     /// Make matching rows due now and publish them for replay (permanent classes too).
+    /// Without a filter it asks for confirmation, or needs `--all`.
     Requeue {
         #[command(flatten)]
         filter: crate::dlq::Filter,
         #[arg(long)]
         dry_run: bool,
-        /// Rows per second.
-        #[arg(long, default_value_t = 500)]
+        /// Requeue every row (required without a filter when stdin is not a terminal).
+        #[arg(long)]
+        all: bool,
+        /// Rows per second, 1..=100000.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         rate: u32,
     },
     /// Delete matching rows for good (and their manifest rows).
@@ -104,13 +152,15 @@ pub enum LogFormat {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Apply the schema migrations (idempotent); optionally create another target table.
+    /// Apply the schema migrations (idempotent); with `--dimensions`, also create the target
+    /// table (`--table`, else `[ingest] table`) if it is missing.
     Migrate {
-        /// Also create this target table (if missing) with `--dimensions`.
+        /// The target table to create (default: the configured one).
         #[arg(long, requires = "dimensions")]
         table: Option<String>,
-        #[arg(long)]
-        dimensions: Option<usize>,
+        /// Dimensions of the table's `vector(N)` column, 1..=16000.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
+        dimensions: Option<u64>,
     },
     /// Embed a JSONL corpus (file or `-` for stdin) into the target table; park failures.
     Ingest {
@@ -155,15 +205,15 @@ pub enum Command {
         /// Resume from this file and save the last printed id to it.
         #[arg(long)]
         checkpoint: Option<PathBuf>,
-        /// Exit after this many events.
-        #[arg(long)]
+        /// Exit after this many events (at least 1).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
         /// Exit once caught up.
         #[arg(long)]
         no_follow: bool,
-        /// Key prefix of the streams.
-        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
-        stream_prefix: String,
+        /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+        stream_prefix: Option<String>,
     },
     /// Check that manifest, vectors, DLQ, outbox and streams agree; optionally repair.
     /// Exits 5 when something was found.
@@ -174,8 +224,8 @@ pub enum Command {
         /// With --repair: show what would be done, change nothing.
         #[arg(long)]
         dry_run: bool,
-        /// Run periodically, every this many seconds (a long-running job).
-        #[arg(long)]
+        /// Run periodically, every this many seconds (a long-running job), 1..=604800.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=604_800))]
         every_secs: Option<u64>,
         /// Print the report as JSON.
         #[arg(long)]
@@ -183,12 +233,12 @@ pub enum Command {
         /// Serve Prometheus metrics here while running (e.g. 127.0.0.1:9465).
         #[arg(long)]
         metrics_addr: Option<SocketAddr>,
-        /// Target vector table.
-        #[arg(long, default_value = crate::config::DEFAULT_TABLE)]
-        table: String,
-        /// Key prefix of the streams.
-        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX", default_value = crate::streams::DEFAULT_PREFIX)]
-        stream_prefix: String,
+        /// Target vector table (else `[ingest] table` of the config file).
+        #[arg(long)]
+        table: Option<String>,
+        /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+        stream_prefix: Option<String>,
     },
     /// Inspect and act on the DLQ.
     Dlq {
@@ -197,6 +247,9 @@ pub enum Command {
         /// JSON output.
         #[arg(long, global = true)]
         json: bool,
+        /// Target vector table (else `[ingest] table` of the config file).
+        #[arg(long, global = true)]
+        table: Option<String>,
     },
     /// Run the fault-injecting OpenAI-compatible provider.
     MockProvider {
@@ -208,11 +261,16 @@ pub enum Command {
     },
     /// End-to-end demo on the local services with the built-in fault-injecting provider.
     Demo {
-        /// Chunks in the generated corpus.
-        #[arg(long, default_value_t = 10_000)]
-        chunks: usize,
-        #[arg(long, default_value_t = 4)]
-        concurrency: usize,
+        /// Chunks in the generated corpus, 1..=10000000.
+        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+        chunks: u64,
+        /// Concurrent provider requests, 1..=256.
+        #[arg(
+            long,
+            default_value_t = crate::ingest::IngestOptions::default().concurrency as u64,
+            value_parser = clap::value_parser!(u64).range(1..=256)
+        )]
+        concurrency: u64,
         /// Print the summaries as JSON.
         #[arg(long)]
         json: bool,
@@ -220,79 +278,104 @@ pub enum Command {
 }
 
 /// Runs the parsed command; returns the process exit code.
+///
+/// Every command resolves its settings the same way ([`Settings::resolve`]): its flags
+/// (environment values included) over the config file over the defaults.
 pub async fn run(cli: Cli) -> i32 {
     let cancel = crate::shutdown::on_signal();
     let file = match &cli.config {
-        Some(p) => match FileConfig::load(p) {
+        Some(p) => match ConfigFile::load(p) {
             Ok(f) => Some(f),
-            Err(e) => return fail(exit::USAGE, &e),
+            Err(e) => return usage(&e),
         },
         None => None,
     };
+    let origins = cli.origins;
+    let services = cli.services;
+    let resolve = |flags: FileConfig| Settings::resolve(flags, file.as_ref(), &origins);
     match cli.command {
         Command::Migrate { table, dimensions } => {
-            let url = match cli.services.database_url.or(file.and_then(|f| f.services.database_url)) {
-                Some(u) => u,
-                None => return fail(exit::USAGE, "no database: set DATABASE_URL or --database-url"),
+            let flags = FileConfig {
+                services,
+                ingest: IngestArgs { table, ..Default::default() },
+                ..Default::default()
             };
-            match migrate(&url, table.as_deref(), dimensions).await {
+            let (settings, url) = match resolve(flags).and_then(|s| Ok((s.database_url()?.to_string(), s))) {
+                Ok((url, s)) => (s, url),
+                Err(e) => return usage(&e),
+            };
+            let create = dimensions.map(|d| (settings.table.as_str(), d as usize));
+            match migrate(&url, create).await {
                 Ok(()) => {
-                    println!("migrations applied");
+                    match create {
+                        Some((t, d)) => println!("migrations applied; table {t} ready (vector({d}))"),
+                        None => println!("migrations applied"),
+                    }
                     exit::OK
                 }
                 Err(e) => fail(exit::FAILURE, &e.to_string()),
             }
         }
         Command::Ingest { input, provider, ingest, retry, json, no_progress, metrics_addr } => {
+            let flags = FileConfig {
+                services,
+                provider: *provider,
+                ingest: *ingest,
+                retry: *retry,
+                ..Default::default()
+            };
+            let settings = match resolve(flags).and_then(|s| s.ingest()) {
+                Ok(s) => s,
+                Err(e) => return usage(&e),
+            };
             if let Some(addr) = metrics_addr
                 && let Err(e) = crate::metrics::install(addr)
             {
                 return fail(exit::FAILURE, &e);
             }
-            let settings = match IngestSettings::resolve(cli.services, *provider, *ingest, *retry, file) {
-                Ok(s) => s,
-                Err(e) => return fail(exit::USAGE, &e),
-            };
             ingest_command(settings, &input, json, !no_progress, cancel).await
         }
-        Command::Serve { provider, ingest, retry, mut serve } => {
-            let redis_url =
-                cli.services.redis_url.clone().or(file.as_ref().and_then(|f| f.services.redis_url.clone()));
-            let Some(redis_url) = redis_url else {
-                return fail(exit::USAGE, "no Redis: set REDIS_URL or --redis-url");
-            };
-            if let Some(f) = file.as_ref() {
-                serve.fill_from(f.serve.clone());
-            }
-            let settings = match IngestSettings::resolve(cli.services, *provider, *ingest, *retry, file) {
-                Ok(s) => s,
-                Err(e) => return fail(exit::USAGE, &e),
-            };
-            serve_command(settings, &redis_url, serve, cancel).await
+        Command::Serve { provider, ingest, retry, serve } => {
+            let flags = FileConfig { services, provider: *provider, ingest: *ingest, retry: *retry, serve };
+            let (settings, ingest, redis_url) =
+                match resolve(flags).and_then(|s| Ok((s.ingest()?, s.redis_url()?.to_string(), s))) {
+                    Ok((ingest, redis_url, s)) => (s, ingest, redis_url),
+                    Err(e) => return usage(&e),
+                };
+            serve_command(&settings, ingest, &redis_url, cancel).await
         }
         Command::Tail { from, json, checkpoint, count, no_follow, stream_prefix } => {
-            let redis_url = cli.services.redis_url.or(file.and_then(|f| f.services.redis_url));
-            let Some(redis_url) = redis_url else {
-                return fail(exit::USAGE, "no Redis: set REDIS_URL or --redis-url");
+            let flags = FileConfig {
+                services,
+                serve: ServeArgs { stream_prefix, ..Default::default() },
+                ..Default::default()
             };
+            let (settings, redis_url) = match resolve(flags).and_then(|s| Ok((s.redis_url()?.to_string(), s)))
+            {
+                Ok((url, s)) => (s, url),
+                Err(e) => return usage(&e),
+            };
+            if let Err(e) = crate::tail::check_from(&from) {
+                return fail(exit::USAGE, &format!("--from: {e}"));
+            }
             let opts = crate::tail::TailOptions { from, json, checkpoint, count, no_follow };
-            let keys = crate::streams::StreamKeys::new(&stream_prefix);
             let mut out = std::io::stdout();
-            match crate::tail::tail(&redis_url, &keys, &opts, &mut out, cancel).await {
+            match crate::tail::tail(&redis_url, &settings.stream_keys(), &opts, &mut out, cancel).await {
                 Ok(_) => exit::OK,
                 Err(e) => fail(exit::FAILURE, &e),
             }
         }
         Command::Reconcile { repair, dry_run, every_secs, json, metrics_addr, table, stream_prefix } => {
-            let Some(url) = cli
-                .services
-                .database_url
-                .clone()
-                .or(file.as_ref().and_then(|f| f.services.database_url.clone()))
-            else {
-                return fail(exit::USAGE, "no database: set DATABASE_URL or --database-url");
+            let flags = FileConfig {
+                services,
+                ingest: IngestArgs { table, ..Default::default() },
+                serve: ServeArgs { stream_prefix, ..Default::default() },
+                ..Default::default()
             };
-            let redis_url = cli.services.redis_url.or(file.and_then(|f| f.services.redis_url));
+            let (settings, url) = match resolve(flags).and_then(|s| Ok((s.database_url()?.to_string(), s))) {
+                Ok((url, s)) => (s, url),
+                Err(e) => return usage(&e),
+            };
             let mode = match (repair, dry_run) {
                 (true, true) => crate::reconcile::Mode::DryRun,
                 (true, false) => crate::reconcile::Mode::Repair,
@@ -300,9 +383,9 @@ pub async fn run(cli: Cli) -> i32 {
             };
             reconcile_command(
                 &url,
-                redis_url.as_deref(),
-                &table,
-                &stream_prefix,
+                settings.redis_url.as_deref(),
+                &settings.table,
+                &settings.stream_prefix,
                 mode,
                 every_secs,
                 json,
@@ -311,17 +394,26 @@ pub async fn run(cli: Cli) -> i32 {
             )
             .await
         }
-        Command::Dlq { action, json } => {
-            let Some(url) = cli.services.database_url.or(file.and_then(|f| f.services.database_url)) else {
-                return fail(exit::USAGE, "no database: set DATABASE_URL or --database-url");
+        Command::Dlq { action, json, table } => {
+            let flags = FileConfig {
+                services,
+                ingest: IngestArgs { table, ..Default::default() },
+                ..Default::default()
             };
-            dlq_command(&url, action, json).await
+            let (settings, url) = match resolve(flags).and_then(|s| Ok((s.database_url()?.to_string(), s))) {
+                Ok((url, s)) => (s, url),
+                Err(e) => return usage(&e),
+            };
+            dlq_command(&url, &settings.table, action, json).await
         }
         Command::MockProvider { listen, settings } => {
             let config: MockConfig = match serde_json::from_str(&settings) {
                 Ok(c) => c,
                 Err(e) => return fail(exit::USAGE, &format!("--settings: {e}")),
             };
+            if let Err(e) = check_mock_config(&config) {
+                return fail(exit::USAGE, &format!("--settings: {e}"));
+            }
             match MockProvider::start(config, listen, cancel.clone()).await {
                 Ok(mock) => {
                     eprintln!("mock provider listening on {} (GET /stats for counters)", mock.base_url());
@@ -333,13 +425,15 @@ pub async fn run(cli: Cli) -> i32 {
             }
         }
         Command::Demo { chunks, concurrency, json } => {
-            let Some(url) = cli.services.database_url else {
-                return fail(exit::USAGE, "no database: run scripts/demo.sh, or set DATABASE_URL");
+            let urls = resolve(FileConfig { services, ..Default::default() })
+                .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_url()?.to_string())));
+            let (url, redis_url) = match urls {
+                Ok(u) => u,
+                Err(e) => return fail(exit::USAGE, &format!("{e} (or run scripts/demo.sh)")),
             };
-            let Some(redis_url) = cli.services.redis_url else {
-                return fail(exit::USAGE, "no Redis: run scripts/demo.sh, or set REDIS_URL");
-            };
-            match crate::demo::run(&url, &redis_url, chunks, concurrency, json, cancel).await {
+            match crate::demo::run(&url, &redis_url, chunks as usize, concurrency as usize, json, cancel)
+                .await
+            {
                 Ok(code) => code,
                 Err(e) => fail(exit::FAILURE, &format!("{e:#}")),
             }
@@ -348,29 +442,18 @@ pub async fn run(cli: Cli) -> i32 {
 }
 
 async fn serve_command(
-    mut settings: IngestSettings,
+    settings: &Settings,
+    mut ingest: IngestSettings,
     redis_url: &str,
-    args: ServeArgs,
     cancel: CancellationToken,
 ) -> i32 {
+    let args = &settings.serve;
     // The pool is sized from `concurrency`: give every replayer, the relay, the scheduler and
     // the sampler a connection of their own.
-    settings.options.concurrency = settings.options.concurrency.max(args.replayers() + 3);
-    let pipeline = match build_pipeline(&settings).await {
+    ingest.options.concurrency = ingest.options.concurrency.max(args.replayers + 3);
+    let pipeline = match build_pipeline(&ingest).await {
         Ok(p) => p,
         Err(e) => return fail(exit::FAILURE, &e),
-    };
-    let replay = crate::replay::ReplayConfig {
-        batch: args.replay_batch(),
-        min_idle: args.min_idle(),
-        delivery_cap: args.delivery_cap(),
-        schedule: settings.options.dlq_schedule,
-        ..Default::default()
-    };
-    let relay = crate::relay::RelayConfig {
-        batch: args.relay_batch(),
-        poll: args.relay_poll(),
-        ..Default::default()
     };
     if let Some(addr) = args.metrics_addr
         && let Err(e) = crate::metrics::install(addr)
@@ -378,14 +461,14 @@ async fn serve_command(
         return fail(exit::FAILURE, &e);
     }
     let config = crate::serve::ServeConfig {
-        reconcile_every: args.reconcile_every(),
+        reconcile_every: args.reconcile_every,
         metrics: args.metrics_addr.is_some(),
-        replayers: args.replayers(),
-        relay,
-        replay,
-        keys: crate::streams::StreamKeys::new(&args.stream_prefix()),
-        grace: args.grace(),
-        consumer_prefix: args.consumer_name.clone().unwrap_or_else(crate::serve::default_consumer_prefix),
+        replayers: args.replayers,
+        relay: args.relay.clone(),
+        replay: args.replay.clone(),
+        keys: settings.stream_keys(),
+        grace: args.grace,
+        consumer_prefix: args.consumer_prefix.clone().unwrap_or_else(crate::serve::default_consumer_prefix),
     };
     let client = match crate::streams::client(redis_url) {
         Ok(c) => c,
@@ -463,23 +546,43 @@ async fn reconcile_command(
         let Some(every) = every_secs else { return code };
         tokio::select! {
             _ = cancel.cancelled() => return exit::OK,
-            _ = tokio::time::sleep(std::time::Duration::from_secs(every.max(1))) => {}
+            _ = tokio::time::sleep(std::time::Duration::from_secs(every)) => {}
         }
     }
 }
 
-async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
+async fn dlq_command(url: &str, table: &str, action: DlqAction, json: bool) -> i32 {
+    use std::io::IsTerminal;
     if let DlqAction::List { filter, .. }
     | DlqAction::Requeue { filter, .. }
     | DlqAction::Purge { filter, .. } = &action
-        && let Err(e) = filter.validate()
+        && let Err(e) = filter.validate().and_then(|()| check_filter_bounds(filter))
     {
         return fail(exit::USAGE, &e);
+    }
+    // Requeueing the whole DLQ sends every row to the provider again: it needs `--all`, or a
+    // confirmation on a terminal.
+    let mut confirm_requeue_all = false;
+    if let DlqAction::Requeue { filter, dry_run, all, .. } = &action {
+        let unfiltered = filter_is_empty(filter);
+        if *all && !unfiltered {
+            return fail(exit::USAGE, "--all means every row; drop it or the filter");
+        }
+        if unfiltered && !*all && !*dry_run {
+            if !std::io::stdin().is_terminal() {
+                return fail(
+                    exit::USAGE,
+                    "refusing to requeue every DLQ row without --all (stdin is not a terminal); \
+                     give a filter (--class, --doc, ...) or --all",
+                );
+            }
+            confirm_requeue_all = true;
+        }
     }
     let store = match async {
         let pool = store::connect(url, 2).await?;
         store::migrate(&pool).await?;
-        Store::open(pool, crate::config::DEFAULT_TABLE).await
+        Store::open(pool, table).await
     }
     .await
     {
@@ -562,7 +665,23 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
                 }
                 None => return Err(format!("no DLQ row with id {id}")),
             },
-            DlqAction::Requeue { filter, dry_run, rate } => {
+            DlqAction::Requeue { filter, dry_run, rate, all: _ } => {
+                if confirm_requeue_all {
+                    let n = crate::dlq::requeue(&store, &filter, true, rate)
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .requeued;
+                    if n == 0 {
+                        let _ = if json { writeln!(out, "{{\"requeued\":0}}") } else { writeln!(out, "requeued 0 rows") };
+                        return Ok(());
+                    }
+                    eprint!("requeue all {n} DLQ rows for replay (they will be sent to the provider again)? type 'yes': ");
+                    let mut answer = String::new();
+                    let _ = std::io::stdin().read_line(&mut answer);
+                    if answer.trim() != "yes" {
+                        return Err("not confirmed; nothing requeued".into());
+                    }
+                }
                 let o =
                     crate::dlq::requeue(&store, &filter, dry_run, rate).await.map_err(|e| e.to_string())?;
                 let (n, reingest) = (o.requeued, o.needs_reingest);
@@ -587,7 +706,6 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
                     return Ok(());
                 }
                 if !yes {
-                    use std::io::IsTerminal;
                     if !std::io::stdin().is_terminal() {
                         return Err(format!(
                             "refusing to purge {n} rows without --yes (stdin is not a terminal)"
@@ -614,13 +732,32 @@ async fn dlq_command(url: &str, action: DlqAction, json: bool) -> i32 {
     }
 }
 
-async fn migrate(url: &str, table: Option<&str>, dimensions: Option<usize>) -> Result<(), store::StoreError> {
+async fn migrate(url: &str, create: Option<(&str, usize)>) -> Result<(), store::StoreError> {
     let pool = store::connect(url, 2).await?;
     store::migrate(&pool).await?;
-    if let (Some(t), Some(d)) = (table, dimensions) {
+    if let Some((t, d)) = create {
         store::create_target_table(&pool, t, d).await?;
     }
     Ok(())
+}
+
+/// Longest `--older-than-secs` (100 years): larger values overflow Postgres intervals.
+pub const MAX_OLDER_THAN_SECS: u64 = 100 * 365 * 24 * 3600;
+
+fn check_filter_bounds(filter: &crate::dlq::Filter) -> Result<(), String> {
+    match filter.older_than_secs {
+        Some(s) if s > MAX_OLDER_THAN_SECS => {
+            Err(format!("--older-than-secs {s} is out of range: allowed 0..={MAX_OLDER_THAN_SECS}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether `filter` selects every row. Destructured exhaustively: a new filter field must be
+/// considered here, or an unfiltered requeue could slip past the confirmation.
+fn filter_is_empty(filter: &crate::dlq::Filter) -> bool {
+    let crate::dlq::Filter { class, doc, older_than_secs, min_attempts, exhausted } = filter;
+    class.is_none() && doc.is_none() && older_than_secs.is_none() && min_attempts.is_none() && !exhausted
 }
 
 /// Builds the pipeline for `settings` (store bound to its table, client, gate).
@@ -765,7 +902,81 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
     Ok(())
 }
 
+/// Longest wait the mock may be told to add (latency, hold, outage, Retry-After): 1 day.
+pub const MOCK_MAX_MS: u64 = 86_400_000;
+
+/// Bounds of the mock provider's settings: rates are probabilities, dimensions fit pgvector,
+/// waits are at most [`MOCK_MAX_MS`].
+fn check_mock_config(c: &MockConfig) -> Result<(), String> {
+    for (name, rate) in [
+        ("rate_429", c.rate_429),
+        ("rate_5xx", c.rate_5xx),
+        ("rate_timeout", c.rate_timeout),
+        ("rate_reset", c.rate_reset),
+    ] {
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(format!("{name} = {rate} is out of range: allowed 0..=1"));
+        }
+    }
+    if !crate::config::bounds::DIMENSIONS.contains(&c.dimensions) {
+        return Err(format!("dimensions = {} is out of range: allowed 1..=16000", c.dimensions));
+    }
+    for (name, ms) in [
+        ("latency_ms", c.latency_ms),
+        ("retry_after_ms", c.retry_after_ms),
+        ("timeout_hold_ms", c.timeout_hold_ms),
+        ("outage_after_ms", c.outage_after_ms.unwrap_or(0)),
+        ("outage_for_ms", c.outage_for_ms),
+    ] {
+        if ms > MOCK_MAX_MS {
+            return Err(format!("{name} = {ms} is out of range: allowed 0..={MOCK_MAX_MS}"));
+        }
+    }
+    Ok(())
+}
+
+fn usage(e: &ConfigError) -> i32 {
+    fail(exit::USAGE, &e.to_string())
+}
+
 fn fail(code: i32, msg: &str) -> i32 {
     eprintln!("embed-dlq: error: {msg}");
     code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn help_shows_the_resolved_defaults() {
+        let mut cmd = Cli::command_with_defaults();
+        let ingest = cmd.find_subcommand_mut("ingest").unwrap().render_long_help().to_string();
+        let concurrency = crate::ingest::IngestOptions::default().concurrency;
+        assert!(ingest.contains(&format!("[default: {concurrency}]")), "{ingest}");
+        assert!(ingest.contains("[default: doc_embeddings]"), "{ingest}");
+        let serve = cmd.find_subcommand_mut("serve").unwrap().render_long_help().to_string();
+        assert!(serve.contains("[default: embed-dlq]"), "{serve}");
+        let reconcile = cmd.find_subcommand_mut("reconcile").unwrap().render_long_help().to_string();
+        assert!(reconcile.contains("[default: doc_embeddings]"), "{reconcile}");
+        // Parsing with the annotated definition still works.
+        Cli::command_with_defaults()
+            .try_get_matches_from(["embed-dlq", "ingest", "--concurrency", "3"])
+            .unwrap();
+    }
+
+    #[test]
+    fn mock_settings_are_bounded() {
+        assert!(check_mock_config(&MockConfig::default()).is_ok());
+        let bad = [
+            MockConfig { rate_429: 1.5, ..MockConfig::default() },
+            MockConfig { rate_5xx: f64::NAN, ..MockConfig::default() },
+            MockConfig { dimensions: 0, ..MockConfig::default() },
+            MockConfig { latency_ms: u64::MAX, ..MockConfig::default() },
+            MockConfig { outage_after_ms: Some(MOCK_MAX_MS + 1), ..MockConfig::default() },
+        ];
+        for c in bad {
+            assert!(check_mock_config(&c).is_err(), "{c:?}");
+        }
+    }
 }

@@ -1,11 +1,25 @@
-//! Settings: command line > environment > TOML config file > defaults (all defaults live
-//! here). The same option structs serve clap and the config file, so a setting has one name
-//! everywhere; unknown keys in the file are rejected. Every field carries its unit.
+//! Settings: one model for every command. Each setting is resolved the same way everywhere:
+//! command line > environment > TOML config file > default.
+//!
+//! - The option structs ([`ServiceArgs`], [`ProviderArgs`], [`IngestArgs`], [`RetryArgs`],
+//!   [`ServeArgs`]) serve both clap and the file, so a setting has one name everywhere; every
+//!   field is an `Option` and clap carries **no** defaults (a clap default would shadow the
+//!   file). Unknown keys in the file are rejected.
+//! - [`Settings::resolve`] picks each value (flag/env, else file, else default), checks it
+//!   against its documented bound ([`bounds`]) and builds the runtime values with
+//!   `Duration`s. A rejected value names the setting and where it came from ([`Origin`]).
+//! - Defaults live in exactly one place: the library's own `Default` impls
+//!   ([`IngestOptions`], [`RetryPolicy`], [`DlqSchedule`], [`BreakerConfig`], [`ReplayConfig`],
+//!   [`RelayConfig`]) and, for values no library type owns, the `DEFAULT_*` constants here.
 //!
 //! Secrets never travel through flags or files: the API key is read from the environment
 //! variable named by `api_key_env` (default `EMBED_DLQ_API_KEY`).
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::RangeInclusive;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
@@ -15,21 +29,18 @@ use crate::embed::client::{ClientConfig, EncodingFormat};
 use crate::embed::gate::BreakerConfig;
 use crate::embed::retry::{DlqSchedule, RetryPolicy};
 use crate::ingest::IngestOptions;
-
-/// Fills every `None` field of `$a` from `$b`.
-macro_rules! fill_from {
-    ($a:expr, $b:expr; $($f:ident),* $(,)?) => { $( if $a.$f.is_none() { $a.$f = $b.$f.take(); } )* };
-}
+use crate::relay::RelayConfig;
+use crate::replay::ReplayConfig;
 
 /// Where the services are.
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServiceArgs {
     /// Postgres URL (the database must have the pgvector extension available).
-    #[arg(long, env = "DATABASE_URL", global = true)]
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
     /// Redis URL (Redis >= 6.2).
-    #[arg(long, env = "REDIS_URL", global = true)]
+    #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
 }
 
@@ -37,13 +48,13 @@ pub struct ServiceArgs {
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderArgs {
-    /// OpenAI-compatible base URL, up to and excluding `/embeddings`.
-    #[arg(long, env = "EMBED_DLQ_BASE_URL")]
+    /// OpenAI-compatible http(s) base URL, up to and excluding `/embeddings`.
+    #[arg(long, env = "EMBED_DLQ_BASE_URL", hide_env_values = true)]
     pub base_url: Option<String>,
     /// Model name sent with every request (part of the content hash).
     #[arg(long, env = "EMBED_DLQ_MODEL")]
     pub model: Option<String>,
-    /// Ask the model for this many dimensions (the `dimensions` request field).
+    /// Ask the model for this many dimensions (the `dimensions` request field), 1..=16000.
     #[arg(long)]
     pub request_dimensions: Option<usize>,
     /// Wire format of vectors: base64 (default, fast) or float.
@@ -55,38 +66,38 @@ pub struct ProviderArgs {
     /// Header that carries the key: `Authorization` (as `Bearer KEY`, default) or e.g. `api-key`.
     #[arg(long)]
     pub api_key_header: Option<String>,
-    /// Extra request header, `Name: value` (repeatable).
+    /// Extra request header, `Name: value` (repeatable, at most 32).
     #[arg(long = "header", value_name = "NAME: VALUE")]
     #[serde(default)]
     pub headers: Vec<String>,
-    /// Per-request timeout.
+    /// Per-request timeout, 100..=600000 ms.
     #[arg(long)]
     pub request_timeout_ms: Option<u64>,
 }
 
-/// Batching, concurrency and limits.
+/// Target table, batching, concurrency and limits.
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IngestArgs {
     /// Target vector table (`table` or `schema.table`).
     #[arg(long)]
     pub table: Option<String>,
-    /// Most inputs per provider request.
+    /// Most inputs per provider request, 1..=2048.
     #[arg(long)]
     pub batch_max_inputs: Option<usize>,
-    /// Approximate character budget per request (~4 characters per token).
+    /// Approximate character budget per request (~4 characters per token), 1..=10000000.
     #[arg(long)]
     pub batch_max_chars: Option<usize>,
-    /// Concurrent provider requests.
+    /// Concurrent provider requests, 1..=256.
     #[arg(long)]
     pub concurrency: Option<usize>,
-    /// Concurrent database writers (each one connection, 512-row statements).
+    /// Concurrent database writers (each one connection, 512-row statements), 1..=32.
     #[arg(long)]
     pub writers: Option<usize>,
-    /// Longer inputs are parked as permanent_input/too_long without a provider call.
+    /// Longer inputs are parked as permanent_input/too_long without a provider call, 1..=1000000.
     #[arg(long)]
     pub max_input_chars: Option<usize>,
-    /// Longer JSONL lines are rejected without being buffered.
+    /// Longer JSONL lines are rejected without being buffered, 64..=67108864.
     #[arg(long)]
     pub max_line_bytes: Option<usize>,
 }
@@ -95,116 +106,77 @@ pub struct IngestArgs {
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryArgs {
-    /// Attempts per request before parking (the first included).
+    /// Attempts per request before parking (the first included), 1..=20.
     #[arg(long)]
     pub retry_max_attempts: Option<u32>,
+    /// First in-process backoff ceiling, 1..=60000 ms.
     #[arg(long)]
     pub retry_base_ms: Option<u64>,
+    /// Longest in-process sleep (and server-given wait), retry_base_ms..=600000 ms.
     #[arg(long)]
     pub retry_cap_ms: Option<u64>,
-    /// First delay of the DLQ replay schedule.
+    /// First delay of the DLQ replay schedule, 1..=86400 s.
     #[arg(long)]
     pub dlq_base_secs: Option<u64>,
+    /// Longest delay of the DLQ replay schedule, dlq_base_secs..=2592000 s.
     #[arg(long)]
     pub dlq_cap_secs: Option<u64>,
-    /// Replay passes before a DLQ row is marked exhausted.
+    /// Replay passes before a DLQ row is marked exhausted, 1..=1000.
     #[arg(long)]
     pub dlq_max_replays: Option<u32>,
-    /// Consecutive failed requests that open the circuit breaker.
+    /// Consecutive failed requests that open the circuit breaker, 1..=10000.
     #[arg(long)]
     pub breaker_failure_threshold: Option<u32>,
+    /// First open period of the breaker, 10..=60000 ms.
     #[arg(long)]
     pub breaker_cooldown_ms: Option<u64>,
-    /// Give up the run when the breaker stays open this long.
+    /// Give up the run when the breaker stays open this long, 1..=604800 s.
     #[arg(long)]
     pub max_outage_secs: Option<u64>,
 }
 
-/// Settings of `serve`; every default is in the accessors below.
+/// Settings of `serve` (and the stream prefix every Redis-facing command uses).
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServeArgs {
-    /// Replayer tasks in this process (0 runs only the relay and the scheduler) [default: 2].
+    /// Replayer tasks in this process (0 runs only the relay and the scheduler), 0..=64.
     #[arg(long)]
     pub replayers: Option<usize>,
-    /// Entries per replay batch [default: 32].
+    /// Entries per replay batch, 1..=2048.
     #[arg(long)]
     pub replay_batch: Option<usize>,
-    /// Entries idle this long are taken over by another replayer [default: 60000].
+    /// Entries idle this long are taken over by another replayer, 100..=86400000 ms.
     #[arg(long)]
     pub min_idle_ms: Option<u64>,
-    /// Deliveries after which an entry is marked exhausted [default: 5].
+    /// Deliveries after which an entry is marked exhausted, 1..=1000.
     #[arg(long)]
     pub delivery_cap: Option<u32>,
-    /// Time to finish in-flight work after SIGTERM [default: 10000].
+    /// Time to finish in-flight work after SIGTERM, 0..=600000 ms.
     #[arg(long)]
     pub grace_ms: Option<u64>,
-    /// Key prefix of the streams, wrapped in a hash tag [default: embed-dlq].
+    /// Key prefix of the streams, wrapped in a hash tag (1..=128 characters, no braces).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
     /// Prefix of this process's consumer names [default: hostname-pid].
     #[arg(long)]
     pub consumer_name: Option<String>,
-    /// Outbox rows per relay pass [default: 500].
+    /// Outbox rows per relay pass, 1..=10000.
     #[arg(long)]
     pub relay_batch: Option<usize>,
-    /// Relay poll interval when no notification arrives [default: 1000].
+    /// Relay poll interval when no notification arrives, 10..=60000 ms.
     #[arg(long)]
     pub relay_poll_ms: Option<u64>,
     /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
     #[arg(long)]
-    pub metrics_addr: Option<std::net::SocketAddr>,
-    /// Also run the reconciler (check only) every this many seconds; 0 = never [default: 0].
+    pub metrics_addr: Option<SocketAddr>,
+    /// Also run the reconciler (check only) every this many seconds; 0 = never, 0..=604800.
     #[arg(long)]
     pub reconcile_every_secs: Option<u64>,
 }
 
-impl ServeArgs {
-    /// Fills every unset field from the config file's `[serve]` section.
-    pub fn fill_from(&mut self, mut f: ServeArgs) {
-        fill_from!(self, f; replayers, replay_batch, min_idle_ms, delivery_cap, grace_ms, stream_prefix,
-            consumer_name, relay_batch, relay_poll_ms, metrics_addr, reconcile_every_secs);
-    }
-
-    pub fn replayers(&self) -> usize {
-        self.replayers.unwrap_or(2)
-    }
-
-    pub fn replay_batch(&self) -> usize {
-        self.replay_batch.unwrap_or(32).max(1)
-    }
-
-    pub fn min_idle(&self) -> Duration {
-        Duration::from_millis(self.min_idle_ms.unwrap_or(60_000).max(100))
-    }
-
-    pub fn delivery_cap(&self) -> u32 {
-        self.delivery_cap.unwrap_or(5).max(1)
-    }
-
-    pub fn grace(&self) -> Duration {
-        Duration::from_millis(self.grace_ms.unwrap_or(10_000))
-    }
-
-    pub fn stream_prefix(&self) -> String {
-        self.stream_prefix.clone().unwrap_or_else(|| crate::streams::DEFAULT_PREFIX.to_string())
-    }
-
-    pub fn relay_batch(&self) -> usize {
-        self.relay_batch.unwrap_or(500).max(1)
-    }
-
-    pub fn relay_poll(&self) -> Duration {
-        Duration::from_millis(self.relay_poll_ms.unwrap_or(1_000).max(10))
-    }
-
-    pub fn reconcile_every(&self) -> Option<Duration> {
-        self.reconcile_every_secs.filter(|s| *s > 0).map(Duration::from_secs)
-    }
-}
-
-/// The TOML config file: the same keys as the flags, in sections.
-#[derive(Debug, Default, Deserialize)]
+/// One layer of settings: the TOML config file, or what the command line (with the
+/// environment) gave. The same keys as the flags, in sections.
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     #[serde(default)]
@@ -219,18 +191,787 @@ pub struct FileConfig {
     pub serve: ServeArgs,
 }
 
-impl FileConfig {
-    /// Reads and parses a config file; unknown keys are errors.
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+/// A loaded config file: its settings and where they came from (for error messages).
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    pub layer: FileConfig,
+}
+
+impl ConfigFile {
+    /// Reads and parses a config file; unknown keys and ill-typed values are errors naming
+    /// the file, the key and the line.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::File { path: path.to_path_buf(), problem: e.to_string() })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses config text as if read from `path`.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let layer = toml::from_str(text)
+            .map_err(|e| ConfigError::File { path: path.to_path_buf(), problem: e.to_string() })?;
+        Ok(ConfigFile { path: path.to_path_buf(), layer })
     }
 }
 
-/// Validated runtime settings of an ingest.
+/// Default OpenAI-compatible endpoint: the mock provider's default address.
+pub const DEFAULT_BASE_URL: &str = "http://127.0.0.1:8089/v1";
+/// Default model name.
+pub const DEFAULT_MODEL: &str = "text-embedding-3-small";
+/// Default name of the variable holding the API key.
+pub const DEFAULT_API_KEY_ENV: &str = "EMBED_DLQ_API_KEY";
+/// Default target table (created by the migrations).
+pub const DEFAULT_TABLE: &str = "doc_embeddings";
+/// Default stream key prefix.
+pub const DEFAULT_STREAM_PREFIX: &str = crate::streams::DEFAULT_PREFIX;
+/// Default per-request timeout.
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 60_000;
+/// Default replayer tasks in one `serve`.
+pub const DEFAULT_REPLAYERS: usize = 2;
+/// Default time to drain after SIGTERM.
+pub const DEFAULT_GRACE_MS: u64 = 10_000;
+/// Default periodic reconcile in `serve`: never.
+pub const DEFAULT_RECONCILE_EVERY_SECS: u64 = 0;
+
+/// The documented bound of every numeric setting (also in README's configuration section).
+/// Each keeps a value from exhausting memory, connections or time arithmetic: e.g. a huge
+/// `concurrency` spawned millions of tasks (14.8 GB RSS), and a huge millisecond value
+/// overflowed `Instant + Duration` (a panic).
+pub mod bounds {
+    use std::ops::RangeInclusive;
+
+    /// pgvector's `vector(N)` holds at most 16000 dimensions.
+    pub const DIMENSIONS: RangeInclusive<usize> = 1..=16_000;
+    pub const REQUEST_TIMEOUT_MS: RangeInclusive<u64> = 100..=600_000;
+    /// OpenAI accepts at most 2048 inputs per request.
+    pub const BATCH_MAX_INPUTS: RangeInclusive<usize> = 1..=2048;
+    pub const BATCH_MAX_CHARS: RangeInclusive<usize> = 1..=10_000_000;
+    /// Each request is a task holding a batch; the pool also grows with it.
+    pub const CONCURRENCY: RangeInclusive<usize> = 1..=256;
+    /// Each writer holds a database connection.
+    pub const WRITERS: RangeInclusive<usize> = 1..=32;
+    pub const MAX_INPUT_CHARS: RangeInclusive<usize> = 1..=1_000_000;
+    pub const MAX_LINE_BYTES: RangeInclusive<usize> = 64..=64 * 1024 * 1024;
+    pub const RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 1..=20;
+    pub const RETRY_BASE_MS: RangeInclusive<u64> = 1..=60_000;
+    /// Lower end is `retry_base_ms`.
+    pub const RETRY_CAP_MS: RangeInclusive<u64> = 1..=600_000;
+    pub const DLQ_BASE_SECS: RangeInclusive<u64> = 1..=86_400;
+    /// Lower end is `dlq_base_secs`; 30 days.
+    pub const DLQ_CAP_SECS: RangeInclusive<u64> = 1..=2_592_000;
+    pub const DLQ_MAX_REPLAYS: RangeInclusive<u32> = 1..=1000;
+    pub const BREAKER_FAILURE_THRESHOLD: RangeInclusive<u32> = 1..=10_000;
+    /// Up to the breaker's longest cooldown (60 s).
+    pub const BREAKER_COOLDOWN_MS: RangeInclusive<u64> = 10..=60_000;
+    /// 7 days.
+    pub const MAX_OUTAGE_SECS: RangeInclusive<u64> = 1..=604_800;
+    pub const REPLAYERS: RangeInclusive<usize> = 0..=64;
+    pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
+    /// 100 ms ..= 1 day.
+    pub const MIN_IDLE_MS: RangeInclusive<u64> = 100..=86_400_000;
+    pub const DELIVERY_CAP: RangeInclusive<u32> = 1..=1000;
+    pub const GRACE_MS: RangeInclusive<u64> = 0..=600_000;
+    pub const RELAY_BATCH: RangeInclusive<usize> = 1..=10_000;
+    pub const RELAY_POLL_MS: RangeInclusive<u64> = 10..=60_000;
+    /// 0 = never; at most 7 days.
+    pub const RECONCILE_EVERY_SECS: RangeInclusive<u64> = 0..=604_800;
+    /// Characters of a stream prefix or consumer name.
+    pub const NAME_CHARS: RangeInclusive<usize> = 1..=128;
+    /// Characters of a model name.
+    pub const MODEL_CHARS: RangeInclusive<usize> = 1..=256;
+    /// Extra headers.
+    pub const MAX_HEADERS: usize = 32;
+    /// Postgres truncates identifiers longer than 63 bytes; we refuse them instead.
+    pub const IDENTIFIER_BYTES: usize = 63;
+    /// Characters of a URL.
+    pub const URL_CHARS: usize = 2048;
+}
+
+/// Where a value came from, named in every error about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A command-line flag, e.g. `--concurrency`.
+    Flag(String),
+    /// An environment variable, e.g. `EMBED_DLQ_BASE_URL`.
+    Env(String),
+    /// A key of a config file.
+    File { path: PathBuf, key: String },
+    /// The built-in default.
+    Default,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::Flag(name) => write!(f, "flag {name}"),
+            Origin::Env(var) => write!(f, "environment variable {var}"),
+            Origin::File { path, key } => write!(f, "{} {key}", path.display()),
+            Origin::Default => write!(f, "default"),
+        }
+    }
+}
+
+/// Which settings the command line or the environment gave, by clap argument id (the field
+/// name, which is also the file key).
+#[derive(Debug, Clone, Default)]
+pub struct Origins {
+    by_id: HashMap<String, Origin>,
+}
+
+impl Origins {
+    /// Records the origin of every argument of `matches` (and its subcommands) that came from
+    /// the command line or the environment. `cmd` is the command `matches` was parsed with.
+    pub fn from_matches(cmd: &clap::Command, matches: &clap::ArgMatches) -> Origins {
+        let mut cmd = cmd.clone();
+        cmd.build();
+        let mut origins = Origins::default();
+        origins.walk(&cmd, matches);
+        origins
+    }
+
+    fn walk(&mut self, cmd: &clap::Command, m: &clap::ArgMatches) {
+        use clap::parser::ValueSource;
+        for id in m.ids() {
+            let id = id.as_str();
+            let Some(arg) = cmd.get_arguments().find(|a| a.get_id() == id) else { continue };
+            let origin = match m.value_source(id) {
+                Some(ValueSource::CommandLine) => {
+                    Origin::Flag(arg.get_long().map(|l| format!("--{l}")).unwrap_or_else(|| id.to_string()))
+                }
+                Some(ValueSource::EnvVariable) => {
+                    Origin::Env(arg.get_env().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default())
+                }
+                _ => continue,
+            };
+            self.by_id.insert(id.to_string(), origin);
+        }
+        if let Some((name, sub)) = m.subcommand()
+            && let Some(sc) = cmd.find_subcommand(name)
+        {
+            self.walk(sc, sub);
+        }
+    }
+
+    /// The origin of a value the command line layer holds for `key`.
+    fn of_flag(&self, key: &str) -> Origin {
+        self.by_id.get(key).cloned().unwrap_or_else(|| Origin::Flag(format!("--{}", key.replace('_', "-"))))
+    }
+}
+
+/// A setting that cannot be used. Every variant names the setting and, where it has one, the
+/// source of the value (flag, environment variable, or file and key).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file cannot be read or parsed (an unknown key, a value of the wrong type).
+    #[error("config file {}: {problem}", path.display())]
+    File { path: PathBuf, problem: String },
+    /// `allowed` is the documented range, e.g. `1..=256`.
+    #[error("{setting} = {value} (from {origin}) is out of range: allowed {allowed}")]
+    OutOfRange { setting: &'static str, value: String, origin: Origin, allowed: String },
+    /// A value of the right type that cannot work (e.g. a base URL that is not http(s)).
+    #[error("{setting} (from {origin}): {problem}")]
+    Invalid { setting: &'static str, origin: Origin, problem: String },
+    /// A setting the command needs was given nowhere.
+    #[error("no {setting}: {hint}")]
+    Missing { setting: &'static str, hint: &'static str },
+}
+
+/// Picks each value from the command line layer, then the file, then the default, and
+/// checks it against its bound.
+struct Resolver<'a> {
+    origins: &'a Origins,
+    file_path: Option<&'a Path>,
+}
+
+impl Resolver<'_> {
+    fn pick<T>(&self, section: &str, key: &str, flag: Option<T>, file: Option<T>) -> Option<(T, Origin)> {
+        if let Some(v) = flag {
+            return Some((v, self.origins.of_flag(key)));
+        }
+        let v = file?;
+        let path = self.file_path.map(Path::to_path_buf).unwrap_or_default();
+        Some((v, Origin::File { path, key: format!("[{section}] {key}") }))
+    }
+
+    /// A number within `range` (which the default is in, by the unit tests).
+    fn num<T: PartialOrd + fmt::Display + Copy>(
+        &self,
+        section: &str,
+        key: &'static str,
+        flag: Option<T>,
+        file: Option<T>,
+        default: T,
+        range: RangeInclusive<T>,
+    ) -> Result<T, ConfigError> {
+        match self.pick(section, key, flag, file) {
+            None => Ok(default),
+            Some((v, _)) if range.contains(&v) => Ok(v),
+            Some((v, origin)) => Err(ConfigError::OutOfRange {
+                setting: key,
+                value: v.to_string(),
+                origin,
+                allowed: format!("{}..={}", range.start(), range.end()),
+            }),
+        }
+    }
+
+    /// An optional number within `range`.
+    fn num_opt<T: PartialOrd + fmt::Display + Copy>(
+        &self,
+        section: &str,
+        key: &'static str,
+        flag: Option<T>,
+        file: Option<T>,
+        range: RangeInclusive<T>,
+    ) -> Result<Option<T>, ConfigError> {
+        match self.pick(section, key, flag, file) {
+            None => Ok(None),
+            Some((v, _)) if range.contains(&v) => Ok(Some(v)),
+            Some((v, origin)) => Err(ConfigError::OutOfRange {
+                setting: key,
+                value: v.to_string(),
+                origin,
+                allowed: format!("{}..={}", range.start(), range.end()),
+            }),
+        }
+    }
+
+    /// A string accepted by `check` (which says what is wrong otherwise).
+    fn text(
+        &self,
+        section: &str,
+        key: &'static str,
+        flag: Option<String>,
+        file: Option<String>,
+        check: impl Fn(&str) -> Result<(), String>,
+    ) -> Result<Option<(String, Origin)>, ConfigError> {
+        match self.pick(section, key, flag, file) {
+            None => Ok(None),
+            Some((v, origin)) => match check(&v) {
+                Ok(()) => Ok(Some((v, origin))),
+                Err(problem) => Err(ConfigError::Invalid { setting: key, origin, problem }),
+            },
+        }
+    }
+}
+
+/// Every setting of every command, resolved and validated. Its `Debug` hides the passwords
+/// of the service URLs.
+#[derive(Clone)]
+pub struct Settings {
+    /// Postgres URL (may hold a password).
+    pub database_url: Option<String>,
+    /// Redis URL (may hold a password).
+    pub redis_url: Option<String>,
+    /// Target vector table.
+    pub table: String,
+    /// Key prefix of the streams.
+    pub stream_prefix: String,
+    /// The provider client (its `Debug` hides the key).
+    pub client: ClientConfig,
+    pub options: IngestOptions,
+    pub retry: RetryPolicy,
+    pub breaker: BreakerConfig,
+    pub serve: ServeSettings,
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("database_url", &self.database_url.as_deref().map(redact_password))
+            .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("table", &self.table)
+            .field("stream_prefix", &self.stream_prefix)
+            .field("client", &self.client)
+            .field("options", &self.options)
+            .field("retry", &self.retry)
+            .field("breaker", &self.breaker)
+            .field("serve", &self.serve)
+            .finish()
+    }
+}
+
+/// `url` with its password (if any) replaced, for debug output.
+pub fn redact_password(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("[redacted]"));
+            u.to_string()
+        }
+        Ok(_) => url.to_string(),
+        Err(_) => "[unparsable URL]".to_string(),
+    }
+}
+
+/// The runtime settings of `serve`.
 #[derive(Debug, Clone)]
+pub struct ServeSettings {
+    /// Replayer tasks (0 runs only the relay and the scheduler).
+    pub replayers: usize,
+    /// Replayer settings; the DLQ schedule is the one of [`Settings::options`].
+    pub replay: ReplayConfig,
+    pub relay: RelayConfig,
+    /// Time to finish in-flight work after SIGTERM.
+    pub grace: Duration,
+    /// Consumer name prefix; `None` means host and pid.
+    pub consumer_prefix: Option<String>,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Run the reconciler (check only) this often; `None` = never.
+    pub reconcile_every: Option<Duration>,
+}
+
+impl Settings {
+    /// Resolves every setting: `flags` (the command line, environment values included, as
+    /// clap parsed them) over `file` over the defaults; checks every value against its
+    /// bound. `origins` tells flags from environment variables in error messages.
+    pub fn resolve(
+        flags: FileConfig,
+        file: Option<&ConfigFile>,
+        origins: &Origins,
+    ) -> Result<Self, ConfigError> {
+        let r = Resolver { origins, file_path: file.map(|f| f.path.as_path()) };
+        let empty = FileConfig::default();
+        let f = file.map(|f| &f.layer).unwrap_or(&empty);
+        // Exhaustive destructuring: a new field that is not resolved here does not compile
+        // (or warns as unused), so no setting can be silently ignored.
+        let FileConfig { services, provider, ingest, retry, serve } = flags;
+        let ServiceArgs { database_url, redis_url } = services;
+        let ProviderArgs {
+            base_url,
+            model,
+            request_dimensions,
+            encoding_format,
+            api_key_env,
+            api_key_header,
+            headers,
+            request_timeout_ms,
+        } = provider;
+        let IngestArgs {
+            table,
+            batch_max_inputs,
+            batch_max_chars,
+            concurrency,
+            writers,
+            max_input_chars,
+            max_line_bytes,
+        } = ingest;
+        let RetryArgs {
+            retry_max_attempts,
+            retry_base_ms,
+            retry_cap_ms,
+            dlq_base_secs,
+            dlq_cap_secs,
+            dlq_max_replays,
+            breaker_failure_threshold,
+            breaker_cooldown_ms,
+            max_outage_secs,
+        } = retry;
+        let ServeArgs {
+            replayers,
+            replay_batch,
+            min_idle_ms,
+            delivery_cap,
+            grace_ms,
+            stream_prefix,
+            consumer_name,
+            relay_batch,
+            relay_poll_ms,
+            metrics_addr,
+            reconcile_every_secs,
+        } = serve;
+
+        // [services]
+        let database_url = r
+            .text("services", "database_url", database_url, f.services.database_url.clone(), |u| {
+                check_scheme(u, &["postgres", "postgresql"])
+            })?
+            .map(|(v, _)| v);
+        let redis_url = r
+            .text("services", "redis_url", redis_url, f.services.redis_url.clone(), |u| {
+                check_scheme(u, &["redis", "rediss", "redis+unix", "unix"])
+            })?
+            .map(|(v, _)| v);
+
+        // [provider]
+        let base_url = r
+            .text("provider", "base_url", base_url, f.provider.base_url.clone(), check_base_url)?
+            .map_or_else(|| DEFAULT_BASE_URL.to_string(), |(v, _)| v);
+        let model = r
+            .text("provider", "model", model, f.provider.model.clone(), |m| {
+                check_len(m, bounds::MODEL_CHARS).and(no_control(m))
+            })?
+            .map_or_else(|| DEFAULT_MODEL.to_string(), |(v, _)| v);
+        let request_dimensions = r.num_opt(
+            "provider",
+            "request_dimensions",
+            request_dimensions,
+            f.provider.request_dimensions,
+            bounds::DIMENSIONS,
+        )?;
+        let encoding = r
+            .pick("provider", "encoding_format", encoding_format, f.provider.encoding_format)
+            .map_or(EncodingFormat::Base64, |(v, _)| v);
+        let key_env = r
+            .text("provider", "api_key_env", api_key_env, f.provider.api_key_env.clone(), check_env_name)?
+            .map_or_else(|| DEFAULT_API_KEY_ENV.to_string(), |(v, _)| v);
+        let api_key = std::env::var(&key_env).ok().filter(|k| !k.is_empty());
+        let api_key_header = r
+            .text(
+                "provider",
+                "api_key_header",
+                api_key_header,
+                f.provider.api_key_header.clone(),
+                check_header_name,
+            )?
+            .map(|(v, _)| v);
+        let headers = r.pick(
+            "provider",
+            "headers",
+            Some(headers).filter(|h| !h.is_empty()),
+            Some(f.provider.headers.clone()).filter(|h| !h.is_empty()),
+        );
+        let mut extra_headers = Vec::new();
+        if let Some((headers, origin)) = headers {
+            let invalid = |problem: String| ConfigError::Invalid {
+                setting: "headers",
+                origin: origin.clone(),
+                problem,
+            };
+            if headers.len() > bounds::MAX_HEADERS {
+                return Err(invalid(format!("{} headers; at most {}", headers.len(), bounds::MAX_HEADERS)));
+            }
+            for h in &headers {
+                let (name, value) =
+                    h.split_once(':').ok_or_else(|| invalid(format!("{h:?} is not `Name: value`")))?;
+                let (name, value) = (name.trim(), value.trim());
+                check_header_name(name).map_err(&invalid)?;
+                reqwest::header::HeaderValue::from_str(value).map_err(|_| {
+                    invalid(format!("the value of header {name:?} has characters not allowed in a header"))
+                })?;
+                extra_headers.push((name.to_string(), value.to_string()));
+            }
+        }
+        let timeout_ms = r.num(
+            "provider",
+            "request_timeout_ms",
+            request_timeout_ms,
+            f.provider.request_timeout_ms,
+            DEFAULT_REQUEST_TIMEOUT_MS,
+            bounds::REQUEST_TIMEOUT_MS,
+        )?;
+        let client = ClientConfig {
+            base_url,
+            model,
+            request_dimensions,
+            encoding,
+            api_key,
+            api_key_header,
+            extra_headers,
+            timeout: Duration::from_millis(timeout_ms),
+        };
+
+        // [ingest]
+        let table = r
+            .text("ingest", "table", table, f.ingest.table.clone(), check_table)?
+            .map_or_else(|| DEFAULT_TABLE.to_string(), |(v, _)| v);
+        let d = IngestOptions::default();
+        let fi = &f.ingest;
+        let batch_max_inputs = r.num(
+            "ingest",
+            "batch_max_inputs",
+            batch_max_inputs,
+            fi.batch_max_inputs,
+            d.batch_max_inputs,
+            bounds::BATCH_MAX_INPUTS,
+        )?;
+        let batch_max_chars = r.num(
+            "ingest",
+            "batch_max_chars",
+            batch_max_chars,
+            fi.batch_max_chars,
+            d.batch_max_chars,
+            bounds::BATCH_MAX_CHARS,
+        )?;
+        let concurrency =
+            r.num("ingest", "concurrency", concurrency, fi.concurrency, d.concurrency, bounds::CONCURRENCY)?;
+        let writers = r.num("ingest", "writers", writers, fi.writers, d.writers, bounds::WRITERS)?;
+        let max_input_chars = r.num(
+            "ingest",
+            "max_input_chars",
+            max_input_chars,
+            fi.max_input_chars,
+            d.max_input_chars,
+            bounds::MAX_INPUT_CHARS,
+        )?;
+        let max_line_bytes = r.num(
+            "ingest",
+            "max_line_bytes",
+            max_line_bytes,
+            fi.max_line_bytes,
+            d.max_line_bytes,
+            bounds::MAX_LINE_BYTES,
+        )?;
+
+        // [retry]
+        let fr = &f.retry;
+        let rp = RetryPolicy::default();
+        let retry_max_attempts = r.num(
+            "retry",
+            "retry_max_attempts",
+            retry_max_attempts,
+            fr.retry_max_attempts,
+            rp.max_attempts,
+            bounds::RETRY_MAX_ATTEMPTS,
+        )?;
+        let retry_base_ms = r.num(
+            "retry",
+            "retry_base_ms",
+            retry_base_ms,
+            fr.retry_base_ms,
+            millis(rp.base),
+            bounds::RETRY_BASE_MS,
+        )?;
+        let retry_cap_ms = r.num(
+            "retry",
+            "retry_cap_ms",
+            retry_cap_ms,
+            fr.retry_cap_ms,
+            millis(rp.cap),
+            retry_base_ms..=*bounds::RETRY_CAP_MS.end(),
+        )?;
+        let ds = DlqSchedule::default();
+        let dlq_base_secs = r.num(
+            "retry",
+            "dlq_base_secs",
+            dlq_base_secs,
+            fr.dlq_base_secs,
+            ds.base.as_secs(),
+            bounds::DLQ_BASE_SECS,
+        )?;
+        let dlq_cap_secs = r.num(
+            "retry",
+            "dlq_cap_secs",
+            dlq_cap_secs,
+            fr.dlq_cap_secs,
+            ds.cap.as_secs(),
+            dlq_base_secs..=*bounds::DLQ_CAP_SECS.end(),
+        )?;
+        let dlq_max_replays = r.num(
+            "retry",
+            "dlq_max_replays",
+            dlq_max_replays,
+            fr.dlq_max_replays,
+            ds.max_replays,
+            bounds::DLQ_MAX_REPLAYS,
+        )?;
+        let bd = BreakerConfig::default();
+        let breaker_failure_threshold = r.num(
+            "retry",
+            "breaker_failure_threshold",
+            breaker_failure_threshold,
+            fr.breaker_failure_threshold,
+            bd.failure_threshold,
+            bounds::BREAKER_FAILURE_THRESHOLD,
+        )?;
+        let breaker_cooldown_ms = r.num(
+            "retry",
+            "breaker_cooldown_ms",
+            breaker_cooldown_ms,
+            fr.breaker_cooldown_ms,
+            millis(bd.cooldown),
+            bounds::BREAKER_COOLDOWN_MS,
+        )?;
+        let max_outage_secs = r.num(
+            "retry",
+            "max_outage_secs",
+            max_outage_secs,
+            fr.max_outage_secs,
+            bd.max_outage.as_secs(),
+            bounds::MAX_OUTAGE_SECS,
+        )?;
+        let dlq_schedule = DlqSchedule {
+            base: Duration::from_secs(dlq_base_secs),
+            cap: Duration::from_secs(dlq_cap_secs),
+            max_replays: dlq_max_replays,
+            ..ds
+        };
+        let options = IngestOptions {
+            batch_max_inputs,
+            batch_max_chars,
+            concurrency,
+            writers,
+            max_input_chars,
+            max_line_bytes,
+            dlq_schedule,
+            ..d
+        };
+        let retry = RetryPolicy {
+            max_attempts: retry_max_attempts,
+            base: Duration::from_millis(retry_base_ms),
+            cap: Duration::from_millis(retry_cap_ms),
+            ..rp
+        };
+        let breaker = BreakerConfig {
+            failure_threshold: breaker_failure_threshold,
+            cooldown: Duration::from_millis(breaker_cooldown_ms),
+            max_outage: Duration::from_secs(max_outage_secs),
+            ..bd
+        };
+
+        // [serve]
+        let fs = &f.serve;
+        let rd = ReplayConfig::default();
+        let ld = RelayConfig::default();
+        let stream_prefix = r
+            .text("serve", "stream_prefix", stream_prefix, fs.stream_prefix.clone(), check_stream_prefix)?
+            .map_or_else(|| DEFAULT_STREAM_PREFIX.to_string(), |(v, _)| v);
+        let consumer_prefix = r
+            .text("serve", "consumer_name", consumer_name, fs.consumer_name.clone(), |n| {
+                check_len(n, bounds::NAME_CHARS).and(no_control(n))
+            })?
+            .map(|(v, _)| v);
+        let replayers =
+            r.num("serve", "replayers", replayers, fs.replayers, DEFAULT_REPLAYERS, bounds::REPLAYERS)?;
+        let replay_batch =
+            r.num("serve", "replay_batch", replay_batch, fs.replay_batch, rd.batch, bounds::REPLAY_BATCH)?;
+        let min_idle_ms = r.num(
+            "serve",
+            "min_idle_ms",
+            min_idle_ms,
+            fs.min_idle_ms,
+            millis(rd.min_idle),
+            bounds::MIN_IDLE_MS,
+        )?;
+        let delivery_cap = r.num(
+            "serve",
+            "delivery_cap",
+            delivery_cap,
+            fs.delivery_cap,
+            rd.delivery_cap,
+            bounds::DELIVERY_CAP,
+        )?;
+        let grace_ms =
+            r.num("serve", "grace_ms", grace_ms, fs.grace_ms, DEFAULT_GRACE_MS, bounds::GRACE_MS)?;
+        let relay_batch =
+            r.num("serve", "relay_batch", relay_batch, fs.relay_batch, ld.batch, bounds::RELAY_BATCH)?;
+        let relay_poll_ms = r.num(
+            "serve",
+            "relay_poll_ms",
+            relay_poll_ms,
+            fs.relay_poll_ms,
+            millis(ld.poll),
+            bounds::RELAY_POLL_MS,
+        )?;
+        let metrics_addr = r.pick("serve", "metrics_addr", metrics_addr, fs.metrics_addr).map(|(v, _)| v);
+        let reconcile_every_secs = r.num(
+            "serve",
+            "reconcile_every_secs",
+            reconcile_every_secs,
+            fs.reconcile_every_secs,
+            DEFAULT_RECONCILE_EVERY_SECS,
+            bounds::RECONCILE_EVERY_SECS,
+        )?;
+        let serve = ServeSettings {
+            replayers,
+            replay: ReplayConfig {
+                batch: replay_batch,
+                min_idle: Duration::from_millis(min_idle_ms),
+                delivery_cap,
+                schedule: dlq_schedule,
+                ..rd
+            },
+            relay: RelayConfig { batch: relay_batch, poll: Duration::from_millis(relay_poll_ms), ..ld },
+            grace: Duration::from_millis(grace_ms),
+            consumer_prefix,
+            metrics_addr,
+            reconcile_every: (reconcile_every_secs > 0).then(|| Duration::from_secs(reconcile_every_secs)),
+        };
+
+        Ok(Settings { database_url, redis_url, table, stream_prefix, client, options, retry, breaker, serve })
+    }
+
+    /// The Postgres URL, required by every command that touches the database.
+    pub fn database_url(&self) -> Result<&str, ConfigError> {
+        self.database_url.as_deref().ok_or(ConfigError::Missing {
+            setting: "database_url",
+            hint: "set DATABASE_URL, --database-url or [services] database_url (scripts/services.sh env prints one)",
+        })
+    }
+
+    /// The Redis URL, required by every command that touches the streams.
+    pub fn redis_url(&self) -> Result<&str, ConfigError> {
+        self.redis_url.as_deref().ok_or(ConfigError::Missing {
+            setting: "redis_url",
+            hint: "set REDIS_URL, --redis-url or [services] redis_url",
+        })
+    }
+
+    /// The stream keys under the configured prefix.
+    pub fn stream_keys(&self) -> crate::streams::StreamKeys {
+        crate::streams::StreamKeys::new(&self.stream_prefix)
+    }
+
+    /// The settings of an ingest (which needs a database).
+    pub fn ingest(&self) -> Result<IngestSettings, ConfigError> {
+        Ok(IngestSettings {
+            database_url: self.database_url()?.to_string(),
+            table: self.table.clone(),
+            client: self.client.clone(),
+            options: self.options.clone(),
+            retry: self.retry,
+            breaker: self.breaker,
+        })
+    }
+}
+
+/// Every setting's default as shown in `--help`, by key, read from the resolved defaults (so
+/// the help can never disagree with what runs).
+pub fn help_defaults() -> Vec<(&'static str, String)> {
+    let s =
+        Settings::resolve(FileConfig::default(), None, &Origins::default()).expect("the defaults are valid");
+    let o = &s.options;
+    let v = &s.serve;
+    vec![
+        ("base_url", s.client.base_url.clone()),
+        ("model", s.client.model.clone()),
+        ("encoding_format", format!("{:?}", s.client.encoding).to_lowercase()),
+        ("api_key_env", DEFAULT_API_KEY_ENV.to_string()),
+        ("request_timeout_ms", millis(s.client.timeout).to_string()),
+        ("table", s.table.clone()),
+        ("batch_max_inputs", o.batch_max_inputs.to_string()),
+        ("batch_max_chars", o.batch_max_chars.to_string()),
+        ("concurrency", o.concurrency.to_string()),
+        ("writers", o.writers.to_string()),
+        ("max_input_chars", o.max_input_chars.to_string()),
+        ("max_line_bytes", o.max_line_bytes.to_string()),
+        ("retry_max_attempts", s.retry.max_attempts.to_string()),
+        ("retry_base_ms", millis(s.retry.base).to_string()),
+        ("retry_cap_ms", millis(s.retry.cap).to_string()),
+        ("dlq_base_secs", o.dlq_schedule.base.as_secs().to_string()),
+        ("dlq_cap_secs", o.dlq_schedule.cap.as_secs().to_string()),
+        ("dlq_max_replays", o.dlq_schedule.max_replays.to_string()),
+        ("breaker_failure_threshold", s.breaker.failure_threshold.to_string()),
+        ("breaker_cooldown_ms", millis(s.breaker.cooldown).to_string()),
+        ("max_outage_secs", s.breaker.max_outage.as_secs().to_string()),
+        ("replayers", v.replayers.to_string()),
+        ("replay_batch", v.replay.batch.to_string()),
+        ("min_idle_ms", millis(v.replay.min_idle).to_string()),
+        ("delivery_cap", v.replay.delivery_cap.to_string()),
+        ("grace_ms", millis(v.grace).to_string()),
+        ("stream_prefix", s.stream_prefix.clone()),
+        ("relay_batch", v.relay.batch.to_string()),
+        ("relay_poll_ms", millis(v.relay.poll).to_string()),
+        ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
+    ]
+}
+
+/// Validated runtime settings of an ingest. Its `Debug` hides the database password.
+#[derive(Clone)]
 pub struct IngestSettings {
+    /// Postgres URL (may hold a password).
     pub database_url: String,
     pub table: String,
     pub client: ClientConfig,
@@ -239,167 +980,485 @@ pub struct IngestSettings {
     pub breaker: BreakerConfig,
 }
 
-/// Default OpenAI-compatible endpoint: the mock provider's default address.
-pub const DEFAULT_BASE_URL: &str = "http://127.0.0.1:8089/v1";
-pub const DEFAULT_MODEL: &str = "text-embedding-3-small";
-pub const DEFAULT_API_KEY_ENV: &str = "EMBED_DLQ_API_KEY";
-pub const DEFAULT_TABLE: &str = "doc_embeddings";
+impl fmt::Debug for IngestSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IngestSettings")
+            .field("database_url", &redact_password(&self.database_url))
+            .field("table", &self.table)
+            .field("client", &self.client)
+            .field("options", &self.options)
+            .field("retry", &self.retry)
+            .field("breaker", &self.breaker)
+            .finish()
+    }
+}
 
 impl IngestSettings {
-    /// Merges flags (already holding env values) over the file, then applies defaults and
-    /// validates.
+    /// For library callers (tests, demo, benchmarks): the given groups over `file` over the
+    /// defaults, validated like the command line.
     pub fn resolve(
-        mut services: ServiceArgs,
-        mut provider: ProviderArgs,
-        mut ingest: IngestArgs,
-        mut retry: RetryArgs,
+        services: ServiceArgs,
+        provider: ProviderArgs,
+        ingest: IngestArgs,
+        retry: RetryArgs,
         file: Option<FileConfig>,
-    ) -> Result<Self, String> {
-        if let Some(mut f) = file {
-            fill_from!(services, f.services; database_url, redis_url);
-            fill_from!(provider, f.provider; base_url, model, request_dimensions, encoding_format,
-                api_key_env, api_key_header, request_timeout_ms);
-            if provider.headers.is_empty() {
-                provider.headers = std::mem::take(&mut f.provider.headers);
-            }
-            fill_from!(ingest, f.ingest; table, batch_max_inputs, batch_max_chars, concurrency,
-                writers, max_input_chars, max_line_bytes);
-            fill_from!(retry, f.retry; retry_max_attempts, retry_base_ms, retry_cap_ms, dlq_base_secs,
-                dlq_cap_secs, dlq_max_replays, breaker_failure_threshold, breaker_cooldown_ms, max_outage_secs);
-        }
-        let database_url = services
-            .database_url
-            .ok_or("no database: set DATABASE_URL or --database-url (scripts/services.sh env prints one)")?;
-        let key_env = provider.api_key_env.unwrap_or_else(|| DEFAULT_API_KEY_ENV.to_string());
-        let api_key = std::env::var(&key_env).ok().filter(|k| !k.is_empty());
-        let mut extra_headers = Vec::new();
-        for h in &provider.headers {
-            let (name, value) =
-                h.split_once(':').ok_or_else(|| format!("header {h:?} is not `Name: value`"))?;
-            extra_headers.push((name.trim().to_string(), value.trim().to_string()));
-        }
-        let defaults = IngestOptions::default();
-        let positive =
-            |name: &str, v: usize| if v == 0 { Err(format!("{name} must be at least 1")) } else { Ok(v) };
-        let options = IngestOptions {
-            batch_max_inputs: positive(
-                "batch_max_inputs",
-                ingest.batch_max_inputs.unwrap_or(defaults.batch_max_inputs),
-            )?,
-            batch_max_chars: positive(
-                "batch_max_chars",
-                ingest.batch_max_chars.unwrap_or(defaults.batch_max_chars),
-            )?,
-            concurrency: positive("concurrency", ingest.concurrency.unwrap_or(defaults.concurrency))?,
-            writers: positive("writers", ingest.writers.unwrap_or(defaults.writers))?,
-            max_input_chars: positive(
-                "max_input_chars",
-                ingest.max_input_chars.unwrap_or(defaults.max_input_chars),
-            )?,
-            max_line_bytes: positive(
-                "max_line_bytes",
-                ingest.max_line_bytes.unwrap_or(defaults.max_line_bytes),
-            )?,
-            dlq_schedule: DlqSchedule {
-                base: Duration::from_secs(
-                    retry.dlq_base_secs.unwrap_or(DlqSchedule::default().base.as_secs()),
-                ),
-                cap: Duration::from_secs(retry.dlq_cap_secs.unwrap_or(DlqSchedule::default().cap.as_secs())),
-                max_replays: retry.dlq_max_replays.unwrap_or(DlqSchedule::default().max_replays),
-                ..DlqSchedule::default()
-            },
-            ..defaults
-        };
-        let rp = RetryPolicy::default();
-        let retry_policy = RetryPolicy {
-            max_attempts: retry.retry_max_attempts.unwrap_or(rp.max_attempts).max(1),
-            base: retry.retry_base_ms.map(Duration::from_millis).unwrap_or(rp.base),
-            cap: retry.retry_cap_ms.map(Duration::from_millis).unwrap_or(rp.cap),
-            ..rp
-        };
-        let bd = BreakerConfig::default();
-        let breaker = BreakerConfig {
-            failure_threshold: retry.breaker_failure_threshold.unwrap_or(bd.failure_threshold).max(1),
-            cooldown: retry.breaker_cooldown_ms.map(Duration::from_millis).unwrap_or(bd.cooldown),
-            max_outage: retry.max_outage_secs.map(Duration::from_secs).unwrap_or(bd.max_outage),
-            ..bd
-        };
-        let client = ClientConfig {
-            base_url: provider.base_url.unwrap_or_else(|| DEFAULT_BASE_URL.to_string()),
-            model: provider.model.unwrap_or_else(|| DEFAULT_MODEL.to_string()),
-            request_dimensions: provider.request_dimensions,
-            encoding: provider.encoding_format.unwrap_or(EncodingFormat::Base64),
-            api_key,
-            api_key_header: provider.api_key_header,
-            extra_headers,
-            timeout: Duration::from_millis(provider.request_timeout_ms.unwrap_or(60_000)),
-        };
-        Ok(IngestSettings {
-            database_url,
-            table: ingest.table.unwrap_or_else(|| DEFAULT_TABLE.to_string()),
-            client,
-            options,
-            retry: retry_policy,
-            breaker,
-        })
+    ) -> Result<Self, ConfigError> {
+        let flags = FileConfig { services, provider, ingest, retry, serve: ServeArgs::default() };
+        let file = file.map(|layer| ConfigFile { path: PathBuf::from("<config>"), layer });
+        Settings::resolve(flags, file.as_ref(), &Origins::default())?.ingest()
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A service URL of one of `schemes`. The message never repeats the URL (it may hold a
+/// password).
+fn check_scheme(url: &str, schemes: &[&str]) -> Result<(), String> {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    match scheme {
+        Some(s) if schemes.contains(&s.as_str()) => Ok(()),
+        _ => Err(format!("not a URL of scheme {}", schemes.join(", "))),
+    }
+}
+
+fn no_control(s: &str) -> Result<(), String> {
+    if s.chars().any(char::is_control) { Err("must not contain control characters".into()) } else { Ok(()) }
+}
+
+fn check_len(s: &str, range: RangeInclusive<usize>) -> Result<(), String> {
+    let n = s.chars().count();
+    if range.contains(&n) {
+        Ok(())
+    } else {
+        Err(format!("{n} characters; allowed {}..={}", range.start(), range.end()))
+    }
+}
+
+/// An absolute http(s) URL with a host: anything else would fail every request (and park the
+/// corpus as transient) instead of failing the command.
+fn check_base_url(s: &str) -> Result<(), String> {
+    if s.len() > bounds::URL_CHARS {
+        return Err(format!("longer than {} characters", bounds::URL_CHARS));
+    }
+    let url =
+        reqwest::Url::parse(s).map_err(|e| format!("not a URL ({e}); e.g. https://api.openai.com/v1"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?} is not http or https", url.scheme()));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("has no host".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err("must not have a query or fragment (`/embeddings` is appended to it)".into());
+    }
+    Ok(())
+}
+
+fn check_env_name(s: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > 256 || s.contains(['=', '\0']) || s.chars().any(char::is_whitespace) {
+        Err("not a valid environment variable name".into())
+    } else {
+        Ok(())
+    }
+}
+
+fn check_header_name(s: &str) -> Result<(), String> {
+    reqwest::header::HeaderName::from_bytes(s.as_bytes())
+        .map(drop)
+        .map_err(|_| format!("{s:?} is not a valid header name"))
+}
+
+fn check_table(s: &str) -> Result<(), String> {
+    crate::store::quote_table_name(s)?;
+    if s.split('.').any(|p| p.len() > bounds::IDENTIFIER_BYTES) {
+        return Err(format!("each part of a table name has at most {} bytes", bounds::IDENTIFIER_BYTES));
+    }
+    no_control(s)
+}
+
+fn check_stream_prefix(s: &str) -> Result<(), String> {
+    check_len(s, bounds::NAME_CHARS)?;
+    no_control(s)?;
+    if s.contains(['{', '}']) || s.chars().any(char::is_whitespace) {
+        return Err("must not contain braces or whitespace (it is wrapped in a hash tag)".into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn file(text: &str) -> ConfigFile {
+        ConfigFile::parse(Path::new("/etc/e.toml"), text).unwrap()
+    }
+
+    fn resolve(flags: FileConfig, file: Option<&ConfigFile>) -> Result<Settings, ConfigError> {
+        Settings::resolve(flags, file, &Origins::default())
+    }
+
     #[test]
-    fn unknown_keys_are_rejected() {
-        let err = toml::from_str::<FileConfig>("[provider]\nmodle = \"x\"\n").unwrap_err();
-        assert!(err.to_string().contains("modle"), "{err}");
-        assert!(toml::from_str::<FileConfig>("[nope]\n").is_err());
+    fn unknown_keys_are_rejected_naming_file_and_key() {
+        let err = ConfigFile::parse(Path::new("/etc/e.toml"), "[provider]\nmodle = \"x\"\n").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("modle") && msg.contains("/etc/e.toml"), "{msg}");
+        assert!(ConfigFile::parse(Path::new("x"), "[nope]\n").is_err());
+        assert!(ConfigFile::parse(Path::new("x"), "[serve]\nreplayer = 1\n").is_err());
     }
 
     #[test]
     fn flags_win_over_file_and_file_over_defaults() {
-        let file: FileConfig = toml::from_str(
-            "[services]\ndatabase_url = \"postgres://file\"\n[provider]\nmodel = \"file-model\"\nrequest_timeout_ms = 1234\n[ingest]\nconcurrency = 9\n",
-        )
-        .unwrap();
-        let provider = ProviderArgs { model: Some("flag-model".into()), ..Default::default() };
-        let s = IngestSettings::resolve(
-            ServiceArgs::default(),
-            provider,
-            IngestArgs::default(),
-            RetryArgs::default(),
-            Some(file),
-        )
-        .unwrap();
-        assert_eq!(s.database_url, "postgres://file");
+        let f = file(
+            "[services]\ndatabase_url = \"postgres://file\"\n[provider]\nmodel = \"file-model\"\nrequest_timeout_ms = 1234\n[ingest]\nconcurrency = 9\ntable = \"t_file\"\n[serve]\nstream_prefix = \"p-file\"\nreplayers = 6\nmin_idle_ms = 5000\n",
+        );
+        let flags = FileConfig {
+            provider: ProviderArgs { model: Some("flag-model".into()), ..Default::default() },
+            serve: ServeArgs { replayers: Some(3), ..Default::default() },
+            ..Default::default()
+        };
+        let s = resolve(flags, Some(&f)).unwrap();
+        assert_eq!(s.database_url.as_deref(), Some("postgres://file"));
         assert_eq!(s.client.model, "flag-model");
         assert_eq!(s.client.timeout, Duration::from_millis(1234));
         assert_eq!(s.options.concurrency, 9);
         assert_eq!(s.options.batch_max_inputs, IngestOptions::default().batch_max_inputs);
+        assert_eq!(s.table, "t_file");
+        assert_eq!(s.stream_prefix, "p-file");
+        assert_eq!(s.serve.replayers, 3, "the flag wins");
+        assert_eq!(s.serve.replay.min_idle, Duration::from_secs(5));
+        assert_eq!(s.serve.relay.batch, RelayConfig::default().batch, "default");
+    }
+
+    #[test]
+    fn defaults_come_from_the_library_and_are_within_bounds() {
+        let s = resolve(FileConfig::default(), None).unwrap();
         assert_eq!(s.table, DEFAULT_TABLE);
+        assert_eq!(s.stream_prefix, DEFAULT_STREAM_PREFIX);
+        assert_eq!(s.client.base_url, DEFAULT_BASE_URL);
+        assert_eq!(s.retry, RetryPolicy::default());
+        assert_eq!(s.breaker, BreakerConfig::default());
+        assert_eq!(s.options.dlq_schedule, DlqSchedule::default());
+        assert_eq!(s.serve.replay.batch, ReplayConfig::default().batch);
+        assert_eq!(s.serve.replay.min_idle, ReplayConfig::default().min_idle);
+        assert_eq!(s.serve.relay.poll, RelayConfig::default().poll);
+        assert_eq!(s.serve.reconcile_every, None);
+        assert!(s.database_url().is_err() && s.redis_url().is_err());
+        // Every default must itself pass validation when given explicitly.
+        let d = IngestOptions::default();
+        assert!(bounds::CONCURRENCY.contains(&d.concurrency));
+        assert!(bounds::WRITERS.contains(&d.writers));
+        assert!(bounds::BATCH_MAX_INPUTS.contains(&d.batch_max_inputs));
+        assert!(bounds::BATCH_MAX_CHARS.contains(&d.batch_max_chars));
+        assert!(bounds::MAX_INPUT_CHARS.contains(&d.max_input_chars));
+        assert!(bounds::MAX_LINE_BYTES.contains(&d.max_line_bytes));
+        assert!(bounds::MIN_IDLE_MS.contains(&millis(ReplayConfig::default().min_idle)));
+        assert!(bounds::RELAY_POLL_MS.contains(&millis(RelayConfig::default().poll)));
+        assert!(bounds::BREAKER_COOLDOWN_MS.contains(&millis(BreakerConfig::default().cooldown)));
+        assert!(bounds::DLQ_CAP_SECS.contains(&DlqSchedule::default().cap.as_secs()));
+    }
+
+    /// A file that sets every key: after resolution nothing may still be the default, so a
+    /// key the resolver forgets is caught here.
+    #[test]
+    fn every_file_key_is_used() {
+        let f = file(
+            r#"
+[services]
+database_url = "postgres://f"
+redis_url = "redis://f"
+[provider]
+base_url = "https://example.test/v1"
+model = "m"
+request_dimensions = 64
+encoding_format = "float"
+api_key_env = "SOME_KEY_VAR_THAT_IS_UNSET"
+api_key_header = "api-key"
+headers = ["X-A: 1"]
+request_timeout_ms = 1000
+[ingest]
+table = "s.t"
+batch_max_inputs = 7
+batch_max_chars = 700
+concurrency = 3
+writers = 3
+max_input_chars = 77
+max_line_bytes = 7777
+[retry]
+retry_max_attempts = 7
+retry_base_ms = 7
+retry_cap_ms = 70
+dlq_base_secs = 7
+dlq_cap_secs = 70
+dlq_max_replays = 7
+breaker_failure_threshold = 7
+breaker_cooldown_ms = 77
+max_outage_secs = 7
+[serve]
+replayers = 7
+replay_batch = 7
+min_idle_ms = 777
+delivery_cap = 7
+grace_ms = 7
+stream_prefix = "sp"
+consumer_name = "c"
+relay_batch = 7
+relay_poll_ms = 77
+metrics_addr = "127.0.0.1:1"
+reconcile_every_secs = 7
+"#,
+        );
+        let s = resolve(FileConfig::default(), Some(&f)).unwrap();
+        assert_eq!(s.redis_url.as_deref(), Some("redis://f"));
+        assert_eq!(s.client.base_url, "https://example.test/v1");
+        assert_eq!(s.client.request_dimensions, Some(64));
+        assert_eq!(s.client.encoding, EncodingFormat::Float);
+        assert_eq!(s.client.api_key_header.as_deref(), Some("api-key"));
+        assert_eq!(s.client.extra_headers, vec![("X-A".to_string(), "1".to_string())]);
+        assert_eq!(s.client.timeout, Duration::from_secs(1));
+        assert_eq!(s.table, "s.t");
+        let o = &s.options;
+        assert_eq!(
+            (
+                o.batch_max_inputs,
+                o.batch_max_chars,
+                o.concurrency,
+                o.writers,
+                o.max_input_chars,
+                o.max_line_bytes
+            ),
+            (7, 700, 3, 3, 77, 7777)
+        );
+        assert_eq!(s.retry.max_attempts, 7);
+        assert_eq!((s.retry.base, s.retry.cap), (Duration::from_millis(7), Duration::from_millis(70)));
+        assert_eq!(o.dlq_schedule.base, Duration::from_secs(7));
+        assert_eq!(o.dlq_schedule.cap, Duration::from_secs(70));
+        assert_eq!(o.dlq_schedule.max_replays, 7);
+        assert_eq!(s.breaker.failure_threshold, 7);
+        assert_eq!(s.breaker.cooldown, Duration::from_millis(77));
+        assert_eq!(s.breaker.max_outage, Duration::from_secs(7));
+        let v = &s.serve;
+        assert_eq!((v.replayers, v.replay.batch, v.replay.delivery_cap, v.relay.batch), (7, 7, 7, 7));
+        assert_eq!(v.replay.min_idle, Duration::from_millis(777));
+        assert_eq!(v.replay.schedule, o.dlq_schedule);
+        assert_eq!(v.grace, Duration::from_millis(7));
+        assert_eq!(s.stream_prefix, "sp");
+        assert_eq!(v.consumer_prefix.as_deref(), Some("c"));
+        assert_eq!(v.relay.poll, Duration::from_millis(77));
+        assert_eq!(v.metrics_addr, Some("127.0.0.1:1".parse().unwrap()));
+        assert_eq!(v.reconcile_every, Some(Duration::from_secs(7)));
     }
 
     #[test]
-    fn serve_section_fills_unset_flags() {
-        let file: FileConfig = toml::from_str("[serve]\nreplayers = 6\nmin_idle_ms = 5000\n").unwrap();
-        let mut flags = ServeArgs { replayers: Some(3), ..Default::default() };
-        flags.fill_from(file.serve);
-        assert_eq!(flags.replayers(), 3, "the flag wins");
-        assert_eq!(flags.min_idle(), Duration::from_secs(5));
-        assert_eq!(flags.relay_batch(), 500, "default");
-        assert!(toml::from_str::<FileConfig>("[serve]\nreplayer = 1\n").is_err());
+    fn out_of_range_numbers_name_the_setting_and_its_source() {
+        let flags = FileConfig {
+            ingest: IngestArgs { concurrency: Some(10_000_000), ..Default::default() },
+            ..Default::default()
+        };
+        let err = resolve(flags, None).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::OutOfRange { setting: "concurrency", origin: Origin::Flag(f), .. } if f == "--concurrency"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("1..=256"), "{err}");
+
+        let f = file("[retry]\nbreaker_cooldown_ms = 18446744073709551615\n");
+        let err = resolve(FileConfig::default(), Some(&f)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "breaker_cooldown_ms = 18446744073709551615 (from /etc/e.toml [retry] breaker_cooldown_ms) is out of range: allowed 10..=60000"
+        );
+
+        // The first value past each end of a bound is refused; the ends are accepted.
+        type Set = fn(&mut FileConfig, u64);
+        let cases: &[(&str, Set, u64, u64)] = &[
+            ("concurrency", |c, v| c.ingest.concurrency = Some(v as usize), 1, 256),
+            ("writers", |c, v| c.ingest.writers = Some(v as usize), 1, 32),
+            ("batch_max_inputs", |c, v| c.ingest.batch_max_inputs = Some(v as usize), 1, 2048),
+            ("batch_max_chars", |c, v| c.ingest.batch_max_chars = Some(v as usize), 1, 10_000_000),
+            ("max_input_chars", |c, v| c.ingest.max_input_chars = Some(v as usize), 1, 1_000_000),
+            ("max_line_bytes", |c, v| c.ingest.max_line_bytes = Some(v as usize), 64, 64 << 20),
+            ("request_timeout_ms", |c, v| c.provider.request_timeout_ms = Some(v), 100, 600_000),
+            ("request_dimensions", |c, v| c.provider.request_dimensions = Some(v as usize), 1, 16_000),
+            ("retry_max_attempts", |c, v| c.retry.retry_max_attempts = Some(v as u32), 1, 20),
+            ("retry_base_ms", |c, v| c.retry.retry_base_ms = Some(v), 1, 60_000),
+            ("retry_cap_ms", |c, v| c.retry.retry_cap_ms = Some(v), 500, 600_000),
+            ("dlq_base_secs", |c, v| c.retry.dlq_base_secs = Some(v), 1, 86_400),
+            ("dlq_cap_secs", |c, v| c.retry.dlq_cap_secs = Some(v), 60, 2_592_000),
+            ("dlq_max_replays", |c, v| c.retry.dlq_max_replays = Some(v as u32), 1, 1000),
+            (
+                "breaker_failure_threshold",
+                |c, v| c.retry.breaker_failure_threshold = Some(v as u32),
+                1,
+                10_000,
+            ),
+            ("breaker_cooldown_ms", |c, v| c.retry.breaker_cooldown_ms = Some(v), 10, 60_000),
+            ("max_outage_secs", |c, v| c.retry.max_outage_secs = Some(v), 1, 604_800),
+            ("replay_batch", |c, v| c.serve.replay_batch = Some(v as usize), 1, 2048),
+            ("min_idle_ms", |c, v| c.serve.min_idle_ms = Some(v), 100, 86_400_000),
+            ("delivery_cap", |c, v| c.serve.delivery_cap = Some(v as u32), 1, 1000),
+            ("relay_batch", |c, v| c.serve.relay_batch = Some(v as usize), 1, 10_000),
+            ("relay_poll_ms", |c, v| c.serve.relay_poll_ms = Some(v), 10, 60_000),
+        ];
+        for (name, set, lo, hi) in cases {
+            for (v, ok) in [(lo - 1, false), (*lo, true), (*hi, true), (hi + 1, false)] {
+                let mut c = FileConfig::default();
+                set(&mut c, v);
+                match resolve(c, None) {
+                    Ok(_) => assert!(ok, "{name} = {v} was accepted"),
+                    Err(e) => {
+                        assert!(!ok, "{name} = {v} was refused: {e}");
+                        assert!(
+                            matches!(e, ConfigError::OutOfRange { setting, .. } if setting == *name),
+                            "{e:?}"
+                        );
+                    }
+                }
+            }
+        }
+        // Upper-only bounds (0 is a meaningful value).
+        for (name, set, hi) in [
+            ("replayers", (|c: &mut FileConfig, v: u64| c.serve.replayers = Some(v as usize)) as Set, 64),
+            ("grace_ms", |c, v| c.serve.grace_ms = Some(v), 600_000),
+            ("reconcile_every_secs", |c, v| c.serve.reconcile_every_secs = Some(v), 604_800),
+        ] {
+            for (v, ok) in [(0, true), (hi, true), (hi + 1, false), (u64::MAX, false)] {
+                let mut c = FileConfig::default();
+                set(&mut c, v);
+                assert_eq!(resolve(c, None).is_ok(), ok, "{name} = {v}");
+            }
+        }
     }
 
     #[test]
-    fn zero_concurrency_is_refused() {
-        let err = IngestSettings::resolve(
-            ServiceArgs { database_url: Some("postgres://x".into()), redis_url: None },
-            ProviderArgs::default(),
-            IngestArgs { concurrency: Some(0), ..Default::default() },
-            RetryArgs::default(),
+    fn debug_output_hides_service_passwords() {
+        let services = ServiceArgs {
+            database_url: Some("postgres://u:pg-pw-1@h/db".into()),
+            redis_url: Some("redis://:redis-pw-2@h:1/".into()),
+        };
+        let s = resolve(FileConfig { services, ..Default::default() }, None).unwrap();
+        let all = format!("{s:?} {:?}", s.ingest().unwrap());
+        assert!(!all.contains("pg-pw-1") && !all.contains("redis-pw-2"), "{all}");
+        assert!(all.contains("postgres://u:[redacted]@h/db") || all.contains("%5Bredacted%5D"), "{all}");
+    }
+
+    #[test]
+    fn caps_below_their_base_are_refused() {
+        let flags = FileConfig {
+            retry: RetryArgs { retry_base_ms: Some(1000), retry_cap_ms: Some(999), ..Default::default() },
+            ..Default::default()
+        };
+        let err = resolve(flags, None).unwrap_err();
+        assert!(matches!(err, ConfigError::OutOfRange { setting: "retry_cap_ms", .. }), "{err:?}");
+        let flags = FileConfig {
+            retry: RetryArgs { dlq_base_secs: Some(100), dlq_cap_secs: Some(99), ..Default::default() },
+            ..Default::default()
+        };
+        assert!(resolve(flags, None).is_err());
+    }
+
+    #[test]
+    fn strings_are_validated() {
+        let with_provider = |p: ProviderArgs| resolve(FileConfig { provider: p, ..Default::default() }, None);
+        for bad in [
+            "not a url",
+            "127.0.0.1:8089/v1",
+            "ftp://h/v1",
+            "file:///etc/passwd",
+            "http://",
+            "http://h/v1?x=1",
+        ] {
+            let err =
+                with_provider(ProviderArgs { base_url: Some(bad.into()), ..Default::default() }).unwrap_err();
+            assert!(matches!(err, ConfigError::Invalid { setting: "base_url", .. }), "{bad}: {err:?}");
+        }
+        for good in
+            ["http://127.0.0.1:8089/v1", "https://api.openai.com/v1", "https://u:p@gw.example/openai/"]
+        {
+            with_provider(ProviderArgs { base_url: Some(good.into()), ..Default::default() }).unwrap();
+        }
+        assert!(with_provider(ProviderArgs { model: Some(String::new()), ..Default::default() }).is_err());
+        assert!(
+            with_provider(ProviderArgs { headers: vec!["nocolon".into()], ..Default::default() }).is_err()
+        );
+        assert!(
+            with_provider(ProviderArgs { headers: vec!["Bad Name: v".into()], ..Default::default() })
+                .is_err()
+        );
+        assert!(
+            with_provider(ProviderArgs { headers: vec!["X: a\u{7}b".into()], ..Default::default() }).is_err()
+        );
+        let many = (0..33).map(|i| format!("X-{i}: v")).collect();
+        assert!(with_provider(ProviderArgs { headers: many, ..Default::default() }).is_err());
+        assert!(
+            with_provider(ProviderArgs { api_key_header: Some("a b".into()), ..Default::default() }).is_err()
+        );
+        assert!(
+            with_provider(ProviderArgs { api_key_env: Some("A=B".into()), ..Default::default() }).is_err()
+        );
+
+        let with_services = |d: &str, r: &str| {
+            let services = ServiceArgs { database_url: Some(d.into()), redis_url: Some(r.into()) };
+            resolve(FileConfig { services, ..Default::default() }, None)
+        };
+        assert!(with_services("postgres://u@h/db", "redis://h:1/").is_ok());
+        assert!(with_services("postgresql://u@h/db", "rediss://h:1/").is_ok());
+        let err = with_services("mysql://u:pw@h/db", "redis://h/").unwrap_err();
+        assert!(!err.to_string().contains("pw"), "{err}");
+        assert!(with_services("postgres://u@h/db", "").is_err());
+
+        let with_table = |t: &str| {
+            resolve(
+                FileConfig {
+                    ingest: IngestArgs { table: Some(t.into()), ..Default::default() },
+                    ..Default::default()
+                },
+                None,
+            )
+        };
+        assert!(with_table("a.b").is_ok());
+        for bad in ["", "a.b.c", "a.", &"x".repeat(64)] {
+            assert!(with_table(bad).is_err(), "{bad:?}");
+        }
+        let with_prefix = |p: &str| {
+            resolve(
+                FileConfig {
+                    serve: ServeArgs { stream_prefix: Some(p.into()), ..Default::default() },
+                    ..Default::default()
+                },
+                None,
+            )
+        };
+        assert!(with_prefix("team-a").is_ok());
+        for bad in ["", "a}b", "a b", &"p".repeat(129)] {
+            assert!(with_prefix(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn origins_tell_flags_from_environment() {
+        use clap::{CommandFactory, FromArgMatches, Parser};
+        #[derive(Parser)]
+        struct T {
+            #[command(flatten)]
+            ingest: IngestArgs,
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cmd = T::command();
+        let m =
+            cmd.clone().try_get_matches_from(["t", "--concurrency", "0", "--stream-prefix", "x"]).unwrap();
+        let t = T::from_arg_matches(&m).unwrap();
+        let origins = Origins::from_matches(&cmd, &m);
+        assert_eq!(origins.of_flag("concurrency"), Origin::Flag("--concurrency".into()));
+        assert_eq!(origins.of_flag("stream_prefix"), Origin::Flag("--stream-prefix".into()));
+        let err = Settings::resolve(
+            FileConfig { ingest: t.ingest, serve: t.serve, ..Default::default() },
             None,
+            &origins,
         )
         .unwrap_err();
-        assert!(err.contains("concurrency"), "{err}");
+        assert!(err.to_string().contains("from flag --concurrency"), "{err}");
     }
 }

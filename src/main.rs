@@ -1,9 +1,11 @@
 //! The `embed-dlq` binary: parse, set up logging, hand over to the library.
 
-use clap::Parser;
+use embed_dlq::cli::Cli;
 
 fn main() {
-    let cli = embed_dlq::cli::Cli::parse();
+    // Parse with the matches kept, so settings errors can say flag or environment variable.
+    let matches = Cli::command_with_defaults().get_matches();
+    let cli = Cli::from_matches(&matches).unwrap_or_else(|e| e.exit());
     embed_dlq::telemetry::init_logging(cli.log_format);
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("build tokio runtime");

@@ -25,6 +25,24 @@ pub struct TailOptions {
     pub no_follow: bool,
 }
 
+/// Checks a `--from` value: `$`, `0`, or a stream entry id (`ms` or `ms-seq`), so a typo is a
+/// usage error rather than a Redis error on every read.
+pub fn check_from(from: &str) -> Result<(), String> {
+    let digits = |s: &str| {
+        !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u64>().is_ok()
+    };
+    let ok = from == "$"
+        || match from.split_once('-') {
+            Some((ms, seq)) => digits(ms) && digits(seq),
+            None => digits(from),
+        };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{from:?} is not `$`, `0` or a stream entry id like 1700000000000-0"))
+    }
+}
+
 /// Prints events to `out` until cancelled, caught up (`no_follow`) or `count` is reached;
 /// returns how many were printed.
 pub async fn tail(
@@ -108,11 +126,14 @@ pub async fn tail(
 /// One event as a human line.
 pub fn human_line(id: &str, event: &str, body: &str) -> String {
     let v: serde_json::Value = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
+    // Values come from stream entries (doc ids are user data): control characters are
+    // escaped so an entry cannot forge lines or send terminal escape sequences.
     let s = |k: &str| match &v[k] {
         serde_json::Value::Null => None,
-        serde_json::Value::String(s) => Some(s.clone()),
-        other => Some(other.to_string()),
+        serde_json::Value::String(s) => Some(escape_controls(s)),
+        other => Some(escape_controls(&other.to_string())),
     };
+    let (id, event) = (escape_controls(id), escape_controls(event));
     let mut line = format!(
         "{id} {event:<9} {}#{}",
         s("doc_id").unwrap_or_else(|| "?".into()),
@@ -124,4 +145,37 @@ pub fn human_line(id: &str, event: &str, body: &str) -> String {
         }
     }
     line
+}
+
+/// `s` with every control character (newline, ESC, ...) written as a Rust escape.
+fn escape_controls(s: &str) -> String {
+    if !s.chars().any(char::is_control) {
+        return s.to_string();
+    }
+    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_values() {
+        for ok in ["$", "0", "0-0", "1700000000000-3", "18446744073709551615-18446744073709551615"] {
+            assert!(check_from(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "now", "-1", "1-", "1-2-3", "18446744073709551616", "$$"] {
+            assert!(check_from(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn human_lines_escape_control_characters() {
+        let body = serde_json::json!({"doc_id": "evil\n1-0 parked    forged#0\u{1b}[31m", "chunk_index": 1})
+            .to_string();
+        let line = human_line("1-0", "parked", &body);
+        assert!(!line.contains('\n') && !line.contains('\u{1b}'), "{line:?}");
+        assert!(line.contains("evil\\n1-0") && line.contains("\\u{1b}[31m"), "{line:?}");
+        assert_eq!(human_line("1-0", "parked", r#"{"doc_id":"d","chunk_index":2}"#), "1-0 parked    d#2");
+    }
 }
