@@ -337,6 +337,22 @@ impl EmbedClient {
     fn sanitize(&self, s: &str) -> String {
         sanitize_excerpt(&self.redactor.redact(prefix_chars(s, MAX_ERROR_BODY_READ)))
     }
+
+    /// The same client (same HTTP pool, endpoint, credentials and limits) asking for `model`
+    /// and `request_dimensions` instead: replay embeds each DLQ row with the model it was
+    /// parked under, whatever the configured one is.
+    pub fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
+        if model == self.config.model && request_dimensions == self.config.request_dimensions {
+            return self.clone();
+        }
+        let mut config = (*self.config).clone();
+        config.model = model.to_string();
+        config.request_dimensions = request_dimensions;
+        // Same secrets, so the redactor stays valid; the HTTP pool is shared.
+        let mut client = self.clone();
+        client.config = std::sync::Arc::new(config);
+        client
+    }
 }
 
 /// The first `n` characters of `s`.
@@ -446,22 +462,6 @@ impl Redactor {
         }
         out.push_str(&text[pos..]);
         out
-    }
-
-    /// The same client (same HTTP pool, endpoint, credentials and limits) asking for `model`
-    /// and `request_dimensions` instead: replay embeds each DLQ row with the model it was
-    /// parked under, whatever the configured one is.
-    pub fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
-        if model == self.config.model && request_dimensions == self.config.request_dimensions {
-            return self.clone();
-        }
-        let mut config = (*self.config).clone();
-        config.model = model.to_string();
-        config.request_dimensions = request_dimensions;
-        // Same secrets, so the redactor stays valid; the HTTP pool is shared.
-        let mut client = self.clone();
-        client.config = std::sync::Arc::new(config);
-        client
     }
 }
 
