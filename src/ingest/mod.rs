@@ -31,6 +31,7 @@ use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
 use crate::store::{ParkedChunk, Store, StoreError, StoredChunk};
+use crate::telemetry::Escaped;
 use reader::{LineReader, Record, parse_line};
 
 /// Tuning of one ingest run.
@@ -328,7 +329,7 @@ impl<'a> Batcher<'a> {
     async fn push(&mut self, rec: Record, jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
         match rec {
             Record::Rejected { line, problem } => {
-                tracing::warn!(line, %problem, "rejected input line (no usable identity)");
+                tracing::warn!(line, problem = %Escaped(&problem), "rejected input line (no usable identity)");
                 metrics::counter!(crate::metrics::LINES_REJECTED).increment(1);
                 let mut t = self.tally.lock().unwrap();
                 t.summary.rejected_lines += 1;
@@ -338,7 +339,8 @@ impl<'a> Batcher<'a> {
                 return Ok(());
             }
             Record::Invalid { line, doc_id, chunk_index, problem, payload, raw_hash } => {
-                tracing::warn!(line, %doc_id, chunk_index, %problem, "invalid record (parked unless already in the DLQ)");
+                tracing::warn!(line, doc_id = %Escaped(&doc_id), chunk_index, problem = %Escaped(&problem),
+                    "invalid record (parked unless already in the DLQ)");
                 self.tally.lock().unwrap().summary.records += 1;
                 self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
                 self.keys.insert((doc_id.clone(), chunk_index));
@@ -657,7 +659,7 @@ impl Writer {
         match result {
             Ok(counts) => {
                 for p in &to_park {
-                    tracing::debug!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class,
+                    tracing::debug!(doc_id = %Escaped(&p.doc_id), chunk_index = p.chunk_index, class = %p.class,
                         reason = %p.reason, attempts = p.attempts, "parked");
                 }
                 metrics::counter!(crate::metrics::CHUNKS_STORED).increment(to_store.len() as u64);

@@ -6,5 +6,6 @@ mod ingest;
 mod process;
 mod reconcile;
 mod restart;
+mod runtime;
 mod streams;
 mod support;
