@@ -37,6 +37,39 @@ pub enum Record {
     },
 }
 
+impl Record {
+    /// Approximate heap bytes the parsed record holds (its strings and metadata tree), which
+    /// is what the run's byte budget charges on top of the line. A metadata array of small
+    /// numbers takes ~16x its JSON size once parsed, so the line length alone would not do.
+    pub fn approx_bytes(&self) -> u64 {
+        match self {
+            Record::Chunk { chunk, .. } => {
+                (chunk.doc_id.len() + chunk.text.len()) as u64
+                    + chunk.metadata.as_ref().map_or(0, value_bytes)
+            }
+            Record::Invalid { doc_id, problem, payload, raw_hash, .. } => {
+                (doc_id.len() + problem.len() + raw_hash.len()) as u64 + value_bytes(payload)
+            }
+            Record::Rejected { problem, .. } => problem.len() as u64,
+        }
+    }
+}
+
+/// Heap bytes of a parsed JSON value: a node per value, string contents, and a map entry's
+/// key and bookkeeping.
+fn value_bytes(v: &Value) -> u64 {
+    const NODE: u64 = std::mem::size_of::<Value>() as u64;
+    const ENTRY: u64 = 48;
+    match v {
+        Value::String(s) => NODE + s.len() as u64,
+        Value::Array(a) => NODE + a.iter().map(value_bytes).sum::<u64>(),
+        Value::Object(o) => {
+            NODE + o.iter().map(|(k, v)| ENTRY + k.len() as u64 + value_bytes(v)).sum::<u64>()
+        }
+        _ => NODE,
+    }
+}
+
 /// Reads lines of at most `max_line_bytes`, tracking line numbers and bytes consumed.
 pub struct LineReader<R> {
     inner: R,
@@ -374,6 +407,23 @@ mod identity_tests {
             parse(b"{\"doc_id\":\"doc-\xef\xbf\xbd\",\"chunk_index\":0,\"text\":\"caf\xe9\"}"),
             Some(Record::Invalid { .. })
         ));
+    }
+
+    #[test]
+    fn the_parsed_size_counts_what_a_record_holds() {
+        let numbers = format!(
+            r#"{{"doc_id":"d","chunk_index":0,"text":"t","metadata":{{"v":[{}]}}}}"#,
+            ["0"; 1000].join(",")
+        );
+        let r = parse(numbers.as_bytes()).unwrap();
+        // 1000 numbers of 2 bytes of JSON each hold a 32-byte node each.
+        assert!(r.approx_bytes() >= 32_000, "{}", r.approx_bytes());
+        let blob = format!(
+            r#"{{"doc_id":"d","chunk_index":0,"text":"t","metadata":{{"b":"{}"}}}}"#,
+            "x".repeat(10_000)
+        );
+        let b = parse(blob.as_bytes()).unwrap().approx_bytes();
+        assert!((10_000..11_000).contains(&b), "{b}");
     }
 
     #[tokio::test]
