@@ -310,3 +310,70 @@ async fn lines_of_megabytes_of_metadata_stay_within_the_byte_budget() {
     let bound = 144 * 1024 * 1024;
     assert!(peak < bound, "peak RSS {} MiB exceeds {} MiB", peak >> 20, bound >> 20);
 }
+
+fn serve_cmd(db: &TestDb, mock: &MockProvider, prefix: &str) -> Command {
+    let mut c = binary();
+    c.arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--model", "mock", "--stream-prefix", prefix, "--replayers", "2", "--replay-batch", "8"])
+        .args(["--min-idle-ms", "1000", "--relay-poll-ms", "100", "--grace-ms", "2000"])
+        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_exits_non_zero_when_a_replayer_panics_and_a_restart_drains_the_dlq() {
+    let db = TestDb::new().await;
+    // Park 40 chunks during an outage and make them due at once.
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(&db, &down);
+    s.retry.max_attempts = 1;
+    let mut corpus = String::new();
+    for i in 0..40 {
+        corpus.push_str(&line("serve-panic", i, &format!("chunk {i}")));
+    }
+    pipeline(&s)
+        .await
+        .run(input(corpus.into_bytes()), tokio_util::sync::CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 40);
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+
+    let up = start_mock(MockConfig::default()).await;
+    let prefix = format!("it-rt-{}-{}", std::process::id(), rand::random::<u32>());
+    let child = serve_cmd(&db, &up, &prefix)
+        .env("EMBED_DLQ_FAILPOINT", "replay_before_commit=panic")
+        .spawn()
+        .unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("serve must not keep running with a dead replayer")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let error =
+        stderr.lines().find(|l| l.starts_with("embed-dlq: error:")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(error.contains("replayer") && error.contains("panicked"), "{error}");
+    assert!(error.contains("failpoint replay_before_commit reached"), "{error}");
+    assert_eq!(db.leaks().await, 0);
+
+    // Restarted (as a process supervisor would), serve takes over what the dead replayer
+    // held and drains the DLQ.
+    let mut child = serve_cmd(&db, &up, &prefix).stderr(Stdio::null()).spawn().unwrap();
+    assert!(
+        eventually(&db, "SELECT count(*) FROM embedding_dlq", 0).await,
+        "the DLQ drains after the restart"
+    );
+    assert!(child.try_wait().unwrap().is_none(), "the restarted serve keeps running");
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await.unwrap().unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
