@@ -1,15 +1,25 @@
 //! The ingest pipeline: corpus → batches → embed → store or park.
 //!
 //! ```text
-//! reader task ──records──> batcher ──jobs──> N workers ──> Store::store_batch / park_batch
-//!   (JSONL, bounded)        │ manifest lookup: skip unchanged / already parked
-//!                           │ pre-flight: empty, too long, broken record → park directly
+//! reader task ──records──> batcher ──jobs──> N workers ──outcomes──> M writers
+//!   (JSONL, charged to       │ manifest lookup: skip unchanged / already parked      │
+//!    the byte budget)        │ pre-flight: empty, too long, broken record → park     │
+//!                                                    Store::store_batch / park_batch ┘
 //! ```
 //!
-//! Every channel is bounded, so memory stays flat whatever the corpus size. A chunk's
-//! manifest row is written only together with its outcome (vector or DLQ row), so a crash at
-//! any point leaves either a finished chunk or no trace of it, and rerunning the same corpus
+//! Every channel is bounded by count, and every record in flight is charged to a byte
+//! budget ([`budget`]) from the reader until its outcome is written, so memory stays flat
+//! whatever the corpus size or the size of its lines. Workers and writers take from
+//! multi-consumer channels: no task waits for input while holding a lock another one needs,
+//! so each writer flushes within `batch_linger` of its oldest outcome. A chunk's manifest
+//! row is written only together with its outcome (vector or DLQ row), so a crash at any
+//! point leaves either a finished chunk or no trace of it, and rerunning the same corpus
 //! completes the work without duplicates or repeated provider calls.
+//!
+//! Every task is supervised ([`crate::supervise`]): a panic in the reader, the batcher, a
+//! worker or a writer halts the run at once and ends it with [`IngestError::Task`], whose
+//! summary accounts for every record (what was neither written nor skipped is "not
+//! attempted").
 //!
 //! Shutdown: cancelling the token stops intake; batches already handed to workers finish,
 //! or park if they were mid-retry. A systemic provider error stops the run without parking
