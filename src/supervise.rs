@@ -33,7 +33,7 @@ pub enum TaskFailure {
     /// A service loop returned although nobody asked it to stop.
     #[error("{task} stopped unexpectedly")]
     Ended { task: String },
-    /// The task was aborted before it finished (its deadline passed).
+    /// The task was aborted from outside the supervisor.
     #[error("{task} was aborted")]
     Aborted { task: String },
 }
@@ -177,7 +177,8 @@ impl Supervisor {
                     self.names.remove(&id);
                 }
                 Err(e) => {
-                    // The wrapper catches panics, so only an abort ends a task this way.
+                    // The wrapper catches panics, so only an abort from outside ends a task
+                    // this way.
                     let task = self.names.remove(&e.id()).unwrap_or_else(|| format!("task {}", e.id()));
                     record(&self.failures, &self.on_failure, TaskFailure::Aborted { task });
                 }
@@ -185,10 +186,24 @@ impl Supervisor {
         }
     }
 
-    /// Aborts every task still running and waits for them; each counts as a failure.
-    pub async fn abort_all(&mut self) {
+    /// Aborts every task still running (a stop whose deadline has passed) and waits for
+    /// them. Returns their names; they are logged, not counted as failures: they were told to
+    /// stop and only took too long.
+    pub async fn abort_all(&mut self) -> Vec<String> {
         self.set.abort_all();
-        self.wait().await;
+        let mut aborted = Vec::new();
+        while let Some(joined) = self.set.join_next_with_id().await {
+            let id = match &joined {
+                Ok((id, _)) => *id,
+                Err(e) => e.id(),
+            };
+            let name = self.names.remove(&id).unwrap_or_else(|| format!("task {id}"));
+            if joined.is_err() {
+                tracing::warn!(task = %name, "aborted: did not stop within its deadline");
+                aborted.push(name);
+            }
+        }
+        aborted
     }
 }
 
@@ -246,11 +261,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn aborted_tasks_are_counted() {
-        let mut s = Supervisor::new(CancellationToken::new());
+    async fn tasks_past_their_deadline_are_aborted_by_name() {
+        let stop = CancellationToken::new();
+        let mut s = Supervisor::new(stop.clone());
         s.spawn("stuck", std::future::pending::<()>());
-        s.abort_all().await;
-        assert_eq!(s.failures(), vec![TaskFailure::Aborted { task: "stuck".into() }]);
+        s.spawn("done", async {});
+        tokio::task::yield_now().await;
+        assert_eq!(s.abort_all().await, vec!["stuck".to_string()]);
         assert!(s.is_empty());
+        assert!(s.failures().is_empty() && !stop.is_cancelled());
     }
 }
