@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
 use crate::model::Chunk;
+use crate::telemetry::Escaped;
 
 /// Longest `doc_id` accepted, in bytes of UTF-8.
 pub const MAX_DOC_ID_BYTES: usize = 1024;
@@ -173,8 +174,8 @@ pub fn parse_line(raw: &RawLine) -> Option<Record> {
         Ok(v) => v,
         Err(e) => {
             let problem = match &utf8_problem {
-                Some(p) => format!("{p}; then malformed JSON: {e}"),
-                None => format!("malformed JSON: {e}"),
+                Some(p) => format!("{p}; then malformed JSON: {}", Escaped(&e.to_string())),
+                None => format!("malformed JSON: {}", Escaped(&e.to_string())),
             };
             return Some(Record::Rejected { line, problem });
         }
