@@ -11,7 +11,8 @@
 //! budget ([`budget`]) from the reader until its outcome is written, so memory stays flat
 //! whatever the corpus size or the size of its lines. Workers and writers take from
 //! multi-consumer channels: no task waits for input while holding a lock another one needs,
-//! so each writer flushes within `batch_linger` of its oldest outcome. A chunk's manifest
+//! so a writer writes what it gathered once no outcome has come for `batch_linger` (and at
+//! most a second after the oldest one, however slowly outcomes trickle in). A chunk's manifest
 //! row is written only together with its outcome (vector or DLQ row), so a crash at any
 //! point leaves either a finished chunk or no trace of it, and rerunning the same corpus
 //! completes the work without duplicates or repeated provider calls.
@@ -726,6 +727,10 @@ struct Writer {
     linger: Duration,
 }
 
+/// The longest a finished outcome waits in a writer for its statement to fill up, when a
+/// slow trickle keeps the writer from ever being idle for `linger`.
+const MAX_GATHER: Duration = Duration::from_secs(1);
+
 /// What a writer has gathered and not yet written.
 #[derive(Default)]
 struct Gathered {
@@ -734,8 +739,11 @@ struct Gathered {
     keys: HashSet<(String, i32)>,
     /// Byte charges of the gathered outcomes, released once they are written.
     charges: Vec<Arc<Charge>>,
-    /// `linger` after the oldest gathered outcome arrived: written by then at the latest.
+    /// When the gathered outcomes are written if no more arrive: `linger` after the latest
+    /// one, but never later than [`MAX_GATHER`] after the oldest one.
     deadline: Option<tokio::time::Instant>,
+    /// Arrival of the oldest gathered outcome.
+    oldest: Option<tokio::time::Instant>,
 }
 
 impl Gathered {
@@ -781,7 +789,9 @@ impl Writer {
             g.store.extend(out.store);
             g.park.extend(out.park);
             g.charges.push(out.charge);
-            g.deadline.get_or_insert_with(|| tokio::time::Instant::now() + self.linger);
+            let now = tokio::time::Instant::now();
+            let oldest = *g.oldest.get_or_insert(now);
+            g.deadline = Some((now + self.linger).min(oldest + MAX_GATHER.max(self.linger)));
             if g.len() >= self.rows {
                 failed |= !self.flush(&mut g).await;
             }
@@ -795,6 +805,7 @@ impl Writer {
     async fn flush(&self, g: &mut Gathered) -> bool {
         g.keys.clear();
         g.deadline = None;
+        g.oldest = None;
         let (to_store, to_park) = (std::mem::take(&mut g.store), std::mem::take(&mut g.park));
         // Released at the end of this call, written or not.
         let _charges = std::mem::take(&mut g.charges);

@@ -189,7 +189,7 @@ fn accounting(stderr: &str) -> [u64; 6] {
 async fn panic_in_a_task_then_rerun(failpoint: &str, task: &str) {
     const CHUNKS: u64 = 400;
     let db = TestDb::new().await;
-    let mock = start_mock(MockConfig { latency_ms: 5, ..MockConfig::default() }).await;
+    let mock = start_mock(MockConfig { latency_ms: 10, ..MockConfig::default() }).await;
     let dir = TempDir::new();
     let mut corpus = String::new();
     for i in 0..CHUNKS as i32 {
