@@ -377,3 +377,25 @@ async fn serve_exits_non_zero_when_a_replayer_panics_and_a_restart_drains_the_dl
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bom_is_skipped_and_broken_utf8_ids_are_rejected_not_merged() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let mut corpus = b"\xef\xbb\xbf".to_vec();
+    corpus.extend_from_slice(line("bom", 0, "first line after the mark").as_bytes());
+    corpus.extend_from_slice(b"{\"doc_id\":\"id-\xff\",\"chunk_index\":0,\"text\":\"one\"}\n");
+    corpus.extend_from_slice(b"{\"doc_id\":\"id-\xfe\",\"chunk_index\":0,\"text\":\"two\"}\n");
+    corpus.extend_from_slice(b"{\"doc_id\":\"ok\",\"chunk_index\":0,\"text\":\"caf\xe9\"}\n");
+    let summary =
+        pipeline(&s).await.run(input(corpus), tokio_util::sync::CancellationToken::new()).await.unwrap();
+    assert_eq!(summary.stored, 1, "{summary:?}");
+    assert_eq!(summary.rejected_lines, 2, "{summary:?}");
+    let lines: Vec<u64> = summary.rejected_examples.iter().map(|r| r.line).collect();
+    assert_eq!(lines, vec![2, 3]);
+    // Broken text under a readable id is still parked, under that id.
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'ok'").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'bom'").await, 1);
+}
