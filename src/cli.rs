@@ -476,7 +476,7 @@ async fn serve_command(
     };
     match crate::serve::serve(pipeline.store, pipeline.embedder, client, config, cancel.clone()).await {
         Ok(()) => exit::OK,
-        Err(e) => fail(exit::FAILURE, &e),
+        Err(e) => fail(exit::FAILURE, &e.to_string()),
     }
 }
 

@@ -24,6 +24,7 @@
 //! - [`mock_provider`]: the fault-injecting provider used by the demo, tests and benches.
 //! - [`dlq`]: operator actions (stats, list, show, requeue, purge).
 //! - [`metrics`]: Prometheus names, the exporter and the sampled gauges.
+//! - [`supervise`]: named, joined tasks whose panics and failures stop their run.
 //! - [`config`], [`cli`], [`shutdown`], [`telemetry`], [`demo`]: the edges.
 
 pub mod cli;
@@ -43,5 +44,6 @@ pub mod serve;
 pub mod shutdown;
 pub mod store;
 pub mod streams;
+pub mod supervise;
 pub mod tail;
 pub mod telemetry;

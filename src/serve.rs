@@ -1,19 +1,41 @@
-//! `serve`: relay, scheduler and N replayers under one cancellation token and one task
-//! tracker. Shutdown is two-phase: on the signal every loop stops claiming new work and
-//! finishes the batch in hand; after the grace period in-flight retry waits are cut short
-//! (attempted items are re-parked, unattempted ones stay pending and are reclaimed by any
-//! live replayer after `min_idle`).
+//! `serve`: relay, scheduler, N replayers and the gauge sampler under one stop token and one
+//! [`Supervisor`]. Shutdown is two-phase: on the signal every loop stops claiming new work
+//! and finishes the batch in hand; after the grace period in-flight retry waits are cut
+//! short (attempted items are re-parked, unattempted ones stay pending and are reclaimed by
+//! any live replayer after `min_idle`).
+//!
+//! # Supervision: fail fast, let the process supervisor restart
+//!
+//! A task that panics, returns an error (a permanent one: transient errors are retried inside
+//! the loops) or returns although nobody asked it to stop is logged at ERROR with its name,
+//! and the whole process stops the same two-phase way and exits non-zero. It does not restart
+//! the task itself: a process with a dead relay or replayer looks healthy while its work
+//! silently piles up, and an in-process restart of a task that panicked would repeat the
+//! panic with whatever state caused it. systemd (`Restart=on-failure`), Kubernetes or any
+//! process supervisor restarts `serve`; the entries a dead replayer held are pending in the
+//! consumer group and are taken over after `min_idle`, so nothing is lost.
 
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::embed::Embedder;
 use crate::relay::{Relay, RelayConfig};
 use crate::replay::{ReplayConfig, Replayer, Scheduler};
 use crate::store::Store;
 use crate::streams::{self, StreamKeys};
+use crate::supervise::{Supervisor, TaskFailure};
+
+/// Why `serve` stopped other than by a signal.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    #[error("cannot connect to Redis: {0}")]
+    Redis(#[source] redis::RedisError),
+    /// A task died; the process stopped so its supervisor restarts it.
+    #[error("{0}; serve stopped (exit non-zero) so that its process supervisor restarts it")]
+    Task(TaskFailure),
+}
 
 /// Everything `serve` runs.
 #[derive(Debug, Clone)]
@@ -42,21 +64,25 @@ pub fn default_consumer_prefix() -> String {
     format!("{host}-{}", std::process::id())
 }
 
-/// Runs until `cancel`, then drains within `grace`.
+/// Runs until `cancel` or until a task fails, then drains within `grace`. `Ok` after a
+/// requested stop; `Err` if any task panicked, failed or ended on its own (see the module
+/// doc), even during the drain.
 pub async fn serve(
     store: Store,
     embedder: Embedder,
     client: redis::Client,
     config: ServeConfig,
     cancel: CancellationToken,
-) -> Result<(), String> {
-    let manager = streams::managed(&client).await.map_err(|e| format!("cannot connect to Redis: {e}"))?;
+) -> Result<(), ServeError> {
+    let manager = streams::managed(&client).await.map_err(ServeError::Redis)?;
+    // `stop`: the signal, or a failed task. `hard`: the grace period is over.
+    let stop = cancel.child_token();
     let hard = CancellationToken::new();
-    let tracker = TaskTracker::new();
+    let mut tasks = Supervisor::new(stop.clone());
     let relay = Relay::new(store.pool().clone(), manager.clone(), config.keys.clone(), config.relay.clone());
-    tracker.spawn(relay.run(cancel.clone()));
+    tasks.spawn_until("relay", stop.clone(), relay.run(stop.clone()));
     let scheduler = Scheduler { store: store.clone(), config: config.replay.clone() };
-    tracker.spawn(scheduler.run(cancel.clone()));
+    tasks.spawn_until("scheduler", stop.clone(), scheduler.run(stop.clone()));
     for n in 0..config.replayers {
         let replayer = Replayer {
             name: format!("{}-{n}", config.consumer_prefix),
@@ -68,58 +94,75 @@ pub async fn serve(
             config: config.replay.clone(),
             paused_until: None,
         };
-        tracker.spawn(replayer.run(cancel.clone(), hard.clone()));
+        let name = format!("replayer {}", replayer.name);
+        tasks.spawn_until(name, stop.clone(), replayer.run(stop.clone(), hard.clone()));
     }
     if config.metrics || config.reconcile_every.is_some() {
-        let store = store.clone();
-        let keys = config.keys.clone();
-        let mut redis = manager.clone();
-        let every = config.reconcile_every;
-        let cancel = cancel.clone();
-        tracker.spawn(async move {
-            let mut reconciler = crate::reconcile::Reconciler {
-                store: store.clone(),
-                redis: Some(redis.clone()),
-                keys: keys.clone(),
-                config: Default::default(),
-            };
-            crate::metrics::zero_findings();
-            let mut last_reconcile = std::time::Instant::now();
-            let mut first = true;
-            while !cancel.is_cancelled() {
-                if let Some(every) = every
-                    && (first || last_reconcile.elapsed() >= every)
-                {
-                    first = false;
-                    last_reconcile = std::time::Instant::now();
-                    match reconciler.run_once(crate::reconcile::Mode::Check).await {
-                        Ok(r) => {
-                            crate::metrics::reconcile_report(&r);
-                            if r.total_found() > 0 {
-                                tracing::warn!(
-                                    findings = r.total_found(),
-                                    "reconcile found drift (run `embed-dlq reconcile --repair`)"
-                                );
-                            }
-                        }
-                        Err(e) => tracing::warn!(error = %e, "reconcile failed"),
-                    }
-                }
-                if let Err(e) = crate::metrics::sample(&store, Some(&mut redis), &keys).await {
-                    tracing::warn!(error = %e, "sampling gauges failed");
-                }
-                crate::relay::sleep_or_cancel(Duration::from_secs(5), &cancel).await;
-            }
-        });
+        let sampler = sample_and_reconcile(store.clone(), manager.clone(), config.clone(), stop.clone());
+        tasks.spawn_until("sampler", stop.clone(), sampler);
     }
-    tracker.close();
     tracing::info!(replayers = config.replayers, "serving: relay, scheduler, replayers");
-    cancel.cancelled().await;
-    tracing::info!(grace_ms = config.grace.as_millis() as u64, "stopping: finishing in-flight work");
-    if tokio::time::timeout(config.grace, tracker.wait()).await.is_err() {
+    stop.cancelled().await;
+    match tasks.failures().first() {
+        Some(f) => tracing::error!(error = %f, grace_ms = config.grace.as_millis() as u64,
+            "a serve task died: stopping the process so that its supervisor restarts it"),
+        None => {
+            tracing::info!(grace_ms = config.grace.as_millis() as u64, "stopping: finishing in-flight work")
+        }
+    }
+    if tokio::time::timeout(config.grace, tasks.wait()).await.is_err() {
         tracing::warn!("grace period over: cutting retry waits short");
         hard.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(5), tracker.wait()).await;
+        if tokio::time::timeout(Duration::from_secs(5), tasks.wait()).await.is_err() {
+            tracing::warn!(tasks = tasks.len(), "tasks still running after the grace period: aborting them");
+            tasks.abort_all().await;
+        }
     }
-    Ok(())
+    match tasks.failures().into_iter().next() {
+        Some(f) => Err(ServeError::Task(f)),
+        None => Ok(()),
+    }
+}
+
+/// The gauge sampler and the periodic reconcile check, every 5 s until `stop`.
+async fn sample_and_reconcile(
+    store: Store,
+    mut redis: redis::aio::ConnectionManager,
+    config: ServeConfig,
+    stop: CancellationToken,
+) {
+    let keys = config.keys;
+    let mut reconciler = crate::reconcile::Reconciler {
+        store: store.clone(),
+        redis: Some(redis.clone()),
+        keys: keys.clone(),
+        config: Default::default(),
+    };
+    crate::metrics::zero_findings();
+    let mut last_reconcile = std::time::Instant::now();
+    let mut first = true;
+    while !stop.is_cancelled() {
+        if let Some(every) = config.reconcile_every
+            && (first || last_reconcile.elapsed() >= every)
+        {
+            first = false;
+            last_reconcile = std::time::Instant::now();
+            match reconciler.run_once(crate::reconcile::Mode::Check).await {
+                Ok(r) => {
+                    crate::metrics::reconcile_report(&r);
+                    if r.total_found() > 0 {
+                        tracing::warn!(
+                            findings = r.total_found(),
+                            "reconcile found drift (run `embed-dlq reconcile --repair`)"
+                        );
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "reconcile failed"),
+            }
+        }
+        if let Err(e) = crate::metrics::sample(&store, Some(&mut redis), &keys).await {
+            tracing::warn!(error = %e, "sampling gauges failed");
+        }
+        crate::relay::sleep_or_cancel(Duration::from_secs(5), &stop).await;
+    }
 }

@@ -1,35 +1,76 @@
 //! Turns SIGINT/SIGTERM into a cancellation token. The first signal asks for a graceful stop
 //! (stop intake, finish or park in-flight work); a second one exits at once.
+//!
+//! The handlers are installed before this returns, so a failure to install one is logged
+//! here (and that signal then keeps its default action) instead of killing a background task
+//! unseen. The listening task lives as long as the process, so nothing joins it.
 
 use tokio_util::sync::CancellationToken;
 
-/// Returns a token cancelled on the first SIGINT or SIGTERM.
+/// Returns a token cancelled on the first SIGINT or SIGTERM. Must be called inside the
+/// tokio runtime.
 pub fn on_signal() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
+    let mut signals = Signals::install();
     tokio::spawn(async move {
-        wait_for_signal().await;
+        signals.next().await;
         tracing::warn!("shutdown requested: finishing in-flight work (signal again to exit now)");
         t.cancel();
-        wait_for_signal().await;
+        signals.next().await;
         eprintln!("embed-dlq: second signal, exiting immediately");
         std::process::exit(crate::cli::exit::INTERRUPTED);
     });
     token
 }
 
-async fn wait_for_signal() {
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+    term: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let term = match signal(SignalKind::terminate()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot handle SIGTERM: it will stop the process without draining");
+                    None
+                }
+            };
+            Signals { term }
         }
+        #[cfg(not(unix))]
+        Signals {}
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    /// The next SIGINT or SIGTERM; never, for a signal whose handler could not be installed.
+    async fn next(&mut self) {
+        let ctrl_c = async {
+            if let Err(e) = tokio::signal::ctrl_c().await {
+                tracing::error!(error = %e, "cannot handle SIGINT: it will stop the process without draining");
+                std::future::pending::<()>().await;
+            }
+        };
+        #[cfg(unix)]
+        {
+            let term = async {
+                match self.term.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term => {}
+            }
+        }
+        #[cfg(not(unix))]
+        ctrl_c.await;
     }
 }

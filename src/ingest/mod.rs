@@ -1,36 +1,53 @@
 //! The ingest pipeline: corpus → batches → embed → store or park.
 //!
 //! ```text
-//! reader task ──records──> batcher ──jobs──> N workers ──> Store::store_batch / park_batch
-//!   (JSONL, bounded)        │ manifest lookup: skip unchanged / already parked
-//!                           │ pre-flight: empty, too long, broken record → park directly
+//! reader task ──records──> batcher ──jobs──> N workers ──outcomes──> M writers
+//!   (JSONL, charged to       │ manifest lookup: skip unchanged / already parked      │
+//!    the byte budget)        │ pre-flight: empty, too long, broken record → park     │
+//!                                                    Store::store_batch / park_batch ┘
 //! ```
 //!
-//! Every channel is bounded, so memory stays flat whatever the corpus size. A chunk's
-//! manifest row is written only together with its outcome (vector or DLQ row), so a crash at
-//! any point leaves either a finished chunk or no trace of it, and rerunning the same corpus
+//! Every channel is bounded by count, and every record in flight is charged to a byte
+//! budget ([`budget`]) from the reader until its outcome is written, so memory stays flat
+//! whatever the corpus size or the size of its lines. Workers and writers take from
+//! multi-consumer channels: no task waits for input while holding a lock another one needs,
+//! so a writer writes what it gathered once no outcome has come for `batch_linger` (and at
+//! most a second after the oldest one, however slowly outcomes trickle in). A chunk's manifest
+//! row is written only together with its outcome (vector or DLQ row), so a crash at any
+//! point leaves either a finished chunk or no trace of it, and rerunning the same corpus
 //! completes the work without duplicates or repeated provider calls.
+//!
+//! Every task is supervised ([`crate::supervise`]): a panic in the reader, the batcher, a
+//! worker or a writer halts the run at once and ends it with [`IngestError::Task`], whose
+//! summary accounts for every record (what was neither written nor skipped is "not
+//! attempted").
 //!
 //! Shutdown: cancelling the token stops intake; batches already handed to workers finish,
 //! or park if they were mid-retry. A systemic provider error stops the run without parking
 //! anything for it.
 
+pub mod budget;
 pub mod reader;
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use serde::Serialize;
 use tokio::io::AsyncBufRead;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
 use crate::store::{ParkedChunk, Store, StoreError, StoredChunk, source_seq};
+use crate::supervise::{Supervisor, TaskFailure};
+use crate::telemetry::Escaped;
+use budget::{ByteBudget, Charge};
 use reader::{LineReader, Record, parse_line};
 
 /// Tuning of one ingest run.
@@ -52,6 +69,10 @@ pub struct IngestOptions {
     pub max_input_chars: usize,
     /// Longer lines are rejected without being held in memory.
     pub max_line_bytes: usize,
+    /// Bytes of input held in flight (read, not yet written): each record is charged its line
+    /// plus its parsed form until its outcome is written. Default 64 MiB; clamped to
+    /// 1 MiB..=4 GiB-1 ([`ByteBudget`]). A record larger than the budget runs alone.
+    pub max_inflight_bytes: u64,
     /// How long a partly filled batch waits for more records (slow stdin producers).
     pub batch_linger: Duration,
     pub dlq_schedule: DlqSchedule,
@@ -72,6 +93,7 @@ impl Default for IngestOptions {
             writers: 2,
             max_input_chars: 32_000,
             max_line_bytes: 8 * 1024 * 1024,
+            max_inflight_bytes: ByteBudget::DEFAULT,
             batch_linger: Duration::from_millis(20),
             dlq_schedule: DlqSchedule::default(),
             progress: false,
@@ -132,6 +154,20 @@ impl IngestSummary {
     pub fn parked_total(&self) -> u64 {
         self.parked.values().sum()
     }
+
+    /// Where every record went, in one line (for errors that end a run early).
+    pub fn accounting(&self) -> String {
+        format!(
+            "of {} records, {} stored, {} unchanged, {} already in the DLQ, {} parked, {} not attempted \
+             (rerun the same corpus to finish them)",
+            self.records,
+            self.stored,
+            self.unchanged,
+            self.already_parked,
+            self.parked_total(),
+            self.not_attempted
+        )
+    }
 }
 
 /// Why a run failed as a whole.
@@ -144,12 +180,18 @@ pub enum IngestError {
     Input(#[from] std::io::Error),
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// A task of the run panicked or failed: the run stopped; `summary` accounts for every
+    /// record (whatever was neither written nor skipped is "not attempted").
+    #[error("{failure}; the run stopped: {}", .summary.accounting())]
+    Task { failure: TaskFailure, summary: Box<IngestSummary> },
 }
 
 /// A unit of work for a worker: chunks to embed plus pre-decided failures to park.
 struct Job {
     embed: Vec<Claimed>,
     park: Vec<ParkedChunk>,
+    /// The byte charge of the job's intake window, held until its outcomes are written.
+    charge: Arc<Charge>,
 }
 
 struct Claimed {
@@ -186,38 +228,31 @@ impl Pipeline {
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
         let opts = &self.options;
         let tally = Arc::new(Mutex::new(Tally::default()));
-        // `halt` stops intake and queued jobs (shutdown or a systemic stop); `cancel` alone
-        // (shutdown) also interrupts retry waits so in-flight work parks quickly.
+        // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
+        // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.
         let halt = cancel.child_token();
         let progress = Progress::new(opts.progress, opts.total_bytes);
+        let budget = ByteBudget::new(opts.max_inflight_bytes);
+        // Every task is joined; a panic in any of them halts the run and is reported.
+        let mut tasks = Supervisor::new(halt.clone());
 
-        let (rec_tx, mut rec_rx) = mpsc::channel::<Record>(4096);
-        let tracker = TaskTracker::new();
-        let reader_halt = halt.clone();
-        let max_line = opts.max_line_bytes;
-        let reader_progress = progress.clone();
-        let reader = tracker.spawn(async move {
-            let mut lines = LineReader::new(input, max_line);
-            let mut count = 0u64;
-            loop {
-                if reader_halt.is_cancelled() {
-                    break;
-                }
-                let Some(raw) = lines.next_line().await? else { break };
-                count += 1;
-                reader_progress.set_bytes(lines.bytes_read);
-                if let Some(rec) = parse_line(&raw)
-                    && rec_tx.send(rec).await.is_err()
-                {
-                    break;
-                }
-            }
-            Ok::<u64, std::io::Error>(count)
-        });
+        let (rec_tx, mut rec_rx) = mpsc::channel::<(Record, Charge)>(4096);
+        let reader = InputReader {
+            max_line_bytes: opts.max_line_bytes,
+            budget: budget.clone(),
+            records: rec_tx,
+            halt: halt.clone(),
+            progress: progress.clone(),
+            lines_read: Arc::default(),
+            error: Arc::default(),
+        };
+        let (lines_read, input_error) = (reader.lines_read.clone(), reader.error.clone());
+        tasks.spawn("ingest reader", reader.run(input));
 
-        let (out_tx, out_rx) = mpsc::channel::<Outcomes>(opts.concurrency * 2);
-        let out_rx = Arc::new(tokio::sync::Mutex::new(out_rx));
-        for _ in 0..opts.writers.max(1) {
+        // Multi-consumer channels: an idle writer or worker waits on the channel itself,
+        // never on a lock another one needs to make progress.
+        let (out_tx, out_rx) = flume::bounded::<Outcomes>(opts.concurrency * 2);
+        for n in 0..opts.writers.max(1) {
             let writer = Writer {
                 store: self.store.clone(),
                 tally: tally.clone(),
@@ -226,11 +261,11 @@ impl Pipeline {
                 rows: opts.write_batch_rows,
                 linger: opts.batch_linger,
             };
-            tracker.spawn(writer.run(out_rx.clone()));
+            tasks.spawn(format!("ingest writer {n}"), writer.run(out_rx.clone()));
         }
-        let (job_tx, job_rx) = mpsc::channel::<Job>(opts.concurrency * 2);
-        let job_rx = Arc::new(tokio::sync::Mutex::new(job_rx));
-        for _ in 0..opts.concurrency {
+        drop(out_rx);
+        let (job_tx, job_rx) = flume::bounded::<Job>(opts.concurrency * 2);
+        for n in 0..opts.concurrency {
             let worker = Worker {
                 embedder: self.embedder.clone(),
                 schedule: opts.dlq_schedule,
@@ -239,64 +274,49 @@ impl Pipeline {
                 halt: halt.clone(),
                 writer: out_tx.clone(),
             };
-            let rx = job_rx.clone();
-            tracker.spawn(async move { worker.run(rx).await });
+            tasks.spawn(format!("ingest worker {n}"), worker.run(job_rx.clone()));
         }
-        drop(out_tx);
-        tracker.close();
+        drop((out_tx, job_rx));
 
-        // The batcher runs here: it owns the manifest lookups and the order of intake.
-        let mut batcher = Batcher::new(self, tally.clone(), run_id);
-        let mut intake_error: Option<IngestError> = None;
-        loop {
-            let rec = if batcher.is_empty() {
-                tokio::select! {
-                    r = rec_rx.recv() => r,
-                    _ = halt.cancelled() => None,
-                }
-            } else {
-                tokio::select! {
-                    r = rec_rx.recv() => r,
-                    _ = halt.cancelled() => None,
-                    _ = tokio::time::sleep(opts.batch_linger) => {
-                        if let Err(e) = batcher.flush(&job_tx).await { intake_error = Some(e); break; }
-                        continue;
-                    }
-                }
-            };
-            let Some(rec) = rec else { break };
-            if let Err(e) = batcher.push(rec, &job_tx).await {
-                intake_error = Some(e);
-                break;
+        // The batcher runs here: it owns the manifest lookups and the order of intake. A
+        // panic in it is caught like one in any task.
+        let intake =
+            AssertUnwindSafe(self.intake(&mut rec_rx, &job_tx, &tally, &halt, &cancel, run_id)).catch_unwind().await;
+        let (intake_error, batcher_failure) = match intake {
+            Ok(result) => (result.err(), None),
+            Err(payload) => {
+                let message = crate::supervise::panic_message(payload.as_ref());
+                let failure = TaskFailure::Panicked { task: "ingest batcher".into(), message };
+                tracing::error!(error = %failure, "task failed; stopping");
+                halt.cancel();
+                (None, Some(failure))
             }
-        }
-        if intake_error.is_none()
-            && !halt.is_cancelled()
-            && let Err(e) = batcher.flush(&job_tx).await
-        {
-            intake_error = Some(e);
-        }
-        if cancel.is_cancelled() && intake_error.is_none() {
-            // Records already claimed are finished or parked; anything after them is left
-            // for a rerun.
-            let _ = batcher.flush(&job_tx).await;
-        }
+        };
         drop(job_tx);
         drop(rec_rx);
-        let lines = reader.await.expect("reader task panicked");
-        tracker.wait().await;
+        tasks.wait().await;
         progress.finish();
 
-        let mut t = std::mem::take(&mut *tally.lock().unwrap());
+        let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(PoisonError::into_inner));
         let s = &mut t.summary;
         s.elapsed_secs = started.elapsed().as_secs_f64();
         s.breaker_opened = self.embedder.gate.times_opened();
-        s.lines_read = match &lines {
-            Ok(n) => *n,
-            Err(_) => s.lines_read,
-        };
+        s.lines_read = lines_read.load(Ordering::Relaxed);
         if cancel.is_cancelled() && s.stopped.is_none() {
             s.stopped = Some("shutdown requested".into());
+        }
+        // Whatever a stopped run neither stored, skipped nor parked (records in a dead task's
+        // hands, in channels, in the batcher's window) is "not attempted": a rerun does it.
+        let accounted = s.stored + s.unchanged + s.already_parked + s.parked_total() + s.not_attempted;
+        if accounted < s.records {
+            if !halt.is_cancelled() {
+                tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");
+            }
+            s.not_attempted += s.records - accounted;
+        }
+        if let Some(failure) = batcher_failure.into_iter().chain(tasks.failures()).next() {
+            s.stopped = Some(failure.to_string());
+            return Err(IngestError::Task { failure, summary: Box::new(t.summary) });
         }
         if let Some(e) = intake_error {
             return Err(e);
@@ -308,8 +328,110 @@ impl Pipeline {
             t.summary.stopped = Some(stop.to_string());
             return Err(IngestError::Provider { stop, summary: Box::new(t.summary) });
         }
-        lines?;
+        if let Some(e) = input_error.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            return Err(IngestError::Input(e));
+        }
         Ok(t.summary)
+    }
+}
+
+impl Pipeline {
+    /// The batcher loop: records in, jobs out, until the input ends or the run halts.
+    async fn intake(
+        &self,
+        records: &mut mpsc::Receiver<(Record, Charge)>,
+        jobs: &flume::Sender<Job>,
+        tally: &Arc<Mutex<Tally>>,
+        halt: &CancellationToken,
+        cancel: &CancellationToken,
+        run_id: i64,
+    ) -> Result<(), IngestError> {
+        let mut batcher = Batcher::new(self, tally.clone(), run_id);
+        loop {
+            let next = if batcher.is_empty() {
+                tokio::select! {
+                    r = records.recv() => r,
+                    _ = halt.cancelled() => None,
+                }
+            } else {
+                tokio::select! {
+                    r = records.recv() => r,
+                    _ = halt.cancelled() => None,
+                    _ = tokio::time::sleep(self.options.batch_linger) => {
+                        batcher.flush(jobs).await?;
+                        continue;
+                    }
+                }
+            };
+            let Some((rec, charge)) = next else { break };
+            batcher.push(rec, charge, jobs).await?;
+        }
+        // End of input: the last window goes out. Shutdown: records already claimed are
+        // finished or parked; anything after them is left for a rerun. Any other halt (a
+        // systemic stop, a failed task): the window is left, "not attempted".
+        if !halt.is_cancelled() || cancel.is_cancelled() {
+            batcher.flush(jobs).await?;
+        }
+        Ok(())
+    }
+}
+
+/// The reader task: lines → records, each charged to the byte budget before it is handed
+/// on. An I/O error ends the input (what was read is still processed) and is reported when
+/// the run ends.
+struct InputReader {
+    max_line_bytes: usize,
+    budget: ByteBudget,
+    records: mpsc::Sender<(Record, Charge)>,
+    halt: CancellationToken,
+    progress: Progress,
+    lines_read: Arc<AtomicU64>,
+    error: Arc<Mutex<Option<std::io::Error>>>,
+}
+
+impl InputReader {
+    async fn run<R: AsyncBufRead + Unpin>(self, input: R) {
+        let mut lines = LineReader::new(input, self.max_line_bytes);
+        loop {
+            // A halted run stops reading even if the producer (stdin) has gone quiet.
+            let next = tokio::select! {
+                biased;
+                _ = self.halt.cancelled() => break,
+                r = lines.next_line() => r,
+            };
+            let raw = match next {
+                Ok(Some(raw)) => raw,
+                Ok(None) => break,
+                Err(e) => {
+                    *self.error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+                    break;
+                }
+            };
+            self.lines_read.fetch_add(1, Ordering::Relaxed);
+            self.progress.set_bytes(lines.bytes_read);
+            // Charged in two steps, the line before it is parsed and then its parsed form, so
+            // the reader waits for room holding a line, not a parsed record that may be many
+            // times larger. Together about twice the record: that covers the copy made to
+            // park it. At most the whole budget: a huge record runs alone.
+            let mut charge = tokio::select! {
+                biased;
+                _ = self.halt.cancelled() => break,
+                c = self.budget.charge(raw.bytes.len() as u64) => c,
+            };
+            let Some(rec) = parse_line(&raw) else { continue };
+            drop(raw);
+            let parsed = rec.approx_bytes().min(self.budget.capacity().saturating_sub(charge.bytes()));
+            if parsed > 0 {
+                charge.merge(tokio::select! {
+                    biased;
+                    _ = self.halt.cancelled() => break,
+                    c = self.budget.charge(parsed) => c,
+                });
+            }
+            if self.records.send((rec, charge)).await.is_err() {
+                break;
+            }
+        }
     }
 }
 
@@ -332,6 +454,8 @@ struct Batcher<'a> {
     seen_in_run: SeenKeys,
     /// Keys of the current window seen earlier in this run: never skipped.
     repeated: HashSet<(String, i32)>,
+    /// The byte charges of the records in the window; shared by the window's jobs.
+    charge: Charge,
 }
 
 fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
@@ -397,6 +521,7 @@ impl<'a> Batcher<'a> {
             keys: HashSet::new(),
             seen_in_run: SeenKeys::new(),
             repeated: HashSet::new(),
+            charge: Charge::default(),
         }
     }
 
@@ -412,10 +537,15 @@ impl<'a> Batcher<'a> {
         self.chunks.is_empty() && self.invalid.is_empty()
     }
 
-    async fn push(&mut self, rec: Record, jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
+    async fn push(
+        &mut self,
+        rec: Record,
+        charge: Charge,
+        jobs: &flume::Sender<Job>,
+    ) -> Result<(), IngestError> {
         match rec {
             Record::Rejected { line, problem } => {
-                tracing::warn!(line, %problem, "rejected input line (no usable identity)");
+                tracing::warn!(line, problem = %Escaped(&problem), "rejected input line (no usable identity)");
                 metrics::counter!(crate::metrics::LINES_REJECTED).increment(1);
                 let mut t = self.tally.lock().unwrap();
                 t.summary.rejected_lines += 1;
@@ -425,7 +555,8 @@ impl<'a> Batcher<'a> {
                 return Ok(());
             }
             Record::Invalid { line, doc_id, chunk_index, problem, payload, raw_hash } => {
-                tracing::warn!(line, %doc_id, chunk_index, %problem, "invalid record (parked unless already in the DLQ)");
+                tracing::warn!(line, doc_id = %Escaped(&doc_id), chunk_index, problem = %Escaped(&problem),
+                    "invalid record (parked unless already in the DLQ)");
                 self.tally.lock().unwrap().summary.records += 1;
                 self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
                 self.claim_key((doc_id.clone(), chunk_index));
@@ -456,6 +587,7 @@ impl<'a> Batcher<'a> {
                 self.chunks.push((chunk, hash, source_seq(self.run_id, line)));
             }
         }
+        self.charge.merge(charge);
         if self.keys.len() >= self.pipeline.options.intake_window {
             self.flush(jobs).await?;
         }
@@ -464,17 +596,19 @@ impl<'a> Batcher<'a> {
 
     /// Flushes first if `key` is already in the window: a later line for the same chunk must
     /// not share a statement with an earlier one.
-    async fn make_room(&mut self, key: &(String, i32), jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
+    async fn make_room(&mut self, key: &(String, i32), jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
         if self.keys.contains(key) {
             self.flush(jobs).await?;
         }
         Ok(())
     }
 
-    async fn flush(&mut self, jobs: &mpsc::Sender<Job>) -> Result<(), IngestError> {
+    async fn flush(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
         if self.is_empty() {
             return Ok(());
         }
+        // Released when the last job of this window has been written (or dropped).
+        let charge = Arc::new(std::mem::take(&mut self.charge));
         let chunks = std::mem::take(&mut self.chunks);
         let mut invalid = std::mem::take(&mut self.invalid);
         let repeated = std::mem::take(&mut self.repeated);
@@ -544,18 +678,20 @@ impl<'a> Batcher<'a> {
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
             .increment(already_parked);
-        let mut jobs_out: Vec<Job> =
-            batches.into_iter().map(|embed| Job { embed, park: Vec::new() }).collect();
+        let mut jobs_out: Vec<Job> = batches
+            .into_iter()
+            .map(|embed| Job { embed, park: Vec::new(), charge: charge.clone() })
+            .collect();
         if !park.is_empty() {
             match jobs_out.first_mut() {
                 Some(first) => first.park = park,
-                None => jobs_out.push(Job { embed: Vec::new(), park }),
+                None => jobs_out.push(Job { embed: Vec::new(), park, charge: charge.clone() }),
             }
         }
         for job in jobs_out {
             // A closed channel means every worker is gone (systemic stop): drop the job
             // unrecorded, a rerun does it.
-            if let Err(mpsc::error::SendError(job)) = jobs.send(job).await {
+            if let Err(flume::SendError(job)) = jobs.send_async(job).await {
                 self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
             }
         }
@@ -580,6 +716,8 @@ fn preflight(chunk: &Chunk, max_chars: usize) -> Option<(&'static str, String)> 
 struct Outcomes {
     store: Vec<StoredChunk>,
     park: Vec<ParkedChunk>,
+    /// The job's byte charge, released once these are written.
+    charge: Arc<Charge>,
 }
 
 struct Worker {
@@ -588,14 +726,12 @@ struct Worker {
     tally: Arc<Mutex<Tally>>,
     cancel: CancellationToken,
     halt: CancellationToken,
-    writer: mpsc::Sender<Outcomes>,
+    writer: flume::Sender<Outcomes>,
 }
 
 impl Worker {
-    async fn run(self, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>) {
-        loop {
-            let job = { jobs.lock().await.recv().await };
-            let Some(job) = job else { break };
+    async fn run(self, jobs: flume::Receiver<Job>) {
+        while let Ok(job) = jobs.recv_async().await {
             // After a systemic stop or a write failure, queued jobs are dropped unrecorded;
             // after a shutdown request they still run (they were claimed) but retry waits
             // are cut short.
@@ -604,7 +740,7 @@ impl Worker {
                 continue;
             }
             if let Some(out) = self.process(job).await
-                && self.writer.send(out).await.is_err()
+                && self.writer.send_async(out).await.is_err()
             {
                 break;
             }
@@ -612,8 +748,10 @@ impl Worker {
     }
 
     async fn process(&self, job: Job) -> Option<Outcomes> {
+        crate::failpoint::hit("ingest_worker");
         let mut stats = BatchStats::default();
-        let mut out = Outcomes { store: Vec::with_capacity(job.embed.len()), park: job.park };
+        let mut out =
+            Outcomes { store: Vec::with_capacity(job.embed.len()), park: job.park, charge: job.charge };
         let mut not_attempted = 0u64;
         if !job.embed.is_empty() {
             let texts: Vec<&str> = job.embed.iter().map(|c| c.chunk.text.as_str()).collect();
@@ -677,30 +815,46 @@ struct Writer {
     linger: Duration,
 }
 
+/// The longest a finished outcome waits in a writer for its statement to fill up, when a
+/// slow trickle keeps the writer from ever being idle for `linger`.
+const MAX_GATHER: Duration = Duration::from_secs(1);
+
+/// What a writer has gathered and not yet written.
+#[derive(Default)]
+struct Gathered {
+    store: Vec<StoredChunk>,
+    park: Vec<ParkedChunk>,
+    keys: HashSet<(String, i32)>,
+    /// Byte charges of the gathered outcomes, released once they are written.
+    charges: Vec<Arc<Charge>>,
+    /// When the gathered outcomes are written if no more arrive: `linger` after the latest
+    /// one, but never later than [`MAX_GATHER`] after the oldest one.
+    deadline: Option<tokio::time::Instant>,
+    /// Arrival of the oldest gathered outcome.
+    oldest: Option<tokio::time::Instant>,
+}
+
+impl Gathered {
+    fn len(&self) -> usize {
+        self.store.len() + self.park.len()
+    }
+}
+
 impl Writer {
-    async fn run(self, rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Outcomes>>>) {
-        let mut store: Vec<StoredChunk> = Vec::new();
-        let mut park: Vec<ParkedChunk> = Vec::new();
-        let mut keys: HashSet<(String, i32)> = HashSet::new();
+    async fn run(self, rx: flume::Receiver<Outcomes>) {
+        let mut g = Gathered::default();
         let mut failed = false;
         loop {
-            let next = if store.is_empty() && park.is_empty() {
-                rx.lock().await.recv().await
-            } else {
-                let received = {
-                    let mut rx = rx.lock().await;
-                    tokio::select! {
-                        r = rx.recv() => Some(r),
-                        _ = tokio::time::sleep(self.linger) => None,
-                    }
-                };
-                match received {
-                    Some(r) => r,
-                    None => {
-                        failed |= !self.flush(&mut store, &mut park, &mut keys).await;
+            // Waiting on the channel holds no lock, so every writer's deadline fires on time.
+            let next = match g.deadline {
+                None => rx.recv_async().await.ok(),
+                Some(at) => tokio::select! {
+                    r = rx.recv_async() => r.ok(),
+                    _ = tokio::time::sleep_until(at) => {
+                        failed |= !self.flush(&mut g).await;
                         continue;
                     }
-                }
+                },
             };
             let Some(out) = next else { break };
             if failed {
@@ -714,32 +868,39 @@ impl Writer {
                 .iter()
                 .map(|s| (&s.doc_id, s.chunk_index))
                 .chain(out.park.iter().map(|p| (&p.doc_id, p.chunk_index)))
-                .any(|(d, i)| keys.contains(&(d.clone(), i)));
+                .any(|(d, i)| g.keys.contains(&(d.clone(), i)));
             if clash {
-                failed |= !self.flush(&mut store, &mut park, &mut keys).await;
+                failed |= !self.flush(&mut g).await;
             }
-            keys.extend(out.store.iter().map(|s| (s.doc_id.clone(), s.chunk_index)));
-            keys.extend(out.park.iter().map(|p| (p.doc_id.clone(), p.chunk_index)));
-            store.extend(out.store);
-            park.extend(out.park);
-            if store.len() + park.len() >= self.rows {
-                failed |= !self.flush(&mut store, &mut park, &mut keys).await;
+            g.keys.extend(out.store.iter().map(|s| (s.doc_id.clone(), s.chunk_index)));
+            g.keys.extend(out.park.iter().map(|p| (p.doc_id.clone(), p.chunk_index)));
+            g.store.extend(out.store);
+            g.park.extend(out.park);
+            g.charges.push(out.charge);
+            let now = tokio::time::Instant::now();
+            let oldest = *g.oldest.get_or_insert(now);
+            g.deadline = Some((now + self.linger).min(oldest + MAX_GATHER.max(self.linger)));
+            if g.len() >= self.rows {
+                failed |= !self.flush(&mut g).await;
             }
         }
         if !failed {
-            self.flush(&mut store, &mut park, &mut keys).await;
+            self.flush(&mut g).await;
         }
     }
 
     /// Writes what is gathered; false (and the run halted) if the database refused.
-    async fn flush(
-        &self,
-        store: &mut Vec<StoredChunk>,
-        park: &mut Vec<ParkedChunk>,
-        keys: &mut HashSet<(String, i32)>,
-    ) -> bool {
-        keys.clear();
-        let (to_store, to_park) = (std::mem::take(store), std::mem::take(park));
+    async fn flush(&self, g: &mut Gathered) -> bool {
+        g.keys.clear();
+        g.deadline = None;
+        g.oldest = None;
+        let (to_store, to_park) = (std::mem::take(&mut g.store), std::mem::take(&mut g.park));
+        // Released at the end of this call, written or not.
+        let _charges = std::mem::take(&mut g.charges);
+        if to_store.is_empty() && to_park.is_empty() {
+            return true;
+        }
+        crate::failpoint::hit("ingest_writer");
         let result = async {
             let counts = with_db_retry(|| self.store.store_batch(&to_store)).await?;
             let parked = with_db_retry(|| self.store.park_batch(&to_park)).await?;
@@ -757,7 +918,7 @@ impl Writer {
                     .map(|(_, p)| p)
                     .collect();
                 for p in &to_park {
-                    tracing::debug!(doc_id = %p.doc_id, chunk_index = p.chunk_index, class = %p.class,
+                    tracing::debug!(doc_id = %Escaped(&p.doc_id), chunk_index = p.chunk_index, class = %p.class,
                         reason = %p.reason, attempts = p.attempts, "parked");
                 }
                 let stored = to_store.len() as u64 - counts.superseded;

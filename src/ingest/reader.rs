@@ -10,6 +10,10 @@ use serde_json::{Map, Value};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
 use crate::model::Chunk;
+use crate::telemetry::Escaped;
+
+/// Longest `doc_id` accepted, in bytes of UTF-8.
+pub const MAX_DOC_ID_BYTES: usize = 1024;
 
 /// One parsed line.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +36,39 @@ pub enum Record {
         line: u64,
         problem: String,
     },
+}
+
+impl Record {
+    /// Approximate heap bytes the parsed record holds (its strings and metadata tree), which
+    /// is what the run's byte budget charges on top of the line. A metadata array of small
+    /// numbers takes ~16x its JSON size once parsed, so the line length alone would not do.
+    pub fn approx_bytes(&self) -> u64 {
+        match self {
+            Record::Chunk { chunk, .. } => {
+                (chunk.doc_id.len() + chunk.text.len()) as u64
+                    + chunk.metadata.as_ref().map_or(0, value_bytes)
+            }
+            Record::Invalid { doc_id, problem, payload, raw_hash, .. } => {
+                (doc_id.len() + problem.len() + raw_hash.len()) as u64 + value_bytes(payload)
+            }
+            Record::Rejected { problem, .. } => problem.len() as u64,
+        }
+    }
+}
+
+/// Heap bytes of a parsed JSON value: a node per value, string contents, and a map entry's
+/// key and bookkeeping.
+fn value_bytes(v: &Value) -> u64 {
+    const NODE: u64 = std::mem::size_of::<Value>() as u64;
+    const ENTRY: u64 = 48;
+    match v {
+        Value::String(s) => NODE + s.len() as u64,
+        Value::Array(a) => NODE + a.iter().map(value_bytes).sum::<u64>(),
+        Value::Object(o) => {
+            NODE + o.iter().map(|(k, v)| ENTRY + k.len() as u64 + value_bytes(v)).sum::<u64>()
+        }
+        _ => NODE,
+    }
 }
 
 /// Reads lines of at most `max_line_bytes`, tracking line numbers and bytes consumed.
@@ -91,12 +128,18 @@ impl<R: AsyncBufRead + Unpin> LineReader<R> {
         }
         self.bytes_read += total;
         self.line += 1;
+        if self.line == 1 && buf.starts_with(UTF8_BOM) {
+            buf.drain(..UTF8_BOM.len());
+        }
         while matches!(buf.last(), Some(b'\n' | b'\r')) {
             buf.pop();
         }
         Ok(Some(RawLine { number: self.line, bytes: buf, oversized: oversized.then_some(total) }))
     }
 }
+
+/// Editors on some platforms start a UTF-8 file with this mark; it is not part of the data.
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
 
 fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
     hay.iter().position(|b| *b == needle)
@@ -114,30 +157,50 @@ pub fn parse_line(raw: &RawLine) -> Option<Record> {
     if raw.bytes.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
-    let (text, utf8_problem) = match std::str::from_utf8(&raw.bytes) {
-        Ok(s) => (std::borrow::Cow::Borrowed(s), None),
+    // Invalid sequences are replaced by a marker character that does not occur in the line,
+    // so a field that was broken can be told from one that merely holds U+FFFD.
+    let (text, utf8_problem, marker) = match std::str::from_utf8(&raw.bytes) {
+        Ok(s) => (std::borrow::Cow::Borrowed(s), None, None),
         Err(e) => {
-            (String::from_utf8_lossy(&raw.bytes), Some(format!("invalid UTF-8 at byte {}", e.valid_up_to())))
+            let (decoded, marker) = decode_marked(&raw.bytes);
+            (
+                std::borrow::Cow::Owned(decoded),
+                Some(format!("invalid UTF-8 at byte {}", e.valid_up_to())),
+                marker,
+            )
         }
     };
     let value: Value = match serde_json::from_str(&text) {
         Ok(v) => v,
         Err(e) => {
             let problem = match &utf8_problem {
-                Some(p) => format!("{p}; then malformed JSON: {e}"),
-                None => format!("malformed JSON: {e}"),
+                Some(p) => format!("{p}; then malformed JSON: {}", Escaped(&e.to_string())),
+                None => format!("malformed JSON: {}", Escaped(&e.to_string())),
             };
             return Some(Record::Rejected { line, problem });
         }
     };
-    let Value::Object(obj) = value else {
+    let Value::Object(mut obj) = value else {
         return Some(Record::Rejected { line, problem: "not a JSON object".into() });
     };
-    let doc_id = match obj.get("doc_id") {
-        Some(Value::String(s)) if !s.is_empty() && !s.contains('\0') => s.clone(),
-        Some(Value::String(_)) => {
+    let doc_id = match obj.remove("doc_id") {
+        Some(Value::String(s)) if s.is_empty() || s.contains('\0') => {
             return Some(Record::Rejected { line, problem: "doc_id is empty or contains NUL".into() });
         }
+        // The lossy decode maps every invalid sequence to U+FFFD, so two different broken ids
+        // would become one key (and one DLQ row would hold whichever came last): an id that
+        // cannot be read exactly is no identity.
+        Some(Value::String(s)) if utf8_problem.is_some() && marker.is_none_or(|m| s.contains(m)) => {
+            let p = utf8_problem.as_deref().unwrap_or("invalid UTF-8");
+            return Some(Record::Rejected { line, problem: format!("doc_id is not valid UTF-8 ({p})") });
+        }
+        Some(Value::String(s)) if s.len() > MAX_DOC_ID_BYTES => {
+            return Some(Record::Rejected {
+                line,
+                problem: format!("doc_id of {} bytes exceeds the limit of {MAX_DOC_ID_BYTES} bytes", s.len()),
+            });
+        }
+        Some(Value::String(s)) => s,
         Some(_) => return Some(Record::Rejected { line, problem: "doc_id is not a string".into() }),
         None => return Some(Record::Rejected { line, problem: "missing key doc_id".into() }),
     };
@@ -160,14 +223,16 @@ pub fn parse_line(raw: &RawLine) -> Option<Record> {
             doc_id: doc_id.clone(),
             chunk_index,
             problem,
-            payload: invalid_payload(&doc_id, chunk_index, line, &text),
+            payload: invalid_payload(&doc_id, chunk_index, line, &text, marker),
             raw_hash: crate::model::raw_record_hash(&raw.bytes),
         })
     };
     if let Some(p) = utf8_problem {
         return invalid(p);
     }
-    let text_field = match obj.get("text") {
+    // Fields are moved out of the parsed object, never cloned: a record's metadata may be
+    // megabytes.
+    let text_field = match obj.remove("text") {
         Some(Value::String(s)) => s,
         Some(_) => return invalid("text is not a string".into()),
         None => return invalid("missing key text".into()),
@@ -175,17 +240,17 @@ pub fn parse_line(raw: &RawLine) -> Option<Record> {
     if text_field.contains('\0') {
         return invalid("text contains NUL characters (Postgres cannot store them)".into());
     }
-    let metadata = match obj.get("metadata") {
+    let metadata = match obj.remove("metadata") {
         None | Some(Value::Null) => None,
-        Some(Value::Object(m)) => {
-            if contains_nul(&Value::Object(m.clone())) {
+        Some(m @ Value::Object(_)) => {
+            if contains_nul(&m) {
                 return invalid("metadata contains NUL characters (Postgres cannot store them)".into());
             }
-            Some(Value::Object(m.clone()))
+            Some(m)
         }
         Some(_) => return invalid("metadata is not an object".into()),
     };
-    Some(Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text: text_field.clone(), metadata } })
+    Some(Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text: text_field, metadata } })
 }
 
 fn contains_nul(v: &Value) -> bool {
@@ -199,13 +264,33 @@ fn contains_nul(v: &Value) -> bool {
 
 /// What a broken record keeps: its identity, line number and the raw line (lossily decoded,
 /// NULs replaced) — the most a human needs to repair and requeue it.
-fn invalid_payload(doc_id: &str, chunk_index: i32, line: u64, raw: &str) -> Value {
+fn invalid_payload(doc_id: &str, chunk_index: i32, line: u64, raw: &str, marker: Option<char>) -> Value {
+    let mut raw_line = raw.replace('\0', "\u{FFFD}");
+    if let Some(m) = marker {
+        raw_line = raw_line.replace(m, "\u{FFFD}");
+    }
     let mut m = Map::new();
     m.insert("doc_id".into(), doc_id.into());
     m.insert("chunk_index".into(), chunk_index.into());
     m.insert("line".into(), line.into());
-    m.insert("raw_line".into(), raw.replace('\0', "\u{FFFD}").into());
+    m.insert("raw_line".into(), raw_line.into());
     Value::Object(m)
+}
+
+/// Decodes `bytes`, replacing every invalid sequence with a noncharacter that does not occur
+/// in the valid parts (`None` and U+FFFD if all 32 candidates occur: then every field of the
+/// line counts as possibly broken).
+fn decode_marked(bytes: &[u8]) -> (String, Option<char>) {
+    let valid: String = bytes.utf8_chunks().map(|c| c.valid()).collect();
+    let marker = ('\u{FDD0}'..='\u{FDEF}').find(|c| !valid.contains(*c));
+    let mut out = String::with_capacity(bytes.len() + 8);
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        if !chunk.invalid().is_empty() {
+            out.push(marker.unwrap_or('\u{FFFD}'));
+        }
+    }
+    (out, marker)
 }
 
 #[cfg(test)]
@@ -276,5 +361,81 @@ mod tests {
         assert_eq!((doc_id.as_str(), chunk_index), ("d", 4));
         assert!(problem.contains("UTF-8"), "{problem}");
         assert!(payload["raw_line"].as_str().unwrap().contains("caf\u{FFFD}"));
+    }
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    fn parse(bytes: &[u8]) -> Option<Record> {
+        parse_line(&RawLine { number: 9, bytes: bytes.to_vec(), oversized: None })
+    }
+
+    #[test]
+    fn a_doc_id_over_the_limit_is_rejected_with_its_line() {
+        let at_limit = "d".repeat(MAX_DOC_ID_BYTES);
+        let line = format!(r#"{{"doc_id":"{at_limit}","chunk_index":0,"text":"x"}}"#);
+        assert!(matches!(parse(line.as_bytes()), Some(Record::Chunk { .. })));
+        let over = "d".repeat(3 * 1024);
+        let line = format!(r#"{{"doc_id":"{over}","chunk_index":0,"text":"x"}}"#);
+        let Some(Record::Rejected { line, problem }) = parse(line.as_bytes()) else { panic!() };
+        assert_eq!(line, 9);
+        assert!(problem.contains("3072 bytes") && problem.contains("1024"), "{problem}");
+        // Counted in bytes, not characters: 400 three-byte characters are 1200 bytes.
+        let wide = "€".repeat(400);
+        let line = format!(r#"{{"doc_id":"{wide}","chunk_index":0,"text":"x"}}"#);
+        assert!(matches!(parse(line.as_bytes()), Some(Record::Rejected { .. })));
+    }
+
+    #[test]
+    fn different_invalid_utf8_doc_ids_never_share_an_identity() {
+        let a = parse(b"{\"doc_id\":\"doc-\xff\",\"chunk_index\":0,\"text\":\"x\"}");
+        let b = parse(b"{\"doc_id\":\"doc-\xfe\",\"chunk_index\":0,\"text\":\"x\"}");
+        let identity = |r: &Option<Record>| match r {
+            Some(Record::Invalid { doc_id, chunk_index, .. }) => Some((doc_id.clone(), *chunk_index)),
+            Some(Record::Chunk { chunk, .. }) => Some((chunk.doc_id.clone(), chunk.chunk_index)),
+            _ => None,
+        };
+        // Neither may be parked under the lossy "doc-\u{FFFD}": that key would hold whichever
+        // came last. They are rejected (reported with their line) instead.
+        assert_eq!(identity(&a), None, "{a:?}");
+        assert_eq!(identity(&b), None, "{b:?}");
+        let Some(Record::Rejected { problem, .. }) = a else { panic!() };
+        assert!(problem.contains("doc_id") && problem.contains("UTF-8"), "{problem}");
+        // Invalid UTF-8 in the text alone still parks under the (valid) doc_id.
+        assert!(matches!(
+            parse(b"{\"doc_id\":\"doc-\xef\xbf\xbd\",\"chunk_index\":0,\"text\":\"caf\xe9\"}"),
+            Some(Record::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn the_parsed_size_counts_what_a_record_holds() {
+        let numbers = format!(
+            r#"{{"doc_id":"d","chunk_index":0,"text":"t","metadata":{{"v":[{}]}}}}"#,
+            ["0"; 1000].join(",")
+        );
+        let r = parse(numbers.as_bytes()).unwrap();
+        // 1000 numbers of 2 bytes of JSON each hold a 32-byte node each.
+        assert!(r.approx_bytes() >= 32_000, "{}", r.approx_bytes());
+        let blob = format!(
+            r#"{{"doc_id":"d","chunk_index":0,"text":"t","metadata":{{"b":"{}"}}}}"#,
+            "x".repeat(10_000)
+        );
+        let b = parse(blob.as_bytes()).unwrap().approx_bytes();
+        assert!((10_000..11_000).contains(&b), "{b}");
+    }
+
+    #[tokio::test]
+    async fn a_utf8_bom_at_the_start_is_skipped() {
+        let input = b"\xef\xbb\xbf{\"doc_id\":\"d\",\"chunk_index\":0,\"text\":\"x\"}\n\xef\xbb\xbf{\"doc_id\":\"e\"}\n";
+        let mut r = LineReader::new(&input[..], 1024);
+        let first = r.next_line().await.unwrap().unwrap();
+        assert!(matches!(parse_line(&first), Some(Record::Chunk { line: 1, .. })), "{first:?}");
+        // Only at the start of the input: a BOM later is part of a (broken) line.
+        let second = r.next_line().await.unwrap().unwrap();
+        assert!(matches!(parse_line(&second), Some(Record::Rejected { line: 2, .. })));
+        assert_eq!(r.bytes_read, input.len() as u64);
     }
 }

@@ -10,5 +10,6 @@ mod provider;
 mod reconcile;
 mod relay;
 mod restart;
+mod runtime;
 mod streams;
 mod support;
