@@ -100,6 +100,10 @@ pub struct IngestArgs {
     /// Longer JSONL lines are rejected without being buffered, 64..=67108864.
     #[arg(long)]
     pub max_line_bytes: Option<usize>,
+    /// Bytes of input held in flight (read, not yet written), 1048576..=4294967295: bounds
+    /// memory whatever the size of the records.
+    #[arg(long)]
+    pub max_inflight_bytes: Option<u64>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -253,6 +257,9 @@ pub mod bounds {
     pub const WRITERS: RangeInclusive<usize> = 1..=32;
     pub const MAX_INPUT_CHARS: RangeInclusive<usize> = 1..=1_000_000;
     pub const MAX_LINE_BYTES: RangeInclusive<usize> = 64..=64 * 1024 * 1024;
+    /// In-flight input bytes of an ingest (the byte budget).
+    pub const MAX_INFLIGHT_BYTES: RangeInclusive<u64> =
+        crate::ingest::budget::ByteBudget::MIN..=crate::ingest::budget::ByteBudget::MAX;
     pub const RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 1..=20;
     pub const RETRY_BASE_MS: RangeInclusive<u64> = 1..=60_000;
     /// Lower end is `retry_base_ms`.
@@ -557,6 +564,7 @@ impl Settings {
             writers,
             max_input_chars,
             max_line_bytes,
+            max_inflight_bytes,
         } = ingest;
         let RetryArgs {
             retry_max_attempts,
@@ -714,6 +722,14 @@ impl Settings {
             d.max_line_bytes,
             bounds::MAX_LINE_BYTES,
         )?;
+        let max_inflight_bytes = r.num(
+            "ingest",
+            "max_inflight_bytes",
+            max_inflight_bytes,
+            fi.max_inflight_bytes,
+            d.max_inflight_bytes,
+            bounds::MAX_INFLIGHT_BYTES,
+        )?;
 
         // [retry]
         let fr = &f.retry;
@@ -805,6 +821,7 @@ impl Settings {
             writers,
             max_input_chars,
             max_line_bytes,
+            max_inflight_bytes,
             dlq_schedule,
             ..d
         };
@@ -947,6 +964,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("writers", o.writers.to_string()),
         ("max_input_chars", o.max_input_chars.to_string()),
         ("max_line_bytes", o.max_line_bytes.to_string()),
+        ("max_inflight_bytes", o.max_inflight_bytes.to_string()),
         ("retry_max_attempts", s.retry.max_attempts.to_string()),
         ("retry_base_ms", millis(s.retry.base).to_string()),
         ("retry_cap_ms", millis(s.retry.cap).to_string()),
@@ -1279,6 +1297,7 @@ reconcile_every_secs = 7
             ("batch_max_chars", |c, v| c.ingest.batch_max_chars = Some(v as usize), 1, 10_000_000),
             ("max_input_chars", |c, v| c.ingest.max_input_chars = Some(v as usize), 1, 1_000_000),
             ("max_line_bytes", |c, v| c.ingest.max_line_bytes = Some(v as usize), 64, 64 << 20),
+            ("max_inflight_bytes", |c, v| c.ingest.max_inflight_bytes = Some(v), 1 << 20, u32::MAX as u64),
             ("request_timeout_ms", |c, v| c.provider.request_timeout_ms = Some(v), 100, 600_000),
             ("request_dimensions", |c, v| c.provider.request_dimensions = Some(v as usize), 1, 16_000),
             ("retry_max_attempts", |c, v| c.retry.retry_max_attempts = Some(v as u32), 1, 20),

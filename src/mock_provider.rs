@@ -472,7 +472,8 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     }
     counters.ok.fetch_add(1, Ordering::Relaxed);
     let base64 = parsed.encoding_format.as_deref() != Some("float");
-    let dimensions = parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
+    let dimensions =
+        parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
     Ok(json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
 }
 

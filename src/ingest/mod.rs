@@ -280,8 +280,9 @@ impl Pipeline {
 
         // The batcher runs here: it owns the manifest lookups and the order of intake. A
         // panic in it is caught like one in any task.
-        let intake =
-            AssertUnwindSafe(self.intake(&mut rec_rx, &job_tx, &tally, &halt, &cancel, run_id)).catch_unwind().await;
+        let intake = AssertUnwindSafe(self.intake(&mut rec_rx, &job_tx, &tally, &halt, &cancel, run_id))
+            .catch_unwind()
+            .await;
         let (intake_error, batcher_failure) = match intake {
             Ok(result) => (result.err(), None),
             Err(payload) => {
