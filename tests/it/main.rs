@@ -3,6 +3,7 @@
 //! needs a provider, to the fault-injecting mock over real HTTP. Run it with scripts/test.sh.
 
 mod config;
+mod history;
 mod identity;
 mod ingest;
 mod process;
