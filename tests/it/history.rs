@@ -85,7 +85,16 @@ impl HistoryRedis {
 
     async fn spawn(&mut self) {
         let child = std::process::Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -205,7 +214,8 @@ impl Providers {
                 ..MockConfig::default()
             })
             .await,
-            slow: start_mock(MockConfig { seed: seed ^ 0x510, latency_ms: 40, ..MockConfig::default() }).await,
+            slow: start_mock(MockConfig { seed: seed ^ 0x510, latency_ms: 40, ..MockConfig::default() })
+                .await,
             outage: start_mock(MockConfig { seed: seed ^ 0x07, ..MockConfig::default() }).await,
         }
     }
@@ -306,9 +316,18 @@ impl History {
         let mut c = binary();
         c.arg("ingest").arg(corpus);
         self.common_flags(&mut c, base_url);
-        c.args(["--table", table, "--batch-max-inputs", "64", "--concurrency", "4", "--no-progress", "--json"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        c.args([
+            "--table",
+            table,
+            "--batch-max-inputs",
+            "64",
+            "--concurrency",
+            "4",
+            "--no-progress",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
         c
     }
 
@@ -449,7 +468,8 @@ impl History {
     /// One random operation.
     async fn step(&mut self, scale: &Scale, done: usize) {
         let kills_behind = self.kills < scale.min_kills && done % 2 == 0;
-        let choice = if kills_behind { self.rng.random_range(0..2) * 5 } else { self.rng.random_range(0..14) };
+        let choice =
+            if kills_behind { self.rng.random_range(0..2) * 5 } else { self.rng.random_range(0..14) };
         match choice {
             0 => self.ingest(true, true).await,
             1 | 2 => {
@@ -511,8 +531,7 @@ impl History {
         }
         // Transient rows parked by earlier runs are replayed by serve on their schedule; make
         // them due now so the check does not wait out the backoff.
-        self.run_cli("dlq_requeue", &["dlq", "requeue", "--class", "transient", "--rate", "100000"])
-            .await;
+        self.run_cli("dlq_requeue", &["dlq", "requeue", "--class", "transient", "--rate", "100000"]).await;
         let mut serve = self.serve_cmd(&url).spawn().unwrap();
         let drained = self.wait_until_drained(Duration::from_secs(180)).await;
         checks.push(("no transient DLQ row once healthy and served".into(), drained, String::new()));
@@ -560,18 +579,16 @@ impl History {
         let pool = &self.db.pool;
         for (table, version) in &self.ingested {
             let corpus = &self.corpora[version];
-            let vectors: HashMap<(String, i32), (String, pgvector::Vector)> = sqlx::query_as::<
-                _,
-                (String, i32, String, pgvector::Vector),
-            >(sqlx::AssertSqlSafe(format!(
-                "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
-            )))
-            .fetch_all(pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(d, i, h, v)| ((d, i), (h, v)))
-            .collect();
+            let vectors: HashMap<(String, i32), (String, pgvector::Vector)> =
+                sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
+                    "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
+                )))
+                .fetch_all(pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|(d, i, h, v)| ((d, i), (h, v)))
+                .collect();
             let dlq: HashMap<(String, i32), (String, serde_json::Value)> =
                 sqlx::query_as::<_, (String, i32, String, serde_json::Value)>(
                     "SELECT d.doc_id, d.chunk_index, d.error_class, d.payload FROM embedding_dlq d
@@ -694,8 +711,11 @@ impl History {
         let rows: Vec<i64> =
             sqlx::query_scalar("SELECT id FROM embedding_dlq").fetch_all(&self.db.pool).await.unwrap();
         let announced: std::collections::HashSet<i64> = seen.keys().map(|(id, _)| *id).collect();
-        let mut bad: Vec<String> =
-            rows.iter().filter(|id| !announced.contains(id)).map(|id| format!("row {id}: no parked event")).collect();
+        let mut bad: Vec<String> = rows
+            .iter()
+            .filter(|id| !announced.contains(id))
+            .map(|id| format!("row {id}: no parked event"))
+            .collect();
         bad.extend(
             seen.iter()
                 .filter(|(_, n)| **n > 1)
@@ -783,7 +803,9 @@ async fn run_history(seed: u64, scale: &Scale) -> (String, bool) {
 /// `EMBED_DLQ_HISTORY_SEEDS=<seed>`).
 fn seeds() -> Vec<u64> {
     match std::env::var("EMBED_DLQ_HISTORY_SEEDS") {
-        Ok(s) if !s.trim().is_empty() => s.split(',').map(|x| x.trim().parse().expect("numeric seed")).collect(),
+        Ok(s) if !s.trim().is_empty() => {
+            s.split(',').map(|x| x.trim().parse().expect("numeric seed")).collect()
+        }
         _ => vec![7, 1009, rand::random::<u32>() as u64],
     }
 }
@@ -804,5 +826,8 @@ async fn randomized_histories_keep_every_promise() {
     if let Ok(path) = std::env::var("EMBED_DLQ_HISTORY_REPORT") {
         std::fs::write(path, &full).unwrap();
     }
-    assert!(failed.is_empty(), "histories failed for seeds {failed:?} (rerun with EMBED_DLQ_HISTORY_SEEDS):\n{full}");
+    assert!(
+        failed.is_empty(),
+        "histories failed for seeds {failed:?} (rerun with EMBED_DLQ_HISTORY_SEEDS):\n{full}"
+    );
 }
