@@ -524,13 +524,15 @@ WITH input AS (
         same_error_count     = 0,
         error_history        = EXCLUDED.error_history
       WHERE q.content_hash IS DISTINCT FROM EXCLUDED.content_hash
-    RETURNING q.id, q.target_table, q.doc_id, q.chunk_index, q.generation, q.error_class,
-              q.error_reason, q.attempts, q.first_failed_at, q.last_failed_at, q.next_retry_at
+    RETURNING q.id, q.target_table, q.doc_id, q.chunk_index, q.generation, q.content_hash,
+              q.error_class, q.error_reason, q.attempts, q.first_failed_at, q.last_failed_at,
+              q.next_retry_at
 ), events AS (
     INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
     SELECT 'parked', id, target_table, doc_id, chunk_index,
            jsonb_build_object('event', 'parked', 'dlq_id', id, 'table', target_table,
                               'doc_id', doc_id, 'chunk_index', chunk_index, 'generation', generation,
+                              'content_hash', content_hash,
                               'error_class', error_class, 'error_reason', error_reason,
                               'attempts', attempts, 'first_failed_at', first_failed_at,
                               'last_failed_at', last_failed_at, 'next_retry_at', next_retry_at)
