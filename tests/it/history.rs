@@ -506,7 +506,7 @@ impl History {
 
     /// One random operation.
     async fn step(&mut self, scale: &Scale, done: usize) {
-        let kills_behind = self.kills < scale.min_kills && done % 2 == 0;
+        let kills_behind = self.kills < scale.min_kills && done.is_multiple_of(2);
         let choice =
             if kills_behind { self.rng.random_range(0..2) * 5 } else { self.rng.random_range(0..16) };
         match choice {
@@ -573,7 +573,9 @@ impl History {
         // them due now so the check does not wait out the backoff.
         self.run_cli("dlq_requeue", &["dlq", "requeue", "--class", "transient", "--rate", "100000"]).await;
         let mut serve = self.serve_cmd(&url).spawn().unwrap();
-        let drained = self.wait_until_drained(Duration::from_secs(180)).await;
+        // Replay drains about a thousand rows a second here; give large histories time.
+        let limit = Duration::from_secs(180 + self.newest.texts.len() as u64 / 200);
+        let drained = self.wait_until_drained(limit).await;
         checks.push(("no transient DLQ row once healthy and served".into(), drained, String::new()));
         // One repair (with serve running, so what it re-publishes is relayed), then a clean check.
         self.run_cli("reconcile_repair", &["reconcile", "--repair"]).await;
