@@ -158,13 +158,14 @@ impl IngestSummary {
     /// Where every record went, in one line (for errors that end a run early).
     pub fn accounting(&self) -> String {
         format!(
-            "of {} records, {} stored, {} unchanged, {} already in the DLQ, {} parked, {} not attempted \
-             (rerun the same corpus to finish them)",
+            "of {} records, {} stored, {} unchanged, {} already in the DLQ, {} parked, {} superseded by a \
+             later line, {} not attempted (rerun the same corpus to finish them)",
             self.records,
             self.stored,
             self.unchanged,
             self.already_parked,
             self.parked_total(),
+            self.superseded,
             self.not_attempted
         )
     }
@@ -308,7 +309,8 @@ impl Pipeline {
         }
         // Whatever a stopped run neither stored, skipped nor parked (records in a dead task's
         // hands, in channels, in the batcher's window) is "not attempted": a rerun does it.
-        let accounted = s.stored + s.unchanged + s.already_parked + s.parked_total() + s.not_attempted;
+        let accounted =
+            s.stored + s.unchanged + s.already_parked + s.parked_total() + s.superseded + s.not_attempted;
         if accounted < s.records {
             if !halt.is_cancelled() {
                 tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");
