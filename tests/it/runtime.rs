@@ -173,12 +173,12 @@ async fn a_trickle_of_input_is_written_within_the_linger_by_either_writer() {
 
 /// Numbers like "of 300 records, 12 stored, 0 unchanged, 0 already in the DLQ, 0 parked,
 /// 288 not attempted" from a stopped run's error message.
-fn accounting(stderr: &str) -> [u64; 6] {
+fn accounting(stderr: &str) -> [u64; 7] {
     let rest = &stderr[stderr.find("of ").unwrap_or_else(|| panic!("no accounting in: {stderr}")) + 3..];
     let numbers: Vec<u64> = rest
         .split(|c: char| !c.is_ascii_digit())
         .filter(|s| !s.is_empty())
-        .take(6)
+        .take(7)
         .map(|s| s.parse().unwrap())
         .collect();
     numbers.try_into().unwrap_or_else(|n| panic!("accounting {n:?} in: {stderr}"))
@@ -203,10 +203,10 @@ async fn panic_in_a_task_then_rerun(failpoint: &str, task: &str) {
     let error =
         stderr.lines().find(|l| l.starts_with("embed-dlq: error:")).unwrap_or_else(|| panic!("{stderr}"));
     assert!(error.contains(task) && error.contains("panicked"), "{error}");
-    let [records, stored, unchanged, in_dlq, parked, not_attempted] = accounting(error);
+    let [records, stored, unchanged, in_dlq, parked, superseded, not_attempted] = accounting(error);
     assert!(records <= CHUNKS && records > 0, "{error}");
     assert_eq!(
-        stored + unchanged + in_dlq + parked + not_attempted,
+        stored + unchanged + in_dlq + parked + superseded + not_attempted,
         records,
         "every record accounted for: {error}"
     );
