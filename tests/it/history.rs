@@ -118,9 +118,16 @@ impl HistoryRedis {
         self.spawn().await;
     }
 
-    async fn flushall(&self) {
+    /// A connection for the checker's own commands: FLUSHALL and large XRANGE pages take
+    /// longer than redis-rs's default 500 ms reply timeout at scale.
+    async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
         let client = redis::Client::open(self.url()).unwrap();
-        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        client.get_multiplexed_async_connection_with_config(&config).await.unwrap()
+    }
+
+    async fn flushall(&self) {
+        let mut c = self.conn().await;
         let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
     }
 
@@ -718,8 +725,7 @@ impl History {
     /// the same content (the texts of this history never return to an earlier one, so one
     /// park of one content is one event whatever ran concurrently or was retried).
     async fn parked_events_check(&self) -> (String, bool, String) {
-        let client = redis::Client::open(self.redis.url()).unwrap();
-        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let mut c = self.redis.conn().await;
         let stream = embed_dlq::streams::StreamKeys::new(&self.prefix).events();
         let mut seen: HashMap<(i64, String), u64> = HashMap::new();
         let mut start = "-".to_string();
