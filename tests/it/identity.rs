@@ -10,7 +10,7 @@ use embed_dlq::ingest::{IngestSummary, Pipeline};
 use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
 use embed_dlq::model::{ErrorClass, content_hash};
 use embed_dlq::reconcile::{Mode, Reconciler};
-use embed_dlq::relay::{Relay, RelayConfig};
+use embed_dlq::relay::RelayConfig;
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::store::{ParkedChunk, Store};
 use embed_dlq::streams::StreamKeys;
@@ -37,11 +37,6 @@ fn assert_same_vector(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: dimension");
     let max = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(max < 1e-6, "{what}: not the expected vector (max difference {max})");
-}
-
-async fn relay_all(db: &TestDb, keys: &StreamKeys) {
-    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
-    while relay.run_once().await.unwrap().claimed > 0 {}
 }
 
 async fn make_due(db: &TestDb) {

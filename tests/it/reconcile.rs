@@ -13,20 +13,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
 
-async fn reconciler(db: &TestDb, keys: &StreamKeys, config: ReconcileConfig) -> Reconciler {
-    let p = pipeline(&settings(db, &start_mock(MockConfig::default()).await)).await;
-    Reconciler { store: p.store, redis: Some(redis().await), keys: keys.clone(), config }
-}
-
-fn immediate() -> ReconcileConfig {
-    ReconcileConfig {
-        outbox_stuck_after: Duration::from_secs(3600),
-        replay_stall_after: Duration::from_secs(3600),
-        lost_work_grace: Duration::ZERO,
-        ..Default::default()
-    }
-}
-
 async fn ingest(db: &TestDb, doc: &str, n: i32) -> String {
     let mock = start_mock(MockConfig::default()).await;
     let mut corpus = String::new();
@@ -171,11 +157,6 @@ async fn park(db: &TestDb, doc: &str, n: i32) {
         corpus.push_str(&line(doc, i, &format!("{doc} {i}")));
     }
     pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
-}
-
-async fn relay_all(db: &TestDb, keys: &StreamKeys) {
-    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
-    while relay.run_once().await.unwrap().claimed > 0 {}
 }
 
 async fn schedule_and_relay(db: &TestDb, keys: &StreamKeys, r: &Reconciler) {

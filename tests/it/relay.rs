@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use embed_dlq::mock_provider::MockConfig;
-use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler};
+use embed_dlq::reconcile::{Check, Mode, ReconcileConfig};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
@@ -27,33 +27,6 @@ async fn park(db: &TestDb, doc: &str, n: i32) {
         corpus.push_str(&line(doc, i, &format!("{doc} {i}")));
     }
     pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
-}
-
-/// Relays every unpublished outbox row; returns the new stream entries.
-async fn relay_all(db: &TestDb, keys: &StreamKeys) -> u64 {
-    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
-    let mut published = 0;
-    loop {
-        let c = relay.run_once().await.unwrap();
-        published += c.published;
-        if c.claimed == 0 {
-            return published;
-        }
-    }
-}
-
-async fn reconciler(db: &TestDb, keys: &StreamKeys, config: ReconcileConfig) -> Reconciler {
-    let p = pipeline(&settings(db, &start_mock(MockConfig::default()).await)).await;
-    Reconciler { store: p.store, redis: Some(redis().await), keys: keys.clone(), config }
-}
-
-fn immediate() -> ReconcileConfig {
-    ReconcileConfig {
-        outbox_stuck_after: Duration::from_secs(3600),
-        replay_stall_after: Duration::from_secs(3600),
-        lost_work_grace: Duration::ZERO,
-        ..Default::default()
-    }
 }
 
 async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {

@@ -38,18 +38,6 @@ async fn make_due(db: &TestDb) {
         .unwrap();
 }
 
-async fn relay_all(db: &TestDb, keys: &StreamKeys) -> u64 {
-    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
-    let mut total = 0;
-    loop {
-        let c = relay.run_once().await.unwrap();
-        total += c.published;
-        if c.claimed == 0 {
-            return total;
-        }
-    }
-}
-
 fn replay_config() -> ReplayConfig {
     ReplayConfig {
         batch: 64,

@@ -233,3 +233,42 @@ impl Drop for PrivateRedis {
         let _ = self.child.wait();
     }
 }
+
+/// Relays every unpublished outbox row to `keys`; returns the new stream entries.
+pub async fn relay_all(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> u64 {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let mut published = 0;
+    loop {
+        let c = relay.run_once().await.unwrap();
+        published += c.published;
+        if c.claimed == 0 {
+            return published;
+        }
+    }
+}
+
+/// A reconciler over `db` and the streams under `keys`.
+pub async fn reconciler(
+    db: &TestDb,
+    keys: &embed_dlq::streams::StreamKeys,
+    config: embed_dlq::reconcile::ReconcileConfig,
+) -> embed_dlq::reconcile::Reconciler {
+    let p = pipeline(&settings(db, &start_mock(MockConfig::default()).await)).await;
+    embed_dlq::reconcile::Reconciler {
+        store: p.store,
+        redis: Some(redis().await),
+        keys: keys.clone(),
+        config,
+    }
+}
+
+/// Reconcile thresholds that report lost work at once and never a young backlog or stall.
+pub fn immediate() -> embed_dlq::reconcile::ReconcileConfig {
+    embed_dlq::reconcile::ReconcileConfig {
+        outbox_stuck_after: std::time::Duration::from_secs(3600),
+        replay_stall_after: std::time::Duration::from_secs(3600),
+        lost_work_grace: std::time::Duration::ZERO,
+        ..Default::default()
+    }
+}
