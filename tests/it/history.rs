@@ -762,9 +762,36 @@ impl History {
             .fetch_all(&self.db.pool)
             .await
             .unwrap();
-        let mut bad: Vec<String> = rows
+        // The events stream is capped (MAXLEN): an announcement older than its first entry
+        // was trimmed by policy, which the outbox's recorded entry id proves.
+        let head: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let head = head.ids.first().map(|e| embed_dlq::streams::parse_entry_id(&e.id)).unwrap_or((0, 0));
+        let unannounced: Vec<&(i64, String)> = rows.iter().filter(|k| !seen.contains_key(*k)).collect();
+        let ids: Vec<i64> = unannounced.iter().map(|(id, _)| *id).collect();
+        let recorded: Vec<(i64, String, Option<String>)> = sqlx::query_as(
+            "SELECT dlq_id, body->>'content_hash', entry_id FROM dlq_outbox
+              WHERE event = 'parked' AND dlq_id = ANY($1) AND published_at IS NOT NULL",
+        )
+        .bind(&ids)
+        .fetch_all(&self.db.pool)
+        .await
+        .unwrap();
+        let trimmed: std::collections::HashSet<(i64, String)> = recorded
+            .into_iter()
+            .filter(|(_, _, e)| e.as_deref().is_some_and(|e| embed_dlq::streams::parse_entry_id(e) < head))
+            .map(|(id, h, _)| (id, h))
+            .collect();
+        let mut bad: Vec<String> = unannounced
             .iter()
-            .filter(|k| !seen.contains_key(k))
+            .filter(|k| !trimmed.contains(**k))
             .map(|(id, _)| format!("row {id}: its content was never announced as parked"))
             .collect();
         bad.extend(
@@ -776,9 +803,10 @@ impl History {
             "one parked event per DLQ row and content".into(),
             bad.is_empty(),
             format!(
-                "{} rows, {} parked events, {} problems{}",
+                "{} rows, {} parked events, {} announced before the stream's length cap trimmed them, {} problems{}",
                 rows.len(),
                 seen.values().sum::<u64>(),
+                trimmed.len(),
                 bad.len(),
                 bad.iter().take(5).map(|b| format!("; {b}")).collect::<String>()
             ),
