@@ -70,10 +70,12 @@ struct HistoryRedis {
 
 impl HistoryRedis {
     async fn start() -> HistoryRedis {
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
+        // Below the kernel's ephemeral range, so no client connection can take the port
+        // while Redis is down for a restart.
+        let port = (0..100)
+            .map(|_| 29_000 + rand::random::<u16>() % 3_000)
+            .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+            .expect("a free port for the history's Redis");
         let mut r = HistoryRedis { port, child: None };
         r.spawn().await;
         r

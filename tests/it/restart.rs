@@ -22,29 +22,43 @@ fn services_script() -> String {
 }
 
 impl PrivateServices {
+    /// Starts a private pair on ports below the kernel's ephemeral range (so no client
+    /// connection of a busy test run can hold them while the pair is restarted), checked free
+    /// first; a start that still loses a race is retried on other ports.
     fn start() -> PrivateServices {
         let main_state =
             std::env::var("EMBED_DLQ_SERVICES_DIR").unwrap_or_else(|_| "/var/tmp/embed-dlq-services".into());
-        let n = rand::random::<u16>() % 400;
-        let env = vec![
-            (
-                "EMBED_DLQ_SERVICES_DIR".to_string(),
-                format!("/var/tmp/embed-dlq-it-{}-{n}", std::process::id()),
-            ),
-            ("EMBED_DLQ_PG_DIR".to_string(), format!("{main_state}/pg")),
-            ("EMBED_DLQ_PG_PORT".to_string(), (55_500 + n).to_string()),
-            ("EMBED_DLQ_REDIS_PORT".to_string(), (56_500 + n).to_string()),
-        ];
-        let s = PrivateServices {
-            database_url: format!("postgres://postgres@127.0.0.1:{}/embed_dlq", 55_500 + n),
-            redis_url: format!("redis://127.0.0.1:{}/", 56_500 + n),
-            env,
-        };
-        s.run("up");
-        s
+        let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let n = rand::random::<u16>() % 4000;
+            let (pg, redis) = (21_000 + n, 25_000 + n);
+            if !free(pg) || !free(redis) {
+                continue;
+            }
+            let env = vec![
+                (
+                    "EMBED_DLQ_SERVICES_DIR".to_string(),
+                    format!("/var/tmp/embed-dlq-it-{}-{n}", std::process::id()),
+                ),
+                ("EMBED_DLQ_PG_DIR".to_string(), format!("{main_state}/pg")),
+                ("EMBED_DLQ_PG_PORT".to_string(), pg.to_string()),
+                ("EMBED_DLQ_REDIS_PORT".to_string(), redis.to_string()),
+            ];
+            let s = PrivateServices {
+                database_url: format!("postgres://postgres@127.0.0.1:{pg}/embed_dlq"),
+                redis_url: format!("redis://127.0.0.1:{redis}/"),
+                env,
+            };
+            match s.try_run("up") {
+                Ok(()) => return s,
+                Err(e) => last_error = e, // dropping `s` cleans its state dir
+            }
+        }
+        panic!("could not start a private Postgres+Redis pair: {last_error}");
     }
 
-    fn run(&self, verb: &str) {
+    fn try_run(&self, verb: &str) -> Result<(), String> {
         let out = std::process::Command::new("bash")
             .arg(services_script())
             .arg(verb)
@@ -52,7 +66,17 @@ impl PrivateServices {
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        assert!(out.status.success(), "services.sh {verb}: {}", String::from_utf8_lossy(&out.stderr));
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("services.sh {verb}: {}", String::from_utf8_lossy(&out.stderr)))
+        }
+    }
+
+    fn run(&self, verb: &str) {
+        if let Err(e) = self.try_run(verb) {
+            panic!("{e}");
+        }
     }
 }
 
