@@ -293,6 +293,13 @@ pub async fn run(cli: Cli) -> i32 {
     let origins = cli.origins;
     let services = cli.services;
     let resolve = |flags: FileConfig| Settings::resolve(flags, file.as_ref(), &origins);
+    // Commands that need a database: the settings and the database URL they name.
+    let resolve_with_database = |flags: FileConfig| {
+        resolve(flags).and_then(|s| {
+            let url = s.database_url()?.to_string();
+            Ok((s, url))
+        })
+    };
     match cli.command {
         Command::Migrate { table, dimensions } => {
             let flags = FileConfig {
@@ -300,8 +307,8 @@ pub async fn run(cli: Cli) -> i32 {
                 ingest: IngestArgs { table, ..Default::default() },
                 ..Default::default()
             };
-            let (settings, url) = match resolve(flags).and_then(|s| Ok((s.database_url()?.to_string(), s))) {
-                Ok((url, s)) => (s, url),
+            let (settings, url) = match resolve_with_database(flags) {
+                Ok(r) => r,
                 Err(e) => return usage(&e),
             };
             let create = dimensions.map(|d| (settings.table.as_str(), d as usize));
@@ -372,8 +379,8 @@ pub async fn run(cli: Cli) -> i32 {
                 serve: ServeArgs { stream_prefix, ..Default::default() },
                 ..Default::default()
             };
-            let (settings, url) = match resolve(flags).and_then(|s| Ok((s.database_url()?.to_string(), s))) {
-                Ok((url, s)) => (s, url),
+            let (settings, url) = match resolve_with_database(flags) {
+                Ok(r) => r,
                 Err(e) => return usage(&e),
             };
             let mode = match (repair, dry_run) {
@@ -400,8 +407,8 @@ pub async fn run(cli: Cli) -> i32 {
                 ingest: IngestArgs { table, ..Default::default() },
                 ..Default::default()
             };
-            let (settings, url) = match resolve(flags).and_then(|s| Ok((s.database_url()?.to_string(), s))) {
-                Ok((url, s)) => (s, url),
+            let (settings, url) = match resolve_with_database(flags) {
+                Ok(r) => r,
                 Err(e) => return usage(&e),
             };
             dlq_command(&url, &settings.table, action, json).await

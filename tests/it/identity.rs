@@ -39,13 +39,6 @@ fn assert_same_vector(got: &[f32], want: &[f32], what: &str) {
     assert!(max < 1e-6, "{what}: not the expected vector (max difference {max})");
 }
 
-async fn make_due(db: &TestDb) {
-    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE next_retry_at IS NOT NULL")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-}
-
 fn replay_config() -> ReplayConfig {
     ReplayConfig {
         batch: 64,

@@ -31,13 +31,6 @@ async fn park_transient(db: &TestDb, n: usize, doc: &str) -> (MockProvider, Pipe
     (down, p)
 }
 
-async fn make_due(db: &TestDb) {
-    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE next_retry_at IS NOT NULL")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-}
-
 fn replay_config() -> ReplayConfig {
     ReplayConfig {
         batch: 64,

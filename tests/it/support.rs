@@ -272,3 +272,11 @@ pub fn immediate() -> embed_dlq::reconcile::ReconcileConfig {
         ..Default::default()
     }
 }
+
+/// Makes every scheduled DLQ row due now (instead of waiting out the DLQ backoff).
+pub async fn make_due(db: &TestDb) {
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE next_retry_at IS NOT NULL")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
