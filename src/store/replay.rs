@@ -260,10 +260,9 @@ impl Store {
                  ), events AS (
                      INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
                      SELECT 'replayed', id, target_table, doc_id, chunk_index,
-                            jsonb_build_object('event', 'replayed', 'dlq_id', id, 'table', target_table,
-                                               'doc_id', doc_id, 'chunk_index', chunk_index,
-                                               'generation', generation, 'error_class', error_class,
-                                               'attempts', attempts, 'replays', replays + 1, 'at', now())
+                            embed_dlq_event('replayed', id, target_table, doc_id, chunk_index, generation,
+                                            jsonb_build_object('error_class', error_class, 'attempts', attempts,
+                                                               'replays', replays + 1, 'at', now()))
                        FROM claimed
                      RETURNING 1
                  )
@@ -356,13 +355,12 @@ impl Store {
                  INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
                  SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
                         id, target_table, doc_id, chunk_index,
-                        jsonb_build_object('event', CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
-                                           'dlq_id', id, 'table', target_table, 'doc_id', doc_id,
-                                           'chunk_index', chunk_index, 'generation', generation,
-                                           'error_class', error_class, 'error_reason', error_reason,
-                                           'attempts', attempts, 'replays', replays,
-                                           'next_retry_at', next_retry_at,
-                                           'exhausted_reason', exhausted_reason, 'at', now())
+                        embed_dlq_event(CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
+                                        id, target_table, doc_id, chunk_index, generation,
+                                        jsonb_build_object('error_class', error_class, 'error_reason', error_reason,
+                                                           'attempts', attempts, 'replays', replays,
+                                                           'next_retry_at', next_retry_at,
+                                                           'exhausted_reason', exhausted_reason, 'at', now()))
                    FROM upd
                  RETURNING 1
              )
