@@ -19,6 +19,7 @@
 //! first and in key order, so racing writers of one chunk are serialised, and the second
 //! statement (a new snapshot) sees whatever the previous lock holder committed.
 
+pub mod dlq;
 pub mod replay;
 
 use std::collections::HashMap;

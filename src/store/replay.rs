@@ -19,6 +19,7 @@ use pgvector::Vector;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{Store, StoreError};
+use crate::model::ErrorClass;
 use crate::streams::WorkItem;
 
 /// A DLQ row as replay needs it.
@@ -41,7 +42,7 @@ pub struct DlqRow {
     /// The fence of every replay commit.
     pub generation: i64,
     pub attempts: i32,
-    pub error_class: String,
+    pub error_class: ErrorClass,
     pub error_reason: String,
     pub last_error: Option<String>,
     pub last_status: Option<i32>,
@@ -94,7 +95,7 @@ pub struct Repark {
     pub id: i64,
     pub generation: i64,
     pub content_hash: String,
-    pub error_class: String,
+    pub error_class: ErrorClass,
     pub error_reason: String,
     pub last_error: Option<String>,
     pub last_status: Option<i32>,
