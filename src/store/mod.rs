@@ -20,6 +20,7 @@
 //! statement (a new snapshot) sees whatever the previous lock holder committed.
 
 pub mod dlq;
+pub mod outbox;
 pub mod replay;
 
 use std::collections::HashMap;
