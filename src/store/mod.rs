@@ -21,6 +21,7 @@
 
 pub mod dlq;
 pub mod outbox;
+pub mod reconcile;
 pub mod replay;
 
 use std::collections::HashMap;
