@@ -11,11 +11,11 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
-use serde::Serialize;
 use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, TableCheck, WorkAudit};
 use crate::store::{Store, StoreError, outbox};
 use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
+use redis::aio::ConnectionManager;
+use serde::Serialize;
 
 /// The checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

@@ -26,8 +26,8 @@
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManager;
-use sqlx::postgres::PgListener;
 use sqlx::PgPool;
+use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::failpoint;
@@ -234,7 +234,7 @@ impl Relay {
         while !cancel.is_cancelled() {
             if listener.is_none() {
                 match PgListener::connect_with(&self.pool).await {
-                    Ok(mut l) => match l.listen("embed_dlq_outbox").await {
+                    Ok(mut l) => match l.listen(outbox::NOTIFY_CHANNEL).await {
                         Ok(()) => listener = Some(l),
                         Err(e) => tracing::warn!(error = %e, "relay: LISTEN failed; polling"),
                     },

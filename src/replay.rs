@@ -339,9 +339,9 @@ impl Replayer {
                 ack.push(e.id);
                 continue;
             };
-            let live = rows.get(&work.dlq_id).filter(|r| {
-                r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient
-            });
+            let live = rows
+                .get(&work.dlq_id)
+                .filter(|r| r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient);
             match live {
                 Some(row) if seen.insert(work.dlq_id) => {
                     if e.deliveries > self.config.delivery_cap {

@@ -264,7 +264,8 @@ pub async fn requeue_candidates(
     after_id: i64,
     limit: usize,
 ) -> Result<Vec<RequeueCandidate>, StoreError> {
-    let mut q = QueryBuilder::new(format!("SELECT id, {NEEDS_REINGEST} AS needs_reingest FROM embedding_dlq"));
+    let mut q =
+        QueryBuilder::new(format!("SELECT id, {NEEDS_REINGEST} AS needs_reingest FROM embedding_dlq"));
     filter.push_where(&mut q);
     q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(limit as i64);
     let rows = q.build().fetch_all(pool).await?;
@@ -381,7 +382,9 @@ pub async fn purge_batch(
 
 /// Rows per class, for the depth gauge (classes with no row are absent).
 pub async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
-    let rows = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1").fetch_all(pool).await?;
+    let rows = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
+        .fetch_all(pool)
+        .await?;
     rows.iter()
         .map(|r| Ok((r.try_get("error_class")?, r.try_get("n")?)))
         .collect::<Result<_, sqlx::Error>>()

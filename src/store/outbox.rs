@@ -13,6 +13,10 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use super::StoreError;
 
+/// The channel the `dlq_outbox_notify` trigger (migrations 0002, 0005) notifies at commit of
+/// a statement that inserted outbox rows: what a relay LISTENs on to wake up.
+pub const NOTIFY_CHANNEL: &str = "embed_dlq_outbox";
+
 /// An unpublished outbox row, as the relay publishes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRow {

@@ -74,7 +74,10 @@ fn leak_predicate(t: &str, unmarked_only: bool) -> String {
 }
 
 fn leaks_select(t: &str, unmarked_only: bool) -> String {
-    format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {}", leak_predicate(t, unmarked_only))
+    format!(
+        "SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {}",
+        leak_predicate(t, unmarked_only)
+    )
 }
 
 /// The seed's duplicate query over table `t` (canonical name): keys with more than one vector.
@@ -110,7 +113,9 @@ fn table_check_sql(target: &TargetTable, check: TableCheck) -> (String, String) 
             );
             (
                 format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {drift_pred}"),
-                format!("UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}"),
+                format!(
+                    "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}"
+                ),
             )
         }
         TableCheck::StaleDlq => {
@@ -196,7 +201,9 @@ pub async fn replay_stalled(pool: &PgPool, after: Duration, examples: usize) -> 
 }
 
 async fn count_rows(pool: &PgPool, select: &str) -> Result<i64, StoreError> {
-    Ok(sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM ({select}) f"))).fetch_one(pool).await?)
+    Ok(sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM ({select}) f")))
+        .fetch_one(pool)
+        .await?)
 }
 
 /// Runs a counting/example query and, when given and something was found, the repair
@@ -232,12 +239,11 @@ async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<Strin
     let (names, canonical) = match table {
         Some(t) => (vec![t.to_string()], false),
         None => {
-            let names: Vec<String> = sqlx::query_scalar(
-                "SELECT target_table FROM ingest_manifest GROUP BY 1 ORDER BY 1 LIMIT $1",
-            )
-            .bind(MAX_TABLES as i64)
-            .fetch_all(pool)
-            .await?;
+            let names: Vec<String> =
+                sqlx::query_scalar("SELECT target_table FROM ingest_manifest GROUP BY 1 ORDER BY 1 LIMIT $1")
+                    .bind(MAX_TABLES as i64)
+                    .fetch_all(pool)
+                    .await?;
             (names, true)
         }
     };
@@ -330,11 +336,13 @@ impl WorkAudit {
 
     /// Records work items still outstanding on the stream (row id and generation, same order).
     pub async fn record_outstanding(&mut self, ids: &[i64], generations: &[i64]) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::bigint[])")
-            .bind(ids)
-            .bind(generations)
-            .execute(&mut *self.tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::bigint[])",
+        )
+        .bind(ids)
+        .bind(generations)
+        .execute(&mut *self.tx)
+        .await?;
         Ok(())
     }
 
