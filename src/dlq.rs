@@ -17,7 +17,8 @@ pub use crate::store::dlq::{ClassStats, Detail, Listed, Stats};
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct Filter {
     /// Only this error class (transient, permanent_input, invalid_record, dimension_mismatch, invalid_vector).
-    /// An unknown class is refused when parsed: a typo would otherwise match nothing, silently.
+    // An unknown class is refused when the flag is parsed: a typo would otherwise match
+    // nothing, silently.
     #[arg(long)]
     pub class: Option<ErrorClass>,
     /// Only this document.
