@@ -563,7 +563,7 @@ async fn dlq_command(url: &str, table: &str, action: DlqAction, json: bool) -> i
     if let DlqAction::List { filter, .. }
     | DlqAction::Requeue { filter, .. }
     | DlqAction::Purge { filter, .. } = &action
-        && let Err(e) = filter.validate().and_then(|()| check_filter_bounds(filter))
+        && let Err(e) = check_filter_bounds(filter)
     {
         return fail(exit::USAGE, &e);
     }

@@ -9,7 +9,6 @@ use std::net::SocketAddr;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use redis::aio::ConnectionManager;
-use sqlx::Row;
 
 use crate::model::ErrorClass;
 use crate::reconcile::{Check, Report};
@@ -126,50 +125,23 @@ pub async fn sample(
     keys: &StreamKeys,
 ) -> Result<(), String> {
     let pool = store.pool();
-    let by_class = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
-        .fetch_all(pool)
-        .await
-        .map_err(|e| e.to_string())?;
+    let by_class = crate::store::dlq::depth_by_class(pool).await.map_err(|e| e.to_string())?;
     for class in ErrorClass::ALL {
-        let n = by_class
-            .iter()
-            .find(|r| r.get::<String, _>("error_class") == class.as_str())
-            .map(|r| r.get::<i64, _>("n"))
-            .unwrap_or(0);
+        let n = by_class.iter().find(|(c, _)| *c == class).map(|(_, n)| *n).unwrap_or(0);
         gauge!(DLQ_DEPTH, "error_class" => class.as_str()).set(n as f64);
     }
-    let r = sqlx::query(
-        "SELECT count(*) FILTER (WHERE next_retry_at <= now() AND error_class = 'transient'
-                                   AND exhausted_at IS NULL) AS ready,
-                count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient'
-                                   AND exhausted_at IS NULL) AS backing_off,
-                count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
-                COALESCE(extract(epoch FROM now() - min(first_failed_at)), 0)::float8 AS oldest,
-                COALESCE(greatest(extract(epoch FROM min(next_retry_at) - now()), 0), 0)::float8 AS next_due
-           FROM embedding_dlq",
-    )
-    .fetch_one(pool)
-    .await
-    .map_err(|e| e.to_string())?;
-    gauge!(DLQ_READY).set(r.get::<i64, _>("ready") as f64);
-    gauge!(DLQ_BACKING_OFF).set(r.get::<i64, _>("backing_off") as f64);
-    gauge!(DLQ_EXHAUSTED).set(r.get::<i64, _>("exhausted") as f64);
-    gauge!(DLQ_OLDEST_AGE).set(r.get::<f64, _>("oldest"));
-    gauge!(DLQ_NEXT_DUE).set(r.get::<f64, _>("next_due"));
-    let o = sqlx::query(
-        "SELECT count(*) AS backlog, COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
-           FROM dlq_outbox WHERE published_at IS NULL",
-    )
-    .fetch_one(pool)
-    .await
-    .map_err(|e| e.to_string())?;
-    gauge!(OUTBOX_BACKLOG).set(o.get::<i64, _>("backlog") as f64);
-    gauge!(OUTBOX_OLDEST_AGE).set(o.get::<f64, _>("oldest"));
-    let last: Option<f64> =
-        sqlx::query_scalar("SELECT extract(epoch FROM max(finished_at))::float8 FROM reconcile_runs")
-            .fetch_one(pool)
-            .await
-            .map_err(|e| e.to_string())?;
+    let r = crate::store::dlq::schedule(pool).await.map_err(|e| e.to_string())?;
+    gauge!(DLQ_READY).set(r.ready as f64);
+    gauge!(DLQ_BACKING_OFF).set(r.backing_off as f64);
+    gauge!(DLQ_EXHAUSTED).set(r.exhausted as f64);
+    gauge!(DLQ_OLDEST_AGE).set(r.oldest_secs);
+    gauge!(DLQ_NEXT_DUE).set(r.next_due_secs);
+    // Only the count and the age are exported; what counts as stuck is the reconciler's call.
+    let o =
+        crate::store::outbox::backlog(pool, std::time::Duration::ZERO).await.map_err(|e| e.to_string())?;
+    gauge!(OUTBOX_BACKLOG).set(o.unpublished as f64);
+    gauge!(OUTBOX_OLDEST_AGE).set(o.oldest_secs);
+    let last = crate::store::reconcile::last_run_finished(pool).await.map_err(|e| e.to_string())?;
     if let Some(t) = last {
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }

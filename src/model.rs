@@ -96,6 +96,12 @@ impl ErrorClass {
         }
     }
 
+    /// Parses the SQL and label spelling: the one place a class is read back from text (a
+    /// DLQ row, a filter flag). `None` for anything the schema would reject.
+    pub fn parse(s: &str) -> Option<Self> {
+        ErrorClass::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
     /// Whether parked rows of this class are scheduled for automatic replay.
     pub fn is_replayable(self) -> bool {
         matches!(self, ErrorClass::Transient)
@@ -103,8 +109,24 @@ impl ErrorClass {
 }
 
 impl std::fmt::Display for ErrorClass {
+    /// The SQL spelling, honouring width and alignment (`{:<20}` in tables).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+        f.pad(self.as_str())
+    }
+}
+
+/// A class spelling that is not one of [`ErrorClass::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown error class {0:?}; one of: {list}", list = ErrorClass::ALL.map(|k| k.as_str()).join(", "))]
+pub struct UnknownErrorClass(pub String);
+
+impl std::str::FromStr for ErrorClass {
+    type Err = UnknownErrorClass;
+
+    /// [`ErrorClass::parse`], with an error that lists the valid spellings (what `--class`
+    /// shows for a typo, which would otherwise match nothing, silently).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ErrorClass::parse(s).ok_or_else(|| UnknownErrorClass(s.to_string()))
     }
 }
 
@@ -158,7 +180,13 @@ mod tests {
         for c in ErrorClass::ALL {
             let json = serde_json::to_string(&c).unwrap();
             assert_eq!(json, format!("\"{}\"", c.as_str()));
+            assert_eq!(ErrorClass::parse(c.as_str()), Some(c));
+            assert_eq!(c.as_str().parse::<ErrorClass>(), Ok(c));
         }
+        assert_eq!(ErrorClass::parse("Transient"), None);
+        let typo = "transiant".parse::<ErrorClass>().unwrap_err().to_string();
+        assert!(typo.contains("\"transiant\"") && typo.contains("permanent_input"), "{typo}");
+        assert_eq!(format!("{:<12}|", ErrorClass::Transient), "transient   |");
         for s in [ChunkStatus::Stored, ChunkStatus::Parked, ChunkStatus::Exhausted, ChunkStatus::Reingest] {
             assert_eq!(ChunkStatus::parse(s.as_str()), Some(s));
         }

@@ -11,12 +11,11 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, TableCheck, WorkAudit};
+use crate::store::{Store, StoreError, outbox};
+use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
 use redis::aio::ConnectionManager;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, Row};
-
-use crate::store::{Store, StoreError};
-use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
 
 /// The checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -187,12 +186,18 @@ pub enum ReconcileError {
     Redis(#[from] redis::RedisError),
 }
 
-/// Most target tables one run checks (tables named by the manifest or the DLQ).
-const MAX_TABLES: usize = 1000;
+/// The checks made per target table, in report order, with the statement each one runs.
+const TABLE_CHECKS: [(Check, TableCheck); 5] = [
+    (Check::Leaks, TableCheck::Leaks),
+    (Check::Duplicates, TableCheck::Duplicates),
+    (Check::StoredDrift, TableCheck::StoredDrift),
+    (Check::StaleDlq, TableCheck::StaleDlq),
+    (Check::BadVectors, TableCheck::BadVectors),
+];
 
-/// `s` as an SQL string literal (standard_conforming_strings: only quotes need doubling).
-fn sql_literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
+/// A check's result as the report shows it.
+fn finding(check: Check, run: CheckRun) -> Finding {
+    Finding { check, found: run.found, examples: run.examples, repaired: run.repaired, note: None }
 }
 
 /// Runs the checks.
@@ -210,6 +215,7 @@ impl Reconciler {
         let started = Instant::now();
         let started_at = chrono::Utc::now();
         let repair = mode == Mode::Repair;
+        let pool = self.store.pool();
         let mut findings = Vec::with_capacity(Check::ALL.len());
         // Every table the manifest or the DLQ names is checked with its own joins.
         let mut targets = Vec::new();
@@ -224,124 +230,11 @@ impl Reconciler {
         let several = targets.len() > 1;
         let mut per_table: Vec<Vec<Finding>> = Vec::with_capacity(targets.len());
         for target in &targets {
-            let t = target.sql_name();
-            let lit = sql_literal(&target.name);
-            let dims = target.dimensions as i32;
-            let mut out = Vec::new();
-            let leak_pred = format!(
-                "m.target_table = {lit} AND m.status <> 'reingest'
-                 AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
-                 AND NOT EXISTS (SELECT 1 FROM embedding_dlq d
-                                  WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
-                                    AND d.chunk_index = m.chunk_index)"
-            );
-            out.push(
-                self.sql_check(
-                    Check::Leaks,
-                    &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {leak_pred}"),
-                    repair.then(|| {
-                        format!(
-                            "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {leak_pred}"
-                        )
-                    }),
-                )
-                .await?,
-            );
-            out.push(
-                self.sql_check(
-                    Check::Duplicates,
-                    &format!(
-                        "SELECT doc_id || '#' || chunk_index FROM {t} GROUP BY doc_id, chunk_index HAVING count(*) > 1"
-                    ),
-                    repair.then(|| {
-                        format!(
-                            "DELETE FROM {t} a USING {t} b
-                              WHERE a.doc_id = b.doc_id AND a.chunk_index = b.chunk_index
-                                AND (a.updated_at, a.ctid) < (b.updated_at, b.ctid)"
-                        )
-                    }),
-                )
-                .await?,
-            );
-            let drift_pred = format!(
-                "m.target_table = {lit} AND m.status = 'stored' AND NOT EXISTS (
-                     SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-                                           AND e.content_hash = m.content_hash)"
-            );
-            out.push(
-                self.sql_check(
-                    Check::StoredDrift,
-                    &format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {drift_pred}"),
-                    repair.then(|| {
-                        format!(
-                            "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}"
-                        )
-                    }),
-                )
-                .await?,
-            );
-            let stale_pred = format!(
-                "d.target_table = {lit}
-                 AND EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
-                                                   AND e.content_hash = d.content_hash)"
-            );
-            out.push(
-                self.sql_check(
-                    Check::StaleDlq,
-                    &format!("SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d WHERE {stale_pred}"),
-                    repair.then(|| {
-                        format!(
-                            "WITH gone AS (
-                                 DELETE FROM embedding_dlq d WHERE {stale_pred}
-                                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash,
-                                           d.generation, d.error_class, d.attempts
-                             ), manifest AS (
-                                 UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                                   FROM gone g
-                                  WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
-                                    AND m.chunk_index = g.chunk_index
-                                    AND m.content_hash = g.content_hash AND m.status <> 'stored'
-                                 RETURNING 1
-                             ), events AS (
-                                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-                                 SELECT 'resolved', id, target_table, doc_id, chunk_index,
-                                        jsonb_build_object('event', 'resolved', 'dlq_id', id,
-                                                           'table', target_table, 'doc_id', doc_id,
-                                                           'chunk_index', chunk_index, 'generation', generation,
-                                                           'error_class', error_class,
-                                                           'attempts', attempts, 'by', 'reconcile', 'at', now())
-                                   FROM gone
-                                 RETURNING 1
-                             )
-                             SELECT count(*) FROM gone"
-                        )
-                    }),
-                )
-                .await?,
-            );
-            let bad_pred = format!(
-                "(vector_dims(e.embedding) <> {dims} OR vector_norm(e.embedding) = 0
-                  OR vector_norm(e.embedding) = 'NaN'::float8)"
-            );
-            out.push(
-                self.sql_check(
-                    Check::BadVectors,
-                    &format!("SELECT e.doc_id || '#' || e.chunk_index FROM {t} e WHERE {bad_pred}"),
-                    repair.then(|| {
-                        format!(
-                            "WITH gone AS (DELETE FROM {t} e WHERE {bad_pred} RETURNING e.doc_id, e.chunk_index),
-                                  manifest AS (
-                                      UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
-                                        FROM gone g
-                                       WHERE m.target_table = {lit} AND m.doc_id = g.doc_id
-                                         AND m.chunk_index = g.chunk_index
-                                      RETURNING 1)
-                             SELECT count(*) FROM gone"
-                        )
-                    }),
-                )
-                .await?,
-            );
+            let mut out = Vec::with_capacity(TABLE_CHECKS.len());
+            for (check, table_check) in TABLE_CHECKS {
+                let run = sql::table_check(pool, target, table_check, self.config.examples, repair).await?;
+                out.push(finding(check, run));
+            }
             if several {
                 for f in &mut out {
                     for e in &mut f.examples {
@@ -351,11 +244,7 @@ impl Reconciler {
             }
             per_table.push(out);
         }
-        for (n, check) in
-            [Check::Leaks, Check::Duplicates, Check::StoredDrift, Check::StaleDlq, Check::BadVectors]
-                .into_iter()
-                .enumerate()
-        {
+        for (n, (check, _)) in TABLE_CHECKS.into_iter().enumerate() {
             let mut merged = Finding { check, found: 0, examples: vec![], repaired: 0, note: None };
             for f in per_table.iter().map(|fs| &fs[n]) {
                 merged.found += f.found;
@@ -388,70 +277,17 @@ impl Reconciler {
                 }
             }
         }
-        let stall = self.config.replay_stall_after.as_secs_f64();
-        findings.push(
-            self.sql_check(
-                Check::ReplayStalled,
-                &format!(
-                    "SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d
-                      WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
-                        AND d.next_retry_at < now() - make_interval(secs => {stall})"
-                ),
-                None,
-            )
-            .await?,
-        );
+        let stalled = sql::replay_stalled(pool, self.config.replay_stall_after, self.config.examples).await?;
+        findings.push(finding(Check::ReplayStalled, stalled));
         let report = Report { findings, mode, duration_secs: started.elapsed().as_secs_f64() };
-        sqlx::query("INSERT INTO reconcile_runs (started_at, repaired, findings) VALUES ($1, $2, $3)")
-            .bind(started_at)
-            .bind(repair)
-            .bind(serde_json::to_value(&report.findings).expect("findings serialize"))
-            .execute(self.store.pool())
-            .await?;
+        let findings_json = serde_json::to_value(&report.findings).expect("findings serialize");
+        sql::record_run(pool, started_at, repair, findings_json).await?;
         Ok(report)
     }
 
-    /// Runs a counting/example query and, in repair mode, the repair statement.
-    async fn sql_check(
-        &self,
-        check: Check,
-        select: &str,
-        repair: Option<String>,
-    ) -> Result<Finding, ReconcileError> {
-        let pool = self.store.pool();
-        let found: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM ({select}) f")))
-            .fetch_one(pool)
-            .await?;
-        let examples: Vec<String> = if found > 0 {
-            sqlx::query_scalar(AssertSqlSafe(format!("{select} LIMIT {}", self.config.examples)))
-                .fetch_all(pool)
-                .await?
-        } else {
-            vec![]
-        };
-        let mut repaired = 0;
-        if let Some(sql) = repair.filter(|_| found > 0) {
-            repaired = if sql.trim_start().starts_with("WITH") {
-                sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).fetch_one(pool).await? as u64
-            } else {
-                sqlx::query(AssertSqlSafe(sql)).execute(pool).await?.rows_affected()
-            };
-        }
-        Ok(Finding { check, found: found as u64, examples, repaired, note: None })
-    }
-
     async fn outbox_check(&self) -> Result<Finding, ReconcileError> {
-        let row = sqlx::query(
-            "SELECT count(*) AS backlog,
-                    count(*) FILTER (WHERE created_at < now() - make_interval(secs => $1)) AS stuck,
-                    COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
-               FROM dlq_outbox WHERE published_at IS NULL",
-        )
-        .bind(self.config.outbox_stuck_after.as_secs_f64())
-        .fetch_one(self.store.pool())
-        .await?;
-        let (backlog, stuck, oldest): (i64, i64, f64) =
-            (row.get("backlog"), row.get("stuck"), row.get("oldest"));
+        let outbox::Backlog { unpublished: backlog, stuck, oldest_secs: oldest } =
+            outbox::backlog(self.store.pool(), self.config.outbox_stuck_after).await?;
         Ok(Finding {
             check: Check::OutboxBacklog,
             found: stuck as u64,
@@ -483,22 +319,12 @@ impl Reconciler {
         let (mut found, mut repaired, mut trimmed) = (0u64, 0u64, 0u64);
         let mut examples = Vec::new();
         loop {
-            let rows = sqlx::query(
-                "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key
-                   FROM dlq_outbox
-                  WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
-                  ORDER BY id LIMIT $2",
-            )
-            .bind(after)
-            .bind(page as i64)
-            .fetch_all(self.store.pool())
-            .await?;
+            let rows = outbox::published_events(self.store.pool(), after, page).await?;
             let Some(last) = rows.last() else { break };
-            after = last.try_get("id")?;
+            after = last.id;
             let mut pipe = redis::pipe();
             for r in &rows {
-                let entry: String = r.try_get("entry_id")?;
-                pipe.cmd("XRANGE").arg(&stream).arg(&entry).arg(&entry).arg("COUNT").arg(1);
+                pipe.cmd("XRANGE").arg(&stream).arg(&r.entry_id).arg(&r.entry_id).arg("COUNT").arg(1);
             }
             let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
             // The stream's head after the lookups: trimming only moves it forward, so an entry
@@ -521,15 +347,15 @@ impl Reconciler {
                 if !hit.is_empty() {
                     continue;
                 }
-                let entry = crate::streams::parse_entry_id(&r.try_get::<String, _>("entry_id")?);
+                let entry = crate::streams::parse_entry_id(&r.entry_id);
                 if capped && head.is_some_and(|h| entry < h) {
                     trimmed += 1;
                     continue;
                 }
                 if examples.len() < self.config.examples {
-                    examples.push(r.try_get::<String, _>("key")?);
+                    examples.push(r.key.clone());
                 }
-                missing.push((r.try_get("id")?, r.try_get("event_id")?));
+                missing.push((r.id, r.event_id.clone()));
             }
             found += missing.len() as u64;
             if repair && !missing.is_empty() {
@@ -539,14 +365,7 @@ impl Reconciler {
                 }
                 let _: i64 = del.query_async(redis).await?;
                 let ids: Vec<i64> = missing.iter().map(|(id, _)| *id).collect();
-                repaired += sqlx::query(
-                    "UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL
-                      WHERE id = ANY($1) AND published_at IS NOT NULL",
-                )
-                .bind(&ids)
-                .execute(self.store.pool())
-                .await?
-                .rows_affected();
+                repaired += outbox::mark_unpublished(self.store.pool(), &ids).await?;
             }
             if rows.len() < page {
                 break;
@@ -582,19 +401,7 @@ impl Reconciler {
     ) -> Result<[Finding; 2], ReconcileError> {
         let page = self.config.page();
         let stream = self.keys.replay();
-        let mut tx = self.store.pool().begin().await?;
-        sqlx::query(
-            "CREATE TEMP TABLE reconcile_unpublished_work ON COMMIT DROP AS
-             SELECT DISTINCT dlq_id FROM dlq_outbox
-              WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
-        )
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "CREATE TEMP TABLE reconcile_outstanding_work (dlq_id bigint, generation bigint) ON COMMIT DROP",
-        )
-        .execute(&mut *tx)
-        .await?;
+        let mut audit = WorkAudit::begin(self.store.pool()).await?;
 
         let exists: bool = redis::cmd("EXISTS").arg(&stream).query_async(redis).await?;
         // Where the group stands: entries after its last delivered id are still to be read.
@@ -637,23 +444,8 @@ impl Reconciler {
                 .map(|e| (e.id.clone(), WorkItem::parse(&e.map).map(|w| (w.dlq_id, w.generation))))
                 .collect();
             let (ids, gens): (Vec<i64>, Vec<i64>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
-            sqlx::query(
-                "INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::bigint[])",
-            )
-            .bind(&ids)
-            .bind(&gens)
-            .execute(&mut *tx)
-            .await?;
-            let live: HashMap<i64, i64> = sqlx::query(
-                "SELECT id, generation FROM embedding_dlq
-                  WHERE id = ANY($1) AND exhausted_at IS NULL AND error_class = 'transient'",
-            )
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .map(|r| (r.get("id"), r.get("generation")))
-            .collect();
+            audit.record_outstanding(&ids, &gens).await?;
+            let live: HashMap<i64, i64> = audit.live_generations(&ids).await?;
             let page_orphans: Vec<String> = outstanding
                 .into_iter()
                 .filter(|(_, w)| match w {
@@ -679,45 +471,29 @@ impl Reconciler {
             more = entries.ids.len() >= page;
         }
 
-        sqlx::query("ANALYZE reconcile_outstanding_work").execute(&mut *tx).await?;
+        audit.analyze().await?;
         let mut lost =
             Finding { check: Check::LostReplayWork, found: 0, examples: vec![], repaired: 0, note: None };
         let mut after = 0i64;
         loop {
-            let rows = sqlx::query(
-                "SELECT d.id, d.doc_id || '#' || d.chunk_index AS key FROM embedding_dlq d
-                  WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
-                    AND d.enqueued_at IS NOT NULL AND d.enqueued_at > d.last_failed_at
-                    AND d.enqueued_at < now() - make_interval(secs => $1)
-                    AND d.next_retry_at > now()
-                    AND NOT EXISTS (SELECT 1 FROM reconcile_unpublished_work u WHERE u.dlq_id = d.id)
-                    AND NOT EXISTS (SELECT 1 FROM reconcile_outstanding_work o
-                                     WHERE o.dlq_id = d.id AND o.generation = d.generation)
-                    AND d.id > $2
-                  ORDER BY d.id LIMIT $3",
-            )
-            .bind(self.config.lost_work_grace.as_secs_f64())
-            .bind(after)
-            .bind(page as i64)
-            .fetch_all(&mut *tx)
-            .await?;
+            let rows = audit.lost_work(self.config.lost_work_grace, after, page).await?;
             let Some(last) = rows.last() else { break };
-            after = last.try_get("id")?;
+            after = last.0;
             lost.found += rows.len() as u64;
-            for r in &rows {
+            for (_, key) in &rows {
                 if lost.examples.len() < self.config.examples {
-                    lost.examples.push(r.try_get("key")?);
+                    lost.examples.push(key.clone());
                 }
             }
             if repair {
-                let ids: Vec<i64> = rows.iter().map(|r| r.get("id")).collect();
+                let ids: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
                 lost.repaired += self.store.enqueue_ids(&ids, Duration::from_secs(15 * 60)).await?;
             }
             if rows.len() < page {
                 break;
             }
         }
-        tx.commit().await?;
+        audit.finish().await?;
         Ok([lost, orphans])
     }
 

@@ -26,11 +26,12 @@
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManager;
+use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
 use crate::failpoint;
+use crate::store::{StoreError, outbox};
 use crate::streams::{StreamKeys, publish_script};
 
 /// Relay tuning.
@@ -78,6 +79,9 @@ pub struct RelayCounts {
 pub enum RelayError {
     #[error("postgres: {0}")]
     Db(#[from] sqlx::Error),
+    /// A statement of the outbox store failed.
+    #[error("postgres: {0}")]
+    Store(#[from] StoreError),
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
@@ -88,7 +92,8 @@ impl RelayError {
     /// message text.
     pub fn is_transient(&self) -> bool {
         match self {
-            RelayError::Db(e) => is_transient_db(e),
+            RelayError::Db(e) | RelayError::Store(StoreError::Db(e)) => is_transient_db(e),
+            RelayError::Store(_) => false,
             RelayError::Redis(e) => is_transient_redis(e),
         }
     }
@@ -170,59 +175,35 @@ impl Relay {
 
     /// Publishes one batch of unpublished outbox rows.
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
-        let mut tx = self.pool.begin().await?;
-        let rows = sqlx::query(
-            "SELECT id, event_id::text AS event_id, event, stream, body::text AS body FROM dlq_outbox
-              WHERE published_at IS NULL
-              ORDER BY id
-              LIMIT $1
-              FOR UPDATE SKIP LOCKED",
-        )
-        .bind(self.config.batch as i64)
-        .fetch_all(&mut *tx)
-        .await?;
-        if rows.is_empty() {
-            tx.rollback().await?;
+        let Some(claim) = outbox::claim(&self.pool, self.config.batch).await? else {
             return Ok(RelayCounts::default());
-        }
+        };
         let mut pipe = redis::pipe();
         pipe.load_script(&self.script).ignore();
-        let mut ids = Vec::with_capacity(rows.len());
+        let mut ids = Vec::with_capacity(claim.rows.len());
         let ttl = self.config.marker_ttl.as_secs().max(1);
-        for r in &rows {
-            let id: i64 = r.try_get("id")?;
-            let stream: String = r.try_get("stream")?;
-            let maxlen = if stream == "events" { self.config.events_maxlen } else { 0 };
-            let event_id: String = r.try_get("event_id")?;
-            let mut invocation = self.script.key(self.keys.outbox_marker(&event_id));
+        for r in &claim.rows {
+            let maxlen = if r.stream == "events" { self.config.events_maxlen } else { 0 };
+            let mut invocation = self.script.key(self.keys.outbox_marker(&r.event_id));
             invocation
-                .key(self.keys.for_outbox_stream(&stream))
+                .key(self.keys.for_outbox_stream(&r.stream))
                 .arg(ttl)
                 .arg(maxlen)
                 .arg("outbox_id")
-                .arg(id)
+                .arg(r.id)
                 .arg("event_id")
-                .arg(&event_id)
+                .arg(&r.event_id)
                 .arg("event")
-                .arg(r.try_get::<String, _>("event")?)
+                .arg(&r.event)
                 .arg("body")
-                .arg(r.try_get::<String, _>("body")?);
+                .arg(&r.body);
             pipe.invoke_script(&invocation);
-            ids.push(id);
+            ids.push(r.id);
         }
         let replies: Vec<(String, i64)> = pipe.query_async(&mut self.redis).await?;
         failpoint::hit("relay_after_publish");
         let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
-        sqlx::query(
-            "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
-               FROM UNNEST($1::bigint[], $2::text[]) AS p(id, entry_id)
-              WHERE o.id = p.id",
-        )
-        .bind(&ids)
-        .bind(&entry_ids)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
+        claim.mark_published(&ids, &entry_ids).await?;
         let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
         metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
         metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
@@ -231,16 +212,7 @@ impl Relay {
 
     /// Deletes published rows past the retention; returns how many.
     pub async fn prune(&self) -> Result<u64, RelayError> {
-        let done = sqlx::query(
-            "DELETE FROM dlq_outbox WHERE id IN (
-                 SELECT id FROM dlq_outbox
-                  WHERE published_at < now() - make_interval(secs => $1)
-                  LIMIT 10000)",
-        )
-        .bind(self.config.retention.as_secs_f64())
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected())
+        Ok(outbox::prune(&self.pool, self.config.retention).await?)
     }
 
     /// Trims the replay stream below the oldest entry any group still needs (pending, or not
@@ -262,7 +234,7 @@ impl Relay {
         while !cancel.is_cancelled() {
             if listener.is_none() {
                 match PgListener::connect_with(&self.pool).await {
-                    Ok(mut l) => match l.listen("embed_dlq_outbox").await {
+                    Ok(mut l) => match l.listen(outbox::NOTIFY_CHANNEL).await {
                         Ok(()) => listener = Some(l),
                         Err(e) => tracing::warn!(error = %e, "relay: LISTEN failed; polling"),
                     },

@@ -339,9 +339,9 @@ impl Replayer {
                 ack.push(e.id);
                 continue;
             };
-            let live = rows.get(&work.dlq_id).filter(|r| {
-                r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient.as_str()
-            });
+            let live = rows
+                .get(&work.dlq_id)
+                .filter(|r| r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient);
             match live {
                 Some(row) if seen.insert(work.dlq_id) => {
                     if e.deliveries > self.config.delivery_cap {
@@ -614,7 +614,7 @@ fn exhaust(row: &DlqRow, why: &str) -> Repark {
         id: row.id,
         generation: row.generation,
         content_hash: row.content_hash.clone(),
-        error_class: row.error_class.clone(),
+        error_class: row.error_class,
         error_reason: row.error_reason.clone(),
         last_error: row.last_error.clone(),
         last_status: row.last_status,
@@ -640,7 +640,7 @@ pub fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
         id: row.id,
         generation: row.generation,
         content_hash: row.content_hash.clone(),
-        error_class: f.class.as_str().to_string(),
+        error_class: f.class,
         error_reason: f.reason.to_string(),
         last_error: Some(f.detail.clone()),
         last_status: f.status.map(i32::from),
@@ -654,7 +654,7 @@ pub fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
         return r;
     }
     if f.reason == "http_500" && same >= config.deterministic_failures {
-        r.error_class = ErrorClass::PermanentInput.as_str().to_string();
+        r.error_class = ErrorClass::PermanentInput;
         r.error_reason = "repeated_http_500".into();
         return r;
     }
@@ -683,7 +683,7 @@ mod tests {
             replays,
             generation: 7,
             attempts: 5,
-            error_class: "transient".into(),
+            error_class: ErrorClass::Transient,
             error_reason: "http_503".into(),
             last_error: None,
             last_status: Some(503),
@@ -702,7 +702,7 @@ mod tests {
     fn transient_failure_is_rescheduled_on_the_dlq_schedule() {
         let cfg = ReplayConfig::default();
         let r = next_state(&row(0, None, 0), &failure("http_503", 503, ErrorClass::Transient), &cfg);
-        assert_eq!(r.error_class, "transient");
+        assert_eq!(r.error_class, ErrorClass::Transient);
         assert!(r.retry_in.unwrap() >= cfg.schedule.base);
         assert_eq!(r.exhausted_reason, None);
         assert_eq!(r.same_error_count, 1);
@@ -714,9 +714,9 @@ mod tests {
         let cfg = ReplayConfig::default();
         let f = failure("http_500", 500, ErrorClass::Transient);
         let r = next_state(&row(1, Some("http_500:500"), 1), &f, &cfg);
-        assert_eq!(r.error_class, "transient", "two in a row is not yet a pattern");
+        assert_eq!(r.error_class, ErrorClass::Transient, "two in a row is not yet a pattern");
         let r = next_state(&row(2, Some("http_500:500"), 2), &f, &cfg);
-        assert_eq!(r.error_class, "permanent_input");
+        assert_eq!(r.error_class, ErrorClass::PermanentInput);
         assert_eq!(r.error_reason, "repeated_http_500");
         assert_eq!(r.retry_in, None);
     }
@@ -729,7 +729,7 @@ mod tests {
         assert!(r.exhausted_reason.is_some());
         assert_eq!(r.retry_in, None);
         let r = next_state(&row(0, None, 0), &failure("http_400", 400, ErrorClass::PermanentInput), &cfg);
-        assert_eq!(r.error_class, "permanent_input");
+        assert_eq!(r.error_class, ErrorClass::PermanentInput);
         assert_eq!(r.retry_in, None);
         assert_eq!(r.exhausted_reason, None);
     }

@@ -19,6 +19,9 @@
 //! first and in key order, so racing writers of one chunk are serialised, and the second
 //! statement (a new snapshot) sees whatever the previous lock holder committed.
 
+pub mod dlq;
+pub mod outbox;
+pub mod reconcile;
 pub mod replay;
 
 use std::collections::HashMap;
@@ -530,12 +533,11 @@ WITH input AS (
 ), events AS (
     INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
     SELECT 'parked', id, target_table, doc_id, chunk_index,
-           jsonb_build_object('event', 'parked', 'dlq_id', id, 'table', target_table,
-                              'doc_id', doc_id, 'chunk_index', chunk_index, 'generation', generation,
-                              'content_hash', content_hash,
-                              'error_class', error_class, 'error_reason', error_reason,
-                              'attempts', attempts, 'first_failed_at', first_failed_at,
-                              'last_failed_at', last_failed_at, 'next_retry_at', next_retry_at)
+           embed_dlq_event('parked', id, target_table, doc_id, chunk_index, generation,
+                           jsonb_build_object('content_hash', content_hash,
+                                              'error_class', error_class, 'error_reason', error_reason,
+                                              'attempts', attempts, 'first_failed_at', first_failed_at,
+                                              'last_failed_at', last_failed_at, 'next_retry_at', next_retry_at))
       FROM dlq
     RETURNING 1
 )
@@ -564,9 +566,8 @@ WITH input AS (
 ), events AS (
     INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
     SELECT 'resolved', id, target_table, doc_id, chunk_index,
-           jsonb_build_object('event', 'resolved', 'dlq_id', id, 'table', target_table,
-                              'doc_id', doc_id, 'chunk_index', chunk_index, 'generation', generation,
-                              'error_class', error_class, 'attempts', attempts, 'at', now())
+           embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
+                           jsonb_build_object('error_class', error_class, 'attempts', attempts, 'at', now()))
       FROM resolved
     RETURNING 1
 )

@@ -19,6 +19,7 @@ use pgvector::Vector;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{Store, StoreError};
+use crate::model::ErrorClass;
 use crate::streams::WorkItem;
 
 /// A DLQ row as replay needs it.
@@ -41,7 +42,7 @@ pub struct DlqRow {
     /// The fence of every replay commit.
     pub generation: i64,
     pub attempts: i32,
-    pub error_class: String,
+    pub error_class: ErrorClass,
     pub error_reason: String,
     pub last_error: Option<String>,
     pub last_status: Option<i32>,
@@ -94,7 +95,7 @@ pub struct Repark {
     pub id: i64,
     pub generation: i64,
     pub content_hash: String,
-    pub error_class: String,
+    pub error_class: ErrorClass,
     pub error_reason: String,
     pub last_error: Option<String>,
     pub last_status: Option<i32>,
@@ -260,10 +261,9 @@ impl Store {
                  ), events AS (
                      INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
                      SELECT 'replayed', id, target_table, doc_id, chunk_index,
-                            jsonb_build_object('event', 'replayed', 'dlq_id', id, 'table', target_table,
-                                               'doc_id', doc_id, 'chunk_index', chunk_index,
-                                               'generation', generation, 'error_class', error_class,
-                                               'attempts', attempts, 'replays', replays + 1, 'at', now())
+                            embed_dlq_event('replayed', id, target_table, doc_id, chunk_index, generation,
+                                            jsonb_build_object('error_class', error_class, 'attempts', attempts,
+                                                               'replays', replays + 1, 'at', now()))
                        FROM claimed
                      RETURNING 1
                  )
@@ -356,13 +356,12 @@ impl Store {
                  INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
                  SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
                         id, target_table, doc_id, chunk_index,
-                        jsonb_build_object('event', CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
-                                           'dlq_id', id, 'table', target_table, 'doc_id', doc_id,
-                                           'chunk_index', chunk_index, 'generation', generation,
-                                           'error_class', error_class, 'error_reason', error_reason,
-                                           'attempts', attempts, 'replays', replays,
-                                           'next_retry_at', next_retry_at,
-                                           'exhausted_reason', exhausted_reason, 'at', now())
+                        embed_dlq_event(CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
+                                        id, target_table, doc_id, chunk_index, generation,
+                                        jsonb_build_object('error_class', error_class, 'error_reason', error_reason,
+                                                           'attempts', attempts, 'replays', replays,
+                                                           'next_retry_at', next_retry_at,
+                                                           'exhausted_reason', exhausted_reason, 'at', now()))
                    FROM upd
                  RETURNING 1
              )

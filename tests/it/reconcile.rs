@@ -5,6 +5,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use embed_dlq::mock_provider::MockConfig;
+use embed_dlq::model::ErrorClass;
 use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Report};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
@@ -291,7 +292,7 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     // ...is fixed: replays go to one that accepts them.
     let fixed = start_mock(MockConfig::default()).await;
     let p = pipeline(&settings(&db, &fixed)).await;
-    let filter = embed_dlq::dlq::Filter { class: Some("permanent_input".into()), ..Default::default() };
+    let filter = embed_dlq::dlq::Filter { class: Some(ErrorClass::PermanentInput), ..Default::default() };
     assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, true, 100).await.unwrap().requeued, 6);
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 0, "dry run");
     let mut redis = redis().await;

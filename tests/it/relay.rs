@@ -414,3 +414,97 @@ async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
         "left for re-ingest"
     );
 }
+
+/// Every event body keeps its keys and values now that the envelope is built by
+/// `embed_dlq_event` (migration 0006): the function gives byte for byte the body the single
+/// `jsonb_build_object` gave, and each event kind carries the envelope of its row plus its own
+/// keys, no more, no less.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_bodies_keep_their_envelope_and_keys() {
+    let db = TestDb::new().await;
+    let same: bool = sqlx::query_scalar(
+        "SELECT embed_dlq_event('parked', 7, 'public.t', 'd', 2, 9, jsonb_build_object('attempts', 3, 'at', now()))::text
+              = jsonb_build_object('event', 'parked', 'dlq_id', 7::bigint, 'table', 'public.t', 'doc_id', 'd',
+                                   'chunk_index', 2, 'generation', 9::bigint, 'attempts', 3, 'at', now())::text",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(same, "the envelope function must give the body the single jsonb_build_object gave");
+
+    park(&db, "env", 3).await;
+    let p = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await;
+    let one = embed_dlq::dlq::Filter { doc: Some("env".into()), ..Default::default() };
+    let requeued = embed_dlq::dlq::requeue(&p.store, &one, false, 100_000).await.unwrap();
+    assert_eq!(requeued.requeued, 3);
+    assert_eq!(embed_dlq::dlq::purge(&p.store, &one, false).await.unwrap(), 3);
+
+    let envelope = ["event", "dlq_id", "table", "doc_id", "chunk_index", "generation"];
+    let own = |event: &str| -> Vec<&'static str> {
+        match event {
+            "parked" => vec![
+                "content_hash",
+                "error_class",
+                "error_reason",
+                "attempts",
+                "first_failed_at",
+                "last_failed_at",
+                "next_retry_at",
+            ],
+            "requeued" => vec!["error_reason", "attempts", "at"],
+            "purged" => vec!["error_class", "error_reason", "attempts", "at"],
+            other => panic!("unexpected event {other}"),
+        }
+    };
+    let rows: Vec<(String, i64, String, String, i32, serde_json::Value)> = sqlx::query_as(
+        "SELECT event, dlq_id, target_table, doc_id, chunk_index, body FROM dlq_outbox
+          WHERE stream = 'events' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let mut kinds = HashSet::new();
+    for (event, dlq_id, table, doc_id, chunk_index, body) in rows {
+        let keys: HashSet<&str> = body.as_object().unwrap().keys().map(String::as_str).collect();
+        let expected: HashSet<&str> = envelope.iter().copied().chain(own(&event)).collect();
+        assert_eq!(keys, expected, "{event}: {body}");
+        assert_eq!(body["event"], event.as_str());
+        assert_eq!(body["dlq_id"], dlq_id);
+        assert_eq!(body["table"], table.as_str());
+        assert_eq!(body["doc_id"], doc_id.as_str());
+        assert_eq!(body["chunk_index"], chunk_index);
+        assert!(body["generation"].is_i64(), "{body}");
+        kinds.insert(event);
+    }
+    assert_eq!(kinds, HashSet::from(["parked".to_string(), "requeued".into(), "purged".into()]));
+}
+
+/// A DLQ row's class is read as `ErrorClass`: `--json` shows the same spelling as the column,
+/// and a class this build does not know (a newer schema, a hand-edited row) is an error for the
+/// query that read it, never a panic nor a string that silently matches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_rows_read_their_class_typed_and_refuse_an_unknown_one() {
+    let db = TestDb::new().await;
+    park(&db, "cls", 2).await;
+    let p = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await;
+    let all = embed_dlq::dlq::Filter::default();
+    let rows = embed_dlq::dlq::list(&p.store, &all, 10, 0).await.unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0].error_class, embed_dlq::model::ErrorClass::Transient);
+    let json = serde_json::to_value(&rows[0]).unwrap();
+    assert_eq!(json["error_class"], "transient");
+    let stats = embed_dlq::dlq::stats(&p.store).await.unwrap();
+    assert_eq!(serde_json::to_value(&stats).unwrap()["by_class"][0]["error_class"], "transient");
+
+    sqlx::raw_sql(
+        "ALTER TABLE embedding_dlq DROP CONSTRAINT embedding_dlq_error_class_check;
+         UPDATE embedding_dlq SET error_class = 'from_the_future' WHERE id = (SELECT min(id) FROM embedding_dlq);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let err = embed_dlq::dlq::list(&p.store, &all, 10, 0).await.unwrap_err();
+    assert!(err.to_string().contains("from_the_future"), "{err}");
+    assert!(matches!(err, embed_dlq::store::StoreError::Db(sqlx::Error::ColumnDecode { .. })), "{err:?}");
+    assert!(embed_dlq::dlq::stats(&p.store).await.is_err());
+}

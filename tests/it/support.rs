@@ -78,15 +78,7 @@ impl TestDb {
 
     /// The seed's reconciliation query for one target table, joined on the table identity.
     pub async fn leaks_in(&self, table: &str) -> i64 {
-        let sql = format!(
-            "SELECT count(*) FROM ingest_manifest m
-               LEFT JOIN {table} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-               LEFT JOIN embedding_dlq d
-                 ON d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index
-              WHERE m.target_table = embed_dlq_table_name('{table}'::regclass)
-                AND e.doc_id IS NULL AND d.doc_id IS NULL"
-        );
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await.unwrap()
+        embed_dlq::store::reconcile::leaks(&self.pool, Some(table)).await.unwrap()
     }
 
     /// The seed's duplicate query for the default table.
@@ -96,11 +88,7 @@ impl TestDb {
 
     /// The seed's duplicate query for one target table.
     pub async fn duplicates_in(&self, table: &str) -> i64 {
-        let sql = format!(
-            "SELECT count(*) FROM (SELECT doc_id, chunk_index FROM {table}
-               GROUP BY doc_id, chunk_index HAVING count(*) > 1) d"
-        );
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await.unwrap()
+        embed_dlq::store::reconcile::duplicates(&self.pool, Some(table)).await.unwrap()
     }
 
     /// Stronger than the seed's queries: every manifest row of the default table agrees with

@@ -1,0 +1,429 @@
+//! Postgres side of the operator actions on `embedding_dlq` (stats, list, show, requeue,
+//! purge) and of the DLQ gauges: every statement, the row types they return, and the one
+//! place an `error_class` column is decoded ([`ErrorClass`] as an `sqlx` type).
+//!
+//! Rows are selected with a [`RowFilter`], the same for every action. The paging, pacing and
+//! dry-run decisions stay with the caller (`crate::dlq`); each function here is one statement
+//! (and so one transaction), which writes its events to the outbox in that statement.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::{PgRow, PgTypeInfo, PgValueRef};
+use sqlx::{PgPool, Postgres, QueryBuilder, Row};
+
+use super::StoreError;
+use crate::model::ErrorClass;
+
+/// `error_class` columns decode straight into [`ErrorClass`]: a spelling the enum does not
+/// know (a newer schema, a hand-written row) is a decode error for that query, never a panic
+/// and never a string that silently matches nothing.
+impl sqlx::Type<Postgres> for ErrorClass {
+    fn type_info() -> PgTypeInfo {
+        <str as sqlx::Type<Postgres>>::type_info()
+    }
+
+    fn compatible(ty: &PgTypeInfo) -> bool {
+        <str as sqlx::Type<Postgres>>::compatible(ty)
+    }
+}
+
+impl<'r> sqlx::Decode<'r, Postgres> for ErrorClass {
+    fn decode(value: PgValueRef<'r>) -> Result<Self, sqlx::error::BoxDynError> {
+        let s = <&str as sqlx::Decode<Postgres>>::decode(value)?;
+        Ok(s.parse::<ErrorClass>()?)
+    }
+}
+
+/// Which DLQ rows an action applies to. Empty filter = every row.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RowFilter {
+    pub class: Option<ErrorClass>,
+    pub doc: Option<String>,
+    /// Rows first parked at least this many seconds ago.
+    pub older_than_secs: Option<u64>,
+    /// Rows with at least this many provider attempts.
+    pub min_attempts: Option<i32>,
+    /// Only rows that automatic replay gave up on.
+    pub exhausted: bool,
+}
+
+impl RowFilter {
+    fn push_where(&self, q: &mut QueryBuilder<Postgres>) {
+        q.push(" WHERE true");
+        if let Some(c) = self.class {
+            q.push(" AND error_class = ").push_bind(c.as_str());
+        }
+        if let Some(d) = &self.doc {
+            q.push(" AND doc_id = ").push_bind(d.clone());
+        }
+        if let Some(s) = self.older_than_secs {
+            q.push(" AND first_failed_at <= now() - make_interval(secs => ").push_bind(s as f64).push(")");
+        }
+        if let Some(a) = self.min_attempts {
+            q.push(" AND attempts >= ").push_bind(a);
+        }
+        if self.exhausted {
+            q.push(" AND exhausted_at IS NOT NULL");
+        }
+    }
+}
+
+/// One error class in `dlq stats` (the seed's by-class view).
+#[derive(Debug, Clone, Serialize)]
+pub struct ClassStats {
+    pub error_class: ErrorClass,
+    pub parked: i64,
+    pub oldest: Option<DateTime<Utc>>,
+    pub newest: Option<DateTime<Utc>>,
+    pub avg_attempts: f64,
+}
+
+/// `dlq stats`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub by_class: Vec<ClassStats>,
+    /// Transient rows due now (permanent rows are never "ready").
+    pub ready_to_replay: i64,
+    pub still_backing_off: i64,
+    pub exhausted: i64,
+    pub next_due: Option<DateTime<Utc>>,
+}
+
+/// One row in `dlq list`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Listed {
+    pub id: i64,
+    /// Canonical name of the table the row is meant for.
+    pub target_table: String,
+    pub doc_id: String,
+    pub chunk_index: i32,
+    pub error_class: ErrorClass,
+    pub error_reason: String,
+    pub attempts: i32,
+    /// Replay passes made (a count; drives the DLQ schedule).
+    pub replays: i32,
+    /// Changes whenever the row's content changes, on every re-park and on requeue.
+    pub generation: i64,
+    pub first_failed_at: DateTime<Utc>,
+    pub last_failed_at: DateTime<Utc>,
+    pub next_retry_at: Option<DateTime<Utc>>,
+    pub exhausted: bool,
+}
+
+/// `dlq show`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Detail {
+    #[serde(flatten)]
+    pub row: Listed,
+    pub content_hash: String,
+    /// The model the row was parked under (None: parked before models were recorded).
+    pub model: Option<String>,
+    /// The target column's dimension when the row was parked.
+    pub dimensions: Option<i32>,
+    /// The `dimensions` request parameter, if any.
+    pub request_dimensions: Option<i32>,
+    pub last_error: Option<String>,
+    pub last_status: Option<i32>,
+    pub exhausted_reason: Option<String>,
+    pub payload: serde_json::Value,
+    pub error_history: serde_json::Value,
+}
+
+const LISTED_COLUMNS: &str = "id, target_table, doc_id, chunk_index, error_class, error_reason, attempts, replays, generation, \
+     first_failed_at, last_failed_at, next_retry_at, exhausted_at IS NOT NULL AS exhausted";
+
+fn listed(r: &PgRow) -> Result<Listed, sqlx::Error> {
+    Ok(Listed {
+        id: r.try_get("id")?,
+        target_table: r.try_get("target_table")?,
+        doc_id: r.try_get("doc_id")?,
+        chunk_index: r.try_get("chunk_index")?,
+        error_class: r.try_get("error_class")?,
+        error_reason: r.try_get("error_reason")?,
+        attempts: r.try_get("attempts")?,
+        replays: r.try_get("replays")?,
+        generation: r.try_get("generation")?,
+        first_failed_at: r.try_get("first_failed_at")?,
+        last_failed_at: r.try_get("last_failed_at")?,
+        next_retry_at: r.try_get("next_retry_at")?,
+        exhausted: r.try_get("exhausted")?,
+    })
+}
+
+/// The seed's two diagnostic queries in one report.
+pub async fn stats(pool: &PgPool) -> Result<Stats, StoreError> {
+    let by_class = sqlx::query(
+        "SELECT error_class, count(*) AS parked, min(first_failed_at) AS oldest,
+                max(last_failed_at) AS newest, round(avg(attempts), 1)::float8 AS avg_attempts
+           FROM embedding_dlq GROUP BY error_class ORDER BY parked DESC",
+    )
+    .fetch_all(pool)
+    .await?
+    .iter()
+    .map(|r| {
+        Ok(ClassStats {
+            error_class: r.try_get("error_class")?,
+            parked: r.try_get("parked")?,
+            oldest: r.try_get("oldest")?,
+            newest: r.try_get("newest")?,
+            avg_attempts: r.try_get("avg_attempts")?,
+        })
+    })
+    .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    let r = sqlx::query(
+        "SELECT count(*) FILTER (WHERE next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL) AS ready,
+                count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient' AND exhausted_at IS NULL) AS backing_off,
+                count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
+                min(next_retry_at) AS next_due
+           FROM embedding_dlq",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Stats {
+        by_class,
+        ready_to_replay: r.try_get("ready")?,
+        still_backing_off: r.try_get("backing_off")?,
+        exhausted: r.try_get("exhausted")?,
+        next_due: r.try_get("next_due")?,
+    })
+}
+
+/// Rows matching `filter`, oldest id first, `limit` at a time after `after_id` (paging).
+pub async fn list(
+    pool: &PgPool,
+    filter: &RowFilter,
+    limit: i64,
+    after_id: i64,
+) -> Result<Vec<Listed>, StoreError> {
+    let mut q = QueryBuilder::new(format!("SELECT {LISTED_COLUMNS} FROM embedding_dlq"));
+    filter.push_where(&mut q);
+    q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(limit);
+    let rows = q.build().fetch_all(pool).await?;
+    Ok(rows.iter().map(listed).collect::<Result<_, _>>()?)
+}
+
+/// One row with its payload and error history.
+pub async fn show(pool: &PgPool, id: i64) -> Result<Option<Detail>, StoreError> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {LISTED_COLUMNS}, content_hash, model, dimensions, request_dimensions, last_error, last_status,
+                exhausted_reason, payload, error_history
+           FROM embedding_dlq WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    Ok(Some(Detail {
+        row: listed(&r)?,
+        content_hash: r.try_get("content_hash")?,
+        model: r.try_get("model")?,
+        dimensions: r.try_get("dimensions")?,
+        request_dimensions: r.try_get("request_dimensions")?,
+        last_error: r.try_get("last_error")?,
+        last_status: r.try_get("last_status")?,
+        exhausted_reason: r.try_get("exhausted_reason")?,
+        payload: r.try_get("payload")?,
+        error_history: r.try_get("error_history")?,
+    }))
+}
+
+/// Rows `requeue` must not send to the provider: a broken record (`invalid_record`) or a
+/// payload without a non-empty `text` string. Replaying them cannot succeed (and an empty
+/// string gets a real-looking vector from some providers); they need a corrected payload,
+/// i.e. a re-ingest of the fixed source line.
+const NEEDS_REINGEST: &str = "(error_class = 'invalid_record'
+     OR jsonb_typeof(payload -> 'text') IS DISTINCT FROM 'string'
+     OR payload ->> 'text' = '')";
+
+/// Matching rows a requeue would make due, and matching rows it would leave for a re-ingest
+/// (see [`requeue_candidates`]), counted without changing anything (the dry run).
+pub async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u64), StoreError> {
+    let mut q = QueryBuilder::new(format!(
+        "SELECT count(*) FILTER (WHERE NOT {NEEDS_REINGEST}) AS requeue,
+                count(*) FILTER (WHERE {NEEDS_REINGEST}) AS reingest
+           FROM embedding_dlq"
+    ));
+    filter.push_where(&mut q);
+    let r = q.build().fetch_one(pool).await?;
+    Ok((r.try_get::<i64, _>("requeue")? as u64, r.try_get::<i64, _>("reingest")? as u64))
+}
+
+/// A matching row as `requeue` pages through them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequeueCandidate {
+    pub id: i64,
+    /// Replay cannot fix the row (`invalid_record`, or no payload text): leave it.
+    pub needs_reingest: bool,
+}
+
+/// Up to `limit` matching rows after `after_id`, by id (keyset paging, so memory does not
+/// grow with the DLQ).
+pub async fn requeue_candidates(
+    pool: &PgPool,
+    filter: &RowFilter,
+    after_id: i64,
+    limit: usize,
+) -> Result<Vec<RequeueCandidate>, StoreError> {
+    let mut q =
+        QueryBuilder::new(format!("SELECT id, {NEEDS_REINGEST} AS needs_reingest FROM embedding_dlq"));
+    filter.push_where(&mut q);
+    q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(limit as i64);
+    let rows = q.build().fetch_all(pool).await?;
+    rows.iter()
+        .map(|r| Ok(RequeueCandidate { id: r.try_get("id")?, needs_reingest: r.try_get("needs_reingest")? }))
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(StoreError::from)
+}
+
+/// Makes the rows `ids` due now under a new generation, as `transient` (a permanent class is
+/// kept in the reason: `requeued:<class>/<reason>`), moves their manifest rows back to
+/// `parked` and writes a `requeued` event per row, in one statement. Rows that need a
+/// re-ingest are left alone even if listed. Publishing the replay work is a separate step
+/// (`Store::enqueue_ids`).
+pub async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "WITH upd AS (
+             UPDATE embedding_dlq d SET
+                    error_reason = CASE WHEN d.error_class = 'transient' AND d.exhausted_at IS NULL
+                                        THEN d.error_reason
+                                        ELSE 'requeued:' || d.error_class || '/' || d.error_reason END,
+                    error_class = 'transient',
+                    exhausted_at = NULL, exhausted_reason = NULL,
+                    generation = nextval('embed_dlq_generation_seq'), same_error_count = 0,
+                    next_retry_at = now()
+              WHERE d.id = ANY($1) AND NOT {NEEDS_REINGEST}
+             RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                       d.error_reason, d.attempts
+         ), manifest AS (
+             UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
+               FROM upd u
+              WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
+                AND m.chunk_index = u.chunk_index
+                AND m.content_hash = u.content_hash AND m.status <> 'parked'
+             RETURNING 1
+         )
+         INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+         SELECT 'requeued', id, target_table, doc_id, chunk_index,
+                embed_dlq_event('requeued', id, target_table, doc_id, chunk_index, generation,
+                                jsonb_build_object('error_reason', error_reason, 'attempts', attempts,
+                                                   'at', now()))
+           FROM upd"
+    )))
+    .bind(ids)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Matching rows, counted (the dry run of a purge).
+pub async fn count(pool: &PgPool, filter: &RowFilter) -> Result<u64, StoreError> {
+    let mut q = QueryBuilder::new("SELECT count(*) FROM embedding_dlq");
+    filter.push_where(&mut q);
+    let n: i64 = q.build_query_scalar().fetch_one(pool).await?;
+    Ok(n as u64)
+}
+
+/// What one [`purge_batch`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgedBatch {
+    /// Rows the batch selected (fewer than asked: this was the last batch).
+    pub selected: u64,
+    /// Rows deleted (selected rows another transaction deleted first are not counted).
+    pub purged: u64,
+    /// Highest id selected: where the next batch starts.
+    pub last_id: Option<i64>,
+}
+
+/// Deletes up to `batch` matching rows after `after_id` (by id), their manifest rows, and
+/// announces each as `purged`, in one statement (one transaction).
+pub async fn purge_batch(
+    pool: &PgPool,
+    filter: &RowFilter,
+    after_id: i64,
+    batch: usize,
+) -> Result<PurgedBatch, StoreError> {
+    let mut q = QueryBuilder::new(
+        "WITH batch AS (
+             SELECT id FROM embedding_dlq",
+    );
+    filter.push_where(&mut q);
+    q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(batch as i64);
+    q.push(
+        " FOR UPDATE
+         ), gone AS (
+             DELETE FROM embedding_dlq d USING batch b WHERE d.id = b.id
+             RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                       d.error_class, d.error_reason, d.attempts
+         ), manifest AS (
+             DELETE FROM ingest_manifest m USING gone g
+              WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
+                AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
+             RETURNING 1
+         ), events AS (
+             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+             SELECT 'purged', id, target_table, doc_id, chunk_index,
+                    embed_dlq_event('purged', id, target_table, doc_id, chunk_index, generation,
+                                    jsonb_build_object('error_class', error_class,
+                                                       'error_reason', error_reason, 'attempts', attempts,
+                                                       'at', now()))
+               FROM gone
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM batch) AS selected, (SELECT count(*) FROM gone) AS purged,
+                (SELECT max(id) FROM batch) AS last_id",
+    );
+    let r = q.build().fetch_one(pool).await?;
+    Ok(PurgedBatch {
+        selected: r.try_get::<i64, _>("selected")? as u64,
+        purged: r.try_get::<i64, _>("purged")? as u64,
+        last_id: r.try_get("last_id")?,
+    })
+}
+
+/// Rows per class, for the depth gauge (classes with no row are absent).
+pub async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
+    let rows = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
+        .fetch_all(pool)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get("error_class")?, r.try_get("n")?)))
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(StoreError::from)
+}
+
+/// The DLQ's schedule as the gauges show it, ages measured by the database's clock.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Schedule {
+    /// Transient rows due now.
+    pub ready: i64,
+    /// Transient rows waiting for their next pass.
+    pub backing_off: i64,
+    pub exhausted: i64,
+    /// Seconds since the oldest row first failed (0 with an empty DLQ).
+    pub oldest_secs: f64,
+    /// Seconds until the next row is due (0 if one is due already, or none is scheduled).
+    pub next_due_secs: f64,
+}
+
+/// One aggregate over the DLQ for the schedule gauges.
+pub async fn schedule(pool: &PgPool) -> Result<Schedule, StoreError> {
+    let r = sqlx::query(
+        "SELECT count(*) FILTER (WHERE next_retry_at <= now() AND error_class = 'transient'
+                                   AND exhausted_at IS NULL) AS ready,
+                count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient'
+                                   AND exhausted_at IS NULL) AS backing_off,
+                count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
+                COALESCE(extract(epoch FROM now() - min(first_failed_at)), 0)::float8 AS oldest,
+                COALESCE(greatest(extract(epoch FROM min(next_retry_at) - now()), 0), 0)::float8 AS next_due
+           FROM embedding_dlq",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Schedule {
+        ready: r.try_get("ready")?,
+        backing_off: r.try_get("backing_off")?,
+        exhausted: r.try_get("exhausted")?,
+        oldest_secs: r.try_get("oldest")?,
+        next_due_secs: r.try_get("next_due")?,
+    })
+}

@@ -1,0 +1,187 @@
+//! Postgres side of the outbox (`dlq_outbox`): what the relay claims and marks, its
+//! retention, and what the reconciler and the gauges read from it.
+//!
+//! Rows are written only by the statements that change the state they announce (park, store,
+//! replay commits, operator actions, reconcile repairs), through `embed_dlq_event` (migration
+//! 0006) for the event envelope. A claim holds its rows locked (`FOR UPDATE SKIP LOCKED`) in an
+//! open transaction while the caller publishes them: several relays can run at once, and a
+//! crash before [`Claim::mark_published`] commits leaves the rows unpublished.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, Postgres, Row, Transaction};
+
+use super::StoreError;
+
+/// The channel the `dlq_outbox_notify` trigger (migrations 0002, 0005) notifies at commit of
+/// a statement that inserted outbox rows: what a relay LISTENs on to wake up.
+pub const NOTIFY_CHANNEL: &str = "embed_dlq_outbox";
+
+/// An unpublished outbox row, as the relay publishes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRow {
+    pub id: i64,
+    /// The event's identity on the Redis side (dedup marker); never repeats (migration 0005).
+    pub event_id: String,
+    pub event: String,
+    /// `events` or `replay`.
+    pub stream: String,
+    /// The JSON body, as text.
+    pub body: String,
+}
+
+/// The oldest unpublished rows, locked by this claim's transaction until it is marked or
+/// dropped (dropping rolls back: the rows are someone else's to publish).
+pub struct Claim {
+    tx: Transaction<'static, Postgres>,
+    pub rows: Vec<OutboxRow>,
+}
+
+/// Claims up to `limit` of the oldest unpublished rows that no other relay holds. `None`
+/// when there is nothing to publish (the transaction is already closed).
+pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreError> {
+    let mut tx = pool.begin().await?;
+    let rows = sqlx::query(
+        "SELECT id, event_id::text AS event_id, event, stream, body::text AS body FROM dlq_outbox
+          WHERE published_at IS NULL
+          ORDER BY id
+          LIMIT $1
+          FOR UPDATE SKIP LOCKED",
+    )
+    .bind(limit as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.is_empty() {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let rows = rows
+        .iter()
+        .map(|r| {
+            Ok(OutboxRow {
+                id: r.try_get("id")?,
+                event_id: r.try_get("event_id")?,
+                event: r.try_get("event")?,
+                stream: r.try_get("stream")?,
+                body: r.try_get("body")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()?;
+    Ok(Some(Claim { tx, rows }))
+}
+
+impl Claim {
+    /// Marks the claimed rows `ids` published, each with the stream entry id it became
+    /// (`entry_ids`, same order), and commits.
+    pub async fn mark_published(mut self, ids: &[i64], entry_ids: &[&str]) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
+               FROM UNNEST($1::bigint[], $2::text[]) AS p(id, entry_id)
+              WHERE o.id = p.id",
+        )
+        .bind(ids)
+        .bind(entry_ids)
+        .execute(&mut *self.tx)
+        .await?;
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// Deletes up to 10,000 rows published longer than `retention` ago; returns how many.
+pub async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM dlq_outbox WHERE id IN (
+             SELECT id FROM dlq_outbox
+              WHERE published_at < now() - make_interval(secs => $1)
+              LIMIT 10000)",
+    )
+    .bind(retention.as_secs_f64())
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// What is waiting for the relay.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Backlog {
+    /// Unpublished rows.
+    pub unpublished: i64,
+    /// Unpublished rows older than the `stuck_after` asked for.
+    pub stuck: i64,
+    /// Age of the oldest unpublished row in seconds (0 when there is none), by the database's
+    /// clock.
+    pub oldest_secs: f64,
+}
+
+/// The unpublished rows, counted and aged in one aggregate.
+pub async fn backlog(pool: &PgPool, stuck_after: Duration) -> Result<Backlog, StoreError> {
+    let row = sqlx::query(
+        "SELECT count(*) AS backlog,
+                count(*) FILTER (WHERE created_at < now() - make_interval(secs => $1)) AS stuck,
+                COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
+           FROM dlq_outbox WHERE published_at IS NULL",
+    )
+    .bind(stuck_after.as_secs_f64())
+    .fetch_one(pool)
+    .await?;
+    Ok(Backlog {
+        unpublished: row.try_get("backlog")?,
+        stuck: row.try_get("stuck")?,
+        oldest_secs: row.try_get("oldest")?,
+    })
+}
+
+/// A published event and where the relay put it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedEvent {
+    pub id: i64,
+    pub event_id: String,
+    /// The stream entry id recorded at publish time.
+    pub entry_id: String,
+    /// `doc_id#chunk_index`, for reports.
+    pub key: String,
+}
+
+/// Up to `limit` published `events` rows after `after_id`, by id, that recorded their entry id
+/// (rows published before migration 0005 did not).
+pub async fn published_events(
+    pool: &PgPool,
+    after_id: i64,
+    limit: usize,
+) -> Result<Vec<PublishedEvent>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key
+           FROM dlq_outbox
+          WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
+          ORDER BY id LIMIT $2",
+    )
+    .bind(after_id)
+    .bind(limit as i64)
+    .fetch_all(pool)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(PublishedEvent {
+                id: r.try_get("id")?,
+                event_id: r.try_get("event_id")?,
+                entry_id: r.try_get("entry_id")?,
+                key: r.try_get("key")?,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(StoreError::from)
+}
+
+/// Marks published rows `ids` unpublished again, so the relay publishes them once more (with
+/// the same `event_id`); returns how many were marked.
+pub async fn mark_unpublished(pool: &PgPool, ids: &[i64]) -> Result<u64, StoreError> {
+    Ok(sqlx::query(
+        "UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL
+          WHERE id = ANY($1) AND published_at IS NOT NULL",
+    )
+    .bind(ids)
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
