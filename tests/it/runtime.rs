@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::mock_provider::{MockConfig, MockProvider};
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use tokio::process::Command;
 
 use crate::support::*;

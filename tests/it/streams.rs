@@ -6,10 +6,10 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use embed_dlq::ingest::Pipeline;
-use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
+use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use redis::AsyncCommands;
 use tokio_util::sync::CancellationToken;
 
