@@ -211,7 +211,7 @@ impl Relay {
             ids.push(id);
         }
         let replies: Vec<(String, i64)> = pipe.query_async(&mut self.redis).await?;
-        failpoint::hit("relay_after_publish");
+        failpoint::hit!("relay_after_publish");
         let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
         sqlx::query(
             "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
