@@ -55,7 +55,9 @@ pub enum Action {
 #[cfg(feature = "failpoints")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Armed {
+    /// The point that fires.
     pub name: String,
+    /// What it does when it fires.
     pub action: Action,
     /// Fires on this hit, counting from 1.
     pub at: u64,
