@@ -19,8 +19,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
-use embed_dlq::demo::{CorpusSpec, write_corpus};
-use embed_dlq::mock_provider::{MockConfig, MockProvider};
+use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use pgvector::Vector;
 use sqlx::{Connection, PgConnection};
 use tokio_util::sync::CancellationToken;
@@ -92,7 +92,7 @@ async fn run() {
 
     // Precomputed input for the raw writer: same ids and vector size.
     let vectors: Vec<Vector> = (0..chunks)
-        .map(|i| Vector::from(embed_dlq::mock_provider::vector_for(&format!("raw {i}"), 768)))
+        .map(|i| Vector::from(embed_dlq::testkit::mock_provider::vector_for(&format!("raw {i}"), 768)))
         .collect();
 
     println!("ingest benchmark: {chunks} chunks x 768 dims, {rounds} rounds (raw and pipeline alternate)");

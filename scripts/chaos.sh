@@ -19,6 +19,6 @@ export EMBED_DLQ_HISTORY_SEEDS="${4:-$RANDOM$RANDOM}"
 export EMBED_DLQ_HISTORY_REPORT="$root/target/chaos-report.txt"
 echo "[chaos] ${EMBED_DLQ_HISTORY_MINUTES} min, ${EMBED_DLQ_HISTORY_KEYS} keys, >= ${EMBED_DLQ_HISTORY_MIN_KILLS} kills, seeds ${EMBED_DLQ_HISTORY_SEEDS}" >&2
 status=0
-cargo test --locked --release --test it history:: -- --nocapture --test-threads 1 || status=$?
+cargo test --locked --release --features failpoints --test it history:: -- --nocapture --test-threads 1 || status=$?
 echo "[chaos] report: $EMBED_DLQ_HISTORY_REPORT" >&2
 exit $status

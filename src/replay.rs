@@ -457,7 +457,7 @@ impl Replayer {
                 self.paused_until = Some(Instant::now() + self.config.systemic_pause);
             }
         }
-        failpoint::hit("replay_before_commit");
+        failpoint::hit!("replay_before_commit");
         let applied = self.store.commit_replayed(&replayed).await?;
         counts.replayed += applied.len() as u64;
         counts.skipped += (replayed.len() - applied.len()) as u64;
@@ -473,7 +473,7 @@ impl Replayer {
                 counts.reparked += 1;
             }
         }
-        failpoint::hit("replay_after_commit");
+        failpoint::hit!("replay_after_commit");
         for (outcome, n) in [
             ("replayed", counts.replayed),
             ("reparked", counts.reparked),

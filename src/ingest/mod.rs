@@ -751,7 +751,7 @@ impl Worker {
     }
 
     async fn process(&self, job: Job) -> Option<Outcomes> {
-        crate::failpoint::hit("ingest_worker");
+        crate::failpoint::hit!("ingest_worker");
         let mut stats = BatchStats::default();
         let mut out =
             Outcomes { store: Vec::with_capacity(job.embed.len()), park: job.park, charge: job.charge };
@@ -903,7 +903,7 @@ impl Writer {
         if to_store.is_empty() && to_park.is_empty() {
             return true;
         }
-        crate::failpoint::hit("ingest_writer");
+        crate::failpoint::hit!("ingest_writer");
         let result = async {
             let counts = with_db_retry(|| self.store.store_batch(&to_store)).await?;
             let parked = with_db_retry(|| self.store.park_batch(&to_park)).await?;

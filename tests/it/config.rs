@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
+use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use redis::AsyncCommands;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;

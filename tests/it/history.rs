@@ -26,7 +26,7 @@ use std::fmt::Write as _;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
+use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::process::{Child, Command};

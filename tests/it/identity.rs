@@ -7,13 +7,13 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use embed_dlq::ingest::{IngestSummary, Pipeline};
-use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
 use embed_dlq::model::{ErrorClass, content_hash};
 use embed_dlq::reconcile::{Mode, Reconciler};
 use embed_dlq::relay::RelayConfig;
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::store::{ParkedChunk, Store};
 use embed_dlq::streams::StreamKeys;
+use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::*;

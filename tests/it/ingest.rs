@@ -2,11 +2,11 @@
 
 use std::collections::HashMap;
 
-use embed_dlq::demo::{CorpusSpec, write_corpus};
 use embed_dlq::embed::Stop;
 use embed_dlq::ingest::IngestError;
-use embed_dlq::mock_provider::{self, MockConfig};
 use embed_dlq::model::ErrorClass;
+use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
+use embed_dlq::testkit::mock_provider::{self, MockConfig};
 use sqlx::Row;
 use tokio_util::sync::CancellationToken;
 

@@ -3,8 +3,8 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::demo::{CorpusSpec, write_corpus};
-use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
+use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
+use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use tokio::process::{Child, Command};
 
 use crate::support::*;

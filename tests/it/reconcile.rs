@@ -4,12 +4,12 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::mock_provider::MockConfig;
 use embed_dlq::model::ErrorClass;
 use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Report};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::StreamKeys;
+use embed_dlq::testkit::mock_provider::MockConfig;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::*;

@@ -5,11 +5,11 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use embed_dlq::mock_provider::MockConfig;
 use embed_dlq::reconcile::{Check, Mode, ReconcileConfig};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
+use embed_dlq::testkit::mock_provider::MockConfig;
 use redis::AsyncCommands;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;

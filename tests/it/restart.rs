@@ -5,7 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::mock_provider::MockConfig;
+use embed_dlq::testkit::mock_provider::MockConfig;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
@@ -98,7 +98,7 @@ async fn serve_survives_postgres_and_redis_restarts_without_loss() {
     let svc = tokio::task::spawn_blocking(PrivateServices::start).await.unwrap();
     let pool = embed_dlq::store::connect(&svc.database_url, 4).await.unwrap();
     embed_dlq::store::migrate(&pool).await.unwrap();
-    let db = TestDb { url: svc.database_url.clone(), pool };
+    let db = TestDb::borrowed(svc.database_url.clone(), pool);
 
     // Park 600 chunks during an outage, make them due.
     let down = start_mock(MockConfig::default()).await;
@@ -178,7 +178,7 @@ async fn serve_survives_postgres_and_redis_restarts_without_loss() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let pool = embed_dlq::store::connect(&svc.database_url, 2).await.unwrap();
-    let db = TestDb { url: svc.database_url.clone(), pool };
+    let db = TestDb::borrowed(svc.database_url.clone(), pool);
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 600);
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(db.leaks().await, 0);

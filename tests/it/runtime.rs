@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::mock_provider::{MockConfig, MockProvider};
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use tokio::process::Command;
 
 use crate::support::*;
@@ -233,11 +233,13 @@ async fn panic_in_a_task_then_rerun(failpoint: &str, task: &str) {
     assert_eq!(db.manifest_disagreements().await, 0);
 }
 
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_worker_stops_the_run_visibly_and_a_rerun_completes_exactly_once() {
     panic_in_a_task_then_rerun("ingest_worker=panic@5", "ingest worker").await;
 }
 
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_writer_stops_the_run_visibly_and_a_rerun_completes_exactly_once() {
     panic_in_a_task_then_rerun("ingest_writer=panic@2", "ingest writer").await;
@@ -323,6 +325,7 @@ fn serve_cmd(db: &TestDb, mock: &MockProvider, prefix: &str) -> Command {
     c
 }
 
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_exits_non_zero_when_a_replayer_panics_and_a_restart_drains_the_dlq() {
     let db = TestDb::new().await;

@@ -6,10 +6,10 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use embed_dlq::ingest::Pipeline;
-use embed_dlq::mock_provider::{self, MockConfig, MockProvider};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
+use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use redis::AsyncCommands;
 use tokio_util::sync::CancellationToken;
 
@@ -122,6 +122,7 @@ fn prefix_of(keys: &StreamKeys) -> String {
     keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
 }
 
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let db = TestDb::new().await;
@@ -156,6 +157,7 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     assert!(nums.windows(2).all(|w| w[0] < w[1]));
 }
 
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     let db = TestDb::new().await;
@@ -199,6 +201,7 @@ async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 50);
 }
 
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
     let db = TestDb::new().await;

@@ -1,99 +1,54 @@
-//! Shared test fixtures: a fresh migrated database per test on the real Postgres, the mock
-//! provider on a random port, and pipelines wired to both.
+//! Shared test fixtures: the kit's fresh database per test (always dropped) with the seed's
+//! checks on it, the mock provider on a random port, pipelines wired to both, and Redis helpers.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
 use embed_dlq::ingest::Pipeline;
-use embed_dlq::mock_provider::{MockConfig, MockProvider};
-use sqlx::{Connection, PgConnection, PgPool};
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use tokio_util::sync::CancellationToken;
 
-/// A database of its own, migrated, on the server `DATABASE_URL` points at.
-pub struct TestDb {
-    pub url: String,
-    pub pool: PgPool,
-}
+/// A fresh database per test, always dropped (the kit's [`TestDb`]); the seed's checks on it
+/// come from [`SeedChecks`].
+pub use embed_dlq::testkit::TestDb;
 
-fn admin_url() -> String {
-    std::env::var("DATABASE_URL").expect(
-        "DATABASE_URL is not set: run the tests with scripts/test.sh (it starts Postgres+pgvector and Redis)",
-    )
-}
-
-/// `url` with its database name replaced.
-fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
-    let path_start = base[scheme_end..].find('/').map(|i| i + scheme_end).unwrap_or(base.len());
-    let mut out = format!("{}/{db}", &base[..path_start]);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    out
-}
-
-impl TestDb {
-    pub async fn new() -> TestDb {
-        let db = TestDb::unmigrated().await;
-        embed_dlq::store::migrate(&db.pool).await.expect("migrate test database");
-        db
-    }
-
-    /// A database of its own with no migration applied yet.
-    pub async fn unmigrated() -> TestDb {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let admin = admin_url();
-        let name = format!(
-            "it_{}_{}_{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::SeqCst),
-            rand::random::<u32>()
-        );
-        let mut conn = PgConnection::connect(&admin).await.expect("connect to DATABASE_URL");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
-            .execute(&mut conn)
-            .await
-            .expect("create test database");
-        conn.close().await.ok();
-        let url = with_database(&admin, &name);
-        let pool = embed_dlq::store::connect(&url, 4).await.expect("connect to test database");
-        TestDb { url, pool }
-    }
-
-    pub async fn count(&self, sql: &'static str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(&self.pool).await.expect(sql)
-    }
-
+/// The suite's checks on a test database: the seed's leak and duplicate queries and a
+/// stronger manifest agreement check.
+pub trait SeedChecks {
     /// The seed's reconciliation query (manifest rows with neither a vector nor a DLQ row) for
     /// the default table.
-    pub async fn leaks(&self) -> i64 {
+    async fn leaks(&self) -> i64;
+    /// The seed's reconciliation query for one target table, joined on the table identity.
+    async fn leaks_in(&self, table: &str) -> i64;
+    /// The seed's duplicate query for the default table.
+    async fn duplicates(&self) -> i64;
+    /// The seed's duplicate query for one target table.
+    async fn duplicates_in(&self, table: &str) -> i64;
+    /// Stronger than the seed's queries: every manifest row of the default table agrees with
+    /// where the chunk is.
+    async fn manifest_disagreements(&self) -> i64;
+}
+
+impl SeedChecks for TestDb {
+    async fn leaks(&self) -> i64 {
         self.leaks_in("doc_embeddings").await
     }
 
     /// The seed's reconciliation query for one target table, joined on the table identity.
-    pub async fn leaks_in(&self, table: &str) -> i64 {
+    async fn leaks_in(&self, table: &str) -> i64 {
         embed_dlq::store::reconcile::leaks(&self.pool, Some(table)).await.unwrap()
     }
 
-    /// The seed's duplicate query for the default table.
-    pub async fn duplicates(&self) -> i64 {
+    async fn duplicates(&self) -> i64 {
         self.duplicates_in("doc_embeddings").await
     }
 
     /// The seed's duplicate query for one target table.
-    pub async fn duplicates_in(&self, table: &str) -> i64 {
+    async fn duplicates_in(&self, table: &str) -> i64 {
         embed_dlq::store::reconcile::duplicates(&self.pool, Some(table)).await.unwrap()
     }
 
-    /// Stronger than the seed's queries: every manifest row of the default table agrees with
-    /// where the chunk is.
-    pub async fn manifest_disagreements(&self) -> i64 {
+    async fn manifest_disagreements(&self) -> i64 {
         self.count(
             "SELECT count(*) FROM ingest_manifest m
                LEFT JOIN doc_embeddings e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
@@ -149,16 +104,6 @@ pub fn input(bytes: Vec<u8>) -> std::io::Cursor<Vec<u8>> {
 /// One JSONL line.
 pub fn line(doc: &str, idx: i32, text: &str) -> String {
     format!("{}\n", serde_json::json!({"doc_id": doc, "chunk_index": idx, "text": text}))
-}
-
-#[test]
-fn database_url_rewrite() {
-    assert_eq!(with_database("postgres://u@h:1/db", "x"), "postgres://u@h:1/x");
-    assert_eq!(
-        with_database("postgres://u@h:1/db?sslmode=disable", "x"),
-        "postgres://u@h:1/x?sslmode=disable"
-    );
-    assert_eq!(with_database("postgres://u@h:1", "x"), "postgres://u@h:1/x");
 }
 
 /// The Redis named by `REDIS_URL` (scripts/test.sh starts one).
@@ -267,4 +212,56 @@ pub async fn make_due(db: &TestDb) {
         .execute(&db.pool)
         .await
         .unwrap();
+}
+
+/// Whether the server `DATABASE_URL` points at has a database called `name`.
+async fn database_exists(name: &str) -> bool {
+    use sqlx::Connection;
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL (scripts/test.sh sets it)");
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+        .bind(name)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    n > 0
+}
+
+#[tokio::test]
+async fn test_database_is_dropped_with_its_value_even_while_connected() {
+    let db = TestDb::new().await;
+    let name = db.name().expect("owned").to_string();
+    assert!(database_exists(&name).await);
+    // Another open connection (a child process would hold one) does not keep it alive.
+    let other = embed_dlq::store::connect(&db.url, 1).await.unwrap();
+    sqlx::query("SELECT 1").execute(&other).await.unwrap();
+    drop(db);
+    assert!(!database_exists(&name).await, "{name} survived its TestDb");
+}
+
+#[tokio::test]
+async fn test_database_is_dropped_when_the_test_panics() {
+    // What `#[tokio::test]` does: a runtime of its own whose future panics.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let test = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let db = TestDb::unmigrated().await;
+            tx.send(db.name().expect("owned").to_string()).unwrap();
+            panic!("a failing test (expected)");
+        })
+    });
+    assert!(test.join().is_err(), "the test thread panicked");
+    let name = rx.recv().unwrap();
+    assert!(!database_exists(&name).await, "{name} survived a panicking test");
+}
+
+#[tokio::test]
+async fn a_borrowed_database_is_left_alone() {
+    let owner = TestDb::unmigrated().await;
+    let name = owner.name().expect("owned").to_string();
+    drop(TestDb::borrowed(owner.url.clone(), owner.pool.clone()));
+    assert!(database_exists(&name).await, "a borrowed handle dropped {name}");
+    drop(owner);
+    assert!(!database_exists(&name).await);
 }

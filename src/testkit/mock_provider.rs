@@ -59,16 +59,21 @@ pub const POISON_EMPTY: &str = "[[poison:empty]]";
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MockConfig {
+    /// Length of every vector (a `dimensions` request field above it answers 400).
     pub dimensions: usize,
     /// Fixed latency added to every answer.
     pub latency_ms: u64,
+    /// Share of requests answered 429 with a Retry-After.
     pub rate_429: f64,
     /// Retry-After sent with a random 429 (as `retry-after-ms`, and rounded up in seconds).
     pub retry_after_ms: u64,
+    /// Share of requests answered 500, 502 or 503.
     pub rate_5xx: f64,
+    /// Share of requests whose answer is held back for `timeout_hold_ms`.
     pub rate_timeout: f64,
     /// How long a "timed out" answer is held back.
     pub timeout_hold_ms: u64,
+    /// Share of requests whose connection is closed without an answer.
     pub rate_reset: f64,
     /// 413 above this many inputs per request.
     pub max_inputs: usize,
@@ -80,6 +85,7 @@ pub struct MockConfig {
     pub unauthorized_status: u16,
     /// Outage window, measured from server start: 503 for every request inside it.
     pub outage_after_ms: Option<u64>,
+    /// Length of that outage window.
     pub outage_for_ms: u64,
     /// Seed of the fault dice, for repeatable runs.
     pub seed: u64,
@@ -118,12 +124,19 @@ pub struct MockStats {
     pub requests: u64,
     /// Inputs in those requests.
     pub inputs: u64,
+    /// Requests answered 200 with vectors.
     pub ok: u64,
+    /// Requests answered 429 (random, or quota exhausted).
     pub rate_limited: u64,
+    /// Requests answered 5xx (random, outage or `[[poison:500]]`).
     pub server_errors: u64,
+    /// Requests held back as timeouts.
     pub timeouts: u64,
+    /// Connections closed without an answer.
     pub resets: u64,
+    /// Requests answered 400, 413 or 422 (bad JSON, poison markers, limits, bad `dimensions`).
     pub rejected: u64,
+    /// Requests answered with the unauthorized status.
     pub unauthorized: u64,
     /// Requests whose only input was the client's canary text
     /// ([`crate::embed::canary::CANARY_TEXT`]).
@@ -190,7 +203,9 @@ impl MockControl {
 
 /// A running mock provider.
 pub struct MockProvider {
+    /// Where it listens (port 0 at start becomes the real port here).
     pub addr: SocketAddr,
+    /// Run-time switches (outage, quota) and the counters.
     pub control: MockControl,
     cancel: CancellationToken,
     tracker: TaskTracker,

@@ -1,0 +1,18 @@
+//! The test kit: what the demo, the integration tests, the benchmarks and users' own tests
+//! need to exercise a pipeline without a real provider or a hand-made database.
+//!
+//! - [`mock_provider`]: a fault-injecting, OpenAI-compatible embeddings server over real HTTP
+//!   (the `mock-provider` command serves it, so users can try their setup against it).
+//! - [`corpus`]: a synthetic JSONL corpus with poison inputs and broken lines, and the facts
+//!   to check outcomes against.
+//! - [`db`]: a fresh (migrated or unmigrated) database per test, always dropped with its value.
+//!
+//! None of it is used on the production path: `ingest`, `serve`, `replay`, `reconcile` and
+//! the operator commands never call into this module. It is in the default build because the
+//! `mock-provider` and `demo` commands are.
+
+pub mod corpus;
+pub mod db;
+pub mod mock_provider;
+
+pub use db::TestDb;
