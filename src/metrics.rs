@@ -43,18 +43,40 @@ pub const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
 pub const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
 pub const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
 
+/// Why the exporter could not start, or a sample could not be taken.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetricsError {
+    /// The exporter rejected its own configuration (the histogram buckets).
+    #[error("{0}")]
+    Exporter(#[source] metrics_exporter_prometheus::BuildError),
+    /// The listener could not be bound, or a recorder was already installed.
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Install {
+        addr: SocketAddr,
+        #[source]
+        source: metrics_exporter_prometheus::BuildError,
+    },
+    /// A sampling query failed.
+    #[error("{0}")]
+    Database(#[from] sqlx::Error),
+    /// A sampling read of a stream failed.
+    #[error("{0}")]
+    Redis(#[from] redis::RedisError),
+}
+
 /// Starts the `/metrics` endpoint on `addr` (inside the tokio runtime) and describes every
 /// metric.
-pub fn install(addr: SocketAddr) -> Result<(), String> {
+pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
     PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(
             Matcher::Full(PROVIDER_DURATION.into()),
             &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
         )
-        .map_err(|e| e.to_string())?
+        .map_err(MetricsError::Exporter)?
         .install()
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+        .map_err(|source| MetricsError::Install { addr, source })?;
     describe();
     Ok(())
 }
@@ -124,12 +146,11 @@ pub async fn sample(
     store: &Store,
     redis: Option<&mut ConnectionManager>,
     keys: &StreamKeys,
-) -> Result<(), String> {
+) -> Result<(), MetricsError> {
     let pool = store.pool();
     let by_class = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
         .fetch_all(pool)
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     for class in ErrorClass::ALL {
         let n = by_class
             .iter()
@@ -149,8 +170,7 @@ pub async fn sample(
            FROM embedding_dlq",
     )
     .fetch_one(pool)
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     gauge!(DLQ_READY).set(r.get::<i64, _>("ready") as f64);
     gauge!(DLQ_BACKING_OFF).set(r.get::<i64, _>("backing_off") as f64);
     gauge!(DLQ_EXHAUSTED).set(r.get::<i64, _>("exhausted") as f64);
@@ -162,21 +182,19 @@ pub async fn sample(
     )
     .fetch_one(pool)
     .await
-    .map_err(|e| e.to_string())?;
+    ?;
     gauge!(OUTBOX_BACKLOG).set(o.get::<i64, _>("backlog") as f64);
     gauge!(OUTBOX_OLDEST_AGE).set(o.get::<f64, _>("oldest"));
     let last: Option<f64> =
         sqlx::query_scalar("SELECT extract(epoch FROM max(finished_at))::float8 FROM reconcile_runs")
             .fetch_one(pool)
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
     if let Some(t) = last {
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }
     if let Some(redis) = redis {
         for (name, key) in [("events", keys.events()), ("replay", keys.replay())] {
-            let len: u64 =
-                redis::cmd("XLEN").arg(&key).query_async(redis).await.map_err(|e| e.to_string())?;
+            let len: u64 = redis::cmd("XLEN").arg(&key).query_async(redis).await?;
             gauge!(STREAM_LENGTH, "stream" => name).set(len as f64);
         }
         let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =

@@ -1,0 +1,302 @@
+//! `demo`: the end-to-end demo. It starts the fault-injecting provider in-process, writes a
+//! corpus with poison inputs and broken lines, ingests it with a progress bar, ingests it
+//! again to show that an identical rerun makes no provider call, drains an outage through
+//! `serve`, and checks the seed's leak and duplicate queries.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use embed_dlq::demo::{CorpusSpec, demo_faults, write_corpus};
+use embed_dlq::mock_provider::MockProvider;
+use tokio_util::sync::CancellationToken;
+
+use super::exit;
+use super::render::{print_summary, write_human_summary, write_report};
+
+/// Runs the demo against `database_url`; returns the exit code.
+pub async fn run(
+    database_url: &str,
+    redis_url: &str,
+    chunks: usize,
+    concurrency: usize,
+    json: bool,
+    cancel: CancellationToken,
+) -> anyhow::Result<i32> {
+    let mock = MockProvider::start(demo_faults(), SocketAddr::from(([127, 0, 0, 1], 0)), cancel.clone())
+        .await
+        .context("starting the mock provider")?;
+    eprintln!("mock provider on {} with faults: 5% 429, 8% 5xx, 0.5% timeouts, 2% resets", mock.base_url());
+
+    let dir = std::env::temp_dir().join(format!("embed-dlq-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let corpus = dir.join("corpus.jsonl");
+    let run_id = chrono::Utc::now().format("%Y%m%dT%H%M%S").to_string();
+    let spec = CorpusSpec {
+        doc_prefix: format!("demo-{run_id}"),
+        chunks,
+        poison_every: 200,
+        broken_lines: true,
+        ..CorpusSpec::default()
+    };
+    let max_input_chars = 8_000;
+    let facts = {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&corpus)?);
+        let facts = write_corpus(&mut f, &spec, max_input_chars)?;
+        f.flush()?;
+        facts
+    };
+    eprintln!(
+        "corpus {}: {chunks} chunks ({} poison inputs, {} broken lines)",
+        corpus.display(),
+        chunks - facts.clean,
+        facts.invalid_records + facts.rejected_lines
+    );
+
+    let settings = IngestSettings::resolve(
+        ServiceArgs { database_url: Some(database_url.to_string()), redis_url: None },
+        ProviderArgs {
+            base_url: Some(mock.base_url()),
+            model: Some("mock-embed-768".into()),
+            request_timeout_ms: Some(1_000),
+            ..Default::default()
+        },
+        IngestArgs {
+            concurrency: Some(concurrency),
+            max_input_chars: Some(max_input_chars),
+            ..Default::default()
+        },
+        RetryArgs {
+            retry_max_attempts: Some(4),
+            retry_base_ms: Some(50),
+            retry_cap_ms: Some(1_000),
+            ..Default::default()
+        },
+        None,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let mut pipeline = settings.pipeline().await?;
+    use std::io::IsTerminal;
+    pipeline.options.progress = !json && std::io::stderr().is_terminal();
+    pipeline.options.total_bytes = std::fs::metadata(&corpus).ok().map(|m| m.len());
+
+    if !json {
+        println!("== pass 1: ingest with faults ==");
+    }
+    let first = open_and_run(&pipeline, &corpus, cancel.clone()).await?;
+    print_summary(&first, json);
+    if cancel.is_cancelled() {
+        return Ok(exit::INTERRUPTED);
+    }
+
+    if !json {
+        println!("\n== pass 2: the same corpus again (must make no provider call) ==");
+    }
+    let calls_before = mock.control.stats().requests;
+    let second = open_and_run(&pipeline, &corpus, cancel.clone()).await?;
+    let calls_second = mock.control.stats().requests - calls_before;
+    if json {
+        print_summary(&second, true);
+    } else {
+        let mut out = std::io::stdout().lock();
+        write_human_summary(&mut out, &second)?;
+        writeln!(out, "provider requests seen by the mock in pass 2: {calls_second}")?;
+    }
+
+    let pool = pipeline.store.pool();
+    let leaks: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ingest_manifest m
+           LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
+           LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+          WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    let duplicates: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM doc_embeddings GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?;
+    if !json {
+        println!("\n== pass 3: provider outage, then replay drains the DLQ ==");
+    }
+    let drained =
+        outage_and_drain(&pipeline, &mock, redis_url, &run_id, chunks.min(2_000), json, cancel.clone())
+            .await?;
+    let (leaks, duplicates) = (leaks + count_leaks(pool).await?, duplicates + count_duplicates(pool).await?);
+
+    let mut reconciler = embed_dlq::reconcile::Reconciler {
+        store: pipeline.store.clone(),
+        redis: Some(embed_dlq::streams::managed(&embed_dlq::streams::client(redis_url)?).await?),
+        keys: embed_dlq::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}")),
+        config: Default::default(),
+    };
+    let report = reconciler.run_once(embed_dlq::reconcile::Mode::Check).await?;
+    let stats = mock.control.stats();
+    if !json {
+        println!("\n== reconcile ==");
+        write_report(&mut std::io::stdout().lock(), &report)?;
+        println!("\n== checks ==");
+        println!("leaks (manifest rows with neither vector nor DLQ row): {leaks}");
+        println!("duplicate vectors by (doc_id, chunk_index):            {duplicates}");
+        println!(
+            "mock provider served {} requests: {} ok, {} rate-limited, {} 5xx, {} timeouts, {} resets, {} rejected",
+            stats.requests,
+            stats.ok,
+            stats.rate_limited,
+            stats.server_errors,
+            stats.timeouts,
+            stats.resets,
+            stats.rejected
+        );
+        println!("inspect the DLQ: target/release/embed-dlq dlq stats  (then dlq list, dlq show ID)");
+    }
+    mock.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let accounted =
+        first.stored + first.parked_total() + first.unchanged + first.already_parked + first.superseded;
+    let reconciled = report.get(embed_dlq::reconcile::Check::Leaks).found == 0
+        && report.get(embed_dlq::reconcile::Check::Duplicates).found == 0;
+    let ok = leaks == 0
+        && duplicates == 0
+        && calls_second == 0
+        && accounted == first.records
+        && drained
+        && reconciled;
+    if !ok {
+        eprintln!(
+            "embed-dlq: demo checks FAILED (leaks {leaks}, duplicates {duplicates}, pass-2 calls {calls_second}, accounted {accounted}/{})",
+            first.records
+        );
+        return Ok(exit::FAILURE);
+    }
+    Ok(exit::OK)
+}
+
+async fn count_leaks(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM ingest_manifest m
+           LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
+           LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+          WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+async fn count_duplicates(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM doc_embeddings GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Pass 3: the provider answers 503 while a corpus is ingested (its chunks park as
+/// transient), the outage ends, `serve` relays the parks to Redis and its replayers drain the
+/// DLQ. Returns whether the DLQ of this pass drained to zero.
+async fn outage_and_drain(
+    pipeline: &embed_dlq::ingest::Pipeline,
+    mock: &MockProvider,
+    redis_url: &str,
+    run_id: &str,
+    chunks: usize,
+    json: bool,
+    cancel: CancellationToken,
+) -> anyhow::Result<bool> {
+    let prefix = format!("demo-{run_id}-outage");
+    let mut corpus = Vec::new();
+    write_corpus(
+        &mut corpus,
+        &CorpusSpec { doc_prefix: prefix.clone(), chunks, ..CorpusSpec::default() },
+        100_000,
+    )?;
+    let mut outage = pipeline.clone();
+    outage.options.progress = false;
+    outage.options.dlq_schedule.base = Duration::from_secs(1);
+    outage.embedder.policy.max_attempts = 2;
+    outage.embedder.gate = std::sync::Arc::new(embed_dlq::embed::gate::ProviderGate::new(
+        embed_dlq::embed::gate::BreakerConfig { failure_threshold: 1_000_000, ..Default::default() },
+    ));
+    mock.control.set_outage(true);
+    let parked =
+        outage.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    mock.control.set_outage(false);
+    let pool = pipeline.store.pool();
+    let pattern = format!("{prefix}-%");
+    let depth = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM embedding_dlq WHERE doc_id LIKE $1")
+            .bind(&pattern)
+            .fetch_one(pool)
+            .await
+    };
+    let parked_now = depth().await?;
+    if !json {
+        println!(
+            "outage: {} chunks parked as transient ({} provider calls answered 503); the outage ends now",
+            parked_now, parked.provider_calls
+        );
+        println!("serve: relay + scheduler + 2 replayers (DLQ schedule base 1s)");
+    }
+    let keys = embed_dlq::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}"));
+    let serve_cancel = cancel.child_token();
+    let config = embed_dlq::serve::ServeConfig {
+        replayers: 2,
+        relay: embed_dlq::relay::RelayConfig { poll: Duration::from_millis(200), ..Default::default() },
+        replay: embed_dlq::replay::ReplayConfig {
+            schedule: outage.options.dlq_schedule,
+            block: Duration::from_millis(500),
+            ..Default::default()
+        },
+        keys: keys.clone(),
+        grace: Duration::from_secs(5),
+        consumer_prefix: format!("demo-{}", std::process::id()),
+        reconcile_every: None,
+        metrics: false,
+    };
+    let serve = tokio::spawn(embed_dlq::serve::serve(
+        pipeline.store.clone(),
+        pipeline.embedder.clone(),
+        embed_dlq::streams::client(redis_url)?,
+        config,
+        serve_cancel.clone(),
+    ));
+    let started = std::time::Instant::now();
+    let mut left = parked_now;
+    while left > 0 && started.elapsed() < Duration::from_secs(120) && !cancel.is_cancelled() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        left = depth().await?;
+        if !json {
+            println!("  DLQ rows of this pass: {left:>6}  ({:.1}s)", started.elapsed().as_secs_f64());
+        }
+    }
+    serve_cancel.cancel();
+    serve.await?.map_err(anyhow::Error::msg)?;
+    let client = embed_dlq::streams::client(redis_url)?;
+    let mut redis = embed_dlq::streams::managed(&client).await?;
+    let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await?;
+    if !json {
+        println!(
+            "drained {} parked chunks in {:.1}s; {events} events on {} (embed-dlq tail --from 0 --stream-prefix embed-dlq-demo-{run_id})",
+            parked_now - left,
+            started.elapsed().as_secs_f64(),
+            keys.events()
+        );
+    }
+    Ok(left == 0)
+}
+
+async fn open_and_run(
+    pipeline: &embed_dlq::ingest::Pipeline,
+    path: &std::path::Path,
+    cancel: CancellationToken,
+) -> anyhow::Result<embed_dlq::ingest::IngestSummary> {
+    let f = tokio::fs::File::open(path).await?;
+    let reader = tokio::io::BufReader::with_capacity(256 * 1024, f);
+    let summary = pipeline.run(reader, cancel).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Leave the stream of logs a moment to flush before the summary.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    Ok(summary)
+}
