@@ -53,7 +53,9 @@ pub enum MetricsError {
     /// The listener could not be bound, or a recorder was already installed.
     #[error("cannot serve metrics on {addr}: {source}")]
     Install {
+        /// The address asked for.
         addr: SocketAddr,
+        /// The exporter's reason.
         #[source]
         source: metrics_exporter_prometheus::BuildError,
     },

@@ -44,11 +44,15 @@ pub fn main() -> i32 {
 /// second exits at once with [`exit::INTERRUPTED`].
 async fn run(cli: Cli) -> i32 {
     let signals = embed_dlq::shutdown::on_signal();
-    tokio::select! {
-        biased;
-        _ = signals.immediate.cancelled() => exit::immediately(),
-        code = dispatch(cli, signals.graceful) => code,
-    }
+    // A task of its own (it lives as long as the process, so nothing joins it): the second
+    // signal must exit even while the command blocks its thread, e.g. on a confirmation
+    // prompt reading stdin.
+    let immediate = signals.immediate.clone();
+    tokio::spawn(async move {
+        immediate.cancelled().await;
+        exit::immediately()
+    });
+    dispatch(cli, signals.graceful).await
 }
 
 /// Resolves the command's settings and runs it.

@@ -13,14 +13,21 @@ use super::render::print_report;
 
 /// Where and how to reconcile.
 pub struct ReconcileRun<'a> {
+    /// The Postgres that holds manifest, vectors, DLQ and outbox.
     pub database_url: &'a str,
+    /// Without Redis, the checks that compare with the streams are skipped.
     pub redis_url: Option<&'a str>,
+    /// The target vector table.
     pub table: &'a str,
+    /// Key prefix of the streams.
     pub stream_prefix: &'a str,
+    /// Check, repair, or show what a repair would do.
     pub mode: Mode,
     /// Run every this often until a signal; `None` runs once.
     pub every: Option<Duration>,
+    /// Each report as one JSON object instead of a table.
     pub json: bool,
+    /// Serve Prometheus metrics here while running.
     pub metrics_addr: Option<SocketAddr>,
 }
 

@@ -29,6 +29,7 @@ pub async fn command(
 
 /// Writes each event as a line to `out`.
 pub struct LineSink<W: Write> {
+    /// Where the lines go (stdout for the command).
     pub out: W,
     /// One JSON object per event instead of a human line.
     pub json: bool,
