@@ -183,8 +183,7 @@ pub async fn sample(
            FROM dlq_outbox WHERE published_at IS NULL",
     )
     .fetch_one(pool)
-    .await
-    ?;
+    .await?;
     gauge!(OUTBOX_BACKLOG).set(o.get::<i64, _>("backlog") as f64);
     gauge!(OUTBOX_OLDEST_AGE).set(o.get::<f64, _>("oldest"));
     let last: Option<f64> =

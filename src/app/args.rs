@@ -60,7 +60,8 @@ impl Cli {
     }
 
     /// Builds the command from parsed matches, remembering where each value came from.
-    /// (`main` calls `Cli::command().get_matches()`, which prints help and exits on errors.)
+    /// (`app::main` calls `Cli::command_with_defaults().get_matches()`, which prints help and
+    /// exits on errors.)
     pub fn from_matches(matches: &clap::ArgMatches) -> Result<Cli, clap::Error> {
         use clap::{CommandFactory, FromArgMatches};
         let mut cli = <Cli as FromArgMatches>::from_arg_matches(matches)?;
