@@ -118,127 +118,159 @@ pub enum DlqAction {
 pub enum Command {
     /// Apply the schema migrations (idempotent); with `--dimensions`, also create the target
     /// table (`--table`, else `[ingest] table`) if it is missing.
-    Migrate {
-        /// The target table to create (default: the configured one).
-        #[arg(long, requires = "dimensions")]
-        table: Option<String>,
-        /// Dimensions of the table's `vector(N)` column, 1..=16000.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
-        dimensions: Option<u64>,
-    },
+    Migrate(MigrateCommand),
     /// Embed a JSONL corpus (file or `-` for stdin) into the target table; park failures.
-    Ingest {
-        /// JSONL input: one {"doc_id","chunk_index","text","metadata"?} per line.
-        #[arg(default_value = "-")]
-        input: String,
-        #[command(flatten)]
-        provider: Box<ProviderArgs>,
-        #[command(flatten)]
-        ingest: Box<IngestArgs>,
-        #[command(flatten)]
-        retry: Box<RetryArgs>,
-        /// Print the summary as JSON on stdout.
-        #[arg(long)]
-        json: bool,
-        /// No progress bar.
-        #[arg(long)]
-        no_progress: bool,
-        /// Serve Prometheus metrics here while ingesting (e.g. 127.0.0.1:9466).
-        #[arg(long)]
-        metrics_addr: Option<SocketAddr>,
-    },
+    Ingest(IngestCommand),
     /// Relay parked failures to Redis Streams and replay due work with a consumer group.
-    Serve {
-        #[command(flatten)]
-        provider: Box<ProviderArgs>,
-        #[command(flatten)]
-        ingest: Box<IngestArgs>,
-        #[command(flatten)]
-        retry: Box<RetryArgs>,
-        #[command(flatten)]
-        serve: ServeArgs,
-    },
+    Serve(ServeCommand),
     /// Follow the events stream (every park, replay, re-park, exhaustion).
-    Tail {
-        /// Where to start: `$` (new events only), `0` (everything kept) or an entry id.
-        #[arg(long, default_value = "$")]
-        from: String,
-        /// One JSON object per event.
-        #[arg(long)]
-        json: bool,
-        /// Resume from this file and save the last printed id to it.
-        #[arg(long)]
-        checkpoint: Option<PathBuf>,
-        /// Exit after this many events (at least 1).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        count: Option<u64>,
-        /// Exit once caught up.
-        #[arg(long)]
-        no_follow: bool,
-        /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
-        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
-        stream_prefix: Option<String>,
-    },
+    Tail(TailCommand),
     /// Check that manifest, vectors, DLQ, outbox and streams agree; optionally repair.
     /// Exits 5 when something was found.
-    Reconcile {
-        /// Fix what can be fixed safely.
-        #[arg(long)]
-        repair: bool,
-        /// With --repair: show what would be done, change nothing.
-        #[arg(long)]
-        dry_run: bool,
-        /// Run periodically, every this many seconds (a long-running job), 1..=604800.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=604_800))]
-        every_secs: Option<u64>,
-        /// Print the report as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Serve Prometheus metrics here while running (e.g. 127.0.0.1:9465).
-        #[arg(long)]
-        metrics_addr: Option<SocketAddr>,
-        /// Target vector table (else `[ingest] table` of the config file).
-        #[arg(long)]
-        table: Option<String>,
-        /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
-        #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
-        stream_prefix: Option<String>,
-    },
+    Reconcile(ReconcileCommand),
     /// Inspect and act on the DLQ.
-    Dlq {
-        #[command(subcommand)]
-        action: DlqAction,
-        /// JSON output.
-        #[arg(long, global = true)]
-        json: bool,
-        /// Target vector table (else `[ingest] table` of the config file).
-        #[arg(long, global = true)]
-        table: Option<String>,
-    },
+    Dlq(DlqCommand),
     /// Run the fault-injecting OpenAI-compatible provider.
-    MockProvider {
-        #[arg(long, default_value = "127.0.0.1:8089")]
-        listen: SocketAddr,
-        /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
-        #[arg(long, default_value = "{}")]
-        settings: String,
-    },
+    MockProvider(MockProviderCommand),
     /// End-to-end demo on the local services with the built-in fault-injecting provider.
-    Demo {
-        /// Chunks in the generated corpus, 1..=10000000.
-        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
-        chunks: u64,
-        /// Concurrent provider requests, 1..=256.
-        #[arg(
-            long,
-            default_value_t = embed_dlq::ingest::IngestOptions::default().concurrency as u64,
-            value_parser = clap::value_parser!(u64).range(1..=256)
-        )]
-        concurrency: u64,
-        /// Print the summaries as JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    Demo(DemoCommand),
+}
+
+/// The arguments of `migrate`.
+#[derive(clap::Args, Debug)]
+pub struct MigrateCommand {
+    /// The target table to create (default: the configured one).
+    #[arg(long, requires = "dimensions")]
+    pub table: Option<String>,
+    /// Dimensions of the table's `vector(N)` column, 1..=16000.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
+    pub dimensions: Option<u64>,
+}
+
+/// The arguments of `ingest`.
+#[derive(clap::Args, Debug)]
+pub struct IngestCommand {
+    /// JSONL input: one {"doc_id","chunk_index","text","metadata"?} per line.
+    #[arg(default_value = "-")]
+    pub input: String,
+    #[command(flatten)]
+    pub provider: Box<ProviderArgs>,
+    #[command(flatten)]
+    pub ingest: Box<IngestArgs>,
+    #[command(flatten)]
+    pub retry: Box<RetryArgs>,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Serve Prometheus metrics here while ingesting (e.g. 127.0.0.1:9466).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// The arguments of `serve`.
+#[derive(clap::Args, Debug)]
+pub struct ServeCommand {
+    #[command(flatten)]
+    pub provider: Box<ProviderArgs>,
+    #[command(flatten)]
+    pub ingest: Box<IngestArgs>,
+    #[command(flatten)]
+    pub retry: Box<RetryArgs>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// The arguments of `tail`.
+#[derive(clap::Args, Debug)]
+pub struct TailCommand {
+    /// Where to start: `$` (new events only), `0` (everything kept) or an entry id.
+    #[arg(long, default_value = "$")]
+    pub from: String,
+    /// One JSON object per event.
+    #[arg(long)]
+    pub json: bool,
+    /// Resume from this file and save the last printed id to it.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Exit after this many events (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub count: Option<u64>,
+    /// Exit once caught up.
+    #[arg(long)]
+    pub no_follow: bool,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+}
+
+/// The arguments of `reconcile`.
+#[derive(clap::Args, Debug)]
+pub struct ReconcileCommand {
+    /// Fix what can be fixed safely.
+    #[arg(long)]
+    pub repair: bool,
+    /// With --repair: show what would be done, change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Run periodically, every this many seconds (a long-running job), 1..=604800.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=604_800))]
+    pub every_secs: Option<u64>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Serve Prometheus metrics here while running (e.g. 127.0.0.1:9465).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Target vector table (else `[ingest] table` of the config file).
+    #[arg(long)]
+    pub table: Option<String>,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+}
+
+/// The arguments of `dlq`.
+#[derive(clap::Args, Debug)]
+pub struct DlqCommand {
+    #[command(subcommand)]
+    pub action: DlqAction,
+    /// JSON output.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Target vector table (else `[ingest] table` of the config file).
+    #[arg(long, global = true)]
+    pub table: Option<String>,
+}
+
+/// The arguments of `mock-provider`.
+#[derive(clap::Args, Debug)]
+pub struct MockProviderCommand {
+    #[arg(long, default_value = "127.0.0.1:8089")]
+    pub listen: SocketAddr,
+    /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
+    #[arg(long, default_value = "{}")]
+    pub settings: String,
+}
+
+/// The arguments of `demo`.
+#[derive(clap::Args, Debug)]
+pub struct DemoCommand {
+    /// Chunks in the generated corpus, 1..=10000000.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub chunks: u64,
+    /// Concurrent provider requests, 1..=256.
+    #[arg(
+        long,
+        default_value_t = embed_dlq::ingest::IngestOptions::default().concurrency as u64,
+        value_parser = clap::value_parser!(u64).range(1..=256)
+    )]
+    pub concurrency: u64,
+    /// Print the summaries as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[cfg(test)]

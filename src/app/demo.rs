@@ -13,11 +13,28 @@ use embed_dlq::demo::{CorpusSpec, demo_faults, write_corpus};
 use embed_dlq::mock_provider::MockProvider;
 use tokio_util::sync::CancellationToken;
 
-use super::exit;
+use super::args::DemoCommand;
 use super::render::{print_summary, write_human_summary, write_report};
+use super::{Resolver, exit};
+
+/// Runs `demo` on the configured services; returns the exit code.
+pub async fn command(resolver: &Resolver, args: DemoCommand, cancel: CancellationToken) -> i32 {
+    let DemoCommand { chunks, concurrency, json } = args;
+    let urls = resolver
+        .settings(embed_dlq::config::FileConfig::default())
+        .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_url()?.to_string())));
+    let (url, redis_url) = match urls {
+        Ok(u) => u,
+        Err(e) => return exit::fail(exit::USAGE, &format!("{e} (or run scripts/demo.sh)")),
+    };
+    match run(&url, &redis_url, chunks as usize, concurrency as usize, json, cancel).await {
+        Ok(code) => code,
+        Err(e) => exit::fail(exit::FAILURE, &format!("{e:#}")),
+    }
+}
 
 /// Runs the demo against `database_url`; returns the exit code.
-pub async fn run(
+async fn run(
     database_url: &str,
     redis_url: &str,
     chunks: usize,

@@ -4,17 +4,28 @@
 
 use std::io::{IsTerminal, Write};
 
+use embed_dlq::config::{FileConfig, IngestArgs};
 use embed_dlq::dlq::Filter;
 use embed_dlq::store::Store;
 
-use super::args::DlqAction;
-use super::exit;
+use super::args::{DlqAction, DlqCommand};
+use super::{Resolver, exit};
 
 /// Longest `--older-than-secs` (100 years): larger values overflow Postgres intervals.
 pub const MAX_OLDER_THAN_SECS: u64 = 100 * 365 * 24 * 3600;
 
-/// Runs a `dlq` action on the DLQ of `url` (target table `table`); returns the exit code.
-pub async fn command(url: &str, table: &str, action: DlqAction, json: bool) -> i32 {
+/// Runs `dlq`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: DlqCommand) -> i32 {
+    let DlqCommand { action, json, table } = args;
+    let flags = FileConfig { ingest: IngestArgs { table, ..Default::default() }, ..Default::default() };
+    match resolver.with_database(flags) {
+        Ok((settings, url)) => run(&url, &settings.table, action, json).await,
+        Err(e) => exit::usage(&e),
+    }
+}
+
+/// Runs a `dlq` action on the DLQ of `url` (target table `table`).
+async fn run(url: &str, table: &str, action: DlqAction, json: bool) -> i32 {
     let confirm_requeue_all = match check_action(&action) {
         Ok(confirm) => confirm,
         Err(e) => return exit::fail(exit::USAGE, &e),

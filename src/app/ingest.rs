@@ -1,15 +1,32 @@
 //! `ingest`: opens the input, runs the pipeline, prints the summary and maps it to an exit
 //! code.
 
-use embed_dlq::config::IngestSettings;
+use embed_dlq::config::{FileConfig, IngestSettings};
 use embed_dlq::ingest::IngestError;
 use tokio_util::sync::CancellationToken;
 
-use super::exit;
+use super::args::IngestCommand;
 use super::render::print_summary;
+use super::{Resolver, exit};
 
-/// Ingests `input` (a path, or `-` for stdin); returns the exit code.
-pub async fn command(
+/// Runs `ingest`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: CancellationToken) -> i32 {
+    let IngestCommand { input, provider, ingest, retry, json, no_progress, metrics_addr } = args;
+    let flags = FileConfig { provider: *provider, ingest: *ingest, retry: *retry, ..Default::default() };
+    let settings = match resolver.settings(flags).and_then(|s| s.ingest()) {
+        Ok(s) => s,
+        Err(e) => return exit::usage(&e),
+    };
+    if let Some(addr) = metrics_addr
+        && let Err(e) = embed_dlq::metrics::install(addr)
+    {
+        return exit::fail(exit::FAILURE, &e.to_string());
+    }
+    run(settings, &input, json, !no_progress, cancel).await
+}
+
+/// Ingests `input` (a path, or `-` for stdin).
+async fn run(
     mut settings: IngestSettings,
     input: &str,
     json: bool,

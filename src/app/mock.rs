@@ -1,16 +1,17 @@
 //! `mock-provider`: runs the fault-injecting provider until a signal, with its settings
 //! checked against their bounds first.
 
-use std::net::SocketAddr;
-
 use embed_dlq::mock_provider::{MockConfig, MockProvider};
 use tokio_util::sync::CancellationToken;
 
+use super::args::MockProviderCommand;
 use super::exit;
 
-/// Runs the mock on `listen` with `settings` (JSON keys of [`MockConfig`]) until `cancel`.
-pub async fn command(listen: SocketAddr, settings: &str, cancel: CancellationToken) -> i32 {
-    let config: MockConfig = match serde_json::from_str(settings) {
+/// Runs the mock on `--listen` with `--settings` (JSON keys of [`MockConfig`]) until
+/// `cancel`; returns the exit code.
+pub async fn command(args: MockProviderCommand, cancel: CancellationToken) -> i32 {
+    let MockProviderCommand { listen, settings } = args;
+    let config: MockConfig = match serde_json::from_str(&settings) {
         Ok(c) => c,
         Err(e) => return exit::fail(exit::USAGE, &format!("--settings: {e}")),
     };

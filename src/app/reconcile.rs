@@ -4,36 +4,68 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
 use embed_dlq::reconcile::{Mode, Reconciler};
 use embed_dlq::streams::StreamKeys;
 use tokio_util::sync::CancellationToken;
 
-use super::exit;
+use super::args::ReconcileCommand;
 use super::render::print_report;
+use super::{Resolver, exit};
+
+/// Runs `reconcile`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: CancellationToken) -> i32 {
+    let ReconcileCommand { repair, dry_run, every_secs, json, metrics_addr, table, stream_prefix } = args;
+    let flags = FileConfig {
+        ingest: IngestArgs { table, ..Default::default() },
+        serve: ServeArgs { stream_prefix, ..Default::default() },
+        ..Default::default()
+    };
+    let (settings, url) = match resolver.with_database(flags) {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
+    };
+    let mode = match (repair, dry_run) {
+        (true, true) => Mode::DryRun,
+        (true, false) => Mode::Repair,
+        (false, _) => Mode::Check,
+    };
+    let run = ReconcileRun {
+        database_url: &url,
+        redis_url: settings.redis_url.as_deref(),
+        table: &settings.table,
+        stream_prefix: &settings.stream_prefix,
+        mode,
+        every: every_secs.map(Duration::from_secs),
+        json,
+        metrics_addr,
+    };
+    reconcile(run, cancel).await
+}
 
 /// Where and how to reconcile.
-pub struct ReconcileRun<'a> {
+struct ReconcileRun<'a> {
     /// The Postgres that holds manifest, vectors, DLQ and outbox.
-    pub database_url: &'a str,
+    database_url: &'a str,
     /// Without Redis, the checks that compare with the streams are skipped.
-    pub redis_url: Option<&'a str>,
+    redis_url: Option<&'a str>,
     /// The target vector table.
-    pub table: &'a str,
+    table: &'a str,
     /// Key prefix of the streams.
-    pub stream_prefix: &'a str,
+    stream_prefix: &'a str,
     /// Check, repair, or show what a repair would do.
-    pub mode: Mode,
+    mode: Mode,
     /// Run every this often until a signal; `None` runs once.
-    pub every: Option<Duration>,
+    every: Option<Duration>,
     /// Each report as one JSON object instead of a table.
-    pub json: bool,
+    json: bool,
     /// Serve Prometheus metrics here while running.
-    pub metrics_addr: Option<SocketAddr>,
+    metrics_addr: Option<SocketAddr>,
 }
 
 /// Runs the reconciler; returns [`exit::FINDINGS`] if a single run found something, and
 /// [`exit::OK`] when a periodic run is stopped by a signal.
-pub async fn command(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
+async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
     if let Some(addr) = run.metrics_addr
         && let Err(e) = embed_dlq::metrics::install(addr)
     {

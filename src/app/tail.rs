@@ -3,14 +3,29 @@
 
 use std::io::Write;
 
+use embed_dlq::config::{FileConfig, ServeArgs};
 use embed_dlq::streams::StreamKeys;
 use embed_dlq::tail::{EventSink, TailEvent, TailOptions};
 use tokio_util::sync::CancellationToken;
 
-use super::exit;
+use super::args::TailCommand;
+use super::{Resolver, exit};
 
-/// Follows the events stream of `keys` on stdout; returns the exit code.
-pub async fn command(
+/// Runs `tail`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: TailCommand, cancel: CancellationToken) -> i32 {
+    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix } = args;
+    let flags = FileConfig { serve: ServeArgs { stream_prefix, ..Default::default() }, ..Default::default() };
+    let (redis_url, settings) =
+        match resolver.settings(flags).and_then(|s| Ok((s.redis_url()?.to_string(), s))) {
+            Ok(r) => r,
+            Err(e) => return exit::usage(&e),
+        };
+    let opts = TailOptions { from, checkpoint, count, no_follow };
+    follow(&redis_url, &settings.stream_keys(), opts, json, cancel).await
+}
+
+/// Follows the events stream of `keys` on stdout.
+async fn follow(
     redis_url: &str,
     keys: &StreamKeys,
     opts: TailOptions,
