@@ -88,7 +88,7 @@ async fn run() {
         None,
     )
     .unwrap();
-    let pipeline = embed_dlq::cli::build_pipeline(&settings).await.unwrap();
+    let pipeline = settings.pipeline().await.unwrap();
 
     // Precomputed input for the raw writer: same ids and vector size.
     let vectors: Vec<Vector> = (0..chunks)

@@ -1027,6 +1027,47 @@ impl IngestSettings {
     }
 }
 
+/// Why a pipeline could not be built from valid settings: the services or the target table,
+/// never the settings themselves (those are checked by [`Settings::resolve`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PipelineError {
+    /// Postgres did not accept a connection.
+    #[error("cannot connect to Postgres: {0}")]
+    Connect(#[source] crate::store::StoreError),
+    /// The migrations failed, or the target table is missing or does not fit.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// The provider client could not be built (e.g. its TLS stack).
+    #[error("{0}")]
+    Client(String),
+}
+
+impl IngestSettings {
+    /// The pipeline these settings describe: a pool sized for the workers and writers, the
+    /// migrated store bound to its table and model, the provider client, one shared gate.
+    /// Every ingest (the command, `serve`, the demo, the tests, the benchmark) starts here,
+    /// so they all run the same wiring.
+    pub async fn pipeline(&self) -> Result<crate::ingest::Pipeline, PipelineError> {
+        use crate::store;
+        let connections = (self.options.concurrency + self.options.writers) as u32 + 2;
+        let pool = store::connect(&self.database_url, connections).await.map_err(PipelineError::Connect)?;
+        store::migrate(&pool).await?;
+        let store = store::Store::open(pool, &self.table)
+            .await?
+            .with_model(&self.client.model, self.client.request_dimensions);
+        let client =
+            crate::embed::client::EmbedClient::new(self.client.clone()).map_err(PipelineError::Client)?;
+        let embedder = crate::embed::Embedder {
+            client,
+            gate: std::sync::Arc::new(crate::embed::gate::ProviderGate::new(self.breaker)),
+            policy: self.retry,
+            dimensions: store.target().dimensions,
+        };
+        Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
+    }
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

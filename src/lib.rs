@@ -19,18 +19,23 @@
 //! - [`streams`]: key names, connections and the stream layout.
 //! - [`replay`]: scheduler (due rows → work), replayers (consumer group, XAUTOCLAIM).
 //! - [`reconcile`]: checks that manifest, vectors, DLQ, outbox and streams agree; repairs.
-//! - [`serve`], [`tail`]: the long-running service and the event follower.
+//! - [`serve`], [`tail`]: the long-running service (and the periodic reconcile loop) and the
+//!   event follower.
 //! - [`model`]: the shared vocabulary (chunk, manifest state, error class, content hash).
 //! - [`testkit`]: the mock provider, the synthetic corpus and throwaway test databases, for the
 //!   demo, the tests, the benches and users' own tests (not on the production path).
 //! - [`dlq`]: operator actions (stats, list, show, requeue, purge).
 //! - [`metrics`]: Prometheus names, the exporter and the sampled gauges.
 //! - [`supervise`]: named, joined tasks whose panics and failures stop their run.
-//! - [`config`], [`cli`], [`shutdown`], [`telemetry`], [`demo`]: the edges.
+//! - [`config`]: settings resolved from flags, environment, file and defaults, and the
+//!   pipeline they describe ([`config::IngestSettings::pipeline`]).
+//! - [`shutdown`], [`telemetry`]: signals as cancellation tokens; logging.
+//!
+//! The library never prints and never exits the process: it returns typed outcomes and
+//! errors. The `embed-dlq` binary (`src/main.rs`, `src/app/`) parses the command line,
+//! renders outcomes (human or `--json`) and maps them to exit codes.
 
-pub mod cli;
 pub mod config;
-pub mod demo;
 pub mod dlq;
 pub mod embed;
 pub mod failpoint;

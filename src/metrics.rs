@@ -42,18 +42,42 @@ pub const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
 pub const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
 pub const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
 
+/// Why the exporter could not start, or a sample could not be taken.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetricsError {
+    /// The exporter rejected its own configuration (the histogram buckets).
+    #[error("{0}")]
+    Exporter(#[source] metrics_exporter_prometheus::BuildError),
+    /// The listener could not be bound, or a recorder was already installed.
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Install {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The exporter's reason.
+        #[source]
+        source: metrics_exporter_prometheus::BuildError,
+    },
+    /// A sampling query failed.
+    #[error("{0}")]
+    Database(#[from] crate::store::StoreError),
+    /// A sampling read of a stream failed.
+    #[error("{0}")]
+    Redis(#[from] redis::RedisError),
+}
+
 /// Starts the `/metrics` endpoint on `addr` (inside the tokio runtime) and describes every
 /// metric.
-pub fn install(addr: SocketAddr) -> Result<(), String> {
+pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
     PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(
             Matcher::Full(PROVIDER_DURATION.into()),
             &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
         )
-        .map_err(|e| e.to_string())?
+        .map_err(MetricsError::Exporter)?
         .install()
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+        .map_err(|source| MetricsError::Install { addr, source })?;
     describe();
     Ok(())
 }
@@ -123,32 +147,30 @@ pub async fn sample(
     store: &Store,
     redis: Option<&mut ConnectionManager>,
     keys: &StreamKeys,
-) -> Result<(), String> {
+) -> Result<(), MetricsError> {
     let pool = store.pool();
-    let by_class = crate::store::dlq::depth_by_class(pool).await.map_err(|e| e.to_string())?;
+    let by_class = crate::store::dlq::depth_by_class(pool).await?;
     for class in ErrorClass::ALL {
         let n = by_class.iter().find(|(c, _)| *c == class).map(|(_, n)| *n).unwrap_or(0);
         gauge!(DLQ_DEPTH, "error_class" => class.as_str()).set(n as f64);
     }
-    let r = crate::store::dlq::schedule(pool).await.map_err(|e| e.to_string())?;
+    let r = crate::store::dlq::schedule(pool).await?;
     gauge!(DLQ_READY).set(r.ready as f64);
     gauge!(DLQ_BACKING_OFF).set(r.backing_off as f64);
     gauge!(DLQ_EXHAUSTED).set(r.exhausted as f64);
     gauge!(DLQ_OLDEST_AGE).set(r.oldest_secs);
     gauge!(DLQ_NEXT_DUE).set(r.next_due_secs);
     // Only the count and the age are exported; what counts as stuck is the reconciler's call.
-    let o =
-        crate::store::outbox::backlog(pool, std::time::Duration::ZERO).await.map_err(|e| e.to_string())?;
+    let o = crate::store::outbox::backlog(pool, std::time::Duration::ZERO).await?;
     gauge!(OUTBOX_BACKLOG).set(o.unpublished as f64);
     gauge!(OUTBOX_OLDEST_AGE).set(o.oldest_secs);
-    let last = crate::store::reconcile::last_run_finished(pool).await.map_err(|e| e.to_string())?;
+    let last = crate::store::reconcile::last_run_finished(pool).await?;
     if let Some(t) = last {
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }
     if let Some(redis) = redis {
         for (name, key) in [("events", keys.events()), ("replay", keys.replay())] {
-            let len: u64 =
-                redis::cmd("XLEN").arg(&key).query_async(redis).await.map_err(|e| e.to_string())?;
+            let len: u64 = redis::cmd("XLEN").arg(&key).query_async(redis).await?;
             gauge!(STREAM_LENGTH, "stream" => name).set(len as f64);
         }
         let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =

@@ -528,26 +528,3 @@ impl Reconciler {
         }
     }
 }
-
-/// The report as a table, written to any writer.
-pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result<()> {
-    writeln!(out, "{:<24}{:>10}{:>10}  notes", "check", "found", "repaired")?;
-    for f in &r.findings {
-        let repaired = match (r.mode, f.check.repair_action()) {
-            (_, None) => "-".to_string(),
-            (Mode::Repair, Some(_)) => f.repaired.to_string(),
-            (Mode::DryRun, Some(a)) if f.found > 0 => format!("would: {a}"),
-            _ => "-".to_string(),
-        };
-        let mut notes = f.note.clone().unwrap_or_default();
-        if !f.examples.is_empty() {
-            if !notes.is_empty() {
-                notes.push_str("; ");
-            }
-            notes.push_str(&format!("e.g. {}", f.examples.join(", ")));
-        }
-        writeln!(out, "{:<24}{:>10}{:>10}  {notes}", f.check.name(), f.found, repaired)?;
-    }
-    writeln!(out, "total findings: {} ({:.2}s, mode {:?})", r.total_found(), r.duration_secs, r.mode)?;
-    Ok(())
-}

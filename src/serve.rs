@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::config::{IngestSettings, Settings};
 use crate::embed::Embedder;
+use crate::reconcile::{Mode, ReconcileError, Reconciler, Report};
 use crate::relay::{Relay, RelayConfig};
 use crate::replay::{ReplayConfig, Replayer, Scheduler};
 use crate::store::Store;
@@ -52,6 +54,32 @@ pub struct ServeConfig {
     pub reconcile_every: Option<Duration>,
     /// Sample the DLQ/outbox/stream gauges (when a metrics endpoint is installed).
     pub metrics: bool,
+}
+
+impl ServeConfig {
+    /// `serve`'s runtime configuration from the resolved settings (stream keys from the
+    /// stream prefix, the consumer prefix defaulting to host and pid).
+    pub fn from_settings(settings: &Settings) -> ServeConfig {
+        let serve = &settings.serve;
+        ServeConfig {
+            reconcile_every: serve.reconcile_every,
+            metrics: serve.metrics_addr.is_some(),
+            replayers: serve.replayers,
+            relay: serve.relay.clone(),
+            replay: serve.replay.clone(),
+            keys: settings.stream_keys(),
+            grace: serve.grace,
+            consumer_prefix: serve.consumer_prefix.clone().unwrap_or_else(default_consumer_prefix),
+        }
+    }
+
+    /// The ingest settings for `serve`'s pipeline: its pool is sized from `concurrency`, so
+    /// it is raised until every replayer, the relay, the scheduler and the sampler get a
+    /// connection of their own.
+    pub fn pipeline_settings(&self, mut ingest: IngestSettings) -> IngestSettings {
+        ingest.options.concurrency = ingest.options.concurrency.max(self.replayers + 3);
+        ingest
+    }
 }
 
 /// A consumer name unique to this process.
@@ -164,5 +192,36 @@ async fn sample_and_reconcile(
             tracing::warn!(error = %e, "sampling gauges failed");
         }
         crate::relay::sleep_or_cancel(Duration::from_secs(5), &stop).await;
+    }
+}
+
+/// Runs `reconciler` once, or every `every` until `cancel`, publishing each report to the
+/// metrics (the findings, then the sampled DLQ/outbox/stream gauges) and handing each
+/// outcome to `on_run`. This is the `reconcile` command's loop: a failed run is handed over
+/// like a report, and the next one is tried on schedule.
+pub async fn reconcile_periodically(
+    reconciler: &mut Reconciler,
+    mode: Mode,
+    every: Option<Duration>,
+    mut on_run: impl FnMut(Result<Report, ReconcileError>),
+    cancel: &CancellationToken,
+) {
+    crate::metrics::zero_findings();
+    loop {
+        let outcome = reconciler.run_once(mode).await;
+        if let Ok(report) = &outcome {
+            crate::metrics::reconcile_report(report);
+            let mut redis = reconciler.redis.clone();
+            if let Err(e) = crate::metrics::sample(&reconciler.store, redis.as_mut(), &reconciler.keys).await
+            {
+                tracing::warn!(error = %e, "sampling gauges failed");
+            }
+        }
+        on_run(outcome);
+        let Some(every) = every else { return };
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
     }
 }

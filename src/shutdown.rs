@@ -1,5 +1,7 @@
-//! Turns SIGINT/SIGTERM into a cancellation token. The first signal asks for a graceful stop
-//! (stop intake, finish or park in-flight work); a second one exits at once.
+//! Turns SIGINT/SIGTERM into cancellation tokens. The first signal asks for a graceful stop
+//! (stop intake, finish or park in-flight work); a second one asks to exit at once. The
+//! library only cancels tokens: what "exit at once" means (the process exit code) is the
+//! application's decision.
 //!
 //! The handlers are installed before this returns, so a failure to install one is logged
 //! here (and that signal then keeps its default action) instead of killing a background task
@@ -7,21 +9,30 @@
 
 use tokio_util::sync::CancellationToken;
 
-/// Returns a token cancelled on the first SIGINT or SIGTERM. Must be called inside the
+/// The two stages of a requested shutdown.
+#[derive(Debug, Clone)]
+pub struct ShutdownSignals {
+    /// Cancelled on the first SIGINT or SIGTERM: finish or park in-flight work, then stop.
+    pub graceful: CancellationToken,
+    /// Cancelled on the second signal: the operator does not want to wait for the drain.
+    pub immediate: CancellationToken,
+}
+
+/// Installs the handlers and returns the tokens they cancel. Must be called inside the
 /// tokio runtime.
-pub fn on_signal() -> CancellationToken {
-    let token = CancellationToken::new();
-    let t = token.clone();
+pub fn on_signal() -> ShutdownSignals {
+    let shutdown =
+        ShutdownSignals { graceful: CancellationToken::new(), immediate: CancellationToken::new() };
+    let tokens = shutdown.clone();
     let mut signals = Signals::install();
     tokio::spawn(async move {
         signals.next().await;
         tracing::warn!("shutdown requested: finishing in-flight work (signal again to exit now)");
-        t.cancel();
+        tokens.graceful.cancel();
         signals.next().await;
-        eprintln!("embed-dlq: second signal, exiting immediately");
-        std::process::exit(crate::cli::exit::INTERRUPTED);
+        tokens.immediate.cancel();
     });
-    token
+    shutdown
 }
 
 struct Signals {

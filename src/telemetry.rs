@@ -2,7 +2,15 @@
 
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::LogFormat;
+/// How log lines are written on stderr: text for people, JSON for log collectors.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event (coloured on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per event.
+    Json,
+}
 
 /// Installs the stderr logger; `RUST_LOG` overrides the default `embed_dlq=info`.
 pub fn init_logging(format: LogFormat) {

@@ -417,3 +417,33 @@ async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_reconcile_hands_over_every_run_until_cancelled() {
+    let db = TestDb::new().await;
+    ingest(&db, "periodic", 5).await;
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    let cancel = CancellationToken::new();
+    let stopper = cancel.clone();
+    let mut runs = Vec::new();
+    let on_run = |outcome: Result<Report, _>| {
+        runs.push(outcome.expect("reconcile run").total_found());
+        if runs.len() == 3 {
+            stopper.cancel();
+        }
+    };
+    let every = Some(Duration::from_millis(20));
+    let periodic = embed_dlq::serve::reconcile_periodically(&mut r, Mode::Check, every, on_run, &cancel);
+    tokio::time::timeout(Duration::from_secs(30), periodic).await.expect("stops once cancelled");
+    assert_eq!(runs, vec![0, 0, 0]);
+    assert_eq!(db.count("SELECT count(*) FROM reconcile_runs").await, 3);
+    // Without a period: exactly one run, then it returns on its own.
+    let mut once = 0;
+    let on_run = |outcome: Result<Report, _>| {
+        outcome.expect("reconcile run");
+        once += 1;
+    };
+    embed_dlq::serve::reconcile_periodically(&mut r, Mode::Check, None, on_run, &CancellationToken::new())
+        .await;
+    assert_eq!(once, 1);
+}

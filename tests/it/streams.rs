@@ -405,12 +405,11 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     let checkpoint = dir.join("tail.checkpoint");
     let opts = |count: Option<u64>, no_follow: bool| embed_dlq::tail::TailOptions {
         from: "0".into(),
-        json: true,
         checkpoint: Some(checkpoint.clone()),
         count,
         no_follow,
     };
-    let mut first = Vec::new();
+    let mut first: Vec<embed_dlq::tail::TailEvent> = Vec::new();
     let n = embed_dlq::tail::tail(
         &redis_url(),
         &keys,
@@ -422,23 +421,13 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     .unwrap();
     assert_eq!(n, 10);
     // "Restart": a new tail from the same checkpoint.
-    let mut second = Vec::new();
+    let mut second: Vec<embed_dlq::tail::TailEvent> = Vec::new();
     let n =
         embed_dlq::tail::tail(&redis_url(), &keys, &opts(None, true), &mut second, CancellationToken::new())
             .await
             .unwrap();
     assert_eq!(n, 20);
-    let lines: Vec<serde_json::Value> = String::from_utf8(first)
-        .unwrap()
-        .lines()
-        .chain(
-            String::from_utf8(second)
-                .unwrap()
-                .lines()
-                .map(|l| Box::leak(l.to_string().into_boxed_str()) as &str),
-        )
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> = first.iter().chain(&second).map(|e| e.to_json()).collect();
     let printed: Vec<i64> = lines.iter().map(|v| v["dlq_id"].as_i64().unwrap()).collect();
     let expected: Vec<i64> =
         sqlx::query_scalar("SELECT dlq_id FROM dlq_outbox WHERE event = 'parked' ORDER BY id")

@@ -93,7 +93,7 @@ pub fn settings(db: &TestDb, mock: &MockProvider) -> IngestSettings {
 }
 
 pub async fn pipeline(settings: &IngestSettings) -> Pipeline {
-    embed_dlq::cli::build_pipeline(settings).await.expect("build pipeline")
+    settings.pipeline().await.expect("build pipeline")
 }
 
 /// Reader over in-memory JSONL.

@@ -1,23 +1,40 @@
-//! The end-to-end demo, and the synthetic corpus it (and the tests and benches) use.
-//!
-//! The demo starts the fault-injecting provider in-process, writes a corpus with poison
-//! inputs and broken lines, ingests it with a progress bar, ingests it again to show that an
-//! identical rerun makes no provider call, and checks the seed's leak and duplicate queries.
+//! `demo`: the end-to-end demo. It starts the fault-injecting provider in-process, writes a
+//! corpus with poison inputs and broken lines, ingests it with a progress bar, ingests it
+//! again to show that an identical rerun makes no provider call, drains an outage through
+//! `serve`, and checks the seed's leak and duplicate queries.
 
 use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
+use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use embed_dlq::testkit::corpus::{CorpusSpec, demo_faults, write_corpus};
+use embed_dlq::testkit::mock_provider::MockProvider;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{build_pipeline, exit, print_summary, write_human_summary};
-use crate::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
-use crate::testkit::corpus::{CorpusSpec, demo_faults, write_corpus};
-use crate::testkit::mock_provider::MockProvider;
+use super::args::DemoCommand;
+use super::render::{print_summary, write_human_summary, write_report};
+use super::{Resolver, exit};
+
+/// Runs `demo` on the configured services; returns the exit code.
+pub async fn command(resolver: &Resolver, args: DemoCommand, cancel: CancellationToken) -> i32 {
+    let DemoCommand { chunks, concurrency, json } = args;
+    let urls = resolver
+        .settings(embed_dlq::config::FileConfig::default())
+        .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_url()?.to_string())));
+    let (url, redis_url) = match urls {
+        Ok(u) => u,
+        Err(e) => return exit::fail(exit::USAGE, &format!("{e} (or run scripts/demo.sh)")),
+    };
+    match run(&url, &redis_url, chunks as usize, concurrency as usize, json, cancel).await {
+        Ok(code) => code,
+        Err(e) => exit::fail(exit::FAILURE, &format!("{e:#}")),
+    }
+}
 
 /// Runs the demo against `database_url`; returns the exit code.
-pub async fn run(
+async fn run(
     database_url: &str,
     redis_url: &str,
     chunks: usize,
@@ -77,7 +94,7 @@ pub async fn run(
         None,
     )
     .map_err(anyhow::Error::msg)?;
-    let mut pipeline = build_pipeline(&settings).await.map_err(anyhow::Error::msg)?;
+    let mut pipeline = settings.pipeline().await?;
     use std::io::IsTerminal;
     pipeline.options.progress = !json && std::io::stderr().is_terminal();
     pipeline.options.total_bytes = std::fs::metadata(&corpus).ok().map(|m| m.len());
@@ -127,17 +144,17 @@ pub async fn run(
             .await?;
     let (leaks, duplicates) = (leaks + count_leaks(pool).await?, duplicates + count_duplicates(pool).await?);
 
-    let mut reconciler = crate::reconcile::Reconciler {
+    let mut reconciler = embed_dlq::reconcile::Reconciler {
         store: pipeline.store.clone(),
-        redis: Some(crate::streams::managed(&crate::streams::client(redis_url)?).await?),
-        keys: crate::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}")),
+        redis: Some(embed_dlq::streams::managed(&embed_dlq::streams::client(redis_url)?).await?),
+        keys: embed_dlq::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}")),
         config: Default::default(),
     };
-    let report = reconciler.run_once(crate::reconcile::Mode::Check).await?;
+    let report = reconciler.run_once(embed_dlq::reconcile::Mode::Check).await?;
     let stats = mock.control.stats();
     if !json {
         println!("\n== reconcile ==");
-        crate::reconcile::write_report(&mut std::io::stdout().lock(), &report)?;
+        write_report(&mut std::io::stdout().lock(), &report)?;
         println!("\n== checks ==");
         println!("leaks (manifest rows with neither vector nor DLQ row): {leaks}");
         println!("duplicate vectors by (doc_id, chunk_index):            {duplicates}");
@@ -157,8 +174,8 @@ pub async fn run(
     let _ = std::fs::remove_dir_all(&dir);
     let accounted =
         first.stored + first.parked_total() + first.unchanged + first.already_parked + first.superseded;
-    let reconciled = report.get(crate::reconcile::Check::Leaks).found == 0
-        && report.get(crate::reconcile::Check::Duplicates).found == 0;
+    let reconciled = report.get(embed_dlq::reconcile::Check::Leaks).found == 0
+        && report.get(embed_dlq::reconcile::Check::Duplicates).found == 0;
     let ok = leaks == 0
         && duplicates == 0
         && calls_second == 0
@@ -198,7 +215,7 @@ async fn count_duplicates(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
 /// transient), the outage ends, `serve` relays the parks to Redis and its replayers drain the
 /// DLQ. Returns whether the DLQ of this pass drained to zero.
 async fn outage_and_drain(
-    pipeline: &crate::ingest::Pipeline,
+    pipeline: &embed_dlq::ingest::Pipeline,
     mock: &MockProvider,
     redis_url: &str,
     run_id: &str,
@@ -217,11 +234,9 @@ async fn outage_and_drain(
     outage.options.progress = false;
     outage.options.dlq_schedule.base = Duration::from_secs(1);
     outage.embedder.policy.max_attempts = 2;
-    outage.embedder.gate =
-        std::sync::Arc::new(crate::embed::gate::ProviderGate::new(crate::embed::gate::BreakerConfig {
-            failure_threshold: 1_000_000,
-            ..Default::default()
-        }));
+    outage.embedder.gate = std::sync::Arc::new(embed_dlq::embed::gate::ProviderGate::new(
+        embed_dlq::embed::gate::BreakerConfig { failure_threshold: 1_000_000, ..Default::default() },
+    ));
     mock.control.set_outage(true);
     let parked =
         outage.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -242,12 +257,12 @@ async fn outage_and_drain(
         );
         println!("serve: relay + scheduler + 2 replayers (DLQ schedule base 1s)");
     }
-    let keys = crate::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}"));
+    let keys = embed_dlq::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}"));
     let serve_cancel = cancel.child_token();
-    let config = crate::serve::ServeConfig {
+    let config = embed_dlq::serve::ServeConfig {
         replayers: 2,
-        relay: crate::relay::RelayConfig { poll: Duration::from_millis(200), ..Default::default() },
-        replay: crate::replay::ReplayConfig {
+        relay: embed_dlq::relay::RelayConfig { poll: Duration::from_millis(200), ..Default::default() },
+        replay: embed_dlq::replay::ReplayConfig {
             schedule: outage.options.dlq_schedule,
             block: Duration::from_millis(500),
             ..Default::default()
@@ -258,10 +273,10 @@ async fn outage_and_drain(
         reconcile_every: None,
         metrics: false,
     };
-    let serve = tokio::spawn(crate::serve::serve(
+    let serve = tokio::spawn(embed_dlq::serve::serve(
         pipeline.store.clone(),
         pipeline.embedder.clone(),
-        crate::streams::client(redis_url)?,
+        embed_dlq::streams::client(redis_url)?,
         config,
         serve_cancel.clone(),
     ));
@@ -276,8 +291,8 @@ async fn outage_and_drain(
     }
     serve_cancel.cancel();
     serve.await?.map_err(anyhow::Error::msg)?;
-    let client = crate::streams::client(redis_url)?;
-    let mut redis = crate::streams::managed(&client).await?;
+    let client = embed_dlq::streams::client(redis_url)?;
+    let mut redis = embed_dlq::streams::managed(&client).await?;
     let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await?;
     if !json {
         println!(
@@ -291,10 +306,10 @@ async fn outage_and_drain(
 }
 
 async fn open_and_run(
-    pipeline: &crate::ingest::Pipeline,
+    pipeline: &embed_dlq::ingest::Pipeline,
     path: &std::path::Path,
     cancel: CancellationToken,
-) -> anyhow::Result<crate::ingest::IngestSummary> {
+) -> anyhow::Result<embed_dlq::ingest::IngestSummary> {
     let f = tokio::fs::File::open(path).await?;
     let reader = tokio::io::BufReader::with_capacity(256 * 1024, f);
     let summary = pipeline.run(reader, cancel).await.map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -1,0 +1,296 @@
+//! The command line definition: every command, flag and its documented bound. Settings that
+//! a config file may also give carry no clap default (it would shadow the file): their
+//! defaults come from [`embed_dlq::config::help_defaults`] and are shown in the help.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use embed_dlq::config::{IngestArgs, Origins, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs};
+use embed_dlq::telemetry::LogFormat;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "embed-dlq",
+    version,
+    about = "Lossless embedding ingestion with a Postgres DLQ and Redis Streams"
+)]
+pub struct Cli {
+    /// TOML config file (same keys as the flags, in [services] [provider] [ingest] [retry] [serve]).
+    #[arg(long, global = true, env = "EMBED_DLQ_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    #[command(flatten)]
+    pub services: ServiceArgs,
+    #[command(subcommand)]
+    pub command: Command,
+    /// Which settings came from flags and which from environment variables (for messages).
+    #[arg(skip)]
+    pub origins: Origins,
+}
+
+impl Cli {
+    /// The command line definition, with every setting's default appended to its help
+    /// (read from [`embed_dlq::config::help_defaults`]; clap itself holds no defaults, which would
+    /// shadow the config file).
+    pub fn command_with_defaults() -> clap::Command {
+        use clap::CommandFactory;
+        fn annotate(mut cmd: clap::Command, defaults: &[(&'static str, String)]) -> clap::Command {
+            for (key, value) in defaults {
+                // Only options without a clap default of their own (command-only flags keep theirs).
+                let Some(help) = cmd
+                    .get_arguments()
+                    .find(|a| a.get_id() == *key && a.get_default_values().is_empty())
+                    .and_then(|a| a.get_help())
+                else {
+                    continue;
+                };
+                let help = format!("{help} [default: {value}]");
+                cmd = cmd.mut_arg(*key, |a| a.help(help));
+            }
+            let names: Vec<String> = cmd.get_subcommands().map(|c| c.get_name().to_string()).collect();
+            for name in names {
+                cmd = cmd.mut_subcommand(name, |sc| annotate(sc, defaults));
+            }
+            cmd
+        }
+        annotate(Cli::command(), &embed_dlq::config::help_defaults())
+    }
+
+    /// Builds the command from parsed matches, remembering where each value came from.
+    /// (`app::main` calls `Cli::command_with_defaults().get_matches()`, which prints help and
+    /// exits on errors.)
+    pub fn from_matches(matches: &clap::ArgMatches) -> Result<Cli, clap::Error> {
+        use clap::{CommandFactory, FromArgMatches};
+        let mut cli = <Cli as FromArgMatches>::from_arg_matches(matches)?;
+        cli.origins = Origins::from_matches(&Cli::command(), matches);
+        Ok(cli)
+    }
+}
+
+/// `dlq` actions.
+#[derive(Subcommand, Debug)]
+pub enum DlqAction {
+    /// Rows by error class, plus ready / still backing off / exhausted / next due.
+    Stats,
+    /// List rows (oldest first), with filters and paging.
+    List {
+        #[command(flatten)]
+        filter: embed_dlq::dlq::Filter,
+        /// Rows per page, 1..=10000.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+        limit: i64,
+        /// Show rows after this id (the last id of the previous page).
+        #[arg(long, default_value_t = 0)]
+        after_id: i64,
+    },
+    /// One row: payload, last error and error history.
+    Show { id: i64 },
+    /// Make matching rows due now and publish them for replay (permanent classes too).
+    /// Without a filter it asks for confirmation, or needs `--all`.
+    Requeue {
+        #[command(flatten)]
+        filter: embed_dlq::dlq::Filter,
+        #[arg(long)]
+        dry_run: bool,
+        /// Requeue every row (required without a filter when stdin is not a terminal).
+        #[arg(long)]
+        all: bool,
+        /// Rows per second, 1..=100000.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        rate: u32,
+    },
+    /// Delete matching rows for good (and their manifest rows).
+    Purge {
+        #[command(flatten)]
+        filter: embed_dlq::dlq::Filter,
+        #[arg(long)]
+        dry_run: bool,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Apply the schema migrations (idempotent); with `--dimensions`, also create the target
+    /// table (`--table`, else `[ingest] table`) if it is missing.
+    Migrate(MigrateCommand),
+    /// Embed a JSONL corpus (file or `-` for stdin) into the target table; park failures.
+    Ingest(IngestCommand),
+    /// Relay parked failures to Redis Streams and replay due work with a consumer group.
+    Serve(ServeCommand),
+    /// Follow the events stream (every park, replay, re-park, exhaustion).
+    Tail(TailCommand),
+    /// Check that manifest, vectors, DLQ, outbox and streams agree; optionally repair.
+    /// Exits 5 when something was found.
+    Reconcile(ReconcileCommand),
+    /// Inspect and act on the DLQ.
+    Dlq(DlqCommand),
+    /// Run the fault-injecting OpenAI-compatible provider.
+    MockProvider(MockProviderCommand),
+    /// End-to-end demo on the local services with the built-in fault-injecting provider.
+    Demo(DemoCommand),
+}
+
+/// The arguments of `migrate`.
+#[derive(clap::Args, Debug)]
+pub struct MigrateCommand {
+    /// The target table to create (default: the configured one).
+    #[arg(long, requires = "dimensions")]
+    pub table: Option<String>,
+    /// Dimensions of the table's `vector(N)` column, 1..=16000.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
+    pub dimensions: Option<u64>,
+}
+
+/// The arguments of `ingest`.
+#[derive(clap::Args, Debug)]
+pub struct IngestCommand {
+    /// JSONL input: one {"doc_id","chunk_index","text","metadata"?} per line.
+    #[arg(default_value = "-")]
+    pub input: String,
+    #[command(flatten)]
+    pub provider: Box<ProviderArgs>,
+    #[command(flatten)]
+    pub ingest: Box<IngestArgs>,
+    #[command(flatten)]
+    pub retry: Box<RetryArgs>,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Serve Prometheus metrics here while ingesting (e.g. 127.0.0.1:9466).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// The arguments of `serve`.
+#[derive(clap::Args, Debug)]
+pub struct ServeCommand {
+    #[command(flatten)]
+    pub provider: Box<ProviderArgs>,
+    #[command(flatten)]
+    pub ingest: Box<IngestArgs>,
+    #[command(flatten)]
+    pub retry: Box<RetryArgs>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// The arguments of `tail`.
+#[derive(clap::Args, Debug)]
+pub struct TailCommand {
+    /// Where to start: `$` (new events only), `0` (everything kept) or an entry id.
+    #[arg(long, default_value = "$")]
+    pub from: String,
+    /// One JSON object per event.
+    #[arg(long)]
+    pub json: bool,
+    /// Resume from this file and save the last printed id to it.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Exit after this many events (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub count: Option<u64>,
+    /// Exit once caught up.
+    #[arg(long)]
+    pub no_follow: bool,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+}
+
+/// The arguments of `reconcile`.
+#[derive(clap::Args, Debug)]
+pub struct ReconcileCommand {
+    /// Fix what can be fixed safely.
+    #[arg(long)]
+    pub repair: bool,
+    /// With --repair: show what would be done, change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Run periodically, every this many seconds (a long-running job), 1..=604800.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=604_800))]
+    pub every_secs: Option<u64>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Serve Prometheus metrics here while running (e.g. 127.0.0.1:9465).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Target vector table (else `[ingest] table` of the config file).
+    #[arg(long)]
+    pub table: Option<String>,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+}
+
+/// The arguments of `dlq`.
+#[derive(clap::Args, Debug)]
+pub struct DlqCommand {
+    #[command(subcommand)]
+    pub action: DlqAction,
+    /// JSON output.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Target vector table (else `[ingest] table` of the config file).
+    #[arg(long, global = true)]
+    pub table: Option<String>,
+}
+
+/// The arguments of `mock-provider`.
+#[derive(clap::Args, Debug)]
+pub struct MockProviderCommand {
+    #[arg(long, default_value = "127.0.0.1:8089")]
+    pub listen: SocketAddr,
+    /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
+    #[arg(long, default_value = "{}")]
+    pub settings: String,
+}
+
+/// The arguments of `demo`.
+#[derive(clap::Args, Debug)]
+pub struct DemoCommand {
+    /// Chunks in the generated corpus, 1..=10000000.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub chunks: u64,
+    /// Concurrent provider requests, 1..=256.
+    #[arg(
+        long,
+        default_value_t = embed_dlq::ingest::IngestOptions::default().concurrency as u64,
+        value_parser = clap::value_parser!(u64).range(1..=256)
+    )]
+    pub concurrency: u64,
+    /// Print the summaries as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn help_shows_the_resolved_defaults() {
+        let mut cmd = Cli::command_with_defaults();
+        let ingest = cmd.find_subcommand_mut("ingest").unwrap().render_long_help().to_string();
+        let concurrency = embed_dlq::ingest::IngestOptions::default().concurrency;
+        assert!(ingest.contains(&format!("[default: {concurrency}]")), "{ingest}");
+        assert!(ingest.contains("[default: doc_embeddings]"), "{ingest}");
+        let serve = cmd.find_subcommand_mut("serve").unwrap().render_long_help().to_string();
+        assert!(serve.contains("[default: embed-dlq]"), "{serve}");
+        let reconcile = cmd.find_subcommand_mut("reconcile").unwrap().render_long_help().to_string();
+        assert!(reconcile.contains("[default: doc_embeddings]"), "{reconcile}");
+        // Parsing with the annotated definition still works.
+        Cli::command_with_defaults()
+            .try_get_matches_from(["embed-dlq", "ingest", "--concurrency", "3"])
+            .unwrap();
+    }
+}

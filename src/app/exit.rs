@@ -1,0 +1,49 @@
+//! Exit codes, stable for scripts, and the mapping of outcomes to them.
+
+use embed_dlq::config::ConfigError;
+use embed_dlq::ingest::IngestSummary;
+
+/// Finished; every record is stored or parked.
+pub const OK: i32 = 0;
+/// Could not run (database unreachable, bad table, I/O error).
+pub const FAILURE: i32 = 1;
+/// Bad flags, environment or config file (unknown key, value out of its documented bound,
+/// a base URL that is not http(s)), or a destructive command that needs `--all`/a terminal.
+pub const USAGE: i32 = 2;
+/// Finished, but some input lines had no usable identity and were only reported.
+pub const REJECTED_INPUT: i32 = 3;
+/// The provider refused the run (bad key, no quota, unknown model, long outage); nothing
+/// was parked for it, rerun once fixed.
+pub const PROVIDER_STOP: i32 = 4;
+/// `reconcile` found something (repaired or not; a second run tells whether it is clean).
+pub const FINDINGS: i32 = 5;
+/// Stopped by SIGINT/SIGTERM after finishing or parking in-flight work; rerun to resume.
+pub const INTERRUPTED: i32 = 130;
+
+/// The exit code a finished ingest deserves.
+pub fn summary_exit_code(summary: &IngestSummary, interrupted: bool) -> i32 {
+    if interrupted {
+        INTERRUPTED
+    } else if summary.rejected_lines > 0 {
+        REJECTED_INPUT
+    } else {
+        OK
+    }
+}
+
+/// Reports a settings error; returns [`USAGE`].
+pub fn usage(e: &ConfigError) -> i32 {
+    fail(USAGE, &e.to_string())
+}
+
+/// Reports `msg` on stderr; returns `code`.
+pub fn fail(code: i32, msg: &str) -> i32 {
+    eprintln!("embed-dlq: error: {msg}");
+    code
+}
+
+/// The second signal: the operator does not want to wait for the drain.
+pub fn immediately() -> ! {
+    eprintln!("embed-dlq: second signal, exiting immediately");
+    std::process::exit(INTERRUPTED);
+}

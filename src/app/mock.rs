@@ -1,0 +1,83 @@
+//! `mock-provider`: runs the fault-injecting provider until a signal, with its settings
+//! checked against their bounds first.
+
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
+use tokio_util::sync::CancellationToken;
+
+use super::args::MockProviderCommand;
+use super::exit;
+
+/// Runs the mock on `--listen` with `--settings` (JSON keys of [`MockConfig`]) until
+/// `cancel`; returns the exit code.
+pub async fn command(args: MockProviderCommand, cancel: CancellationToken) -> i32 {
+    let MockProviderCommand { listen, settings } = args;
+    let config: MockConfig = match serde_json::from_str(&settings) {
+        Ok(c) => c,
+        Err(e) => return exit::fail(exit::USAGE, &format!("--settings: {e}")),
+    };
+    if let Err(e) = check_mock_config(&config) {
+        return exit::fail(exit::USAGE, &format!("--settings: {e}"));
+    }
+    match MockProvider::start(config, listen, cancel.clone()).await {
+        Ok(mock) => {
+            eprintln!("mock provider listening on {} (GET /stats for counters)", mock.base_url());
+            cancel.cancelled().await;
+            mock.shutdown().await;
+            exit::OK
+        }
+        Err(e) => exit::fail(exit::FAILURE, &format!("cannot listen on {listen}: {e}")),
+    }
+}
+
+/// Longest wait the mock may be told to add (latency, hold, outage, Retry-After): 1 day.
+pub const MOCK_MAX_MS: u64 = 86_400_000;
+
+/// Bounds of the mock provider's settings: rates are probabilities, dimensions fit pgvector,
+/// waits are at most [`MOCK_MAX_MS`].
+fn check_mock_config(c: &MockConfig) -> Result<(), String> {
+    for (name, rate) in [
+        ("rate_429", c.rate_429),
+        ("rate_5xx", c.rate_5xx),
+        ("rate_timeout", c.rate_timeout),
+        ("rate_reset", c.rate_reset),
+    ] {
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(format!("{name} = {rate} is out of range: allowed 0..=1"));
+        }
+    }
+    if !embed_dlq::config::bounds::DIMENSIONS.contains(&c.dimensions) {
+        return Err(format!("dimensions = {} is out of range: allowed 1..=16000", c.dimensions));
+    }
+    for (name, ms) in [
+        ("latency_ms", c.latency_ms),
+        ("retry_after_ms", c.retry_after_ms),
+        ("timeout_hold_ms", c.timeout_hold_ms),
+        ("outage_after_ms", c.outage_after_ms.unwrap_or(0)),
+        ("outage_for_ms", c.outage_for_ms),
+    ] {
+        if ms > MOCK_MAX_MS {
+            return Err(format!("{name} = {ms} is out of range: allowed 0..={MOCK_MAX_MS}"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mock_settings_are_bounded() {
+        assert!(check_mock_config(&MockConfig::default()).is_ok());
+        let bad = [
+            MockConfig { rate_429: 1.5, ..MockConfig::default() },
+            MockConfig { rate_5xx: f64::NAN, ..MockConfig::default() },
+            MockConfig { dimensions: 0, ..MockConfig::default() },
+            MockConfig { latency_ms: u64::MAX, ..MockConfig::default() },
+            MockConfig { outage_after_ms: Some(MOCK_MAX_MS + 1), ..MockConfig::default() },
+        ];
+        for c in bad {
+            assert!(check_mock_config(&c).is_err(), "{c:?}");
+        }
+    }
+}

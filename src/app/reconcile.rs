@@ -1,0 +1,103 @@
+//! `reconcile`: connects to Postgres (and Redis if configured), runs the checks once or
+//! periodically, prints every report and maps the last one to an exit code.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
+use embed_dlq::reconcile::{Mode, Reconciler};
+use embed_dlq::streams::StreamKeys;
+use tokio_util::sync::CancellationToken;
+
+use super::args::ReconcileCommand;
+use super::render::print_report;
+use super::{Resolver, exit};
+
+/// Runs `reconcile`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: CancellationToken) -> i32 {
+    let ReconcileCommand { repair, dry_run, every_secs, json, metrics_addr, table, stream_prefix } = args;
+    let flags = FileConfig {
+        ingest: IngestArgs { table, ..Default::default() },
+        serve: ServeArgs { stream_prefix, ..Default::default() },
+        ..Default::default()
+    };
+    let (settings, url) = match resolver.with_database(flags) {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
+    };
+    let mode = match (repair, dry_run) {
+        (true, true) => Mode::DryRun,
+        (true, false) => Mode::Repair,
+        (false, _) => Mode::Check,
+    };
+    let run = ReconcileRun {
+        database_url: &url,
+        redis_url: settings.redis_url.as_deref(),
+        table: &settings.table,
+        stream_prefix: &settings.stream_prefix,
+        mode,
+        every: every_secs.map(Duration::from_secs),
+        json,
+        metrics_addr,
+    };
+    reconcile(run, cancel).await
+}
+
+/// Where and how to reconcile.
+struct ReconcileRun<'a> {
+    /// The Postgres that holds manifest, vectors, DLQ and outbox.
+    database_url: &'a str,
+    /// Without Redis, the checks that compare with the streams are skipped.
+    redis_url: Option<&'a str>,
+    /// The target vector table.
+    table: &'a str,
+    /// Key prefix of the streams.
+    stream_prefix: &'a str,
+    /// Check, repair, or show what a repair would do.
+    mode: Mode,
+    /// Run every this often until a signal; `None` runs once.
+    every: Option<Duration>,
+    /// Each report as one JSON object instead of a table.
+    json: bool,
+    /// Serve Prometheus metrics here while running.
+    metrics_addr: Option<SocketAddr>,
+}
+
+/// Runs the reconciler; returns [`exit::FINDINGS`] if a single run found something, and
+/// [`exit::OK`] when a periodic run is stopped by a signal.
+async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
+    if let Some(addr) = run.metrics_addr
+        && let Err(e) = embed_dlq::metrics::install(addr)
+    {
+        return exit::fail(exit::FAILURE, &e.to_string());
+    }
+    let store = match super::open_store(run.database_url, 4, run.table).await {
+        Ok(s) => s,
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
+    let redis = match run.redis_url {
+        Some(u) => match embed_dlq::streams::client(u) {
+            Ok(c) => match embed_dlq::streams::managed(&c).await {
+                Ok(m) => Some(m),
+                Err(e) => return exit::fail(exit::FAILURE, &format!("cannot connect to Redis: {e}")),
+            },
+            Err(e) => return exit::fail(exit::USAGE, &format!("bad Redis URL: {e}")),
+        },
+        None => None,
+    };
+    let mut reconciler =
+        Reconciler { store, redis, keys: StreamKeys::new(run.stream_prefix), config: Default::default() };
+    let mut code = exit::OK;
+    let json = run.json;
+    let on_run = |outcome: Result<_, _>| {
+        code = match outcome {
+            Ok(report) => {
+                print_report(&report, json);
+                if report.total_found() > 0 { exit::FINDINGS } else { exit::OK }
+            }
+            Err(e) => exit::fail(exit::FAILURE, &format!("reconcile failed: {e}")),
+        }
+    };
+    embed_dlq::serve::reconcile_periodically(&mut reconciler, run.mode, run.every, on_run, &cancel).await;
+    if run.every.is_some() { exit::OK } else { code }
+}

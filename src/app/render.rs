@@ -1,0 +1,108 @@
+//! Rendering of the outcomes shared by several commands: the ingest summary (ingest, demo)
+//! and the reconcile report (reconcile, demo), as human lines or one JSON object.
+
+use std::io::Write;
+
+use embed_dlq::ingest::IngestSummary;
+use embed_dlq::reconcile::{Mode, Report};
+
+/// Prints a summary: human lines, or one JSON object.
+pub fn print_summary(s: &IngestSummary, json: bool) {
+    let mut out = std::io::stdout().lock();
+    if json {
+        let _ = writeln!(out, "{}", serde_json::to_string(s).expect("summary serializes"));
+        return;
+    }
+    let _ = write_human_summary(&mut out, s);
+}
+
+/// The human form of a summary, written to any writer.
+pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::Result<()> {
+    let rate = if s.elapsed_secs > 0.0 { s.records as f64 / s.elapsed_secs } else { 0.0 };
+    writeln!(
+        out,
+        "records read        {:>10}  ({} lines, {:.1}s, {:.0} records/s)",
+        s.records, s.lines_read, s.elapsed_secs, rate
+    )?;
+    writeln!(out, "stored              {:>10}  ({} vector rows written)", s.stored, s.vectors_written)?;
+    writeln!(out, "skipped unchanged   {:>10}", s.unchanged)?;
+    writeln!(out, "skipped, in DLQ     {:>10}", s.already_parked)?;
+    writeln!(out, "parked              {:>10}", s.parked_total())?;
+    for (class, n) in &s.parked {
+        writeln!(out, "  {:<18}{:>10}", class.as_str(), n)?;
+    }
+    if s.superseded > 0 {
+        writeln!(
+            out,
+            "superseded          {:>10}  (a later line or run of the same chunk won)",
+            s.superseded
+        )?;
+    }
+    if s.dlq_resolved > 0 {
+        writeln!(out, "DLQ rows resolved   {:>10}", s.dlq_resolved)?;
+    }
+    let retries: u64 = s.retries.values().sum();
+    writeln!(out, "retries             {:>10}", retries)?;
+    for (reason, n) in &s.retries {
+        writeln!(out, "  {:<18}{:>10}", reason, n)?;
+    }
+    writeln!(
+        out,
+        "provider calls      {:>10}  ({} inputs, {} batch splits)",
+        s.provider_calls, s.provider_inputs, s.batch_splits
+    )?;
+    writeln!(out, "tokens (reported)   {:>10}", s.reported_tokens)?;
+    if s.breaker_opened > 0 {
+        writeln!(out, "breaker opened      {:>10}", s.breaker_opened)?;
+    }
+    if s.rejected_lines > 0 {
+        writeln!(
+            out,
+            "rejected lines      {:>10}  (no usable doc_id/chunk_index; not stored anywhere)",
+            s.rejected_lines
+        )?;
+        for r in &s.rejected_examples {
+            writeln!(out, "  line {}: {}", r.line, r.problem)?;
+        }
+    }
+    if s.not_attempted > 0 {
+        writeln!(out, "not attempted       {:>10}  (rerun the same corpus to finish them)", s.not_attempted)?;
+    }
+    if let Some(why) = &s.stopped {
+        writeln!(out, "stopped early: {why}")?;
+    }
+    Ok(())
+}
+
+/// Prints a reconcile report on stdout: the table, or one JSON object.
+pub fn print_report(report: &Report, json: bool) {
+    let mut out = std::io::stdout().lock();
+    if json {
+        let _ = writeln!(out, "{}", serde_json::to_string(report).expect("report serializes"));
+    } else {
+        let _ = write_report(&mut out, report);
+    }
+}
+
+/// The report as a table, written to any writer.
+pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result<()> {
+    writeln!(out, "{:<24}{:>10}{:>10}  notes", "check", "found", "repaired")?;
+    for f in &r.findings {
+        let repaired = match (r.mode, f.check.repair_action()) {
+            (_, None) => "-".to_string(),
+            (Mode::Repair, Some(_)) => f.repaired.to_string(),
+            (Mode::DryRun, Some(a)) if f.found > 0 => format!("would: {a}"),
+            _ => "-".to_string(),
+        };
+        let mut notes = f.note.clone().unwrap_or_default();
+        if !f.examples.is_empty() {
+            if !notes.is_empty() {
+                notes.push_str("; ");
+            }
+            notes.push_str(&format!("e.g. {}", f.examples.join(", ")));
+        }
+        writeln!(out, "{:<24}{:>10}{:>10}  {notes}", f.check.name(), f.found, repaired)?;
+    }
+    writeln!(out, "total findings: {} ({:.2}s, mode {:?})", r.total_found(), r.duration_secs, r.mode)?;
+    Ok(())
+}

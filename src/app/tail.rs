@@ -1,0 +1,112 @@
+//! `tail`: the follower's output. The library delivers events; this renders each one as a
+//! human line or one JSON object on stdout.
+
+use std::io::Write;
+
+use embed_dlq::config::{FileConfig, ServeArgs};
+use embed_dlq::streams::StreamKeys;
+use embed_dlq::tail::{EventSink, TailEvent, TailOptions};
+use tokio_util::sync::CancellationToken;
+
+use super::args::TailCommand;
+use super::{Resolver, exit};
+
+/// Runs `tail`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: TailCommand, cancel: CancellationToken) -> i32 {
+    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix } = args;
+    let flags = FileConfig { serve: ServeArgs { stream_prefix, ..Default::default() }, ..Default::default() };
+    let (redis_url, settings) =
+        match resolver.settings(flags).and_then(|s| Ok((s.redis_url()?.to_string(), s))) {
+            Ok(r) => r,
+            Err(e) => return exit::usage(&e),
+        };
+    let opts = TailOptions { from, checkpoint, count, no_follow };
+    follow(&redis_url, &settings.stream_keys(), opts, json, cancel).await
+}
+
+/// Follows the events stream of `keys` on stdout.
+async fn follow(
+    redis_url: &str,
+    keys: &StreamKeys,
+    opts: TailOptions,
+    json: bool,
+    cancel: CancellationToken,
+) -> i32 {
+    if let Err(e) = embed_dlq::tail::check_from(&opts.from) {
+        return exit::fail(exit::USAGE, &format!("--from: {e}"));
+    }
+    let mut sink = LineSink { out: std::io::stdout(), json };
+    match embed_dlq::tail::tail(redis_url, keys, &opts, &mut sink, cancel).await {
+        Ok(_) => exit::OK,
+        Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+    }
+}
+
+/// Writes each event as a line to `out`.
+pub struct LineSink<W: Write> {
+    /// Where the lines go (stdout for the command).
+    pub out: W,
+    /// One JSON object per event instead of a human line.
+    pub json: bool,
+}
+
+impl<W: Write> EventSink for LineSink<W> {
+    fn event(&mut self, e: &TailEvent) -> std::io::Result<()> {
+        if self.json {
+            writeln!(self.out, "{}", e.to_json())
+        } else {
+            writeln!(self.out, "{}", human_line(&e.id, &e.event, &e.body))
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+/// One event as a human line.
+fn human_line(id: &str, event: &str, body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
+    // Values come from stream entries (doc ids are user data): control characters are
+    // escaped so an entry cannot forge lines or send terminal escape sequences.
+    let s = |k: &str| match &v[k] {
+        serde_json::Value::Null => None,
+        serde_json::Value::String(s) => Some(escape_controls(s)),
+        other => Some(escape_controls(&other.to_string())),
+    };
+    let (id, event) = (escape_controls(id), escape_controls(event));
+    let mut line = format!(
+        "{id} {event:<9} {}#{}",
+        s("doc_id").unwrap_or_else(|| "?".into()),
+        s("chunk_index").unwrap_or_else(|| "?".into())
+    );
+    for k in ["error_class", "error_reason", "attempts", "replays", "next_retry_at", "exhausted_reason"] {
+        if let Some(val) = s(k) {
+            line.push_str(&format!(" {k}={val}"));
+        }
+    }
+    line
+}
+
+/// `s` with every control character (newline, ESC, ...) written as a Rust escape.
+fn escape_controls(s: &str) -> String {
+    if !s.chars().any(char::is_control) {
+        return s.to_string();
+    }
+    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_lines_escape_control_characters() {
+        let body = serde_json::json!({"doc_id": "evil\n1-0 parked    forged#0\u{1b}[31m", "chunk_index": 1})
+            .to_string();
+        let line = human_line("1-0", "parked", &body);
+        assert!(!line.contains('\n') && !line.contains('\u{1b}'), "{line:?}");
+        assert!(line.contains("evil\\n1-0") && line.contains("\\u{1b}[31m"), "{line:?}");
+        assert_eq!(human_line("1-0", "parked", r#"{"doc_id":"d","chunk_index":2}"#), "1-0 parked    d#2");
+    }
+}
