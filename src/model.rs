@@ -161,6 +161,45 @@ fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// One due DLQ row, as the replay stream carries it: the row (`dlq_id`), the row's
+/// `generation` and `content_hash` when it was scheduled, and its target table. A replay
+/// result for it commits only while the row still has that generation and that content
+/// (`crate::store::replay`). Written by the scheduler's statement (`crate::store::replay`),
+/// read from stream entries by [`crate::streams::work::from_entry`]; [`WorkItem::parse_body`]
+/// is the one parser of its JSON body.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WorkItem {
+    /// The DLQ row (`embedding_dlq.id`).
+    pub dlq_id: i64,
+    /// The row's generation when it was scheduled (`embedding_dlq.generation`).
+    pub generation: i64,
+    /// The content the work is for (`embedding_dlq.content_hash`).
+    pub content_hash: String,
+    /// Canonical target table name (`embedding_dlq.target_table`).
+    pub target_table: String,
+}
+
+/// Longest content hash / table name accepted from a work item (a hash is 64 hex
+/// characters; Postgres names are at most 63 bytes per part, quoted and qualified).
+const WORK_ITEM_MAX_FIELD: usize = 512;
+
+impl WorkItem {
+    /// Reads a work item from its JSON body. `None` for anything else (including items
+    /// written before generations existed: their rows are scheduled again when their lease
+    /// runs out).
+    pub fn parse_body(body: &str) -> Option<WorkItem> {
+        let v: serde_json::Value = serde_json::from_str(body).ok()?;
+        let content_hash = v["content_hash"].as_str().filter(|s| s.len() <= WORK_ITEM_MAX_FIELD)?;
+        let target_table = v["table"].as_str().filter(|s| !s.is_empty() && s.len() <= WORK_ITEM_MAX_FIELD)?;
+        Some(WorkItem {
+            dlq_id: v["dlq_id"].as_i64()?,
+            generation: v["generation"].as_i64()?,
+            content_hash: content_hash.to_string(),
+            target_table: target_table.to_string(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +231,27 @@ mod tests {
         }
         assert!(ErrorClass::Transient.is_replayable());
         assert!(!ErrorClass::PermanentInput.is_replayable());
+    }
+
+    #[test]
+    fn parses_current_items_and_refuses_legacy_or_broken_ones() {
+        let w = WorkItem::parse_body(
+            r#"{"dlq_id":7,"generation":42,"content_hash":"ab","table":"public.t","doc_id":"d","chunk_index":0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            w,
+            WorkItem {
+                dlq_id: 7,
+                generation: 42,
+                content_hash: "ab".into(),
+                target_table: "public.t".into()
+            }
+        );
+        assert_eq!(WorkItem::parse_body(r#"{"dlq_id":7,"replays":0}"#), None, "pre-generation item");
+        assert_eq!(WorkItem::parse_body("not json"), None);
+        let long =
+            format!(r#"{{"dlq_id":7,"generation":1,"content_hash":"{}","table":"t"}}"#, "a".repeat(600));
+        assert_eq!(WorkItem::parse_body(&long), None);
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, TableCheck, WorkAudit};
 use crate::store::{Store, StoreError, outbox};
-use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
+use crate::streams::{REPLAY_GROUP, StreamKeys};
 use redis::aio::ConnectionManager;
 use serde::Serialize;
 
@@ -441,7 +441,9 @@ impl Reconciler {
                 .ids
                 .iter()
                 .filter(|e| pending.contains(&e.id) || crate::streams::parse_entry_id(&e.id) > last_delivered)
-                .map(|e| (e.id.clone(), WorkItem::parse(&e.map).map(|w| (w.dlq_id, w.generation))))
+                .map(|e| {
+                    (e.id.clone(), crate::streams::work::from_entry(&e.map).map(|w| (w.dlq_id, w.generation)))
+                })
                 .collect();
             let (ids, gens): (Vec<i64>, Vec<i64>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
             audit.record_outstanding(&ids, &gens).await?;

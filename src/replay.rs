@@ -252,7 +252,7 @@ impl Replayer {
                     .into_iter()
                     .map(|e| Entry {
                         deliveries: counts.get(&e.id).copied().unwrap_or(1),
-                        work: WorkItem::parse(&e.map),
+                        work: crate::streams::work::from_entry(&e.map),
                         id: e.id,
                     })
                     .collect();
@@ -580,7 +580,7 @@ impl Replayer {
             .keys
             .into_iter()
             .flat_map(|k| k.ids)
-            .map(|e| Entry { work: WorkItem::parse(&e.map), id: e.id, deliveries: 1 })
+            .map(|e| Entry { work: crate::streams::work::from_entry(&e.map), id: e.id, deliveries: 1 })
             .collect())
     }
 }

@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::{Store, StoreError};
 use crate::model::ErrorClass;
-use crate::streams::WorkItem;
+use crate::model::WorkItem;
 
 /// A DLQ row as replay needs it.
 #[derive(Debug, Clone)]
@@ -405,6 +405,30 @@ fn enqueue_sql(filter: &str) -> String {
              RETURNING 1
          )
          SELECT count(*) FROM work",
-        body = WorkItem::sql_body("upd")
+        body = WORK_ITEM_BODY
     )
+}
+
+/// The JSON body of a replay work item over the columns of `upd` (what
+/// [`WorkItem::parse_body`] reads, plus `doc_id`, `chunk_index` and `attempts` for stream
+/// readers).
+const WORK_ITEM_BODY: &str = "jsonb_build_object('dlq_id', upd.id, 'generation', upd.generation, \
+     'content_hash', upd.content_hash, 'table', upd.target_table, 'doc_id', upd.doc_id, \
+     'chunk_index', upd.chunk_index, 'attempts', upd.attempts)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_item_body_names_every_field_the_parser_reads() {
+        for f in [
+            "'dlq_id', upd.id",
+            "'generation', upd.generation",
+            "'content_hash', upd.content_hash",
+            "'table', upd.target_table",
+        ] {
+            assert!(WORK_ITEM_BODY.contains(f), "{WORK_ITEM_BODY} lacks {f}");
+        }
+    }
 }
