@@ -1,0 +1,133 @@
+//! The library used from Rust: `Pipeline::run_chunks` (chunks a program already holds, no
+//! JSONL) against real Postgres+pgvector and the mock provider, and the `embed_from_rust`
+//! example run as it is.
+
+use embed_dlq::model::{Chunk, ErrorClass};
+use embed_dlq::testkit::mock_provider::{MockConfig, POISON_400};
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+fn chunk(doc_id: &str, chunk_index: i32, text: &str) -> Chunk {
+    Chunk { doc_id: doc_id.into(), chunk_index, text: text.into(), metadata: None }
+}
+
+/// Good chunks, a poison input, empty text, a NUL, an over-long doc id, a negative index and
+/// one key twice (the later one differs).
+fn mixed_chunks() -> Vec<Chunk> {
+    let mut chunks: Vec<Chunk> = (0..40).map(|i| chunk("rust-doc", i, &format!("text number {i}"))).collect();
+    chunks.push(chunk("poison", 0, &format!("bad {POISON_400} input")));
+    chunks.push(chunk("empty", 0, "   "));
+    chunks.push(chunk("nul", 0, "a\0b"));
+    chunks
+        .push(Chunk { metadata: Some(serde_json::json!(["not", "an", "object"])), ..chunk("meta", 0, "x") });
+    chunks.push(chunk(&"d".repeat(2000), 0, "too long an id")); // position 45
+    chunks.push(chunk("negative", -1, "x")); // position 46
+    chunks.push(chunk("rust-doc", 3, "text number 3, revised"));
+    chunks
+}
+
+async fn revised_hash(db: &TestDb) -> String {
+    sqlx::query_scalar(
+        "SELECT content_hash FROM doc_embeddings WHERE doc_id = 'rust-doc' AND chunk_index = 3",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_from_rust_are_stored_parked_or_rejected_like_lines_and_unchanged_on_rerun() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &mock)).await;
+
+    let s = p.run_chunks(mixed_chunks(), CancellationToken::new()).await.unwrap();
+    assert_eq!(s.lines_read, 47, "{s:?}");
+    assert_eq!(s.records, 45, "rejected chunks are no records: {s:?}");
+    assert_eq!(s.stored + s.superseded, 41, "{s:?}");
+    assert_eq!(s.stored, 40 + 1 - s.superseded);
+    assert_eq!(s.parked.get(&ErrorClass::PermanentInput), Some(&2), "poison and empty: {s:?}");
+    assert_eq!(s.parked.get(&ErrorClass::InvalidRecord), Some(&2), "NUL and metadata: {s:?}");
+    assert_eq!(s.rejected_lines, 2);
+    let rejected: Vec<u64> = s.rejected_examples.iter().map(|r| r.line).collect();
+    assert_eq!(rejected, vec![45, 46], "{:?}", s.rejected_examples);
+    assert!(s.rejected_examples[0].problem.contains("2000 bytes"), "{:?}", s.rejected_examples);
+    assert!(s.stopped.is_none());
+
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 4);
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'permanent_input' AND error_reason = 'empty_text'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'nul' AND payload->>'line' = '43'").await,
+        1,
+        "a broken chunk is parked with its position"
+    );
+    // The later of the two chunks with one key won.
+    let revised = embed_dlq::model::content_hash(
+        p.embedder.client.model(),
+        p.embedder.dimensions,
+        "text number 3, revised",
+    );
+    assert_eq!(revised_hash(&db).await, revised);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+
+    // Rerun: nothing parked again. The one key that occurs twice is
+    // embedded again (its two chunks, in one run, decide by position, as for JSONL lines);
+    // everything else makes no provider call.
+    let inputs_before = mock.control.stats().inputs;
+    let again = p.run_chunks(mixed_chunks(), CancellationToken::new()).await.unwrap();
+    assert_eq!(again.unchanged, 39, "{again:?}");
+    assert_eq!(again.already_parked, 4, "{again:?}");
+    assert_eq!(again.stored + again.superseded, 2, "{again:?}");
+    assert_eq!(again.parked_total(), 0, "{again:?}");
+    assert_eq!(again.rejected_lines, 2);
+    assert_eq!(again.provider_inputs, 2, "{again:?}");
+    assert_eq!(mock.control.stats().inputs, inputs_before + 2);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
+    assert_eq!(revised_hash(&db).await, revised, "the later chunk still wins");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_chunks_is_pulled_only_as_the_byte_budget_allows() {
+    use futures::StreamExt;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let db = TestDb::new().await;
+    // Slow answers: nothing is written (and no budget released) for the first 300 ms.
+    let mock = start_mock(MockConfig { latency_ms: 300, ..MockConfig::default() }).await;
+    let mut s = settings(&db, &mock);
+    s.options.max_inflight_bytes = 0; // clamped to the smallest budget, 1 MiB
+    let p = pipeline(&s).await;
+    let text = "x".repeat(2048);
+    let produced = std::sync::Arc::new(AtomicU64::new(0));
+    let counter = produced.clone();
+    // Each chunk is charged about twice its 2 KB: about 250 fit in the budget.
+    let chunks = futures::stream::iter(0..2000).map(move |i| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        chunk("streamed", i, &format!("{i} {text}"))
+    });
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn({
+        let cancel = cancel.clone();
+        async move { p.run_stream(chunks, cancel).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let pulled = produced.load(Ordering::Relaxed);
+    cancel.cancel();
+    assert!((200..600).contains(&pulled), "pulled {pulled} of 2000 chunks before any was written");
+
+    let summary = run.await.unwrap().unwrap();
+    assert_eq!(summary.stopped.as_deref(), Some("shutdown requested"));
+    assert_eq!(summary.stored + summary.not_attempted, summary.records, "{summary:?}");
+    assert!(summary.stored > 0, "claimed work finishes on shutdown: {summary:?}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await as u64, summary.stored);
+    assert_eq!(db.leaks().await, 0);
+}
