@@ -8,6 +8,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
 
+/// The example's own code, run by the suite against the mock.
+#[path = "../../examples/embed_from_rust.rs"]
+#[allow(dead_code)] // its `main` is the example binary's, not the suite's
+mod embed_from_rust;
+
 fn chunk(doc_id: &str, chunk_index: i32, text: &str) -> Chunk {
     Chunk { doc_id: doc_id.into(), chunk_index, text: text.into(), metadata: None }
 }
@@ -130,4 +135,49 @@ async fn a_stream_of_chunks_is_pulled_only_as_the_byte_budget_allows() {
     assert!(summary.stored > 0, "claimed work finishes on shutdown: {summary:?}");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await as u64, summary.stored);
     assert_eq!(db.leaks().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embed_from_rust_example_retries_parks_and_reruns_against_the_mock() {
+    let db = TestDb::new().await;
+    // Every other request fails at first: the example's in-process retries absorb them.
+    let mock = start_mock(MockConfig {
+        rate_5xx: 0.3,
+        rate_429: 0.2,
+        retry_after_ms: 5,
+        seed: 11,
+        ..MockConfig::default()
+    })
+    .await;
+    let target = embed_from_rust::Target {
+        database_url: db.url.clone(),
+        base_url: mock.base_url(),
+        model: "mock".into(),
+    };
+    let chunks = embed_from_rust::sample_chunks();
+    let good = chunks.len() as u64 - 2;
+
+    let s = embed_from_rust::run(&target, chunks.clone(), CancellationToken::new()).await.unwrap();
+    assert_eq!(s.records, good + 2, "{s:?}");
+    assert_eq!(s.stored + s.parked_total(), s.records, "{s:?}");
+    // The empty chunk never reaches the provider; the poison one is rejected by it (or, if the
+    // faults exhausted its batch's retries first, parked as transient for replay).
+    let permanent = s.parked.get(&ErrorClass::PermanentInput).copied().unwrap_or(0);
+    let transient = s.parked.get(&ErrorClass::Transient).copied().unwrap_or(0);
+    assert!(permanent >= 1 && permanent + transient >= 2, "poison and empty are parked: {s:?}");
+    assert!(s.retries.values().sum::<u64>() > 0, "the faults were retried: {s:?}");
+    let report = embed_from_rust::report(&s);
+    assert!(
+        report.contains(&format!("records:   {}", s.records)) && report.contains("permanent_input"),
+        "{report}"
+    );
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+
+    // The same chunks again: whatever was stored or parked is skipped.
+    let again = embed_from_rust::run(&target, chunks, CancellationToken::new()).await.unwrap();
+    assert_eq!(again.unchanged, s.stored, "{again:?}");
+    assert_eq!(again.already_parked, s.parked_total(), "{again:?}");
+    assert_eq!(again.provider_calls, 0, "{again:?}");
 }
