@@ -13,6 +13,11 @@ use crate::support::*;
 #[allow(dead_code)] // its `main` is the example binary's, not the suite's
 mod embed_from_rust;
 
+/// The events consumer example's code, run against the suite's Redis.
+#[path = "../../examples/events_consumer.rs"]
+#[allow(dead_code)] // its `main` is the example binary's, not the suite's
+mod events_consumer;
+
 fn chunk(doc_id: &str, chunk_index: i32, text: &str) -> Chunk {
     Chunk { doc_id: doc_id.into(), chunk_index, text: text.into(), metadata: None }
 }
@@ -180,4 +185,74 @@ async fn the_embed_from_rust_example_retries_parks_and_reruns_against_the_mock()
     assert_eq!(again.unchanged, s.stored, "{again:?}");
     assert_eq!(again.already_parked, s.parked_total(), "{again:?}");
     assert_eq!(again.provider_calls, 0, "{again:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_events_consumer_example_acks_what_it_handled_and_claims_what_another_left() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let keys = fresh_keys();
+    let group = "example-test";
+    // The group is created (with its stream) before anything is published: it sees everything.
+    let mut first =
+        events_consumer::EventsConsumer::connect(&redis_url(), &keys, group, "first").await.unwrap();
+    // Created once: connecting again finds the group and keeps its position.
+    let mut second =
+        events_consumer::EventsConsumer::connect(&redis_url(), &keys, group, "second").await.unwrap();
+
+    let chunks: Vec<Chunk> = (0..3).map(|i| chunk("consumed", i, &format!("{POISON_400} {i}"))).collect();
+    let s = pipeline(&settings(&db, &mock)).await.run_chunks(chunks, CancellationToken::new()).await.unwrap();
+    assert_eq!(s.parked_total(), 3, "{s:?}");
+    assert_eq!(relay_all(&db, &keys).await, 3);
+
+    // The first consumer handles every event but the first one, which stays pending.
+    let mut seen: Vec<events_consumer::Delivered> = Vec::new();
+    let mut handled = 0;
+    for _ in 0..5 {
+        handled += first
+            .read_once(&mut |d: &events_consumer::Delivered| {
+                seen.push(d.clone());
+                seen.len() > 1
+            })
+            .await
+            .unwrap();
+        if seen.len() >= 3 {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), 3);
+    assert_eq!(handled, 2);
+    for d in &seen {
+        let body = d.body.as_ref().unwrap_or_else(|| panic!("typed body: {d:?}"));
+        assert_eq!((body.event.as_str(), body.doc_id.as_str()), ("parked", "consumed"));
+        assert_eq!(body.error_class, Some(ErrorClass::PermanentInput));
+        assert_eq!(body.table, "public.doc_embeddings");
+    }
+    let pending = |c: &mut redis::aio::ConnectionManager| {
+        let mut c = c.clone();
+        let stream = keys.events();
+        async move {
+            let reply: redis::streams::StreamPendingReply =
+                redis::cmd("XPENDING").arg(&stream).arg(group).query_async(&mut c).await.unwrap();
+            reply.count()
+        }
+    };
+    let mut conn = redis().await;
+    assert_eq!(pending(&mut conn).await, 1, "the refused event stays pending");
+
+    // The second consumer starts: it claims the stale entry, handles and acknowledges it.
+    let mut claimed = Vec::new();
+    let n = second
+        .claim_stale(std::time::Duration::ZERO, &mut |d: &events_consumer::Delivered| {
+            claimed.push(d.entry.id.clone());
+            events_consumer::print_event(d)
+        })
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(claimed, vec![seen[0].entry.id.clone()]);
+    assert_eq!(pending(&mut conn).await, 0);
+    // Nothing new: a read waits out its BLOCK (longer than redis-rs's default response
+    // timeout) and comes back empty instead of failing.
+    assert_eq!(second.read_once(&mut events_consumer::print_event).await.unwrap(), 0);
 }
