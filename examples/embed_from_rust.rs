@@ -70,8 +70,10 @@ pub async fn run(
 /// A small document split into chunks, plus two that cannot be embedded: one the mock
 /// provider rejects (`[[poison:400]]`) and an empty one (parked without a provider call).
 pub fn sample_chunks() -> Vec<Chunk> {
-    let text = "Postgres is the system of record. Failures are classified, retried, and parked \
-                in a dead-letter table together with an outbox event, in one transaction.";
+    let text = "Postgres is the system of record. A chunk that fails is classified first. Transient \
+                failures are retried with capped exponential backoff and full jitter. What still \
+                fails is parked in a dead-letter table. Its outbox event is written in the same \
+                transaction. The relay publishes it to Redis Streams";
     let mut chunks: Vec<Chunk> = text
         .split(". ")
         .enumerate()

@@ -34,13 +34,16 @@ pub struct DlqEvent {
     pub dlq_id: i64,
     /// The target table (canonical name, e.g. `public.doc_embeddings`).
     pub table: String,
+    /// The chunk's document, as given in the input.
     pub doc_id: String,
+    /// The chunk's position in its document.
     pub chunk_index: i32,
     /// The DLQ row's generation: a newer one supersedes what an older event said.
     pub generation: i64,
     /// Why the chunk is parked (park and re-park events).
     #[serde(default)]
     pub error_class: Option<ErrorClass>,
+    /// Every other field of the body, untouched.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
@@ -49,7 +52,9 @@ pub struct DlqEvent {
 /// when the body is not an event this consumer understands).
 #[derive(Debug, Clone)]
 pub struct Delivered {
+    /// Stream entry id, event name and raw body.
     pub entry: TailEvent,
+    /// The body, parsed.
     pub body: Option<DlqEvent>,
 }
 
