@@ -44,7 +44,7 @@ use tokio_util::sync::CancellationToken;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
-use crate::store::{ParkedChunk, Store, StoreError, StoredChunk, source_seq};
+use crate::store::{ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
 use budget::{ByteBudget, Charge};
@@ -113,6 +113,7 @@ pub struct RejectedLine {
 /// `already_parked`, `parked`, `superseded`, `rejected_lines` or `not_attempted`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct IngestSummary {
+    /// Lines read ([`Pipeline::run`]), or chunks taken ([`Pipeline::run_chunks`]).
     pub lines_read: u64,
     pub records: u64,
     /// Chunks stored in this run (including ones whose identical vector was already there).
@@ -218,110 +219,198 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Runs one ingest over `input` until it ends, `cancel` fires, or the provider refuses
-    /// the run.
+    /// Runs one ingest over JSONL `input` until it ends, `cancel` fires, or the provider
+    /// refuses the run.
     pub async fn run<R>(&self, input: R, cancel: CancellationToken) -> Result<IngestSummary, IngestError>
     where
         R: AsyncBufRead + Unpin + Send + 'static,
     {
+        let max_line_bytes = self.options.max_line_bytes;
+        self.execute(cancel, move |feed| feed.read_jsonl(input, max_line_bytes)).await
+    }
+
+    /// Ingests chunks a Rust program already holds, with no JSONL in between: the same
+    /// checks, batching, manifest filter, byte budget, retries, parking and store as
+    /// [`Pipeline::run`], and the same summary. A chunk's 1-based position in `chunks` stands
+    /// in for its line number (in rejections, in the payload of a parked broken chunk, and
+    /// for "the last one wins" when a key occurs twice).
+    pub async fn run_chunks<I>(
+        &self,
+        chunks: I,
+        cancel: CancellationToken,
+    ) -> Result<IngestSummary, IngestError>
+    where
+        I: IntoIterator<Item = Chunk>,
+        I::IntoIter: Send + 'static,
+    {
+        self.run_stream(futures::stream::iter(chunks), cancel).await
+    }
+
+    /// Like [`Pipeline::run_chunks`], for chunks produced asynchronously (another pipeline's
+    /// output, a database cursor): they are pulled only as the byte budget allows, so memory
+    /// stays bounded whatever the stream's length.
+    pub async fn run_stream<S>(
+        &self,
+        chunks: S,
+        cancel: CancellationToken,
+    ) -> Result<IngestSummary, IngestError>
+    where
+        S: futures::Stream<Item = Chunk> + Send + 'static,
+    {
+        self.execute(cancel, move |feed| feed.read_chunks(chunks)).await
+    }
+
+    /// One run whose records come from the task `read` makes of its [`Feed`].
+    async fn execute<F, Fut>(&self, cancel: CancellationToken, read: F) -> Result<IngestSummary, IngestError>
+    where
+        F: FnOnce(Feed) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let started = Instant::now();
         // Every record's position is (run id << 32 | line): later runs beat earlier ones.
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
-        let opts = &self.options;
-        let tally = Arc::new(Mutex::new(Tally::default()));
         // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
         // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.
-        let halt = cancel.child_token();
-        let progress = Progress::new(opts.progress, opts.total_bytes);
-        let budget = ByteBudget::new(opts.max_inflight_bytes);
+        let run = RunState {
+            tally: Arc::default(),
+            halt: cancel.child_token(),
+            cancel,
+            progress: Progress::new(self.options.progress, self.options.total_bytes),
+        };
         // Every task is joined; a panic in any of them halts the run and is reported.
-        let mut tasks = Supervisor::new(halt.clone());
-
+        let mut tasks = Supervisor::new(run.halt.clone());
         let (rec_tx, mut rec_rx) = mpsc::channel::<(Record, Charge)>(4096);
-        let reader = InputReader {
-            max_line_bytes: opts.max_line_bytes,
-            budget: budget.clone(),
+        let feed = Feed {
+            budget: ByteBudget::new(self.options.max_inflight_bytes),
             records: rec_tx,
-            halt: halt.clone(),
-            progress: progress.clone(),
+            halt: run.halt.clone(),
+            progress: run.progress.clone(),
             lines_read: Arc::default(),
             error: Arc::default(),
         };
-        let (lines_read, input_error) = (reader.lines_read.clone(), reader.error.clone());
-        tasks.spawn("ingest reader", reader.run(input));
+        let (lines_read, input_error) = (feed.lines_read.clone(), feed.error.clone());
+        tasks.spawn("ingest reader", read(feed));
+        let jobs = self.spawn_workers_and_writers(&mut tasks, &run);
+        let (intake_error, batcher_failure) = self.batch_intake(&mut rec_rx, &jobs, &run, run_id).await;
+        drop(jobs);
+        drop(rec_rx);
+        tasks.wait().await;
+        run.progress.finish();
 
+        let mut t = std::mem::take(&mut *run.tally.lock().unwrap_or_else(PoisonError::into_inner));
+        t.summary.elapsed_secs = started.elapsed().as_secs_f64();
+        t.summary.breaker_opened = self.embedder.gate.times_opened();
+        t.summary.lines_read = lines_read.load(Ordering::Relaxed);
+        settle_accounts(&mut t.summary, &run);
+        let ending = RunEnding {
+            failure: batcher_failure.into_iter().chain(tasks.failures()).next(),
+            intake_error,
+            input_error: input_error.lock().unwrap_or_else(PoisonError::into_inner).take(),
+        };
+        ending.result(t)
+    }
+
+    /// Starts the writers and the workers; returns the workers' job queue.
+    fn spawn_workers_and_writers(&self, tasks: &mut Supervisor, run: &RunState) -> flume::Sender<Job> {
+        let opts = &self.options;
         // Multi-consumer channels: an idle writer or worker waits on the channel itself,
         // never on a lock another one needs to make progress.
         let (out_tx, out_rx) = flume::bounded::<Outcomes>(opts.concurrency * 2);
         for n in 0..opts.writers.max(1) {
             let writer = Writer {
                 store: self.store.clone(),
-                tally: tally.clone(),
-                halt: halt.clone(),
-                progress: progress.clone(),
+                tally: run.tally.clone(),
+                halt: run.halt.clone(),
+                progress: run.progress.clone(),
                 rows: opts.write_batch_rows,
                 linger: opts.batch_linger,
             };
             tasks.spawn(format!("ingest writer {n}"), writer.run(out_rx.clone()));
         }
-        drop(out_rx);
         let (job_tx, job_rx) = flume::bounded::<Job>(opts.concurrency * 2);
         for n in 0..opts.concurrency {
             let worker = Worker {
                 embedder: self.embedder.clone(),
                 schedule: opts.dlq_schedule,
-                tally: tally.clone(),
-                cancel: cancel.clone(),
-                halt: halt.clone(),
+                tally: run.tally.clone(),
+                cancel: run.cancel.clone(),
+                halt: run.halt.clone(),
                 writer: out_tx.clone(),
             };
             tasks.spawn(format!("ingest worker {n}"), worker.run(job_rx.clone()));
         }
-        drop((out_tx, job_rx));
+        job_tx
+    }
 
-        // The batcher runs here: it owns the manifest lookups and the order of intake. A
-        // panic in it is caught like one in any task.
-        let intake = AssertUnwindSafe(self.intake(&mut rec_rx, &job_tx, &tally, &halt, &cancel, run_id))
+    /// Runs the batcher here (it owns the manifest lookups and the order of intake); a panic
+    /// in it is caught like one in any task and halts the run.
+    async fn batch_intake(
+        &self,
+        records: &mut mpsc::Receiver<(Record, Charge)>,
+        jobs: &flume::Sender<Job>,
+        run: &RunState,
+        run_id: i64,
+    ) -> (Option<IngestError>, Option<TaskFailure>) {
+        let intake = AssertUnwindSafe(self.intake(records, jobs, &run.tally, &run.halt, &run.cancel, run_id))
             .catch_unwind()
             .await;
-        let (intake_error, batcher_failure) = match intake {
+        match intake {
             Ok(result) => (result.err(), None),
             Err(payload) => {
                 let message = crate::supervise::panic_message(payload.as_ref());
                 let failure = TaskFailure::Panicked { task: "ingest batcher".into(), message };
                 tracing::error!(error = %failure, "task failed; stopping");
-                halt.cancel();
+                run.halt.cancel();
                 (None, Some(failure))
             }
-        };
-        drop(job_tx);
-        drop(rec_rx);
-        tasks.wait().await;
-        progress.finish();
+        }
+    }
+}
 
-        let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(PoisonError::into_inner));
-        let s = &mut t.summary;
-        s.elapsed_secs = started.elapsed().as_secs_f64();
-        s.breaker_opened = self.embedder.gate.times_opened();
-        s.lines_read = lines_read.load(Ordering::Relaxed);
-        if cancel.is_cancelled() && s.stopped.is_none() {
-            s.stopped = Some("shutdown requested".into());
+/// What every task of one run shares.
+struct RunState {
+    tally: Arc<Mutex<Tally>>,
+    /// Shutdown requested by the caller.
+    cancel: CancellationToken,
+    /// The run is stopping, for whatever reason (a child of `cancel`).
+    halt: CancellationToken,
+    progress: Progress,
+}
+
+/// Whatever a stopped run neither stored, skipped nor parked (records in a dead task's hands,
+/// in channels, in the batcher's window) is "not attempted": a rerun does it.
+fn settle_accounts(s: &mut IngestSummary, run: &RunState) {
+    if run.cancel.is_cancelled() && s.stopped.is_none() {
+        s.stopped = Some("shutdown requested".into());
+    }
+    let accounted =
+        s.stored + s.unchanged + s.already_parked + s.parked_total() + s.superseded + s.not_attempted;
+    if accounted < s.records {
+        if !run.halt.is_cancelled() {
+            tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");
         }
-        // Whatever a stopped run neither stored, skipped nor parked (records in a dead task's
-        // hands, in channels, in the batcher's window) is "not attempted": a rerun does it.
-        let accounted =
-            s.stored + s.unchanged + s.already_parked + s.parked_total() + s.superseded + s.not_attempted;
-        if accounted < s.records {
-            if !halt.is_cancelled() {
-                tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");
-            }
-            s.not_attempted += s.records - accounted;
-        }
-        if let Some(failure) = batcher_failure.into_iter().chain(tasks.failures()).next() {
-            s.stopped = Some(failure.to_string());
+        s.not_attempted += s.records - accounted;
+    }
+}
+
+/// How a run ended besides its tally, for [`RunEnding::result`].
+struct RunEnding {
+    /// A task (or the batcher) that panicked or failed.
+    failure: Option<TaskFailure>,
+    /// Why the batcher stopped early (a manifest lookup failed).
+    intake_error: Option<IngestError>,
+    /// Why reading the input stopped early.
+    input_error: Option<std::io::Error>,
+}
+
+impl RunEnding {
+    /// The run's result: the most serious reason it stopped, if any, else its summary.
+    fn result(self, mut t: Tally) -> Result<IngestSummary, IngestError> {
+        if let Some(failure) = self.failure {
+            t.summary.stopped = Some(failure.to_string());
             return Err(IngestError::Task { failure, summary: Box::new(t.summary) });
         }
-        if let Some(e) = intake_error {
+        if let Some(e) = self.intake_error {
             return Err(e);
         }
         if let Some(e) = t.fatal {
@@ -331,7 +420,7 @@ impl Pipeline {
             t.summary.stopped = Some(stop.to_string());
             return Err(IngestError::Provider { stop, summary: Box::new(t.summary) });
         }
-        if let Some(e) = input_error.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        if let Some(e) = self.input_error {
             return Err(IngestError::Input(e));
         }
         Ok(t.summary)
@@ -379,22 +468,23 @@ impl Pipeline {
     }
 }
 
-/// The reader task: lines → records, each charged to the byte budget before it is handed
-/// on. An I/O error ends the input (what was read is still processed) and is reported when
-/// the run ends.
-struct InputReader {
-    max_line_bytes: usize,
+/// The reader side of a run, whatever its input: records, each charged to the byte budget
+/// before it is handed to the batcher. An I/O error ends the input (what was read is still
+/// processed) and is reported when the run ends.
+struct Feed {
     budget: ByteBudget,
     records: mpsc::Sender<(Record, Charge)>,
     halt: CancellationToken,
     progress: Progress,
+    /// Lines read, or chunks taken.
     lines_read: Arc<AtomicU64>,
     error: Arc<Mutex<Option<std::io::Error>>>,
 }
 
-impl InputReader {
-    async fn run<R: AsyncBufRead + Unpin>(self, input: R) {
-        let mut lines = LineReader::new(input, self.max_line_bytes);
+impl Feed {
+    /// The reader task of [`Pipeline::run`]: JSONL lines → records.
+    async fn read_jsonl<R: AsyncBufRead + Unpin>(self, input: R, max_line_bytes: usize) {
+        let mut lines = LineReader::new(input, max_line_bytes);
         loop {
             // A halted run stops reading even if the producer (stdin) has gone quiet.
             let next = tokio::select! {
@@ -416,25 +506,58 @@ impl InputReader {
             // the reader waits for room holding a line, not a parsed record that may be many
             // times larger. Together about twice the record: that covers the copy made to
             // park it. At most the whole budget: a huge record runs alone.
-            let mut charge = tokio::select! {
-                biased;
-                _ = self.halt.cancelled() => break,
-                c = self.budget.charge(raw.bytes.len() as u64) => c,
-            };
+            let Some(charge) = self.charge(raw.bytes.len() as u64).await else { break };
             let Some(rec) = parse_line(&raw) else { continue };
             drop(raw);
-            let parsed = rec.approx_bytes().min(self.budget.capacity().saturating_sub(charge.bytes()));
-            if parsed > 0 {
-                charge.merge(tokio::select! {
-                    biased;
-                    _ = self.halt.cancelled() => break,
-                    c = self.budget.charge(parsed) => c,
-                });
-            }
-            if self.records.send((rec, charge)).await.is_err() {
+            if !self.hand_on(rec, charge).await {
                 break;
             }
         }
+    }
+
+    /// The reader task of [`Pipeline::run_stream`]: chunks → records, through the same checks
+    /// as parsed lines ([`Record::from_chunk`]).
+    async fn read_chunks<S: futures::Stream<Item = Chunk>>(self, chunks: S) {
+        use futures::StreamExt;
+        let mut chunks = std::pin::pin!(chunks);
+        let mut position = 0u64;
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = self.halt.cancelled() => break,
+                c = chunks.next() => c,
+            };
+            let Some(chunk) = next else { break };
+            position += 1;
+            self.lines_read.fetch_add(1, Ordering::Relaxed);
+            let rec = Record::from_chunk(position, chunk);
+            // The record's own size stands in for the line a JSONL record is charged first:
+            // together about twice the record, like a parsed line.
+            let Some(charge) = self.charge(rec.approx_bytes()).await else { break };
+            if !self.hand_on(rec, charge).await {
+                break;
+            }
+        }
+    }
+
+    /// Charges `bytes` to the budget, waiting for room; `None` if the run halts meanwhile.
+    async fn charge(&self, bytes: u64) -> Option<Charge> {
+        tokio::select! {
+            biased;
+            _ = self.halt.cancelled() => None,
+            c = self.budget.charge(bytes) => Some(c),
+        }
+    }
+
+    /// Adds the parsed record's size to `charge` (at most up to the whole budget) and hands
+    /// the record to the batcher; false once the run halts or the batcher is gone.
+    async fn hand_on(&self, rec: Record, mut charge: Charge) -> bool {
+        let parsed = rec.approx_bytes().min(self.budget.capacity().saturating_sub(charge.bytes()));
+        if parsed > 0 {
+            let Some(more) = self.charge(parsed).await else { return false };
+            charge.merge(more);
+        }
+        self.records.send((rec, charge)).await.is_ok()
     }
 }
 
@@ -606,23 +729,38 @@ impl<'a> Batcher<'a> {
         Ok(())
     }
 
+    /// Sends the window on: skips what the manifest already holds, parks what cannot be
+    /// embedded and hands the rest to the workers in provider-sized batches.
     async fn flush(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
         if self.is_empty() {
             return Ok(());
         }
         // Released when the last job of this window has been written (or dropped).
         let charge = Arc::new(std::mem::take(&mut self.charge));
-        let chunks = std::mem::take(&mut self.chunks);
+        let mut chunks = std::mem::take(&mut self.chunks);
         let mut invalid = std::mem::take(&mut self.invalid);
         let repeated = std::mem::take(&mut self.repeated);
         self.keys.clear();
+        self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
+        let (batches, park) = self.provider_batches(chunks, invalid);
+        self.dispatch(batches, park, charge, jobs).await;
+        Ok(())
+    }
+
+    /// Drops (and counts) the records whose content the manifest already holds, stored or
+    /// parked (replay owns it then), in one lookup; keys `repeated` in this run are kept.
+    async fn skip_known(
+        &self,
+        chunks: &mut Vec<(Chunk, String, i64)>,
+        invalid: &mut Vec<ParkedChunk>,
+        repeated: &HashSet<(String, i32)>,
+    ) -> Result<(), IngestError> {
         let keys: Vec<(String, i32)> = chunks
             .iter()
             .map(|(c, _, _)| (c.doc_id.clone(), c.chunk_index))
             .chain(invalid.iter().map(|p| (p.doc_id.clone(), p.chunk_index)))
             .collect();
         let known = with_db_retry(|| self.pipeline.store.manifest_lookup(&keys)).await?;
-        let opts = &self.pipeline.options;
         let (mut unchanged, mut already_parked) = (0u64, 0u64);
         let mut seen = |k: (String, i32), hash: &str| match known.get(&k) {
             _ if repeated.contains(&k) => false,
@@ -637,13 +775,29 @@ impl<'a> Batcher<'a> {
             _ => false,
         };
         invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash));
-        let mut park = invalid;
+        chunks.retain(|(chunk, hash, _)| !seen((chunk.doc_id.clone(), chunk.chunk_index), hash));
+        {
+            let mut t = self.tally.lock().unwrap();
+            t.summary.unchanged += unchanged;
+            t.summary.already_parked += already_parked;
+        }
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
+            .increment(already_parked);
+        Ok(())
+    }
+
+    /// Splits the chunks into provider batches (by count and characters); what fails the
+    /// pre-flight checks joins `park` instead.
+    fn provider_batches(
+        &self,
+        chunks: Vec<(Chunk, String, i64)>,
+        mut park: Vec<ParkedChunk>,
+    ) -> (Vec<Vec<Claimed>>, Vec<ParkedChunk>) {
+        let opts = &self.pipeline.options;
         let mut batches: Vec<Vec<Claimed>> = Vec::new();
         let (mut current, mut chars) = (Vec::new(), 0usize);
         for (chunk, hash, seq) in chunks {
-            if seen((chunk.doc_id.clone(), chunk.chunk_index), &hash) {
-                continue;
-            }
             if let Some((reason, detail)) = preflight(&chunk, opts.max_input_chars) {
                 park.push(ParkedChunk {
                     doc_id: chunk.doc_id.clone(),
@@ -673,14 +827,17 @@ impl<'a> Batcher<'a> {
         if !current.is_empty() {
             batches.push(current);
         }
-        {
-            let mut t = self.tally.lock().unwrap();
-            t.summary.unchanged += unchanged;
-            t.summary.already_parked += already_parked;
-        }
-        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
-        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
-            .increment(already_parked);
+        (batches, park)
+    }
+
+    /// Hands the window's jobs to the workers; the parks ride with the first one.
+    async fn dispatch(
+        &self,
+        batches: Vec<Vec<Claimed>>,
+        park: Vec<ParkedChunk>,
+        charge: Arc<Charge>,
+        jobs: &flume::Sender<Job>,
+    ) {
         let mut jobs_out: Vec<Job> = batches
             .into_iter()
             .map(|embed| Job { embed, park: Vec::new(), charge: charge.clone() })
@@ -698,7 +855,6 @@ impl<'a> Batcher<'a> {
                 self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
             }
         }
-        Ok(())
     }
 }
 
@@ -913,31 +1069,7 @@ impl Writer {
         let mut t = self.tally.lock().unwrap();
         match result {
             Ok((counts, parked)) => {
-                let superseded: HashSet<usize> = parked.superseded.iter().copied().collect();
-                let to_park: Vec<&ParkedChunk> = to_park
-                    .iter()
-                    .enumerate()
-                    .filter(|(n, _)| !superseded.contains(n))
-                    .map(|(_, p)| p)
-                    .collect();
-                for p in &to_park {
-                    tracing::debug!(doc_id = %Escaped(&p.doc_id), chunk_index = p.chunk_index, class = %p.class,
-                        reason = %p.reason, attempts = p.attempts, "parked");
-                }
-                let stored = to_store.len() as u64 - counts.superseded;
-                metrics::counter!(crate::metrics::CHUNKS_STORED).increment(stored);
-                for p in &to_park {
-                    crate::metrics::parked(p.class, 1);
-                }
-                let s = &mut t.summary;
-                s.stored += stored;
-                s.superseded += counts.superseded + superseded.len() as u64;
-                s.vectors_written += counts.vectors_written;
-                s.dlq_resolved += counts.dlq_resolved;
-                for p in &to_park {
-                    *s.parked.entry(p.class).or_default() += 1;
-                }
-                self.progress.set_counts(s.stored + s.unchanged, s.parked_total());
+                self.count_written(&mut t.summary, to_store.len(), counts, &to_park, &parked);
                 true
             }
             Err(e) => {
@@ -950,6 +1082,39 @@ impl Writer {
                 false
             }
         }
+    }
+}
+
+impl Writer {
+    /// Adds what one flush wrote to the summary, the metrics, the log and the progress bar.
+    fn count_written(
+        &self,
+        s: &mut IngestSummary,
+        stored_rows: usize,
+        counts: StoreCounts,
+        to_park: &[ParkedChunk],
+        parked: &ParkCounts,
+    ) {
+        let superseded: HashSet<usize> = parked.superseded.iter().copied().collect();
+        let to_park: Vec<&ParkedChunk> =
+            to_park.iter().enumerate().filter(|(n, _)| !superseded.contains(n)).map(|(_, p)| p).collect();
+        for p in &to_park {
+            tracing::debug!(doc_id = %Escaped(&p.doc_id), chunk_index = p.chunk_index, class = %p.class,
+                reason = %p.reason, attempts = p.attempts, "parked");
+        }
+        let stored = stored_rows as u64 - counts.superseded;
+        metrics::counter!(crate::metrics::CHUNKS_STORED).increment(stored);
+        for p in &to_park {
+            crate::metrics::parked(p.class, 1);
+        }
+        s.stored += stored;
+        s.superseded += counts.superseded + superseded.len() as u64;
+        s.vectors_written += counts.vectors_written;
+        s.dlq_resolved += counts.dlq_resolved;
+        for p in &to_park {
+            *s.parked.entry(p.class).or_default() += 1;
+        }
+        self.progress.set_counts(s.stored + s.unchanged, s.parked_total());
     }
 }
 

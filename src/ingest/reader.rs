@@ -146,6 +146,10 @@ fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
 }
 
 /// Parses one raw line; `None` for a blank line (allowed, skipped, not counted as a record).
+///
+/// JSON decoding and its failures are this function's; the checks every record passes
+/// whatever its source (identity, NULs, metadata shape) are shared with
+/// [`Record::from_chunk`].
 pub fn parse_line(raw: &RawLine) -> Option<Record> {
     let line = raw.number;
     if let Some(len) = raw.oversized {
@@ -157,100 +161,180 @@ pub fn parse_line(raw: &RawLine) -> Option<Record> {
     if raw.bytes.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
-    // Invalid sequences are replaced by a marker character that does not occur in the line,
-    // so a field that was broken can be told from one that merely holds U+FFFD.
-    let (text, utf8_problem, marker) = match std::str::from_utf8(&raw.bytes) {
-        Ok(s) => (std::borrow::Cow::Borrowed(s), None, None),
-        Err(e) => {
-            let (decoded, marker) = decode_marked(&raw.bytes);
-            (
-                std::borrow::Cow::Owned(decoded),
-                Some(format!("invalid UTF-8 at byte {}", e.valid_up_to())),
-                marker,
-            )
-        }
+    let decoded = DecodedLine::new(&raw.bytes);
+    let identified = decoded.json_object().and_then(|mut obj| {
+        let identity = decoded.identity(&mut obj)?;
+        Ok((identity, obj))
+    });
+    let ((doc_id, chunk_index), mut obj) = match identified {
+        Ok(found) => found,
+        Err(problem) => return Some(Record::Rejected { line, problem }),
     };
-    let value: Value = match serde_json::from_str(&text) {
-        Ok(v) => v,
-        Err(e) => {
-            let problem = match &utf8_problem {
-                Some(p) => format!("{p}; then malformed JSON: {}", Escaped(&e.to_string())),
-                None => format!("malformed JSON: {}", Escaped(&e.to_string())),
-            };
-            return Some(Record::Rejected { line, problem });
-        }
+    let fields = match &decoded.utf8_problem {
+        Some(p) => Err(p.clone()),
+        None => fields_of(&mut obj),
     };
-    let Value::Object(mut obj) = value else {
-        return Some(Record::Rejected { line, problem: "not a JSON object".into() });
-    };
-    let doc_id = match obj.remove("doc_id") {
-        Some(Value::String(s)) if s.is_empty() || s.contains('\0') => {
-            return Some(Record::Rejected { line, problem: "doc_id is empty or contains NUL".into() });
-        }
-        // The lossy decode maps every invalid sequence to U+FFFD, so two different broken ids
-        // would become one key (and one DLQ row would hold whichever came last): an id that
-        // cannot be read exactly is no identity.
-        Some(Value::String(s)) if utf8_problem.is_some() && marker.is_none_or(|m| s.contains(m)) => {
-            let p = utf8_problem.as_deref().unwrap_or("invalid UTF-8");
-            return Some(Record::Rejected { line, problem: format!("doc_id is not valid UTF-8 ({p})") });
-        }
-        Some(Value::String(s)) if s.len() > MAX_DOC_ID_BYTES => {
-            return Some(Record::Rejected {
-                line,
-                problem: format!("doc_id of {} bytes exceeds the limit of {MAX_DOC_ID_BYTES} bytes", s.len()),
-            });
-        }
-        Some(Value::String(s)) => s,
-        Some(_) => return Some(Record::Rejected { line, problem: "doc_id is not a string".into() }),
-        None => return Some(Record::Rejected { line, problem: "missing key doc_id".into() }),
-    };
-    let chunk_index = match obj.get("chunk_index") {
-        Some(Value::Number(n)) => match n.as_i64().and_then(|i| i32::try_from(i).ok()).filter(|i| *i >= 0) {
-            Some(i) => i,
-            None => {
-                return Some(Record::Rejected {
-                    line,
-                    problem: format!("chunk_index {n} is not an integer in 0..=2147483647"),
-                });
-            }
-        },
-        Some(_) => return Some(Record::Rejected { line, problem: "chunk_index is not a number".into() }),
-        None => return Some(Record::Rejected { line, problem: "missing key chunk_index".into() }),
-    };
-    let invalid = |problem: String| {
-        Some(Record::Invalid {
+    Some(match fields {
+        Ok((text, metadata)) => Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text, metadata } },
+        Err(problem) => Record::Invalid {
             line,
-            doc_id: doc_id.clone(),
+            payload: invalid_payload(&doc_id, chunk_index, line, &decoded.text, decoded.marker),
+            doc_id,
             chunk_index,
             problem,
-            payload: invalid_payload(&doc_id, chunk_index, line, &text, marker),
             raw_hash: crate::model::raw_record_hash(&raw.bytes),
-        })
-    };
-    if let Some(p) = utf8_problem {
-        return invalid(p);
+        },
+    })
+}
+
+impl Record {
+    /// The record a chunk handed over by a Rust program becomes: the same checks as a parsed
+    /// line ([`parse_line`]), so both inputs reject, park or embed the same chunks. `position`
+    /// (1-based) stands in for the line number; a broken chunk is parked with its JSON form as
+    /// the `raw_line` of its payload.
+    pub fn from_chunk(position: u64, mut chunk: Chunk) -> Record {
+        let line = position;
+        let identity = doc_id_problem(&chunk.doc_id)
+            .map_or_else(|| chunk_index_in_range(&chunk.chunk_index.into()).err(), Some);
+        if let Some(problem) = identity {
+            return Record::Rejected { line, problem };
+        }
+        if chunk.metadata == Some(Value::Null) {
+            chunk.metadata = None;
+        }
+        let Some(problem) = fields_problem(&chunk.text, chunk.metadata.as_ref()) else {
+            return Record::Chunk { line, chunk };
+        };
+        let json = serde_json::to_string(&chunk).expect("chunk serializes");
+        Record::Invalid {
+            line,
+            payload: invalid_payload(&chunk.doc_id, chunk.chunk_index, line, &json, None),
+            raw_hash: crate::model::raw_record_hash(json.as_bytes()),
+            doc_id: chunk.doc_id,
+            chunk_index: chunk.chunk_index,
+            problem,
+        }
     }
-    // Fields are moved out of the parsed object, never cloned: a record's metadata may be
-    // megabytes.
-    let text_field = match obj.remove("text") {
+}
+
+/// A line decoded as UTF-8. Invalid sequences are replaced by a marker character that does
+/// not occur in the line, so a field that was broken can be told from one that merely holds
+/// U+FFFD.
+struct DecodedLine<'a> {
+    text: std::borrow::Cow<'a, str>,
+    utf8_problem: Option<String>,
+    marker: Option<char>,
+}
+
+impl<'a> DecodedLine<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => DecodedLine { text: s.into(), utf8_problem: None, marker: None },
+            Err(e) => {
+                let (decoded, marker) = decode_marked(bytes);
+                DecodedLine {
+                    text: decoded.into(),
+                    utf8_problem: Some(format!("invalid UTF-8 at byte {}", e.valid_up_to())),
+                    marker,
+                }
+            }
+        }
+    }
+
+    /// The line as a JSON object, or why it is none (a rejection: no identity can be read).
+    fn json_object(&self) -> Result<Map<String, Value>, String> {
+        let value: Value = serde_json::from_str(&self.text).map_err(|e| match &self.utf8_problem {
+            Some(p) => format!("{p}; then malformed JSON: {}", Escaped(&e.to_string())),
+            None => format!("malformed JSON: {}", Escaped(&e.to_string())),
+        })?;
+        match value {
+            Value::Object(obj) => Ok(obj),
+            _ => Err("not a JSON object".into()),
+        }
+    }
+
+    /// `(doc_id, chunk_index)`, moved out of `obj`, or why the record has no usable identity.
+    fn identity(&self, obj: &mut Map<String, Value>) -> Result<(String, i32), String> {
+        let doc_id = match obj.remove("doc_id") {
+            // The lossy decode maps every invalid sequence to U+FFFD, so two different broken
+            // ids would become one key (and one DLQ row would hold whichever came last): an id
+            // that cannot be read exactly is no identity.
+            Some(Value::String(s))
+                if self.utf8_problem.is_some() && self.marker.is_none_or(|m| s.contains(m)) =>
+            {
+                let p = self.utf8_problem.as_deref().unwrap_or("invalid UTF-8");
+                return Err(format!("doc_id is not valid UTF-8 ({p})"));
+            }
+            Some(Value::String(s)) => match doc_id_problem(&s) {
+                Some(problem) => return Err(problem),
+                None => s,
+            },
+            Some(_) => return Err("doc_id is not a string".into()),
+            None => return Err("missing key doc_id".into()),
+        };
+        let chunk_index = match obj.get("chunk_index") {
+            Some(Value::Number(n)) => chunk_index_in_range(n)?,
+            Some(_) => return Err("chunk_index is not a number".into()),
+            None => return Err("missing key chunk_index".into()),
+        };
+        Ok((doc_id, chunk_index))
+    }
+}
+
+/// `text` and `metadata` moved out of a record's object (never cloned: a record's metadata may
+/// be megabytes), or why the record is broken.
+fn fields_of(obj: &mut Map<String, Value>) -> Result<(String, Option<Value>), String> {
+    let text = match obj.remove("text") {
         Some(Value::String(s)) => s,
-        Some(_) => return invalid("text is not a string".into()),
-        None => return invalid("missing key text".into()),
+        Some(_) => return Err("text is not a string".into()),
+        None => return Err("missing key text".into()),
     };
-    if text_field.contains('\0') {
-        return invalid("text contains NUL characters (Postgres cannot store them)".into());
-    }
     let metadata = match obj.remove("metadata") {
         None | Some(Value::Null) => None,
-        Some(m @ Value::Object(_)) => {
-            if contains_nul(&m) {
-                return invalid("metadata contains NUL characters (Postgres cannot store them)".into());
-            }
-            Some(m)
-        }
-        Some(_) => return invalid("metadata is not an object".into()),
+        Some(m) => Some(m),
     };
-    Some(Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text: text_field, metadata } })
+    match fields_problem(&text, metadata.as_ref()) {
+        Some(problem) => Err(problem),
+        None => Ok((text, metadata)),
+    }
+}
+
+/// Why `doc_id` cannot identify a chunk, whatever the input: Postgres cannot store NUL, and
+/// cannot index keys much longer than [`MAX_DOC_ID_BYTES`].
+fn doc_id_problem(doc_id: &str) -> Option<String> {
+    if doc_id.is_empty() || doc_id.contains('\0') {
+        return Some("doc_id is empty or contains NUL".into());
+    }
+    if doc_id.len() > MAX_DOC_ID_BYTES {
+        return Some(format!(
+            "doc_id of {} bytes exceeds the limit of {MAX_DOC_ID_BYTES} bytes",
+            doc_id.len()
+        ));
+    }
+    None
+}
+
+/// The chunk index, if `n` is one: an integer in 0..=2147483647, whatever the input.
+fn chunk_index_in_range(n: &serde_json::Number) -> Result<i32, String> {
+    n.as_i64()
+        .and_then(|i| i32::try_from(i).ok())
+        .filter(|i| *i >= 0)
+        .ok_or_else(|| format!("chunk_index {n} is not an integer in 0..=2147483647"))
+}
+
+/// Why an identified record cannot be embedded and stored, whatever the input (it is parked as
+/// `invalid_record`): Postgres cannot store NUL characters, and metadata is an object.
+fn fields_problem(text: &str, metadata: Option<&Value>) -> Option<String> {
+    if text.contains('\0') {
+        return Some("text contains NUL characters (Postgres cannot store them)".into());
+    }
+    match metadata {
+        Some(Value::Object(_)) if metadata.is_some_and(contains_nul) => {
+            Some("metadata contains NUL characters (Postgres cannot store them)".into())
+        }
+        None | Some(Value::Object(_)) => None,
+        Some(_) => Some("metadata is not an object".into()),
+    }
 }
 
 fn contains_nul(v: &Value) -> bool {
@@ -425,6 +509,61 @@ mod identity_tests {
         );
         let b = parse(blob.as_bytes()).unwrap().approx_bytes();
         assert!((10_000..11_000).contains(&b), "{b}");
+    }
+
+    #[test]
+    fn a_chunk_from_rust_gets_the_verdict_of_its_json_line() {
+        let chunk = |doc_id: &str, chunk_index: i32, text: &str, metadata: Option<Value>| Chunk {
+            doc_id: doc_id.into(),
+            chunk_index,
+            text: text.into(),
+            metadata,
+        };
+        let kind = |r: &Record| match r {
+            Record::Chunk { .. } => "chunk",
+            Record::Invalid { .. } => "invalid",
+            Record::Rejected { .. } => "rejected",
+        };
+        let cases = [
+            chunk("d", 0, "x", None),
+            chunk("d", 0, "x", Some(serde_json::json!({"k": [1, "v"]}))),
+            chunk("d", 0, "x", Some(Value::Null)),
+            chunk("", 0, "x", None),
+            chunk("a\0b", 0, "x", None),
+            chunk(&"d".repeat(MAX_DOC_ID_BYTES + 1), 0, "x", None),
+            chunk("d", -1, "x", None),
+            chunk("d", 0, "a\0b", None),
+            chunk("d", 0, "x", Some(serde_json::json!([1]))),
+            chunk("d", 0, "x", Some(serde_json::json!({"k\0": 1}))),
+            chunk("d", 0, "x", Some(serde_json::json!({"k": "a\0"}))),
+        ];
+        for c in cases {
+            let line = serde_json::to_string(&c).unwrap();
+            let from_line = parse(line.as_bytes()).unwrap();
+            let from_rust = Record::from_chunk(9, c.clone());
+            assert_eq!(kind(&from_rust), kind(&from_line), "{c:?}");
+            match (&from_rust, &from_line) {
+                (Record::Rejected { problem: a, .. }, Record::Rejected { problem: b, .. })
+                | (Record::Invalid { problem: a, .. }, Record::Invalid { problem: b, .. }) => {
+                    assert_eq!(a, b)
+                }
+                (Record::Chunk { chunk: a, .. }, Record::Chunk { chunk: b, .. }) => assert_eq!(a, b),
+                _ => unreachable!(),
+            }
+        }
+        let Record::Invalid { payload, raw_hash, line, .. } =
+            Record::from_chunk(4, chunk("d", 1, "a\0b", None))
+        else {
+            panic!()
+        };
+        assert_eq!(line, 4);
+        assert_eq!(payload["line"], 4);
+        assert!(!payload.to_string().contains('\0'), "Postgres cannot store NUL: {payload}");
+        let again = Record::from_chunk(4, chunk("d", 1, "a\0b", None));
+        assert!(
+            matches!(again, Record::Invalid { raw_hash: h, .. } if h == raw_hash),
+            "a rerun finds it parked"
+        );
     }
 
     #[tokio::test]
