@@ -219,8 +219,16 @@ impl ConfigFile {
     }
 }
 
+/// The mock provider's default address, written once for both constants below.
+macro_rules! default_mock_addr {
+    () => {
+        "127.0.0.1:8089"
+    };
+}
+/// Default listen address of `mock-provider`, so that the default base URL reaches it.
+pub const DEFAULT_MOCK_ADDR: &str = default_mock_addr!();
 /// Default OpenAI-compatible endpoint: the mock provider's default address.
-pub const DEFAULT_BASE_URL: &str = "http://127.0.0.1:8089/v1";
+pub const DEFAULT_BASE_URL: &str = concat!("http://", default_mock_addr!(), "/v1");
 /// Default model name.
 pub const DEFAULT_MODEL: &str = "text-embedding-3-small";
 /// Default name of the variable holding the API key.

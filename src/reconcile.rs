@@ -554,7 +554,8 @@ impl Reconciler {
             lost.add_examples(rows.iter().map(|(_, key)| key.clone()), self.config.examples);
             if repair {
                 let ids: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
-                lost.repaired += self.store.enqueue_ids(&ids, Duration::from_secs(15 * 60)).await?;
+                let lease = crate::replay::ReplayConfig::default().lease;
+                lost.repaired += self.store.enqueue_ids(&ids, lease).await?;
             }
             if rows.len() < page {
                 break;
