@@ -14,6 +14,18 @@
 //!
 //! Secrets never travel through flags or files: the API key is read from the environment
 //! variable named by `api_key_env` (default `EMBED_DLQ_API_KEY`).
+//!
+//! Why the layering is hand-written and not [`figment`](https://docs.rs/figment): judged in
+//! 2026-11 (figment 0.10.19, one maintainer, no release since 2024), it would replace only
+//! `Resolver::pick` (a dozen lines). Everything else stays ours either way: the bounds
+//! (some relative to another setting, e.g. `retry_cap_ms >= retry_base_ms`), the URL, header
+//! and table checks, the `Duration`s. And it costs properties we keep: flags and environment
+//! variables are parsed by clap (so `--help` lists each variable), and figment records the
+//! source per provider, not per key, so telling `--concurrency` from `EMBED_DLQ_...` in an
+//! error needs either clap's [`Origins`] walk anyway or figment's `Env` provider, which cannot
+//! map our unprefixed names (`DATABASE_URL`) without a per-key table and drops the `--help`
+//! display. Unknown keys and ill-typed values are already errors naming the file, key and
+//! line (serde's `deny_unknown_fields` with the `toml` crate). Not adopted.
 
 use std::collections::HashMap;
 use std::fmt;
