@@ -16,7 +16,7 @@
 //! variable named by `api_key_env` (default `EMBED_DLQ_API_KEY`).
 //!
 //! Why the layering is hand-written and not [`figment`](https://docs.rs/figment): judged in
-//! 2026-11 (figment 0.10.19, one maintainer, no release since 2024), it would replace only
+//! 2026-11 (figment 0.10.19, still 0.x, one maintainer), it would replace only
 //! `Resolver::pick` (a dozen lines). Everything else stays ours either way: the bounds
 //! (some relative to another setting, e.g. `retry_cap_ms >= retry_base_ms`), the URL, header
 //! and table checks, the `Duration`s. And it costs properties we keep: flags and environment
