@@ -14,6 +14,18 @@
 //!
 //! Secrets never travel through flags or files: the API key is read from the environment
 //! variable named by `api_key_env` (default `EMBED_DLQ_API_KEY`).
+//!
+//! Why the layering is hand-written and not [`figment`](https://docs.rs/figment): judged in
+//! 2026-11 (figment 0.10.19, still 0.x, one maintainer), it would replace only
+//! `Resolver::pick` (a dozen lines). Everything else stays ours either way: the bounds
+//! (some relative to another setting, e.g. `retry_cap_ms >= retry_base_ms`), the URL, header
+//! and table checks, the `Duration`s. And it costs properties we keep: flags and environment
+//! variables are parsed by clap (so `--help` lists each variable), and figment records the
+//! source per provider, not per key, so telling `--concurrency` from `EMBED_DLQ_...` in an
+//! error needs either clap's [`Origins`] walk anyway or figment's `Env` provider, which cannot
+//! map our unprefixed names (`DATABASE_URL`) without a per-key table and drops the `--help`
+//! display. Unknown keys and ill-typed values are already errors naming the file, key and
+//! line (serde's `deny_unknown_fields` with the `toml` crate). Not adopted.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -219,8 +231,16 @@ impl ConfigFile {
     }
 }
 
+/// The mock provider's default address, written once for both constants below.
+macro_rules! default_mock_addr {
+    () => {
+        "127.0.0.1:8089"
+    };
+}
+/// Default listen address of `mock-provider`, so that the default base URL reaches it.
+pub const DEFAULT_MOCK_ADDR: &str = default_mock_addr!();
 /// Default OpenAI-compatible endpoint: the mock provider's default address.
-pub const DEFAULT_BASE_URL: &str = "http://127.0.0.1:8089/v1";
+pub const DEFAULT_BASE_URL: &str = concat!("http://", default_mock_addr!(), "/v1");
 /// Default model name.
 pub const DEFAULT_MODEL: &str = "text-embedding-3-small";
 /// Default name of the variable holding the API key.
@@ -387,32 +407,39 @@ pub enum ConfigError {
 
 /// Picks each value from the command line layer, then the file, then the default, and
 /// checks it against its bound.
+#[derive(Clone, Copy)]
 struct Resolver<'a> {
     origins: &'a Origins,
     file_path: Option<&'a Path>,
+    /// The file section of the keys being resolved, e.g. `retry` (named in file origins).
+    section: &'static str,
 }
 
 impl Resolver<'_> {
-    fn pick<T>(&self, section: &str, key: &str, flag: Option<T>, file: Option<T>) -> Option<(T, Origin)> {
+    /// The same layers, resolving the keys of file section `section`.
+    fn section(self, section: &'static str) -> Self {
+        Resolver { section, ..self }
+    }
+
+    fn pick<T>(&self, key: &str, flag: Option<T>, file: Option<T>) -> Option<(T, Origin)> {
         if let Some(v) = flag {
             return Some((v, self.origins.of_flag(key)));
         }
         let v = file?;
         let path = self.file_path.map(Path::to_path_buf).unwrap_or_default();
-        Some((v, Origin::File { path, key: format!("[{section}] {key}") }))
+        Some((v, Origin::File { path, key: format!("[{}] {key}", self.section) }))
     }
 
     /// A number within `range` (which the default is in, by the unit tests).
     fn num<T: PartialOrd + fmt::Display + Copy>(
         &self,
-        section: &str,
         key: &'static str,
         flag: Option<T>,
         file: Option<T>,
         default: T,
         range: RangeInclusive<T>,
     ) -> Result<T, ConfigError> {
-        match self.pick(section, key, flag, file) {
+        match self.pick(key, flag, file) {
             None => Ok(default),
             Some((v, _)) if range.contains(&v) => Ok(v),
             Some((v, origin)) => Err(ConfigError::OutOfRange {
@@ -427,13 +454,12 @@ impl Resolver<'_> {
     /// An optional number within `range`.
     fn num_opt<T: PartialOrd + fmt::Display + Copy>(
         &self,
-        section: &str,
         key: &'static str,
         flag: Option<T>,
         file: Option<T>,
         range: RangeInclusive<T>,
     ) -> Result<Option<T>, ConfigError> {
-        match self.pick(section, key, flag, file) {
+        match self.pick(key, flag, file) {
             None => Ok(None),
             Some((v, _)) if range.contains(&v) => Ok(Some(v)),
             Some((v, origin)) => Err(ConfigError::OutOfRange {
@@ -448,13 +474,12 @@ impl Resolver<'_> {
     /// A string accepted by `check` (which says what is wrong otherwise).
     fn text(
         &self,
-        section: &str,
         key: &'static str,
         flag: Option<String>,
         file: Option<String>,
         check: impl Fn(&str) -> Result<(), String>,
     ) -> Result<Option<(String, Origin)>, ConfigError> {
-        match self.pick(section, key, flag, file) {
+        match self.pick(key, flag, file) {
             None => Ok(None),
             Some((v, origin)) => match check(&v) {
                 Ok(()) => Ok(Some((v, origin))),
@@ -539,374 +564,19 @@ impl Settings {
         file: Option<&ConfigFile>,
         origins: &Origins,
     ) -> Result<Self, ConfigError> {
-        let r = Resolver { origins, file_path: file.map(|f| f.path.as_path()) };
+        let r = Resolver { origins, file_path: file.map(|f| f.path.as_path()), section: "" };
         let empty = FileConfig::default();
         let f = file.map(|f| &f.layer).unwrap_or(&empty);
-        // Exhaustive destructuring: a new field that is not resolved here does not compile
-        // (or warns as unused), so no setting can be silently ignored.
+        // Exhaustive destructuring here and in each section: a new field that is not resolved
+        // does not compile (or warns as unused), so no setting can be silently ignored.
         let FileConfig { services, provider, ingest, retry, serve } = flags;
-        let ServiceArgs { database_url, redis_url } = services;
-        let ProviderArgs {
-            base_url,
-            model,
-            request_dimensions,
-            encoding_format,
-            api_key_env,
-            api_key_header,
-            headers,
-            request_timeout_ms,
-        } = provider;
-        let IngestArgs {
-            table,
-            batch_max_inputs,
-            batch_max_chars,
-            concurrency,
-            writers,
-            max_input_chars,
-            max_line_bytes,
-            max_inflight_bytes,
-        } = ingest;
-        let RetryArgs {
-            retry_max_attempts,
-            retry_base_ms,
-            retry_cap_ms,
-            dlq_base_secs,
-            dlq_cap_secs,
-            dlq_max_replays,
-            breaker_failure_threshold,
-            breaker_cooldown_ms,
-            max_outage_secs,
-        } = retry;
-        let ServeArgs {
-            replayers,
-            replay_batch,
-            min_idle_ms,
-            delivery_cap,
-            grace_ms,
-            stream_prefix,
-            consumer_name,
-            relay_batch,
-            relay_poll_ms,
-            metrics_addr,
-            reconcile_every_secs,
-        } = serve;
-
-        // [services]
-        let database_url = r
-            .text("services", "database_url", database_url, f.services.database_url.clone(), |u| {
-                check_scheme(u, &["postgres", "postgresql"])
-            })?
-            .map(|(v, _)| v);
-        let redis_url = r
-            .text("services", "redis_url", redis_url, f.services.redis_url.clone(), |u| {
-                check_scheme(u, &["redis", "rediss", "redis+unix", "unix"])
-            })?
-            .map(|(v, _)| v);
-
-        // [provider]
-        let base_url = r
-            .text("provider", "base_url", base_url, f.provider.base_url.clone(), check_base_url)?
-            .map_or_else(|| DEFAULT_BASE_URL.to_string(), |(v, _)| v);
-        let model = r
-            .text("provider", "model", model, f.provider.model.clone(), |m| {
-                check_len(m, bounds::MODEL_CHARS).and(no_control(m))
-            })?
-            .map_or_else(|| DEFAULT_MODEL.to_string(), |(v, _)| v);
-        let request_dimensions = r.num_opt(
-            "provider",
-            "request_dimensions",
-            request_dimensions,
-            f.provider.request_dimensions,
-            bounds::DIMENSIONS,
-        )?;
-        let encoding = r
-            .pick("provider", "encoding_format", encoding_format, f.provider.encoding_format)
-            .map_or(EncodingFormat::Base64, |(v, _)| v);
-        let key_env = r
-            .text("provider", "api_key_env", api_key_env, f.provider.api_key_env.clone(), check_env_name)?
-            .map_or_else(|| DEFAULT_API_KEY_ENV.to_string(), |(v, _)| v);
-        let api_key = std::env::var(&key_env).ok().filter(|k| !k.is_empty());
-        let api_key_header = r
-            .text(
-                "provider",
-                "api_key_header",
-                api_key_header,
-                f.provider.api_key_header.clone(),
-                check_header_name,
-            )?
-            .map(|(v, _)| v);
-        let headers = r.pick(
-            "provider",
-            "headers",
-            Some(headers).filter(|h| !h.is_empty()),
-            Some(f.provider.headers.clone()).filter(|h| !h.is_empty()),
-        );
-        let mut extra_headers = Vec::new();
-        if let Some((headers, origin)) = headers {
-            let invalid = |problem: String| ConfigError::Invalid {
-                setting: "headers",
-                origin: origin.clone(),
-                problem,
-            };
-            if headers.len() > bounds::MAX_HEADERS {
-                return Err(invalid(format!("{} headers; at most {}", headers.len(), bounds::MAX_HEADERS)));
-            }
-            for h in &headers {
-                let (name, value) =
-                    h.split_once(':').ok_or_else(|| invalid(format!("{h:?} is not `Name: value`")))?;
-                let (name, value) = (name.trim(), value.trim());
-                check_header_name(name).map_err(&invalid)?;
-                reqwest::header::HeaderValue::from_str(value).map_err(|_| {
-                    invalid(format!("the value of header {name:?} has characters not allowed in a header"))
-                })?;
-                extra_headers.push((name.to_string(), value.to_string()));
-            }
-        }
-        let timeout_ms = r.num(
-            "provider",
-            "request_timeout_ms",
-            request_timeout_ms,
-            f.provider.request_timeout_ms,
-            DEFAULT_REQUEST_TIMEOUT_MS,
-            bounds::REQUEST_TIMEOUT_MS,
-        )?;
-        let client = ClientConfig {
-            base_url,
-            model,
-            request_dimensions,
-            encoding,
-            api_key,
-            api_key_header,
-            extra_headers,
-            timeout: Duration::from_millis(timeout_ms),
-        };
-
-        // [ingest]
-        let table = r
-            .text("ingest", "table", table, f.ingest.table.clone(), check_table)?
-            .map_or_else(|| DEFAULT_TABLE.to_string(), |(v, _)| v);
-        let d = IngestOptions::default();
-        let fi = &f.ingest;
-        let batch_max_inputs = r.num(
-            "ingest",
-            "batch_max_inputs",
-            batch_max_inputs,
-            fi.batch_max_inputs,
-            d.batch_max_inputs,
-            bounds::BATCH_MAX_INPUTS,
-        )?;
-        let batch_max_chars = r.num(
-            "ingest",
-            "batch_max_chars",
-            batch_max_chars,
-            fi.batch_max_chars,
-            d.batch_max_chars,
-            bounds::BATCH_MAX_CHARS,
-        )?;
-        let concurrency =
-            r.num("ingest", "concurrency", concurrency, fi.concurrency, d.concurrency, bounds::CONCURRENCY)?;
-        let writers = r.num("ingest", "writers", writers, fi.writers, d.writers, bounds::WRITERS)?;
-        let max_input_chars = r.num(
-            "ingest",
-            "max_input_chars",
-            max_input_chars,
-            fi.max_input_chars,
-            d.max_input_chars,
-            bounds::MAX_INPUT_CHARS,
-        )?;
-        let max_line_bytes = r.num(
-            "ingest",
-            "max_line_bytes",
-            max_line_bytes,
-            fi.max_line_bytes,
-            d.max_line_bytes,
-            bounds::MAX_LINE_BYTES,
-        )?;
-        let max_inflight_bytes = r.num(
-            "ingest",
-            "max_inflight_bytes",
-            max_inflight_bytes,
-            fi.max_inflight_bytes,
-            d.max_inflight_bytes,
-            bounds::MAX_INFLIGHT_BYTES,
-        )?;
-
-        // [retry]
-        let fr = &f.retry;
-        let rp = RetryPolicy::default();
-        let retry_max_attempts = r.num(
-            "retry",
-            "retry_max_attempts",
-            retry_max_attempts,
-            fr.retry_max_attempts,
-            rp.max_attempts,
-            bounds::RETRY_MAX_ATTEMPTS,
-        )?;
-        let retry_base_ms = r.num(
-            "retry",
-            "retry_base_ms",
-            retry_base_ms,
-            fr.retry_base_ms,
-            millis(rp.base),
-            bounds::RETRY_BASE_MS,
-        )?;
-        let retry_cap_ms = r.num(
-            "retry",
-            "retry_cap_ms",
-            retry_cap_ms,
-            fr.retry_cap_ms,
-            millis(rp.cap),
-            retry_base_ms..=*bounds::RETRY_CAP_MS.end(),
-        )?;
-        let ds = DlqSchedule::default();
-        let dlq_base_secs = r.num(
-            "retry",
-            "dlq_base_secs",
-            dlq_base_secs,
-            fr.dlq_base_secs,
-            ds.base.as_secs(),
-            bounds::DLQ_BASE_SECS,
-        )?;
-        let dlq_cap_secs = r.num(
-            "retry",
-            "dlq_cap_secs",
-            dlq_cap_secs,
-            fr.dlq_cap_secs,
-            ds.cap.as_secs(),
-            dlq_base_secs..=*bounds::DLQ_CAP_SECS.end(),
-        )?;
-        let dlq_max_replays = r.num(
-            "retry",
-            "dlq_max_replays",
-            dlq_max_replays,
-            fr.dlq_max_replays,
-            ds.max_replays,
-            bounds::DLQ_MAX_REPLAYS,
-        )?;
-        let bd = BreakerConfig::default();
-        let breaker_failure_threshold = r.num(
-            "retry",
-            "breaker_failure_threshold",
-            breaker_failure_threshold,
-            fr.breaker_failure_threshold,
-            bd.failure_threshold,
-            bounds::BREAKER_FAILURE_THRESHOLD,
-        )?;
-        let breaker_cooldown_ms = r.num(
-            "retry",
-            "breaker_cooldown_ms",
-            breaker_cooldown_ms,
-            fr.breaker_cooldown_ms,
-            millis(bd.cooldown),
-            bounds::BREAKER_COOLDOWN_MS,
-        )?;
-        let max_outage_secs = r.num(
-            "retry",
-            "max_outage_secs",
-            max_outage_secs,
-            fr.max_outage_secs,
-            bd.max_outage.as_secs(),
-            bounds::MAX_OUTAGE_SECS,
-        )?;
-        let dlq_schedule = DlqSchedule {
-            base: Duration::from_secs(dlq_base_secs),
-            cap: Duration::from_secs(dlq_cap_secs),
-            max_replays: dlq_max_replays,
-            ..ds
-        };
-        let options = IngestOptions {
-            batch_max_inputs,
-            batch_max_chars,
-            concurrency,
-            writers,
-            max_input_chars,
-            max_line_bytes,
-            max_inflight_bytes,
-            dlq_schedule,
-            ..d
-        };
-        let retry = RetryPolicy {
-            max_attempts: retry_max_attempts,
-            base: Duration::from_millis(retry_base_ms),
-            cap: Duration::from_millis(retry_cap_ms),
-            ..rp
-        };
-        let breaker = BreakerConfig {
-            failure_threshold: breaker_failure_threshold,
-            cooldown: Duration::from_millis(breaker_cooldown_ms),
-            max_outage: Duration::from_secs(max_outage_secs),
-            ..bd
-        };
-
-        // [serve]
-        let fs = &f.serve;
-        let rd = ReplayConfig::default();
-        let ld = RelayConfig::default();
-        let stream_prefix = r
-            .text("serve", "stream_prefix", stream_prefix, fs.stream_prefix.clone(), check_stream_prefix)?
-            .map_or_else(|| DEFAULT_STREAM_PREFIX.to_string(), |(v, _)| v);
-        let consumer_prefix = r
-            .text("serve", "consumer_name", consumer_name, fs.consumer_name.clone(), |n| {
-                check_len(n, bounds::NAME_CHARS).and(no_control(n))
-            })?
-            .map(|(v, _)| v);
-        let replayers =
-            r.num("serve", "replayers", replayers, fs.replayers, DEFAULT_REPLAYERS, bounds::REPLAYERS)?;
-        let replay_batch =
-            r.num("serve", "replay_batch", replay_batch, fs.replay_batch, rd.batch, bounds::REPLAY_BATCH)?;
-        let min_idle_ms = r.num(
-            "serve",
-            "min_idle_ms",
-            min_idle_ms,
-            fs.min_idle_ms,
-            millis(rd.min_idle),
-            bounds::MIN_IDLE_MS,
-        )?;
-        let delivery_cap = r.num(
-            "serve",
-            "delivery_cap",
-            delivery_cap,
-            fs.delivery_cap,
-            rd.delivery_cap,
-            bounds::DELIVERY_CAP,
-        )?;
-        let grace_ms =
-            r.num("serve", "grace_ms", grace_ms, fs.grace_ms, DEFAULT_GRACE_MS, bounds::GRACE_MS)?;
-        let relay_batch =
-            r.num("serve", "relay_batch", relay_batch, fs.relay_batch, ld.batch, bounds::RELAY_BATCH)?;
-        let relay_poll_ms = r.num(
-            "serve",
-            "relay_poll_ms",
-            relay_poll_ms,
-            fs.relay_poll_ms,
-            millis(ld.poll),
-            bounds::RELAY_POLL_MS,
-        )?;
-        let metrics_addr = r.pick("serve", "metrics_addr", metrics_addr, fs.metrics_addr).map(|(v, _)| v);
-        let reconcile_every_secs = r.num(
-            "serve",
-            "reconcile_every_secs",
-            reconcile_every_secs,
-            fs.reconcile_every_secs,
-            DEFAULT_RECONCILE_EVERY_SECS,
-            bounds::RECONCILE_EVERY_SECS,
-        )?;
-        let serve = ServeSettings {
-            replayers,
-            replay: ReplayConfig {
-                batch: replay_batch,
-                min_idle: Duration::from_millis(min_idle_ms),
-                delivery_cap,
-                schedule: dlq_schedule,
-                ..rd
-            },
-            relay: RelayConfig { batch: relay_batch, poll: Duration::from_millis(relay_poll_ms), ..ld },
-            grace: Duration::from_millis(grace_ms),
-            consumer_prefix,
-            metrics_addr,
-            reconcile_every: (reconcile_every_secs > 0).then(|| Duration::from_secs(reconcile_every_secs)),
-        };
-
+        let (database_url, redis_url) = resolve_services(&r.section("services"), services, &f.services)?;
+        let client = resolve_provider(&r.section("provider"), provider, &f.provider)?;
+        let (table, options) = resolve_ingest(&r.section("ingest"), ingest, &f.ingest)?;
+        let RetryParts { retry, breaker, dlq_schedule } =
+            resolve_retry(&r.section("retry"), retry, &f.retry)?;
+        let options = IngestOptions { dlq_schedule, ..options };
+        let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
         Ok(Settings { database_url, redis_url, table, stream_prefix, client, options, retry, breaker, serve })
     }
 
@@ -942,6 +612,381 @@ impl Settings {
             breaker: self.breaker,
         })
     }
+}
+
+/// `[services]`: the Postgres and Redis URLs (no defaults: a command that needs one says so).
+fn resolve_services(
+    r: &Resolver<'_>,
+    flags: ServiceArgs,
+    file: &ServiceArgs,
+) -> Result<(Option<String>, Option<String>), ConfigError> {
+    let ServiceArgs { database_url, redis_url } = flags;
+    let database_url = r
+        .text("database_url", database_url, file.database_url.clone(), |u| {
+            check_scheme(u, &["postgres", "postgresql"])
+        })?
+        .map(|(v, _)| v);
+    let redis_url = r
+        .text("redis_url", redis_url, file.redis_url.clone(), |u| {
+            check_scheme(u, &["redis", "rediss", "redis+unix", "unix"])
+        })?
+        .map(|(v, _)| v);
+    Ok((database_url, redis_url))
+}
+
+/// `[provider]`: the provider client, with the API key read from the variable it names.
+fn resolve_provider(
+    r: &Resolver<'_>,
+    flags: ProviderArgs,
+    file: &ProviderArgs,
+) -> Result<ClientConfig, ConfigError> {
+    let ProviderArgs {
+        base_url,
+        model,
+        request_dimensions,
+        encoding_format,
+        api_key_env,
+        api_key_header,
+        headers,
+        request_timeout_ms,
+    } = flags;
+    let base_url = r
+        .text("base_url", base_url, file.base_url.clone(), check_base_url)?
+        .map_or_else(|| DEFAULT_BASE_URL.to_string(), |(v, _)| v);
+    let model = r
+        .text("model", model, file.model.clone(), |m| check_len(m, bounds::MODEL_CHARS).and(no_control(m)))?
+        .map_or_else(|| DEFAULT_MODEL.to_string(), |(v, _)| v);
+    let request_dimensions =
+        r.num_opt("request_dimensions", request_dimensions, file.request_dimensions, bounds::DIMENSIONS)?;
+    let encoding = r
+        .pick("encoding_format", encoding_format, file.encoding_format)
+        .map_or(EncodingFormat::Base64, |(v, _)| v);
+    let key_env = r
+        .text("api_key_env", api_key_env, file.api_key_env.clone(), check_env_name)?
+        .map_or_else(|| DEFAULT_API_KEY_ENV.to_string(), |(v, _)| v);
+    let api_key = std::env::var(&key_env).ok().filter(|k| !k.is_empty());
+    let api_key_header = r
+        .text("api_key_header", api_key_header, file.api_key_header.clone(), check_header_name)?
+        .map(|(v, _)| v);
+    let headers = r.pick(
+        "headers",
+        Some(headers).filter(|h| !h.is_empty()),
+        Some(file.headers.clone()).filter(|h| !h.is_empty()),
+    );
+    let extra_headers = match headers {
+        Some((headers, origin)) => parse_headers(&headers, &origin)?,
+        None => Vec::new(),
+    };
+    let timeout_ms = r.num(
+        "request_timeout_ms",
+        request_timeout_ms,
+        file.request_timeout_ms,
+        DEFAULT_REQUEST_TIMEOUT_MS,
+        bounds::REQUEST_TIMEOUT_MS,
+    )?;
+    Ok(ClientConfig {
+        base_url,
+        model,
+        request_dimensions,
+        encoding,
+        api_key,
+        api_key_header,
+        extra_headers,
+        timeout: Duration::from_millis(timeout_ms),
+    })
+}
+
+/// The extra `Name: value` headers, checked here so that a bad one fails the command instead
+/// of every request.
+fn parse_headers(headers: &[String], origin: &Origin) -> Result<Vec<(String, String)>, ConfigError> {
+    let invalid =
+        |problem: String| ConfigError::Invalid { setting: "headers", origin: origin.clone(), problem };
+    if headers.len() > bounds::MAX_HEADERS {
+        return Err(invalid(format!("{} headers; at most {}", headers.len(), bounds::MAX_HEADERS)));
+    }
+    let mut parsed = Vec::with_capacity(headers.len());
+    for h in headers {
+        let (name, value) =
+            h.split_once(':').ok_or_else(|| invalid(format!("{h:?} is not `Name: value`")))?;
+        let (name, value) = (name.trim(), value.trim());
+        check_header_name(name).map_err(&invalid)?;
+        reqwest::header::HeaderValue::from_str(value).map_err(|_| {
+            invalid(format!("the value of header {name:?} has characters not allowed in a header"))
+        })?;
+        parsed.push((name.to_string(), value.to_string()));
+    }
+    Ok(parsed)
+}
+
+/// `[ingest]`: the target table and the ingest options (with the default DLQ schedule, which
+/// `[retry]` sets).
+fn resolve_ingest(
+    r: &Resolver<'_>,
+    flags: IngestArgs,
+    file: &IngestArgs,
+) -> Result<(String, IngestOptions), ConfigError> {
+    let IngestArgs {
+        table,
+        batch_max_inputs,
+        batch_max_chars,
+        concurrency,
+        writers,
+        max_input_chars,
+        max_line_bytes,
+        max_inflight_bytes,
+    } = flags;
+    let table = r
+        .text("table", table, file.table.clone(), check_table)?
+        .map_or_else(|| DEFAULT_TABLE.to_string(), |(v, _)| v);
+    let d = IngestOptions::default();
+    let batch_max_inputs = r.num(
+        "batch_max_inputs",
+        batch_max_inputs,
+        file.batch_max_inputs,
+        d.batch_max_inputs,
+        bounds::BATCH_MAX_INPUTS,
+    )?;
+    let batch_max_chars = r.num(
+        "batch_max_chars",
+        batch_max_chars,
+        file.batch_max_chars,
+        d.batch_max_chars,
+        bounds::BATCH_MAX_CHARS,
+    )?;
+    let concurrency =
+        r.num("concurrency", concurrency, file.concurrency, d.concurrency, bounds::CONCURRENCY)?;
+    let writers = r.num("writers", writers, file.writers, d.writers, bounds::WRITERS)?;
+    let max_input_chars = r.num(
+        "max_input_chars",
+        max_input_chars,
+        file.max_input_chars,
+        d.max_input_chars,
+        bounds::MAX_INPUT_CHARS,
+    )?;
+    let max_line_bytes = r.num(
+        "max_line_bytes",
+        max_line_bytes,
+        file.max_line_bytes,
+        d.max_line_bytes,
+        bounds::MAX_LINE_BYTES,
+    )?;
+    let max_inflight_bytes = r.num(
+        "max_inflight_bytes",
+        max_inflight_bytes,
+        file.max_inflight_bytes,
+        d.max_inflight_bytes,
+        bounds::MAX_INFLIGHT_BYTES,
+    )?;
+    let options = IngestOptions {
+        batch_max_inputs,
+        batch_max_chars,
+        concurrency,
+        writers,
+        max_input_chars,
+        max_line_bytes,
+        max_inflight_bytes,
+        ..d
+    };
+    Ok((table, options))
+}
+
+/// What `[retry]` resolves to: the in-process policy, the breaker, and the DLQ schedule that
+/// both the ingest and the replayers follow.
+struct RetryParts {
+    retry: RetryPolicy,
+    breaker: BreakerConfig,
+    dlq_schedule: DlqSchedule,
+}
+
+/// `[retry]`: in-process retries, the DLQ schedule and the circuit breaker.
+fn resolve_retry(r: &Resolver<'_>, flags: RetryArgs, file: &RetryArgs) -> Result<RetryParts, ConfigError> {
+    let RetryArgs {
+        retry_max_attempts,
+        retry_base_ms,
+        retry_cap_ms,
+        dlq_base_secs,
+        dlq_cap_secs,
+        dlq_max_replays,
+        breaker_failure_threshold,
+        breaker_cooldown_ms,
+        max_outage_secs,
+    } = flags;
+    let retry = resolve_retry_policy(r, file, retry_max_attempts, retry_base_ms, retry_cap_ms)?;
+    let dlq_schedule = resolve_dlq_schedule(r, file, dlq_base_secs, dlq_cap_secs, dlq_max_replays)?;
+    let breaker = resolve_breaker(r, file, breaker_failure_threshold, breaker_cooldown_ms, max_outage_secs)?;
+    Ok(RetryParts { retry, breaker, dlq_schedule })
+}
+
+/// The in-process retry policy. The cap's lower bound is the base, so the base comes first.
+fn resolve_retry_policy(
+    r: &Resolver<'_>,
+    file: &RetryArgs,
+    retry_max_attempts: Option<u32>,
+    retry_base_ms: Option<u64>,
+    retry_cap_ms: Option<u64>,
+) -> Result<RetryPolicy, ConfigError> {
+    let rp = RetryPolicy::default();
+    let retry_max_attempts = r.num(
+        "retry_max_attempts",
+        retry_max_attempts,
+        file.retry_max_attempts,
+        rp.max_attempts,
+        bounds::RETRY_MAX_ATTEMPTS,
+    )?;
+    let retry_base_ms =
+        r.num("retry_base_ms", retry_base_ms, file.retry_base_ms, millis(rp.base), bounds::RETRY_BASE_MS)?;
+    let retry_cap_ms = r.num(
+        "retry_cap_ms",
+        retry_cap_ms,
+        file.retry_cap_ms,
+        millis(rp.cap),
+        retry_base_ms..=*bounds::RETRY_CAP_MS.end(),
+    )?;
+    Ok(RetryPolicy {
+        max_attempts: retry_max_attempts,
+        base: Duration::from_millis(retry_base_ms),
+        cap: Duration::from_millis(retry_cap_ms),
+        ..rp
+    })
+}
+
+/// The DLQ replay schedule. The cap's lower bound is the base, so the base comes first.
+fn resolve_dlq_schedule(
+    r: &Resolver<'_>,
+    file: &RetryArgs,
+    dlq_base_secs: Option<u64>,
+    dlq_cap_secs: Option<u64>,
+    dlq_max_replays: Option<u32>,
+) -> Result<DlqSchedule, ConfigError> {
+    let ds = DlqSchedule::default();
+    let dlq_base_secs =
+        r.num("dlq_base_secs", dlq_base_secs, file.dlq_base_secs, ds.base.as_secs(), bounds::DLQ_BASE_SECS)?;
+    let dlq_cap_secs = r.num(
+        "dlq_cap_secs",
+        dlq_cap_secs,
+        file.dlq_cap_secs,
+        ds.cap.as_secs(),
+        dlq_base_secs..=*bounds::DLQ_CAP_SECS.end(),
+    )?;
+    let dlq_max_replays = r.num(
+        "dlq_max_replays",
+        dlq_max_replays,
+        file.dlq_max_replays,
+        ds.max_replays,
+        bounds::DLQ_MAX_REPLAYS,
+    )?;
+    Ok(DlqSchedule {
+        base: Duration::from_secs(dlq_base_secs),
+        cap: Duration::from_secs(dlq_cap_secs),
+        max_replays: dlq_max_replays,
+        ..ds
+    })
+}
+
+/// The circuit breaker shared by every request of a process.
+fn resolve_breaker(
+    r: &Resolver<'_>,
+    file: &RetryArgs,
+    breaker_failure_threshold: Option<u32>,
+    breaker_cooldown_ms: Option<u64>,
+    max_outage_secs: Option<u64>,
+) -> Result<BreakerConfig, ConfigError> {
+    let bd = BreakerConfig::default();
+    let breaker_failure_threshold = r.num(
+        "breaker_failure_threshold",
+        breaker_failure_threshold,
+        file.breaker_failure_threshold,
+        bd.failure_threshold,
+        bounds::BREAKER_FAILURE_THRESHOLD,
+    )?;
+    let breaker_cooldown_ms = r.num(
+        "breaker_cooldown_ms",
+        breaker_cooldown_ms,
+        file.breaker_cooldown_ms,
+        millis(bd.cooldown),
+        bounds::BREAKER_COOLDOWN_MS,
+    )?;
+    let max_outage_secs = r.num(
+        "max_outage_secs",
+        max_outage_secs,
+        file.max_outage_secs,
+        bd.max_outage.as_secs(),
+        bounds::MAX_OUTAGE_SECS,
+    )?;
+    Ok(BreakerConfig {
+        failure_threshold: breaker_failure_threshold,
+        cooldown: Duration::from_millis(breaker_cooldown_ms),
+        max_outage: Duration::from_secs(max_outage_secs),
+        ..bd
+    })
+}
+
+/// `[serve]`: the stream prefix (which every Redis-facing command uses) and the settings of
+/// `serve`, whose replayers follow `dlq_schedule`.
+fn resolve_serve(
+    r: &Resolver<'_>,
+    flags: ServeArgs,
+    file: &ServeArgs,
+    dlq_schedule: DlqSchedule,
+) -> Result<(String, ServeSettings), ConfigError> {
+    let ServeArgs {
+        replayers,
+        replay_batch,
+        min_idle_ms,
+        delivery_cap,
+        grace_ms,
+        stream_prefix,
+        consumer_name,
+        relay_batch,
+        relay_poll_ms,
+        metrics_addr,
+        reconcile_every_secs,
+    } = flags;
+    let rd = ReplayConfig::default();
+    let ld = RelayConfig::default();
+    let stream_prefix = r
+        .text("stream_prefix", stream_prefix, file.stream_prefix.clone(), check_stream_prefix)?
+        .map_or_else(|| DEFAULT_STREAM_PREFIX.to_string(), |(v, _)| v);
+    let consumer_prefix = r
+        .text("consumer_name", consumer_name, file.consumer_name.clone(), |n| {
+            check_len(n, bounds::NAME_CHARS).and(no_control(n))
+        })?
+        .map(|(v, _)| v);
+    let replayers = r.num("replayers", replayers, file.replayers, DEFAULT_REPLAYERS, bounds::REPLAYERS)?;
+    let replay_batch =
+        r.num("replay_batch", replay_batch, file.replay_batch, rd.batch, bounds::REPLAY_BATCH)?;
+    let min_idle_ms =
+        r.num("min_idle_ms", min_idle_ms, file.min_idle_ms, millis(rd.min_idle), bounds::MIN_IDLE_MS)?;
+    let delivery_cap =
+        r.num("delivery_cap", delivery_cap, file.delivery_cap, rd.delivery_cap, bounds::DELIVERY_CAP)?;
+    let grace_ms = r.num("grace_ms", grace_ms, file.grace_ms, DEFAULT_GRACE_MS, bounds::GRACE_MS)?;
+    let relay_batch = r.num("relay_batch", relay_batch, file.relay_batch, ld.batch, bounds::RELAY_BATCH)?;
+    let relay_poll_ms =
+        r.num("relay_poll_ms", relay_poll_ms, file.relay_poll_ms, millis(ld.poll), bounds::RELAY_POLL_MS)?;
+    let metrics_addr = r.pick("metrics_addr", metrics_addr, file.metrics_addr).map(|(v, _)| v);
+    let reconcile_every_secs = r.num(
+        "reconcile_every_secs",
+        reconcile_every_secs,
+        file.reconcile_every_secs,
+        DEFAULT_RECONCILE_EVERY_SECS,
+        bounds::RECONCILE_EVERY_SECS,
+    )?;
+    let serve = ServeSettings {
+        replayers,
+        replay: ReplayConfig {
+            batch: replay_batch,
+            min_idle: Duration::from_millis(min_idle_ms),
+            delivery_cap,
+            schedule: dlq_schedule,
+            ..rd
+        },
+        relay: RelayConfig { batch: relay_batch, poll: Duration::from_millis(relay_poll_ms), ..ld },
+        grace: Duration::from_millis(grace_ms),
+        consumer_prefix,
+        metrics_addr,
+        reconcile_every: (reconcile_every_secs > 0).then(|| Duration::from_secs(reconcile_every_secs)),
+    };
+    Ok((stream_prefix, serve))
 }
 
 /// Every setting's default as shown in `--help`, by key, read from the resolved defaults (so

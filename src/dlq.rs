@@ -121,7 +121,8 @@ pub async fn requeue(
         }
         if !chunk.is_empty() {
             sql::mark_requeued(store.pool(), &chunk).await?;
-            outcome.requeued += store.enqueue_ids(&chunk, Duration::from_secs(15 * 60)).await?;
+            let lease = crate::replay::ReplayConfig::default().lease;
+            outcome.requeued += store.enqueue_ids(&chunk, lease).await?;
         }
         if rows.len() < batch {
             break;

@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, TableCheck, WorkAudit};
-use crate::store::{Store, StoreError, outbox};
+use crate::store::{Store, StoreError, TargetTable, outbox};
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 use redis::aio::ConnectionManager;
 use serde::Serialize;
@@ -195,6 +195,34 @@ const TABLE_CHECKS: [(Check, TableCheck); 5] = [
     (Check::BadVectors, TableCheck::BadVectors),
 ];
 
+impl Finding {
+    /// Adds examples until the finding holds `limit`.
+    fn add_examples(&mut self, examples: impl IntoIterator<Item = String>, limit: usize) {
+        let room = limit.saturating_sub(self.examples.len());
+        self.examples.extend(examples.into_iter().take(room));
+    }
+}
+
+/// Records the page's `outstanding` work items (entry id, and the DLQ row and generation it
+/// carries, if readable) in `audit`; returns the entries whose row is gone or has moved on to
+/// another generation, and the unreadable ones.
+async fn orphans_among(
+    audit: &mut WorkAudit,
+    outstanding: Vec<(String, Option<(i64, i64)>)>,
+) -> Result<Vec<String>, ReconcileError> {
+    let (ids, gens): (Vec<i64>, Vec<i64>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
+    audit.record_outstanding(&ids, &gens).await?;
+    let live: HashMap<i64, i64> = audit.live_generations(&ids).await?;
+    Ok(outstanding
+        .into_iter()
+        .filter(|(_, w)| match w {
+            Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
+            None => true,
+        })
+        .map(|(id, _)| id)
+        .collect())
+}
+
 /// A check's result as the report shows it.
 fn finding(check: Check, run: CheckRun) -> Finding {
     Finding { check, found: run.found, examples: run.examples, repaired: run.repaired, note: None }
@@ -217,7 +245,21 @@ impl Reconciler {
         let repair = mode == Mode::Repair;
         let pool = self.store.pool();
         let mut findings = Vec::with_capacity(Check::ALL.len());
-        // Every table the manifest or the DLQ names is checked with its own joins.
+        findings.extend(self.table_findings(repair).await?);
+        findings.push(self.outbox_check().await?);
+        findings.extend(self.stream_findings(repair).await?);
+        let stalled = sql::replay_stalled(pool, self.config.replay_stall_after, self.config.examples).await?;
+        findings.push(finding(Check::ReplayStalled, stalled));
+        let report = Report { findings, mode, duration_secs: started.elapsed().as_secs_f64() };
+        let findings_json = serde_json::to_value(&report.findings).expect("findings serialize");
+        sql::record_run(pool, started_at, repair, findings_json).await?;
+        Ok(report)
+    }
+
+    /// The table checks ([`TABLE_CHECKS`]), one finding each, summed over every table the
+    /// manifest or the DLQ names (each checked with its own joins). A table that cannot be
+    /// checked is named in the leaks finding's note.
+    async fn table_findings(&self, repair: bool) -> Result<Vec<Finding>, ReconcileError> {
         let mut targets = Vec::new();
         let mut skipped_tables = Vec::new();
         for name in self.store.known_tables(MAX_TABLES).await? {
@@ -230,59 +272,66 @@ impl Reconciler {
         let several = targets.len() > 1;
         let mut per_table: Vec<Vec<Finding>> = Vec::with_capacity(targets.len());
         for target in &targets {
-            let mut out = Vec::with_capacity(TABLE_CHECKS.len());
-            for (check, table_check) in TABLE_CHECKS {
-                let run = sql::table_check(pool, target, table_check, self.config.examples, repair).await?;
-                out.push(finding(check, run));
-            }
-            if several {
-                for f in &mut out {
-                    for e in &mut f.examples {
-                        *e = format!("{}:{e}", target.name);
-                    }
-                }
-            }
-            per_table.push(out);
+            per_table.push(self.check_table(target, several, repair).await?);
         }
+        let mut findings = Vec::with_capacity(TABLE_CHECKS.len());
         for (n, (check, _)) in TABLE_CHECKS.into_iter().enumerate() {
             let mut merged = Finding { check, found: 0, examples: vec![], repaired: 0, note: None };
             for f in per_table.iter().map(|fs| &fs[n]) {
                 merged.found += f.found;
                 merged.repaired += f.repaired;
-                let room = self.config.examples.saturating_sub(merged.examples.len());
-                merged.examples.extend(f.examples.iter().take(room).cloned());
+                merged.add_examples(f.examples.iter().cloned(), self.config.examples);
             }
             if check == Check::Leaks && !skipped_tables.is_empty() {
                 merged.note = Some(format!("not checked: {}", skipped_tables.join("; ")));
             }
             findings.push(merged);
         }
-        findings.push(self.outbox_check().await?);
-        match self.redis.clone() {
-            Some(mut redis) => {
-                findings.push(self.missing_events_check(&mut redis, repair).await?);
-                let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
-                findings.push(lost);
-                findings.push(orphans);
+        Ok(findings)
+    }
+
+    /// The table checks of one table, in [`TABLE_CHECKS`] order. With `several` tables, each
+    /// example is prefixed with its table's name.
+    async fn check_table(
+        &self,
+        target: &TargetTable,
+        several: bool,
+        repair: bool,
+    ) -> Result<Vec<Finding>, ReconcileError> {
+        let mut out = Vec::with_capacity(TABLE_CHECKS.len());
+        for (check, table_check) in TABLE_CHECKS {
+            let run = sql::table_check(self.store.pool(), target, table_check, self.config.examples, repair)
+                .await?;
+            out.push(finding(check, run));
+        }
+        if several {
+            for f in &mut out {
+                for e in &mut f.examples {
+                    *e = format!("{}:{e}", target.name);
+                }
             }
-            None => {
-                for check in [Check::MissingEvents, Check::LostReplayWork, Check::OrphanStreamEntries] {
-                    findings.push(Finding {
+        }
+        Ok(out)
+    }
+
+    /// The three stream checks, or (without Redis) three findings saying they were skipped.
+    async fn stream_findings(&self, repair: bool) -> Result<Vec<Finding>, ReconcileError> {
+        let Some(mut redis) = self.redis.clone() else {
+            let skipped =
+                [Check::MissingEvents, Check::LostReplayWork, Check::OrphanStreamEntries].map(|check| {
+                    Finding {
                         check,
                         found: 0,
                         examples: vec![],
                         repaired: 0,
                         note: Some("skipped: no Redis configured".into()),
-                    });
-                }
-            }
-        }
-        let stalled = sql::replay_stalled(pool, self.config.replay_stall_after, self.config.examples).await?;
-        findings.push(finding(Check::ReplayStalled, stalled));
-        let report = Report { findings, mode, duration_secs: started.elapsed().as_secs_f64() };
-        let findings_json = serde_json::to_value(&report.findings).expect("findings serialize");
-        sql::record_run(pool, started_at, repair, findings_json).await?;
-        Ok(report)
+                    }
+                });
+            return Ok(skipped.into());
+        };
+        let missing = self.missing_events_check(&mut redis, repair).await?;
+        let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
+        Ok(vec![missing, lost, orphans])
     }
 
     async fn outbox_check(&self) -> Result<Finding, ReconcileError> {
@@ -314,70 +363,87 @@ impl Reconciler {
         repair: bool,
     ) -> Result<Finding, ReconcileError> {
         let page = self.config.page();
-        let stream = self.keys.events();
         let mut after = 0i64;
-        let (mut found, mut repaired, mut trimmed) = (0u64, 0u64, 0u64);
-        let mut examples = Vec::new();
+        let mut trimmed = 0u64;
+        let mut out =
+            Finding { check: Check::MissingEvents, found: 0, examples: vec![], repaired: 0, note: None };
         loop {
             let rows = outbox::published_events(self.store.pool(), after, page).await?;
             let Some(last) = rows.last() else { break };
             after = last.id;
-            let mut pipe = redis::pipe();
-            for r in &rows {
-                pipe.cmd("XRANGE").arg(&stream).arg(&r.entry_id).arg(&r.entry_id).arg("COUNT").arg(1);
-            }
-            let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
-            // The stream's head after the lookups: trimming only moves it forward, so an entry
-            // missing above is either below this head (trimmed) or deleted.
-            let (len, head): (usize, redis::streams::StreamRangeReply) = redis::pipe()
-                .cmd("XLEN")
-                .arg(&stream)
-                .cmd("XRANGE")
-                .arg(&stream)
-                .arg("-")
-                .arg("+")
-                .arg("COUNT")
-                .arg(1)
-                .query_async(redis)
-                .await?;
-            let capped = self.config.events_maxlen > 0 && len >= self.config.events_maxlen;
-            let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
-            let mut missing: Vec<(i64, String)> = Vec::new();
-            for (r, hit) in rows.iter().zip(&present) {
-                if !hit.is_empty() {
-                    continue;
-                }
-                let entry = crate::streams::parse_entry_id(&r.entry_id);
-                if capped && head.is_some_and(|h| entry < h) {
-                    trimmed += 1;
-                    continue;
-                }
-                if examples.len() < self.config.examples {
-                    examples.push(r.key.clone());
-                }
-                missing.push((r.id, r.event_id.clone()));
-            }
-            found += missing.len() as u64;
+            let (missing, page_trimmed) = self.events_missing_from_stream(redis, &rows).await?;
+            trimmed += page_trimmed;
+            out.found += missing.len() as u64;
+            out.add_examples(missing.iter().map(|r| r.key.clone()), self.config.examples);
             if repair && !missing.is_empty() {
-                let mut del = redis::cmd("DEL");
-                for (_, event_id) in &missing {
-                    del.arg(self.keys.outbox_marker(event_id));
-                }
-                let _: i64 = del.query_async(redis).await?;
-                let ids: Vec<i64> = missing.iter().map(|(id, _)| *id).collect();
-                repaired += outbox::mark_unpublished(self.store.pool(), &ids).await?;
+                out.repaired += self.republish_events(redis, &missing).await?;
             }
             if rows.len() < page {
                 break;
             }
         }
-        Ok(Finding {
-            check: Check::MissingEvents,
-            found,
-            examples,
-            repaired,
-            note: (trimmed > 0).then(|| format!("{trimmed} trimmed by the stream's length cap")),
-        })
+        out.note = (trimmed > 0).then(|| format!("{trimmed} trimmed by the stream's length cap"));
+        Ok(out)
+    }
+
+    /// Which of `rows` are not on the events stream, and how many more were trimmed by its
+    /// length cap (missing, older than its first entry, while the stream is at the cap).
+    async fn events_missing_from_stream<'r>(
+        &self,
+        redis: &mut ConnectionManager,
+        rows: &'r [outbox::PublishedEvent],
+    ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
+        let stream = self.keys.events();
+        let mut pipe = redis::pipe();
+        for r in rows {
+            pipe.cmd("XRANGE").arg(&stream).arg(&r.entry_id).arg(&r.entry_id).arg("COUNT").arg(1);
+        }
+        let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
+        // The stream's head after the lookups: trimming only moves it forward, so an entry
+        // missing above is either below this head (trimmed) or deleted.
+        let (len, head): (usize, redis::streams::StreamRangeReply) = redis::pipe()
+            .cmd("XLEN")
+            .arg(&stream)
+            .cmd("XRANGE")
+            .arg(&stream)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(redis)
+            .await?;
+        let capped = self.config.events_maxlen > 0 && len >= self.config.events_maxlen;
+        let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
+        let mut missing = Vec::new();
+        let mut trimmed = 0u64;
+        for (r, hit) in rows.iter().zip(&present) {
+            if !hit.is_empty() {
+                continue;
+            }
+            let entry = crate::streams::parse_entry_id(&r.entry_id);
+            if capped && head.is_some_and(|h| entry < h) {
+                trimmed += 1;
+            } else {
+                missing.push(r);
+            }
+        }
+        Ok((missing, trimmed))
+    }
+
+    /// Has the relay publish `missing` events again: deletes their dedup markers (or the
+    /// relay would take the republish for a duplicate), then marks their rows unpublished.
+    async fn republish_events(
+        &self,
+        redis: &mut ConnectionManager,
+        missing: &[&outbox::PublishedEvent],
+    ) -> Result<u64, ReconcileError> {
+        let mut del = redis::cmd("DEL");
+        for r in missing {
+            del.arg(self.keys.outbox_marker(&r.event_id));
+        }
+        let _: i64 = del.query_async(redis).await?;
+        let ids: Vec<i64> = missing.iter().map(|r| r.id).collect();
+        Ok(outbox::mark_unpublished(self.store.pool(), &ids).await?)
     }
 
     /// The replay stream against the DLQ, in one paged scan, for two checks:
@@ -399,21 +465,24 @@ impl Reconciler {
         redis: &mut ConnectionManager,
         repair: bool,
     ) -> Result<[Finding; 2], ReconcileError> {
+        let mut audit = WorkAudit::begin(self.store.pool()).await?;
+        let orphans = self.orphan_entries_check(redis, &mut audit, repair).await?;
+        audit.analyze().await?;
+        let lost = self.lost_work_check(&mut audit, repair).await?;
+        audit.finish().await?;
+        Ok([lost, orphans])
+    }
+
+    /// Scans the replay stream page by page: records every outstanding work item in `audit`
+    /// and finds (and, with `repair`, acknowledges and deletes) the orphan entries.
+    async fn orphan_entries_check(
+        &self,
+        redis: &mut ConnectionManager,
+        audit: &mut WorkAudit,
+        repair: bool,
+    ) -> Result<Finding, ReconcileError> {
         let page = self.config.page();
         let stream = self.keys.replay();
-        let mut audit = WorkAudit::begin(self.store.pool()).await?;
-
-        let exists: bool = redis::cmd("EXISTS").arg(&stream).query_async(redis).await?;
-        // Where the group stands: entries after its last delivered id are still to be read.
-        let group = if exists {
-            let groups: redis::streams::StreamInfoGroupsReply =
-                redis::cmd("XINFO").arg("GROUPS").arg(&stream).query_async(redis).await?;
-            groups.groups.into_iter().find(|g| g.name == REPLAY_GROUP)
-        } else {
-            None
-        };
-        let last_delivered =
-            group.as_ref().map(|g| crate::streams::parse_entry_id(&g.last_delivered_id)).unwrap_or((0, 0));
         let mut orphans = Finding {
             check: Check::OrphanStreamEntries,
             found: 0,
@@ -421,9 +490,18 @@ impl Reconciler {
             repaired: 0,
             note: None,
         };
+        let exists: bool = redis::cmd("EXISTS").arg(&stream).query_async(redis).await?;
+        if !exists {
+            return Ok(orphans);
+        }
+        // Where the group stands: entries after its last delivered id are still to be read.
+        let groups: redis::streams::StreamInfoGroupsReply =
+            redis::cmd("XINFO").arg("GROUPS").arg(&stream).query_async(redis).await?;
+        let group = groups.groups.into_iter().find(|g| g.name == REPLAY_GROUP);
+        let last_delivered =
+            group.as_ref().map(|g| crate::streams::parse_entry_id(&g.last_delivered_id)).unwrap_or((0, 0));
         let mut start = "-".to_string();
-        let mut more = exists;
-        while more {
+        loop {
             let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
                 .arg(&stream)
                 .arg(&start)
@@ -445,23 +523,9 @@ impl Reconciler {
                     (e.id.clone(), crate::streams::work::from_entry(&e.map).map(|w| (w.dlq_id, w.generation)))
                 })
                 .collect();
-            let (ids, gens): (Vec<i64>, Vec<i64>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
-            audit.record_outstanding(&ids, &gens).await?;
-            let live: HashMap<i64, i64> = audit.live_generations(&ids).await?;
-            let page_orphans: Vec<String> = outstanding
-                .into_iter()
-                .filter(|(_, w)| match w {
-                    Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
-                    None => true,
-                })
-                .map(|(id, _)| id)
-                .collect();
+            let page_orphans = orphans_among(audit, outstanding).await?;
             orphans.found += page_orphans.len() as u64;
-            for id in &page_orphans {
-                if orphans.examples.len() < self.config.examples {
-                    orphans.examples.push(id.clone());
-                }
-            }
+            orphans.add_examples(page_orphans.iter().cloned(), self.config.examples);
             if repair && !page_orphans.is_empty() {
                 let mut pipe = redis::pipe();
                 pipe.cmd("XACK").arg(&stream).arg(REPLAY_GROUP).arg(&page_orphans).ignore();
@@ -469,11 +533,18 @@ impl Reconciler {
                 let (deleted,): (u64,) = pipe.query_async(redis).await?;
                 orphans.repaired += deleted;
             }
+            if entries.ids.len() < page {
+                break;
+            }
             start = format!("({}", last.id);
-            more = entries.ids.len() >= page;
         }
+        Ok(orphans)
+    }
 
-        audit.analyze().await?;
+    /// Leased rows with no outstanding work item (found in `audit` after the stream scan);
+    /// with `repair`, enqueued again.
+    async fn lost_work_check(&self, audit: &mut WorkAudit, repair: bool) -> Result<Finding, ReconcileError> {
+        let page = self.config.page();
         let mut lost =
             Finding { check: Check::LostReplayWork, found: 0, examples: vec![], repaired: 0, note: None };
         let mut after = 0i64;
@@ -482,21 +553,17 @@ impl Reconciler {
             let Some(last) = rows.last() else { break };
             after = last.0;
             lost.found += rows.len() as u64;
-            for (_, key) in &rows {
-                if lost.examples.len() < self.config.examples {
-                    lost.examples.push(key.clone());
-                }
-            }
+            lost.add_examples(rows.iter().map(|(_, key)| key.clone()), self.config.examples);
             if repair {
                 let ids: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
-                lost.repaired += self.store.enqueue_ids(&ids, Duration::from_secs(15 * 60)).await?;
+                let lease = crate::replay::ReplayConfig::default().lease;
+                lost.repaired += self.store.enqueue_ids(&ids, lease).await?;
             }
             if rows.len() < page {
                 break;
             }
         }
-        audit.finish().await?;
-        Ok([lost, orphans])
+        Ok(lost)
     }
 
     /// The ids of the group's pending entries between `first` and `last` (inclusive), read

@@ -27,7 +27,7 @@ use redis::streams::{StreamAutoClaimReply, StreamPendingCountReply, StreamReadRe
 use tokio_util::sync::CancellationToken;
 
 use crate::embed::retry::DlqSchedule;
-use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome};
+use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome, Stop};
 use crate::failpoint;
 use crate::model::ErrorClass;
 use crate::relay::sleep_or_cancel;
@@ -321,22 +321,46 @@ impl Replayer {
         entries: Vec<Entry>,
         cancel: &CancellationToken,
     ) -> Result<ReplayCounts, ReplayError> {
-        let mut counts = ReplayCounts::default();
         if entries.is_empty() {
-            return Ok(counts);
+            return Ok(ReplayCounts::default());
         }
+        let mut batch = Settlement::default();
+        let todo = self.triage(entries, &mut batch).await?;
+        let groups = group_by_target(todo);
+        if !groups.is_empty() {
+            let entry_ids: Vec<String> = groups.values().flatten().map(|(e, _)| e.id.clone()).collect();
+            let work = self.embed_groups(groups, cancel, &mut batch);
+            let keepalive =
+                keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
+            let (stopped, postpone) = tokio::select! {
+                r = work => r?,
+                _ = keepalive => unreachable!("keepalive never ends"),
+            };
+            if let Some(stop) = stopped {
+                self.postpone_refused(&stop, postpone, &mut batch).await?;
+            }
+        }
+        self.commit_and_ack(batch).await
+    }
+
+    /// Sorts the batch's entries: unreadable, stale or duplicate ones are acknowledged and
+    /// skipped, those past the delivery cap are exhausted; the rest (with their live DLQ row)
+    /// are returned to be replayed.
+    async fn triage(
+        &self,
+        entries: Vec<Entry>,
+        batch: &mut Settlement,
+    ) -> Result<Vec<(Entry, DlqRow)>, ReplayError> {
         let ids: Vec<i64> = entries.iter().filter_map(|e| e.work.as_ref().map(|w| w.dlq_id)).collect();
         let rows: HashMap<i64, DlqRow> =
             self.store.load_dlq_rows(&ids).await?.into_iter().map(|r| (r.id, r)).collect();
-        let mut ack: Vec<String> = Vec::new();
-        let mut give_up: Vec<Repark> = Vec::new();
         let mut todo: Vec<(Entry, DlqRow)> = Vec::new();
         let mut seen: HashSet<i64> = HashSet::new();
         for e in entries {
             let Some(work) = e.work.as_ref() else {
                 tracing::warn!(entry = %e.id, "unreadable replay entry; acknowledging it");
-                counts.skipped += 1;
-                ack.push(e.id);
+                batch.counts.skipped += 1;
+                batch.ack.push(e.id);
                 continue;
             };
             let live = rows
@@ -345,118 +369,140 @@ impl Replayer {
             match live {
                 Some(row) if seen.insert(work.dlq_id) => {
                     if e.deliveries > self.config.delivery_cap {
-                        give_up.push(exhaust(
+                        batch.give_up.push(exhaust(
                             row,
                             &format!("delivery cap reached ({} deliveries)", e.deliveries),
                         ));
-                        ack.push(e.id);
+                        batch.ack.push(e.id);
                     } else {
                         todo.push((e, row.clone()));
                     }
                 }
                 _ => {
-                    counts.skipped += 1;
-                    ack.push(e.id);
+                    batch.counts.skipped += 1;
+                    batch.ack.push(e.id);
                 }
             }
         }
+        Ok(todo)
+    }
 
-        // One group per (table, model, request dimensions), in a stable order.
-        let mut groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>> = BTreeMap::new();
-        for (e, row) in todo {
-            groups
-                .entry((row.target_table.clone(), row.model.clone(), row.request_dimensions))
-                .or_default()
-                .push((e, row));
-        }
-        let mut replayed: Vec<Replayed> = Vec::new();
-        let mut reparked: Vec<Repark> = Vec::new();
-        if !groups.is_empty() {
-            let entry_ids: Vec<String> = groups.values().flatten().map(|(e, _)| e.id.clone()).collect();
-            let work = async {
-                let mut postpone: Vec<(Entry, DlqRow)> = Vec::new();
-                let mut stopped = None;
-                for ((table, model, request_dimensions), items) in groups {
-                    if stopped.is_some() {
-                        postpone.extend(items);
-                        continue;
-                    }
-                    let target = match self.store.target_for(&table).await {
-                        Ok(t) => t,
-                        Err(StoreError::Target { problem, .. }) => {
-                            // The table is gone or unusable: retrying cannot help until an
-                            // operator fixes it (then `dlq requeue --exhausted`).
-                            tracing::error!(table = %table, %problem, "replay target table unusable; exhausting its rows");
-                            for (e, row) in items {
-                                give_up.push(exhaust(&row, &format!("target table {table}: {problem}")));
-                                ack.push(e.id);
-                            }
-                            continue;
-                        }
-                        Err(e) => return Err(ReplayError::Store(e)),
-                    };
-                    let embedder = Embedder {
-                        client: match &model {
-                            Some(m) => self
-                                .embedder
-                                .client
-                                .with_target(m, request_dimensions.and_then(|d| usize::try_from(d).ok())),
-                            None => self.embedder.client.clone(),
-                        },
-                        dimensions: target.dimensions,
-                        ..self.embedder.clone()
-                    };
-                    let texts: Vec<String> = items
-                        .iter()
-                        .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
-                        .collect();
-                    let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-                    let mut stats = BatchStats::default();
-                    match embedder.embed_batch(&text_refs, cancel, &mut stats).await {
-                        Err(stop) => {
-                            stopped = Some(stop);
-                            postpone.extend(items);
-                        }
-                        Ok(outcomes) => {
-                            for ((e, row), outcome) in items.into_iter().zip(outcomes) {
-                                match outcome {
-                                    ItemOutcome::Embedded(embedding) => {
-                                        replayed.push(Replayed::of(&row, embedding));
-                                        ack.push(e.id);
-                                    }
-                                    ItemOutcome::Failed(f) => {
-                                        reparked.push(next_state(&row, &f, &self.config));
-                                        ack.push(e.id);
-                                    }
-                                    ItemOutcome::NotAttempted => counts.left_pending += 1,
-                                }
-                            }
-                        }
-                    }
+    /// Embeds each group in turn. After the provider refused the run (`Some(stop)`), the
+    /// remaining items are returned untouched, to be postponed.
+    async fn embed_groups(
+        &self,
+        groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>>,
+        cancel: &CancellationToken,
+        batch: &mut Settlement,
+    ) -> Result<(Option<Stop>, Vec<(Entry, DlqRow)>), ReplayError> {
+        let mut postpone: Vec<(Entry, DlqRow)> = Vec::new();
+        let mut stopped = None;
+        for (target, items) in groups {
+            if stopped.is_some() {
+                postpone.extend(items);
+                continue;
+            }
+            let Some(embedder) = self.embedder_for(&target, &items, batch).await? else { continue };
+            let texts: Vec<String> = items
+                .iter()
+                .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
+                .collect();
+            let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let mut stats = BatchStats::default();
+            match embedder.embed_batch(&text_refs, cancel, &mut stats).await {
+                Err(stop) => {
+                    stopped = Some(stop);
+                    postpone.extend(items);
                 }
-                Ok::<_, ReplayError>((stopped, postpone))
-            };
-            let keepalive =
-                keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
-            let (stopped, postpone) = tokio::select! {
-                r = work => r?,
-                _ = keepalive => unreachable!("keepalive never ends"),
-            };
-            if let Some(stop) = stopped {
-                // Not the items' fault (bad key, no quota, long outage): charge nothing.
-                // Leaving the entries pending would burn their delivery count on every
-                // reclaim until they were exhausted for a problem they did not cause, so
-                // postpone the rows (same generation, same attempts) and acknowledge.
-                tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
-                    "provider refused replay; postponing the batch and pausing this replayer");
-                let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
-                let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
-                self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
-                ack.extend(postpone.into_iter().map(|(e, _)| e.id));
-                counts.postponed += ids.len() as u64;
-                self.paused_until = Some(Instant::now() + self.config.systemic_pause);
+                Ok(outcomes) => self.settle_outcomes(items, outcomes, batch),
             }
         }
+        Ok((stopped, postpone))
+    }
+
+    /// The embedder for one group: the row's model and request dimensions, checked against
+    /// its table's dimension. `None` when the table is gone or unusable: retrying cannot help
+    /// until an operator fixes it (then `dlq requeue --exhausted`), so its rows are exhausted.
+    async fn embedder_for(
+        &self,
+        (table, model, request_dimensions): &EmbedTarget,
+        items: &[(Entry, DlqRow)],
+        batch: &mut Settlement,
+    ) -> Result<Option<Embedder>, ReplayError> {
+        let target = match self.store.target_for(table).await {
+            Ok(t) => t,
+            Err(StoreError::Target { problem, .. }) => {
+                tracing::error!(table = %table, %problem, "replay target table unusable; exhausting its rows");
+                for (e, row) in items {
+                    batch.give_up.push(exhaust(row, &format!("target table {table}: {problem}")));
+                    batch.ack.push(e.id.clone());
+                }
+                return Ok(None);
+            }
+            Err(e) => return Err(ReplayError::Store(e)),
+        };
+        Ok(Some(Embedder {
+            client: match model {
+                Some(m) => self
+                    .embedder
+                    .client
+                    .with_target(m, request_dimensions.and_then(|d| usize::try_from(d).ok())),
+                None => self.embedder.client.clone(),
+            },
+            dimensions: target.dimensions,
+            ..self.embedder.clone()
+        }))
+    }
+
+    /// Records each item's outcome: embedded rows are to be stored, failed ones re-parked on
+    /// the DLQ schedule (both acknowledged); items not attempted stay pending.
+    fn settle_outcomes(
+        &self,
+        items: Vec<(Entry, DlqRow)>,
+        outcomes: Vec<ItemOutcome>,
+        batch: &mut Settlement,
+    ) {
+        for ((e, row), outcome) in items.into_iter().zip(outcomes) {
+            match outcome {
+                ItemOutcome::Embedded(embedding) => {
+                    batch.replayed.push(Replayed::of(&row, embedding));
+                    batch.ack.push(e.id);
+                }
+                ItemOutcome::Failed(f) => {
+                    batch.reparked.push(next_state(&row, &f, &self.config));
+                    batch.ack.push(e.id);
+                }
+                ItemOutcome::NotAttempted => batch.counts.left_pending += 1,
+            }
+        }
+    }
+
+    /// The provider refused the run (bad key, no quota, long outage): not the items' fault,
+    /// so nothing is charged. Leaving the entries pending would burn their delivery count on
+    /// every reclaim until they were exhausted for a problem they did not cause, so the rows
+    /// are postponed (same generation, same attempts), the entries acknowledged and this
+    /// replayer paused.
+    async fn postpone_refused(
+        &mut self,
+        stop: &Stop,
+        postpone: Vec<(Entry, DlqRow)>,
+        batch: &mut Settlement,
+    ) -> Result<(), ReplayError> {
+        tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
+            "provider refused replay; postponing the batch and pausing this replayer");
+        let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
+        let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
+        self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
+        batch.ack.extend(postpone.into_iter().map(|(e, _)| e.id));
+        batch.counts.postponed += ids.len() as u64;
+        self.paused_until = Some(Instant::now() + self.config.systemic_pause);
+        Ok(())
+    }
+
+    /// Commits the batch's results (a row that changed meanwhile is skipped), counts them,
+    /// and only then acknowledges the settled entries.
+    async fn commit_and_ack(&mut self, batch: Settlement) -> Result<ReplayCounts, ReplayError> {
+        let Settlement { ack, replayed, mut reparked, give_up, mut counts } = batch;
         failpoint::hit!("replay_before_commit");
         let applied = self.store.commit_replayed(&replayed).await?;
         counts.replayed += applied.len() as u64;
@@ -474,15 +520,7 @@ impl Replayer {
             }
         }
         failpoint::hit!("replay_after_commit");
-        for (outcome, n) in [
-            ("replayed", counts.replayed),
-            ("reparked", counts.reparked),
-            ("exhausted", counts.exhausted),
-            ("skipped", counts.skipped),
-        ] {
-            metrics::counter!(crate::metrics::REPLAY_OUTCOMES, "outcome" => outcome).increment(n);
-        }
-        metrics::counter!(crate::metrics::CHUNKS_STORED).increment(counts.replayed);
+        record_outcomes(&counts);
         if !ack.is_empty() {
             let mut cmd = redis::cmd("XACK");
             cmd.arg(self.keys.replay()).arg(REPLAY_GROUP);
@@ -583,6 +621,44 @@ impl Replayer {
             .map(|e| Entry { work: crate::streams::work::from_entry(&e.map), id: e.id, deliveries: 1 })
             .collect())
     }
+}
+
+/// What one batch has decided so far: the entries to acknowledge and the rows to commit.
+#[derive(Default)]
+struct Settlement {
+    /// Entries settled (skipped, exhausted, replayed, re-parked or postponed).
+    ack: Vec<String>,
+    replayed: Vec<Replayed>,
+    /// Failed passes, re-parked on the DLQ schedule.
+    reparked: Vec<Repark>,
+    /// Rows exhausted without a pass (delivery cap, unusable target table).
+    give_up: Vec<Repark>,
+    counts: ReplayCounts,
+}
+
+/// One group per (table, model, request dimensions), in a stable order.
+fn group_by_target(todo: Vec<(Entry, DlqRow)>) -> BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>> {
+    let mut groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>> = BTreeMap::new();
+    for (e, row) in todo {
+        groups
+            .entry((row.target_table.clone(), row.model.clone(), row.request_dimensions))
+            .or_default()
+            .push((e, row));
+    }
+    groups
+}
+
+/// Counts a batch's outcomes in the replay metrics.
+fn record_outcomes(counts: &ReplayCounts) {
+    for (outcome, n) in [
+        ("replayed", counts.replayed),
+        ("reparked", counts.reparked),
+        ("exhausted", counts.exhausted),
+        ("skipped", counts.skipped),
+    ] {
+        metrics::counter!(crate::metrics::REPLAY_OUTCOMES, "outcome" => outcome).increment(n);
+    }
+    metrics::counter!(crate::metrics::CHUNKS_STORED).increment(counts.replayed);
 }
 
 /// Refreshes this consumer's claim on `ids` (resets their idle time) every third of

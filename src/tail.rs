@@ -121,19 +121,7 @@ pub async fn tail(
     let client = streams::client(redis_url).map_err(TailError::BadUrl)?;
     let block = Duration::from_secs(2);
     let mut conn = streams::blocking(&client, block).await.map_err(TailError::Connect)?;
-    let mut last = match &opts.checkpoint {
-        Some(p) => match std::fs::read_to_string(p) {
-            Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
-            _ => opts.from.clone(),
-        },
-        None => opts.from.clone(),
-    };
-    if last == "$" {
-        // Resolve "now" to a concrete id so a reconnect does not skip events.
-        let info: redis::RedisResult<redis::streams::StreamInfoStreamReply> =
-            redis::cmd("XINFO").arg("STREAM").arg(keys.events()).query_async(&mut conn).await;
-        last = info.map(|i| i.last_generated_id).unwrap_or_else(|_| "0-0".into());
-    }
+    let mut last = start_id(&mut conn, keys, opts).await;
     let mut delivered = 0u64;
     loop {
         let mut cmd = redis::cmd("XREAD");
@@ -173,15 +161,40 @@ pub async fn tail(
         }
         sink.flush().map_err(TailError::Sink)?;
         if let Some(p) = &opts.checkpoint {
-            let tmp = p.with_extension("tmp");
-            std::fs::write(&tmp, &last)
-                .and_then(|_| std::fs::rename(&tmp, p))
-                .map_err(TailError::Checkpoint)?;
+            save_checkpoint(p, &last)?;
         }
         if opts.count.is_some_and(|c| delivered >= c) {
             return Ok(delivered);
         }
     }
+}
+
+/// Where reading starts: the checkpoint's id if it holds one, else `from`, with `$` resolved
+/// to the stream's last id so that a reconnect does not skip events.
+async fn start_id(
+    conn: &mut redis::aio::MultiplexedConnection,
+    keys: &StreamKeys,
+    opts: &TailOptions,
+) -> String {
+    let mut last = match &opts.checkpoint {
+        Some(p) => match std::fs::read_to_string(p) {
+            Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
+            _ => opts.from.clone(),
+        },
+        None => opts.from.clone(),
+    };
+    if last == "$" {
+        let info: redis::RedisResult<redis::streams::StreamInfoStreamReply> =
+            redis::cmd("XINFO").arg("STREAM").arg(keys.events()).query_async(conn).await;
+        last = info.map(|i| i.last_generated_id).unwrap_or_else(|_| "0-0".into());
+    }
+    last
+}
+
+/// Records the last delivered id in `path`, atomically (write aside, then rename).
+fn save_checkpoint(path: &std::path::Path, last: &str) -> Result<(), TailError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, last).and_then(|_| std::fs::rename(&tmp, path)).map_err(TailError::Checkpoint)
 }
 
 #[cfg(test)]

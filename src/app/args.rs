@@ -248,7 +248,7 @@ pub struct DlqCommand {
 /// The arguments of `mock-provider`.
 #[derive(clap::Args, Debug)]
 pub struct MockProviderCommand {
-    #[arg(long, default_value = "127.0.0.1:8089")]
+    #[arg(long, default_value = embed_dlq::config::DEFAULT_MOCK_ADDR)]
     pub listen: SocketAddr,
     /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
     #[arg(long, default_value = "{}")]

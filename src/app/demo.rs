@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use embed_dlq::embed::retry::DlqSchedule;
 use embed_dlq::testkit::corpus::{CorpusSpec, demo_faults, write_corpus};
 use embed_dlq::testkit::mock_provider::MockProvider;
 use tokio_util::sync::CancellationToken;
@@ -33,6 +34,9 @@ pub async fn command(resolver: &Resolver, args: DemoCommand, cancel: Cancellatio
     }
 }
 
+/// Longest input of the demo ingest: the corpus generator and the settings agree on it.
+const DEMO_MAX_INPUT_CHARS: usize = 8_000;
+
 /// Runs the demo against `database_url`; returns the exit code.
 async fn run(
     database_url: &str,
@@ -46,129 +50,31 @@ async fn run(
         .await
         .context("starting the mock provider")?;
     eprintln!("mock provider on {} with faults: 5% 429, 8% 5xx, 0.5% timeouts, 2% resets", mock.base_url());
-
+    let run_id = chrono::Utc::now().format("%Y%m%dT%H%M%S").to_string();
     let dir = std::env::temp_dir().join(format!("embed-dlq-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let corpus = dir.join("corpus.jsonl");
-    let run_id = chrono::Utc::now().format("%Y%m%dT%H%M%S").to_string();
-    let spec = CorpusSpec {
-        doc_prefix: format!("demo-{run_id}"),
-        chunks,
-        poison_every: 200,
-        broken_lines: true,
-        ..CorpusSpec::default()
-    };
-    let max_input_chars = 8_000;
-    let facts = {
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&corpus)?);
-        let facts = write_corpus(&mut f, &spec, max_input_chars)?;
-        f.flush()?;
-        facts
-    };
-    eprintln!(
-        "corpus {}: {chunks} chunks ({} poison inputs, {} broken lines)",
-        corpus.display(),
-        chunks - facts.clean,
-        facts.invalid_records + facts.rejected_lines
-    );
+    write_demo_corpus(&corpus, &run_id, chunks)?;
 
-    let settings = IngestSettings::resolve(
-        ServiceArgs { database_url: Some(database_url.to_string()), redis_url: None },
-        ProviderArgs {
-            base_url: Some(mock.base_url()),
-            model: Some("mock-embed-768".into()),
-            request_timeout_ms: Some(1_000),
-            ..Default::default()
-        },
-        IngestArgs {
-            concurrency: Some(concurrency),
-            max_input_chars: Some(max_input_chars),
-            ..Default::default()
-        },
-        RetryArgs {
-            retry_max_attempts: Some(4),
-            retry_base_ms: Some(50),
-            retry_cap_ms: Some(1_000),
-            ..Default::default()
-        },
-        None,
-    )
-    .map_err(anyhow::Error::msg)?;
-    let mut pipeline = settings.pipeline().await?;
+    let mut pipeline = demo_settings(database_url, &mock, concurrency)?.pipeline().await?;
     use std::io::IsTerminal;
     pipeline.options.progress = !json && std::io::stderr().is_terminal();
     pipeline.options.total_bytes = std::fs::metadata(&corpus).ok().map(|m| m.len());
-
-    if !json {
-        println!("== pass 1: ingest with faults ==");
-    }
-    let first = open_and_run(&pipeline, &corpus, cancel.clone()).await?;
-    print_summary(&first, json);
-    if cancel.is_cancelled() {
+    let Some((first, calls_second)) = ingest_twice(&pipeline, &mock, &corpus, json, &cancel).await? else {
         return Ok(exit::INTERRUPTED);
-    }
-
-    if !json {
-        println!("\n== pass 2: the same corpus again (must make no provider call) ==");
-    }
-    let calls_before = mock.control.stats().requests;
-    let second = open_and_run(&pipeline, &corpus, cancel.clone()).await?;
-    let calls_second = mock.control.stats().requests - calls_before;
-    if json {
-        print_summary(&second, true);
-    } else {
-        let mut out = std::io::stdout().lock();
-        write_human_summary(&mut out, &second)?;
-        writeln!(out, "provider requests seen by the mock in pass 2: {calls_second}")?;
-    }
-
-    let pool = pipeline.store.pool();
-    let leaks: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM ingest_manifest m
-           LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
-           LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
-          WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
-    )
-    .fetch_one(pool)
-    .await?;
-    let duplicates: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM doc_embeddings GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
-    )
-    .fetch_one(pool)
-    .await?;
+    };
+    let (leaks, duplicates) = seed_checks(&pipeline.store).await?;
     if !json {
         println!("\n== pass 3: provider outage, then replay drains the DLQ ==");
     }
     let drained =
         outage_and_drain(&pipeline, &mock, redis_url, &run_id, chunks.min(2_000), json, cancel.clone())
             .await?;
-    let (leaks, duplicates) = (leaks + count_leaks(pool).await?, duplicates + count_duplicates(pool).await?);
-
-    let mut reconciler = embed_dlq::reconcile::Reconciler {
-        store: pipeline.store.clone(),
-        redis: Some(embed_dlq::streams::managed(&embed_dlq::streams::client(redis_url)?).await?),
-        keys: embed_dlq::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}")),
-        config: Default::default(),
-    };
-    let report = reconciler.run_once(embed_dlq::reconcile::Mode::Check).await?;
-    let stats = mock.control.stats();
+    let (more_leaks, more_duplicates) = seed_checks(&pipeline.store).await?;
+    let (leaks, duplicates) = (leaks + more_leaks, duplicates + more_duplicates);
+    let report = reconcile(&pipeline, redis_url, &run_id).await?;
     if !json {
-        println!("\n== reconcile ==");
-        write_report(&mut std::io::stdout().lock(), &report)?;
-        println!("\n== checks ==");
-        println!("leaks (manifest rows with neither vector nor DLQ row): {leaks}");
-        println!("duplicate vectors by (doc_id, chunk_index):            {duplicates}");
-        println!(
-            "mock provider served {} requests: {} ok, {} rate-limited, {} 5xx, {} timeouts, {} resets, {} rejected",
-            stats.requests,
-            stats.ok,
-            stats.rate_limited,
-            stats.server_errors,
-            stats.timeouts,
-            stats.resets,
-            stats.rejected
-        );
-        println!("inspect the DLQ: target/release/embed-dlq dlq stats  (then dlq list, dlq show ID)");
+        print_checks(&report, leaks, duplicates, &mock.control.stats())?;
     }
     mock.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -192,23 +98,143 @@ async fn run(
     Ok(exit::OK)
 }
 
-async fn count_leaks(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM ingest_manifest m
-           LEFT JOIN doc_embeddings e USING (doc_id, chunk_index)
-           LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
-          WHERE e.doc_id IS NULL AND d.doc_id IS NULL",
-    )
-    .fetch_one(pool)
-    .await?)
+/// Writes the demo corpus (poison inputs every 200 chunks, broken lines) to `path`.
+fn write_demo_corpus(path: &std::path::Path, run_id: &str, chunks: usize) -> anyhow::Result<()> {
+    let spec = CorpusSpec {
+        doc_prefix: format!("demo-{run_id}"),
+        chunks,
+        poison_every: 200,
+        broken_lines: true,
+        ..CorpusSpec::default()
+    };
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let facts = write_corpus(&mut f, &spec, DEMO_MAX_INPUT_CHARS)?;
+    f.flush()?;
+    eprintln!(
+        "corpus {}: {chunks} chunks ({} poison inputs, {} broken lines)",
+        path.display(),
+        chunks - facts.clean,
+        facts.invalid_records + facts.rejected_lines
+    );
+    Ok(())
 }
 
-async fn count_duplicates(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM doc_embeddings GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+/// The demo's ingest settings: the in-process mock, short timeouts and retries (so the faults
+/// show within seconds), validated like the command line.
+fn demo_settings(
+    database_url: &str,
+    mock: &MockProvider,
+    concurrency: usize,
+) -> anyhow::Result<IngestSettings> {
+    IngestSettings::resolve(
+        ServiceArgs { database_url: Some(database_url.to_string()), redis_url: None },
+        ProviderArgs {
+            base_url: Some(mock.base_url()),
+            model: Some("mock-embed-768".into()),
+            request_timeout_ms: Some(1_000),
+            ..Default::default()
+        },
+        IngestArgs {
+            concurrency: Some(concurrency),
+            max_input_chars: Some(DEMO_MAX_INPUT_CHARS),
+            ..Default::default()
+        },
+        RetryArgs {
+            retry_max_attempts: Some(4),
+            retry_base_ms: Some(50),
+            retry_cap_ms: Some(1_000),
+            ..Default::default()
+        },
+        None,
     )
-    .fetch_one(pool)
-    .await?)
+    .map_err(anyhow::Error::msg)
+}
+
+/// Passes 1 and 2: ingests the corpus with faults, then again. Returns the first summary and
+/// the provider calls of the second pass (there must be none), or `None` when interrupted.
+async fn ingest_twice(
+    pipeline: &embed_dlq::ingest::Pipeline,
+    mock: &MockProvider,
+    corpus: &std::path::Path,
+    json: bool,
+    cancel: &CancellationToken,
+) -> anyhow::Result<Option<(embed_dlq::ingest::IngestSummary, u64)>> {
+    if !json {
+        println!("== pass 1: ingest with faults ==");
+    }
+    let first = open_and_run(pipeline, corpus, cancel.clone()).await?;
+    print_summary(&first, json);
+    if cancel.is_cancelled() {
+        return Ok(None);
+    }
+    if !json {
+        println!("\n== pass 2: the same corpus again (must make no provider call) ==");
+    }
+    let calls_before = mock.control.stats().requests;
+    let second = open_and_run(pipeline, corpus, cancel.clone()).await?;
+    let calls_second = mock.control.stats().requests - calls_before;
+    if json {
+        print_summary(&second, true);
+    } else {
+        let mut out = std::io::stdout().lock();
+        write_human_summary(&mut out, &second)?;
+        writeln!(out, "provider requests seen by the mock in pass 2: {calls_second}")?;
+    }
+    Ok(Some((first, calls_second)))
+}
+
+/// The seed's leak and duplicate counts over the demo's table (both must be zero).
+async fn seed_checks(store: &embed_dlq::store::Store) -> anyhow::Result<(i64, i64)> {
+    let table = Some(store.target().name.as_str());
+    let leaks = embed_dlq::store::reconcile::leaks(store.pool(), table).await?;
+    let duplicates = embed_dlq::store::reconcile::duplicates(store.pool(), table).await?;
+    Ok((leaks, duplicates))
+}
+
+/// The streams' key prefix of one demo run.
+fn demo_stream_prefix(run_id: &str) -> String {
+    format!("embed-dlq-demo-{run_id}")
+}
+
+/// One reconciler run (check only) over the demo's table and streams.
+async fn reconcile(
+    pipeline: &embed_dlq::ingest::Pipeline,
+    redis_url: &str,
+    run_id: &str,
+) -> anyhow::Result<embed_dlq::reconcile::Report> {
+    let mut reconciler = embed_dlq::reconcile::Reconciler {
+        store: pipeline.store.clone(),
+        redis: Some(embed_dlq::streams::managed(&embed_dlq::streams::client(redis_url)?).await?),
+        keys: embed_dlq::streams::StreamKeys::new(&demo_stream_prefix(run_id)),
+        config: Default::default(),
+    };
+    Ok(reconciler.run_once(embed_dlq::reconcile::Mode::Check).await?)
+}
+
+/// Prints the reconcile report, the seed's checks and what the mock served.
+fn print_checks(
+    report: &embed_dlq::reconcile::Report,
+    leaks: i64,
+    duplicates: i64,
+    stats: &embed_dlq::testkit::mock_provider::MockStats,
+) -> anyhow::Result<()> {
+    println!("\n== reconcile ==");
+    write_report(&mut std::io::stdout().lock(), report)?;
+    println!("\n== checks ==");
+    println!("leaks (manifest rows with neither vector nor DLQ row): {leaks}");
+    println!("duplicate vectors by (doc_id, chunk_index):            {duplicates}");
+    println!(
+        "mock provider served {} requests: {} ok, {} rate-limited, {} 5xx, {} timeouts, {} resets, {} rejected",
+        stats.requests,
+        stats.ok,
+        stats.rate_limited,
+        stats.server_errors,
+        stats.timeouts,
+        stats.resets,
+        stats.rejected
+    );
+    println!("inspect the DLQ: target/release/embed-dlq dlq stats  (then dlq list, dlq show ID)");
+    Ok(())
 }
 
 /// Pass 3: the provider answers 503 while a corpus is ingested (its chunks park as
@@ -224,67 +250,31 @@ async fn outage_and_drain(
     cancel: CancellationToken,
 ) -> anyhow::Result<bool> {
     let prefix = format!("demo-{run_id}-outage");
-    let mut corpus = Vec::new();
-    write_corpus(
-        &mut corpus,
-        &CorpusSpec { doc_prefix: prefix.clone(), chunks, ..CorpusSpec::default() },
-        100_000,
-    )?;
-    let mut outage = pipeline.clone();
-    outage.options.progress = false;
-    outage.options.dlq_schedule.base = Duration::from_secs(1);
-    outage.embedder.policy.max_attempts = 2;
-    outage.embedder.gate = std::sync::Arc::new(embed_dlq::embed::gate::ProviderGate::new(
-        embed_dlq::embed::gate::BreakerConfig { failure_threshold: 1_000_000, ..Default::default() },
-    ));
-    mock.control.set_outage(true);
-    let parked =
-        outage.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
-    mock.control.set_outage(false);
-    let pool = pipeline.store.pool();
+    let schedule = DlqSchedule { base: Duration::from_secs(1), ..pipeline.options.dlq_schedule };
+    let provider_calls = ingest_during_outage(pipeline, mock, &prefix, chunks, schedule, &cancel).await?;
     let pattern = format!("{prefix}-%");
-    let depth = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM embedding_dlq WHERE doc_id LIKE $1")
-            .bind(&pattern)
-            .fetch_one(pool)
-            .await
-    };
-    let parked_now = depth().await?;
+    let pool = pipeline.store.pool();
+    let parked_now = dlq_depth(pool, &pattern).await?;
     if !json {
         println!(
-            "outage: {} chunks parked as transient ({} provider calls answered 503); the outage ends now",
-            parked_now, parked.provider_calls
+            "outage: {parked_now} chunks parked as transient ({provider_calls} provider calls answered 503); the outage ends now"
         );
         println!("serve: relay + scheduler + 2 replayers (DLQ schedule base 1s)");
     }
-    let keys = embed_dlq::streams::StreamKeys::new(&format!("embed-dlq-demo-{run_id}"));
+    let keys = embed_dlq::streams::StreamKeys::new(&demo_stream_prefix(run_id));
     let serve_cancel = cancel.child_token();
-    let config = embed_dlq::serve::ServeConfig {
-        replayers: 2,
-        relay: embed_dlq::relay::RelayConfig { poll: Duration::from_millis(200), ..Default::default() },
-        replay: embed_dlq::replay::ReplayConfig {
-            schedule: outage.options.dlq_schedule,
-            block: Duration::from_millis(500),
-            ..Default::default()
-        },
-        keys: keys.clone(),
-        grace: Duration::from_secs(5),
-        consumer_prefix: format!("demo-{}", std::process::id()),
-        reconcile_every: None,
-        metrics: false,
-    };
     let serve = tokio::spawn(embed_dlq::serve::serve(
         pipeline.store.clone(),
         pipeline.embedder.clone(),
         embed_dlq::streams::client(redis_url)?,
-        config,
+        demo_serve_config(keys.clone(), schedule),
         serve_cancel.clone(),
     ));
     let started = std::time::Instant::now();
     let mut left = parked_now;
     while left > 0 && started.elapsed() < Duration::from_secs(120) && !cancel.is_cancelled() {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        left = depth().await?;
+        left = dlq_depth(pool, &pattern).await?;
         if !json {
             println!("  DLQ rows of this pass: {left:>6}  ({:.1}s)", started.elapsed().as_secs_f64());
         }
@@ -296,13 +286,74 @@ async fn outage_and_drain(
     let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await?;
     if !json {
         println!(
-            "drained {} parked chunks in {:.1}s; {events} events on {} (embed-dlq tail --from 0 --stream-prefix embed-dlq-demo-{run_id})",
+            "drained {} parked chunks in {:.1}s; {events} events on {} (embed-dlq tail --from 0 --stream-prefix {})",
             parked_now - left,
             started.elapsed().as_secs_f64(),
-            keys.events()
+            keys.events(),
+            demo_stream_prefix(run_id)
         );
     }
     Ok(left == 0)
+}
+
+/// Ingests a fresh corpus under `prefix` while the mock answers 503: two attempts per
+/// request and a breaker that never opens, so every chunk parks as transient on `schedule`.
+/// Returns the provider calls made.
+async fn ingest_during_outage(
+    pipeline: &embed_dlq::ingest::Pipeline,
+    mock: &MockProvider,
+    prefix: &str,
+    chunks: usize,
+    schedule: DlqSchedule,
+    cancel: &CancellationToken,
+) -> anyhow::Result<u64> {
+    let mut corpus = Vec::new();
+    write_corpus(
+        &mut corpus,
+        &CorpusSpec { doc_prefix: prefix.to_string(), chunks, ..CorpusSpec::default() },
+        100_000,
+    )?;
+    let mut outage = pipeline.clone();
+    outage.options.progress = false;
+    outage.options.dlq_schedule = schedule;
+    outage.embedder.policy.max_attempts = 2;
+    outage.embedder.gate = std::sync::Arc::new(embed_dlq::embed::gate::ProviderGate::new(
+        embed_dlq::embed::gate::BreakerConfig { failure_threshold: 1_000_000, ..Default::default() },
+    ));
+    mock.control.set_outage(true);
+    let parked =
+        outage.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    mock.control.set_outage(false);
+    Ok(parked.provider_calls)
+}
+
+/// DLQ rows whose `doc_id` matches `pattern` (SQL `LIKE`).
+async fn dlq_depth(pool: &sqlx::PgPool, pattern: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM embedding_dlq WHERE doc_id LIKE $1")
+        .bind(pattern)
+        .fetch_one(pool)
+        .await
+}
+
+/// `serve` as the demo runs it: two replayers on `schedule`, a fast relay poll, a short grace.
+fn demo_serve_config(
+    keys: embed_dlq::streams::StreamKeys,
+    schedule: DlqSchedule,
+) -> embed_dlq::serve::ServeConfig {
+    embed_dlq::serve::ServeConfig {
+        replayers: 2,
+        relay: embed_dlq::relay::RelayConfig { poll: Duration::from_millis(200), ..Default::default() },
+        replay: embed_dlq::replay::ReplayConfig {
+            schedule,
+            block: Duration::from_millis(500),
+            ..Default::default()
+        },
+        keys,
+        grace: Duration::from_secs(5),
+        consumer_prefix: format!("demo-{}", std::process::id()),
+        reconcile_every: None,
+        metrics: false,
+    }
 }
 
 async fn open_and_run(

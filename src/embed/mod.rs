@@ -111,6 +111,18 @@ struct Piece {
     isolating: bool,
 }
 
+/// The state of one `embed_batch` call: an outcome slot per text, the pieces still to embed,
+/// and what every piece shares.
+struct Progress<'a> {
+    /// The model and dimensions the batch is embedded for (the canary's key).
+    target: Target,
+    outcomes: Vec<Option<ItemOutcome>>,
+    /// Pieces still to embed; the top one is next.
+    work: Vec<Piece>,
+    cancel: &'a CancellationToken,
+    stats: &'a mut BatchStats,
+}
+
 impl Embedder {
     /// Embeds `texts`, returning one outcome per text (same order) or the reason the whole run
     /// must stop. `cancel` interrupts backoff waits: inputs already attempted are then
@@ -121,163 +133,210 @@ impl Embedder {
         cancel: &CancellationToken,
         stats: &mut BatchStats,
     ) -> Result<Vec<ItemOutcome>, Stop> {
-        let target = self.target();
-        let mut outcomes: Vec<Option<ItemOutcome>> = vec![None; texts.len()];
-        let mut work: Vec<Piece> = Vec::new();
+        let mut progress = Progress {
+            target: self.target(),
+            outcomes: vec![None; texts.len()],
+            work: Vec::new(),
+            cancel,
+            stats,
+        };
         if !texts.is_empty() {
-            work.push(Piece { range: 0..texts.len(), isolating: false });
+            progress.work.push(Piece { range: 0..texts.len(), isolating: false });
         }
-        while let Some(Piece { range, isolating }) = work.pop() {
-            let mut attempt: u32 = 0;
-            let mut last: Option<(EmbedError, &'static str)> = None;
-            loop {
-                let permit = match self.admit(cancel, stats).await {
-                    Ok(p) => p,
-                    Err(Halt::Cancelled) => {
-                        let outcome = match &last {
-                            None => ItemOutcome::NotAttempted,
-                            Some((err, reason)) => ItemOutcome::Failed(transient(err, reason, attempt)),
-                        };
-                        fill(&mut outcomes, range.clone(), outcome);
-                        break;
+        while let Some(piece) = progress.work.pop() {
+            self.embed_piece(texts, piece, &mut progress).await?;
+        }
+        Ok(progress.outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect())
+    }
+
+    /// Sends one piece, retrying it under the policy, until it is settled: embedded, failed,
+    /// or split into smaller pieces (pushed on the work stack).
+    async fn embed_piece(&self, texts: &[&str], piece: Piece, p: &mut Progress<'_>) -> Result<(), Stop> {
+        let cancel = p.cancel;
+        let mut attempt: u32 = 0;
+        let mut last: Option<(EmbedError, &'static str)> = None;
+        loop {
+            let permit = match self.admit(cancel, p.stats).await {
+                Ok(permit) => permit,
+                Err(Halt::Cancelled) => {
+                    let outcome = match &last {
+                        None => ItemOutcome::NotAttempted,
+                        Some((err, reason)) => ItemOutcome::Failed(transient(err, reason, attempt)),
+                    };
+                    fill(&mut p.outcomes, piece.range.clone(), outcome);
+                    return Ok(());
+                }
+                Err(Halt::Stop(stop)) => return Err(stop),
+            };
+            attempt += 1;
+            p.stats.provider_calls += 1;
+            p.stats.provider_inputs += piece.range.len() as u64;
+            let sent = std::time::Instant::now();
+            let result = self.client.embed(&texts[piece.range.clone()], self.dimensions).await;
+            crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
+            let err = match result {
+                Ok(resp) => {
+                    self.gate.record(permit, Health::Responsive);
+                    return self.settle_response(resp, &piece.range, attempt, p).await;
+                }
+                Err(err) => err,
+            };
+            let (reason, retry_after) = match classify(&err) {
+                Verdict::Systemic { reason } => {
+                    self.gate.record(permit, Health::Responsive);
+                    return Err(Stop::Systemic { reason, detail: err.to_string() });
+                }
+                Verdict::Reject { class, reason } => {
+                    self.gate.record(permit, Health::Responsive);
+                    return self.settle_rejection(&err, class, reason, &piece, attempt, p).await;
+                }
+                Verdict::Retry { reason, retry_after } => (reason, retry_after),
+            };
+            // Isolating an input that always gets 500: the split that succeeded proved the
+            // provider is up, so this says nothing about it.
+            let suspect = piece.isolating && reason == "http_500";
+            let health = if suspect { Health::InputSuspect } else { self.retry_health(reason, retry_after) };
+            self.gate.record(permit, health);
+            if self.settle_without_retry(&err, reason, suspect, &piece, attempt, p) {
+                return Ok(());
+            }
+            *p.stats.retries.entry(reason).or_default() += 1;
+            metrics::counter!(crate::metrics::RETRIES, "reason" => reason).increment(1);
+            let delay = self.policy.delay(attempt, retry_after);
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(transient(&err, reason, attempt)));
+                    return Ok(());
+                }
+                _ = tokio::time::sleep(delay) => {}
+            }
+            last = Some((err, reason));
+        }
+    }
+
+    /// Records a provider answer: a vector or a per-item problem for each input of `range`.
+    /// When every vector has the same wrong length, the model or `dimensions` may not fit the
+    /// column at all: the canary is asked (unless vectors of the right size have been seen
+    /// and this is one input), and without a verdict the problems are parked as transient.
+    async fn settle_response(
+        &self,
+        resp: client::EmbedResponse,
+        range: &Range<usize>,
+        attempt: u32,
+        p: &mut Progress<'_>,
+    ) -> Result<(), Stop> {
+        p.stats.reported_tokens += resp.reported_tokens;
+        let mut items = resp.items;
+        if items.iter().any(Result::is_ok) {
+            self.gate.canary().record_success(&p.target);
+        } else if let Some((signature, detail)) = uniform_wrong_dimension(&items) {
+            let force = items.len() > 1;
+            if (force || !self.gate.canary().has_success(&p.target))
+                && let Checked::Inconclusive(why) =
+                    self.check(&p.target, signature, &detail, force, p.cancel, p.stats).await?
+            {
+                for item in &mut items {
+                    if let Err(problem) = item {
+                        problem.class = ErrorClass::Transient;
+                        problem.detail = format!("{}; {why}", problem.detail);
                     }
-                    Err(Halt::Stop(stop)) => return Err(stop),
-                };
-                attempt += 1;
-                stats.provider_calls += 1;
-                stats.provider_inputs += range.len() as u64;
-                let sent = std::time::Instant::now();
-                let result = self.client.embed(&texts[range.clone()], self.dimensions).await;
-                crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
-                match result {
-                    Ok(resp) => {
-                        self.gate.record(permit, Health::Responsive);
-                        stats.reported_tokens += resp.reported_tokens;
-                        let mut items = resp.items;
-                        if items.iter().any(Result::is_ok) {
-                            self.gate.canary().record_success(&target);
-                        } else if let Some((signature, detail)) = uniform_wrong_dimension(&items) {
-                            // Every vector has the same wrong length: the model or `dimensions`
-                            // may not fit the column at all. Ask the canary unless vectors of
-                            // the right size have been seen and this is one input.
-                            let force = items.len() > 1;
-                            if force || !self.gate.canary().has_success(&target) {
-                                match self.check(&target, signature, &detail, force, cancel, stats).await? {
-                                    Checked::InputFault => {}
-                                    Checked::Inconclusive(why) => {
-                                        for item in &mut items {
-                                            if let Err(p) = item {
-                                                p.class = ErrorClass::Transient;
-                                                p.detail = format!("{}; {why}", p.detail);
-                                            }
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                        for (i, item) in items.into_iter().enumerate() {
-                            outcomes[range.start + i] = Some(match item {
-                                Ok(v) => ItemOutcome::Embedded(v),
-                                Err(p) => ItemOutcome::Failed(Failure {
-                                    class: p.class,
-                                    reason: p.reason,
-                                    detail: p.detail,
-                                    status: Some(200),
-                                    attempts: attempt,
-                                }),
-                            });
-                        }
-                        break;
-                    }
-                    Err(err) => match classify(&err) {
-                        Verdict::Systemic { reason } => {
-                            self.gate.record(permit, Health::Responsive);
-                            return Err(Stop::Systemic { reason, detail: err.to_string() });
-                        }
-                        Verdict::Reject { class, reason } => {
-                            self.gate.record(permit, Health::Responsive);
-                            self.gate.canary().record_rejection(&target);
-                            let signature = signature_of(&err);
-                            let detail = err.to_string();
-                            match self.check(&target, signature, &detail, false, cancel, stats).await? {
-                                Checked::Inconclusive(why) => {
-                                    let failure = Failure {
-                                        class: ErrorClass::Transient,
-                                        reason,
-                                        detail: format!("{detail}; {why}"),
-                                        status: status_of(&err),
-                                        attempts: attempt,
-                                    };
-                                    fill(&mut outcomes, range.clone(), ItemOutcome::Failed(failure));
-                                }
-                                Checked::InputFault if range.len() > 1 => {
-                                    stats.splits += 1;
-                                    split(&mut work, &range, isolating);
-                                }
-                                Checked::InputFault => {
-                                    let failure = Failure {
-                                        class,
-                                        reason,
-                                        detail,
-                                        status: status_of(&err),
-                                        attempts: attempt,
-                                    };
-                                    fill(&mut outcomes, range.clone(), ItemOutcome::Failed(failure));
-                                }
-                            }
-                            break;
-                        }
-                        Verdict::Retry { reason, retry_after } => {
-                            // Isolating an input that always gets 500: the split that
-                            // succeeded proved the provider is up, so this says nothing
-                            // about it, and one try per split level is enough.
-                            let suspect = isolating && reason == "http_500";
-                            let health = if reason == "rate_limited" {
-                                Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))
-                            } else if suspect {
-                                Health::InputSuspect
-                            } else {
-                                Health::Failing
-                            };
-                            self.gate.record(permit, health);
-                            if suspect && range.len() > 1 {
-                                stats.splits += 1;
-                                split(&mut work, &range, true);
-                                break;
-                            }
-                            if !self.policy.allows_another(attempt) {
-                                if reason == "http_500" && range.len() > 1 {
-                                    // Some servers answer 500 for one input forever (Ollama):
-                                    // isolate it instead of parking its neighbours with it.
-                                    stats.splits += 1;
-                                    split(&mut work, &range, true);
-                                    break;
-                                }
-                                fill(
-                                    &mut outcomes,
-                                    range.clone(),
-                                    ItemOutcome::Failed(transient(&err, reason, attempt)),
-                                );
-                                break;
-                            }
-                            *stats.retries.entry(reason).or_default() += 1;
-                            metrics::counter!(crate::metrics::RETRIES, "reason" => reason).increment(1);
-                            let delay = self.policy.delay(attempt, retry_after);
-                            last = Some((err, reason));
-                            tokio::select! {
-                                _ = cancel.cancelled() => {
-                                    let (err, reason) = last.as_ref().expect("just set");
-                                    fill(&mut outcomes, range.clone(), ItemOutcome::Failed(transient(err, reason, attempt)));
-                                    break;
-                                }
-                                _ = tokio::time::sleep(delay) => {}
-                            }
-                        }
-                    },
                 }
             }
         }
-        Ok(outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect())
+        for (i, item) in items.into_iter().enumerate() {
+            p.outcomes[range.start + i] = Some(match item {
+                Ok(v) => ItemOutcome::Embedded(v),
+                Err(problem) => ItemOutcome::Failed(Failure {
+                    class: problem.class,
+                    reason: problem.reason,
+                    detail: problem.detail,
+                    status: Some(200),
+                    attempts: attempt,
+                }),
+            });
+        }
+        Ok(())
+    }
+
+    /// Settles a piece the provider rejected: when the canary says the provider is fine, the
+    /// input is at fault (a piece of several is split to find it); without a verdict the
+    /// piece is parked as transient.
+    async fn settle_rejection(
+        &self,
+        err: &EmbedError,
+        class: ErrorClass,
+        reason: &'static str,
+        piece: &Piece,
+        attempt: u32,
+        p: &mut Progress<'_>,
+    ) -> Result<(), Stop> {
+        self.gate.canary().record_rejection(&p.target);
+        let signature = signature_of(err);
+        let detail = err.to_string();
+        let status = status_of(err);
+        match self.check(&p.target, signature, &detail, false, p.cancel, p.stats).await? {
+            Checked::Inconclusive(why) => {
+                let failure = Failure {
+                    class: ErrorClass::Transient,
+                    reason,
+                    detail: format!("{detail}; {why}"),
+                    status,
+                    attempts: attempt,
+                };
+                fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(failure));
+            }
+            Checked::InputFault if piece.range.len() > 1 => {
+                p.stats.splits += 1;
+                split(&mut p.work, &piece.range, piece.isolating);
+            }
+            Checked::InputFault => {
+                let failure = Failure { class, reason, detail, status, attempts: attempt };
+                fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(failure));
+            }
+        }
+        Ok(())
+    }
+
+    /// Settles a piece after a retryable failure when retrying it makes no sense (returns
+    /// `true`): a `suspect` piece is split (one try per split level is enough); once the
+    /// policy allows no other attempt, a piece of several that keeps getting 500 is split to
+    /// isolate the input (some servers, e.g. Ollama, answer 500 for one input forever)
+    /// instead of parking its neighbours with it, and anything else is parked as transient.
+    fn settle_without_retry(
+        &self,
+        err: &EmbedError,
+        reason: &'static str,
+        suspect: bool,
+        piece: &Piece,
+        attempt: u32,
+        p: &mut Progress<'_>,
+    ) -> bool {
+        let several = piece.range.len() > 1;
+        if suspect && several {
+            p.stats.splits += 1;
+            split(&mut p.work, &piece.range, true);
+            return true;
+        }
+        if self.policy.allows_another(attempt) {
+            return false;
+        }
+        if reason == "http_500" && several {
+            p.stats.splits += 1;
+            split(&mut p.work, &piece.range, true);
+        } else {
+            fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(transient(err, reason, attempt)));
+        }
+        true
+    }
+
+    /// What a retryable failure tells the gate: a rate limit (with the server's wait, capped
+    /// by the policy) or a failing provider.
+    fn retry_health(&self, reason: &'static str, retry_after: Option<std::time::Duration>) -> Health {
+        if reason == "rate_limited" {
+            Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))
+        } else {
+            Health::Failing
+        }
     }
 
     fn target(&self) -> Target {
@@ -316,10 +375,7 @@ impl Embedder {
             let health = match &result {
                 Ok(_) => Health::Responsive,
                 Err(e) => match classify(e) {
-                    Verdict::Retry { reason: "rate_limited", retry_after } => {
-                        Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))
-                    }
-                    Verdict::Retry { .. } => Health::Failing,
+                    Verdict::Retry { reason, retry_after } => self.retry_health(reason, retry_after),
                     Verdict::Reject { .. } | Verdict::Systemic { .. } => Health::Responsive,
                 },
             };
@@ -356,7 +412,7 @@ impl Embedder {
             Consult::RunCanary => {}
         }
         let _turn = tokio::select! {
-            _ = cancel.cancelled() => return Ok(Checked::Inconclusive("shutdown before the provider could be checked".into())),
+            _ = cancel.cancelled() => return Ok(Checked::Inconclusive(CANARY_SHUTDOWN.into())),
             g = book.check.lock() => g,
         };
         // Another worker may have asked while we waited.
@@ -365,75 +421,9 @@ impl Embedder {
             Consult::Stop(stop) => return Err(stop),
             Consult::RunCanary => {}
         }
-        let mut attempt = 0;
-        let verdict = loop {
-            let permit = match self.admit(cancel, stats).await {
-                Ok(p) => p,
-                Err(Halt::Stop(stop)) => return Err(stop),
-                Err(Halt::Cancelled) => {
-                    return Ok(Checked::Inconclusive("shutdown before the provider could be checked".into()));
-                }
-            };
-            attempt += 1;
-            let result = self.send_canary(stats).await;
-            match result {
-                Ok(resp) => {
-                    self.gate.record(permit, Health::Responsive);
-                    match resp.items.into_iter().next() {
-                        Some(Ok(_)) => break CanaryVerdict::InputFault,
-                        Some(Err(p)) if p.class == ErrorClass::DimensionMismatch => {
-                            break CanaryVerdict::Systemic(Stop::Systemic {
-                                reason: "dimension_mismatch",
-                                detail: format!(
-                                    "every vector has the wrong size, a known-good canary input's too: {}; check --model/--dimensions against the target table",
-                                    p.detail
-                                ),
-                            });
-                        }
-                        Some(Err(p)) => {
-                            return Ok(Checked::Inconclusive(format!(
-                                "the canary input's vector was unusable too ({}), so the provider could not be checked",
-                                p.reason
-                            )));
-                        }
-                        None => return Ok(Checked::Inconclusive("the canary got no vector".into())),
-                    }
-                }
-                Err(e) => match classify(&e) {
-                    Verdict::Systemic { reason } => {
-                        self.gate.record(permit, Health::Responsive);
-                        break CanaryVerdict::Systemic(Stop::Systemic { reason, detail: e.to_string() });
-                    }
-                    Verdict::Reject { .. } => {
-                        self.gate.record(permit, Health::Responsive);
-                        break CanaryVerdict::Systemic(Stop::Systemic {
-                            reason: "uniform_rejection",
-                            detail: format!(
-                                "the provider rejects every input alike, a known-good canary input too ({e}); first rejection: {detail}. Check the key, --model, --dimensions and the gateway"
-                            ),
-                        });
-                    }
-                    Verdict::Retry { reason, retry_after } => {
-                        let health = if reason == "rate_limited" {
-                            Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))
-                        } else {
-                            Health::Failing
-                        };
-                        self.gate.record(permit, health);
-                        if !self.policy.allows_another(attempt) {
-                            return Ok(Checked::Inconclusive(format!(
-                                "the provider could not be checked with a canary input ({e})"
-                            )));
-                        }
-                        tokio::select! {
-                            _ = cancel.cancelled() => {
-                                return Ok(Checked::Inconclusive("shutdown before the provider could be checked".into()));
-                            }
-                            _ = tokio::time::sleep(self.policy.delay(attempt, retry_after)) => {}
-                        }
-                    }
-                },
-            }
+        let verdict = match self.run_canary(detail, cancel, stats).await? {
+            Ok(verdict) => verdict,
+            Err(why) => return Ok(Checked::Inconclusive(why)),
         };
         book.store(target, signature, &verdict);
         match verdict {
@@ -443,6 +433,83 @@ impl Embedder {
                 Err(stop)
             }
         }
+    }
+
+    /// Sends the known-good canary input (retrying under the policy) and judges the provider
+    /// by its answer. `Ok(Err(why))`: no verdict (nothing is remembered); `Err`: the run's
+    /// stop. `detail` is the real inputs' first failure, quoted in a uniform rejection.
+    async fn run_canary(
+        &self,
+        detail: &str,
+        cancel: &CancellationToken,
+        stats: &mut BatchStats,
+    ) -> Result<Result<CanaryVerdict, String>, Stop> {
+        let mut attempt = 0;
+        loop {
+            let permit = match self.admit(cancel, stats).await {
+                Ok(p) => p,
+                Err(Halt::Stop(stop)) => return Err(stop),
+                Err(Halt::Cancelled) => return Ok(Err(CANARY_SHUTDOWN.into())),
+            };
+            attempt += 1;
+            let e = match self.send_canary(stats).await {
+                Ok(resp) => {
+                    self.gate.record(permit, Health::Responsive);
+                    return Ok(judge_canary_answer(resp));
+                }
+                Err(e) => e,
+            };
+            let stop = match classify(&e) {
+                Verdict::Systemic { reason } => Stop::Systemic { reason, detail: e.to_string() },
+                Verdict::Reject { .. } => Stop::Systemic {
+                    reason: "uniform_rejection",
+                    detail: format!(
+                        "the provider rejects every input alike, a known-good canary input too ({e}); first rejection: {detail}. Check the key, --model, --dimensions and the gateway"
+                    ),
+                },
+                Verdict::Retry { reason, retry_after } => {
+                    self.gate.record(permit, self.retry_health(reason, retry_after));
+                    if !self.policy.allows_another(attempt) {
+                        return Ok(Err(format!(
+                            "the provider could not be checked with a canary input ({e})"
+                        )));
+                    }
+                    tokio::select! {
+                        _ = cancel.cancelled() => return Ok(Err(CANARY_SHUTDOWN.into())),
+                        _ = tokio::time::sleep(self.policy.delay(attempt, retry_after)) => {}
+                    }
+                    continue;
+                }
+            };
+            self.gate.record(permit, Health::Responsive);
+            return Ok(Ok(CanaryVerdict::Systemic(stop)));
+        }
+    }
+}
+
+/// Why a canary check ended without a verdict when the run was shut down.
+const CANARY_SHUTDOWN: &str = "shutdown before the provider could be checked";
+
+/// The verdict of a canary input the provider answered: a usable vector clears the provider
+/// (the failure was the input's); a vector of the wrong size means the model or `dimensions`
+/// do not fit the table; any other problem gives no verdict (`Err`).
+fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, String> {
+    match resp.items.into_iter().next() {
+        Some(Ok(_)) => Ok(CanaryVerdict::InputFault),
+        Some(Err(p)) if p.class == ErrorClass::DimensionMismatch => {
+            Ok(CanaryVerdict::Systemic(Stop::Systemic {
+                reason: "dimension_mismatch",
+                detail: format!(
+                    "every vector has the wrong size, a known-good canary input's too: {}; check --model/--dimensions against the target table",
+                    p.detail
+                ),
+            }))
+        }
+        Some(Err(p)) => Err(format!(
+            "the canary input's vector was unusable too ({}), so the provider could not be checked",
+            p.reason
+        )),
+        None => Err("the canary got no vector".into()),
     }
 }
 

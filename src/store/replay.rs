@@ -230,46 +230,7 @@ impl Store {
             let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
             let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
             let vectors: Vec<Vector> = rows.iter().map(|r| Vector::from(r.embedding.clone())).collect();
-            let sql = format!(
-                "WITH input AS (
-                     SELECT * FROM UNNEST($2::bigint[], $3::bigint[], $4::text[], $5::vector[])
-                         AS t(id, generation, content_hash, embedding)
-                 ), claimed AS (
-                     DELETE FROM embedding_dlq d USING input i
-                      WHERE d.id = i.id AND d.target_table = $1::text AND d.generation = i.generation
-                        AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
-                        AND EXISTS (SELECT 1 FROM ingest_manifest m
-                                     WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
-                                       AND m.chunk_index = d.chunk_index AND m.content_hash = i.content_hash)
-                     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
-                               d.replays, d.generation, d.error_class, i.embedding
-                 ), vectors AS (
-                     INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
-                     SELECT doc_id, chunk_index, content_hash, embedding FROM claimed
-                      ORDER BY doc_id, chunk_index
-                     ON CONFLICT (doc_id, chunk_index) DO UPDATE
-                         SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash,
-                             updated_at = now()
-                         WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
-                     RETURNING 1
-                 ), manifest AS (
-                     UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                       FROM claimed c
-                      WHERE m.target_table = c.target_table AND m.doc_id = c.doc_id
-                        AND m.chunk_index = c.chunk_index AND m.content_hash = c.content_hash
-                     RETURNING 1
-                 ), events AS (
-                     INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-                     SELECT 'replayed', id, target_table, doc_id, chunk_index,
-                            embed_dlq_event('replayed', id, target_table, doc_id, chunk_index, generation,
-                                            jsonb_build_object('error_class', error_class, 'attempts', attempts,
-                                                               'replays', replays + 1, 'at', now()))
-                       FROM claimed
-                     RETURNING 1
-                 )
-                 SELECT id FROM claimed",
-                table = target.sql_name()
-            );
+            let sql = replayed_sql(target.sql_name());
             let mut tx = self.pool().begin().await?;
             sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
             let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
@@ -308,82 +269,132 @@ impl Store {
         let same: Vec<i32> = rows.iter().map(|r| r.same_error_count).collect();
         let mut tx = self.pool().begin().await?;
         sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
-        let applied: Vec<i64> = sqlx::query_scalar(
-            "WITH input AS (
-                 SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[],
-                                      $6::int[], $7::int[], $8::float8[], $9::text[], $10::text[], $11::int[],
-                                      $12::text[])
-                     AS t(id, generation, error_class, error_reason, last_error, last_status, attempts,
-                          retry_in, exhausted_reason, signature, same_count, content_hash)
-             ), upd AS (
-                 UPDATE embedding_dlq d SET
-                        attempts = d.attempts + i.attempts,
-                        replays = d.replays + 1,
-                        generation = nextval('embed_dlq_generation_seq'),
-                        error_class = i.error_class,
-                        error_reason = i.error_reason,
-                        last_error = i.last_error,
-                        last_status = i.last_status,
-                        last_failed_at = now(),
-                        next_retry_at = CASE WHEN i.retry_in IS NULL THEN NULL
-                                             ELSE now() + make_interval(secs => i.retry_in) END,
-                        exhausted_at = CASE WHEN i.exhausted_reason IS NULL THEN NULL ELSE now() END,
-                        exhausted_reason = i.exhausted_reason,
-                        last_error_signature = i.signature,
-                        same_error_count = i.same_count,
-                        error_history = jsonb_path_query_array(
-                            d.error_history || jsonb_build_array(jsonb_build_object(
-                                'at', now(), 'pass', 'replay ' || (d.replays + 1), 'error_class', i.error_class,
-                                'error_reason', i.error_reason, 'status', i.last_status,
-                                'attempts', i.attempts, 'error', i.last_error,
-                                'exhausted_reason', i.exhausted_reason)),
-                            '$[last-19 to last]')
-                   FROM input i
-                  WHERE d.id = i.id AND d.generation = i.generation AND d.content_hash = i.content_hash
-                    AND d.exhausted_at IS NULL
-                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
-                           d.error_class, d.error_reason, d.attempts, d.replays, d.next_retry_at,
-                           d.exhausted_reason,
-                           CASE WHEN d.exhausted_reason IS NULL THEN 'parked' ELSE 'exhausted' END AS status
-             ), manifest AS (
-                 UPDATE ingest_manifest m SET status = u.status, updated_at = now()
-                   FROM upd u
-                  WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
-                    AND m.chunk_index = u.chunk_index AND m.content_hash = u.content_hash
-                    AND m.status <> u.status
-                 RETURNING 1
-             ), events AS (
-                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-                 SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
-                        id, target_table, doc_id, chunk_index,
-                        embed_dlq_event(CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
-                                        id, target_table, doc_id, chunk_index, generation,
-                                        jsonb_build_object('error_class', error_class, 'error_reason', error_reason,
-                                                           'attempts', attempts, 'replays', replays,
-                                                           'next_retry_at', next_retry_at,
-                                                           'exhausted_reason', exhausted_reason, 'at', now()))
-                   FROM upd
-                 RETURNING 1
-             )
-             SELECT id FROM upd",
-        )
-        .bind(&ids)
-        .bind(&gens)
-        .bind(&classes)
-        .bind(&reasons)
-        .bind(&errors)
-        .bind(&statuses)
-        .bind(&attempts)
-        .bind(&retry_in)
-        .bind(&exhausted)
-        .bind(&sigs)
-        .bind(&same)
-        .bind(&hashes)
-        .fetch_all(&mut *tx)
-        .await?;
+        let applied: Vec<i64> = sqlx::query_scalar(REPARK_SQL)
+            .bind(&ids)
+            .bind(&gens)
+            .bind(&classes)
+            .bind(&reasons)
+            .bind(&errors)
+            .bind(&statuses)
+            .bind(&attempts)
+            .bind(&retry_in)
+            .bind(&exhausted)
+            .bind(&sigs)
+            .bind(&same)
+            .bind(&hashes)
+            .fetch_all(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(applied)
     }
+}
+
+/// The statement of [`Store::commit_reparked`]: DLQ row updated (attempts, a new generation,
+/// schedule or exhaustion, error history) when it still has the generation and content the
+/// pass was for, manifest `parked`/`exhausted`, `reparked` or `exhausted` event. Binds the
+/// columns of the rows, `$1..=$12`.
+const REPARK_SQL: &str = "WITH input AS (
+         SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[],
+                              $6::int[], $7::int[], $8::float8[], $9::text[], $10::text[], $11::int[],
+                              $12::text[])
+             AS t(id, generation, error_class, error_reason, last_error, last_status, attempts,
+                  retry_in, exhausted_reason, signature, same_count, content_hash)
+     ), upd AS (
+         UPDATE embedding_dlq d SET
+                attempts = d.attempts + i.attempts,
+                replays = d.replays + 1,
+                generation = nextval('embed_dlq_generation_seq'),
+                error_class = i.error_class,
+                error_reason = i.error_reason,
+                last_error = i.last_error,
+                last_status = i.last_status,
+                last_failed_at = now(),
+                next_retry_at = CASE WHEN i.retry_in IS NULL THEN NULL
+                                     ELSE now() + make_interval(secs => i.retry_in) END,
+                exhausted_at = CASE WHEN i.exhausted_reason IS NULL THEN NULL ELSE now() END,
+                exhausted_reason = i.exhausted_reason,
+                last_error_signature = i.signature,
+                same_error_count = i.same_count,
+                error_history = jsonb_path_query_array(
+                    d.error_history || jsonb_build_array(jsonb_build_object(
+                        'at', now(), 'pass', 'replay ' || (d.replays + 1), 'error_class', i.error_class,
+                        'error_reason', i.error_reason, 'status', i.last_status,
+                        'attempts', i.attempts, 'error', i.last_error,
+                        'exhausted_reason', i.exhausted_reason)),
+                    '$[last-19 to last]')
+           FROM input i
+          WHERE d.id = i.id AND d.generation = i.generation AND d.content_hash = i.content_hash
+            AND d.exhausted_at IS NULL
+         RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
+                   d.error_class, d.error_reason, d.attempts, d.replays, d.next_retry_at,
+                   d.exhausted_reason,
+                   CASE WHEN d.exhausted_reason IS NULL THEN 'parked' ELSE 'exhausted' END AS status
+     ), manifest AS (
+         UPDATE ingest_manifest m SET status = u.status, updated_at = now()
+           FROM upd u
+          WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
+            AND m.chunk_index = u.chunk_index AND m.content_hash = u.content_hash
+            AND m.status <> u.status
+         RETURNING 1
+     ), events AS (
+         INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+         SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
+                id, target_table, doc_id, chunk_index,
+                embed_dlq_event(CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
+                                id, target_table, doc_id, chunk_index, generation,
+                                jsonb_build_object('error_class', error_class, 'error_reason', error_reason,
+                                                   'attempts', attempts, 'replays', replays,
+                                                   'next_retry_at', next_retry_at,
+                                                   'exhausted_reason', exhausted_reason, 'at', now()))
+           FROM upd
+         RETURNING 1
+     )
+     SELECT id FROM upd";
+
+/// The statement of [`Store::commit_replayed`] for one target table (its quoted name): DLQ
+/// delete fenced by generation and embedded hash (and the manifest still holding that hash),
+/// vector upsert under the embedded hash (a no-op for unchanged content), manifest `stored`,
+/// `replayed` event. Binds the table's name `$1` and the rows' columns `$2..=$5`.
+fn replayed_sql(table: &str) -> String {
+    format!(
+        "WITH input AS (
+             SELECT * FROM UNNEST($2::bigint[], $3::bigint[], $4::text[], $5::vector[])
+                 AS t(id, generation, content_hash, embedding)
+         ), claimed AS (
+             DELETE FROM embedding_dlq d USING input i
+              WHERE d.id = i.id AND d.target_table = $1::text AND d.generation = i.generation
+                AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
+                AND EXISTS (SELECT 1 FROM ingest_manifest m
+                             WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                               AND m.chunk_index = d.chunk_index AND m.content_hash = i.content_hash)
+             RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
+                       d.replays, d.generation, d.error_class, i.embedding
+         ), vectors AS (
+             INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
+             SELECT doc_id, chunk_index, content_hash, embedding FROM claimed
+              ORDER BY doc_id, chunk_index
+             ON CONFLICT (doc_id, chunk_index) DO UPDATE
+                 SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash,
+                     updated_at = now()
+                 WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
+             RETURNING 1
+         ), manifest AS (
+             UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+               FROM claimed c
+              WHERE m.target_table = c.target_table AND m.doc_id = c.doc_id
+                AND m.chunk_index = c.chunk_index AND m.content_hash = c.content_hash
+             RETURNING 1
+         ), events AS (
+             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+             SELECT 'replayed', id, target_table, doc_id, chunk_index,
+                    embed_dlq_event('replayed', id, target_table, doc_id, chunk_index, generation,
+                                    jsonb_build_object('error_class', error_class, 'attempts', attempts,
+                                                       'replays', replays + 1, 'at', now()))
+               FROM claimed
+             RETURNING 1
+         )
+         SELECT id FROM claimed",
+    )
 }
 
 /// Marks the rows selected by `filter` (over `embedding_dlq`, binding `$1`) as enqueued and

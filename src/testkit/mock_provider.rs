@@ -358,23 +358,14 @@ fn roll(shared: &Shared) -> Dice {
     Dice::Ok
 }
 
+/// A response the mock sends (an [`Answer`] that is not a connection reset).
+type Reply = Response<Full<Bytes>>;
+
 async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     let c = &shared.config;
     let counters = &shared.counters;
-    let echo = if c.echo_auth_in_errors {
-        let auth = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        format!(" (request carried Authorization: {})", auth.unwrap_or("none"))
-    } else {
-        String::new()
-    };
-    let authorized = match &c.api_key {
-        None => true,
-        Some(key) => req
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str())),
-    };
+    let echo = auth_echo(c, &req);
+    let authorized = is_authorized(c, &req);
     let body = match Limited::new(req.into_body(), 256 * 1024 * 1024).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => return Err(InjectedReset),
@@ -403,19 +394,63 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     if inputs.len() == 1 && inputs[0] == crate::embed::canary::CANARY_TEXT {
         counters.canaries.fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(d) = parsed.dimensions
-        && (d == 0 || d > c.dimensions as u64)
+    if let Some(refusal) = dimensions_refusal(&shared, parsed.dimensions)
+        .or_else(|| unavailable(&shared))
+        .or_else(|| input_refusal(&shared, &inputs, &echo))
     {
-        counters.rejected.fetch_add(1, Ordering::Relaxed);
-        return Ok(error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            &format!("dimensions must be between 1 and {}, got {d}", c.dimensions),
-        ));
+        return Ok(refusal);
     }
+    if let Some(fault) = injected_fault(&shared, &echo).await {
+        return fault;
+    }
+    counters.ok.fetch_add(1, Ordering::Relaxed);
+    let base64 = parsed.encoding_format.as_deref() != Some("float");
+    let dimensions =
+        parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
+    Ok(json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
+}
+
+/// What error messages append: with `echo_auth_in_errors`, the request's `Authorization`
+/// header (as a leaky gateway would); else nothing.
+fn auth_echo(c: &MockConfig, req: &Request<Incoming>) -> String {
+    if !c.echo_auth_in_errors {
+        return String::new();
+    }
+    let auth = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    format!(" (request carried Authorization: {})", auth.unwrap_or("none"))
+}
+
+/// Whether the request carries the configured key as `Bearer` (always, without a key).
+fn is_authorized(c: &MockConfig, req: &Request<Incoming>) -> bool {
+    match &c.api_key {
+        None => true,
+        Some(key) => req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str())),
+    }
+}
+
+/// A `dimensions` request parameter the model cannot give: 400.
+fn dimensions_refusal(shared: &Shared, dimensions: Option<u64>) -> Option<Reply> {
+    let c = &shared.config;
+    let d = dimensions.filter(|&d| d == 0 || d > c.dimensions as u64)?;
+    shared.counters.rejected.fetch_add(1, Ordering::Relaxed);
+    Some(error(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        &format!("dimensions must be between 1 and {}, got {d}", c.dimensions),
+    ))
+}
+
+/// The provider is unavailable to everyone: quota exhausted (429), or an outage (503, switched
+/// on by the control or in the configured window).
+fn unavailable(shared: &Shared) -> Option<Reply> {
+    let c = &shared.config;
     if shared.quota_exhausted.load(Ordering::SeqCst) {
-        counters.rate_limited.fetch_add(1, Ordering::Relaxed);
-        return Ok(error(
+        shared.counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+        return Some(error(
             StatusCode::TOO_MANY_REQUESTS,
             "insufficient_quota",
             "You exceeded your current quota, please check your plan and billing details.",
@@ -425,16 +460,24 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     let in_window =
         c.outage_after_ms.is_some_and(|start| elapsed >= start && elapsed < start + c.outage_for_ms);
     if shared.outage.load(Ordering::SeqCst) || in_window {
-        counters.server_errors.fetch_add(1, Ordering::Relaxed);
-        return Ok(error(
+        shared.counters.server_errors.fetch_add(1, Ordering::Relaxed);
+        return Some(error(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             "The server is overloaded or not ready yet.",
         ));
     }
+    None
+}
+
+/// What the inputs themselves cause, deterministically: too many (413), a poison marker
+/// (400/422, or 500 forever), one too long (422 echoing the whole input, like a real server).
+fn input_refusal(shared: &Shared, inputs: &[String], echo: &str) -> Option<Reply> {
+    let c = &shared.config;
+    let counters = &shared.counters;
     if inputs.len() > c.max_inputs {
         counters.rejected.fetch_add(1, Ordering::Relaxed);
-        return Ok(error(
+        return Some(error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             &format!("batch size {} > maximum allowed batch size {}", inputs.len(), c.max_inputs),
@@ -445,51 +488,53 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     {
         if inputs.iter().any(|t| t.contains(marker)) {
             counters.rejected.fetch_add(1, Ordering::Relaxed);
-            return Ok(error(status, "invalid_request_error", &format!("input rejected{echo}")));
+            return Some(error(status, "invalid_request_error", &format!("input rejected{echo}")));
         }
     }
     if let Some(long) = inputs.iter().find(|t| t.chars().count() > c.max_input_chars) {
         counters.rejected.fetch_add(1, Ordering::Relaxed);
-        // Like a real server: the error echoes the whole input.
         let msg = format!(
             "Input validation error: inputs must have less than {} characters. Given: {long}",
             c.max_input_chars
         );
-        return Ok(error(StatusCode::UNPROCESSABLE_ENTITY, "validation", &msg));
+        return Some(error(StatusCode::UNPROCESSABLE_ENTITY, "validation", &msg));
     }
     if inputs.iter().any(|t| t.contains(POISON_500)) {
         counters.server_errors.fetch_add(1, Ordering::Relaxed);
-        return Ok(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed to run the model"));
+        return Some(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed to run the model"));
     }
-    match roll(&shared) {
-        Dice::Ok => {}
+    None
+}
+
+/// A random fault at the configured rates (429 with its wait, 5xx, a held-back timeout, a
+/// connection reset), or `None` to answer normally.
+async fn injected_fault(shared: &Shared, echo: &str) -> Option<Answer> {
+    let c = &shared.config;
+    let counters = &shared.counters;
+    match roll(shared) {
+        Dice::Ok => None,
         Dice::RateLimit => {
             counters.rate_limited.fetch_add(1, Ordering::Relaxed);
             let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached");
             let h = r.headers_mut();
             h.insert("retry-after-ms", c.retry_after_ms.to_string().parse().unwrap());
             h.insert("retry-after", c.retry_after_ms.div_ceil(1000).to_string().parse().unwrap());
-            return Ok(r);
+            Some(Ok(r))
         }
         Dice::ServerError(code) => {
             counters.server_errors.fetch_add(1, Ordering::Relaxed);
-            return Ok(error(code, "server_error", &format!("injected server error{echo}")));
+            Some(Ok(error(code, "server_error", &format!("injected server error{echo}"))))
         }
         Dice::Timeout => {
             counters.timeouts.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(c.timeout_hold_ms)).await;
-            return Ok(error(StatusCode::GATEWAY_TIMEOUT, "timeout", "held back"));
+            Some(Ok(error(StatusCode::GATEWAY_TIMEOUT, "timeout", "held back")))
         }
         Dice::Reset => {
             counters.resets.fetch_add(1, Ordering::Relaxed);
-            return Err(InjectedReset);
+            Some(Err(InjectedReset))
         }
     }
-    counters.ok.fetch_add(1, Ordering::Relaxed);
-    let base64 = parsed.encoding_format.as_deref() != Some("float");
-    let dimensions =
-        parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
-    Ok(json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
 }
 
 fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str) -> String {
