@@ -501,7 +501,7 @@ impl fmt::Debug for Settings {
 }
 
 /// `url` with its password (if any) replaced, for debug output.
-pub fn redact_password(url: &str) -> String {
+pub(crate) fn redact_password(url: &str) -> String {
     match reqwest::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("[redacted]"));

@@ -70,10 +70,10 @@ pub async fn show(store: &Store, id: i64) -> Result<Option<Detail>, StoreError> 
 }
 
 /// Rows per `purge` transaction: bounds its locks, its WAL burst and its event batch.
-pub const PURGE_BATCH: usize = 1000;
+pub(crate) const PURGE_BATCH: usize = 1000;
 
 /// Largest batch `purge_in_batches` accepts; larger values are clamped.
-pub const MAX_PURGE_BATCH: usize = 10_000;
+pub(crate) const MAX_PURGE_BATCH: usize = 10_000;
 
 /// What `requeue` did (or would do, in a dry run).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

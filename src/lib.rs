@@ -35,6 +35,8 @@
 //! errors. The `embed-dlq` binary (`src/main.rs`, `src/app/`) parses the command line,
 //! renders outcomes (human or `--json`) and maps them to exit codes.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod dlq;
 pub mod embed;
@@ -49,7 +51,7 @@ pub mod serve;
 pub mod shutdown;
 pub mod store;
 pub mod streams;
-pub mod supervise;
+pub(crate) mod supervise;
 pub mod tail;
 pub mod telemetry;
 pub mod testkit;

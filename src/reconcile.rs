@@ -154,7 +154,7 @@ pub struct ReconcileConfig {
 }
 
 /// Largest page a scanning check uses, whatever is configured.
-pub const MAX_PAGE: usize = 10_000;
+pub(crate) const MAX_PAGE: usize = 10_000;
 
 impl Default for ReconcileConfig {
     fn default() -> Self {

@@ -628,7 +628,7 @@ fn exhaust(row: &DlqRow, why: &str) -> Repark {
 
 /// The DLQ row's next state after a failed replay pass: a pure function of the stored state
 /// and the failure, so it is tested without a clock or a database.
-pub fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
+pub(crate) fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
     let signature = format!("{}:{}", f.reason, f.status.unwrap_or(0));
     let same = if row.last_error_signature.as_deref() == Some(signature.as_str()) {
         row.same_error_count + 1

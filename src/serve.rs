@@ -83,7 +83,7 @@ impl ServeConfig {
 }
 
 /// A consumer name unique to this process.
-pub fn default_consumer_prefix() -> String {
+pub(crate) fn default_consumer_prefix() -> String {
     let host = std::fs::read_to_string("/etc/hostname")
         .ok()
         .map(|h| h.trim().to_string())

@@ -51,7 +51,7 @@ impl TaskFailure {
 }
 
 /// What a supervised task may return: nothing, or a result whose error is shown.
-pub trait TaskOutput {
+pub(crate) trait TaskOutput {
     /// `Err` with the error's text when the task failed.
     fn into_task_result(self) -> Result<(), String>;
 }
@@ -69,7 +69,7 @@ impl<E: std::fmt::Display> TaskOutput for Result<(), E> {
 }
 
 /// The text of a panic payload (`panic!` with a literal or a formatted message).
-pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&'static str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
@@ -81,7 +81,7 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
 
 /// Runs `fut` to completion, turning a panic into [`TaskFailure::Panicked`] and an `Err`
 /// output into [`TaskFailure::Failed`].
-pub async fn catch<F>(task: &str, fut: F) -> Result<(), TaskFailure>
+pub(crate) async fn catch<F>(task: &str, fut: F) -> Result<(), TaskFailure>
 where
     F: Future,
     F::Output: TaskOutput,
@@ -97,7 +97,7 @@ where
 }
 
 /// A set of named tasks, each joined and watched (see the module doc).
-pub struct Supervisor {
+pub(crate) struct Supervisor {
     set: JoinSet<Result<(), TaskFailure>>,
     names: HashMap<tokio::task::Id, String>,
     on_failure: CancellationToken,
@@ -121,7 +121,7 @@ impl Supervisor {
 
     /// Spawns a service loop that must run until `until` is cancelled: returning earlier,
     /// even with `Ok`, is a failure.
-    pub fn spawn_until<F>(&mut self, name: impl Into<String>, until: CancellationToken, fut: F)
+    pub(crate) fn spawn_until<F>(&mut self, name: impl Into<String>, until: CancellationToken, fut: F)
     where
         F: Future + Send + 'static,
         F::Output: TaskOutput,
@@ -164,6 +164,7 @@ impl Supervisor {
     }
 
     /// True when every task has been joined.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.set.is_empty()
     }
@@ -189,7 +190,7 @@ impl Supervisor {
     /// Aborts every task still running (a stop whose deadline has passed) and waits for
     /// them. Returns their names; they are logged, not counted as failures: they were told to
     /// stop and only took too long.
-    pub async fn abort_all(&mut self) -> Vec<String> {
+    pub(crate) async fn abort_all(&mut self) -> Vec<String> {
         self.set.abort_all();
         let mut aborted = Vec::new();
         while let Some(joined) = self.set.join_next_with_id().await {

@@ -23,19 +23,19 @@ use serde::Deserialize;
 use crate::model::ErrorClass;
 
 /// Longest error-body excerpt we keep: a real server echoed a 1 MB input in a 2 MB body.
-pub const MAX_ERROR_EXCERPT: usize = 512;
+pub(crate) const MAX_ERROR_EXCERPT: usize = 512;
 /// Most bytes of an error body we ever read off the wire (and the most characters of any
 /// server text we redact before cutting it to [`MAX_ERROR_EXCERPT`]).
 const MAX_ERROR_BODY_READ: usize = 64 * 1024;
 /// Longest wait a server may ask for (`Retry-After`, `retry-after-ms`): larger values, years
 /// in the future or `1e30`, are clamped to it when parsed. The retry policy's cap then bounds
 /// it further (`--retry-cap-ms`).
-pub const MAX_SERVER_WAIT: Duration = Duration::from_secs(600);
+pub(crate) const MAX_SERVER_WAIT: Duration = Duration::from_secs(600);
 /// Smallest cap on a success body, whatever the batch: room for usage, model names and
 /// servers that pretty-print.
-pub const MIN_RESPONSE_CAP: usize = 4 * 1024 * 1024;
+pub(crate) const MIN_RESPONSE_CAP: usize = 4 * 1024 * 1024;
 /// Largest cap on a success body, whatever the batch and dimension.
-pub const MAX_RESPONSE_CAP: usize = 256 * 1024 * 1024;
+pub(crate) const MAX_RESPONSE_CAP: usize = 256 * 1024 * 1024;
 /// Bytes allowed per vector value in a success body: a float in JSON text takes up to ~24
 /// bytes with its separator and base64 takes 5.3, so this leaves room for a vector twice the
 /// expected length (which is then reported as a dimension mismatch, not as a broken body).
@@ -341,7 +341,7 @@ impl EmbedClient {
     /// The same client (same HTTP pool, endpoint, credentials and limits) asking for `model`
     /// and `request_dimensions` instead: replay embeds each DLQ row with the model it was
     /// parked under, whatever the configured one is.
-    pub fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
+    pub(crate) fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
         if model == self.config.model && request_dimensions == self.config.request_dimensions {
             return self.clone();
         }
@@ -394,7 +394,7 @@ const MIN_BASE64_NEEDLE: usize = 4;
 /// encodings in the standard and URL-safe alphabets at each of the three byte alignments
 /// (so `Basic` credentials and base64 dumps of a header block are caught too).
 #[derive(Debug, Default)]
-pub struct Redactor {
+pub(crate) struct Redactor {
     /// Lower-cased plain secrets.
     plain: Vec<String>,
     /// Base64 fragments determined by the secret's bytes alone (case-sensitive).
@@ -432,7 +432,7 @@ impl Redactor {
     }
 
     /// `text` with every echo of a secret replaced by `[redacted]`.
-    pub fn redact(&self, text: &str) -> String {
+    pub(crate) fn redact(&self, text: &str) -> String {
         if self.plain.is_empty() {
             return text.to_string();
         }
@@ -467,7 +467,7 @@ impl Redactor {
 
 /// Cuts an error text to [`MAX_ERROR_EXCERPT`] characters on a char boundary and replaces
 /// control characters, so a DLQ row never stores a provider's full echo of the input.
-pub fn sanitize_excerpt(s: &str) -> String {
+pub(crate) fn sanitize_excerpt(s: &str) -> String {
     let mut out = String::with_capacity(s.len().min(MAX_ERROR_EXCERPT + 16));
     for (n, c) in s.chars().enumerate() {
         if n >= MAX_ERROR_EXCERPT {
@@ -524,7 +524,7 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
 /// Reads `retry-after-ms` (milliseconds, as sent by OpenAI and Azure) or `Retry-After`
 /// (delta-seconds or an HTTP date), clamped to [`MAX_SERVER_WAIT`]; negative or unreadable
 /// values count as absent. `now` is injected so the date form is testable.
-pub fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
+pub(crate) fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
     if let Some(ms) = headers
         .get("retry-after-ms")
         .and_then(|v| v.to_str().ok())

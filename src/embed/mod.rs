@@ -16,7 +16,7 @@
 //! never the batch that tripped it.
 
 pub mod canary;
-pub mod classify;
+pub(crate) mod classify;
 pub mod client;
 pub mod gate;
 pub mod retry;

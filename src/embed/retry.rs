@@ -34,7 +34,7 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// The ceiling of the sleep after failed attempt `attempt` (1-based): base·factor^(n-1),
     /// saturating at `cap`.
-    pub fn ceiling(&self, attempt: u32) -> Duration {
+    pub(crate) fn ceiling(&self, attempt: u32) -> Duration {
         exp_ceiling(self.base, self.factor, self.cap, attempt)
     }
 
@@ -45,13 +45,13 @@ impl RetryPolicy {
     }
 
     /// Whether another attempt is allowed after `attempt` attempts have failed.
-    pub fn allows_another(&self, attempt: u32) -> bool {
+    pub(crate) fn allows_another(&self, attempt: u32) -> bool {
         attempt < self.max_attempts
     }
 
     /// The wait before the next attempt, honouring a server-provided Retry-After (never
     /// shorter than it asked, never longer than `cap`).
-    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    pub(crate) fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
         match retry_after {
             Some(ra) => ra.min(self.cap),
             None => self.backoff(attempt),
@@ -85,7 +85,7 @@ impl DlqSchedule {
     /// Delay before replay pass `replays + 1` of a row that has had `replays` passes: half the
     /// ceiling plus up to half again of jitter ("equal jitter"), so parked work is never due
     /// immediately after it was parked, yet a burst of parks spreads out.
-    pub fn delay(&self, replays: u32) -> Duration {
+    pub(crate) fn delay(&self, replays: u32) -> Duration {
         let ceiling = exp_ceiling(self.base, self.factor, self.cap, replays.saturating_add(1));
         let half = ceiling / 2;
         half + jitter(half)

@@ -36,7 +36,7 @@ impl<'r> sqlx::Decode<'r, Postgres> for ErrorClass {
 
 /// Which DLQ rows an action applies to. Empty filter = every row.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RowFilter {
+pub(crate) struct RowFilter {
     pub class: Option<ErrorClass>,
     pub doc: Option<String>,
     /// Rows first parked at least this many seconds ago.
@@ -237,7 +237,7 @@ const NEEDS_REINGEST: &str = "(error_class = 'invalid_record'
 
 /// Matching rows a requeue would make due, and matching rows it would leave for a re-ingest
 /// (see [`requeue_candidates`]), counted without changing anything (the dry run).
-pub async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u64), StoreError> {
+pub(crate) async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u64), StoreError> {
     let mut q = QueryBuilder::new(format!(
         "SELECT count(*) FILTER (WHERE NOT {NEEDS_REINGEST}) AS requeue,
                 count(*) FILTER (WHERE {NEEDS_REINGEST}) AS reingest
@@ -250,7 +250,7 @@ pub async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u6
 
 /// A matching row as `requeue` pages through them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RequeueCandidate {
+pub(crate) struct RequeueCandidate {
     pub id: i64,
     /// Replay cannot fix the row (`invalid_record`, or no payload text): leave it.
     pub needs_reingest: bool,
@@ -258,7 +258,7 @@ pub struct RequeueCandidate {
 
 /// Up to `limit` matching rows after `after_id`, by id (keyset paging, so memory does not
 /// grow with the DLQ).
-pub async fn requeue_candidates(
+pub(crate) async fn requeue_candidates(
     pool: &PgPool,
     filter: &RowFilter,
     after_id: i64,
@@ -280,7 +280,7 @@ pub async fn requeue_candidates(
 /// `parked` and writes a `requeued` event per row, in one statement. Rows that need a
 /// re-ingest are left alone even if listed. Publishing the replay work is a separate step
 /// (`Store::enqueue_ids`).
-pub async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
+pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH upd AS (
              UPDATE embedding_dlq d SET
@@ -325,7 +325,7 @@ pub async fn count(pool: &PgPool, filter: &RowFilter) -> Result<u64, StoreError>
 
 /// What one [`purge_batch`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PurgedBatch {
+pub(crate) struct PurgedBatch {
     /// Rows the batch selected (fewer than asked: this was the last batch).
     pub selected: u64,
     /// Rows deleted (selected rows another transaction deleted first are not counted).
@@ -336,7 +336,7 @@ pub struct PurgedBatch {
 
 /// Deletes up to `batch` matching rows after `after_id` (by id), their manifest rows, and
 /// announces each as `purged`, in one statement (one transaction).
-pub async fn purge_batch(
+pub(crate) async fn purge_batch(
     pool: &PgPool,
     filter: &RowFilter,
     after_id: i64,
@@ -381,7 +381,7 @@ pub async fn purge_batch(
 }
 
 /// Rows per class, for the depth gauge (classes with no row are absent).
-pub async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
+pub(crate) async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
     let rows = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
         .fetch_all(pool)
         .await?;
@@ -393,7 +393,7 @@ pub async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, Sto
 
 /// The DLQ's schedule as the gauges show it, ages measured by the database's clock.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     /// Transient rows due now.
     pub ready: i64,
     /// Transient rows waiting for their next pass.

@@ -19,10 +19,10 @@
 //! first and in key order, so racing writers of one chunk are serialised, and the second
 //! statement (a new snapshot) sees whatever the previous lock holder committed.
 
-pub mod dlq;
-pub mod outbox;
+pub(crate) mod dlq;
+pub(crate) mod outbox;
 pub mod reconcile;
-pub mod replay;
+pub(crate) mod replay;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -97,7 +97,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
 }
 /// A chunk whose vector is ready to store.
 #[derive(Debug, Clone)]
-pub struct StoredChunk {
+pub(crate) struct StoredChunk {
     pub doc_id: String,
     pub chunk_index: i32,
     pub content_hash: String,
@@ -135,7 +135,7 @@ pub fn source_seq(run_id: i64, line: u64) -> i64 {
 
 /// What one [`Store::store_batch`] changed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct StoreCounts {
+pub(crate) struct StoreCounts {
     /// Vector rows inserted or whose content changed.
     pub vectors_written: u64,
     /// DLQ rows superseded by a stored vector.
@@ -165,7 +165,7 @@ struct EmbeddingSpace {
 
 /// The target vector table: canonical name and dimension as found in the catalog.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TargetTable {
+pub(crate) struct TargetTable {
     /// Canonical: schema-qualified, parts quoted only where needed (`public.doc_embeddings`);
     /// the identity recorded in the manifest, the DLQ and the outbox. Valid SQL as it is.
     pub name: String,
@@ -217,7 +217,7 @@ impl Store {
     /// Records `model` (and the `dimensions` request parameter, if any) on every DLQ row this
     /// store parks, so replay embeds the row as ingest did. Without it rows record no model
     /// and replay uses the model `serve` is configured with.
-    pub fn with_model(mut self, model: &str, request_dimensions: Option<usize>) -> Store {
+    pub(crate) fn with_model(mut self, model: &str, request_dimensions: Option<usize>) -> Store {
         self.space = Some(Arc::new(EmbeddingSpace {
             model: model.to_string(),
             request_dimensions: request_dimensions.map(|d| d.min(i32::MAX as usize) as i32),
@@ -231,13 +231,13 @@ impl Store {
     }
 
     /// The target table.
-    pub fn target(&self) -> &TargetTable {
+    pub(crate) fn target(&self) -> &TargetTable {
         &self.target
     }
 
     /// The target table named `table` (as recorded on a DLQ row or given by a user), checked
     /// like [`Store::open`] checks its own and cached for a minute.
-    pub async fn target_for(&self, table: &str) -> Result<Arc<TargetTable>, StoreError> {
+    pub(crate) async fn target_for(&self, table: &str) -> Result<Arc<TargetTable>, StoreError> {
         if table == self.target.name {
             return Ok(self.target.clone());
         }
@@ -261,7 +261,7 @@ impl Store {
     }
 
     /// Every table the manifest or the DLQ names (at most `limit`), this store's own first.
-    pub async fn known_tables(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+    pub(crate) async fn known_tables(&self, limit: usize) -> Result<Vec<String>, StoreError> {
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT t FROM (SELECT target_table AS t FROM ingest_manifest GROUP BY 1
                             UNION SELECT target_table FROM embedding_dlq GROUP BY 1) u
@@ -276,13 +276,13 @@ impl Store {
     }
 
     /// A new ingest run id (from a sequence): the high half of every [`source_seq`] of the run.
-    pub async fn next_run_id(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn next_run_id(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&self.pool).await?)
     }
 
     /// Manifest rows for `keys` of this store's table: content hash and status of each chunk
     /// that has finished an ingest before. One round trip.
-    pub async fn manifest_lookup(
+    pub(crate) async fn manifest_lookup(
         &self,
         keys: &[(String, i32)],
     ) -> Result<HashMap<(String, i32), (String, ChunkStatus)>, StoreError> {
@@ -355,7 +355,7 @@ impl Store {
     /// `stored`, vector upsert (a no-op for unchanged content), any DLQ row of the chunk
     /// resolved with a `resolved` event. A row whose chunk already holds a newer record is
     /// not written (counted as superseded). Keys must be unique within the batch.
-    pub async fn store_batch(&self, rows: &[StoredChunk]) -> Result<StoreCounts, StoreError> {
+    pub(crate) async fn store_batch(&self, rows: &[StoredChunk]) -> Result<StoreCounts, StoreError> {
         if rows.is_empty() {
             return Ok(StoreCounts::default());
         }
@@ -579,7 +579,7 @@ SELECT (SELECT count(*) FROM vectors) AS vectors_written,
 }
 
 /// Quotes a possibly schema-qualified identifier (`a.b` → `"a"."b"`).
-pub fn quote_table_name(name: &str) -> Result<String, String> {
+pub(crate) fn quote_table_name(name: &str) -> Result<String, String> {
     let parts: Vec<&str> = name.split('.').collect();
     if parts.is_empty() || parts.len() > 2 || parts.iter().any(|p| p.is_empty()) {
         return Err(format!("{name:?} is not a table name (use `table` or `schema.table`)"));
