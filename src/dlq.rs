@@ -1,7 +1,7 @@
 //! Operator actions on the DLQ without writing SQL: stats, list, show, requeue, purge.
 //! Every action that changes rows supports a dry run, selects rows with the same [`Filter`],
 //! and writes its events to the outbox in the same statement as the change. The statements
-//! are in [`crate::store::dlq`]; this module pages, paces and decides.
+//! are in `crate::store::dlq`; this module pages, paces and decides.
 
 use std::time::Duration;
 
@@ -70,10 +70,10 @@ pub async fn show(store: &Store, id: i64) -> Result<Option<Detail>, StoreError> 
 }
 
 /// Rows per `purge` transaction: bounds its locks, its WAL burst and its event batch.
-pub(crate) const PURGE_BATCH: usize = 1000;
+pub const PURGE_BATCH: usize = 1000;
 
 /// Largest batch `purge_in_batches` accepts; larger values are clamped.
-pub(crate) const MAX_PURGE_BATCH: usize = 10_000;
+pub const MAX_PURGE_BATCH: usize = 10_000;
 
 /// What `requeue` did (or would do, in a dry run).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

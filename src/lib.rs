@@ -40,7 +40,7 @@
 pub mod config;
 pub mod dlq;
 pub mod embed;
-pub mod failpoint;
+pub(crate) mod failpoint;
 pub mod ingest;
 pub mod metrics;
 pub mod model;
@@ -51,7 +51,7 @@ pub mod serve;
 pub mod shutdown;
 pub mod store;
 pub mod streams;
-pub(crate) mod supervise;
+pub mod supervise;
 pub mod tail;
 pub mod telemetry;
 pub mod testkit;

@@ -1,7 +1,7 @@
 //! Prometheus metrics: names in `embed_dlq_<thing>_<unit>` form, label values from small fixed
 //! sets only (error class, reason, outcome, check, stream — never ids or messages). Counters
 //! are bumped where things happen; gauges that describe the database and the streams are
-//! sampled by [`sample`] (serve does it every few seconds, reconcile after every run).
+//! sampled by `sample` (serve does it every few seconds, reconcile after every run).
 //! A retried attempt is counted in `retries_total`, never as parked or dropped.
 
 use std::net::SocketAddr;

@@ -3,7 +3,7 @@
 //!
 //! Every check is one set-based SQL statement or a paged scan (of a stream, or of outbox rows
 //! against a stream), so a run stays cheap at a million chunks and its memory is bounded by
-//! the page size ([`ReconcileConfig::page`]), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
+//! the page size (`ReconcileConfig::page`), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
 //! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
 //! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
 //! recently" alert, whatever process runs it).
@@ -154,7 +154,7 @@ pub struct ReconcileConfig {
 }
 
 /// Largest page a scanning check uses, whatever is configured.
-pub(crate) const MAX_PAGE: usize = 10_000;
+pub const MAX_PAGE: usize = 10_000;
 
 impl Default for ReconcileConfig {
     fn default() -> Self {

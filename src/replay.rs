@@ -4,7 +4,7 @@
 //! - [`Scheduler`]: due DLQ rows → replay work items (outbox → relay → replay stream).
 //! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
 //!   A result commits only if the DLQ row still has the generation and content hash the
-//!   work item ([`WorkItem`]) carried ([`crate::store::replay`]), so a redelivered entry whose
+//!   work item ([`WorkItem`]) carried (`crate::store::replay`), so a redelivered entry whose
 //!   row is gone, already replayed, or superseded by newer content is acknowledged and
 //!   skipped, and a replay in flight for older content never stores its vector.
 //! - One `serve` replays rows of every target table: a batch is embedded in groups of
@@ -118,8 +118,8 @@ pub enum ReplayError {
 
 impl ReplayError {
     /// Whether the same step may succeed later without anyone changing anything; classified
-    /// like the relay's errors ([`crate::relay::is_transient_db`],
-    /// [`crate::relay::is_transient_redis`]), by kind and code, never by message text.
+    /// like the relay's errors (`crate::relay::is_transient_db`,
+    /// `crate::relay::is_transient_redis`), by kind and code, never by message text.
     pub fn is_transient(&self) -> bool {
         match self {
             ReplayError::Store(StoreError::Db(e)) => crate::relay::is_transient_db(e),

@@ -1,5 +1,5 @@
 //! `serve`: relay, scheduler, N replayers and the gauge sampler under one stop token and one
-//! [`Supervisor`]. Shutdown is two-phase: on the signal every loop stops claiming new work
+//! `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
 //! and finishes the batch in hand; after the grace period in-flight retry waits are cut
 //! short (attempted items are re-parked, unattempted ones stay pending and are reclaimed by
 //! any live replayer after `min_idle`).

@@ -2,12 +2,12 @@
 //! panics or fails is reported at ERROR and stops its run instead of vanishing with the work
 //! it held.
 //!
-//! A [`Supervisor`] owns a [`JoinSet`] of tasks. Each task runs inside a wrapper that turns a
+//! A `Supervisor` owns a [`JoinSet`] of tasks. Each task runs inside a wrapper that turns a
 //! panic into a [`TaskFailure`], records it, logs it once, and cancels the supervisor's
 //! `on_failure` token — the token the rest of the run listens to (ingest's halt, serve's
-//! stop). Tasks return `()` or `Result<(), E: Display>` ([`TaskOutput`]), so loops that report
+//! stop). Tasks return `()` or `Result<(), E: Display>` (`TaskOutput`), so loops that report
 //! permanent errors as `Err` and loops that only ever return on cancellation are supervised
-//! alike. Long-running service loops are spawned with [`Supervisor::spawn_until`]: ending
+//! alike. Long-running service loops are spawned with `Supervisor::spawn_until`: ending
 //! while their token is not cancelled counts as a failure too.
 
 use std::any::Any;

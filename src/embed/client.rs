@@ -23,19 +23,19 @@ use serde::Deserialize;
 use crate::model::ErrorClass;
 
 /// Longest error-body excerpt we keep: a real server echoed a 1 MB input in a 2 MB body.
-pub(crate) const MAX_ERROR_EXCERPT: usize = 512;
+pub const MAX_ERROR_EXCERPT: usize = 512;
 /// Most bytes of an error body we ever read off the wire (and the most characters of any
 /// server text we redact before cutting it to [`MAX_ERROR_EXCERPT`]).
 const MAX_ERROR_BODY_READ: usize = 64 * 1024;
 /// Longest wait a server may ask for (`Retry-After`, `retry-after-ms`): larger values, years
 /// in the future or `1e30`, are clamped to it when parsed. The retry policy's cap then bounds
 /// it further (`--retry-cap-ms`).
-pub(crate) const MAX_SERVER_WAIT: Duration = Duration::from_secs(600);
+pub const MAX_SERVER_WAIT: Duration = Duration::from_secs(600);
 /// Smallest cap on a success body, whatever the batch: room for usage, model names and
 /// servers that pretty-print.
-pub(crate) const MIN_RESPONSE_CAP: usize = 4 * 1024 * 1024;
+pub const MIN_RESPONSE_CAP: usize = 4 * 1024 * 1024;
 /// Largest cap on a success body, whatever the batch and dimension.
-pub(crate) const MAX_RESPONSE_CAP: usize = 256 * 1024 * 1024;
+pub const MAX_RESPONSE_CAP: usize = 256 * 1024 * 1024;
 /// Bytes allowed per vector value in a success body: a float in JSON text takes up to ~24
 /// bytes with its separator and base64 takes 5.3, so this leaves room for a vector twice the
 /// expected length (which is then reported as a dimension mismatch, not as a broken body).

@@ -9,9 +9,9 @@
 //!
 //! The [`crate::embed::Embedder`] probes with a canary input, never with the batch that was
 //! failing (that batch may hold an input the server always fails on), and reports the
-//! failures met while isolating one input as [`Health::InputSuspect`]: they say nothing about
+//! failures met while isolating one input as `Health::InputSuspect`: they say nothing about
 //! the provider, so they neither open nor close the breaker. The gate also keeps the run's
-//! [`CanaryBook`], shared by every worker like the breaker.
+//! `CanaryBook`, shared by every worker like the breaker.
 
 use std::sync::Mutex;
 use std::time::Duration;

@@ -9,13 +9,13 @@
 //!
 //! Systemic is a pattern as much as a status code: a rejection (or a wrong vector size) that
 //! may be the provider's rather than the input's is confirmed with a canary input first
-//! ([`canary`]), so a provider that rejects everything stops the run instead of having the
+//! (`canary`), so a provider that rejects everything stops the run instead of having the
 //! corpus bisected and parked. Isolating a 500 costs one request per split level, and its
-//! failures are reported to the gate as [`Health::InputSuspect`]: an input that fails alone
+//! failures are reported to the gate as `Health::InputSuspect`: an input that fails alone
 //! while its neighbours succeed never feeds the breaker, and the breaker's probe is a canary,
 //! never the batch that tripped it.
 
-pub mod canary;
+pub(crate) mod canary;
 pub(crate) mod classify;
 pub mod client;
 pub mod gate;

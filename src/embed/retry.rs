@@ -1,4 +1,4 @@
-//! *When* to try again, kept apart from *whether* to (see [`super::classify`]).
+//! *When* to try again, kept apart from *whether* to (see `super::classify`).
 //!
 //! Two schedules: [`RetryPolicy`] for the few in-process retries of a request, and
 //! [`DlqSchedule`] for parked work, which waits much longer between passes and is persisted

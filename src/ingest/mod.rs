@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Every channel is bounded by count, and every record in flight is charged to a byte
-//! budget ([`budget`]) from the reader until its outcome is written, so memory stays flat
+//! budget (`budget`) from the reader until its outcome is written, so memory stays flat
 //! whatever the corpus size or the size of its lines. Workers and writers take from
 //! multi-consumer channels: no task waits for input while holding a lock another one needs,
 //! so a writer writes what it gathered once no outcome has come for `batch_linger` (and at
@@ -26,8 +26,8 @@
 //! or park if they were mid-retry. A systemic provider error stops the run without parking
 //! anything for it.
 
-pub mod budget;
-pub mod reader;
+pub(crate) mod budget;
+pub(crate) mod reader;
 
 use std::collections::{BTreeMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -71,7 +71,7 @@ pub struct IngestOptions {
     pub max_line_bytes: usize,
     /// Bytes of input held in flight (read, not yet written): each record is charged its line
     /// plus its parsed form until its outcome is written. Default 64 MiB; clamped to
-    /// 1 MiB..=4 GiB-1 ([`ByteBudget`]). A record larger than the budget runs alone.
+    /// 1 MiB..=4 GiB-1 (`ByteBudget`). A record larger than the budget runs alone.
     pub max_inflight_bytes: u64,
     /// How long a partly filled batch waits for more records (slow stdin producers).
     pub batch_linger: Duration,

@@ -1,7 +1,7 @@
 //! Postgres: the system of record. Owns the manifest, the target vector tables, the DLQ and
 //! the outbox, and the only two ways an ingest outcome is written:
 //!
-//! - [`Store::store_batch`]: upserts the vectors (a no-op for unchanged content, so
+//! - `Store::store_batch`: upserts the vectors (a no-op for unchanged content, so
 //!   `updated_at` does not move), marks the manifest stored, deletes any DLQ row the new
 //!   vector supersedes and records a `resolved` event in the outbox;
 //! - [`Store::park_batch`]: upserts the DLQ rows (full payload), marks the manifest parked

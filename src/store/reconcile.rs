@@ -1,7 +1,7 @@
 //! Postgres side of the reconciler: the checks that compare the manifest, the target tables,
 //! the DLQ and the outbox, their repairs, and the record of each run. The reconciler
 //! (`crate::reconcile`) decides what to run and merges the results; the stream scans stay
-//! with it, and meet Postgres here through a [`WorkAudit`].
+//! with it, and meet Postgres here through a `WorkAudit`.
 //!
 //! The seed's two proofs live here once, as [`leaks`] and [`duplicates`]: the reconciler's
 //! `leaks` and `duplicates` checks are built from the same predicates, and the tests and the
@@ -9,7 +9,7 @@
 //!
 //! Each check is a `SELECT` of example keys (counted with `count(*)` over it) and, for
 //! repairable checks, one repair statement over the same predicate, run only when something
-//! was found. Table names in these statements come from the catalog ([`TargetTable`]), never
+//! was found. Table names in these statements come from the catalog (`TargetTable`), never
 //! from input, and the canonical name is compared as a quoted literal.
 
 use std::collections::HashMap;

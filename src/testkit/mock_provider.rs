@@ -139,7 +139,7 @@ pub struct MockStats {
     /// Requests answered with the unauthorized status.
     pub unauthorized: u64,
     /// Requests whose only input was the client's canary text
-    /// ([`crate::embed::canary::CANARY_TEXT`]).
+    /// (`crate::embed::canary::CANARY_TEXT`).
     #[serde(default)]
     pub canaries: u64,
 }
