@@ -61,7 +61,9 @@ pub fn response_cap(inputs: usize, dimensions: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EncodingFormat {
+    /// Vectors as base64 little-endian `f32`s: about a quarter of the JSON size of `Float`.
     Base64,
+    /// Vectors as JSON number arrays, for providers that do not support base64.
     Float,
 }
 
@@ -70,15 +72,22 @@ pub enum EncodingFormat {
 pub struct ClientConfig {
     /// Base URL up to and excluding `/embeddings` (e.g. `http://host:8080/v1`).
     pub base_url: String,
+    /// Model name sent with every request; also part of each chunk's content hash.
     pub model: String,
     /// Sent as the `dimensions` request field when set (models that support shortening).
     pub request_dimensions: Option<usize>,
+    /// Wire format of the returned vectors; the client decodes either.
     pub encoding: EncodingFormat,
+    /// Secret sent in `api_key_header` (or as a bearer token); `None` for providers without authentication. Never logged
+    /// (`Debug` redacts it) and redacted from error excerpts.
     pub api_key: Option<String>,
     /// Header carrying the key: `None` means `Authorization: Bearer <key>`; Azure-style
     /// deployments use e.g. `api-key: <key>`.
     pub api_key_header: Option<String>,
+    /// Headers added to every request (name, value), e.g. an organisation id; their values are
+    /// redacted from error excerpts like the key.
     pub extra_headers: Vec<(String, String)>,
+    /// Whole-request deadline; a request that exceeds it fails with [`EmbedError::Timeout`] (transient).
     pub timeout: Duration,
 }
 
@@ -102,18 +111,25 @@ impl std::fmt::Debug for ClientConfig {
 #[non_exhaustive]
 pub enum EmbedError {
     #[error("request timed out")]
+    /// The request did not complete within [`ClientConfig::timeout`] (transient).
     Timeout,
     #[error("connect error: {0}")]
+    /// No connection could be made (DNS, refused, TLS); transient, it feeds the breaker.
     Connect(String),
     /// Connection reset, closed mid-response, protocol error.
     #[error("transport error: {0}")]
     Transport(String),
     #[error("HTTP {status}{}: {excerpt}", error_type.as_deref().map(|t| format!(" ({t})")).unwrap_or_default())]
+    /// The provider answered with a non-success status; the classifier decides from `status` and
+    /// `error_type` whether to retry, park or stop the run.
     Status {
+        /// The HTTP status code.
         status: u16,
         /// `error.type` or `error.code` from an OpenAI-style error body.
         error_type: Option<String>,
+        /// The server's `Retry-After`, capped at [`MAX_SERVER_WAIT`]; a retry waits at least this long.
         retry_after: Option<Duration>,
+        /// Start of the body, sanitised and redacted, for the DLQ row's `last_error`.
         excerpt: String,
     },
     /// A 2xx whose body is not a valid embeddings response (truncated, garbage). The text is
@@ -123,7 +139,10 @@ pub enum EmbedError {
     /// A 2xx body longer than [`response_cap`]; reading stopped there and the connection was
     /// dropped.
     #[error("response body exceeds {limit} bytes; connection dropped")]
-    TooLarge { limit: usize },
+    TooLarge {
+        /// The cap that was exceeded, in bytes.
+        limit: usize,
+    },
     /// The server redirected to another origin (or too often). Refused so that the key and
     /// the extra headers never reach a host they were not configured for: a configuration
     /// problem, the run stops.
@@ -147,8 +166,11 @@ pub struct EmbedResponse {
 /// Why a single returned vector cannot be stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VectorProblem {
+    /// Where the vector would be parked (e.g. a wrong dimension is the input's fault).
     pub class: ErrorClass,
+    /// Bounded reason code for metrics and the DLQ's `error_reason`.
     pub reason: &'static str,
+    /// What exactly was wrong (e.g. the length found), for the DLQ row's `last_error`.
     pub detail: String,
 }
 

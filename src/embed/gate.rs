@@ -28,6 +28,7 @@ pub struct BreakerConfig {
     pub failure_threshold: u32,
     /// First open period; doubled after each failed probe up to `max_cooldown`.
     pub cooldown: Duration,
+    /// Longest open period: the doubling of `cooldown` stops here.
     pub max_cooldown: Duration,
     /// Longest the breaker may stay open before the run gives up.
     pub max_outage: Duration,
@@ -125,6 +126,8 @@ pub struct ProviderGate {
 }
 
 impl ProviderGate {
+    /// A closed breaker with no history; share one per provider (in an `Arc`) between all workers
+    /// of a run, so they pause and trip together.
     pub fn new(config: BreakerConfig) -> Self {
         ProviderGate {
             config,

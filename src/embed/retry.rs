@@ -14,7 +14,9 @@ pub struct RetryPolicy {
     /// Attempts in total, the first included. After the last one the batch is parked at once
     /// (no sleep after the final attempt).
     pub max_attempts: u32,
+    /// Ceiling of the first sleep.
     pub base: Duration,
+    /// Growth of the ceiling per failed attempt (2.0 doubles it).
     pub factor: f64,
     /// Upper bound of one sleep, before jitter; also bounds a server's Retry-After.
     pub cap: Duration,
@@ -63,8 +65,11 @@ impl RetryPolicy {
 /// `next_retry_at` so nothing sleeps while holding a row.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DlqSchedule {
+    /// Delay before the first replay of a parked row.
     pub base: Duration,
+    /// Growth of the delay per replay pass.
     pub factor: f64,
+    /// Longest delay between two replay passes.
     pub cap: Duration,
     /// Replay passes before a row is marked exhausted.
     pub max_replays: u32,
