@@ -46,6 +46,7 @@ pub enum Check {
 }
 
 impl Check {
+    /// Every check, in the order a report lists them.
     pub const ALL: [Check; 10] = [
         Check::Leaks,
         Check::Duplicates,
@@ -93,7 +94,9 @@ impl Check {
 /// One check's result.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
+    /// Which check this is.
     pub check: Check,
+    /// Rows or entries in the wrong state when the check ran (0 means the check passed).
     pub found: u64,
     /// A few examples (chunk keys or entry ids).
     pub examples: Vec<String>,
@@ -106,8 +109,11 @@ pub struct Finding {
 /// A whole run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// One finding per check, in [`Check::ALL`] order.
     pub findings: Vec<Finding>,
+    /// Whether the run changed anything.
     pub mode: Mode,
+    /// Wall-clock duration of the run.
     pub duration_secs: f64,
 }
 
@@ -127,9 +133,11 @@ impl Report {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
+    /// Report the findings, change nothing.
     Check,
     /// Report what repair would do, change nothing.
     DryRun,
+    /// Repair what each check can repair, then report what was found and repaired.
     Repair,
 }
 
@@ -178,10 +186,13 @@ impl ReconcileConfig {
 /// Why a run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
+    /// A store statement failed.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// A check's query failed.
     #[error("postgres: {0}")]
     Db(#[from] sqlx::Error),
+    /// A stream check's Redis command failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
@@ -202,10 +213,13 @@ fn finding(check: Check, run: CheckRun) -> Finding {
 
 /// Runs the checks.
 pub struct Reconciler {
+    /// The database whose manifest, vectors, DLQ and outbox are checked.
     pub store: Store,
     /// Without Redis, the two stream checks are skipped (and say so).
     pub redis: Option<ConnectionManager>,
+    /// The streams the stream checks read.
     pub keys: StreamKeys,
+    /// Thresholds and page size.
     pub config: ReconcileConfig,
 }
 

@@ -65,6 +65,7 @@ impl Default for RelayConfig {
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayCounts {
+    /// Outbox rows taken in this pass (`published` + `duplicates`).
     pub claimed: u64,
     /// New stream entries.
     pub published: u64,
@@ -77,11 +78,13 @@ pub struct RelayCounts {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RelayError {
+    /// Reading or marking the outbox failed.
     #[error("postgres: {0}")]
     Db(#[from] sqlx::Error),
     /// A statement of the outbox store failed.
     #[error("postgres: {0}")]
     Store(#[from] StoreError),
+    /// Publishing (the dedup script or XADD) failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
@@ -169,6 +172,9 @@ pub struct Relay {
 }
 
 impl Relay {
+    /// A relay over the outbox of `pool`, publishing to the streams of `keys`. Several relays may
+    /// run against one database: rows are claimed with `SKIP LOCKED` and deduplicated by the
+    /// publish script.
     pub fn new(pool: PgPool, redis: ConnectionManager, keys: StreamKeys, config: RelayConfig) -> Self {
         Relay { pool, redis, keys, config, script: publish_script() }
     }

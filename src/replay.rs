@@ -50,6 +50,7 @@ pub struct ReplayConfig {
     pub dead_consumer_after: Duration,
     /// Passes failing with the same `http_500` before the row is reclassified as permanent.
     pub deterministic_failures: i32,
+    /// Backoff of a row that fails again (its next `next_retry_at`) and its replay limit.
     pub schedule: DlqSchedule,
     /// How far `next_retry_at` is pushed when a row is published as work (re-published if
     /// the work is lost and the lease runs out).
@@ -80,8 +81,11 @@ impl Default for ReplayConfig {
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ReplayCounts {
+    /// Rows whose vector was stored (the DLQ row is resolved).
     pub replayed: u64,
+    /// Rows that failed again and went back on the schedule.
     pub reparked: u64,
+    /// Rows that reached their replay limit or a permanent class: left for an operator.
     pub exhausted: u64,
     /// Entries acknowledged without work (row gone, already replayed, superseded, unreadable).
     pub skipped: u64,
@@ -110,8 +114,10 @@ impl ReplayCounts {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReplayError {
+    /// A store statement (load, commit, repark) failed.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// Reading, acknowledging or claiming stream entries failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
@@ -131,7 +137,9 @@ impl ReplayError {
 
 /// Publishes due rows as replay work.
 pub struct Scheduler {
+    /// Where due rows are found and marked as published work.
     pub store: Store,
+    /// The lease and the scheduling period.
     pub config: ReplayConfig,
 }
 
@@ -198,12 +206,21 @@ struct Entry {
 
 /// One member of the `replayers` group.
 pub struct Replayer {
+    /// Consumer name in the group; unique per replayer (a reused name inherits its pending
+    /// entries).
     pub name: String,
+    /// Where rows are loaded and their outcomes committed.
     pub store: Store,
+    /// The provider side, shared (gate included) with the other replayers of the process.
     pub embedder: Embedder,
+    /// Opens the dedicated connection for blocking `XREADGROUP` (a `BLOCK` would stall the shared
+    /// connection).
     pub client: redis::Client,
+    /// Shared connection for acknowledgements and claims.
     pub redis: ConnectionManager,
+    /// The replay stream and its group.
     pub keys: StreamKeys,
+    /// Batching, idle and delivery limits.
     pub config: ReplayConfig,
     /// Set after the provider refused the run: no new work is taken before then.
     pub paused_until: Option<Instant>,

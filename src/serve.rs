@@ -32,6 +32,7 @@ use crate::supervise::{Supervisor, TaskFailure};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
+    /// Redis was unreachable at start-up.
     #[error("cannot connect to Redis: {0}")]
     Redis(#[source] redis::RedisError),
     /// A task died; the process stopped so its supervisor restarts it.
@@ -42,9 +43,13 @@ pub enum ServeError {
 /// Everything `serve` runs.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
+    /// Replayer tasks (0: this process only relays and schedules).
     pub replayers: usize,
+    /// Outbox relay tuning.
     pub relay: RelayConfig,
+    /// Scheduler and replayer tuning.
     pub replay: ReplayConfig,
+    /// The streams the relay publishes to and the replayers read.
     pub keys: StreamKeys,
     /// How long in-flight work may take to finish after the signal.
     pub grace: Duration,

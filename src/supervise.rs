@@ -26,16 +26,32 @@ use tokio_util::sync::CancellationToken;
 pub enum TaskFailure {
     /// The task panicked; `message` is the panic payload when it was a string.
     #[error("{task} panicked: {message}")]
-    Panicked { task: String, message: String },
+    Panicked {
+        /// The task's name.
+        task: String,
+        /// The panic payload, or a placeholder when it was not a string.
+        message: String,
+    },
     /// The task returned an error (a permanent one: transient errors are retried inside).
     #[error("{task} failed: {message}")]
-    Failed { task: String, message: String },
+    Failed {
+        /// The task's name.
+        task: String,
+        /// The error, displayed.
+        message: String,
+    },
     /// A service loop returned although nobody asked it to stop.
     #[error("{task} stopped unexpectedly")]
-    Ended { task: String },
+    Ended {
+        /// The task's name.
+        task: String,
+    },
     /// The task was aborted from outside the supervisor.
     #[error("{task} was aborted")]
-    Aborted { task: String },
+    Aborted {
+        /// The task's name.
+        task: String,
+    },
 }
 
 impl TaskFailure {

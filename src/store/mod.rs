@@ -41,12 +41,20 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
+    /// A statement failed; [`StoreError::is_transient`] tells whether a retry may help.
     #[error("database error: {0}")]
     Db(#[from] sqlx::Error),
+    /// The embedded migrations could not be applied.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The target table is missing or unusable: a configuration problem, not retried.
     #[error("target table {table}: {problem}")]
-    Target { table: String, problem: String },
+    Target {
+        /// The table name as configured.
+        table: String,
+        /// What is wrong with it (missing, a missing column, a wrong vector type or dimension).
+        problem: String,
+    },
 }
 
 impl StoreError {
@@ -110,15 +118,23 @@ pub(crate) struct StoredChunk {
 /// A chunk to park in the DLQ.
 #[derive(Debug, Clone)]
 pub struct ParkedChunk {
+    /// Identity of the chunk (with `chunk_index`).
     pub doc_id: String,
+    /// Position of the chunk within its document.
     pub chunk_index: i32,
+    /// The content parked; replay only writes a vector if the manifest still holds this hash.
     pub content_hash: String,
     /// The full original record (text + metadata) — what replay needs once the source is gone.
     pub payload: serde_json::Value,
+    /// Decides whether and when replay retries the row.
     pub class: ErrorClass,
+    /// Bounded reason code, e.g. `http_503` or `too_long`.
     pub reason: String,
+    /// Sanitised detail of the last failure, for operators.
     pub last_error: String,
+    /// The last HTTP status, if the failure came from a response.
     pub last_status: Option<u16>,
+    /// Provider attempts spent before parking.
     pub attempts: u32,
     /// Delay before the first replay; `None` for classes that are never replayed automatically.
     pub retry_in: Option<Duration>,

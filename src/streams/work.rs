@@ -15,6 +15,7 @@ use super::field;
 /// One due DLQ row, as published on the replay stream.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WorkItem {
+    /// The `embedding_dlq` row to replay.
     pub dlq_id: i64,
     /// The row's generation when it was scheduled (`embedding_dlq.generation`).
     pub generation: i64,
