@@ -71,42 +71,61 @@ impl RowFilter {
 /// One error class in `dlq stats` (the seed's by-class view).
 #[derive(Debug, Clone, Serialize)]
 pub struct ClassStats {
+    /// The class these rows were parked under.
     pub error_class: ErrorClass,
+    /// Rows of this class in the DLQ.
     pub parked: i64,
+    /// Earliest first failure among them.
     pub oldest: Option<DateTime<Utc>>,
+    /// Latest last failure among them.
     pub newest: Option<DateTime<Utc>>,
+    /// Mean provider attempts per row, rounded to one decimal.
     pub avg_attempts: f64,
 }
 
 /// `dlq stats`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
+    /// Row counts by class, largest first.
     pub by_class: Vec<ClassStats>,
     /// Transient rows due now (permanent rows are never "ready").
     pub ready_to_replay: i64,
+    /// Transient rows waiting for their `next_retry_at`.
     pub still_backing_off: i64,
+    /// Rows replay has given up on: only an operator's requeue or purge moves them.
     pub exhausted: i64,
+    /// The earliest `next_retry_at` of any row: when replay has work next.
     pub next_due: Option<DateTime<Utc>>,
 }
 
 /// One row in `dlq list`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Listed {
+    /// The row's id, what `dlq show`, `requeue` and `purge` take.
     pub id: i64,
     /// Canonical name of the table the row is meant for.
     pub target_table: String,
+    /// Document of the parked chunk.
     pub doc_id: String,
+    /// Position of the chunk within its document.
     pub chunk_index: i32,
+    /// Decides whether replay retries the row.
     pub error_class: ErrorClass,
+    /// Bounded reason code of the last failure (e.g. `http_503`).
     pub error_reason: String,
+    /// Provider attempts spent on the row, over ingest and replays.
     pub attempts: i32,
     /// Replay passes made (a count; drives the DLQ schedule).
     pub replays: i32,
     /// Changes whenever the row's content changes, on every re-park and on requeue.
     pub generation: i64,
+    /// When the chunk was first parked.
     pub first_failed_at: DateTime<Utc>,
+    /// When it last failed (at ingest or replay).
     pub last_failed_at: DateTime<Utc>,
+    /// When replay may take it next; `None` for rows replay never takes automatically.
     pub next_retry_at: Option<DateTime<Utc>>,
+    /// Whether replay has given up on the row.
     pub exhausted: bool,
 }
 
@@ -114,7 +133,9 @@ pub struct Listed {
 #[derive(Debug, Clone, Serialize)]
 pub struct Detail {
     #[serde(flatten)]
+    /// The columns `dlq list` shows (flattened in JSON).
     pub row: Listed,
+    /// The content the row is for; replay writes a vector only while the manifest holds it.
     pub content_hash: String,
     /// The model the row was parked under (None: parked before models were recorded).
     pub model: Option<String>,
@@ -122,10 +143,15 @@ pub struct Detail {
     pub dimensions: Option<i32>,
     /// The `dimensions` request parameter, if any.
     pub request_dimensions: Option<i32>,
+    /// Sanitised detail of the last failure.
     pub last_error: Option<String>,
+    /// The last HTTP status, when the failure came from a response.
     pub last_status: Option<i32>,
+    /// Why replay gave up, when it did.
     pub exhausted_reason: Option<String>,
+    /// The original record (text and metadata), replayed as is.
     pub payload: serde_json::Value,
+    /// The row's last failures (at most 20), oldest first, as a JSON array.
     pub error_history: serde_json::Value,
 }
 
