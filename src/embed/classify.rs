@@ -48,7 +48,11 @@ pub(crate) fn classify(err: &EmbedError) -> Verdict {
 }
 
 /// The status-code table of the failure taxonomy (PRODUCT.md).
-pub(crate) fn classify_status(status: u16, error_type: Option<&str>, retry_after: Option<Duration>) -> Verdict {
+pub(crate) fn classify_status(
+    status: u16,
+    error_type: Option<&str>,
+    retry_after: Option<Duration>,
+) -> Verdict {
     match status {
         429 if error_type.is_some_and(|t| QUOTA_ERROR_TYPES.contains(&t)) => {
             Verdict::Systemic { reason: "insufficient_quota" }

@@ -190,7 +190,11 @@ pub(crate) async fn table_check(
 
 /// Transient rows due for replay for longer than `after`: the replayers are not draining.
 /// Nothing to repair (a finding for a person).
-pub(crate) async fn replay_stalled(pool: &PgPool, after: Duration, examples: usize) -> Result<CheckRun, StoreError> {
+pub(crate) async fn replay_stalled(
+    pool: &PgPool,
+    after: Duration,
+    examples: usize,
+) -> Result<CheckRun, StoreError> {
     let stall = after.as_secs_f64();
     let select = format!(
         "SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d
@@ -335,7 +339,11 @@ impl WorkAudit {
     }
 
     /// Records work items still outstanding on the stream (row id and generation, same order).
-    pub(crate) async fn record_outstanding(&mut self, ids: &[i64], generations: &[i64]) -> Result<(), StoreError> {
+    pub(crate) async fn record_outstanding(
+        &mut self,
+        ids: &[i64],
+        generations: &[i64],
+    ) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::bigint[])",
         )
