@@ -129,7 +129,7 @@ pub(crate) fn provider_request(outcome: &'static str, seconds: f64) {
 }
 
 /// Counts parks by class.
-pub fn parked(class: ErrorClass, n: u64) {
+pub(crate) fn parked(class: ErrorClass, n: u64) {
     counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
 }
 

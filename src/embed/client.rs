@@ -273,7 +273,7 @@ impl EmbedClient {
     }
 
     /// The `dimensions` request field, when one is sent.
-    pub fn request_dimensions(&self) -> Option<usize> {
+    pub(crate) fn request_dimensions(&self) -> Option<usize> {
         self.config.request_dimensions
     }
 

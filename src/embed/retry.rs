@@ -42,7 +42,7 @@ impl RetryPolicy {
 
     /// The sleep after failed attempt `attempt`: uniform in [0, ceiling] (full jitter), so a
     /// fleet of workers hit by one outage does not come back in lockstep.
-    pub fn backoff(&self, attempt: u32) -> Duration {
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
         jitter(self.ceiling(attempt))
     }
 

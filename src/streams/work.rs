@@ -1,7 +1,7 @@
 //! The replay work item: what the replay stream carries for one DLQ row, in one place.
 //!
 //! Written by Postgres (the scheduler's single statement builds the outbox body with
-//! [`WorkItem::sql_body`]) and read by the replayers and the reconciler with
+//! `WorkItem::sql_body`) and read by the replayers and the reconciler with
 //! [`WorkItem::parse`]. A work item names the row (`dlq_id`), the row's `generation` and
 //! `content_hash` when it was scheduled, and the target table: a replay result for it commits
 //! only while the row still has that generation and that content (`crate::store::replay`).
@@ -33,7 +33,7 @@ impl WorkItem {
     /// The SQL expression (over columns `id`, `generation`, `content_hash`, `target_table`,
     /// `doc_id`, `chunk_index`, `attempts` of `alias`) that builds the outbox body of a work
     /// item. `doc_id`, `chunk_index` and `attempts` are informational for stream readers.
-    pub fn sql_body(alias: &str) -> String {
+    pub(crate) fn sql_body(alias: &str) -> String {
         format!(
             "jsonb_build_object('dlq_id', {a}.id, 'generation', {a}.generation, \
              'content_hash', {a}.content_hash, 'table', {a}.target_table, 'doc_id', {a}.doc_id, \
@@ -50,7 +50,7 @@ impl WorkItem {
     }
 
     /// Reads a work item from its JSON body.
-    pub fn parse_body(body: &str) -> Option<WorkItem> {
+    pub(crate) fn parse_body(body: &str) -> Option<WorkItem> {
         let v: serde_json::Value = serde_json::from_str(body).ok()?;
         let content_hash = v["content_hash"].as_str().filter(|s| s.len() <= MAX_FIELD)?;
         let target_table = v["table"].as_str().filter(|s| !s.is_empty() && s.len() <= MAX_FIELD)?;
