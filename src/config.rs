@@ -403,7 +403,7 @@ pub enum ConfigError {
     File {
         /// The config file.
         path: PathBuf,
-        /// What the TOML parser said.
+        /// Why it cannot be read or parsed.
         problem: String,
     },
     /// `allowed` is the documented range, e.g. `1..=256`.
@@ -1049,7 +1049,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
 pub struct IngestSettings {
     /// Postgres URL (may hold a password).
     pub database_url: String,
-    /// Target vector table, checked against `client`'s model dimension before the run.
+    /// Target vector table; [`IngestSettings::pipeline`] checks that it exists and fits.
     pub table: String,
     /// How to reach the provider.
     pub client: ClientConfig,

@@ -106,7 +106,8 @@ pub struct Finding {
     pub note: Option<String>,
 }
 
-/// A whole run.
+/// The result of one [`Reconciler::run_once`]: one finding per check, serialisable for
+/// `--json` and the metrics.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// One finding per check, in [`Check::ALL`] order.
@@ -141,7 +142,7 @@ pub enum Mode {
     Repair,
 }
 
-/// Thresholds.
+/// Thresholds of the checks, and the page size that bounds a run's memory.
 #[derive(Debug, Clone)]
 pub struct ReconcileConfig {
     /// An unpublished outbox row older than this is a finding.
@@ -183,7 +184,7 @@ impl ReconcileConfig {
     }
 }
 
-/// Why a run failed.
+/// Why a run could not finish: a query or command failed. Findings are never errors.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     /// A store statement failed.
@@ -211,7 +212,8 @@ fn finding(check: Check, run: CheckRun) -> Finding {
     Finding { check, found: run.found, examples: run.examples, repaired: run.repaired, note: None }
 }
 
-/// Runs the checks.
+/// Runs the checks over one database and its streams; [`Reconciler::run_once`] is what the
+/// `reconcile` command and the periodic loop of [`crate::serve`] call.
 pub struct Reconciler {
     /// The database whose manifest, vectors, DLQ and outbox are checked.
     pub store: Store,

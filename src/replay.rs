@@ -85,7 +85,7 @@ pub struct ReplayCounts {
     pub replayed: u64,
     /// Rows that failed again and went back on the schedule.
     pub reparked: u64,
-    /// Rows that reached their replay limit or a permanent class: left for an operator.
+    /// Rows given up on (replay limit, delivery cap, a permanent failure): left for an operator.
     pub exhausted: u64,
     /// Entries acknowledged without work (row gone, already replayed, superseded, unreadable).
     pub skipped: u64,

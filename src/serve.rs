@@ -40,7 +40,8 @@ pub enum ServeError {
     Task(TaskFailure),
 }
 
-/// Everything `serve` runs.
+/// What [`serve`] runs and how; [`ServeConfig::from_settings`] builds it from the resolved
+/// settings.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     /// Replayer tasks (0: this process only relays and schedules).

@@ -65,7 +65,7 @@ pub struct Failure {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Stop {
     /// The provider refused a request in a way no retry fixes (bad key, no quota, unknown model,
-    /// wrong URL), confirmed by a canary request.
+    /// wrong URL).
     #[error("provider refused the run ({reason}): {detail}")]
     Systemic {
         /// Bounded reason code (e.g. `unauthorized`, `insufficient_quota`, `not_found`).
@@ -102,8 +102,8 @@ pub struct BatchStats {
 pub struct Embedder {
     /// The HTTP client of the provider.
     pub client: EmbedClient,
-    /// Breaker, rate-limit pause and canary history, shared by every worker (and replayer) of a
-    /// process.
+    /// Breaker, rate-limit pause and canary history, shared by every worker that uses this
+    /// embedder, so they pause and trip together.
     pub gate: Arc<ProviderGate>,
     /// In-process retries of transient failures before an input is parked.
     pub policy: RetryPolicy,

@@ -34,7 +34,8 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 
 use crate::model::{ChunkStatus, ErrorClass};
 
-/// Embedded migrations (`migrations/`).
+/// The embedded migrations (`migrations/`). [`migrate`] applies them all; tests use it to
+/// stop at an older version.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// Store failures, split by what the caller can do about them.

@@ -201,7 +201,8 @@ impl MockControl {
     }
 }
 
-/// A running mock provider.
+/// A running mock provider on a local port; its faults can be switched at run time through
+/// [`MockProvider::control`].
 pub struct MockProvider {
     /// Where it listens (port 0 at start becomes the real port here).
     pub addr: SocketAddr,
