@@ -195,14 +195,19 @@ pub struct ServeArgs {
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
+    /// `[services]`: database and Redis URLs.
     #[serde(default)]
     pub services: ServiceArgs,
+    /// `[provider]`: endpoint, model, key and request shape.
     #[serde(default)]
     pub provider: ProviderArgs,
+    /// `[ingest]`: target table, batching, concurrency and limits.
     #[serde(default)]
     pub ingest: IngestArgs,
+    /// `[retry]`: in-process retries, the DLQ schedule and the breaker.
     #[serde(default)]
     pub retry: RetryArgs,
+    /// `[serve]`: replayers, relay, reconcile period, metrics and the stream prefix.
     #[serde(default)]
     pub serve: ServeArgs,
 }
@@ -210,7 +215,9 @@ pub struct FileConfig {
 /// A loaded config file: its settings and where they came from (for error messages).
 #[derive(Debug, Clone)]
 pub struct ConfigFile {
+    /// The file as given, named in every error about one of its keys.
     pub path: PathBuf,
+    /// Its settings, not yet resolved or checked against their bounds.
     pub layer: FileConfig,
 }
 
@@ -267,39 +274,54 @@ pub mod bounds {
 
     /// pgvector's `vector(N)` holds at most 16000 dimensions.
     pub const DIMENSIONS: RangeInclusive<usize> = 1..=16_000;
+    /// `request_timeout_ms`: 100 ms to 10 minutes.
     pub const REQUEST_TIMEOUT_MS: RangeInclusive<u64> = 100..=600_000;
     /// OpenAI accepts at most 2048 inputs per request.
     pub const BATCH_MAX_INPUTS: RangeInclusive<usize> = 1..=2048;
+    /// `batch_max_chars`: at most 10 million characters per request.
     pub const BATCH_MAX_CHARS: RangeInclusive<usize> = 1..=10_000_000;
     /// Each request is a task holding a batch; the pool also grows with it.
     pub const CONCURRENCY: RangeInclusive<usize> = 1..=256;
     /// Each writer holds a database connection.
     pub const WRITERS: RangeInclusive<usize> = 1..=32;
+    /// `max_input_chars`: longer inputs are parked as too long without a request.
     pub const MAX_INPUT_CHARS: RangeInclusive<usize> = 1..=1_000_000;
+    /// `max_line_bytes`: 64 bytes to 64 MiB per JSONL line.
     pub const MAX_LINE_BYTES: RangeInclusive<usize> = 64..=64 * 1024 * 1024;
     /// In-flight input bytes of an ingest (the byte budget).
     pub const MAX_INFLIGHT_BYTES: RangeInclusive<u64> =
         crate::ingest::budget::ByteBudget::MIN..=crate::ingest::budget::ByteBudget::MAX;
+    /// `retry_max_attempts`: attempts per input in one pass, the first included.
     pub const RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 1..=20;
+    /// `retry_base_ms`: 1 ms to 1 minute.
     pub const RETRY_BASE_MS: RangeInclusive<u64> = 1..=60_000;
     /// Lower end is `retry_base_ms`.
     pub const RETRY_CAP_MS: RangeInclusive<u64> = 1..=600_000;
+    /// `dlq_base_secs`: 1 second to 1 day.
     pub const DLQ_BASE_SECS: RangeInclusive<u64> = 1..=86_400;
     /// Lower end is `dlq_base_secs`; 30 days.
     pub const DLQ_CAP_SECS: RangeInclusive<u64> = 1..=2_592_000;
+    /// `dlq_max_replays`: replay passes before a row is exhausted.
     pub const DLQ_MAX_REPLAYS: RangeInclusive<u32> = 1..=1000;
+    /// `breaker_failure_threshold`: consecutive transient failures that open the breaker.
     pub const BREAKER_FAILURE_THRESHOLD: RangeInclusive<u32> = 1..=10_000;
     /// Up to the breaker's longest cooldown (60 s).
     pub const BREAKER_COOLDOWN_MS: RangeInclusive<u64> = 10..=60_000;
     /// 7 days.
     pub const MAX_OUTAGE_SECS: RangeInclusive<u64> = 1..=604_800;
+    /// `replayers`: 0 runs only the relay and the scheduler.
     pub const REPLAYERS: RangeInclusive<usize> = 0..=64;
+    /// `replay_batch`: entries per read, like a provider batch.
     pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
     /// 100 ms ..= 1 day.
     pub const MIN_IDLE_MS: RangeInclusive<u64> = 100..=86_400_000;
+    /// `delivery_cap`: deliveries of one replay entry before it is given up on.
     pub const DELIVERY_CAP: RangeInclusive<u32> = 1..=1000;
+    /// `grace_ms`: up to 10 minutes of drain after the signal.
     pub const GRACE_MS: RangeInclusive<u64> = 0..=600_000;
+    /// `relay_batch`: outbox rows per relay pass.
     pub const RELAY_BATCH: RangeInclusive<usize> = 1..=10_000;
+    /// `relay_poll_ms`: 10 ms to 1 minute between passes without a notification.
     pub const RELAY_POLL_MS: RangeInclusive<u64> = 10..=60_000;
     /// 0 = never; at most 7 days.
     pub const RECONCILE_EVERY_SECS: RangeInclusive<u64> = 0..=604_800;
@@ -323,7 +345,12 @@ pub enum Origin {
     /// An environment variable, e.g. `EMBED_DLQ_BASE_URL`.
     Env(String),
     /// A key of a config file.
-    File { path: PathBuf, key: String },
+    File {
+        /// The config file.
+        path: PathBuf,
+        /// The section and key, as `[section] key`.
+        key: String,
+    },
     /// The built-in default.
     Default,
 }
@@ -393,16 +420,42 @@ impl Origins {
 pub enum ConfigError {
     /// The file cannot be read or parsed (an unknown key, a value of the wrong type).
     #[error("config file {}: {problem}", path.display())]
-    File { path: PathBuf, problem: String },
+    File {
+        /// The config file.
+        path: PathBuf,
+        /// Why it cannot be read or parsed.
+        problem: String,
+    },
     /// `allowed` is the documented range, e.g. `1..=256`.
     #[error("{setting} = {value} (from {origin}) is out of range: allowed {allowed}")]
-    OutOfRange { setting: &'static str, value: String, origin: Origin, allowed: String },
+    OutOfRange {
+        /// The setting's key, e.g. `concurrency`.
+        setting: &'static str,
+        /// The value given, as given.
+        value: String,
+        /// Where the value came from.
+        origin: Origin,
+        /// The documented range.
+        allowed: String,
+    },
     /// A value of the right type that cannot work (e.g. a base URL that is not http(s)).
     #[error("{setting} (from {origin}): {problem}")]
-    Invalid { setting: &'static str, origin: Origin, problem: String },
+    Invalid {
+        /// The setting's key.
+        setting: &'static str,
+        /// Where the value came from.
+        origin: Origin,
+        /// Why the value cannot work.
+        problem: String,
+    },
     /// A setting the command needs was given nowhere.
     #[error("no {setting}: {hint}")]
-    Missing { setting: &'static str, hint: &'static str },
+    Missing {
+        /// The setting's key.
+        setting: &'static str,
+        /// How to give it (flag, variable or key).
+        hint: &'static str,
+    },
 }
 
 /// Picks each value from the command line layer, then the file, then the default, and
@@ -503,9 +556,13 @@ pub struct Settings {
     pub stream_prefix: String,
     /// The provider client (its `Debug` hides the key).
     pub client: ClientConfig,
+    /// Batching, concurrency and memory bounds of an ingest.
     pub options: IngestOptions,
+    /// In-process retries before a chunk is parked.
     pub retry: RetryPolicy,
+    /// Circuit breaker and outage limit, shared by every request of a process.
     pub breaker: BreakerConfig,
+    /// What `serve` runs besides the shared settings.
     pub serve: ServeSettings,
 }
 
@@ -526,7 +583,7 @@ impl fmt::Debug for Settings {
 }
 
 /// `url` with its password (if any) replaced, for debug output.
-pub fn redact_password(url: &str) -> String {
+pub(crate) fn redact_password(url: &str) -> String {
     match reqwest::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("[redacted]"));
@@ -544,6 +601,7 @@ pub struct ServeSettings {
     pub replayers: usize,
     /// Replayer settings; the DLQ schedule is the one of [`Settings::options`].
     pub replay: ReplayConfig,
+    /// Outbox relay tuning; the stream length cap comes from here too.
     pub relay: RelayConfig,
     /// Time to finish in-flight work after SIGTERM.
     pub grace: Duration,
@@ -1036,10 +1094,15 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
 pub struct IngestSettings {
     /// Postgres URL (may hold a password).
     pub database_url: String,
+    /// Target vector table; [`IngestSettings::pipeline`] checks that it exists and fits.
     pub table: String,
+    /// How to reach the provider.
     pub client: ClientConfig,
+    /// Batching, concurrency and memory bounds.
     pub options: IngestOptions,
+    /// In-process retries before a chunk is parked.
     pub retry: RetryPolicy,
+    /// Circuit breaker and outage limit.
     pub breaker: BreakerConfig,
 }
 

@@ -1,7 +1,7 @@
 //! Operator actions on the DLQ without writing SQL: stats, list, show, requeue, purge.
 //! Every action that changes rows supports a dry run, selects rows with the same [`Filter`],
 //! and writes its events to the outbox in the same statement as the change. The statements
-//! are in [`crate::store::dlq`]; this module pages, paces and decides.
+//! are in `crate::store::dlq`; this module pages, paces and decides.
 
 use std::time::Duration;
 

@@ -44,7 +44,7 @@ pub(crate) use hit;
 /// What an armed point does when it fires.
 #[cfg(feature = "failpoints")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// `std::process::abort()`: a crash.
     Abort,
     /// `panic!` in the calling task.
@@ -54,7 +54,7 @@ pub enum Action {
 /// A parsed `EMBED_DLQ_FAILPOINT` value.
 #[cfg(feature = "failpoints")]
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Armed {
+pub(crate) struct Armed {
     /// The point that fires.
     pub name: String,
     /// What it does when it fires.

@@ -1,7 +1,7 @@
 //! Prometheus metrics: names in `embed_dlq_<thing>_<unit>` form, label values from small fixed
 //! sets only (error class, reason, outcome, check, stream — never ids or messages). Counters
 //! are bumped where things happen; gauges that describe the database and the streams are
-//! sampled by [`sample`] (serve does it every few seconds, reconcile after every run).
+//! sampled by `sample` (serve does it every few seconds, reconcile after every run).
 //! A retried attempt is counted in `retries_total`, never as parked or dropped.
 
 use std::net::SocketAddr;
@@ -15,32 +15,32 @@ use crate::reconcile::{Check, Report};
 use crate::store::Store;
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 
-pub const CHUNKS_STORED: &str = "embed_dlq_chunks_stored_total";
-pub const CHUNKS_SKIPPED: &str = "embed_dlq_chunks_skipped_total";
-pub const CHUNKS_PARKED: &str = "embed_dlq_chunks_parked_total";
-pub const LINES_REJECTED: &str = "embed_dlq_input_lines_rejected_total";
-pub const RETRIES: &str = "embed_dlq_retries_total";
-pub const PROVIDER_REQUESTS: &str = "embed_dlq_provider_requests_total";
-pub const PROVIDER_DURATION: &str = "embed_dlq_provider_request_duration_seconds";
-pub const BREAKER_STATE: &str = "embed_dlq_breaker_state";
-pub const BREAKER_OPENED: &str = "embed_dlq_breaker_opened_total";
-pub const RELAY_PUBLISHED: &str = "embed_dlq_relay_published_total";
-pub const RELAY_DUPLICATES: &str = "embed_dlq_relay_duplicates_total";
-pub const REPLAY_OUTCOMES: &str = "embed_dlq_replay_outcomes_total";
-pub const DLQ_DEPTH: &str = "embed_dlq_dlq_depth";
-pub const DLQ_READY: &str = "embed_dlq_dlq_ready";
-pub const DLQ_BACKING_OFF: &str = "embed_dlq_dlq_backing_off";
-pub const DLQ_EXHAUSTED: &str = "embed_dlq_dlq_exhausted";
-pub const DLQ_OLDEST_AGE: &str = "embed_dlq_dlq_oldest_age_seconds";
-pub const DLQ_NEXT_DUE: &str = "embed_dlq_dlq_next_due_seconds";
-pub const OUTBOX_BACKLOG: &str = "embed_dlq_outbox_backlog";
-pub const OUTBOX_OLDEST_AGE: &str = "embed_dlq_outbox_oldest_age_seconds";
-pub const STREAM_LENGTH: &str = "embed_dlq_stream_length";
-pub const STREAM_PENDING: &str = "embed_dlq_stream_pending";
-pub const STREAM_LAG: &str = "embed_dlq_stream_lag";
-pub const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
-pub const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
-pub const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
+pub(crate) const CHUNKS_STORED: &str = "embed_dlq_chunks_stored_total";
+pub(crate) const CHUNKS_SKIPPED: &str = "embed_dlq_chunks_skipped_total";
+pub(crate) const CHUNKS_PARKED: &str = "embed_dlq_chunks_parked_total";
+pub(crate) const LINES_REJECTED: &str = "embed_dlq_input_lines_rejected_total";
+pub(crate) const RETRIES: &str = "embed_dlq_retries_total";
+pub(crate) const PROVIDER_REQUESTS: &str = "embed_dlq_provider_requests_total";
+pub(crate) const PROVIDER_DURATION: &str = "embed_dlq_provider_request_duration_seconds";
+pub(crate) const BREAKER_STATE: &str = "embed_dlq_breaker_state";
+pub(crate) const BREAKER_OPENED: &str = "embed_dlq_breaker_opened_total";
+pub(crate) const RELAY_PUBLISHED: &str = "embed_dlq_relay_published_total";
+pub(crate) const RELAY_DUPLICATES: &str = "embed_dlq_relay_duplicates_total";
+pub(crate) const REPLAY_OUTCOMES: &str = "embed_dlq_replay_outcomes_total";
+pub(crate) const DLQ_DEPTH: &str = "embed_dlq_dlq_depth";
+pub(crate) const DLQ_READY: &str = "embed_dlq_dlq_ready";
+pub(crate) const DLQ_BACKING_OFF: &str = "embed_dlq_dlq_backing_off";
+pub(crate) const DLQ_EXHAUSTED: &str = "embed_dlq_dlq_exhausted";
+pub(crate) const DLQ_OLDEST_AGE: &str = "embed_dlq_dlq_oldest_age_seconds";
+pub(crate) const DLQ_NEXT_DUE: &str = "embed_dlq_dlq_next_due_seconds";
+pub(crate) const OUTBOX_BACKLOG: &str = "embed_dlq_outbox_backlog";
+pub(crate) const OUTBOX_OLDEST_AGE: &str = "embed_dlq_outbox_oldest_age_seconds";
+pub(crate) const STREAM_LENGTH: &str = "embed_dlq_stream_length";
+pub(crate) const STREAM_PENDING: &str = "embed_dlq_stream_pending";
+pub(crate) const STREAM_LAG: &str = "embed_dlq_stream_lag";
+pub(crate) const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
+pub(crate) const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
+pub(crate) const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
 
 /// Why the exporter could not start, or a sample could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -123,18 +123,18 @@ fn describe() {
 }
 
 /// Counts one provider request.
-pub fn provider_request(outcome: &'static str, seconds: f64) {
+pub(crate) fn provider_request(outcome: &'static str, seconds: f64) {
     counter!(PROVIDER_REQUESTS, "outcome" => outcome).increment(1);
     metrics::histogram!(PROVIDER_DURATION).record(seconds);
 }
 
 /// Counts parks by class.
-pub fn parked(class: ErrorClass, n: u64) {
+pub(crate) fn parked(class: ErrorClass, n: u64) {
     counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
 }
 
 /// Publishes a reconcile report.
-pub fn reconcile_report(r: &Report) {
+pub(crate) fn reconcile_report(r: &Report) {
     for f in &r.findings {
         gauge!(RECONCILE_FINDINGS, "check" => f.check.name()).set(f.found as f64);
     }
@@ -143,7 +143,7 @@ pub fn reconcile_report(r: &Report) {
 }
 
 /// Samples the DLQ, outbox and stream gauges (a few cheap aggregate queries).
-pub async fn sample(
+pub(crate) async fn sample(
     store: &Store,
     redis: Option<&mut ConnectionManager>,
     keys: &StreamKeys,
@@ -186,7 +186,7 @@ pub async fn sample(
 }
 
 /// Every check name, so dashboards and alerts see zeros before the first finding.
-pub fn zero_findings() {
+pub(crate) fn zero_findings() {
     for c in Check::ALL {
         gauge!(RECONCILE_FINDINGS, "check" => c.name()).set(0.0);
     }

@@ -8,8 +8,12 @@ use sha2::{Digest, Sha256};
 /// One unit of work: a piece of a document to embed, as read from the corpus.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Chunk {
+    /// The document's id in the source corpus; with `chunk_index` the chunk's identity in the
+    /// manifest, the vector table and the DLQ.
     pub doc_id: String,
+    /// Position of the chunk within its document.
     pub chunk_index: i32,
+    /// The input sent to the provider; part of the content hash, so a changed text is new work.
     pub text: String,
     /// Free-form metadata carried along untouched so a DLQ row can be replayed on its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]

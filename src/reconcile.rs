@@ -3,7 +3,7 @@
 //!
 //! Every check is one set-based SQL statement or a paged scan (of a stream, or of outbox rows
 //! against a stream), so a run stays cheap at a million chunks and its memory is bounded by
-//! the page size ([`ReconcileConfig::page`]), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
+//! the page size (`ReconcileConfig::page`), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
 //! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
 //! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
 //! recently" alert, whatever process runs it).
@@ -46,6 +46,7 @@ pub enum Check {
 }
 
 impl Check {
+    /// Every check, in the order a report lists them.
     pub const ALL: [Check; 10] = [
         Check::Leaks,
         Check::Duplicates,
@@ -93,7 +94,9 @@ impl Check {
 /// One check's result.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
+    /// Which check this is.
     pub check: Check,
+    /// Rows or entries in the wrong state when the check ran (0 means the check passed).
     pub found: u64,
     /// A few examples (chunk keys or entry ids).
     pub examples: Vec<String>,
@@ -103,11 +106,15 @@ pub struct Finding {
     pub note: Option<String>,
 }
 
-/// A whole run.
+/// The result of one [`Reconciler::run_once`]: one finding per check, serialisable for
+/// `--json` and the metrics.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// One finding per check, in [`Check::ALL`] order.
     pub findings: Vec<Finding>,
+    /// Whether the run changed anything.
     pub mode: Mode,
+    /// Wall-clock duration of the run.
     pub duration_secs: f64,
 }
 
@@ -127,13 +134,15 @@ impl Report {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
+    /// Report the findings, change nothing.
     Check,
     /// Report what repair would do, change nothing.
     DryRun,
+    /// Repair what each check can repair, then report what was found and repaired.
     Repair,
 }
 
-/// Thresholds.
+/// Thresholds of the checks, and the page size that bounds a run's memory.
 #[derive(Debug, Clone)]
 pub struct ReconcileConfig {
     /// An unpublished outbox row older than this is a finding.
@@ -175,13 +184,16 @@ impl ReconcileConfig {
     }
 }
 
-/// Why a run failed.
+/// Why a run could not finish: a query or command failed. Findings are never errors.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
+    /// A store statement failed.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// A check's query failed.
     #[error("postgres: {0}")]
     Db(#[from] sqlx::Error),
+    /// A stream check's Redis command failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
@@ -228,12 +240,16 @@ fn finding(check: Check, run: CheckRun) -> Finding {
     Finding { check, found: run.found, examples: run.examples, repaired: run.repaired, note: None }
 }
 
-/// Runs the checks.
+/// Runs the checks over one database and its streams; [`Reconciler::run_once`] is what the
+/// `reconcile` command and the periodic loop of [`crate::serve`] call.
 pub struct Reconciler {
+    /// The database whose manifest, vectors, DLQ and outbox are checked.
     pub store: Store,
     /// Without Redis, the two stream checks are skipped (and say so).
     pub redis: Option<ConnectionManager>,
+    /// The streams the stream checks read.
     pub keys: StreamKeys,
+    /// Thresholds and page size.
     pub config: ReconcileConfig,
 }
 

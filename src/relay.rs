@@ -65,6 +65,7 @@ impl Default for RelayConfig {
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayCounts {
+    /// Outbox rows taken in this pass (`published` + `duplicates`).
     pub claimed: u64,
     /// New stream entries.
     pub published: u64,
@@ -77,11 +78,13 @@ pub struct RelayCounts {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RelayError {
+    /// Reading or marking the outbox failed.
     #[error("postgres: {0}")]
     Db(#[from] sqlx::Error),
     /// A statement of the outbox store failed.
     #[error("postgres: {0}")]
     Store(#[from] StoreError),
+    /// Publishing (the dedup script or XADD) failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
@@ -107,7 +110,7 @@ impl RelayError {
 /// (58000, 58030) and a read-only server during failover (25006). Everything else, e.g. an
 /// undefined table (42P01) or column (42703), a permission problem or a decode error, needs a
 /// person and is permanent.
-pub fn is_transient_db(e: &sqlx::Error) -> bool {
+pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
@@ -132,7 +135,7 @@ pub fn is_transient_db(e: &sqlx::Error) -> bool {
 /// missing replicas (`NOREPLICAS`) and a consumer group that vanished with its stream
 /// (`NOGROUP`: the replayer recreates it). Permanent: everything else, e.g. `WRONGTYPE`, a
 /// script error, `NOPERM`, failed authentication, a reply of an unexpected type.
-pub fn is_transient_redis(e: &redis::RedisError) -> bool {
+pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind};
     if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
         return true;
@@ -169,6 +172,9 @@ pub struct Relay {
 }
 
 impl Relay {
+    /// A relay over the outbox of `pool`, publishing to the streams of `keys`. Several relays may
+    /// run against one database: rows are claimed with `SKIP LOCKED` and deduplicated by the
+    /// publish script.
     pub fn new(pool: PgPool, redis: ConnectionManager, keys: StreamKeys, config: RelayConfig) -> Self {
         Relay { pool, redis, keys, config, script: publish_script() }
     }
@@ -211,13 +217,13 @@ impl Relay {
     }
 
     /// Deletes published rows past the retention; returns how many.
-    pub async fn prune(&self) -> Result<u64, RelayError> {
+    pub(crate) async fn prune(&self) -> Result<u64, RelayError> {
         Ok(outbox::prune(&self.pool, self.config.retention).await?)
     }
 
     /// Trims the replay stream below the oldest entry any group still needs (pending, or not
     /// yet delivered); returns the entries removed.
-    pub async fn trim_replay(&mut self) -> Result<u64, RelayError> {
+    pub(crate) async fn trim_replay(&mut self) -> Result<u64, RelayError> {
         trim_below_group_needs(&mut self.redis, &self.keys.replay()).await
     }
 
@@ -292,7 +298,7 @@ impl Relay {
 }
 
 /// Sleeps, or returns early on cancellation.
-pub async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
+pub(crate) async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
     tokio::select! {
         _ = cancel.cancelled() => {}
         _ = tokio::time::sleep(d) => {}

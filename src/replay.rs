@@ -4,7 +4,7 @@
 //! - [`Scheduler`]: due DLQ rows → replay work items (outbox → relay → replay stream).
 //! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
 //!   A result commits only if the DLQ row still has the generation and content hash the
-//!   work item ([`WorkItem`]) carried ([`crate::store::replay`]), so a redelivered entry whose
+//!   work item ([`WorkItem`]) carried (`crate::store::replay`), so a redelivered entry whose
 //!   row is gone, already replayed, or superseded by newer content is acknowledged and
 //!   skipped, and a replay in flight for older content never stores its vector.
 //! - One `serve` replays rows of every target table: a batch is embedded in groups of
@@ -50,6 +50,7 @@ pub struct ReplayConfig {
     pub dead_consumer_after: Duration,
     /// Passes failing with the same `http_500` before the row is reclassified as permanent.
     pub deterministic_failures: i32,
+    /// Backoff of a row that fails again (its next `next_retry_at`) and its replay limit.
     pub schedule: DlqSchedule,
     /// How far `next_retry_at` is pushed when a row is published as work (re-published if
     /// the work is lost and the lease runs out).
@@ -80,8 +81,11 @@ impl Default for ReplayConfig {
 /// What one batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ReplayCounts {
+    /// Rows whose vector was stored (the DLQ row is resolved).
     pub replayed: u64,
+    /// Rows that failed again and went back on the schedule.
     pub reparked: u64,
+    /// Rows given up on (replay limit, delivery cap, a permanent failure): left for an operator.
     pub exhausted: u64,
     /// Entries acknowledged without work (row gone, already replayed, superseded, unreadable).
     pub skipped: u64,
@@ -110,16 +114,18 @@ impl ReplayCounts {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReplayError {
+    /// A store statement (load, commit, repark) failed.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// Reading, acknowledging or claiming stream entries failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
 
 impl ReplayError {
     /// Whether the same step may succeed later without anyone changing anything; classified
-    /// like the relay's errors ([`crate::relay::is_transient_db`],
-    /// [`crate::relay::is_transient_redis`]), by kind and code, never by message text.
+    /// like the relay's errors (`crate::relay::is_transient_db`,
+    /// `crate::relay::is_transient_redis`), by kind and code, never by message text.
     pub fn is_transient(&self) -> bool {
         match self {
             ReplayError::Store(StoreError::Db(e)) => crate::relay::is_transient_db(e),
@@ -131,7 +137,9 @@ impl ReplayError {
 
 /// Publishes due rows as replay work.
 pub struct Scheduler {
+    /// Where due rows are found and marked as published work.
     pub store: Store,
+    /// The lease and the scheduling period.
     pub config: ReplayConfig,
 }
 
@@ -198,12 +206,21 @@ struct Entry {
 
 /// One member of the `replayers` group.
 pub struct Replayer {
+    /// Consumer name in the group; unique per replayer (a reused name inherits its pending
+    /// entries).
     pub name: String,
+    /// Where rows are loaded and their outcomes committed.
     pub store: Store,
+    /// The provider side, shared (gate included) with the other replayers of the process.
     pub embedder: Embedder,
+    /// Opens the dedicated connection for blocking `XREADGROUP` (a `BLOCK` would stall the shared
+    /// connection).
     pub client: redis::Client,
+    /// Shared connection for acknowledgements and claims.
     pub redis: ConnectionManager,
+    /// The replay stream and its group.
     pub keys: StreamKeys,
+    /// Batching, idle and delivery limits.
     pub config: ReplayConfig,
     /// Set after the provider refused the run: no new work is taken before then.
     pub paused_until: Option<Instant>,
@@ -704,7 +721,7 @@ fn exhaust(row: &DlqRow, why: &str) -> Repark {
 
 /// The DLQ row's next state after a failed replay pass: a pure function of the stored state
 /// and the failure, so it is tested without a clock or a database.
-pub fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
+pub(crate) fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Repark {
     let signature = format!("{}:{}", f.reason, f.status.unwrap_or(0));
     let same = if row.last_error_signature.as_deref() == Some(signature.as_str()) {
         row.same_error_count + 1

@@ -1,5 +1,5 @@
 //! `serve`: relay, scheduler, N replayers and the gauge sampler under one stop token and one
-//! [`Supervisor`]. Shutdown is two-phase: on the signal every loop stops claiming new work
+//! `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
 //! and finishes the batch in hand; after the grace period in-flight retry waits are cut
 //! short (attempted items are re-parked, unattempted ones stay pending and are reclaimed by
 //! any live replayer after `min_idle`).
@@ -32,6 +32,7 @@ use crate::supervise::{Supervisor, TaskFailure};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
+    /// Redis was unreachable at start-up.
     #[error("cannot connect to Redis: {0}")]
     Redis(#[source] redis::RedisError),
     /// A task died; the process stopped so its supervisor restarts it.
@@ -39,12 +40,17 @@ pub enum ServeError {
     Task(TaskFailure),
 }
 
-/// Everything `serve` runs.
+/// What [`serve`] runs and how; [`ServeConfig::from_settings`] builds it from the resolved
+/// settings.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
+    /// Replayer tasks (0: this process only relays and schedules).
     pub replayers: usize,
+    /// Outbox relay tuning.
     pub relay: RelayConfig,
+    /// Scheduler and replayer tuning.
     pub replay: ReplayConfig,
+    /// The streams the relay publishes to and the replayers read.
     pub keys: StreamKeys,
     /// How long in-flight work may take to finish after the signal.
     pub grace: Duration,
@@ -83,7 +89,7 @@ impl ServeConfig {
 }
 
 /// A consumer name unique to this process.
-pub fn default_consumer_prefix() -> String {
+pub(crate) fn default_consumer_prefix() -> String {
     let host = std::fs::read_to_string("/etc/hostname")
         .ok()
         .map(|h| h.trim().to_string())

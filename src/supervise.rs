@@ -2,12 +2,12 @@
 //! panics or fails is reported at ERROR and stops its run instead of vanishing with the work
 //! it held.
 //!
-//! A [`Supervisor`] owns a [`JoinSet`] of tasks. Each task runs inside a wrapper that turns a
+//! A `Supervisor` owns a [`JoinSet`] of tasks. Each task runs inside a wrapper that turns a
 //! panic into a [`TaskFailure`], records it, logs it once, and cancels the supervisor's
 //! `on_failure` token — the token the rest of the run listens to (ingest's halt, serve's
-//! stop). Tasks return `()` or `Result<(), E: Display>` ([`TaskOutput`]), so loops that report
+//! stop). Tasks return `()` or `Result<(), E: Display>` (`TaskOutput`), so loops that report
 //! permanent errors as `Err` and loops that only ever return on cancellation are supervised
-//! alike. Long-running service loops are spawned with [`Supervisor::spawn_until`]: ending
+//! alike. Long-running service loops are spawned with `Supervisor::spawn_until`: ending
 //! while their token is not cancelled counts as a failure too.
 
 use std::any::Any;
@@ -26,16 +26,32 @@ use tokio_util::sync::CancellationToken;
 pub enum TaskFailure {
     /// The task panicked; `message` is the panic payload when it was a string.
     #[error("{task} panicked: {message}")]
-    Panicked { task: String, message: String },
+    Panicked {
+        /// The task's name.
+        task: String,
+        /// The panic payload, or a placeholder when it was not a string.
+        message: String,
+    },
     /// The task returned an error (a permanent one: transient errors are retried inside).
     #[error("{task} failed: {message}")]
-    Failed { task: String, message: String },
+    Failed {
+        /// The task's name.
+        task: String,
+        /// The error, displayed.
+        message: String,
+    },
     /// A service loop returned although nobody asked it to stop.
     #[error("{task} stopped unexpectedly")]
-    Ended { task: String },
+    Ended {
+        /// The task's name.
+        task: String,
+    },
     /// The task was aborted from outside the supervisor.
     #[error("{task} was aborted")]
-    Aborted { task: String },
+    Aborted {
+        /// The task's name.
+        task: String,
+    },
 }
 
 impl TaskFailure {
@@ -51,7 +67,7 @@ impl TaskFailure {
 }
 
 /// What a supervised task may return: nothing, or a result whose error is shown.
-pub trait TaskOutput {
+pub(crate) trait TaskOutput {
     /// `Err` with the error's text when the task failed.
     fn into_task_result(self) -> Result<(), String>;
 }
@@ -69,7 +85,7 @@ impl<E: std::fmt::Display> TaskOutput for Result<(), E> {
 }
 
 /// The text of a panic payload (`panic!` with a literal or a formatted message).
-pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&'static str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
@@ -81,7 +97,7 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
 
 /// Runs `fut` to completion, turning a panic into [`TaskFailure::Panicked`] and an `Err`
 /// output into [`TaskFailure::Failed`].
-pub async fn catch<F>(task: &str, fut: F) -> Result<(), TaskFailure>
+pub(crate) async fn catch<F>(task: &str, fut: F) -> Result<(), TaskFailure>
 where
     F: Future,
     F::Output: TaskOutput,
@@ -97,7 +113,7 @@ where
 }
 
 /// A set of named tasks, each joined and watched (see the module doc).
-pub struct Supervisor {
+pub(crate) struct Supervisor {
     set: JoinSet<Result<(), TaskFailure>>,
     names: HashMap<tokio::task::Id, String>,
     on_failure: CancellationToken,
@@ -121,7 +137,7 @@ impl Supervisor {
 
     /// Spawns a service loop that must run until `until` is cancelled: returning earlier,
     /// even with `Ok`, is a failure.
-    pub fn spawn_until<F>(&mut self, name: impl Into<String>, until: CancellationToken, fut: F)
+    pub(crate) fn spawn_until<F>(&mut self, name: impl Into<String>, until: CancellationToken, fut: F)
     where
         F: Future + Send + 'static,
         F::Output: TaskOutput,
@@ -164,6 +180,7 @@ impl Supervisor {
     }
 
     /// True when every task has been joined.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.set.is_empty()
     }
@@ -189,7 +206,7 @@ impl Supervisor {
     /// Aborts every task still running (a stop whose deadline has passed) and waits for
     /// them. Returns their names; they are logged, not counted as failures: they were told to
     /// stop and only took too long.
-    pub async fn abort_all(&mut self) -> Vec<String> {
+    pub(crate) async fn abort_all(&mut self) -> Vec<String> {
         self.set.abort_all();
         let mut aborted = Vec::new();
         while let Some(joined) = self.set.join_next_with_id().await {

@@ -31,11 +31,11 @@ pub fn init_logging(format: LogFormat) {
 /// bidirectional overrides are written as `\u{..}` escapes and a backslash as `\\`, so a
 /// corpus line can neither forge log lines nor recolour or rewrite the operator's terminal.
 /// Strings longer than [`Escaped::MAX_CHARS`] are cut with a `…` so one line stays readable.
-pub struct Escaped<'a>(pub &'a str);
+pub(crate) struct Escaped<'a>(pub &'a str);
 
 impl Escaped<'_> {
     /// Characters shown before the cut (doc ids are at most 1024 bytes anyway).
-    pub const MAX_CHARS: usize = 1024;
+    pub(crate) const MAX_CHARS: usize = 1024;
 }
 
 impl std::fmt::Display for Escaped<'_> {

@@ -29,13 +29,13 @@ use super::Stop;
 
 /// The canary input: as short and plain as text gets, so that no length limit, however strict,
 /// rejects it while accepting real chunks.
-pub const CANARY_TEXT: &str = "hello world";
+pub(crate) const CANARY_TEXT: &str = "hello world";
 /// Consecutive rejections (no success in between) that make the next one suspicious again
 /// after the run has had successes: a provider can start rejecting everything mid-run (a
 /// revoked key behind a gateway).
-pub const SUSPICIOUS_STREAK: u32 = 8;
+pub(crate) const SUSPICIOUS_STREAK: u32 = 8;
 /// How long a systemic verdict is trusted before another canary is sent.
-pub const SYSTEMIC_VERDICT_TTL: Duration = Duration::from_secs(60);
+pub(crate) const SYSTEMIC_VERDICT_TTL: Duration = Duration::from_secs(60);
 /// Targets remembered per run (a `serve` replays into a handful of tables); beyond it the
 /// book starts over.
 const MAX_TARGETS: usize = 64;
@@ -46,7 +46,7 @@ const MAX_SIGNATURES: usize = 64;
 /// (never the server's message text), a response that does not line up with its inputs, or
 /// our own description of a wrong vector length.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Signature {
+pub(crate) enum Signature {
     Status { status: u16, error_type: Option<String> },
     Mismatch,
     Dimension(String),
@@ -102,7 +102,7 @@ pub(crate) enum CanaryVerdict {
 
 /// The run's knowledge of the provider as a whole; see the module docs.
 #[derive(Debug, Default)]
-pub struct CanaryBook {
+pub(crate) struct CanaryBook {
     state: Mutex<HashMap<Target, TargetHealth>>,
     /// Held while a canary check runs, so that concurrent workers wait for its verdict.
     pub(crate) check: tokio::sync::Mutex<()>,
@@ -133,12 +133,6 @@ impl CanaryBook {
     /// Whether the target has had a usable vector in this run.
     pub(crate) fn has_success(&self, target: &Target) -> bool {
         self.with(target, |h| h.successes > 0)
-    }
-
-    /// Successes of the target so far (tests and summaries).
-    pub fn successes(&self, model: &str, request_dimensions: Option<usize>, dimensions: usize) -> u64 {
-        let t = Target { model: model.to_string(), request_dimensions, dimensions };
-        self.with(&t, |h| h.successes)
     }
 
     /// Decides about a failure with `signature`; `force` makes it suspicious whatever the

@@ -9,7 +9,7 @@ use crate::model::ErrorClass;
 
 /// What a failed request means for the inputs it carried.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Try again after a backoff (at least `retry_after` if the server said so).
     Retry { reason: &'static str, retry_after: Option<Duration> },
     /// The input is at fault. For a batch, split it to find the guilty input; a single input
@@ -20,22 +20,11 @@ pub enum Verdict {
     Systemic { reason: &'static str },
 }
 
-impl Verdict {
-    /// Bounded reason label for metrics and the DLQ's `error_reason`.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Verdict::Retry { reason, .. } | Verdict::Reject { reason, .. } | Verdict::Systemic { reason } => {
-                reason
-            }
-        }
-    }
-}
-
 /// Error types/codes that mean "the account is out of credit": a 429 that no wait will fix.
 const QUOTA_ERROR_TYPES: &[&str] = &["insufficient_quota", "billing_hard_limit_reached", "quota_exceeded"];
 
 /// Classifies one failed request.
-pub fn classify(err: &EmbedError) -> Verdict {
+pub(crate) fn classify(err: &EmbedError) -> Verdict {
     match err {
         EmbedError::Timeout => Verdict::Retry { reason: "timeout", retry_after: None },
         EmbedError::Connect(_) => Verdict::Retry { reason: "connect", retry_after: None },
@@ -59,7 +48,11 @@ pub fn classify(err: &EmbedError) -> Verdict {
 }
 
 /// The status-code table of the failure taxonomy (PRODUCT.md).
-pub fn classify_status(status: u16, error_type: Option<&str>, retry_after: Option<Duration>) -> Verdict {
+pub(crate) fn classify_status(
+    status: u16,
+    error_type: Option<&str>,
+    retry_after: Option<Duration>,
+) -> Verdict {
     match status {
         429 if error_type.is_some_and(|t| QUOTA_ERROR_TYPES.contains(&t)) => {
             Verdict::Systemic { reason: "insufficient_quota" }

@@ -61,7 +61,10 @@ pub fn response_cap(inputs: usize, dimensions: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EncodingFormat {
+    /// Vectors as base64 little-endian `f32`s: a few times smaller than `Float`'s JSON numbers
+    /// and faster to decode.
     Base64,
+    /// Vectors as JSON number arrays, for providers that do not support base64.
     Float,
 }
 
@@ -70,15 +73,22 @@ pub enum EncodingFormat {
 pub struct ClientConfig {
     /// Base URL up to and excluding `/embeddings` (e.g. `http://host:8080/v1`).
     pub base_url: String,
+    /// Model name sent with every request; also part of each chunk's content hash.
     pub model: String,
     /// Sent as the `dimensions` request field when set (models that support shortening).
     pub request_dimensions: Option<usize>,
+    /// Wire format of the returned vectors; the client decodes either.
     pub encoding: EncodingFormat,
+    /// Secret sent in `api_key_header` (or as a bearer token); `None` for providers without authentication. Never logged
+    /// (`Debug` redacts it) and redacted from error excerpts.
     pub api_key: Option<String>,
     /// Header carrying the key: `None` means `Authorization: Bearer <key>`; Azure-style
     /// deployments use e.g. `api-key: <key>`.
     pub api_key_header: Option<String>,
+    /// Headers added to every request (name, value), e.g. an organisation id; their values are
+    /// redacted from error excerpts like the key.
     pub extra_headers: Vec<(String, String)>,
+    /// Whole-request deadline; a request that exceeds it fails with [`EmbedError::Timeout`] (transient).
     pub timeout: Duration,
 }
 
@@ -102,18 +112,26 @@ impl std::fmt::Debug for ClientConfig {
 #[non_exhaustive]
 pub enum EmbedError {
     #[error("request timed out")]
+    /// The request did not complete within [`ClientConfig::timeout`] (transient).
     Timeout,
     #[error("connect error: {0}")]
+    /// No connection could be made (DNS, refused, TLS); transient, it feeds the breaker.
     Connect(String),
     /// Connection reset, closed mid-response, protocol error.
     #[error("transport error: {0}")]
     Transport(String),
     #[error("HTTP {status}{}: {excerpt}", error_type.as_deref().map(|t| format!(" ({t})")).unwrap_or_default())]
+    /// The provider answered with a non-success status; the classifier decides from `status` and
+    /// `error_type` whether to retry, park or stop the run.
     Status {
+        /// The HTTP status code.
         status: u16,
         /// `error.type` or `error.code` from an OpenAI-style error body.
         error_type: Option<String>,
+        /// The server's `Retry-After`, clamped to [`MAX_SERVER_WAIT`]; the retry waits this long
+        /// (up to the retry policy's cap) instead of its own backoff.
         retry_after: Option<Duration>,
+        /// Start of the body, sanitised and redacted, for the DLQ row's `last_error`.
         excerpt: String,
     },
     /// A 2xx whose body is not a valid embeddings response (truncated, garbage). The text is
@@ -123,7 +141,10 @@ pub enum EmbedError {
     /// A 2xx body longer than [`response_cap`]; reading stopped there and the connection was
     /// dropped.
     #[error("response body exceeds {limit} bytes; connection dropped")]
-    TooLarge { limit: usize },
+    TooLarge {
+        /// The cap that was exceeded, in bytes.
+        limit: usize,
+    },
     /// The server redirected to another origin (or too often). Refused so that the key and
     /// the extra headers never reach a host they were not configured for: a configuration
     /// problem, the run stops.
@@ -147,8 +168,11 @@ pub struct EmbedResponse {
 /// Why a single returned vector cannot be stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VectorProblem {
+    /// Where the vector would be parked (e.g. a wrong dimension is the input's fault).
     pub class: ErrorClass,
+    /// Bounded reason code for metrics and the DLQ's `error_reason`.
     pub reason: &'static str,
+    /// What exactly was wrong (e.g. the length found), for the DLQ row's `last_error`.
     pub detail: String,
 }
 
@@ -251,7 +275,7 @@ impl EmbedClient {
     }
 
     /// The `dimensions` request field, when one is sent.
-    pub fn request_dimensions(&self) -> Option<usize> {
+    pub(crate) fn request_dimensions(&self) -> Option<usize> {
         self.config.request_dimensions
     }
 
@@ -341,7 +365,7 @@ impl EmbedClient {
     /// The same client (same HTTP pool, endpoint, credentials and limits) asking for `model`
     /// and `request_dimensions` instead: replay embeds each DLQ row with the model it was
     /// parked under, whatever the configured one is.
-    pub fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
+    pub(crate) fn with_target(&self, model: &str, request_dimensions: Option<usize>) -> EmbedClient {
         if model == self.config.model && request_dimensions == self.config.request_dimensions {
             return self.clone();
         }
@@ -394,7 +418,7 @@ const MIN_BASE64_NEEDLE: usize = 4;
 /// encodings in the standard and URL-safe alphabets at each of the three byte alignments
 /// (so `Basic` credentials and base64 dumps of a header block are caught too).
 #[derive(Debug, Default)]
-pub struct Redactor {
+pub(crate) struct Redactor {
     /// Lower-cased plain secrets.
     plain: Vec<String>,
     /// Base64 fragments determined by the secret's bytes alone (case-sensitive).
@@ -432,7 +456,7 @@ impl Redactor {
     }
 
     /// `text` with every echo of a secret replaced by `[redacted]`.
-    pub fn redact(&self, text: &str) -> String {
+    pub(crate) fn redact(&self, text: &str) -> String {
         if self.plain.is_empty() {
             return text.to_string();
         }
@@ -467,7 +491,7 @@ impl Redactor {
 
 /// Cuts an error text to [`MAX_ERROR_EXCERPT`] characters on a char boundary and replaces
 /// control characters, so a DLQ row never stores a provider's full echo of the input.
-pub fn sanitize_excerpt(s: &str) -> String {
+pub(crate) fn sanitize_excerpt(s: &str) -> String {
     let mut out = String::with_capacity(s.len().min(MAX_ERROR_EXCERPT + 16));
     for (n, c) in s.chars().enumerate() {
         if n >= MAX_ERROR_EXCERPT {
@@ -524,7 +548,7 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
 /// Reads `retry-after-ms` (milliseconds, as sent by OpenAI and Azure) or `Retry-After`
 /// (delta-seconds or an HTTP date), clamped to [`MAX_SERVER_WAIT`]; negative or unreadable
 /// values count as absent. `now` is injected so the date form is testable.
-pub fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
+pub(crate) fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
     if let Some(ms) = headers
         .get("retry-after-ms")
         .and_then(|v| v.to_str().ok())

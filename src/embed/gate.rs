@@ -9,9 +9,9 @@
 //!
 //! The [`crate::embed::Embedder`] probes with a canary input, never with the batch that was
 //! failing (that batch may hold an input the server always fails on), and reports the
-//! failures met while isolating one input as [`Health::InputSuspect`]: they say nothing about
+//! failures met while isolating one input as `Health::InputSuspect`: they say nothing about
 //! the provider, so they neither open nor close the breaker. The gate also keeps the run's
-//! [`CanaryBook`], shared by every worker like the breaker.
+//! `CanaryBook`, shared by every worker like the breaker.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -28,6 +28,7 @@ pub struct BreakerConfig {
     pub failure_threshold: u32,
     /// First open period; doubled after each failed probe up to `max_cooldown`.
     pub cooldown: Duration,
+    /// Longest open period: the doubling of `cooldown` stops here.
     pub max_cooldown: Duration,
     /// Longest the breaker may stay open before the run gives up.
     pub max_outage: Duration,
@@ -46,7 +47,7 @@ impl Default for BreakerConfig {
 
 /// Observable breaker state (exported as a gauge later: 0 closed, 1 half-open, 2 open).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerState {
+pub(crate) enum BreakerState {
     Closed,
     Open,
     HalfOpen,
@@ -77,7 +78,7 @@ const RATE_LIMIT_EPISODE_GAP: Duration = Duration::from_secs(120);
 
 /// Why admission was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum GateError {
+pub(crate) enum GateError {
     #[error("shutting down")]
     Cancelled,
     #[error("provider unavailable for longer than {0:?} (circuit breaker open)")]
@@ -89,21 +90,21 @@ pub enum GateError {
 /// A granted request slot; report its outcome with [`ProviderGate::record`].
 #[derive(Debug)]
 #[must_use]
-pub struct Permit {
+pub(crate) struct Permit {
     probe: bool,
 }
 
 impl Permit {
     /// Whether this request is the breaker's probe: send something known to be good (a
     /// canary), not work that may fail for reasons of its own.
-    pub fn is_probe(&self) -> bool {
+    pub(crate) fn is_probe(&self) -> bool {
         self.probe
     }
 }
 
 /// What a request's outcome says about the provider's health.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Health {
+pub(crate) enum Health {
     /// The provider answered (success or a rejection of the input).
     Responsive,
     /// Told to slow down; pause everyone for this long.
@@ -125,6 +126,8 @@ pub struct ProviderGate {
 }
 
 impl ProviderGate {
+    /// A closed breaker with no history; share one per provider (in an `Arc`) between all workers
+    /// of a run, so they pause and trip together.
     pub fn new(config: BreakerConfig) -> Self {
         ProviderGate {
             config,
@@ -141,7 +144,7 @@ impl ProviderGate {
     }
 
     /// What the run has learnt about the provider as a whole (successes, canary verdicts).
-    pub fn canary(&self) -> &CanaryBook {
+    pub(crate) fn canary(&self) -> &CanaryBook {
         &self.canary
     }
 
@@ -152,7 +155,7 @@ impl ProviderGate {
     }
 
     /// Current breaker state.
-    pub fn breaker_state(&self) -> BreakerState {
+    pub(crate) fn breaker_state(&self) -> BreakerState {
         match self.state.lock().unwrap().breaker {
             Breaker::Closed => BreakerState::Closed,
             Breaker::Open { .. } => BreakerState::Open,
@@ -161,13 +164,13 @@ impl ProviderGate {
     }
 
     /// How many times the breaker has opened in this run.
-    pub fn times_opened(&self) -> u64 {
+    pub(crate) fn times_opened(&self) -> u64 {
         self.state.lock().unwrap().opened_count
     }
 
     /// Waits until a request may be sent: after any rate-limit pause, and, with the breaker
     /// open, until it is this caller's turn to probe.
-    pub async fn admit(&self, cancel: &CancellationToken) -> Result<Permit, GateError> {
+    pub(crate) async fn admit(&self, cancel: &CancellationToken) -> Result<Permit, GateError> {
         loop {
             let wake = {
                 let mut st = self.state.lock().unwrap();
@@ -216,7 +219,7 @@ impl ProviderGate {
     }
 
     /// Reports how the permitted request went.
-    pub fn record(&self, permit: Permit, health: Health) {
+    pub(crate) fn record(&self, permit: Permit, health: Health) {
         self.record_inner(permit, health);
         let state = match self.breaker_state() {
             BreakerState::Closed => 0.0,

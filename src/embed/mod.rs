@@ -9,14 +9,14 @@
 //!
 //! Systemic is a pattern as much as a status code: a rejection (or a wrong vector size) that
 //! may be the provider's rather than the input's is confirmed with a canary input first
-//! ([`canary`]), so a provider that rejects everything stops the run instead of having the
+//! (`canary`), so a provider that rejects everything stops the run instead of having the
 //! corpus bisected and parked. Isolating a 500 costs one request per split level, and its
-//! failures are reported to the gate as [`Health::InputSuspect`]: an input that fails alone
+//! failures are reported to the gate as `Health::InputSuspect`: an input that fails alone
 //! while its neighbours succeed never feeds the breaker, and the breaker's probe is a canary,
 //! never the batch that tripped it.
 
-pub mod canary;
-pub mod classify;
+pub(crate) mod canary;
+pub(crate) mod classify;
 pub mod client;
 pub mod gate;
 pub mod retry;
@@ -37,7 +37,9 @@ use retry::RetryPolicy;
 /// What happened to one input of a batch.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ItemOutcome {
+    /// A usable vector of the configured dimension, ready to store.
     Embedded(Vec<f32>),
+    /// No vector: the input is to be parked with this failure.
     Failed(Failure),
     /// Shutdown came before the first attempt: nothing was spent, nothing is recorded, and a
     /// rerun picks the chunk up.
@@ -47,11 +49,13 @@ pub enum ItemOutcome {
 /// A failure to park: everything the DLQ row needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Failure {
+    /// The DLQ class, which decides whether replay may try the input again.
     pub class: ErrorClass,
     /// Bounded reason code (e.g. `http_503`, `timeout`, `too_long`).
     pub reason: &'static str,
     /// Sanitised, truncated detail.
     pub detail: String,
+    /// The last HTTP status, when the failure came from a response.
     pub status: Option<u16>,
     /// Provider attempts spent on this input in this pass.
     pub attempts: u32,
@@ -60,8 +64,17 @@ pub struct Failure {
 /// The run cannot go on: not the chunks' fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Stop {
+    /// The provider refused a request in a way no retry fixes (bad key, no quota, unknown model,
+    /// wrong URL).
     #[error("provider refused the run ({reason}): {detail}")]
-    Systemic { reason: &'static str, detail: String },
+    Systemic {
+        /// Bounded reason code (e.g. `unauthorized`, `insufficient_quota`, `not_found`).
+        reason: &'static str,
+        /// Sanitised detail from the provider's answer.
+        detail: String,
+    },
+    /// The circuit breaker stayed open longer than the configured maximum outage; the message
+    /// says how long and what to do.
     #[error("{0}")]
     Outage(String),
 }
@@ -71,8 +84,12 @@ pub enum Stop {
 pub struct BatchStats {
     /// Requests sent, canaries included.
     pub provider_calls: u64,
+    /// Inputs sent over all requests, retries and splits included (what the provider bills).
     pub provider_inputs: u64,
+    /// `usage.total_tokens` summed over the responses (informative: some providers count
+    /// characters).
     pub reported_tokens: u64,
+    /// Times a rejected batch was split in two to find the input at fault.
     pub splits: u64,
     /// Attempts that were followed by another attempt, by reason.
     pub retries: BTreeMap<&'static str, u64>,
@@ -83,8 +100,12 @@ pub struct BatchStats {
 /// Client + classifier + policy + shared gate; one per run, shared by all workers.
 #[derive(Clone)]
 pub struct Embedder {
+    /// The HTTP client of the provider.
     pub client: EmbedClient,
+    /// Breaker, rate-limit pause and canary history, shared by every worker that uses this
+    /// embedder, so they pause and trip together.
     pub gate: Arc<ProviderGate>,
+    /// In-process retries of transient failures before an input is parked.
     pub policy: RetryPolicy,
     /// Dimension of the target column; every vector is checked against it.
     pub dimensions: usize,

@@ -1,4 +1,4 @@
-//! *When* to try again, kept apart from *whether* to (see [`super::classify`]).
+//! *When* to try again, kept apart from *whether* to (see `super::classify`).
 //!
 //! Two schedules: [`RetryPolicy`] for the few in-process retries of a request, and
 //! [`DlqSchedule`] for parked work, which waits much longer between passes and is persisted
@@ -14,7 +14,9 @@ pub struct RetryPolicy {
     /// Attempts in total, the first included. After the last one the batch is parked at once
     /// (no sleep after the final attempt).
     pub max_attempts: u32,
+    /// Ceiling of the first sleep.
     pub base: Duration,
+    /// Growth of the ceiling per failed attempt (2.0 doubles it).
     pub factor: f64,
     /// Upper bound of one sleep, before jitter; also bounds a server's Retry-After.
     pub cap: Duration,
@@ -34,24 +36,24 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// The ceiling of the sleep after failed attempt `attempt` (1-based): base·factor^(n-1),
     /// saturating at `cap`.
-    pub fn ceiling(&self, attempt: u32) -> Duration {
+    pub(crate) fn ceiling(&self, attempt: u32) -> Duration {
         exp_ceiling(self.base, self.factor, self.cap, attempt)
     }
 
     /// The sleep after failed attempt `attempt`: uniform in [0, ceiling] (full jitter), so a
     /// fleet of workers hit by one outage does not come back in lockstep.
-    pub fn backoff(&self, attempt: u32) -> Duration {
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
         jitter(self.ceiling(attempt))
     }
 
     /// Whether another attempt is allowed after `attempt` attempts have failed.
-    pub fn allows_another(&self, attempt: u32) -> bool {
+    pub(crate) fn allows_another(&self, attempt: u32) -> bool {
         attempt < self.max_attempts
     }
 
     /// The wait before the next attempt, honouring a server-provided Retry-After (never
     /// shorter than it asked, never longer than `cap`).
-    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    pub(crate) fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
         match retry_after {
             Some(ra) => ra.min(self.cap),
             None => self.backoff(attempt),
@@ -63,8 +65,11 @@ impl RetryPolicy {
 /// `next_retry_at` so nothing sleeps while holding a row.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DlqSchedule {
+    /// Delay before the first replay of a parked row.
     pub base: Duration,
+    /// Growth of the delay per replay pass.
     pub factor: f64,
+    /// Longest delay between two replay passes.
     pub cap: Duration,
     /// Replay passes before a row is marked exhausted.
     pub max_replays: u32,
@@ -85,7 +90,7 @@ impl DlqSchedule {
     /// Delay before replay pass `replays + 1` of a row that has had `replays` passes: half the
     /// ceiling plus up to half again of jitter ("equal jitter"), so parked work is never due
     /// immediately after it was parked, yet a burst of parks spreads out.
-    pub fn delay(&self, replays: u32) -> Duration {
+    pub(crate) fn delay(&self, replays: u32) -> Duration {
         let ceiling = exp_ceiling(self.base, self.factor, self.cap, replays.saturating_add(1));
         let half = ceiling / 2;
         half + jitter(half)

@@ -17,7 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Bytes of input a run holds in flight.
 #[derive(Debug, Clone)]
-pub struct ByteBudget {
+pub(crate) struct ByteBudget {
     permits: Arc<Semaphore>,
     capacity: u32,
 }
@@ -25,9 +25,9 @@ pub struct ByteBudget {
 impl ByteBudget {
     /// Default budget: 64 MiB, several thousand typical chunks (far more than the pipeline's
     /// count bounds hold), or a handful of multi-megabyte records.
-    pub const DEFAULT: u64 = 64 * 1024 * 1024;
+    pub(crate) const DEFAULT: u64 = 64 * 1024 * 1024;
     /// Smallest budget: 1 MiB (smaller values are raised to it).
-    pub const MIN: u64 = 1024 * 1024;
+    pub(crate) const MIN: u64 = 1024 * 1024;
     /// Largest budget: 4 GiB - 1 (larger values are lowered to it).
     pub const MAX: u64 = u32::MAX as u64;
 
@@ -38,18 +38,19 @@ impl ByteBudget {
     }
 
     /// The budget in bytes, after clamping.
-    pub fn capacity(&self) -> u64 {
+    pub(crate) fn capacity(&self) -> u64 {
         u64::from(self.capacity)
     }
 
     /// Bytes not charged to any record right now.
-    pub fn available(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn available(&self) -> u64 {
         self.permits.available_permits() as u64
     }
 
     /// Waits until `bytes` (at least 1, at most the whole budget) are free and charges them.
     /// Cancel-safe: dropping the future charges nothing.
-    pub async fn charge(&self, bytes: u64) -> Charge {
+    pub(crate) async fn charge(&self, bytes: u64) -> Charge {
         let n = bytes.clamp(1, u64::from(self.capacity)) as u32;
         match self.permits.clone().acquire_many_owned(n).await {
             Ok(permit) => Charge(Some(permit)),
@@ -61,11 +62,11 @@ impl ByteBudget {
 
 /// Bytes charged to one or more records; released when dropped.
 #[derive(Debug, Default)]
-pub struct Charge(Option<OwnedSemaphorePermit>);
+pub(crate) struct Charge(Option<OwnedSemaphorePermit>);
 
 impl Charge {
     /// Takes over `other`'s bytes: both are released together.
-    pub fn merge(&mut self, other: Charge) {
+    pub(crate) fn merge(&mut self, other: Charge) {
         match (&mut self.0, other.0) {
             (Some(mine), Some(theirs)) => mine.merge(theirs),
             (None, theirs) => self.0 = theirs,

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Every channel is bounded by count, and every record in flight is charged to a byte
-//! budget ([`budget`]) from the reader until its outcome is written, so memory stays flat
+//! budget (`budget`) from the reader until its outcome is written, so memory stays flat
 //! whatever the corpus size or the size of its lines. Workers and writers take from
 //! multi-consumer channels: no task waits for input while holding a lock another one needs,
 //! so a writer writes what it gathered once no outcome has come for `batch_linger` (and at
@@ -26,8 +26,8 @@
 //! or park if they were mid-retry. A systemic provider error stops the run without parking
 //! anything for it.
 
-pub mod budget;
-pub mod reader;
+pub(crate) mod budget;
+pub(crate) mod reader;
 
 use std::collections::{BTreeMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -71,10 +71,11 @@ pub struct IngestOptions {
     pub max_line_bytes: usize,
     /// Bytes of input held in flight (read, not yet written): each record is charged its line
     /// plus its parsed form until its outcome is written. Default 64 MiB; clamped to
-    /// 1 MiB..=4 GiB-1 ([`ByteBudget`]). A record larger than the budget runs alone.
+    /// 1 MiB..=4 GiB-1 (`ByteBudget`). A record larger than the budget runs alone.
     pub max_inflight_bytes: u64,
     /// How long a partly filled batch waits for more records (slow stdin producers).
     pub batch_linger: Duration,
+    /// Replay schedule written into the rows this run parks (their first `next_retry_at`).
     pub dlq_schedule: DlqSchedule,
     /// Show a progress bar on stderr.
     pub progress: bool,
@@ -105,7 +106,9 @@ impl Default for IngestOptions {
 /// A line that could not become a record, as reported to the user.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct RejectedLine {
+    /// 1-based line number in the input.
     pub line: u64,
+    /// Why the line has no usable identity (bad JSON, missing or oversized `doc_id`, ...).
     pub problem: String,
 }
 
@@ -113,8 +116,10 @@ pub struct RejectedLine {
 /// `already_parked`, `parked`, `superseded`, `rejected_lines` or `not_attempted`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct IngestSummary {
-    /// Lines read ([`Pipeline::run`]), or chunks taken ([`Pipeline::run_chunks`]).
+    /// Lines read from the input ([`Pipeline::run`], blank and rejected ones included), or
+    /// chunks taken ([`Pipeline::run_chunks`]).
     pub lines_read: u64,
+    /// Records with a usable identity: the total that the outcome counters below account for.
     pub records: u64,
     /// Chunks stored in this run (including ones whose identical vector was already there).
     pub stored: u64,
@@ -139,12 +144,17 @@ pub struct IngestSummary {
     pub not_attempted: u64,
     /// In-process retries, by reason.
     pub retries: BTreeMap<String, u64>,
+    /// Provider requests sent, retries and canaries included.
     pub provider_calls: u64,
+    /// Inputs sent over all requests (what the provider bills).
     pub provider_inputs: u64,
     /// Tokens as the provider reported them (some count characters).
     pub reported_tokens: u64,
+    /// Rejected batches split in two to find the input at fault.
     pub batch_splits: u64,
+    /// Times the circuit breaker opened during the run.
     pub breaker_opened: u64,
+    /// Wall-clock duration of the run.
     pub elapsed_secs: f64,
     /// Set when the run ended early: shutdown requested or provider refused the run.
     pub stopped: Option<String>,
@@ -177,15 +187,28 @@ impl IngestSummary {
 pub enum IngestError {
     /// Bad key, no quota, unknown model, long outage: nothing was parked for it.
     #[error("{stop}")]
-    Provider { stop: Stop, summary: Box<IngestSummary> },
+    Provider {
+        /// Why the provider cannot be used.
+        stop: Stop,
+        /// Where every record went before the stop (the rest is "not attempted").
+        summary: Box<IngestSummary>,
+    },
+    /// The input could not be read.
     #[error("reading input failed: {0}")]
     Input(#[from] std::io::Error),
+    /// Postgres failed in a way retries did not fix: the outcomes not written are not recorded,
+    /// and a rerun of the same corpus does them.
     #[error("{0}")]
     Store(#[from] StoreError),
     /// A task of the run panicked or failed: the run stopped; `summary` accounts for every
     /// record (whatever was neither written nor skipped is "not attempted").
     #[error("{failure}; the run stopped: {}", .summary.accounting())]
-    Task { failure: TaskFailure, summary: Box<IngestSummary> },
+    Task {
+        /// The task that stopped the run and how.
+        failure: TaskFailure,
+        /// Where every record went before the stop.
+        summary: Box<IngestSummary>,
+    },
 }
 
 /// A unit of work for a worker: chunks to embed plus pre-decided failures to park.
@@ -213,8 +236,11 @@ struct Tally {
 /// Everything a run needs besides its input.
 #[derive(Clone)]
 pub struct Pipeline {
+    /// Where outcomes are written (manifest, vectors, DLQ, outbox).
     pub store: Store,
+    /// The provider side; its gate is shared with any other pipeline built from the same embedder.
     pub embedder: Embedder,
+    /// Batching, concurrency and memory bounds of the run.
     pub options: IngestOptions,
 }
 

@@ -13,11 +13,11 @@ use crate::model::Chunk;
 use crate::telemetry::Escaped;
 
 /// Longest `doc_id` accepted, in bytes of UTF-8.
-pub const MAX_DOC_ID_BYTES: usize = 1024;
+pub(crate) const MAX_DOC_ID_BYTES: usize = 1024;
 
 /// One parsed line.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Record {
+pub(crate) enum Record {
     Chunk {
         line: u64,
         chunk: Chunk,
@@ -42,7 +42,7 @@ impl Record {
     /// Approximate heap bytes the parsed record holds (its strings and metadata tree), which
     /// is what the run's byte budget charges on top of the line. A metadata array of small
     /// numbers takes ~16x its JSON size once parsed, so the line length alone would not do.
-    pub fn approx_bytes(&self) -> u64 {
+    pub(crate) fn approx_bytes(&self) -> u64 {
         match self {
             Record::Chunk { chunk, .. } => {
                 (chunk.doc_id.len() + chunk.text.len()) as u64
@@ -72,7 +72,7 @@ fn value_bytes(v: &Value) -> u64 {
 }
 
 /// Reads lines of at most `max_line_bytes`, tracking line numbers and bytes consumed.
-pub struct LineReader<R> {
+pub(crate) struct LineReader<R> {
     inner: R,
     max_line_bytes: usize,
     line: u64,
@@ -82,7 +82,7 @@ pub struct LineReader<R> {
 
 /// One raw line.
 #[derive(Debug)]
-pub struct RawLine {
+pub(crate) struct RawLine {
     pub number: u64,
     /// The line without its terminator; empty when `oversized`.
     pub bytes: Vec<u8>,
@@ -96,7 +96,7 @@ impl<R: AsyncBufRead + Unpin> LineReader<R> {
     }
 
     /// The next line, or `None` at end of input.
-    pub async fn next_line(&mut self) -> std::io::Result<Option<RawLine>> {
+    pub(crate) async fn next_line(&mut self) -> std::io::Result<Option<RawLine>> {
         let mut buf = Vec::new();
         let mut total: u64 = 0;
         let mut oversized = false;
@@ -150,7 +150,7 @@ fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
 /// JSON decoding and its failures are this function's; the checks every record passes
 /// whatever its source (identity, NULs, metadata shape) are shared with
 /// [`Record::from_chunk`].
-pub fn parse_line(raw: &RawLine) -> Option<Record> {
+pub(crate) fn parse_line(raw: &RawLine) -> Option<Record> {
     let line = raw.number;
     if let Some(len) = raw.oversized {
         return Some(Record::Rejected {

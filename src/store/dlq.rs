@@ -36,7 +36,7 @@ impl<'r> sqlx::Decode<'r, Postgres> for ErrorClass {
 
 /// Which DLQ rows an action applies to. Empty filter = every row.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RowFilter {
+pub(crate) struct RowFilter {
     pub class: Option<ErrorClass>,
     pub doc: Option<String>,
     /// Rows first parked at least this many seconds ago.
@@ -71,42 +71,61 @@ impl RowFilter {
 /// One error class in `dlq stats` (the seed's by-class view).
 #[derive(Debug, Clone, Serialize)]
 pub struct ClassStats {
+    /// The class these rows were parked under.
     pub error_class: ErrorClass,
+    /// Rows of this class in the DLQ.
     pub parked: i64,
+    /// Earliest first failure among them.
     pub oldest: Option<DateTime<Utc>>,
+    /// Latest last failure among them.
     pub newest: Option<DateTime<Utc>>,
+    /// Mean provider attempts per row, rounded to one decimal.
     pub avg_attempts: f64,
 }
 
 /// `dlq stats`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
+    /// Row counts by class, largest first.
     pub by_class: Vec<ClassStats>,
     /// Transient rows due now (permanent rows are never "ready").
     pub ready_to_replay: i64,
+    /// Transient rows waiting for their `next_retry_at`.
     pub still_backing_off: i64,
+    /// Rows replay has given up on: only an operator's requeue or purge moves them.
     pub exhausted: i64,
+    /// The earliest `next_retry_at` of any row: when replay has work next.
     pub next_due: Option<DateTime<Utc>>,
 }
 
 /// One row in `dlq list`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Listed {
+    /// The row's id, what `dlq show`, `requeue` and `purge` take.
     pub id: i64,
     /// Canonical name of the table the row is meant for.
     pub target_table: String,
+    /// Document of the parked chunk.
     pub doc_id: String,
+    /// Position of the chunk within its document.
     pub chunk_index: i32,
+    /// Decides whether replay retries the row.
     pub error_class: ErrorClass,
+    /// Bounded reason code of the last failure (e.g. `http_503`).
     pub error_reason: String,
+    /// Provider attempts spent on the row, over ingest and replays.
     pub attempts: i32,
     /// Replay passes made (a count; drives the DLQ schedule).
     pub replays: i32,
     /// Changes whenever the row's content changes, on every re-park and on requeue.
     pub generation: i64,
+    /// When the chunk was first parked.
     pub first_failed_at: DateTime<Utc>,
+    /// When it last failed (at ingest or replay).
     pub last_failed_at: DateTime<Utc>,
+    /// When replay may take it next; `None` for rows replay never takes automatically.
     pub next_retry_at: Option<DateTime<Utc>>,
+    /// Whether replay has given up on the row.
     pub exhausted: bool,
 }
 
@@ -114,7 +133,9 @@ pub struct Listed {
 #[derive(Debug, Clone, Serialize)]
 pub struct Detail {
     #[serde(flatten)]
+    /// The columns `dlq list` shows (flattened in JSON).
     pub row: Listed,
+    /// The content the row is for; replay writes a vector only while the manifest holds it.
     pub content_hash: String,
     /// The model the row was parked under (None: parked before models were recorded).
     pub model: Option<String>,
@@ -122,10 +143,15 @@ pub struct Detail {
     pub dimensions: Option<i32>,
     /// The `dimensions` request parameter, if any.
     pub request_dimensions: Option<i32>,
+    /// Sanitised detail of the last failure.
     pub last_error: Option<String>,
+    /// The last HTTP status, when the failure came from a response.
     pub last_status: Option<i32>,
+    /// Why replay gave up, when it did.
     pub exhausted_reason: Option<String>,
+    /// The original record (text and metadata), replayed as is.
     pub payload: serde_json::Value,
+    /// The row's last failures (at most 20), oldest first, as a JSON array.
     pub error_history: serde_json::Value,
 }
 
@@ -237,7 +263,7 @@ const NEEDS_REINGEST: &str = "(error_class = 'invalid_record'
 
 /// Matching rows a requeue would make due, and matching rows it would leave for a re-ingest
 /// (see [`requeue_candidates`]), counted without changing anything (the dry run).
-pub async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u64), StoreError> {
+pub(crate) async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u64), StoreError> {
     let mut q = QueryBuilder::new(format!(
         "SELECT count(*) FILTER (WHERE NOT {NEEDS_REINGEST}) AS requeue,
                 count(*) FILTER (WHERE {NEEDS_REINGEST}) AS reingest
@@ -250,7 +276,7 @@ pub async fn count_requeue(pool: &PgPool, filter: &RowFilter) -> Result<(u64, u6
 
 /// A matching row as `requeue` pages through them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RequeueCandidate {
+pub(crate) struct RequeueCandidate {
     pub id: i64,
     /// Replay cannot fix the row (`invalid_record`, or no payload text): leave it.
     pub needs_reingest: bool,
@@ -258,7 +284,7 @@ pub struct RequeueCandidate {
 
 /// Up to `limit` matching rows after `after_id`, by id (keyset paging, so memory does not
 /// grow with the DLQ).
-pub async fn requeue_candidates(
+pub(crate) async fn requeue_candidates(
     pool: &PgPool,
     filter: &RowFilter,
     after_id: i64,
@@ -280,7 +306,7 @@ pub async fn requeue_candidates(
 /// `parked` and writes a `requeued` event per row, in one statement. Rows that need a
 /// re-ingest are left alone even if listed. Publishing the replay work is a separate step
 /// (`Store::enqueue_ids`).
-pub async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
+pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH upd AS (
              UPDATE embedding_dlq d SET
@@ -325,7 +351,7 @@ pub async fn count(pool: &PgPool, filter: &RowFilter) -> Result<u64, StoreError>
 
 /// What one [`purge_batch`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PurgedBatch {
+pub(crate) struct PurgedBatch {
     /// Rows the batch selected (fewer than asked: this was the last batch).
     pub selected: u64,
     /// Rows deleted (selected rows another transaction deleted first are not counted).
@@ -336,7 +362,7 @@ pub struct PurgedBatch {
 
 /// Deletes up to `batch` matching rows after `after_id` (by id), their manifest rows, and
 /// announces each as `purged`, in one statement (one transaction).
-pub async fn purge_batch(
+pub(crate) async fn purge_batch(
     pool: &PgPool,
     filter: &RowFilter,
     after_id: i64,
@@ -381,7 +407,7 @@ pub async fn purge_batch(
 }
 
 /// Rows per class, for the depth gauge (classes with no row are absent).
-pub async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
+pub(crate) async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
     let rows = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
         .fetch_all(pool)
         .await?;
@@ -393,7 +419,7 @@ pub async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, Sto
 
 /// The DLQ's schedule as the gauges show it, ages measured by the database's clock.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     /// Transient rows due now.
     pub ready: i64,
     /// Transient rows waiting for their next pass.

@@ -1,7 +1,7 @@
 //! Postgres: the system of record. Owns the manifest, the target vector tables, the DLQ and
 //! the outbox, and the only two ways an ingest outcome is written:
 //!
-//! - [`Store::store_batch`]: upserts the vectors (a no-op for unchanged content, so
+//! - `Store::store_batch`: upserts the vectors (a no-op for unchanged content, so
 //!   `updated_at` does not move), marks the manifest stored, deletes any DLQ row the new
 //!   vector supersedes and records a `resolved` event in the outbox;
 //! - [`Store::park_batch`]: upserts the DLQ rows (full payload), marks the manifest parked
@@ -19,10 +19,10 @@
 //! first and in key order, so racing writers of one chunk are serialised, and the second
 //! statement (a new snapshot) sees whatever the previous lock holder committed.
 
-pub mod dlq;
-pub mod outbox;
+pub(crate) mod dlq;
+pub(crate) mod outbox;
 pub mod reconcile;
-pub mod replay;
+pub(crate) mod replay;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -34,19 +34,28 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 
 use crate::model::{ChunkStatus, ErrorClass};
 
-/// Embedded migrations (`migrations/`).
+/// The embedded migrations (`migrations/`). [`migrate`] applies them all; tests use it to
+/// stop at an older version.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// Store failures, split by what the caller can do about them.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
+    /// A statement failed; [`StoreError::is_transient`] tells whether a retry may help.
     #[error("database error: {0}")]
     Db(#[from] sqlx::Error),
+    /// The embedded migrations could not be applied.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The target table is missing or unusable: a configuration problem, not retried.
     #[error("target table {table}: {problem}")]
-    Target { table: String, problem: String },
+    Target {
+        /// The table name as configured.
+        table: String,
+        /// What is wrong with it (missing, a missing column, a wrong vector type or dimension).
+        problem: String,
+    },
 }
 
 impl StoreError {
@@ -97,7 +106,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
 }
 /// A chunk whose vector is ready to store.
 #[derive(Debug, Clone)]
-pub struct StoredChunk {
+pub(crate) struct StoredChunk {
     pub doc_id: String,
     pub chunk_index: i32,
     pub content_hash: String,
@@ -110,15 +119,23 @@ pub struct StoredChunk {
 /// A chunk to park in the DLQ.
 #[derive(Debug, Clone)]
 pub struct ParkedChunk {
+    /// Identity of the chunk (with `chunk_index`).
     pub doc_id: String,
+    /// Position of the chunk within its document.
     pub chunk_index: i32,
+    /// The content parked; replay only writes a vector if the manifest still holds this hash.
     pub content_hash: String,
     /// The full original record (text + metadata) — what replay needs once the source is gone.
     pub payload: serde_json::Value,
+    /// Decides whether and when replay retries the row.
     pub class: ErrorClass,
+    /// Bounded reason code, e.g. `http_503` or `too_long`.
     pub reason: String,
+    /// Sanitised detail of the last failure, for operators.
     pub last_error: String,
+    /// The last HTTP status, if the failure came from a response.
     pub last_status: Option<u16>,
+    /// Provider attempts spent before parking.
     pub attempts: u32,
     /// Delay before the first replay; `None` for classes that are never replayed automatically.
     pub retry_in: Option<Duration>,
@@ -135,7 +152,7 @@ pub fn source_seq(run_id: i64, line: u64) -> i64 {
 
 /// What one [`Store::store_batch`] changed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct StoreCounts {
+pub(crate) struct StoreCounts {
     /// Vector rows inserted or whose content changed.
     pub vectors_written: u64,
     /// DLQ rows superseded by a stored vector.
@@ -165,7 +182,7 @@ struct EmbeddingSpace {
 
 /// The target vector table: canonical name and dimension as found in the catalog.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TargetTable {
+pub(crate) struct TargetTable {
     /// Canonical: schema-qualified, parts quoted only where needed (`public.doc_embeddings`);
     /// the identity recorded in the manifest, the DLQ and the outbox. Valid SQL as it is.
     pub name: String,
@@ -217,7 +234,7 @@ impl Store {
     /// Records `model` (and the `dimensions` request parameter, if any) on every DLQ row this
     /// store parks, so replay embeds the row as ingest did. Without it rows record no model
     /// and replay uses the model `serve` is configured with.
-    pub fn with_model(mut self, model: &str, request_dimensions: Option<usize>) -> Store {
+    pub(crate) fn with_model(mut self, model: &str, request_dimensions: Option<usize>) -> Store {
         self.space = Some(Arc::new(EmbeddingSpace {
             model: model.to_string(),
             request_dimensions: request_dimensions.map(|d| d.min(i32::MAX as usize) as i32),
@@ -231,13 +248,19 @@ impl Store {
     }
 
     /// The target table.
-    pub fn target(&self) -> &TargetTable {
+    pub(crate) fn target(&self) -> &TargetTable {
         &self.target
+    }
+
+    /// The canonical name of this store's target table (`public.doc_embeddings`): the
+    /// identity its manifest, DLQ and outbox rows record.
+    pub fn table_name(&self) -> &str {
+        &self.target.name
     }
 
     /// The target table named `table` (as recorded on a DLQ row or given by a user), checked
     /// like [`Store::open`] checks its own and cached for a minute.
-    pub async fn target_for(&self, table: &str) -> Result<Arc<TargetTable>, StoreError> {
+    pub(crate) async fn target_for(&self, table: &str) -> Result<Arc<TargetTable>, StoreError> {
         if table == self.target.name {
             return Ok(self.target.clone());
         }
@@ -261,7 +284,7 @@ impl Store {
     }
 
     /// Every table the manifest or the DLQ names (at most `limit`), this store's own first.
-    pub async fn known_tables(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+    pub(crate) async fn known_tables(&self, limit: usize) -> Result<Vec<String>, StoreError> {
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT t FROM (SELECT target_table AS t FROM ingest_manifest GROUP BY 1
                             UNION SELECT target_table FROM embedding_dlq GROUP BY 1) u
@@ -276,13 +299,13 @@ impl Store {
     }
 
     /// A new ingest run id (from a sequence): the high half of every [`source_seq`] of the run.
-    pub async fn next_run_id(&self) -> Result<i64, StoreError> {
+    pub(crate) async fn next_run_id(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&self.pool).await?)
     }
 
     /// Manifest rows for `keys` of this store's table: content hash and status of each chunk
     /// that has finished an ingest before. One round trip.
-    pub async fn manifest_lookup(
+    pub(crate) async fn manifest_lookup(
         &self,
         keys: &[(String, i32)],
     ) -> Result<HashMap<(String, i32), (String, ChunkStatus)>, StoreError> {
@@ -355,7 +378,7 @@ impl Store {
     /// `stored`, vector upsert (a no-op for unchanged content), any DLQ row of the chunk
     /// resolved with a `resolved` event. A row whose chunk already holds a newer record is
     /// not written (counted as superseded). Keys must be unique within the batch.
-    pub async fn store_batch(&self, rows: &[StoredChunk]) -> Result<StoreCounts, StoreError> {
+    pub(crate) async fn store_batch(&self, rows: &[StoredChunk]) -> Result<StoreCounts, StoreError> {
         if rows.is_empty() {
             return Ok(StoreCounts::default());
         }
@@ -579,7 +602,7 @@ SELECT (SELECT count(*) FROM vectors) AS vectors_written,
 }
 
 /// Quotes a possibly schema-qualified identifier (`a.b` → `"a"."b"`).
-pub fn quote_table_name(name: &str) -> Result<String, String> {
+pub(crate) fn quote_table_name(name: &str) -> Result<String, String> {
     let parts: Vec<&str> = name.split('.').collect();
     if parts.is_empty() || parts.len() > 2 || parts.iter().any(|p| p.is_empty()) {
         return Err(format!("{name:?} is not a table name (use `table` or `schema.table`)"));

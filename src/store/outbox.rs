@@ -15,11 +15,11 @@ use super::StoreError;
 
 /// The channel the `dlq_outbox_notify` trigger (migrations 0002, 0005) notifies at commit of
 /// a statement that inserted outbox rows: what a relay LISTENs on to wake up.
-pub const NOTIFY_CHANNEL: &str = "embed_dlq_outbox";
+pub(crate) const NOTIFY_CHANNEL: &str = "embed_dlq_outbox";
 
 /// An unpublished outbox row, as the relay publishes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxRow {
+pub(crate) struct OutboxRow {
     pub id: i64,
     /// The event's identity on the Redis side (dedup marker); never repeats (migration 0005).
     pub event_id: String,
@@ -32,7 +32,7 @@ pub struct OutboxRow {
 
 /// The oldest unpublished rows, locked by this claim's transaction until it is marked or
 /// dropped (dropping rolls back: the rows are someone else's to publish).
-pub struct Claim {
+pub(crate) struct Claim {
     tx: Transaction<'static, Postgres>,
     pub rows: Vec<OutboxRow>,
 }
@@ -73,7 +73,7 @@ pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreEr
 impl Claim {
     /// Marks the claimed rows `ids` published, each with the stream entry id it became
     /// (`entry_ids`, same order), and commits.
-    pub async fn mark_published(mut self, ids: &[i64], entry_ids: &[&str]) -> Result<(), StoreError> {
+    pub(crate) async fn mark_published(mut self, ids: &[i64], entry_ids: &[&str]) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
                FROM UNNEST($1::bigint[], $2::text[]) AS p(id, entry_id)
@@ -89,7 +89,7 @@ impl Claim {
 }
 
 /// Deletes up to 10,000 rows published longer than `retention` ago; returns how many.
-pub async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError> {
+pub(crate) async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError> {
     let done = sqlx::query(
         "DELETE FROM dlq_outbox WHERE id IN (
              SELECT id FROM dlq_outbox
@@ -104,7 +104,7 @@ pub async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError
 
 /// What is waiting for the relay.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Backlog {
+pub(crate) struct Backlog {
     /// Unpublished rows.
     pub unpublished: i64,
     /// Unpublished rows older than the `stuck_after` asked for.
@@ -134,7 +134,7 @@ pub async fn backlog(pool: &PgPool, stuck_after: Duration) -> Result<Backlog, St
 
 /// A published event and where the relay put it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PublishedEvent {
+pub(crate) struct PublishedEvent {
     pub id: i64,
     pub event_id: String,
     /// The stream entry id recorded at publish time.
@@ -145,7 +145,7 @@ pub struct PublishedEvent {
 
 /// Up to `limit` published `events` rows after `after_id`, by id, that recorded their entry id
 /// (rows published before migration 0005 did not).
-pub async fn published_events(
+pub(crate) async fn published_events(
     pool: &PgPool,
     after_id: i64,
     limit: usize,
@@ -175,7 +175,7 @@ pub async fn published_events(
 
 /// Marks published rows `ids` unpublished again, so the relay publishes them once more (with
 /// the same `event_id`); returns how many were marked.
-pub async fn mark_unpublished(pool: &PgPool, ids: &[i64]) -> Result<u64, StoreError> {
+pub(crate) async fn mark_unpublished(pool: &PgPool, ids: &[i64]) -> Result<u64, StoreError> {
     Ok(sqlx::query(
         "UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL
           WHERE id = ANY($1) AND published_at IS NOT NULL",

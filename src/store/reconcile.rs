@@ -1,7 +1,7 @@
 //! Postgres side of the reconciler: the checks that compare the manifest, the target tables,
 //! the DLQ and the outbox, their repairs, and the record of each run. The reconciler
 //! (`crate::reconcile`) decides what to run and merges the results; the stream scans stay
-//! with it, and meet Postgres here through a [`WorkAudit`].
+//! with it, and meet Postgres here through a `WorkAudit`.
 //!
 //! The seed's two proofs live here once, as [`leaks`] and [`duplicates`]: the reconciler's
 //! `leaks` and `duplicates` checks are built from the same predicates, and the tests and the
@@ -9,7 +9,7 @@
 //!
 //! Each check is a `SELECT` of example keys (counted with `count(*)` over it) and, for
 //! repairable checks, one repair statement over the same predicate, run only when something
-//! was found. Table names in these statements come from the catalog ([`TargetTable`]), never
+//! was found. Table names in these statements come from the catalog (`TargetTable`), never
 //! from input, and the canonical name is compared as a quoted literal.
 
 use std::collections::HashMap;
@@ -21,11 +21,11 @@ use super::{StoreError, TargetTable};
 
 /// Most target tables one run (or one "every table" count) looks at: tables named by the
 /// manifest or the DLQ.
-pub const MAX_TABLES: usize = 1000;
+pub(crate) const MAX_TABLES: usize = 1000;
 
 /// The checks made per target table, each one set-based statement (plus its repair).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TableCheck {
+pub(crate) enum TableCheck {
     /// Manifest rows with neither a vector nor a DLQ row, not yet marked for re-ingest.
     /// Repair marks them for re-ingest.
     Leaks,
@@ -44,7 +44,7 @@ pub enum TableCheck {
 
 /// What one check found, and what its repair changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CheckRun {
+pub(crate) struct CheckRun {
     pub found: u64,
     /// Up to the number asked for, as `doc_id#chunk_index`.
     pub examples: Vec<String>,
@@ -177,7 +177,7 @@ fn table_check_sql(target: &TargetTable, check: TableCheck) -> (String, String) 
 
 /// Runs `check` on `target`: counts, takes up to `examples` examples and, with `repair` and
 /// a finding, runs the repair.
-pub async fn table_check(
+pub(crate) async fn table_check(
     pool: &PgPool,
     target: &TargetTable,
     check: TableCheck,
@@ -190,7 +190,11 @@ pub async fn table_check(
 
 /// Transient rows due for replay for longer than `after`: the replayers are not draining.
 /// Nothing to repair (a finding for a person).
-pub async fn replay_stalled(pool: &PgPool, after: Duration, examples: usize) -> Result<CheckRun, StoreError> {
+pub(crate) async fn replay_stalled(
+    pool: &PgPool,
+    after: Duration,
+    examples: usize,
+) -> Result<CheckRun, StoreError> {
     let stall = after.as_secs_f64();
     let select = format!(
         "SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d
@@ -284,7 +288,7 @@ pub async fn duplicates(pool: &PgPool, table: Option<&str>) -> Result<i64, Store
 
 /// Records a finished run in `reconcile_runs` (what the "reconcile not run recently" alert
 /// reads, whatever process ran it).
-pub async fn record_run(
+pub(crate) async fn record_run(
     pool: &PgPool,
     started_at: chrono::DateTime<chrono::Utc>,
     repaired: bool,
@@ -300,7 +304,7 @@ pub async fn record_run(
 }
 
 /// When the last recorded run finished, as Unix seconds (`None`: never).
-pub async fn last_run_finished(pool: &PgPool) -> Result<Option<f64>, StoreError> {
+pub(crate) async fn last_run_finished(pool: &PgPool) -> Result<Option<f64>, StoreError> {
     Ok(sqlx::query_scalar("SELECT extract(epoch FROM max(finished_at))::float8 FROM reconcile_runs")
         .fetch_one(pool)
         .await?)
@@ -311,13 +315,13 @@ pub async fn last_run_finished(pool: &PgPool) -> Result<Option<f64>, StoreError>
 /// work items still outstanding on the stream page by page, and [`WorkAudit::lost_work`]
 /// finds the leased rows that have neither. Memory is bounded by the page: the outstanding
 /// items go into a temporary table, dropped at the end.
-pub struct WorkAudit {
+pub(crate) struct WorkAudit {
     tx: Transaction<'static, Postgres>,
 }
 
 impl WorkAudit {
     /// Begins the audit: snapshots the unpublished replay work of the outbox.
-    pub async fn begin(pool: &PgPool) -> Result<WorkAudit, StoreError> {
+    pub(crate) async fn begin(pool: &PgPool) -> Result<WorkAudit, StoreError> {
         let mut tx = pool.begin().await?;
         sqlx::query(
             "CREATE TEMP TABLE reconcile_unpublished_work ON COMMIT DROP AS
@@ -335,7 +339,11 @@ impl WorkAudit {
     }
 
     /// Records work items still outstanding on the stream (row id and generation, same order).
-    pub async fn record_outstanding(&mut self, ids: &[i64], generations: &[i64]) -> Result<(), StoreError> {
+    pub(crate) async fn record_outstanding(
+        &mut self,
+        ids: &[i64],
+        generations: &[i64],
+    ) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO reconcile_outstanding_work SELECT * FROM UNNEST($1::bigint[], $2::bigint[])",
         )
@@ -348,7 +356,7 @@ impl WorkAudit {
 
     /// The current generation of each of `ids` that is still replay work (transient, not
     /// exhausted); other ids are absent.
-    pub async fn live_generations(&mut self, ids: &[i64]) -> Result<HashMap<i64, i64>, StoreError> {
+    pub(crate) async fn live_generations(&mut self, ids: &[i64]) -> Result<HashMap<i64, i64>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, generation FROM embedding_dlq
               WHERE id = ANY($1) AND exhausted_at IS NULL AND error_class = 'transient'",
@@ -365,7 +373,7 @@ impl WorkAudit {
     /// Up to `limit` rows after `after_id` (by id) handed out as replay work more than `grace`
     /// before the audit began, with no outstanding work item (neither unpublished in the
     /// outbox nor recorded from the stream): `(id, "doc_id#chunk_index")`.
-    pub async fn lost_work(
+    pub(crate) async fn lost_work(
         &mut self,
         grace: Duration,
         after_id: i64,
@@ -396,7 +404,7 @@ impl WorkAudit {
 
     /// Refreshes the planner's statistics on the recorded items (after the last page, before
     /// [`WorkAudit::lost_work`]).
-    pub async fn analyze(&mut self) -> Result<(), StoreError> {
+    pub(crate) async fn analyze(&mut self) -> Result<(), StoreError> {
         sqlx::query("ANALYZE reconcile_outstanding_work").execute(&mut *self.tx).await?;
         Ok(())
     }

@@ -24,11 +24,13 @@ use crate::model::WorkItem;
 
 /// A DLQ row as replay needs it.
 #[derive(Debug, Clone)]
-pub struct DlqRow {
+pub(crate) struct DlqRow {
     pub id: i64,
     /// Canonical name of the table the row is meant for.
     pub target_table: String,
+    #[allow(dead_code, reason = "loaded with the row, read by no replay step yet")]
     pub doc_id: String,
+    #[allow(dead_code, reason = "loaded with the row, read by no replay step yet")]
     pub chunk_index: i32,
     pub content_hash: String,
     /// The model the row was parked under (its content hash covers it); `None` for rows
@@ -41,6 +43,7 @@ pub struct DlqRow {
     pub replays: i32,
     /// The fence of every replay commit.
     pub generation: i64,
+    #[allow(dead_code, reason = "loaded with the row, read by no replay step yet")]
     pub attempts: i32,
     pub error_class: ErrorClass,
     pub error_reason: String,
@@ -56,7 +59,7 @@ pub struct DlqRow {
 impl DlqRow {
     /// Whether `work` is still this row's current work: same generation, same content, and
     /// the manifest still holds that content.
-    pub fn is_current(&self, work: &WorkItem) -> bool {
+    pub(crate) fn is_current(&self, work: &WorkItem) -> bool {
         self.generation == work.generation
             && self.content_hash == work.content_hash
             && self.target_table == work.target_table
@@ -67,7 +70,7 @@ impl DlqRow {
 /// A successful replay: the vector for row `id`, computed from the content `content_hash`
 /// while the row had generation `generation`.
 #[derive(Debug, Clone)]
-pub struct Replayed {
+pub(crate) struct Replayed {
     pub id: i64,
     pub target_table: String,
     pub generation: i64,
@@ -91,7 +94,7 @@ impl Replayed {
 /// A failed replay pass (or a give-up) for row `id` at generation `generation` with content
 /// `content_hash`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Repark {
+pub(crate) struct Repark {
     pub id: i64,
     pub generation: i64,
     pub content_hash: String,
@@ -122,7 +125,7 @@ impl Store {
     /// Publishes up to `limit` due transient rows as replay work (outbox → replay stream) and
     /// pushes their `next_retry_at` out by `lease`, so work lost in Redis is scheduled again.
     /// Safe to run from many processes at once (`SKIP LOCKED`, one statement).
-    pub async fn schedule_due(&self, limit: usize, lease: Duration) -> Result<u64, StoreError> {
+    pub(crate) async fn schedule_due(&self, limit: usize, lease: Duration) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
             "next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
              ORDER BY next_retry_at, id LIMIT $1",
@@ -136,7 +139,7 @@ impl Store {
 
     /// Publishes the given transient rows as replay work now, whatever their schedule (used by
     /// the reconciler for work lost in Redis and by `dlq requeue`).
-    pub async fn enqueue_ids(&self, ids: &[i64], lease: Duration) -> Result<u64, StoreError> {
+    pub(crate) async fn enqueue_ids(&self, ids: &[i64], lease: Duration) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
             "id = ANY($1) AND error_class = 'transient' AND exhausted_at IS NULL",
         )))
@@ -151,7 +154,7 @@ impl Store {
     /// generation, same attempts): used when the provider refused the run, not the rows.
     /// The work item was consumed, so the row is no longer leased (`enqueued_at` cleared):
     /// the reconciler must not take the pause for lost work and cancel it.
-    pub async fn postpone(
+    pub(crate) async fn postpone(
         &self,
         ids: &[i64],
         generations: &[i64],
@@ -171,7 +174,7 @@ impl Store {
     }
 
     /// Loads DLQ rows (with their manifest hash) by id; missing ids are simply absent.
-    pub async fn load_dlq_rows(&self, ids: &[i64]) -> Result<Vec<DlqRow>, StoreError> {
+    pub(crate) async fn load_dlq_rows(&self, ids: &[i64]) -> Result<Vec<DlqRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.model,
                     d.request_dimensions, d.payload, d.replays, d.generation, d.attempts,
@@ -218,7 +221,7 @@ impl Store {
     /// manifest still holding that hash), vector upsert under the embedded hash (a no-op for
     /// unchanged content), manifest `stored`, `replayed` event. Returns the ids applied; the
     /// others were already handled by someone else or superseded.
-    pub async fn commit_replayed(&self, rows: &[Replayed]) -> Result<Vec<i64>, StoreError> {
+    pub(crate) async fn commit_replayed(&self, rows: &[Replayed]) -> Result<Vec<i64>, StoreError> {
         let mut by_table: BTreeMap<&str, Vec<&Replayed>> = BTreeMap::new();
         for r in rows {
             by_table.entry(r.target_table.as_str()).or_default().push(r);
@@ -251,7 +254,7 @@ impl Store {
     /// statement: DLQ row updated (attempts, a new generation, schedule or exhaustion) when it
     /// still has the generation and content the pass was for, manifest `parked`/`exhausted`,
     /// `reparked` or `exhausted` event. Returns the ids applied.
-    pub async fn commit_reparked(&self, rows: &[Repark]) -> Result<Vec<i64>, StoreError> {
+    pub(crate) async fn commit_reparked(&self, rows: &[Repark]) -> Result<Vec<i64>, StoreError> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }

@@ -35,7 +35,7 @@ pub const DEFAULT_PREFIX: &str = "embed-dlq";
 pub const DEFAULT_EVENTS_MAXLEN: usize = 1_000_000;
 
 /// The dedup-and-append script (`redis/publish.lua`).
-pub fn publish_script() -> Script {
+pub(crate) fn publish_script() -> Script {
     Script::new(include_str!("../../redis/publish.lua"))
 }
 
@@ -63,12 +63,12 @@ impl StreamKeys {
 
     /// Dedup marker of one outbox row, keyed by its `event_id` (never by the outbox id, which
     /// repeats across restores, re-created databases and deployments sharing a prefix).
-    pub fn outbox_marker(&self, event_id: &str) -> String {
+    pub(crate) fn outbox_marker(&self, event_id: &str) -> String {
         format!("{}:outbox:{event_id}", self.tag)
     }
 
     /// The stream an outbox row's `stream` column names.
-    pub fn for_outbox_stream(&self, stream: &str) -> String {
+    pub(crate) fn for_outbox_stream(&self, stream: &str) -> String {
         match stream {
             "replay" => self.replay(),
             _ => self.events(),

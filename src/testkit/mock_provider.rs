@@ -139,7 +139,7 @@ pub struct MockStats {
     /// Requests answered with the unauthorized status.
     pub unauthorized: u64,
     /// Requests whose only input was the client's canary text
-    /// ([`crate::embed::canary::CANARY_TEXT`]).
+    /// (`crate::embed::canary::CANARY_TEXT`).
     #[serde(default)]
     pub canaries: u64,
 }
@@ -201,7 +201,8 @@ impl MockControl {
     }
 }
 
-/// A running mock provider.
+/// A running mock provider on a local port; its faults can be switched at run time through
+/// [`MockProvider::control`].
 pub struct MockProvider {
     /// Where it listens (port 0 at start becomes the real port here).
     pub addr: SocketAddr,
