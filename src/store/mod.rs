@@ -1,38 +1,40 @@
-//! Postgres: the system of record. Owns the manifest, the target vector tables, the DLQ and
-//! the outbox, and the only two ways an ingest outcome is written:
+//! Postgres: the system of record, and every SQL statement of the library, by concern:
 //!
-//! - `Store::store_batch`: upserts the vectors (a no-op for unchanged content, so
-//!   `updated_at` does not move), marks the manifest stored, deletes any DLQ row the new
-//!   vector supersedes and records a `resolved` event in the outbox;
-//! - [`Store::park_batch`]: upserts the DLQ rows (full payload), marks the manifest parked
-//!   and writes one `parked` outbox row per DLQ row whose content changed.
+//! - `ingest`: the manifest lookup of an intake window and the only two ways an ingest
+//!   outcome is written: `Store::store_batch` (vectors upserted — a no-op for unchanged
+//!   content, so `updated_at` does not move — manifest stored, superseded DLQ rows resolved
+//!   with a `resolved` event) and [`Store::park_batch`] (DLQ rows with the full payload,
+//!   manifest parked, one `parked` event per DLQ row whose content changed). Each is one
+//!   transaction of two statements over `UNNEST` arrays: first the manifest claim, which locks
+//!   the chunks' manifest rows in key order and accepts only a record at least as new as the
+//!   one it holds ([`source_seq`]), then the writes of the accepted rows (a new snapshot, so
+//!   they see whatever the previous lock holder committed);
+//! - `replay`: the scheduler's enqueue and the replayers' fenced commits;
+//! - `dlq`: the operator actions; `outbox`: the relay's claim and marks;
+//!   [`reconcile`]: the reconciler's checks and repairs, and the seed's leak and duplicate
+//!   queries;
+//! - this module: connections, migrations, and the target tables (inspected in the catalog,
+//!   cached).
 //!
 //! A chunk's identity is (target table, doc_id, chunk_index); the table is recorded by its
 //! canonical catalog name (`public.doc_embeddings`), so two spellings are one identity and two
 //! tables never share state.
-//!
-//! Each is one transaction of two statements over `UNNEST` arrays (binary binds, no per-row
-//! round trip): first the manifest upsert, which locks the chunks' manifest rows and accepts
-//! only a record at least as new as the one it holds ([`source_seq`]: later runs beat earlier
-//! runs, later lines beat earlier lines); then, for the accepted rows only, the vector or DLQ
-//! upsert and the outbox rows. Ingest and replay writers lock manifest rows
-//! first and in key order, so racing writers of one chunk are serialised, and the second
-//! statement (a new snapshot) sees whatever the previous lock holder committed.
 
 pub(crate) mod dlq;
+pub(crate) mod ingest;
 pub(crate) mod outbox;
 pub mod reconcile;
 pub(crate) mod replay;
+
+pub use ingest::{ParkCounts, ParkedChunk, source_seq};
+pub(crate) use ingest::{StoreCounts, StoredChunk};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pgvector::Vector;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row};
-
-use crate::model::{ChunkStatus, ErrorClass};
 
 /// The embedded migrations (`migrations/`). [`migrate`] applies them all; tests use it to
 /// stop at an older version.
@@ -103,73 +105,6 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, StoreErr
 pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
     MIGRATOR.run(pool).await?;
     Ok(())
-}
-/// A chunk whose vector is ready to store.
-#[derive(Debug, Clone)]
-pub(crate) struct StoredChunk {
-    pub doc_id: String,
-    pub chunk_index: i32,
-    pub content_hash: String,
-    pub embedding: Vec<f32>,
-    /// Position of the record in the ingest history ([`source_seq`]): an outcome for an older
-    /// position than the manifest holds is rejected as superseded.
-    pub source_seq: i64,
-}
-
-/// A chunk to park in the DLQ.
-#[derive(Debug, Clone)]
-pub struct ParkedChunk {
-    /// Identity of the chunk (with `chunk_index`).
-    pub doc_id: String,
-    /// Position of the chunk within its document.
-    pub chunk_index: i32,
-    /// The content parked; replay only writes a vector if the manifest still holds this hash.
-    pub content_hash: String,
-    /// The full original record (text + metadata) — what replay needs once the source is gone.
-    pub payload: serde_json::Value,
-    /// Decides whether and when replay retries the row.
-    pub class: ErrorClass,
-    /// Bounded reason code, e.g. `http_503` or `too_long`.
-    pub reason: String,
-    /// Sanitised detail of the last failure, for operators.
-    pub last_error: String,
-    /// The last HTTP status, if the failure came from a response.
-    pub last_status: Option<u16>,
-    /// Provider attempts spent before parking.
-    pub attempts: u32,
-    /// Delay before the first replay; `None` for classes that are never replayed automatically.
-    pub retry_in: Option<Duration>,
-    /// Position of the record in the ingest history ([`source_seq`]).
-    pub source_seq: i64,
-}
-
-/// The position of line `line` of ingest run `run_id`: `(run_id << 32) | line`. Later runs
-/// beat earlier runs; within a run, later lines beat earlier lines. Lines past 2^32 - 1 share
-/// the last position (a corpus that long is split into several runs in practice).
-pub fn source_seq(run_id: i64, line: u64) -> i64 {
-    (run_id << 32) | line.min(u32::MAX as u64) as i64
-}
-
-/// What one [`Store::store_batch`] changed.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct StoreCounts {
-    /// Vector rows inserted or whose content changed.
-    pub vectors_written: u64,
-    /// DLQ rows superseded by a stored vector.
-    pub dlq_resolved: u64,
-    /// Rows not written because the manifest already holds a newer record for the chunk.
-    pub superseded: u64,
-}
-
-/// What one [`Store::park_batch`] did.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct ParkCounts {
-    /// `parked` events written: DLQ rows inserted or whose content changed. A park onto a
-    /// row with the same content (a retried statement, a concurrent ingest) writes none.
-    pub events: u64,
-    /// Positions (in the input slice) of rows not written because the manifest already holds
-    /// a newer record for the chunk, or already has this content stored.
-    pub superseded: Vec<usize>,
 }
 
 /// The model and request parameters this store's ingests embed with, recorded on every DLQ
@@ -297,308 +232,6 @@ impl Store {
         out.extend(names.into_iter().filter(|n| *n != self.target.name));
         Ok(out)
     }
-
-    /// A new ingest run id (from a sequence): the high half of every [`source_seq`] of the run.
-    pub(crate) async fn next_run_id(&self) -> Result<i64, StoreError> {
-        Ok(sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&self.pool).await?)
-    }
-
-    /// Manifest rows for `keys` of this store's table: content hash and status of each chunk
-    /// that has finished an ingest before. One round trip.
-    pub(crate) async fn manifest_lookup(
-        &self,
-        keys: &[(String, i32)],
-    ) -> Result<HashMap<(String, i32), (String, ChunkStatus)>, StoreError> {
-        let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        let rows = sqlx::query(
-            "SELECT m.doc_id, m.chunk_index, m.content_hash, m.status
-               FROM ingest_manifest m
-               JOIN UNNEST($1::text[], $2::int[]) AS k(doc_id, chunk_index)
-                 ON m.doc_id = k.doc_id AND m.chunk_index = k.chunk_index
-              WHERE m.target_table = $3",
-        )
-        .bind(&docs)
-        .bind(&idxs)
-        .bind(&self.target.name)
-        .fetch_all(&self.pool)
-        .await?;
-        let mut out = HashMap::with_capacity(rows.len());
-        for r in rows {
-            let status: String = r.try_get("status")?;
-            let status = ChunkStatus::parse(&status).ok_or_else(|| {
-                StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {status:?}").into()))
-            })?;
-            out.insert(
-                (r.try_get("doc_id")?, r.try_get("chunk_index")?),
-                (r.try_get("content_hash")?, status),
-            );
-        }
-        Ok(out)
-    }
-
-    /// Upserts the manifest rows of a batch (first statement of a store or park transaction)
-    /// and returns the positions of the rows it accepted. Taking the row locks here, before
-    /// anything else, serialises racing writers of one chunk, and the statements after it see
-    /// whatever the previous holder committed.
-    async fn claim_manifest(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        keys: impl Iterator<Item = (&str, i32, &str, i64)>,
-        status: ChunkStatus,
-    ) -> Result<Vec<bool>, StoreError> {
-        let (mut docs, mut idxs, mut hashes, mut seqs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (d, i, h, s) in keys {
-            docs.push(d);
-            idxs.push(i);
-            hashes.push(h);
-            seqs.push(s);
-        }
-        let accepted = sqlx::query(MANIFEST_SQL)
-            .bind(&self.target.name)
-            .bind(&docs)
-            .bind(&idxs)
-            .bind(&hashes)
-            .bind(&seqs)
-            .bind(status.as_str())
-            .fetch_all(&mut *tx)
-            .await?;
-        let position: HashMap<(&str, i32), usize> =
-            docs.iter().zip(&idxs).enumerate().map(|(n, (d, i))| ((*d, *i), n)).collect();
-        let mut out = vec![false; docs.len()];
-        for r in &accepted {
-            let key: (String, i32) = (r.try_get("doc_id")?, r.try_get("chunk_index")?);
-            if let Some(&n) = position.get(&(key.0.as_str(), key.1)) {
-                out[n] = true;
-            }
-        }
-        Ok(out)
-    }
-
-    /// Stores a batch of vectors and everything that goes with them, atomically: manifest
-    /// `stored`, vector upsert (a no-op for unchanged content), any DLQ row of the chunk
-    /// resolved with a `resolved` event. A row whose chunk already holds a newer record is
-    /// not written (counted as superseded). Keys must be unique within the batch.
-    pub(crate) async fn store_batch(&self, rows: &[StoredChunk]) -> Result<StoreCounts, StoreError> {
-        if rows.is_empty() {
-            return Ok(StoreCounts::default());
-        }
-        let mut tx = self.pool.begin().await?;
-        let accepted = self
-            .claim_manifest(
-                &mut tx,
-                rows.iter()
-                    .map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
-                ChunkStatus::Stored,
-            )
-            .await?;
-        let keep: Vec<&StoredChunk> =
-            rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
-        let mut counts = StoreCounts { superseded: (rows.len() - keep.len()) as u64, ..Default::default() };
-        if !keep.is_empty() {
-            let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
-            let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
-            let hashes: Vec<&str> = keep.iter().map(|r| r.content_hash.as_str()).collect();
-            let vectors: Vec<Vector> = keep.iter().map(|r| Vector::from(r.embedding.clone())).collect();
-            let row = sqlx::query(AssertSqlSafe(self.target.store_sql.as_str()))
-                .bind(&self.target.name)
-                .bind(&docs)
-                .bind(&idxs)
-                .bind(&hashes)
-                .bind(&vectors)
-                .fetch_one(&mut *tx)
-                .await?;
-            counts.vectors_written = row.try_get::<i64, _>("vectors_written")? as u64;
-            counts.dlq_resolved = row.try_get::<i64, _>("dlq_resolved")? as u64;
-        }
-        tx.commit().await?;
-        Ok(counts)
-    }
-
-    /// Parks a batch: manifest status, DLQ rows and `parked` events, atomically. Idempotent
-    /// per content: a park onto a DLQ row that already holds the same content changes nothing
-    /// and announces nothing (a retried statement, a concurrent ingest of the same corpus); a
-    /// park of changed content restarts the row (attempts, replays, history) under a new
-    /// generation. Rows whose chunk already holds a newer record, or already has this content
-    /// stored, are not written (`superseded`). Keys must be unique within the batch.
-    pub async fn park_batch(&self, rows: &[ParkedChunk]) -> Result<ParkCounts, StoreError> {
-        if rows.is_empty() {
-            return Ok(ParkCounts::default());
-        }
-        let mut tx = self.pool.begin().await?;
-        let accepted = self
-            .claim_manifest(
-                &mut tx,
-                rows.iter()
-                    .map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
-                ChunkStatus::Parked,
-            )
-            .await?;
-        let mut counts = ParkCounts {
-            events: 0,
-            superseded: accepted.iter().enumerate().filter(|(_, a)| !**a).map(|(n, _)| n).collect(),
-        };
-        let keep: Vec<&ParkedChunk> =
-            rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
-        if !keep.is_empty() {
-            let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
-            let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
-            let hashes: Vec<&str> = keep.iter().map(|r| r.content_hash.as_str()).collect();
-            let payloads: Vec<&serde_json::Value> = keep.iter().map(|r| &r.payload).collect();
-            let classes: Vec<&str> = keep.iter().map(|r| r.class.as_str()).collect();
-            let reasons: Vec<&str> = keep.iter().map(|r| r.reason.as_str()).collect();
-            let errors: Vec<&str> = keep.iter().map(|r| r.last_error.as_str()).collect();
-            let statuses: Vec<Option<i32>> = keep.iter().map(|r| r.last_status.map(i32::from)).collect();
-            let attempts: Vec<i32> = keep.iter().map(|r| r.attempts.min(i32::MAX as u32) as i32).collect();
-            let retry_in: Vec<Option<f64>> =
-                keep.iter().map(|r| r.retry_in.map(|d| d.as_secs_f64())).collect();
-            let events: i64 = sqlx::query_scalar(PARK_SQL)
-                .bind(&self.target.name)
-                .bind(&docs)
-                .bind(&idxs)
-                .bind(&hashes)
-                .bind(sqlx::types::Json(&payloads))
-                .bind(&classes)
-                .bind(&reasons)
-                .bind(&errors)
-                .bind(&statuses)
-                .bind(&attempts)
-                .bind(&retry_in)
-                .bind(self.space.as_ref().map(|s| s.model.as_str()))
-                .bind(self.target.dimensions.min(i32::MAX as usize) as i32)
-                .bind(self.space.as_ref().and_then(|s| s.request_dimensions))
-                .fetch_one(&mut *tx)
-                .await?;
-            counts.events = events as u64;
-        }
-        tx.commit().await?;
-        Ok(counts)
-    }
-}
-
-/// First statement of a store or park: the manifest upsert, accepted only for a record at
-/// least as new as the one the manifest holds ($6 is the new status). A park of content that
-/// is already stored is not accepted either. Keys are locked in key order (no deadlock between
-/// writers whose batches overlap). Returns the accepted keys.
-const MANIFEST_SQL: &str = r#"
-WITH input AS (
-    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
-        AS t(doc_id, chunk_index, content_hash, source_seq)
-)
-INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
-SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq
-  FROM input ORDER BY doc_id, chunk_index
-ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
-    status       = CASE WHEN m.content_hash = EXCLUDED.content_hash AND m.status = 'exhausted'
-                             AND EXCLUDED.status = 'parked'
-                        THEN m.status ELSE EXCLUDED.status END,
-    updated_at   = CASE WHEN m.content_hash = EXCLUDED.content_hash
-                             AND (m.status = EXCLUDED.status
-                                  OR (m.status = 'exhausted' AND EXCLUDED.status = 'parked'))
-                        THEN m.updated_at ELSE now() END,
-    content_hash = EXCLUDED.content_hash,
-    source_seq   = EXCLUDED.source_seq
-  WHERE m.source_seq <= EXCLUDED.source_seq
-    AND NOT (EXCLUDED.status = 'parked' AND m.status = 'stored' AND m.content_hash = EXCLUDED.content_hash)
-RETURNING m.doc_id, m.chunk_index
-"#;
-
-/// Second statement of a park (rows the manifest accepted). Payloads travel as one JSON array
-/// (`jsonb_array_elements` keeps their order with the other arrays via `WITH ORDINALITY`),
-/// which avoids a jsonb[] round of per-element encoding. The DLQ upsert changes a row only
-/// when its content changed, so a repeated park is a no-op without an event.
-const PARK_SQL: &str = r#"
-WITH input AS (
-    SELECT k.doc_id, k.chunk_index, k.content_hash, p.payload, k.error_class, k.error_reason,
-           k.last_error, k.last_status, k.attempts, k.retry_in
-      FROM UNNEST($2::text[], $3::int[], $4::text[], $6::text[], $7::text[], $8::text[],
-                  $9::int[], $10::int[], $11::float8[])
-           WITH ORDINALITY AS k(doc_id, chunk_index, content_hash, error_class, error_reason,
-                                last_error, last_status, attempts, retry_in, n)
-      JOIN jsonb_array_elements($5::jsonb) WITH ORDINALITY AS p(payload, n) USING (n)
-), dlq AS (
-    INSERT INTO embedding_dlq AS q
-        (target_table, doc_id, chunk_index, content_hash, model, dimensions, request_dimensions,
-         payload, error_class, error_reason, last_error, last_status, attempts, next_retry_at,
-         error_history)
-    SELECT $1::text, doc_id, chunk_index, content_hash, $12::text, $13::int, $14::int,
-           payload, error_class, error_reason, last_error, last_status, attempts,
-           CASE WHEN retry_in IS NULL THEN NULL ELSE now() + make_interval(secs => retry_in) END,
-           jsonb_build_array(jsonb_build_object('at', now(), 'pass', 'ingest', 'error_class', error_class,
-                                                'error_reason', error_reason, 'status', last_status,
-                                                'attempts', attempts, 'error', last_error))
-      FROM input ORDER BY doc_id, chunk_index
-    ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
-        content_hash         = EXCLUDED.content_hash,
-        model                = EXCLUDED.model,
-        dimensions           = EXCLUDED.dimensions,
-        request_dimensions   = EXCLUDED.request_dimensions,
-        generation           = nextval('embed_dlq_generation_seq'),
-        payload              = EXCLUDED.payload,
-        error_class          = EXCLUDED.error_class,
-        error_reason         = EXCLUDED.error_reason,
-        last_error           = EXCLUDED.last_error,
-        last_status          = EXCLUDED.last_status,
-        attempts             = EXCLUDED.attempts,
-        replays              = 0,
-        first_failed_at      = now(),
-        last_failed_at       = now(),
-        next_retry_at        = EXCLUDED.next_retry_at,
-        enqueued_at          = NULL,
-        exhausted_at         = NULL,
-        exhausted_reason     = NULL,
-        last_error_signature = NULL,
-        same_error_count     = 0,
-        error_history        = EXCLUDED.error_history
-      WHERE q.content_hash IS DISTINCT FROM EXCLUDED.content_hash
-    RETURNING q.id, q.target_table, q.doc_id, q.chunk_index, q.generation, q.content_hash,
-              q.error_class, q.error_reason, q.attempts, q.first_failed_at, q.last_failed_at,
-              q.next_retry_at
-), events AS (
-    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-    SELECT 'parked', id, target_table, doc_id, chunk_index,
-           embed_dlq_event('parked', id, target_table, doc_id, chunk_index, generation,
-                           jsonb_build_object('content_hash', content_hash,
-                                              'error_class', error_class, 'error_reason', error_reason,
-                                              'attempts', attempts, 'first_failed_at', first_failed_at,
-                                              'last_failed_at', last_failed_at, 'next_retry_at', next_retry_at))
-      FROM dlq
-    RETURNING 1
-)
-SELECT count(*) FROM events
-"#;
-
-/// Second statement of a store (rows the manifest accepted) for one table ($1 is its
-/// canonical name): vector upsert, DLQ rows of the chunks resolved, `resolved` events.
-fn store_sql(table: &str) -> String {
-    format!(
-        r#"
-WITH input AS (
-    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::vector[])
-        AS t(doc_id, chunk_index, content_hash, embedding)
-), vectors AS (
-    INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
-    SELECT doc_id, chunk_index, content_hash, embedding FROM input ORDER BY doc_id, chunk_index
-    ON CONFLICT (doc_id, chunk_index) DO UPDATE
-        SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash, updated_at = now()
-        WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
-    RETURNING 1
-), resolved AS (
-    DELETE FROM embedding_dlq d USING input i
-     WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
-    RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
-), events AS (
-    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-    SELECT 'resolved', id, target_table, doc_id, chunk_index,
-           embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
-                           jsonb_build_object('error_class', error_class, 'attempts', attempts, 'at', now()))
-      FROM resolved
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM vectors) AS vectors_written,
-       (SELECT count(*) FROM resolved) AS dlq_resolved,
-       (SELECT count(*) FROM events) AS events_written
-"#
-    )
 }
 
 /// Quotes a possibly schema-qualified identifier (`a.b` → `"a"."b"`).
@@ -669,7 +302,7 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
         ));
     }
     Ok(TargetTable {
-        store_sql: store_sql(&name),
+        store_sql: ingest::store_sql(&name),
         quoted: name.clone(),
         name,
         dimensions: dims.expect("embedding checked"),
