@@ -24,6 +24,9 @@ pub struct Filter {
     /// Only this document.
     #[arg(long)]
     pub doc: Option<String>,
+    /// Only documents whose id starts with this (e.g. one source's prefix).
+    #[arg(long)]
+    pub doc_prefix: Option<String>,
     /// Only rows first parked at least this many seconds ago.
     #[arg(long)]
     pub older_than_secs: Option<u64>,
@@ -38,10 +41,11 @@ pub struct Filter {
 impl Filter {
     /// The filter as the store's statements take it.
     fn rows(&self) -> RowFilter {
-        let Filter { class, doc, older_than_secs, min_attempts, exhausted } = self;
+        let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted } = self;
         RowFilter {
             class: *class,
             doc: doc.clone(),
+            doc_prefix: doc_prefix.clone(),
             older_than_secs: *older_than_secs,
             min_attempts: *min_attempts,
             exhausted: *exhausted,
@@ -133,6 +137,11 @@ pub async fn requeue(
         }
     }
     Ok(outcome)
+}
+
+/// The rows `filter` selects (what `list` would page through, or `purge` delete).
+pub async fn count(store: &Store, filter: &Filter) -> Result<u64, StoreError> {
+    sql::count(store.pool(), &filter.rows()).await
 }
 
 /// Deletes matching rows for good (and their manifest rows, so a later ingest of the same

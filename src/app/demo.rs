@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
+use embed_dlq::dlq::{self, Filter};
 use embed_dlq::embed::retry::DlqSchedule;
 use embed_dlq::testkit::corpus::{CorpusSpec, demo_faults, write_corpus};
 use embed_dlq::testkit::mock_provider::MockProvider;
@@ -252,9 +253,8 @@ async fn outage_and_drain(
     let prefix = format!("demo-{run_id}-outage");
     let schedule = DlqSchedule { base: Duration::from_secs(1), ..pipeline.options.dlq_schedule };
     let provider_calls = ingest_during_outage(pipeline, mock, &prefix, chunks, schedule, &cancel).await?;
-    let pattern = format!("{prefix}-%");
-    let pool = pipeline.store.pool();
-    let parked_now = dlq_depth(pool, &pattern).await?;
+    let this_pass = Filter { doc_prefix: Some(format!("{prefix}-")), ..Filter::default() };
+    let parked_now = dlq::count(&pipeline.store, &this_pass).await?;
     if !json {
         println!(
             "outage: {parked_now} chunks parked as transient ({provider_calls} provider calls answered 503); the outage ends now"
@@ -274,7 +274,7 @@ async fn outage_and_drain(
     let mut left = parked_now;
     while left > 0 && started.elapsed() < Duration::from_secs(120) && !cancel.is_cancelled() {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        left = dlq_depth(pool, &pattern).await?;
+        left = dlq::count(&pipeline.store, &this_pass).await?;
         if !json {
             println!("  DLQ rows of this pass: {left:>6}  ({:.1}s)", started.elapsed().as_secs_f64());
         }
@@ -325,14 +325,6 @@ async fn ingest_during_outage(
         outage.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     mock.control.set_outage(false);
     Ok(parked.provider_calls)
-}
-
-/// DLQ rows whose `doc_id` matches `pattern` (SQL `LIKE`).
-async fn dlq_depth(pool: &sqlx::PgPool, pattern: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM embedding_dlq WHERE doc_id LIKE $1")
-        .bind(pattern)
-        .fetch_one(pool)
-        .await
 }
 
 /// `serve` as the demo runs it: two replayers on `schedule`, a fast relay poll, a short grace.

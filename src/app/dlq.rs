@@ -94,8 +94,13 @@ fn check_filter_bounds(filter: &Filter) -> Result<(), String> {
 /// Whether `filter` selects every row. Destructured exhaustively: a new filter field must be
 /// considered here, or an unfiltered requeue could slip past the confirmation.
 fn filter_is_empty(filter: &Filter) -> bool {
-    let Filter { class, doc, older_than_secs, min_attempts, exhausted } = filter;
-    class.is_none() && doc.is_none() && older_than_secs.is_none() && min_attempts.is_none() && !exhausted
+    let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted } = filter;
+    class.is_none()
+        && doc.is_none()
+        && doc_prefix.is_none()
+        && older_than_secs.is_none()
+        && min_attempts.is_none()
+        && !exhausted
 }
 
 /// Asks `question` on the terminal; whether the operator typed `yes`.

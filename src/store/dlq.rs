@@ -39,6 +39,8 @@ impl<'r> sqlx::Decode<'r, Postgres> for ErrorClass {
 pub(crate) struct RowFilter {
     pub class: Option<ErrorClass>,
     pub doc: Option<String>,
+    /// Rows whose `doc_id` starts with this.
+    pub doc_prefix: Option<String>,
     /// Rows first parked at least this many seconds ago.
     pub older_than_secs: Option<u64>,
     /// Rows with at least this many provider attempts.
@@ -55,6 +57,9 @@ impl RowFilter {
         }
         if let Some(d) = &self.doc {
             q.push(" AND doc_id = ").push_bind(d.clone());
+        }
+        if let Some(p) = &self.doc_prefix {
+            q.push(" AND starts_with(doc_id, ").push_bind(p.clone()).push(")");
         }
         if let Some(s) = self.older_than_secs {
             q.push(" AND first_failed_at <= now() - make_interval(secs => ").push_bind(s as f64).push(")");

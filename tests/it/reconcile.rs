@@ -324,6 +324,17 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     assert_eq!(embed_dlq::dlq::purge(&p.store, &filter, false).await.unwrap(), 3);
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
     assert_eq!(db.leaks().await, 0);
+    // A document prefix selects the documents that start with it, taken literally (`_` and
+    // `%` are not wildcards), and nothing else.
+    for (doc, n) in [("src1-a", 2), ("src1-b", 2), ("src10", 1), ("src1_x", 1), ("src2-a", 1)] {
+        park(&db, doc, n).await;
+    }
+    let prefix = |p: &str| embed_dlq::dlq::Filter { doc_prefix: Some(p.into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::count(&p.store, &prefix("src1-")).await.unwrap(), 4);
+    assert_eq!(embed_dlq::dlq::count(&p.store, &prefix("src1_")).await.unwrap(), 1);
+    assert_eq!(embed_dlq::dlq::count(&p.store, &prefix("src")).await.unwrap(), 7);
+    assert_eq!(embed_dlq::dlq::purge(&p.store, &prefix("src1-"), false).await.unwrap(), 4);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 3);
 }
 
 fn promtool() -> std::process::Command {
