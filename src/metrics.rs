@@ -11,7 +11,6 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use redis::aio::ConnectionManager;
 
 use crate::model::ErrorClass;
-use crate::reconcile::{Check, Report};
 use crate::store::Store;
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 
@@ -133,15 +132,6 @@ pub(crate) fn parked(class: ErrorClass, n: u64) {
     counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
 }
 
-/// Publishes a reconcile report.
-pub(crate) fn reconcile_report(r: &Report) {
-    for f in &r.findings {
-        gauge!(RECONCILE_FINDINGS, "check" => f.check.name()).set(f.found as f64);
-    }
-    gauge!(RECONCILE_DURATION).set(r.duration_secs);
-    gauge!(RECONCILE_LAST_SUCCESS).set(chrono::Utc::now().timestamp() as f64);
-}
-
 /// Samples the DLQ, outbox and stream gauges (a few cheap aggregate queries).
 pub(crate) async fn sample(
     store: &Store,
@@ -183,11 +173,4 @@ pub(crate) async fn sample(
         }
     }
     Ok(())
-}
-
-/// Every check name, so dashboards and alerts see zeros before the first finding.
-pub(crate) fn zero_findings() {
-    for c in Check::ALL {
-        gauge!(RECONCILE_FINDINGS, "check" => c.name()).set(0.0);
-    }
 }

@@ -613,3 +613,21 @@ impl Reconciler {
         }
     }
 }
+
+/// Publishes a reconcile report as gauges: findings by check, duration, time of success.
+pub(crate) fn publish_report(r: &Report) {
+    use crate::metrics::{RECONCILE_DURATION, RECONCILE_FINDINGS, RECONCILE_LAST_SUCCESS};
+    for f in &r.findings {
+        metrics::gauge!(RECONCILE_FINDINGS, "check" => f.check.name()).set(f.found as f64);
+    }
+    metrics::gauge!(RECONCILE_DURATION).set(r.duration_secs);
+    metrics::gauge!(RECONCILE_LAST_SUCCESS).set(chrono::Utc::now().timestamp() as f64);
+}
+
+/// Sets every check's findings gauge to zero, so dashboards and alerts see zeros before the
+/// first finding.
+pub(crate) fn publish_zero_findings() {
+    for c in Check::ALL {
+        metrics::gauge!(crate::metrics::RECONCILE_FINDINGS, "check" => c.name()).set(0.0);
+    }
+}

@@ -172,7 +172,7 @@ async fn sample_and_reconcile(
         keys: keys.clone(),
         config: Default::default(),
     };
-    crate::metrics::zero_findings();
+    crate::reconcile::publish_zero_findings();
     let mut last_reconcile = std::time::Instant::now();
     let mut first = true;
     while !stop.is_cancelled() {
@@ -183,7 +183,7 @@ async fn sample_and_reconcile(
             last_reconcile = std::time::Instant::now();
             match reconciler.run_once(crate::reconcile::Mode::Check).await {
                 Ok(r) => {
-                    crate::metrics::reconcile_report(&r);
+                    crate::reconcile::publish_report(&r);
                     if r.total_found() > 0 {
                         tracing::warn!(
                             findings = r.total_found(),
@@ -212,11 +212,11 @@ pub async fn reconcile_periodically(
     mut on_run: impl FnMut(Result<Report, ReconcileError>),
     cancel: &CancellationToken,
 ) {
-    crate::metrics::zero_findings();
+    crate::reconcile::publish_zero_findings();
     loop {
         let outcome = reconciler.run_once(mode).await;
         if let Ok(report) = &outcome {
-            crate::metrics::reconcile_report(report);
+            crate::reconcile::publish_report(report);
             let mut redis = reconciler.redis.clone();
             if let Err(e) = crate::metrics::sample(&reconciler.store, redis.as_mut(), &reconciler.keys).await
             {
