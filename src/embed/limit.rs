@@ -164,18 +164,23 @@ impl LocalBudget {
         }
     }
 
-    /// Takes `cells`, a burst at a time, waiting as needed.
-    async fn take(&self, mut cells: u64) {
+    /// Takes `cells`, a burst at a time, waiting as needed; `true` if it had to wait.
+    async fn take(&self, mut cells: u64) -> bool {
+        let mut waited = false;
         while cells > 0 {
             let chunk = cells.min(u64::from(self.burst)) as u32;
             loop {
                 match self.try_take(chunk) {
                     Ok(()) => break,
-                    Err(wait) => tokio::time::sleep(wait.max(Duration::from_millis(1))).await,
+                    Err(wait) => {
+                        waited = true;
+                        tokio::time::sleep(wait.max(Duration::from_millis(1))).await;
+                    }
                 }
             }
             cells -= u64::from(chunk);
         }
+        waited
     }
 }
 
@@ -426,19 +431,20 @@ impl ProviderLimiter {
     /// counts the request in flight until it is dropped.
     pub async fn acquire(&self, tokens: u64) -> Ticket<'_> {
         let started = Instant::now();
-        self.wait_for_pacing().await;
+        let mut delayed = self.wait_for_pacing().await;
         if self.config.any() {
             let tokens_for_budget = self.config.max_tokens_per_minute.map_or(0, |tpm| tokens.min(u64::from(tpm)));
-            let shared_done = match &self.shared {
+            let shared = match &self.shared {
                 Some(shared) => self.acquire_shared(shared, tokens_for_budget).await,
-                None => false,
+                None => None,
             };
-            if !shared_done {
-                self.acquire_local(tokens_for_budget).await;
-            }
+            delayed |= match shared {
+                Some(waited) => waited,
+                None => self.acquire_local(tokens_for_budget).await,
+            };
         }
-        let waited = started.elapsed();
-        if waited >= Duration::from_millis(1) {
+        if delayed {
+            let waited = started.elapsed();
             self.delayed.fetch_add(1, Ordering::Relaxed);
             self.waited_us.fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
             metrics::counter!(crate::metrics::LIMITER_DELAYED).increment(1);
@@ -449,19 +455,24 @@ impl ProviderLimiter {
         Ticket { limiter: self, tokens }
     }
 
-    async fn wait_for_pacing(&self) {
+    /// Waits out a header pause; `true` if there was one.
+    async fn wait_for_pacing(&self) -> bool {
+        let mut waited = false;
         loop {
             let until = self.pacing.lock().unwrap().paused_until;
             match until {
-                Some(t) if t > Instant::now() => tokio::time::sleep_until(t).await,
-                _ => return,
+                Some(t) if t > Instant::now() => {
+                    waited = true;
+                    tokio::time::sleep_until(t).await;
+                }
+                _ => return waited,
             }
         }
     }
 
-    /// Reserves the slot in Redis and waits for it; `false` when Redis failed (the caller
-    /// falls back to the local budget).
-    async fn acquire_shared(&self, shared: &SharedBudget, tokens: u64) -> bool {
+    /// Reserves the slot in Redis and waits for it: `Some(waited)`, or `None` when Redis
+    /// failed (the caller falls back to the local budget).
+    async fn acquire_shared(&self, shared: &SharedBudget, tokens: u64) -> Option<bool> {
         let rpm = self.config.max_requests_per_minute.unwrap_or(0);
         let tpm = self.config.max_tokens_per_minute.unwrap_or(0);
         match shared.call("acquire", rpm, tpm, tokens).await {
@@ -472,11 +483,11 @@ impl ProviderLimiter {
                 if !wait.is_zero() {
                     tokio::time::sleep(wait).await;
                 }
-                true
+                Some(!wait.is_zero())
             }
             Err(e) => {
                 self.shared_failed(shared, &e);
-                false
+                None
             }
         }
     }
@@ -488,14 +499,17 @@ impl ProviderLimiter {
         }
     }
 
-    async fn acquire_local(&self, tokens: u64) {
+    /// Takes from the local budgets; `true` if it had to wait.
+    async fn acquire_local(&self, tokens: u64) -> bool {
         let factor = self.aimd.lock().unwrap().current(Instant::now());
+        let mut waited = false;
         if let Some(requests) = &self.requests {
-            requests.take((f64::from(CELLS_PER_REQUEST) / factor).ceil() as u64).await;
+            waited |= requests.take((f64::from(CELLS_PER_REQUEST) / factor).ceil() as u64).await;
         }
         if let (Some(budget), true) = (&self.tokens, tokens > 0) {
-            budget.take(((tokens as f64) / factor).ceil() as u64).await;
+            waited |= budget.take(((tokens as f64) / factor).ceil() as u64).await;
         }
+        waited
     }
 
     /// Takes from the local budget without waiting: `Err` is how long until it could. For
