@@ -168,8 +168,10 @@ async fn three_processes(shared: bool) -> MockStats {
 async fn three_processes_with_shared_limits_get_no_429_where_unshared_ones_do() {
     // Each process alone stays under the account's limit; three together send 3x.
     let unshared = three_processes(false).await;
+    eprintln!("three unshared processes: {unshared:?}");
     assert!(unshared.over_limit > 0, "three unshared budgets overrun the account: {unshared:?}");
     let shared = three_processes(true).await;
+    eprintln!("three processes with --shared-limits: {shared:?}");
     assert_eq!(shared.over_limit, 0, "{shared:?}");
     assert_eq!(shared.rate_limited, 0, "{shared:?}");
     assert!(shared.requests >= 300, "{shared:?}");
