@@ -96,7 +96,7 @@ pub struct ProviderArgs {
     pub max_tokens_per_minute: Option<u32>,
     /// Keep the per-minute budgets in Redis, shared by every process using the same provider
     /// base URL and model (needs a Redis URL).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub shared_limits: Option<bool>,
 }
 
@@ -661,7 +661,18 @@ impl Settings {
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
         let options = IngestOptions { dlq_schedule, ..options };
         let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
-        Ok(Settings { database_url, redis_url, table, stream_prefix, client, options, retry, breaker, serve, limits })
+        Ok(Settings {
+            database_url,
+            redis_url,
+            table,
+            stream_prefix,
+            client,
+            options,
+            retry,
+            breaker,
+            serve,
+            limits,
+        })
     }
 
     /// The Postgres URL, required by every command that touches the database.
@@ -807,7 +818,8 @@ fn resolve_limits(
         Some((true, origin)) if !limits.any() => Err(ConfigError::Invalid {
             setting: "shared_limits",
             origin,
-            problem: "there is no budget to share: set max_requests_per_minute or max_tokens_per_minute".into(),
+            problem: "there is no budget to share: set max_requests_per_minute or max_tokens_per_minute"
+                .into(),
         }),
         Some((shared, _)) => Ok(LimitConfig { shared, ..limits }),
         None => Ok(limits),
@@ -1250,9 +1262,13 @@ impl IngestSettings {
     async fn limiter(&self) -> Result<crate::embed::limit::ProviderLimiter, PipelineError> {
         use crate::embed::limit::ProviderLimiter;
         match (&self.redis_url, self.limits.shared) {
-            (Some(url), true) => ProviderLimiter::with_redis(self.limits, url, &self.client.base_url, &self.client.model)
-                .await
-                .map_err(|e| PipelineError::Client(format!("cannot set up the shared rate limit in Redis: {e}"))),
+            (Some(url), true) => {
+                ProviderLimiter::with_redis(self.limits, url, &self.client.base_url, &self.client.model)
+                    .await
+                    .map_err(|e| {
+                        PipelineError::Client(format!("cannot set up the shared rate limit in Redis: {e}"))
+                    })
+            }
             _ => Ok(ProviderLimiter::local(self.limits)),
         }
     }

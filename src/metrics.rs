@@ -124,10 +124,19 @@ fn describe() {
         "Unix time of the last finished reconcile run."
     );
     describe_gauge!(RECONCILE_DURATION, metrics::Unit::Seconds, "Duration of the last reconcile run.");
-    describe_counter!(LIMITER_DELAYED, "Provider requests held back by the rate/token limiter or rate-limit headers.");
+    describe_counter!(
+        LIMITER_DELAYED,
+        "Provider requests held back by the rate/token limiter or rate-limit headers."
+    );
     describe_counter!(LIMITER_WAIT_MS, "Milliseconds provider requests waited for the limiter.");
-    describe_counter!(LIMITER_HEADER_PAUSES, "Pauses set because rate-limit headers said the provider was nearly out.");
-    describe_gauge!(LIMITER_FACTOR, "AIMD factor of the provider budget (1 = as configured; lower after 429s).");
+    describe_counter!(
+        LIMITER_HEADER_PAUSES,
+        "Pauses set because rate-limit headers said the provider was nearly out."
+    );
+    describe_gauge!(
+        LIMITER_FACTOR,
+        "AIMD factor of the provider budget (1 = as configured; lower after 429s)."
+    );
 }
 
 /// Counts one provider request.

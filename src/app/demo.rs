@@ -212,7 +212,8 @@ async fn limits_pass(
     settings.options.batch_max_inputs = 8;
     let mut pipeline = settings.pipeline().await?;
     pipeline.options.progress = false;
-    let spec = CorpusSpec { doc_prefix: format!("demo-{run_id}-limits"), chunks: 480, ..CorpusSpec::default() };
+    let spec =
+        CorpusSpec { doc_prefix: format!("demo-{run_id}-limits"), chunks: 480, ..CorpusSpec::default() };
     let mut corpus = Vec::new();
     write_corpus(&mut corpus, &spec, DEMO_MAX_INPUT_CHARS)?;
     pipeline.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -161,8 +161,9 @@ pub enum EmbedError {
 pub struct EmbedResponse {
     /// One entry per input, in input order: a usable vector or the reason it is not.
     pub items: Vec<Result<Vec<f32>, VectorProblem>>,
-    /// `usage.total_tokens` as the provider reported it (some count characters: informative
-    /// only, never used for budgeting).
+    /// `usage.total_tokens` as the provider reported it. Some servers count characters, so
+    /// the limiter only corrects its token estimate from it when the ratio is plausible
+    /// (see [`super::limit::USAGE_PLAUSIBLE`]).
     pub reported_tokens: u64,
 }
 

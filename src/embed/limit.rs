@@ -118,9 +118,8 @@ impl Aimd {
         match self.at {
             None => 1.0,
             Some(at) => {
-                let windows = (now.saturating_duration_since(at).as_secs_f64()
-                    / AIMD_WINDOW.as_secs_f64())
-                .floor();
+                let windows =
+                    (now.saturating_duration_since(at).as_secs_f64() / AIMD_WINDOW.as_secs_f64()).floor();
                 (self.base + windows * AIMD_STEP).min(1.0)
             }
         }
@@ -262,9 +261,8 @@ impl RateHeaders {
     /// to [`MAX_HEADER_COUNT`] and durations to [`MAX_PACING_WAIT`].
     pub fn parse(headers: &HeaderMap) -> Self {
         let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
-        let count = |name: &str| {
-            text(name).and_then(|s| s.parse::<u64>().ok()).map(|n| n.min(MAX_HEADER_COUNT))
-        };
+        let count =
+            |name: &str| text(name).and_then(|s| s.parse::<u64>().ok()).map(|n| n.min(MAX_HEADER_COUNT));
         let duration = |name: &str| text(name).and_then(parse_reset).map(|d| d.min(MAX_PACING_WAIT));
         RateHeaders {
             limit_requests: count("x-ratelimit-limit-requests"),
@@ -409,8 +407,12 @@ impl ProviderLimiter {
         let script = limit_script();
         script.prepare_invoke().load_async(&mut conn).await?;
         let mut limiter = ProviderLimiter::local(config);
-        limiter.shared =
-            Some(SharedBudget { conn, key: shared_key(base_url, model), script, warned: AtomicBool::new(false) });
+        limiter.shared = Some(SharedBudget {
+            conn,
+            key: shared_key(base_url, model),
+            script,
+            warned: AtomicBool::new(false),
+        });
         Ok(limiter)
     }
 
@@ -433,7 +435,8 @@ impl ProviderLimiter {
         let started = Instant::now();
         let mut delayed = self.wait_for_pacing().await;
         if self.config.any() {
-            let tokens_for_budget = self.config.max_tokens_per_minute.map_or(0, |tpm| tokens.min(u64::from(tpm)));
+            let tokens_for_budget =
+                self.config.max_tokens_per_minute.map_or(0, |tpm| tokens.min(u64::from(tpm)));
             let shared = match &self.shared {
                 Some(shared) => self.acquire_shared(shared, tokens_for_budget).await,
                 None => None,
@@ -627,9 +630,9 @@ impl ProviderLimiter {
 /// (60 s / limit per unit), else the whole `reset`; never longer than `reset` when both are
 /// known, and [`MAX_PACING_WAIT`] at most.
 fn refill_wait(missing: u64, limit: Option<u64>, reset: Option<Duration>) -> Duration {
-    let by_rate = limit
-        .filter(|&l| l > 0)
-        .map(|l| Duration::from_secs_f64((60.0 * missing as f64 / l as f64).min(MAX_PACING_WAIT.as_secs_f64())));
+    let by_rate = limit.filter(|&l| l > 0).map(|l| {
+        Duration::from_secs_f64((60.0 * missing as f64 / l as f64).min(MAX_PACING_WAIT.as_secs_f64()))
+    });
     let wait = match (by_rate, reset) {
         (Some(r), Some(reset)) => r.min(reset),
         (Some(r), None) => r,
@@ -708,7 +711,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_429_shrinks_the_local_budget() {
         // 600 requests a minute: a burst of 10, then one every 100 ms.
-        let limiter = ProviderLimiter::local(LimitConfig { max_requests_per_minute: Some(600), ..Default::default() });
+        let limiter =
+            ProviderLimiter::local(LimitConfig { max_requests_per_minute: Some(600), ..Default::default() });
         for _ in 0..10 {
             assert_eq!(limiter.try_acquire_local(0), Ok(()));
         }

@@ -425,7 +425,7 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     }
     let limit_headers = match admit_within_limits(&shared, &inputs) {
         Ok(headers) => headers,
-        Err(refusal) => return Ok(refusal),
+        Err(refusal) => return Ok(*refusal),
     };
     if let Some(refusal) = input_refusal(&shared, &inputs, &echo) {
         return Ok(refusal);
@@ -479,7 +479,8 @@ impl Bucket {
 
     /// `(limit, remaining, reset)` header values, OpenAI style.
     fn headers(&self, kind: &str) -> [(String, String); 3] {
-        let reset = Duration::from_secs_f64((self.capacity - self.level).max(0.0) * 60.0 / self.per_minute as f64);
+        let reset =
+            Duration::from_secs_f64((self.capacity - self.level).max(0.0) * 60.0 / self.per_minute as f64);
         [
             (format!("x-ratelimit-limit-{kind}"), self.per_minute.to_string()),
             (format!("x-ratelimit-remaining-{kind}"), (self.level.max(0.0).floor() as u64).to_string()),
@@ -520,7 +521,7 @@ fn mock_tokens(inputs: &[String]) -> u64 {
 
 /// Charges the request to the account's limits: `Ok` with the headers to send, or a 429 with
 /// `Retry-After`, `retry-after-ms` and the same headers when it is over a limit.
-fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String, String)>, Reply> {
+fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String, String)>, Box<Reply>> {
     let mut limits = shared.limits.lock().unwrap();
     if limits.requests.is_none() && limits.tokens.is_none() {
         return Ok(Vec::new());
@@ -558,16 +559,18 @@ fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String
     let ms = (wait.as_secs_f64() * 1000.0).ceil() as u64;
     headers.push(("retry-after-ms".into(), ms.to_string()));
     headers.push(("retry-after".into(), ms.div_ceil(1000).to_string()));
-    let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached for requests");
+    let mut r =
+        error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached for requests");
     add_headers(&mut r, &headers);
-    Err(r)
+    Err(Box::new(r))
 }
 
 fn add_headers(r: &mut Reply, headers: &[(String, String)]) {
     for (name, value) in headers {
-        if let (Ok(n), Ok(v)) =
-            (hyper::header::HeaderName::from_bytes(name.as_bytes()), hyper::header::HeaderValue::from_str(value))
-        {
+        if let (Ok(n), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(name.as_bytes()),
+            hyper::header::HeaderValue::from_str(value),
+        ) {
             r.headers_mut().insert(n, v);
         }
     }

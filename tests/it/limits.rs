@@ -35,7 +35,10 @@ async fn an_in_process_token_budget_gets_no_429_where_an_unlimited_run_does() {
     let summary = pipeline(&s).await.run(input(corpus("free", 600)), CancellationToken::new()).await.unwrap();
     assert_eq!(summary.records, 600);
     let unlimited = mock.control.stats();
-    assert!(unlimited.over_limit > 0, "the corpus must be bigger than the account allows at once: {unlimited:?}");
+    assert!(
+        unlimited.over_limit > 0,
+        "the corpus must be bigger than the account allows at once: {unlimited:?}"
+    );
     mock.shutdown().await;
 
     // With the same budget as the account: every request waits its turn, none is refused.
@@ -60,7 +63,8 @@ async fn rate_limit_headers_pace_requests_before_the_provider_says_429() {
     let db = TestDb::new().await;
     // 1200 requests a minute, one second's worth (20) at once; headers on every answer.
     let mock =
-        start_mock(MockConfig { rpm_limit: Some(1_200), limit_window_ms: 1_000, ..MockConfig::default() }).await;
+        start_mock(MockConfig { rpm_limit: Some(1_200), limit_window_ms: 1_000, ..MockConfig::default() })
+            .await;
     let mut s = settings(&db, &mock);
     // No budget of our own: only the headers can keep us under the limit.
     s.options.concurrency = 1;
@@ -106,7 +110,8 @@ async fn a_429_seen_by_one_process_shrinks_the_shared_budget_for_all() {
     let key = shared_key(&base, "m");
     assert!(key.starts_with("embed-dlq:limit:") && !key.contains("invalid") && !key.contains("http"));
     let mut redis = redis().await;
-    let factor: Option<String> = redis::cmd("HGET").arg(&key).arg("factor").query_async(&mut redis).await.unwrap();
+    let factor: Option<String> =
+        redis::cmd("HGET").arg(&key).arg("factor").query_async(&mut redis).await.unwrap();
     assert_eq!(factor.as_deref(), Some("0.500000"));
 }
 
@@ -122,7 +127,11 @@ async fn three_processes(shared: bool) -> MockStats {
         ..MockConfig::default()
     })
     .await;
-    let dir = std::env::temp_dir().join(format!("embed-dlq-limits-{}-{}", std::process::id(), rand::random::<u64>()));
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-limits-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let mut children = Vec::new();
     for p in 0..3 {
