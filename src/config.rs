@@ -1727,4 +1727,33 @@ reconcile_every_secs = 7
         .unwrap_err();
         assert!(err.to_string().contains("from flag --concurrency"), "{err}");
     }
+
+    #[test]
+    fn provider_limits_are_bounded_and_sharing_needs_redis_and_a_budget() {
+        let s = resolve(FileConfig::default(), None).unwrap();
+        assert_eq!(s.limits, LimitConfig::default(), "off by default");
+        let f = file(
+            "[services]\ndatabase_url = \"postgres://d\"\nredis_url = \"redis://r\"\n[provider]\nmax_requests_per_minute = 3000\nmax_tokens_per_minute = 90000\nshared_limits = true\n",
+        );
+        let s = resolve(FileConfig::default(), Some(&f)).unwrap();
+        assert_eq!(
+            s.limits,
+            LimitConfig {
+                max_requests_per_minute: Some(3000),
+                max_tokens_per_minute: Some(90000),
+                shared: true
+            }
+        );
+        let ingest = s.ingest().unwrap();
+        assert_eq!((ingest.limits, ingest.redis_url.as_deref()), (s.limits, Some("redis://r")));
+        let bad = |text: &str| resolve(FileConfig::default(), Some(&file(text))).unwrap_err().to_string();
+        let err = bad("[provider]\nmax_requests_per_minute = 0\n");
+        assert!(err.contains("max_requests_per_minute") && err.contains("1..=10000000"), "{err}");
+        let err = bad("[provider]\nmax_tokens_per_minute = 3000000000\n");
+        assert!(err.contains("max_tokens_per_minute"), "{err}");
+        let err = bad("[provider]\nmax_requests_per_minute = 10\nshared_limits = true\n");
+        assert!(err.contains("redis_url"), "sharing needs Redis: {err}");
+        let err = bad("[services]\nredis_url = \"redis://r\"\n[provider]\nshared_limits = true\n");
+        assert!(err.contains("no budget to share"), "{err}");
+    }
 }
