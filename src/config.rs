@@ -39,6 +39,7 @@ use serde::Deserialize;
 
 use crate::embed::client::{ClientConfig, EncodingFormat};
 use crate::embed::gate::BreakerConfig;
+use crate::embed::limit::LimitConfig;
 use crate::embed::retry::{DlqSchedule, RetryPolicy};
 use crate::ingest::IngestOptions;
 use crate::relay::RelayConfig;
@@ -85,6 +86,18 @@ pub struct ProviderArgs {
     /// Per-request timeout, 100..=600000 ms.
     #[arg(long)]
     pub request_timeout_ms: Option<u64>,
+    /// Requests per minute sent to the provider, paced before sending, 1..=10000000 (off by
+    /// default).
+    #[arg(long)]
+    pub max_requests_per_minute: Option<u32>,
+    /// Estimated tokens per minute (4 characters a token) sent to the provider,
+    /// 1..=2000000000 (off by default).
+    #[arg(long)]
+    pub max_tokens_per_minute: Option<u32>,
+    /// Keep the per-minute budgets in Redis, shared by every process using the same provider
+    /// base URL and model (needs a Redis URL).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub shared_limits: Option<bool>,
 }
 
 /// Target table, batching, concurrency and limits.
@@ -329,6 +342,10 @@ pub mod bounds {
     pub const NAME_CHARS: RangeInclusive<usize> = 1..=128;
     /// Characters of a model name.
     pub const MODEL_CHARS: RangeInclusive<usize> = 1..=256;
+    /// `max_requests_per_minute`: up to ten million requests a minute.
+    pub const MAX_REQUESTS_PER_MINUTE: RangeInclusive<u32> = 1..=10_000_000;
+    /// `max_tokens_per_minute`: up to two billion estimated tokens a minute.
+    pub const MAX_TOKENS_PER_MINUTE: RangeInclusive<u32> = 1..=2_000_000_000;
     /// Extra headers.
     pub const MAX_HEADERS: usize = 32;
     /// Postgres truncates identifiers longer than 63 bytes; we refuse them instead.
@@ -564,6 +581,8 @@ pub struct Settings {
     pub breaker: BreakerConfig,
     /// What `serve` runs besides the shared settings.
     pub serve: ServeSettings,
+    /// Provider budgets (requests and tokens per minute), local or shared through Redis.
+    pub limits: LimitConfig,
 }
 
 impl fmt::Debug for Settings {
@@ -578,6 +597,7 @@ impl fmt::Debug for Settings {
             .field("retry", &self.retry)
             .field("breaker", &self.breaker)
             .field("serve", &self.serve)
+            .field("limits", &self.limits)
             .finish()
     }
 }
@@ -629,13 +649,30 @@ impl Settings {
         // does not compile (or warns as unused), so no setting can be silently ignored.
         let FileConfig { services, provider, ingest, retry, serve } = flags;
         let (database_url, redis_url) = resolve_services(&r.section("services"), services, &f.services)?;
-        let client = resolve_provider(&r.section("provider"), provider, &f.provider)?;
+        let (client, limits) = resolve_provider(&r.section("provider"), provider, &f.provider)?;
+        if limits.shared && redis_url.is_none() {
+            return Err(ConfigError::Missing {
+                setting: "redis_url",
+                hint: "shared_limits keeps the provider budget in Redis: set REDIS_URL, --redis-url or [services] redis_url",
+            });
+        }
         let (table, options) = resolve_ingest(&r.section("ingest"), ingest, &f.ingest)?;
         let RetryParts { retry, breaker, dlq_schedule } =
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
         let options = IngestOptions { dlq_schedule, ..options };
         let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
-        Ok(Settings { database_url, redis_url, table, stream_prefix, client, options, retry, breaker, serve })
+        Ok(Settings {
+            database_url,
+            redis_url,
+            table,
+            stream_prefix,
+            client,
+            options,
+            retry,
+            breaker,
+            serve,
+            limits,
+        })
     }
 
     /// The Postgres URL, required by every command that touches the database.
@@ -668,6 +705,8 @@ impl Settings {
             options: self.options.clone(),
             retry: self.retry,
             breaker: self.breaker,
+            limits: self.limits,
+            redis_url: self.redis_url.clone(),
         })
     }
 }
@@ -692,12 +731,13 @@ fn resolve_services(
     Ok((database_url, redis_url))
 }
 
-/// `[provider]`: the provider client, with the API key read from the variable it names.
+/// `[provider]`: the provider client, with the API key read from the variable it names, and
+/// the provider budgets.
 fn resolve_provider(
     r: &Resolver<'_>,
     flags: ProviderArgs,
     file: &ProviderArgs,
-) -> Result<ClientConfig, ConfigError> {
+) -> Result<(ClientConfig, LimitConfig), ConfigError> {
     let ProviderArgs {
         base_url,
         model,
@@ -707,6 +747,9 @@ fn resolve_provider(
         api_key_header,
         headers,
         request_timeout_ms,
+        max_requests_per_minute,
+        max_tokens_per_minute,
+        shared_limits,
     } = flags;
     let base_url = r
         .text("base_url", base_url, file.base_url.clone(), check_base_url)?
@@ -742,7 +785,8 @@ fn resolve_provider(
         DEFAULT_REQUEST_TIMEOUT_MS,
         bounds::REQUEST_TIMEOUT_MS,
     )?;
-    Ok(ClientConfig {
+    let limits = resolve_limits(r, (max_requests_per_minute, max_tokens_per_minute, shared_limits), file)?;
+    let client = ClientConfig {
         base_url,
         model,
         request_dimensions,
@@ -751,7 +795,35 @@ fn resolve_provider(
         api_key_header,
         extra_headers,
         timeout: Duration::from_millis(timeout_ms),
-    })
+    };
+    Ok((client, limits))
+}
+
+/// The `[provider]` budgets: off unless set; shared only with a budget to share.
+fn resolve_limits(
+    r: &Resolver<'_>,
+    (rpm, tpm, shared): (Option<u32>, Option<u32>, Option<bool>),
+    file: &ProviderArgs,
+) -> Result<LimitConfig, ConfigError> {
+    let max_requests_per_minute = r.num_opt(
+        "max_requests_per_minute",
+        rpm,
+        file.max_requests_per_minute,
+        bounds::MAX_REQUESTS_PER_MINUTE,
+    )?;
+    let max_tokens_per_minute =
+        r.num_opt("max_tokens_per_minute", tpm, file.max_tokens_per_minute, bounds::MAX_TOKENS_PER_MINUTE)?;
+    let limits = LimitConfig { max_requests_per_minute, max_tokens_per_minute, shared: false };
+    match r.pick("shared_limits", shared, file.shared_limits) {
+        Some((true, origin)) if !limits.any() => Err(ConfigError::Invalid {
+            setting: "shared_limits",
+            origin,
+            problem: "there is no budget to share: set max_requests_per_minute or max_tokens_per_minute"
+                .into(),
+        }),
+        Some((shared, _)) => Ok(LimitConfig { shared, ..limits }),
+        None => Ok(limits),
+    }
 }
 
 /// The extra `Name: value` headers, checked here so that a bad one fails the command instead
@@ -1060,6 +1132,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("encoding_format", format!("{:?}", s.client.encoding).to_lowercase()),
         ("api_key_env", DEFAULT_API_KEY_ENV.to_string()),
         ("request_timeout_ms", millis(s.client.timeout).to_string()),
+        ("shared_limits", s.limits.shared.to_string()),
         ("table", s.table.clone()),
         ("batch_max_inputs", o.batch_max_inputs.to_string()),
         ("batch_max_chars", o.batch_max_chars.to_string()),
@@ -1104,6 +1177,10 @@ pub struct IngestSettings {
     pub retry: RetryPolicy,
     /// Circuit breaker and outage limit.
     pub breaker: BreakerConfig,
+    /// Provider budgets; [`IngestSettings::pipeline`] puts one limiter in front of the client.
+    pub limits: LimitConfig,
+    /// Redis URL (may hold a password), needed only by shared limits.
+    pub redis_url: Option<String>,
 }
 
 impl fmt::Debug for IngestSettings {
@@ -1115,6 +1192,8 @@ impl fmt::Debug for IngestSettings {
             .field("options", &self.options)
             .field("retry", &self.retry)
             .field("breaker", &self.breaker)
+            .field("limits", &self.limits)
+            .field("redis_url", &self.redis_url.as_deref().map(redact_password))
             .finish()
     }
 }
@@ -1164,8 +1243,9 @@ impl IngestSettings {
         let store = store::Store::open(pool, &self.table)
             .await?
             .with_model(&self.client.model, self.client.request_dimensions);
-        let client =
-            crate::embed::client::EmbedClient::new(self.client.clone()).map_err(PipelineError::Client)?;
+        let client = crate::embed::client::EmbedClient::new(self.client.clone())
+            .map_err(PipelineError::Client)?
+            .with_limiter(std::sync::Arc::new(self.limiter().await?));
         let embedder = crate::embed::Embedder {
             client,
             gate: std::sync::Arc::new(crate::embed::gate::ProviderGate::new(self.breaker)),
@@ -1173,6 +1253,24 @@ impl IngestSettings {
             dimensions: store.target().dimensions,
         };
         Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
+    }
+}
+
+impl IngestSettings {
+    /// The provider limiter of this pipeline: shared through Redis with `shared_limits`, else
+    /// local to the process.
+    async fn limiter(&self) -> Result<crate::embed::limit::ProviderLimiter, PipelineError> {
+        use crate::embed::limit::ProviderLimiter;
+        match (&self.redis_url, self.limits.shared) {
+            (Some(url), true) => {
+                ProviderLimiter::with_redis(self.limits, url, &self.client.base_url, &self.client.model)
+                    .await
+                    .map_err(|e| {
+                        PipelineError::Client(format!("cannot set up the shared rate limit in Redis: {e}"))
+                    })
+            }
+            _ => Ok(ProviderLimiter::local(self.limits)),
+        }
     }
 }
 
@@ -1628,5 +1726,34 @@ reconcile_every_secs = 7
         )
         .unwrap_err();
         assert!(err.to_string().contains("from flag --concurrency"), "{err}");
+    }
+
+    #[test]
+    fn provider_limits_are_bounded_and_sharing_needs_redis_and_a_budget() {
+        let s = resolve(FileConfig::default(), None).unwrap();
+        assert_eq!(s.limits, LimitConfig::default(), "off by default");
+        let f = file(
+            "[services]\ndatabase_url = \"postgres://d\"\nredis_url = \"redis://r\"\n[provider]\nmax_requests_per_minute = 3000\nmax_tokens_per_minute = 90000\nshared_limits = true\n",
+        );
+        let s = resolve(FileConfig::default(), Some(&f)).unwrap();
+        assert_eq!(
+            s.limits,
+            LimitConfig {
+                max_requests_per_minute: Some(3000),
+                max_tokens_per_minute: Some(90000),
+                shared: true
+            }
+        );
+        let ingest = s.ingest().unwrap();
+        assert_eq!((ingest.limits, ingest.redis_url.as_deref()), (s.limits, Some("redis://r")));
+        let bad = |text: &str| resolve(FileConfig::default(), Some(&file(text))).unwrap_err().to_string();
+        let err = bad("[provider]\nmax_requests_per_minute = 0\n");
+        assert!(err.contains("max_requests_per_minute") && err.contains("1..=10000000"), "{err}");
+        let err = bad("[provider]\nmax_tokens_per_minute = 3000000000\n");
+        assert!(err.contains("max_tokens_per_minute"), "{err}");
+        let err = bad("[provider]\nmax_requests_per_minute = 10\nshared_limits = true\n");
+        assert!(err.contains("redis_url"), "sharing needs Redis: {err}");
+        let err = bad("[services]\nredis_url = \"redis://r\"\n[provider]\nshared_limits = true\n");
+        assert!(err.contains("no budget to share"), "{err}");
     }
 }

@@ -40,6 +40,10 @@ pub(crate) const STREAM_LAG: &str = "embed_dlq_stream_lag";
 pub(crate) const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
 pub(crate) const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
 pub(crate) const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
+pub(crate) const LIMITER_DELAYED: &str = "embed_dlq_limiter_delayed_requests_total";
+pub(crate) const LIMITER_WAIT_MS: &str = "embed_dlq_limiter_wait_milliseconds_total";
+pub(crate) const LIMITER_HEADER_PAUSES: &str = "embed_dlq_limiter_header_pauses_total";
+pub(crate) const LIMITER_FACTOR: &str = "embed_dlq_limiter_factor";
 
 /// Why the exporter could not start, or a sample could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +123,19 @@ fn describe() {
         "Unix time of the last finished reconcile run."
     );
     describe_gauge!(RECONCILE_DURATION, metrics::Unit::Seconds, "Duration of the last reconcile run.");
+    describe_counter!(
+        LIMITER_DELAYED,
+        "Provider requests held back by the rate/token limiter or rate-limit headers."
+    );
+    describe_counter!(LIMITER_WAIT_MS, "Milliseconds provider requests waited for the limiter.");
+    describe_counter!(
+        LIMITER_HEADER_PAUSES,
+        "Pauses set because rate-limit headers said the provider was nearly out."
+    );
+    describe_gauge!(
+        LIMITER_FACTOR,
+        "AIMD factor of the provider budget (1 = as configured; lower after 429s)."
+    );
 }
 
 /// Counts one provider request.

@@ -253,6 +253,14 @@ pub struct MockProviderCommand {
     /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
     #[arg(long, default_value = "{}")]
     pub settings: String,
+    /// Requests per minute of the mock account (beyond it: 429 with Retry-After and
+    /// x-ratelimit-* headers), 1..=10000000000; overrides `rpm_limit` of --settings.
+    #[arg(long)]
+    pub rpm_limit: Option<u64>,
+    /// Tokens per minute of the mock account (characters / 4), 1..=10000000000; overrides
+    /// `tpm_limit` of --settings.
+    #[arg(long)]
+    pub tpm_limit: Option<u64>,
 }
 
 /// The arguments of `demo`.

@@ -65,6 +65,7 @@ async fn run(
         return Ok(exit::INTERRUPTED);
     };
     let (leaks, duplicates) = seed_checks(&pipeline.store).await?;
+    let limits_held = limits_pass(database_url, &run_id, concurrency, json, &cancel).await?;
     if !json {
         println!("\n== pass 3: provider outage, then replay drains the DLQ ==");
     }
@@ -88,7 +89,8 @@ async fn run(
         && calls_second == 0
         && accounted == first.records
         && drained
-        && reconciled;
+        && reconciled
+        && limits_held;
     if !ok {
         eprintln!(
             "embed-dlq: demo checks FAILED (leaks {leaks}, duplicates {duplicates}, pass-2 calls {calls_second}, accounted {accounted}/{})",
@@ -182,6 +184,54 @@ async fn ingest_twice(
         writeln!(out, "provider requests seen by the mock in pass 2: {calls_second}")?;
     }
     Ok(Some((first, calls_second)))
+}
+
+/// The mock account of the limits pass: requests a minute, two seconds' worth at once.
+const DEMO_ACCOUNT_RPM: u32 = 1_200;
+
+/// Pass 2b: a small corpus against a mock account that enforces a request limit, with the
+/// same budget on our side (`max_requests_per_minute`): the limiter holds requests back
+/// and the provider never answers 429. Returns whether it did.
+async fn limits_pass(
+    database_url: &str,
+    run_id: &str,
+    concurrency: usize,
+    json: bool,
+    cancel: &CancellationToken,
+) -> anyhow::Result<bool> {
+    use embed_dlq::testkit::mock_provider::MockConfig;
+    let account = MockConfig {
+        rpm_limit: Some(u64::from(DEMO_ACCOUNT_RPM)),
+        limit_window_ms: 2_000,
+        ..MockConfig::default()
+    };
+    let mock = MockProvider::start(account, SocketAddr::from(([127, 0, 0, 1], 0)), cancel.clone())
+        .await
+        .context("starting the rate-limited mock provider")?;
+    let mut settings = demo_settings(database_url, &mock, concurrency)?;
+    settings.limits.max_requests_per_minute = Some(DEMO_ACCOUNT_RPM);
+    settings.options.batch_max_inputs = 8;
+    let mut pipeline = settings.pipeline().await?;
+    pipeline.options.progress = false;
+    let spec =
+        CorpusSpec { doc_prefix: format!("demo-{run_id}-limits"), chunks: 480, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    write_corpus(&mut corpus, &spec, DEMO_MAX_INPUT_CHARS)?;
+    pipeline.run(std::io::Cursor::new(corpus), cancel.clone()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let served = mock.control.stats();
+    let limiter = pipeline.embedder.client.limiter().stats();
+    mock.shutdown().await;
+    if !json {
+        println!("\n== pass 2b: provider limits (--max-requests-per-minute {DEMO_ACCOUNT_RPM}) ==");
+        println!(
+            "limiter: {} requests to an account of {DEMO_ACCOUNT_RPM}/min, {} answered 429; the budget held {} back ({:.1}s of waiting summed over them)",
+            served.requests,
+            served.over_limit,
+            limiter.delayed_requests,
+            limiter.waited.as_secs_f64()
+        );
+    }
+    Ok(served.over_limit == 0 || cancel.is_cancelled())
 }
 
 /// The seed's leak and duplicate counts over the demo's table (both must be zero).

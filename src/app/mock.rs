@@ -10,11 +10,13 @@ use super::exit;
 /// Runs the mock on `--listen` with `--settings` (JSON keys of [`MockConfig`]) until
 /// `cancel`; returns the exit code.
 pub async fn command(args: MockProviderCommand, cancel: CancellationToken) -> i32 {
-    let MockProviderCommand { listen, settings } = args;
-    let config: MockConfig = match serde_json::from_str(&settings) {
+    let MockProviderCommand { listen, settings, rpm_limit, tpm_limit } = args;
+    let mut config: MockConfig = match serde_json::from_str(&settings) {
         Ok(c) => c,
         Err(e) => return exit::fail(exit::USAGE, &format!("--settings: {e}")),
     };
+    config.rpm_limit = rpm_limit.or(config.rpm_limit);
+    config.tpm_limit = tpm_limit.or(config.tpm_limit);
     if let Err(e) = check_mock_config(&config) {
         return exit::fail(exit::USAGE, &format!("--settings: {e}"));
     }
@@ -31,6 +33,10 @@ pub async fn command(args: MockProviderCommand, cancel: CancellationToken) -> i3
 
 /// Longest wait the mock may be told to add (latency, hold, outage, Retry-After): 1 day.
 pub const MOCK_MAX_MS: u64 = 86_400_000;
+/// Largest `rpm_limit`/`tpm_limit` of the mock's account.
+pub const MOCK_MAX_LIMIT: u64 = 10_000_000_000;
+/// Longest `limit_window_ms`: an hour's worth of a per-minute limit at once.
+pub const MOCK_MAX_LIMIT_WINDOW_MS: u64 = 3_600_000;
 
 /// Bounds of the mock provider's settings: rates are probabilities, dimensions fit pgvector,
 /// waits are at most [`MOCK_MAX_MS`].
@@ -59,6 +65,19 @@ fn check_mock_config(c: &MockConfig) -> Result<(), String> {
             return Err(format!("{name} = {ms} is out of range: allowed 0..={MOCK_MAX_MS}"));
         }
     }
+    for (name, limit) in [("rpm_limit", c.rpm_limit), ("tpm_limit", c.tpm_limit)] {
+        if let Some(n) = limit
+            && !(1..=MOCK_MAX_LIMIT).contains(&n)
+        {
+            return Err(format!("{name} = {n} is out of range: allowed 1..={MOCK_MAX_LIMIT}"));
+        }
+    }
+    if !(1..=MOCK_MAX_LIMIT_WINDOW_MS).contains(&c.limit_window_ms) {
+        return Err(format!(
+            "limit_window_ms = {} is out of range: allowed 1..={MOCK_MAX_LIMIT_WINDOW_MS}",
+            c.limit_window_ms
+        ));
+    }
     Ok(())
 }
 
@@ -75,6 +94,9 @@ mod tests {
             MockConfig { dimensions: 0, ..MockConfig::default() },
             MockConfig { latency_ms: u64::MAX, ..MockConfig::default() },
             MockConfig { outage_after_ms: Some(MOCK_MAX_MS + 1), ..MockConfig::default() },
+            MockConfig { rpm_limit: Some(0), ..MockConfig::default() },
+            MockConfig { tpm_limit: Some(MOCK_MAX_LIMIT + 1), ..MockConfig::default() },
+            MockConfig { limit_window_ms: 0, ..MockConfig::default() },
         ];
         for c in bad {
             assert!(check_mock_config(&c).is_err(), "{c:?}");

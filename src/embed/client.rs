@@ -20,6 +20,7 @@ use base64::Engine as _;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
 
+use super::limit::{LimitConfig, ProviderLimiter};
 use crate::model::ErrorClass;
 
 /// Longest error-body excerpt we keep: a real server echoed a 1 MB input in a 2 MB body.
@@ -160,8 +161,9 @@ pub enum EmbedError {
 pub struct EmbedResponse {
     /// One entry per input, in input order: a usable vector or the reason it is not.
     pub items: Vec<Result<Vec<f32>, VectorProblem>>,
-    /// `usage.total_tokens` as the provider reported it (some count characters: informative
-    /// only, never used for budgeting).
+    /// `usage.total_tokens` as the provider reported it. Some servers count characters, so
+    /// the limiter only corrects its token estimate from it when the ratio is plausible
+    /// (see [`super::limit::USAGE_PLAUSIBLE`]).
     pub reported_tokens: u64,
 }
 
@@ -183,6 +185,8 @@ pub struct EmbedClient {
     url: String,
     config: std::sync::Arc<ClientConfig>,
     redactor: Arc<Redactor>,
+    /// Budget, header pacing and AIMD of every request this client (and its clones) sends.
+    limiter: Arc<ProviderLimiter>,
 }
 
 #[derive(Deserialize)]
@@ -266,7 +270,20 @@ impl EmbedClient {
         let mut secrets: Vec<&str> = config.api_key.iter().map(String::as_str).collect();
         secrets.extend(config.extra_headers.iter().map(|(_, v)| v.as_str()));
         let redactor = Arc::new(Redactor::new(&secrets));
-        Ok(EmbedClient { http, url, config: std::sync::Arc::new(config), redactor })
+        let limiter = Arc::new(ProviderLimiter::local(LimitConfig::default()));
+        Ok(EmbedClient { http, url, config: std::sync::Arc::new(config), redactor, limiter })
+    }
+
+    /// The same client with `limiter` in front of every request (see [`super::limit`]); one
+    /// limiter per provider and model, shared by every clone of the client.
+    pub fn with_limiter(mut self, limiter: Arc<ProviderLimiter>) -> Self {
+        self.limiter = limiter;
+        self
+    }
+
+    /// The limiter every request of this client goes through.
+    pub fn limiter(&self) -> &Arc<ProviderLimiter> {
+        &self.limiter
     }
 
     /// The configured model name (part of the content hash).
@@ -292,8 +309,15 @@ impl EmbedClient {
         if let Some(d) = self.config.request_dimensions {
             body["dimensions"] = d.into();
         }
+        let raw_tokens = super::limit::estimate_tokens(inputs);
+        let tokens = self.limiter.estimate(inputs);
+        let _in_flight = self.limiter.acquire(tokens).await;
         let resp = self.http.post(&self.url).json(&body).send().await.map_err(|e| self.transport_error(e))?;
         let status = resp.status();
+        self.limiter.observe_headers(resp.headers(), tokens);
+        if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+            self.limiter.on_rate_limited().await;
+        }
         if !status.is_success() {
             let retry_after = parse_retry_after(resp.headers(), std::time::SystemTime::now());
             let raw = read_capped(resp, MAX_ERROR_BODY_READ).await;
@@ -325,7 +349,9 @@ impl EmbedClient {
                 }
             }
         };
-        validate(wire, inputs.len(), dimensions)
+        let response = validate(wire, inputs.len(), dimensions)?;
+        self.limiter.observe_usage(raw_tokens, response.reported_tokens);
+        Ok(response)
     }
 
     /// Streams a success body, giving up (and dropping the connection) past `cap` bytes.

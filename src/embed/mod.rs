@@ -19,6 +19,7 @@ pub(crate) mod canary;
 pub(crate) mod classify;
 pub mod client;
 pub mod gate;
+pub mod limit;
 pub mod retry;
 
 use std::collections::BTreeMap;

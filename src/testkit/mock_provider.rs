@@ -92,6 +92,19 @@ pub struct MockConfig {
     /// Adversarial: echo the request's Authorization header in error bodies (a leaky proxy),
     /// to prove the client never stores or logs the key.
     pub echo_auth_in_errors: bool,
+    /// Requests per minute the "account" may send; beyond it the mock answers 429 with
+    /// `Retry-After` and OpenAI-style `x-ratelimit-*` headers. `None`: no limit.
+    pub rpm_limit: Option<u64>,
+    /// Tokens per minute (characters / 4, at least 1 per input, like the client's estimate),
+    /// enforced like `rpm_limit`. `None`: no limit.
+    pub tpm_limit: Option<u64>,
+    /// How much of a limit may be spent at once, as a window of it: 60000 (the default)
+    /// lets a full minute's budget go in a burst, like an account; shorter windows model
+    /// providers that enforce per-minute limits per second. 1..=3600000.
+    pub limit_window_ms: u64,
+    /// Send the `x-ratelimit-*` headers on successes too (on by default, like OpenAI); 429s
+    /// for the limit always carry them.
+    pub limit_headers: bool,
 }
 
 impl Default for MockConfig {
@@ -113,6 +126,10 @@ impl Default for MockConfig {
             outage_for_ms: 0,
             seed: 42,
             echo_auth_in_errors: false,
+            rpm_limit: None,
+            tpm_limit: None,
+            limit_window_ms: 60_000,
+            limit_headers: true,
         }
     }
 }
@@ -142,6 +159,10 @@ pub struct MockStats {
     /// (`crate::embed::canary::CANARY_TEXT`).
     #[serde(default)]
     pub canaries: u64,
+    /// Requests answered 429 because they were over `rpm_limit` or `tpm_limit` (also counted
+    /// in `rate_limited`).
+    #[serde(default)]
+    pub over_limit: u64,
 }
 
 #[derive(Default)]
@@ -156,6 +177,7 @@ struct Counters {
     rejected: AtomicU64,
     unauthorized: AtomicU64,
     canaries: AtomicU64,
+    over_limit: AtomicU64,
 }
 
 struct Shared {
@@ -165,6 +187,7 @@ struct Shared {
     outage: AtomicBool,
     quota_exhausted: AtomicBool,
     counters: Counters,
+    limits: Mutex<AccountLimits>,
 }
 
 /// Run-time switches and counters of a running mock; cheap to clone.
@@ -197,6 +220,7 @@ impl MockControl {
             rejected: g(&c.rejected),
             unauthorized: g(&c.unauthorized),
             canaries: g(&c.canaries),
+            over_limit: g(&c.over_limit),
         }
     }
 }
@@ -229,11 +253,12 @@ impl MockProvider {
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             rng: Mutex::new(StdRng::seed_from_u64(config.seed)),
-            config,
             started: tokio::time::Instant::now(),
             outage: AtomicBool::new(false),
             quota_exhausted: AtomicBool::new(false),
             counters: Counters::default(),
+            limits: Mutex::new(AccountLimits::new(&config)),
+            config,
         });
         let tracker = TaskTracker::new();
         let control = MockControl(shared.clone());
@@ -395,10 +420,14 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     if inputs.len() == 1 && inputs[0] == crate::embed::canary::CANARY_TEXT {
         counters.canaries.fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(refusal) = dimensions_refusal(&shared, parsed.dimensions)
-        .or_else(|| unavailable(&shared))
-        .or_else(|| input_refusal(&shared, &inputs, &echo))
-    {
+    if let Some(refusal) = dimensions_refusal(&shared, parsed.dimensions).or_else(|| unavailable(&shared)) {
+        return Ok(refusal);
+    }
+    let limit_headers = match admit_within_limits(&shared, &inputs) {
+        Ok(headers) => headers,
+        Err(refusal) => return Ok(*refusal),
+    };
+    if let Some(refusal) = input_refusal(&shared, &inputs, &echo) {
         return Ok(refusal);
     }
     if let Some(fault) = injected_fault(&shared, &echo).await {
@@ -408,7 +437,143 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     let base64 = parsed.encoding_format.as_deref() != Some("float");
     let dimensions =
         parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
-    Ok(json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"))))
+    let mut ok =
+        json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
+    if c.limit_headers {
+        add_headers(&mut ok, &limit_headers);
+    }
+    Ok(ok)
+}
+
+/// One per-minute limit as a token bucket: `capacity` (the window's worth of the limit)
+/// refilled continuously at the per-minute rate.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    per_minute: u64,
+    capacity: f64,
+    level: f64,
+    at: tokio::time::Instant,
+}
+
+impl Bucket {
+    fn new(per_minute: u64, window_ms: u64) -> Self {
+        let capacity = (per_minute as f64 * window_ms as f64 / 60_000.0).max(1.0);
+        Bucket { per_minute, capacity, level: capacity, at: tokio::time::Instant::now() }
+    }
+
+    fn refill(&mut self, now: tokio::time::Instant) {
+        let ms = now.saturating_duration_since(self.at).as_secs_f64() * 1000.0;
+        self.level = (self.level + ms * self.per_minute as f64 / 60_000.0).min(self.capacity);
+        self.at = now;
+    }
+
+    /// How long until `need` (at most the capacity) is available.
+    fn wait_for(&self, need: f64) -> Duration {
+        let missing = need.min(self.capacity) - self.level;
+        if missing <= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(missing * 60.0 / self.per_minute as f64)
+        }
+    }
+
+    /// `(limit, remaining, reset)` header values, OpenAI style.
+    fn headers(&self, kind: &str) -> [(String, String); 3] {
+        let reset =
+            Duration::from_secs_f64((self.capacity - self.level).max(0.0) * 60.0 / self.per_minute as f64);
+        [
+            (format!("x-ratelimit-limit-{kind}"), self.per_minute.to_string()),
+            (format!("x-ratelimit-remaining-{kind}"), (self.level.max(0.0).floor() as u64).to_string()),
+            (format!("x-ratelimit-reset-{kind}"), go_duration(reset)),
+        ]
+    }
+}
+
+/// The account's request and token buckets.
+struct AccountLimits {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+}
+
+impl AccountLimits {
+    fn new(c: &MockConfig) -> Self {
+        AccountLimits {
+            requests: c.rpm_limit.filter(|&n| n > 0).map(|n| Bucket::new(n, c.limit_window_ms)),
+            tokens: c.tpm_limit.filter(|&n| n > 0).map(|n| Bucket::new(n, c.limit_window_ms)),
+        }
+    }
+}
+
+/// A duration as OpenAI writes it in `x-ratelimit-reset-*` (`20ms`, `1.5s`).
+fn go_duration(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{:.3}s", d.as_secs_f64())
+    }
+}
+
+/// Tokens of `inputs` as the mock counts them for `tpm_limit`: characters / 4 rounded up,
+/// at least one per input.
+fn mock_tokens(inputs: &[String]) -> u64 {
+    inputs.iter().map(|t| t.chars().count().div_ceil(4).max(1) as u64).sum()
+}
+
+/// Charges the request to the account's limits: `Ok` with the headers to send, or a 429 with
+/// `Retry-After`, `retry-after-ms` and the same headers when it is over a limit.
+fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String, String)>, Box<Reply>> {
+    let mut limits = shared.limits.lock().unwrap();
+    if limits.requests.is_none() && limits.tokens.is_none() {
+        return Ok(Vec::new());
+    }
+    let now = tokio::time::Instant::now();
+    let tokens = mock_tokens(inputs) as f64;
+    let mut wait = Duration::ZERO;
+    if let Some(b) = &mut limits.requests {
+        b.refill(now);
+        wait = wait.max(b.wait_for(1.0));
+    }
+    if let Some(b) = &mut limits.tokens {
+        b.refill(now);
+        wait = wait.max(b.wait_for(tokens));
+    }
+    if wait.is_zero() {
+        if let Some(b) = &mut limits.requests {
+            b.level -= 1.0;
+        }
+        if let Some(b) = &mut limits.tokens {
+            b.level -= tokens.min(b.capacity);
+        }
+    }
+    let mut headers = Vec::new();
+    for (bucket, kind) in [(&limits.requests, "requests"), (&limits.tokens, "tokens")] {
+        if let Some(b) = bucket {
+            headers.extend(b.headers(kind));
+        }
+    }
+    if wait.is_zero() {
+        return Ok(headers);
+    }
+    shared.counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+    shared.counters.over_limit.fetch_add(1, Ordering::Relaxed);
+    let ms = (wait.as_secs_f64() * 1000.0).ceil() as u64;
+    headers.push(("retry-after-ms".into(), ms.to_string()));
+    headers.push(("retry-after".into(), ms.div_ceil(1000).to_string()));
+    let mut r =
+        error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached for requests");
+    add_headers(&mut r, &headers);
+    Err(Box::new(r))
+}
+
+fn add_headers(r: &mut Reply, headers: &[(String, String)]) {
+    for (name, value) in headers {
+        if let (Ok(n), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(name.as_bytes()),
+            hyper::header::HeaderValue::from_str(value),
+        ) {
+            r.headers_mut().insert(n, v);
+        }
+    }
 }
 
 /// What error messages append: with `echo_auth_in_errors`, the request's `Authorization`
