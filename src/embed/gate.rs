@@ -163,6 +163,9 @@ pub struct ProviderGate {
     config: BreakerConfig,
     state: Mutex<State>,
     canary: CanaryBook,
+    /// Whether the breaker is open or half-open, for callers that must not sleep out a
+    /// backoff once it opens ([`ProviderGate::opened`]).
+    open: tokio::sync::watch::Sender<bool>,
 }
 
 impl ProviderGate {
@@ -180,7 +183,16 @@ impl ProviderGate {
                 longest_pause: Duration::ZERO,
             }),
             canary: CanaryBook::default(),
+            open: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Resolves once the breaker is open (at once if it already is): a caller that parks or
+    /// stops on an outage cuts its retry backoff short here instead of sleeping it out.
+    pub(crate) async fn opened(&self) {
+        let mut open = self.open.subscribe();
+        // The sender lives as long as `self`, so this only ends when the breaker is open.
+        let _ = open.wait_for(|open| *open).await;
     }
 
     /// What the run has learnt about the provider as a whole (successes, canary verdicts).
@@ -281,6 +293,7 @@ impl ProviderGate {
             BreakerState::Open => 2.0,
         };
         metrics::gauge!(crate::metrics::BREAKER_STATE).set(state);
+        self.open.send_if_modified(|open| std::mem::replace(open, state > 0.0) != (state > 0.0));
     }
 
     fn record_inner(&self, permit: Permit, health: Health) {
@@ -513,6 +526,24 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(gate.admit(&cancel, OnOutage::Stop).await.unwrap_err(), GateError::BreakerOpen);
         assert_eq!(gate.breaker_state(), BreakerState::Open, "no probe was taken");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opened_resolves_when_the_breaker_opens_and_not_before() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        let p = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        gate.record(p, Health::Failing);
+        assert!(tokio::time::timeout(Duration::from_secs(5), gate.opened()).await.is_err(), "still closed");
+        for _ in 0..2 {
+            let p = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+            gate.record(p, Health::Failing);
+        }
+        assert!(tokio::time::timeout(Duration::from_millis(1), gate.opened()).await.is_ok());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let probe = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        gate.record(probe, Health::Responsive);
+        assert!(tokio::time::timeout(Duration::from_secs(5), gate.opened()).await.is_err(), "closed again");
     }
 
     #[tokio::test(start_paused = true)]

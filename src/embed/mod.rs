@@ -242,6 +242,8 @@ impl Embedder {
                     fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(transient(&err, reason, attempt)));
                     return Ok(());
                 }
+                // Parking or stopping on an outage: the gate answers the next admit at once.
+                _ = self.gate.opened(), if self.on_outage != OnOutage::Wait => {}
                 _ = tokio::time::sleep(delay) => {}
             }
             last = Some((err, reason));
