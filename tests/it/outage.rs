@@ -9,7 +9,7 @@ use std::time::Duration;
 use embed_dlq::embed::Stop;
 use embed_dlq::embed::gate::{BreakerConfig, OnOutage};
 use embed_dlq::ingest::{IngestError, IngestSummary};
-use embed_dlq::model::ErrorClass;
+use embed_dlq::model::{Chunk, ErrorClass};
 use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use tokio_util::sync::CancellationToken;
 
@@ -29,8 +29,9 @@ fn outage_corpus(tag: &str) -> Vec<u8> {
         .into_bytes()
 }
 
-/// Work requests (canaries excluded) a run may send before the breaker opens: the
-/// `THRESHOLD` failures that open it, plus the requests already admitted at that moment.
+/// Requests the mock saw that carried work (canary probes excluded). Once the breaker is
+/// open no mode sends work, so a run sends at most the `THRESHOLD` failures that open it
+/// plus the requests already admitted at that moment.
 fn work_requests(mock: &MockProvider) -> u64 {
     let st = mock.control.stats();
     st.requests - st.canaries
@@ -144,9 +145,51 @@ async fn replay_everything(db: &TestDb, s: &embed_dlq::config::IngestSettings) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn park_embeds_again_once_a_probe_finds_the_provider_back() {
+    let db = TestDb::new().await;
+    let (mock, mut s) = down_provider(&db, OnOutage::Park, Duration::from_millis(10)).await;
+    s.breaker.max_cooldown = Duration::from_millis(10);
+    let p = pipeline(&s).await;
+    let chunk = |i: i32| Chunk {
+        doc_id: format!("back-{}", i / 10),
+        chunk_index: i % 10,
+        text: format!("back chunk {i}"),
+        metadata: None,
+    };
+    // The corpus arrives in two halves, the provider coming back in between.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Chunk>(64);
+    let chunks = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+    let run = tokio::spawn(async move { p.run_stream(chunks, CancellationToken::new()).await });
+    for i in 0..200 {
+        tx.send(chunk(i)).await.unwrap();
+    }
+    for _ in 0..1_500 {
+        if db.count("SELECT count(*) FROM embedding_dlq").await == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 200, "the first half parked");
+    let canaries_down = mock.control.stats().canaries;
+    mock.control.set_outage(false);
+    // Past the 10 ms cooldown: the next request is the breaker's probe.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for i in 200..400 {
+        tx.send(chunk(i)).await.unwrap();
+    }
+    drop(tx);
+    let r = run.await.unwrap().unwrap();
+    assert_eq!(r.stored + r.parked_total(), 400, "{r:?}");
+    assert!(r.stored > 0, "the probe closed the breaker and embedding resumed: {r:?}");
+    assert!(mock.control.stats().canaries > canaries_down, "a probe found the provider back");
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_ends_the_run_when_the_breaker_opens_and_a_rerun_finishes_it() {
     let db = TestDb::new().await;
-    let (mock, mut s) = down_provider(&db, OnOutage::Stop, Duration::from_millis(50)).await;
+    let (mock, s) = down_provider(&db, OnOutage::Stop, Duration::from_millis(50)).await;
     let err =
         pipeline(&s).await.run(input(outage_corpus("stop")), CancellationToken::new()).await.unwrap_err();
     let IngestError::Provider { stop: Stop::Outage(message), summary: r } = err else {
@@ -165,7 +208,6 @@ async fn stop_ends_the_run_when_the_breaker_opens_and_a_rerun_finishes_it() {
 
     // The provider is back: the same corpus again finishes the work, nothing twice.
     mock.control.set_outage(false);
-    s.options.on_outage = OnOutage::Stop;
     let again = pipeline(&s).await.run(input(outage_corpus("stop")), CancellationToken::new()).await.unwrap();
     assert_eq!(again.stored + again.already_parked, CHUNKS as u64, "{again:?}");
     assert_eq!(again.already_parked, r.parked_total(), "{again:?}");
