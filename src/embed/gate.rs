@@ -14,7 +14,7 @@
 //! `CanaryBook`, shared by every worker like the breaker.
 //!
 //! What a caller does while the breaker is open is its own choice, [`OnOutage`], passed to
-//! [`ProviderGate::admit`]: wait for the probes (the default), park its work without a
+//! `ProviderGate::admit`: wait for the probes (the default), park its work without a
 //! provider call, or stop the run at once. The gate's state is the same for all of them.
 
 use std::sync::Mutex;
