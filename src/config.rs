@@ -38,7 +38,7 @@ use clap::Args;
 use serde::Deserialize;
 
 use crate::embed::client::{ClientConfig, EncodingFormat};
-use crate::embed::gate::BreakerConfig;
+use crate::embed::gate::{BreakerConfig, OnOutage};
 use crate::embed::limit::LimitConfig;
 use crate::embed::retry::{DlqSchedule, RetryPolicy};
 use crate::ingest::IngestOptions;
@@ -129,6 +129,11 @@ pub struct IngestArgs {
     /// memory whatever the size of the records.
     #[arg(long)]
     pub max_inflight_bytes: Option<u64>,
+    /// While the provider's circuit breaker is open: wait (probe; exit 4 after
+    /// max_outage_secs), park (park the rest as transient, no provider call, for `serve` to
+    /// replay) or stop (exit 4 at once).
+    #[arg(long, value_enum)]
+    pub on_outage: Option<OnOutage>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -864,6 +869,7 @@ fn resolve_ingest(
         max_input_chars,
         max_line_bytes,
         max_inflight_bytes,
+        on_outage,
     } = flags;
     let table = r
         .text("table", table, file.table.clone(), check_table)?
@@ -907,6 +913,8 @@ fn resolve_ingest(
         d.max_inflight_bytes,
         bounds::MAX_INFLIGHT_BYTES,
     )?;
+    // An enum: serde and clap reject anything but wait, park or stop.
+    let on_outage = r.pick("on_outage", on_outage, file.on_outage).map_or(d.on_outage, |(v, _)| v);
     let options = IngestOptions {
         batch_max_inputs,
         batch_max_chars,
@@ -915,6 +923,7 @@ fn resolve_ingest(
         max_input_chars,
         max_line_bytes,
         max_inflight_bytes,
+        on_outage,
         ..d
     };
     Ok((table, options))
@@ -1141,6 +1150,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("max_input_chars", o.max_input_chars.to_string()),
         ("max_line_bytes", o.max_line_bytes.to_string()),
         ("max_inflight_bytes", o.max_inflight_bytes.to_string()),
+        ("on_outage", format!("{:?}", o.on_outage).to_lowercase()),
         ("retry_max_attempts", s.retry.max_attempts.to_string()),
         ("retry_base_ms", millis(s.retry.base).to_string()),
         ("retry_cap_ms", millis(s.retry.cap).to_string()),
@@ -1251,6 +1261,8 @@ impl IngestSettings {
             gate: std::sync::Arc::new(crate::embed::gate::ProviderGate::new(self.breaker)),
             policy: self.retry,
             dimensions: store.target().dimensions,
+            // Replay waits out an outage; an ingest's workers apply `options.on_outage`.
+            on_outage: crate::embed::gate::OnOutage::Wait,
         };
         Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
     }
@@ -1424,6 +1436,21 @@ mod tests {
         assert!(bounds::DLQ_CAP_SECS.contains(&DlqSchedule::default().cap.as_secs()));
     }
 
+    #[test]
+    fn on_outage_defaults_to_wait_and_rejects_other_words() {
+        let s = resolve(FileConfig::default(), None).unwrap();
+        assert_eq!(s.options.on_outage, OnOutage::Wait);
+        let flags = FileConfig {
+            ingest: IngestArgs { on_outage: Some(OnOutage::Stop), ..Default::default() },
+            ..Default::default()
+        };
+        let s = resolve(flags, Some(&file("[ingest]\non_outage = \"park\"\n"))).unwrap();
+        assert_eq!(s.options.on_outage, OnOutage::Stop, "the flag wins over the file");
+        let err =
+            ConfigFile::parse(Path::new("/etc/e.toml"), "[ingest]\non_outage = \"retry\"\n").unwrap_err();
+        assert!(err.to_string().contains("on_outage"), "{err}");
+    }
+
     /// A file that sets every key: after resolution nothing may still be the default, so a
     /// key the resolver forgets is caught here.
     #[test]
@@ -1450,6 +1477,7 @@ concurrency = 3
 writers = 3
 max_input_chars = 77
 max_line_bytes = 7777
+on_outage = "park"
 [retry]
 retry_max_attempts = 7
 retry_base_ms = 7
@@ -1503,6 +1531,7 @@ reconcile_every_secs = 7
         assert_eq!(s.breaker.failure_threshold, 7);
         assert_eq!(s.breaker.cooldown, Duration::from_millis(77));
         assert_eq!(s.breaker.max_outage, Duration::from_secs(7));
+        assert_eq!(o.on_outage, OnOutage::Park);
         let v = &s.serve;
         assert_eq!((v.replayers, v.replay.batch, v.replay.delivery_cap, v.relay.batch), (7, 7, 7, 7));
         assert_eq!(v.replay.min_idle, Duration::from_millis(777));

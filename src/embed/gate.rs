@@ -12,6 +12,10 @@
 //! failures met while isolating one input as `Health::InputSuspect`: they say nothing about
 //! the provider, so they neither open nor close the breaker. The gate also keeps the run's
 //! `CanaryBook`, shared by every worker like the breaker.
+//!
+//! What a caller does while the breaker is open is its own choice, [`OnOutage`], passed to
+//! `ProviderGate::admit`: wait for the probes (the default), park its work without a
+//! provider call, or stop the run at once. The gate's state is the same for all of them.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -45,6 +49,26 @@ impl Default for BreakerConfig {
     }
 }
 
+/// What an ingest does while the circuit breaker is open (`--on-outage`, `[ingest]
+/// on_outage`). A batch job that must finish wants `Wait` or `Stop`; a pipeline that runs
+/// `serve` beside it wants `Park`, so that the replayers finish the work once the provider is
+/// back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnOutage {
+    /// Hold the work and probe at growing intervals (`breaker_cooldown_ms` doubling up to
+    /// 60 s); end the run (exit 4) once the breaker has been open `max_outage_secs`.
+    #[default]
+    Wait,
+    /// Park the rest as `transient` without a provider call while the breaker is open (the
+    /// rows get the DLQ schedule's first retry time, so `serve` replays them); the breaker
+    /// still probes after each cooldown and, once the provider answers, embedding resumes.
+    Park,
+    /// End the run (exit 4) as soon as the breaker opens; what was not written is "not
+    /// attempted" and a rerun of the same corpus resumes.
+    Stop,
+}
+
 /// Observable breaker state (exported as a gauge later: 0 closed, 1 half-open, 2 open).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BreakerState {
@@ -72,6 +96,18 @@ struct State {
     longest_pause: Duration,
 }
 
+impl State {
+    /// `None` with the breaker closed; otherwise whether a probe may go out now (the
+    /// cooldown is over and no probe is out).
+    fn breaker_open_turn(&self, now: Instant) -> Option<bool> {
+        match self.breaker {
+            Breaker::Closed => None,
+            Breaker::Open { until, .. } => Some(until <= now),
+            Breaker::HalfOpen { probe_out, .. } => Some(!probe_out),
+        }
+    }
+}
+
 /// Two 429s further apart than this (with nothing in between) are two episodes, not one:
 /// idle time between them is not "being rate-limited".
 const RATE_LIMIT_EPISODE_GAP: Duration = Duration::from_secs(120);
@@ -85,6 +121,10 @@ pub(crate) enum GateError {
     Outage(Duration),
     #[error("provider rate-limited every request for longer than {0:?}")]
     RateLimited(Duration),
+    /// The breaker is open and the caller asked not to wait ([`OnOutage::Park`] or
+    /// [`OnOutage::Stop`]): send nothing.
+    #[error("provider failing (circuit breaker open)")]
+    BreakerOpen,
 }
 
 /// A granted request slot; report its outcome with [`ProviderGate::record`].
@@ -123,6 +163,9 @@ pub struct ProviderGate {
     config: BreakerConfig,
     state: Mutex<State>,
     canary: CanaryBook,
+    /// Whether the breaker is open or half-open, for callers that must not sleep out a
+    /// backoff once it opens ([`ProviderGate::opened`]).
+    open: tokio::sync::watch::Sender<bool>,
 }
 
 impl ProviderGate {
@@ -140,7 +183,16 @@ impl ProviderGate {
                 longest_pause: Duration::ZERO,
             }),
             canary: CanaryBook::default(),
+            open: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Resolves once the breaker is open (at once if it already is): a caller that parks or
+    /// stops on an outage cuts its retry backoff short here instead of sleeping it out.
+    pub(crate) async fn opened(&self) {
+        let mut open = self.open.subscribe();
+        // The sender lives as long as `self`, so this only ends when the breaker is open.
+        let _ = open.wait_for(|open| *open).await;
     }
 
     /// What the run has learnt about the provider as a whole (successes, canary verdicts).
@@ -169,19 +221,33 @@ impl ProviderGate {
     }
 
     /// Waits until a request may be sent: after any rate-limit pause, and, with the breaker
-    /// open, until it is this caller's turn to probe.
-    pub(crate) async fn admit(&self, cancel: &CancellationToken) -> Result<Permit, GateError> {
+    /// open, until it is this caller's turn to probe. With the breaker open, `on_outage`
+    /// decides: `Wait` waits as above; `Park` gets [`GateError::BreakerOpen`] at once unless
+    /// a probe is due (then it probes); `Stop` gets [`GateError::BreakerOpen`] and never probes.
+    pub(crate) async fn admit(
+        &self,
+        cancel: &CancellationToken,
+        on_outage: OnOutage,
+    ) -> Result<Permit, GateError> {
         loop {
             let wake = {
                 let mut st = self.state.lock().unwrap();
                 let now = Instant::now();
-                match st.breaker {
-                    Breaker::Open { since, .. } | Breaker::HalfOpen { since, .. }
-                        if now.duration_since(since) > self.config.max_outage =>
-                    {
-                        return Err(GateError::Outage(self.config.max_outage));
+                match (st.breaker_open_turn(now), on_outage) {
+                    (None, _) => {}
+                    (Some(_), OnOutage::Stop) | (Some(false), OnOutage::Park) => {
+                        return Err(GateError::BreakerOpen);
                     }
-                    _ => {}
+                    // Parking never gives up: the rest is parked, not held.
+                    (Some(true), OnOutage::Park) => {}
+                    (Some(_), OnOutage::Wait) => match st.breaker {
+                        Breaker::Open { since, .. } | Breaker::HalfOpen { since, .. }
+                            if now.duration_since(since) > self.config.max_outage =>
+                        {
+                            return Err(GateError::Outage(self.config.max_outage));
+                        }
+                        _ => {}
+                    },
                 }
                 if let Some((first, last)) = st.rate_limited
                     && last.duration_since(first) > self.config.max_outage
@@ -227,6 +293,7 @@ impl ProviderGate {
             BreakerState::Open => 2.0,
         };
         metrics::gauge!(crate::metrics::BREAKER_STATE).set(state);
+        self.open.send_if_modified(|open| std::mem::replace(open, state > 0.0) != (state > 0.0));
     }
 
     fn record_inner(&self, permit: Permit, health: Health) {
@@ -309,21 +376,22 @@ mod tests {
         let gate = ProviderGate::new(cfg());
         let cancel = CancellationToken::new();
         for _ in 0..3 {
-            let p = gate.admit(&cancel).await.unwrap();
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
             gate.record(p, Health::Failing);
         }
         assert_eq!(gate.breaker_state(), BreakerState::Open);
         let start = Instant::now();
-        let probe = gate.admit(&cancel).await.unwrap();
+        let probe = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         assert!(probe.probe);
         assert!(Instant::now() - start >= Duration::from_secs(1), "waited out the cooldown");
         assert_eq!(gate.breaker_state(), BreakerState::HalfOpen);
         // A second caller must wait while the probe is out.
-        let waiting = tokio::time::timeout(Duration::from_millis(500), gate.admit(&cancel)).await;
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(500), gate.admit(&cancel, OnOutage::Wait)).await;
         assert!(waiting.is_err());
         gate.record(probe, Health::Responsive);
         assert_eq!(gate.breaker_state(), BreakerState::Closed);
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         assert!(!p.probe);
         gate.record(p, Health::Responsive);
     }
@@ -333,12 +401,12 @@ mod tests {
         let gate = ProviderGate::new(cfg());
         let cancel = CancellationToken::new();
         for _ in 0..3 {
-            let p = gate.admit(&cancel).await.unwrap();
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
             gate.record(p, Health::Failing);
         }
         let mut result = Ok(());
         for _ in 0..100 {
-            match gate.admit(&cancel).await {
+            match gate.admit(&cancel, OnOutage::Wait).await {
                 Ok(p) => gate.record(p, Health::Failing),
                 Err(e) => {
                     result = Err(e);
@@ -353,10 +421,10 @@ mod tests {
     async fn rate_limit_pauses_everyone() {
         let gate = ProviderGate::new(cfg());
         let cancel = CancellationToken::new();
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         gate.record(p, Health::RateLimited(Some(Duration::from_secs(3))));
         let start = Instant::now();
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         assert!(Instant::now() - start >= Duration::from_secs(3));
         gate.record(p, Health::Responsive);
         assert_eq!(gate.breaker_state(), BreakerState::Closed);
@@ -368,7 +436,7 @@ mod tests {
         let cancel = CancellationToken::new();
         let mut result = Ok(());
         for _ in 0..1_000 {
-            match gate.admit(&cancel).await {
+            match gate.admit(&cancel, OnOutage::Wait).await {
                 Ok(p) => gate.record(p, Health::RateLimited(Some(Duration::from_secs(1)))),
                 Err(e) => {
                     result = Err(e);
@@ -385,48 +453,106 @@ mod tests {
         let gate = ProviderGate::new(cfg());
         let cancel = CancellationToken::new();
         for _ in 0..20 {
-            let p = gate.admit(&cancel).await.unwrap();
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
             gate.record(p, Health::RateLimited(Some(Duration::from_secs(1))));
         }
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         gate.record(p, Health::Responsive);
         for _ in 0..20 {
-            let p = gate.admit(&cancel).await.unwrap();
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
             gate.record(p, Health::RateLimited(Some(Duration::from_secs(1))));
         }
         // Idle for an hour, then one more 429: a new episode.
         tokio::time::sleep(Duration::from_secs(3600)).await;
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         gate.record(p, Health::RateLimited(Some(Duration::from_secs(1))));
-        assert!(gate.admit(&cancel).await.is_ok());
+        assert!(gate.admit(&cancel, OnOutage::Wait).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]
     async fn input_suspects_neither_open_nor_reset_the_breaker() {
         let gate = ProviderGate::new(cfg());
         let cancel = CancellationToken::new();
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         gate.record(p, Health::Failing);
         for _ in 0..50 {
-            let p = gate.admit(&cancel).await.unwrap();
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
             gate.record(p, Health::InputSuspect);
         }
         assert_eq!(gate.breaker_state(), BreakerState::Closed);
         assert_eq!(gate.times_opened(), 0);
         for _ in 0..2 {
-            let p = gate.admit(&cancel).await.unwrap();
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
             gate.record(p, Health::Failing);
         }
         assert_eq!(gate.breaker_state(), BreakerState::Open, "the earlier failure still counted");
     }
 
     #[tokio::test(start_paused = true)]
+    async fn park_is_refused_at_once_while_open_and_probes_when_due() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        for _ in 0..3 {
+            let p = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+            gate.record(p, Health::Failing);
+        }
+        let start = Instant::now();
+        assert_eq!(gate.admit(&cancel, OnOutage::Park).await.unwrap_err(), GateError::BreakerOpen);
+        assert_eq!(Instant::now(), start, "refused without waiting");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let probe = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        assert!(probe.is_probe(), "the cooldown is over: this caller probes");
+        assert_eq!(gate.admit(&cancel, OnOutage::Park).await.unwrap_err(), GateError::BreakerOpen);
+        gate.record(probe, Health::Failing);
+        // Parking never gives up, however long the outage lasts.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        let probe = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        assert!(probe.is_probe());
+        gate.record(probe, Health::Responsive);
+        let p = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        assert!(!p.is_probe(), "closed again: work goes out");
+        gate.record(p, Health::Responsive);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_is_refused_once_open_and_never_probes() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        for _ in 0..3 {
+            let p = gate.admit(&cancel, OnOutage::Stop).await.unwrap();
+            gate.record(p, Health::Failing);
+        }
+        assert_eq!(gate.admit(&cancel, OnOutage::Stop).await.unwrap_err(), GateError::BreakerOpen);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(gate.admit(&cancel, OnOutage::Stop).await.unwrap_err(), GateError::BreakerOpen);
+        assert_eq!(gate.breaker_state(), BreakerState::Open, "no probe was taken");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opened_resolves_when_the_breaker_opens_and_not_before() {
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        let p = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        gate.record(p, Health::Failing);
+        assert!(tokio::time::timeout(Duration::from_secs(5), gate.opened()).await.is_err(), "still closed");
+        for _ in 0..2 {
+            let p = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+            gate.record(p, Health::Failing);
+        }
+        assert!(tokio::time::timeout(Duration::from_millis(1), gate.opened()).await.is_ok());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let probe = gate.admit(&cancel, OnOutage::Park).await.unwrap();
+        gate.record(probe, Health::Responsive);
+        assert!(tokio::time::timeout(Duration::from_secs(5), gate.opened()).await.is_err(), "closed again");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn cancel_interrupts_a_wait() {
         let gate = ProviderGate::new(cfg());
         let cancel = CancellationToken::new();
-        let p = gate.admit(&cancel).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
         gate.record(p, Health::RateLimited(Some(Duration::from_secs(3))));
         cancel.cancel();
-        assert_eq!(gate.admit(&cancel).await.unwrap_err(), GateError::Cancelled);
+        assert_eq!(gate.admit(&cancel, OnOutage::Wait).await.unwrap_err(), GateError::Cancelled);
     }
 }

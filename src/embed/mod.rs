@@ -32,7 +32,7 @@ use crate::model::ErrorClass;
 use canary::{CANARY_TEXT, CanaryVerdict, Consult, Signature, Target};
 use classify::{Verdict, classify};
 use client::{EmbedClient, EmbedError};
-use gate::{GateError, Health, Permit, ProviderGate};
+use gate::{GateError, Health, OnOutage, Permit, ProviderGate};
 use retry::RetryPolicy;
 
 /// What happened to one input of a batch.
@@ -110,12 +110,17 @@ pub struct Embedder {
     pub policy: RetryPolicy,
     /// Dimension of the target column; every vector is checked against it.
     pub dimensions: usize,
+    /// What this embedder's caller does while the breaker is open: an ingest follows its
+    /// `on_outage` setting; replay keeps `Wait` (its items stay pending in the stream).
+    pub on_outage: OnOutage,
 }
 
 /// Why no request may be sent.
 enum Halt {
     Cancelled,
     Stop(Stop),
+    /// The breaker is open and the caller parks ([`OnOutage::Park`]): send nothing.
+    Park,
 }
 
 /// Outcome of checking a failure with the canary.
@@ -188,6 +193,14 @@ impl Embedder {
                     fill(&mut p.outcomes, piece.range.clone(), outcome);
                     return Ok(());
                 }
+                Err(Halt::Park) => {
+                    let failure = match &last {
+                        None => parked_unsent(),
+                        Some((err, reason)) => transient(err, reason, attempt),
+                    };
+                    fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(failure));
+                    return Ok(());
+                }
                 Err(Halt::Stop(stop)) => return Err(stop),
             };
             attempt += 1;
@@ -230,6 +243,8 @@ impl Embedder {
                     fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(transient(&err, reason, attempt)));
                     return Ok(());
                 }
+                // Parking or stopping on an outage: the gate answers the next admit at once.
+                _ = self.gate.opened(), if self.on_outage != OnOutage::Wait => {}
                 _ = tokio::time::sleep(delay) => {}
             }
             last = Some((err, reason));
@@ -374,9 +389,16 @@ impl Embedder {
     /// caller asks again.
     async fn admit(&self, cancel: &CancellationToken, stats: &mut BatchStats) -> Result<Permit, Halt> {
         loop {
-            let permit = match self.gate.admit(cancel).await {
+            let permit = match self.gate.admit(cancel, self.on_outage).await {
                 Ok(p) => p,
                 Err(GateError::Cancelled) => return Err(Halt::Cancelled),
+                Err(GateError::BreakerOpen) if self.on_outage == OnOutage::Park => return Err(Halt::Park),
+                Err(GateError::BreakerOpen) => {
+                    return Err(Halt::Stop(Stop::Outage(
+                        "provider failing: the circuit breaker opened and on_outage is stop; rerun the same corpus once it recovers"
+                            .into(),
+                    )));
+                }
                 Err(GateError::Outage(d)) => {
                     return Err(Halt::Stop(Stop::Outage(format!(
                         "provider unavailable for more than {}s (circuit breaker stayed open); rerun the same corpus once it recovers",
@@ -472,6 +494,7 @@ impl Embedder {
                 Ok(p) => p,
                 Err(Halt::Stop(stop)) => return Err(stop),
                 Err(Halt::Cancelled) => return Ok(Err(CANARY_SHUTDOWN.into())),
+                Err(Halt::Park) => return Ok(Err(CANARY_BREAKER_OPEN.into())),
             };
             attempt += 1;
             let e = match self.send_canary(stats).await {
@@ -511,6 +534,9 @@ impl Embedder {
 
 /// Why a canary check ended without a verdict when the run was shut down.
 const CANARY_SHUTDOWN: &str = "shutdown before the provider could be checked";
+
+/// Why a canary check ended without a verdict while the breaker was open and the run parks.
+const CANARY_BREAKER_OPEN: &str = "the circuit breaker opened before the provider could be checked";
 
 /// The verdict of a canary input the provider answered: a usable vector clears the provider
 /// (the failure was the input's); a vector of the wrong size means the model or `dimensions`
@@ -569,6 +595,18 @@ fn transient(err: &EmbedError, reason: &'static str, attempts: u32) -> Failure {
         detail: err.to_string(),
         status: status_of(err),
         attempts,
+    }
+}
+
+/// The failure of an input parked unsent because the breaker was open ([`OnOutage::Park`]):
+/// transient, so replay sends it once the provider is back.
+fn parked_unsent() -> Failure {
+    Failure {
+        class: ErrorClass::Transient,
+        reason: "breaker_open",
+        detail: "not sent: the provider was failing (circuit breaker open) and on_outage is park".into(),
+        status: None,
+        attempts: 0,
     }
 }
 

@@ -25,6 +25,12 @@
 //! Shutdown: cancelling the token stops intake; batches already handed to workers finish,
 //! or park if they were mid-retry. A systemic provider error stops the run without parking
 //! anything for it.
+//!
+//! Outage: when the provider's circuit breaker opens, the workers follow
+//! [`IngestOptions::on_outage`]: wait for the breaker's probes (and stop after
+//! `max_outage`), park the rest as transient without a provider call (the embedder answers
+//! every piece at once with a `breaker_open` failure, so parking runs at the writers' pace),
+//! or stop the run at once like a systemic error.
 
 pub(crate) mod budget;
 pub(crate) mod reader;
@@ -41,6 +47,7 @@ use tokio::io::AsyncBufRead;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
@@ -81,6 +88,9 @@ pub struct IngestOptions {
     pub progress: bool,
     /// Expected total bytes of input (a file's size), for the progress bar.
     pub total_bytes: Option<u64>,
+    /// What the workers do while the provider's circuit breaker is open: wait for the probes,
+    /// park the rest as transient for `serve` to replay, or stop the run (see [`OnOutage`]).
+    pub on_outage: OnOutage,
 }
 
 impl Default for IngestOptions {
@@ -99,6 +109,7 @@ impl Default for IngestOptions {
             dlq_schedule: DlqSchedule::default(),
             progress: false,
             total_bytes: None,
+            on_outage: OnOutage::Wait,
         }
     }
 }
@@ -356,7 +367,7 @@ impl Pipeline {
         let (job_tx, job_rx) = flume::bounded::<Job>(opts.concurrency * 2);
         for n in 0..opts.concurrency {
             let worker = Worker {
-                embedder: self.embedder.clone(),
+                embedder: Embedder { on_outage: opts.on_outage, ..self.embedder.clone() },
                 schedule: opts.dlq_schedule,
                 tally: run.tally.clone(),
                 cancel: run.cancel.clone(),

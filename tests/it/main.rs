@@ -8,6 +8,7 @@ mod history;
 mod identity;
 mod ingest;
 mod limits;
+mod outage;
 mod process;
 mod provider;
 mod reconcile;
