@@ -111,9 +111,11 @@ async fn a_stream_of_chunks_is_pulled_only_as_the_byte_budget_allows() {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     let db = TestDb::new().await;
-    // Slow answers: nothing is written (and no budget released) for the first 300 ms.
-    let mock = start_mock(MockConfig { latency_ms: 300, ..MockConfig::default() }).await;
+    // Slow answers: nothing is written (and no budget released) for the first 3 s, and no
+    // request times out meanwhile however loaded the machine is.
+    let mock = start_mock(MockConfig { latency_ms: 3_000, ..MockConfig::default() }).await;
     let mut s = settings(&db, &mock);
+    s.client.timeout = std::time::Duration::from_secs(30);
     s.options.max_inflight_bytes = 0; // clamped to the smallest budget, 1 MiB
     let p = pipeline(&s).await;
     let text = "x".repeat(2048);
@@ -129,8 +131,18 @@ async fn a_stream_of_chunks_is_pulled_only_as_the_byte_budget_allows() {
         let cancel = cancel.clone();
         async move { p.run_stream(chunks, cancel).await }
     });
-    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
-    let pulled = produced.load(Ordering::Relaxed);
+    // Wait until the intake stops pulling (the budget is full), however slowly it gets there.
+    let (mut pulled, mut unchanged) = (0, 0);
+    for _ in 0..40 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let now = produced.load(Ordering::Relaxed);
+        unchanged = if now > 0 && now == pulled { unchanged + 1 } else { 0 };
+        pulled = now;
+        if unchanged == 4 {
+            break;
+        }
+    }
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 0, "nothing written yet");
     cancel.cancel();
     assert!((200..600).contains(&pulled), "pulled {pulled} of 2000 chunks before any was written");
 
