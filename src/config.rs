@@ -85,6 +85,10 @@ pub struct ProviderArgs {
     /// Per-request timeout, 100..=600000 ms.
     #[arg(long)]
     pub request_timeout_ms: Option<u64>,
+    /// Price of a million tokens (any currency), 0..=1000: the ingest summary then shows the
+    /// estimated cost and the cost of waste.
+    #[arg(long)]
+    pub price_per_million_tokens: Option<f64>,
 }
 
 /// Target table, batching, concurrency and limits.
@@ -278,6 +282,9 @@ pub mod bounds {
     pub const REQUEST_TIMEOUT_MS: RangeInclusive<u64> = 100..=600_000;
     /// OpenAI accepts at most 2048 inputs per request.
     pub const BATCH_MAX_INPUTS: RangeInclusive<usize> = 1..=2048;
+    /// `price_per_million_tokens`: the dearest embedding models cost well under 1 a million
+    /// tokens; 1000 leaves room for any currency while catching a price given per token.
+    pub const PRICE_PER_MILLION_TOKENS: RangeInclusive<f64> = 0.0..=1000.0;
     /// `batch_max_chars`: at most 10 million characters per request.
     pub const BATCH_MAX_CHARS: RangeInclusive<usize> = 1..=10_000_000;
     /// Each request is a task holding a batch; the pool also grows with it.
@@ -629,11 +636,12 @@ impl Settings {
         // does not compile (or warns as unused), so no setting can be silently ignored.
         let FileConfig { services, provider, ingest, retry, serve } = flags;
         let (database_url, redis_url) = resolve_services(&r.section("services"), services, &f.services)?;
-        let client = resolve_provider(&r.section("provider"), provider, &f.provider)?;
+        let (client, price_per_million_tokens) =
+            resolve_provider(&r.section("provider"), provider, &f.provider)?;
         let (table, options) = resolve_ingest(&r.section("ingest"), ingest, &f.ingest)?;
         let RetryParts { retry, breaker, dlq_schedule } =
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
-        let options = IngestOptions { dlq_schedule, ..options };
+        let options = IngestOptions { dlq_schedule, price_per_million_tokens, ..options };
         let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
         Ok(Settings { database_url, redis_url, table, stream_prefix, client, options, retry, breaker, serve })
     }
@@ -692,12 +700,13 @@ fn resolve_services(
     Ok((database_url, redis_url))
 }
 
-/// `[provider]`: the provider client, with the API key read from the variable it names.
+/// `[provider]`: the provider client, with the API key read from the variable it names, and
+/// the price of a million tokens (for the summary's cost figures).
 fn resolve_provider(
     r: &Resolver<'_>,
     flags: ProviderArgs,
     file: &ProviderArgs,
-) -> Result<ClientConfig, ConfigError> {
+) -> Result<(ClientConfig, Option<f64>), ConfigError> {
     let ProviderArgs {
         base_url,
         model,
@@ -707,6 +716,7 @@ fn resolve_provider(
         api_key_header,
         headers,
         request_timeout_ms,
+        price_per_million_tokens,
     } = flags;
     let base_url = r
         .text("base_url", base_url, file.base_url.clone(), check_base_url)?
@@ -742,7 +752,13 @@ fn resolve_provider(
         DEFAULT_REQUEST_TIMEOUT_MS,
         bounds::REQUEST_TIMEOUT_MS,
     )?;
-    Ok(ClientConfig {
+    let price = r.num_opt(
+        "price_per_million_tokens",
+        price_per_million_tokens,
+        file.price_per_million_tokens,
+        bounds::PRICE_PER_MILLION_TOKENS,
+    )?;
+    let client = ClientConfig {
         base_url,
         model,
         request_dimensions,
@@ -751,7 +767,8 @@ fn resolve_provider(
         api_key_header,
         extra_headers,
         timeout: Duration::from_millis(timeout_ms),
-    })
+    };
+    Ok((client, price))
 }
 
 /// The extra `Name: value` headers, checked here so that a bad one fails the command instead
@@ -1086,6 +1103,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
+        ("price_per_million_tokens", o.price_per_million_tokens.map_or("none".into(), |p| p.to_string())),
     ]
 }
 
@@ -1171,6 +1189,7 @@ impl IngestSettings {
             gate: std::sync::Arc::new(crate::embed::gate::ProviderGate::new(self.breaker)),
             policy: self.retry,
             dimensions: store.target().dimensions,
+            isolation: Default::default(),
         };
         Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
     }

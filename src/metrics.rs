@@ -41,6 +41,7 @@ pub(crate) const STREAM_LAG: &str = "embed_dlq_stream_lag";
 pub(crate) const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
 pub(crate) const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
 pub(crate) const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
+pub(crate) const TOKENS: &str = "embed_dlq_tokens_total";
 
 /// Why the exporter could not start, or a sample could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +121,20 @@ fn describe() {
         "Unix time of the last finished reconcile run."
     );
     describe_gauge!(RECONCILE_DURATION, metrics::Unit::Seconds, "Duration of the last reconcile run.");
+    describe_counter!(
+        TOKENS,
+        "Provider tokens (estimated from characters, or the plausible reported usage), by outcome: stored (a usable vector) or wasted (failed requests, unusable vectors, canaries, re-sent inputs)."
+    );
+}
+
+/// Counts provider tokens: those that produced a usable vector and those sent for nothing.
+pub(crate) fn tokens(stored: u64, wasted: u64) {
+    if stored > 0 {
+        counter!(TOKENS, "outcome" => "stored").increment(stored);
+    }
+    if wasted > 0 {
+        counter!(TOKENS, "outcome" => "wasted").increment(wasted);
+    }
 }
 
 /// Counts one provider request.

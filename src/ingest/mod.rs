@@ -81,6 +81,8 @@ pub struct IngestOptions {
     pub progress: bool,
     /// Expected total bytes of input (a file's size), for the progress bar.
     pub total_bytes: Option<u64>,
+    /// Price of a million tokens, for the summary's cost figures (none: no cost shown).
+    pub price_per_million_tokens: Option<f64>,
 }
 
 impl Default for IngestOptions {
@@ -99,6 +101,7 @@ impl Default for IngestOptions {
             dlq_schedule: DlqSchedule::default(),
             progress: false,
             total_bytes: None,
+            price_per_million_tokens: None,
         }
     }
 }
@@ -158,9 +161,26 @@ pub struct IngestSummary {
     pub elapsed_secs: f64,
     /// Set when the run ended early: shutdown requested or provider refused the run.
     pub stopped: Option<String>,
+    /// Tokens of the inputs whose vector came back usable (estimated from characters, or the
+    /// provider's usage when plausible).
+    pub tokens_stored: u64,
+    /// Tokens sent for nothing: failed requests, unusable vectors, canaries, and so every
+    /// input sent again.
+    pub tokens_wasted: u64,
+    /// Estimated cost of every token sent, at `price_per_million_tokens` (none without it).
+    pub estimated_cost: Option<f64>,
+    /// The part of `estimated_cost` spent on wasted tokens.
+    pub wasted_cost: Option<f64>,
 }
 
 impl IngestSummary {
+    /// Sets the cost figures from the tokens at `per_million` (left empty without a price).
+    pub fn price(&mut self, per_million: Option<f64>) {
+        let cost = |tokens: u64| per_million.map(|p| tokens as f64 * p / 1e6);
+        self.estimated_cost = cost(self.tokens_stored + self.tokens_wasted);
+        self.wasted_cost = cost(self.tokens_wasted);
+    }
+
     /// Total parked in this run.
     pub fn parked_total(&self) -> u64 {
         self.parked.values().sum()
@@ -327,6 +347,7 @@ impl Pipeline {
         t.summary.elapsed_secs = started.elapsed().as_secs_f64();
         t.summary.breaker_opened = self.embedder.gate.times_opened();
         t.summary.lines_read = lines_read.load(Ordering::Relaxed);
+        t.summary.price(self.options.price_per_million_tokens);
         settle_accounts(&mut t.summary, &run);
         let ending = RunEnding {
             failure: batcher_failure.into_iter().chain(tasks.failures()).next(),
@@ -1149,6 +1170,8 @@ fn merge_stats(s: &mut IngestSummary, b: &BatchStats) {
     s.provider_inputs += b.provider_inputs;
     s.reported_tokens += b.reported_tokens;
     s.batch_splits += b.splits;
+    s.tokens_stored += b.tokens_stored;
+    s.tokens_wasted += b.tokens_wasted;
     for (reason, n) in &b.retries {
         *s.retries.entry((*reason).to_string()).or_default() += n;
     }

@@ -194,7 +194,13 @@ fn embedder(base_url: String, policy: RetryPolicy, breaker: BreakerConfig) -> Em
         timeout: Duration::from_secs(10),
     })
     .unwrap();
-    Embedder { client, gate: Arc::new(ProviderGate::new(breaker)), policy, dimensions: DIMS }
+    Embedder {
+        client,
+        gate: Arc::new(ProviderGate::new(breaker)),
+        policy,
+        dimensions: DIMS,
+        isolation: Default::default(),
+    }
 }
 
 fn fast(max_attempts: u32) -> RetryPolicy {
