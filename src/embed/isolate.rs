@@ -7,9 +7,11 @@
 //!
 //! - **Poison-aware request size.** [`Isolation`] counts the inputs the provider settled and
 //!   the poison inputs it proved. Once a run has met poison, requests are cut to
-//!   `ISOLATION_WASTE_BUDGET / poison rate` inputs (between [`MIN_PIECE`] and the batch), so
-//!   the expected resend stays near that budget; a corpus without poison keeps full batches,
-//!   and the size grows back as clean inputs settle.
+//!   `ISOLATION_WASTE_BUDGET / poison rate` inputs (between [`MIN_PIECE`] and the batch; the
+//!   rate counts [`PRIOR_CLEAN_INPUTS`] clean inputs on top, so a single early poison input
+//!   does not shrink the rest of the run to pairs), so the expected resend stays near that
+//!   budget; a corpus without poison keeps full batches, and the size grows back as clean
+//!   inputs settle.
 //! - **Cheap splits.** A failing piece of at most [`SINGLES_AT`] inputs is sent as singles
 //!   (each clean neighbour is sent once more, no more); a larger one is cut into about √n
 //!   parts, so a 64-input batch costs 64 + 8 resent inputs instead of bisection's ~126.
@@ -31,6 +33,9 @@ pub(crate) const ISOLATION_WASTE_BUDGET: f64 = 0.01;
 /// Largest request before the run has settled any input; it grows to a quarter of the
 /// inputs settled so far, so an early poison input costs a small request, not a full batch.
 pub(crate) const SLOW_START: usize = 32;
+/// Clean inputs assumed before any evidence: one poison input in a short run is not yet a
+/// rate (1 in 32 would cut requests to 2 inputs for the rest of the run).
+pub(crate) const PRIOR_CLEAN_INPUTS: u64 = 1_000;
 /// Smallest request while poison is about (a size of 1 would multiply the requests for a
 /// gain of one resent input per poison).
 pub(crate) const MIN_PIECE: usize = 2;
@@ -62,7 +67,7 @@ impl Isolation {
         let warm = usize::try_from((s.settled / 4).max(SLOW_START as u64)).unwrap_or(usize::MAX);
         let mut size = max.min(warm);
         if s.poison > 0 {
-            let by_rate = ISOLATION_WASTE_BUDGET * s.settled as f64 / s.poison as f64;
+            let by_rate = ISOLATION_WASTE_BUDGET * (s.settled + PRIOR_CLEAN_INPUTS) as f64 / s.poison as f64;
             size = size.min(by_rate as usize);
         }
         size.max(MIN_PIECE).min(max).max(1)
@@ -152,13 +157,19 @@ mod tests {
         assert_eq!(iso.piece_size(64), SLOW_START, "nothing settled yet: a small first request");
         iso.settled(256);
         assert_eq!(iso.piece_size(64), 64, "no poison seen: full batches");
-        iso.settled(143);
+        iso.settled(243);
         iso.proven_poison("bad");
-        assert_eq!(iso.piece_size(64), 4, "1 in 400: 0.01 × 400");
-        iso.proven_poison("worse");
-        iso.proven_poison("worst");
-        assert_eq!(iso.piece_size(64), MIN_PIECE, "1 in 134: never below the floor");
-        iso.settled(100_000);
+        assert_eq!(iso.piece_size(64), 15, "1 in 500, with the prior's 1000 clean: 0.01 × 1500");
+        iso.settled(1_000);
+        for i in 0..9 {
+            iso.proven_poison(&format!("worse {i}"));
+        }
+        assert_eq!(iso.piece_size(64), 2, "10 in 1509, with the prior: 0.01 × 2509 / 10");
+        for i in 0..10 {
+            iso.proven_poison(&format!("worst {i}"));
+        }
+        assert_eq!(iso.piece_size(64), MIN_PIECE, "never below the floor");
+        iso.settled(200_000);
         assert_eq!(iso.piece_size(64), 64, "a long clean stretch restores full batches");
         assert_eq!(iso.piece_size(1), 1);
     }

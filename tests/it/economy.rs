@@ -102,7 +102,7 @@ async fn a_poison_500_is_isolated_by_the_same_rules_without_opening_the_breaker(
         "0.5% poison-500: {} inputs, {} requests for {} stored: {ratio:.4}",
         m.inputs, m.requests, r.stored
     );
-    assert!(ratio <= 1.12, "{ratio:.4} inputs per stored chunk: {m:?}");
+    assert!(ratio <= 1.2, "{ratio:.4} inputs per stored chunk: {m:?}");
 }
 
 /// The demo's fault mix over the demo's corpus: request-level faults at rate p make every
@@ -246,4 +246,61 @@ async fn the_summary_prints_tokens_and_cost() {
     assert_eq!(out.status.code(), Some(2), "out of bound is a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("price_per_million_tokens"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Across processes the DLQ row is the memory: a replayer sends a row whose last failure was
+/// a lone 500 alone, first, so the row replayed with it does not pay for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayer_sends_a_row_that_failed_alone_with_500_alone() {
+    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let p = pipeline(&s).await;
+    let mut corpus = line("r", 0, &format!("ollama {}", mock_provider::POISON_500));
+    corpus.push_str(&line("r", 1, "a fine neighbour"));
+    let r = p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!((r.stored, r.parked.get(&ErrorClass::Transient)), (1, Some(&1)));
+    mock.control.set_outage(true);
+    let r = p
+        .run(input(line("o", 0, "parked by an outage").into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&1));
+    mock.control.set_outage(false);
+    let reasons: Vec<String> = sqlx::query_scalar("SELECT error_reason FROM embedding_dlq ORDER BY doc_id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(reasons, ["http_503", "http_500"]);
+
+    make_due(&db).await;
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let config =
+        ReplayConfig { batch: 64, min_idle: std::time::Duration::from_millis(300), ..Default::default() };
+    assert_eq!(Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap(), 2);
+    relay_all(&db, &keys).await;
+    // A fresh process: nothing in memory, only the rows.
+    let fresh = pipeline(&s).await;
+    let mut replayer = Replayer {
+        name: "r".into(),
+        store: fresh.store,
+        embedder: fresh.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    };
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, std::time::Duration::from_secs(1)).await.unwrap();
+    let before = mock.control.stats();
+    replayer.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let after = mock.control.stats();
+    let attempts = u64::from(s.retry.max_attempts);
+    assert_eq!(after.inputs - before.inputs, attempts + 1, "the suspect alone, then its neighbour once");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'o'").await, 0, "replayed");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'o'").await, 1);
 }
