@@ -7,12 +7,12 @@
 //!
 //! - **Poison-aware request size.** [`Isolation`] counts the inputs the provider settled and
 //!   the poison inputs it proved. Once a run has met poison, requests are cut to
-//!   `ISOLATION_WASTE_BUDGET / poison rate` inputs (between [`MIN_PIECE`] and the batch; the
-//!   rate counts [`PRIOR_CLEAN_INPUTS`] clean inputs on top, so a single early poison input
+//!   `ISOLATION_WASTE_BUDGET / poison rate` inputs (between `MIN_PIECE` and the batch; the
+//!   rate counts `PRIOR_CLEAN_INPUTS` clean inputs on top, so a single early poison input
 //!   does not shrink the rest of the run to pairs), so the expected resend stays near that
 //!   budget; a corpus without poison keeps full batches, and the size grows back as clean
 //!   inputs settle.
-//! - **Cheap splits.** A failing piece of at most [`SINGLES_AT`] inputs is sent as singles
+//! - **Cheap splits.** A failing piece of at most `SINGLES_AT` inputs is sent as singles
 //!   (each clean neighbour is sent once more, no more); a larger one is cut into about √n
 //!   parts, so a 64-input batch costs 64 + 8 resent inputs instead of bisection's ~126.
 //!
@@ -78,13 +78,15 @@ impl Isolation {
         self.state.lock().unwrap().settled += inputs as u64;
     }
 
-    /// Records an input proven to fail its request alone: counted, and remembered so that it
-    /// is never sent in a batch again by this process.
+    /// Records an input proven to fail its request alone: remembered so that it is never
+    /// sent in a batch again by this process, and counted in the poison rate unless it was
+    /// already known (then it was sent alone and cost its neighbours nothing).
     pub(crate) fn proven_poison(&self, text: &str) {
         let mut s = self.state.lock().unwrap();
-        s.poison += 1;
         s.settled += 1;
-        remember(&mut s, fingerprint(text));
+        if remember(&mut s, fingerprint(text)) {
+            s.poison += 1;
+        }
     }
 
     /// Marks `text` as suspect (e.g. its DLQ row says it failed alone before): it is sent
@@ -99,9 +101,10 @@ impl Isolation {
     }
 }
 
-fn remember(s: &mut State, f: u64) {
+/// Remembers `f` (forgetting the oldest beyond the bound); `false` when it was known.
+fn remember(s: &mut State, f: u64) -> bool {
     if !s.known.insert(f) {
-        return;
+        return false;
     }
     s.order.push_back(f);
     if s.order.len() > MAX_REMEMBERED
@@ -109,6 +112,7 @@ fn remember(s: &mut State, f: u64) {
     {
         s.known.remove(&old);
     }
+    true
 }
 
 /// A process-local fingerprint of an input. A collision only sends a clean input alone.
@@ -119,7 +123,7 @@ fn fingerprint(text: &str) -> u64 {
 }
 
 /// The lengths of the parts a failing piece of `n` inputs is cut into: singles up to
-/// [`SINGLES_AT`], else about √n parts of equal size (the last may be shorter).
+/// `SINGLES_AT`, else about √n parts of equal size (the last may be shorter).
 pub(crate) fn part_lengths(n: usize) -> Vec<usize> {
     if n <= SINGLES_AT {
         return vec![1; n];
@@ -160,11 +164,13 @@ mod tests {
         iso.settled(243);
         iso.proven_poison("bad");
         assert_eq!(iso.piece_size(64), 15, "1 in 500, with the prior's 1000 clean: 0.01 × 1500");
+        iso.proven_poison("bad");
+        assert_eq!(iso.piece_size(64), 15, "a known poison input, sent alone, cost nothing");
         iso.settled(1_000);
         for i in 0..9 {
             iso.proven_poison(&format!("worse {i}"));
         }
-        assert_eq!(iso.piece_size(64), 2, "10 in 1509, with the prior: 0.01 × 2509 / 10");
+        assert_eq!(iso.piece_size(64), 2, "10 in 1510, with the prior: 0.01 × 2510 / 10");
         for i in 0..10 {
             iso.proven_poison(&format!("worst {i}"));
         }
