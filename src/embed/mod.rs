@@ -708,3 +708,43 @@ fn uniform_wrong_dimension(items: &[Result<Vec<f32>, client::VectorProblem>]) ->
         .all(|i| matches!(i, Err(p) if p.class == ErrorClass::DimensionMismatch && p.detail == first.detail));
     uniform.then(|| (Signature::Dimension(first.detail.clone()), first.detail.clone()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem() -> client::VectorProblem {
+        client::VectorProblem { class: ErrorClass::InvalidVector, reason: "nan", detail: "NaN".into() }
+    }
+
+    #[test]
+    fn tokens_are_estimated_at_four_characters_rounded_up() {
+        assert_eq!(estimate_tokens(""), 0);
+        assert_eq!(estimate_tokens("abcd"), 1);
+        assert_eq!(estimate_tokens("abcde"), 2);
+        assert_eq!(estimate_tokens("日本語です"), 2, "characters, not bytes");
+    }
+
+    #[test]
+    fn plausible_usage_is_preferred_and_characters_are_not_believed() {
+        let texts = ["a".repeat(400), "b".repeat(400)];
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let resp = |reported| client::EmbedResponse {
+            items: vec![Ok(vec![0.0]), Err(problem())],
+            reported_tokens: reported,
+        };
+        // 200 tokens estimated; the provider says 300: half of them bought a usable vector.
+        let mut stats = BatchStats::default();
+        account_response(&texts, &resp(300), &mut stats);
+        assert_eq!((stats.tokens_stored, stats.tokens_wasted), (150, 150));
+        // A count equal to the characters sent (800) is characters: the estimate is used.
+        for implausible in [0, 800, 5_000, 10] {
+            let mut stats = BatchStats::default();
+            account_response(&texts, &resp(implausible), &mut stats);
+            assert_eq!((stats.tokens_stored, stats.tokens_wasted), (100, 100), "{implausible}");
+        }
+        let mut stats = BatchStats::default();
+        account_wasted(&texts, &mut stats);
+        assert_eq!((stats.tokens_stored, stats.tokens_wasted), (0, 200));
+    }
+}
