@@ -30,8 +30,9 @@ use std::sync::Mutex;
 /// Share of inputs the run accepts to resend because of poison: the request size is chosen
 /// so that (poison rate × request size) stays about this small.
 pub(crate) const ISOLATION_WASTE_BUDGET: f64 = 0.01;
-/// Largest request before the run has settled any input; it grows to a quarter of the
-/// inputs settled so far, so an early poison input costs a small request, not a full batch.
+/// Largest request before the run has settled any input; it grows to a sixteenth of the
+/// inputs settled so far, so an early poison input costs a small request, not a full batch
+/// (slowly: with several workers, many requests leave before the first isolation ends).
 pub(crate) const SLOW_START: usize = 32;
 /// Clean inputs assumed before any evidence: one poison input in a short run is not yet a
 /// rate (1 in 32 would cut requests to 2 inputs for the rest of the run).
@@ -64,7 +65,7 @@ impl Isolation {
     /// The size of the next request carved from a batch of at most `max` inputs.
     pub(crate) fn piece_size(&self, max: usize) -> usize {
         let s = self.state.lock().unwrap();
-        let warm = usize::try_from((s.settled / 4).max(SLOW_START as u64)).unwrap_or(usize::MAX);
+        let warm = usize::try_from((s.settled / 16).max(SLOW_START as u64)).unwrap_or(usize::MAX);
         let mut size = max.min(warm);
         if s.poison > 0 {
             let by_rate = ISOLATION_WASTE_BUDGET * (s.settled + PRIOR_CLEAN_INPUTS) as f64 / s.poison as f64;
@@ -159,14 +160,15 @@ mod tests {
     fn requests_shrink_with_the_poison_rate_and_grow_back() {
         let iso = Isolation::default();
         assert_eq!(iso.piece_size(64), SLOW_START, "nothing settled yet: a small first request");
-        iso.settled(256);
+        iso.settled(512);
+        assert_eq!(iso.piece_size(64), 32, "a sixteenth of the inputs settled");
+        iso.settled(512);
         assert_eq!(iso.piece_size(64), 64, "no poison seen: full batches");
-        iso.settled(243);
+        iso.settled(475);
         iso.proven_poison("bad");
-        assert_eq!(iso.piece_size(64), 15, "1 in 500, with the prior's 1000 clean: 0.01 × 1500");
+        assert_eq!(iso.piece_size(64), 25, "1 in 1500, with the prior's 1000 clean: 0.01 × 2500");
         iso.proven_poison("bad");
-        assert_eq!(iso.piece_size(64), 15, "a known poison input, sent alone, cost nothing");
-        iso.settled(1_000);
+        assert_eq!(iso.piece_size(64), 25, "a known poison input, sent alone, cost nothing");
         for i in 0..9 {
             iso.proven_poison(&format!("worse {i}"));
         }
