@@ -98,6 +98,10 @@ pub struct ProviderArgs {
     /// base URL and model (needs a Redis URL).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub shared_limits: Option<bool>,
+    /// Price of a million tokens (any currency), 0..=1000: the ingest summary then shows the
+    /// estimated cost and the cost of waste.
+    #[arg(long)]
+    pub price_per_million_tokens: Option<f64>,
 }
 
 /// Target table, batching, concurrency and limits.
@@ -296,6 +300,9 @@ pub mod bounds {
     pub const REQUEST_TIMEOUT_MS: RangeInclusive<u64> = 100..=600_000;
     /// OpenAI accepts at most 2048 inputs per request.
     pub const BATCH_MAX_INPUTS: RangeInclusive<usize> = 1..=2048;
+    /// `price_per_million_tokens`: the dearest embedding models cost well under 1 a million
+    /// tokens; 1000 leaves room for any currency while catching a price given per token.
+    pub const PRICE_PER_MILLION_TOKENS: RangeInclusive<f64> = 0.0..=1000.0;
     /// `batch_max_chars`: at most 10 million characters per request.
     pub const BATCH_MAX_CHARS: RangeInclusive<usize> = 1..=10_000_000;
     /// Each request is a task holding a batch; the pool also grows with it.
@@ -654,7 +661,8 @@ impl Settings {
         // does not compile (or warns as unused), so no setting can be silently ignored.
         let FileConfig { services, provider, ingest, retry, serve } = flags;
         let (database_url, redis_url) = resolve_services(&r.section("services"), services, &f.services)?;
-        let (client, limits) = resolve_provider(&r.section("provider"), provider, &f.provider)?;
+        let (client, limits, price_per_million_tokens) =
+            resolve_provider(&r.section("provider"), provider, &f.provider)?;
         if limits.shared && redis_url.is_none() {
             return Err(ConfigError::Missing {
                 setting: "redis_url",
@@ -664,7 +672,7 @@ impl Settings {
         let (table, options) = resolve_ingest(&r.section("ingest"), ingest, &f.ingest)?;
         let RetryParts { retry, breaker, dlq_schedule } =
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
-        let options = IngestOptions { dlq_schedule, ..options };
+        let options = IngestOptions { dlq_schedule, price_per_million_tokens, ..options };
         let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
         Ok(Settings {
             database_url,
@@ -737,12 +745,12 @@ fn resolve_services(
 }
 
 /// `[provider]`: the provider client, with the API key read from the variable it names, and
-/// the provider budgets.
+/// the provider budgets, and the price of a million tokens (for the summary's cost figures).
 fn resolve_provider(
     r: &Resolver<'_>,
     flags: ProviderArgs,
     file: &ProviderArgs,
-) -> Result<(ClientConfig, LimitConfig), ConfigError> {
+) -> Result<(ClientConfig, LimitConfig, Option<f64>), ConfigError> {
     let ProviderArgs {
         base_url,
         model,
@@ -755,6 +763,7 @@ fn resolve_provider(
         max_requests_per_minute,
         max_tokens_per_minute,
         shared_limits,
+        price_per_million_tokens,
     } = flags;
     let base_url = r
         .text("base_url", base_url, file.base_url.clone(), check_base_url)?
@@ -791,6 +800,12 @@ fn resolve_provider(
         bounds::REQUEST_TIMEOUT_MS,
     )?;
     let limits = resolve_limits(r, (max_requests_per_minute, max_tokens_per_minute, shared_limits), file)?;
+    let price = r.num_opt(
+        "price_per_million_tokens",
+        price_per_million_tokens,
+        file.price_per_million_tokens,
+        bounds::PRICE_PER_MILLION_TOKENS,
+    )?;
     let client = ClientConfig {
         base_url,
         model,
@@ -801,7 +816,7 @@ fn resolve_provider(
         extra_headers,
         timeout: Duration::from_millis(timeout_ms),
     };
-    Ok((client, limits))
+    Ok((client, limits, price))
 }
 
 /// The `[provider]` budgets: off unless set; shared only with a budget to share.
@@ -1169,6 +1184,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
+        ("price_per_million_tokens", o.price_per_million_tokens.map_or("none".into(), |p| p.to_string())),
     ]
 }
 
@@ -1263,6 +1279,7 @@ impl IngestSettings {
             dimensions: store.target().dimensions,
             // Replay waits out an outage; an ingest's workers apply `options.on_outage`.
             on_outage: crate::embed::gate::OnOutage::Wait,
+            isolation: Default::default(),
         };
         Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
     }

@@ -44,6 +44,7 @@ pub(crate) const LIMITER_DELAYED: &str = "embed_dlq_limiter_delayed_requests_tot
 pub(crate) const LIMITER_WAIT_MS: &str = "embed_dlq_limiter_wait_milliseconds_total";
 pub(crate) const LIMITER_HEADER_PAUSES: &str = "embed_dlq_limiter_header_pauses_total";
 pub(crate) const LIMITER_FACTOR: &str = "embed_dlq_limiter_factor";
+pub(crate) const TOKENS: &str = "embed_dlq_tokens_total";
 
 /// Why the exporter could not start, or a sample could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -136,6 +137,20 @@ fn describe() {
         LIMITER_FACTOR,
         "AIMD factor of the provider budget (1 = as configured; lower after 429s)."
     );
+    describe_counter!(
+        TOKENS,
+        "Provider tokens (estimated from characters, or the plausible reported usage), by outcome: stored (a usable vector) or wasted (failed requests, unusable vectors, canaries, re-sent inputs)."
+    );
+}
+
+/// Counts provider tokens: those that produced a usable vector and those sent for nothing.
+pub(crate) fn tokens(stored: u64, wasted: u64) {
+    if stored > 0 {
+        counter!(TOKENS, "outcome" => "stored").increment(stored);
+    }
+    if wasted > 0 {
+        counter!(TOKENS, "outcome" => "wasted").increment(wasted);
+    }
 }
 
 /// Counts one provider request.

@@ -425,6 +425,13 @@ impl Replayer {
                 .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
                 .collect();
             let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            // A row parked after 500s is normally one that failed alone while its neighbours
+            // passed: it is sent alone first, so its batch does not pay for it again.
+            for ((_, row), text) in items.iter().zip(&texts) {
+                if row.error_reason == "http_500" {
+                    embedder.isolation.suspect(text);
+                }
+            }
             let mut stats = BatchStats::default();
             match embedder.embed_batch(&text_refs, cancel, &mut stats).await {
                 Err(stop) => {

@@ -52,6 +52,18 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
         s.provider_calls, s.provider_inputs, s.batch_splits
     )?;
     writeln!(out, "tokens (reported)   {:>10}", s.reported_tokens)?;
+    let tokens = s.tokens_stored + s.tokens_wasted;
+    let share = if tokens > 0 { 100.0 * s.tokens_wasted as f64 / tokens as f64 } else { 0.0 };
+    writeln!(
+        out,
+        "tokens stored       {:>10}  ({} wasted, {share:.1}% of {tokens} sent; ~{} chars/token unless usage is plausible)",
+        s.tokens_stored,
+        s.tokens_wasted,
+        embed_dlq::embed::limit::CHARS_PER_TOKEN
+    )?;
+    if let (Some(cost), Some(waste)) = (s.estimated_cost, s.wasted_cost) {
+        writeln!(out, "estimated cost      {cost:>10.4}  ({waste:.4} of it on waste)")?;
+    }
     if s.breaker_opened > 0 {
         writeln!(out, "breaker opened      {:>10}", s.breaker_opened)?;
     }

@@ -2,10 +2,16 @@
 //!
 //! [`Embedder::embed_batch`] turns a batch into one [`ItemOutcome`] per chunk. Transient
 //! failures are retried on the [`RetryPolicy`] schedule through the shared [`ProviderGate`];
-//! an input rejection on a batch splits it in halves until the guilty input stands alone, so
-//! one poison input never fails its neighbours (so does a 500 that outlives the retries:
-//! some servers fail one input with 500 forever); a systemic error stops the run without
-//! charging any chunk for it.
+//! an input rejection on a batch splits it (into singles when small, about √n parts when
+//! large) until the guilty input stands alone, so one poison input never fails its
+//! neighbours (so does a 500 that outlives the retries: some servers fail one input with 500
+//! forever); a systemic error stops the run without charging any chunk for it. Once a run
+//! has met poison, batches are sent in smaller pieces and proven poison inputs are sent
+//! alone first ([`isolate`]), so finding one costs a few resent inputs, not a batch.
+//!
+//! Every input sent is accounted in tokens ([`BatchStats::tokens_stored`] and
+//! [`BatchStats::tokens_wasted`]): estimated from characters ([`limit::CHARS_PER_TOKEN`]), scaled by
+//! the provider's reported usage when that is plausible.
 //!
 //! Systemic is a pattern as much as a status code: a rejection (or a wrong vector size) that
 //! may be the provider's rather than the input's is confirmed with a canary input first
@@ -19,6 +25,7 @@ pub(crate) mod canary;
 pub(crate) mod classify;
 pub mod client;
 pub mod gate;
+pub mod isolate;
 pub mod limit;
 pub mod retry;
 
@@ -33,6 +40,7 @@ use canary::{CANARY_TEXT, CanaryVerdict, Consult, Signature, Target};
 use classify::{Verdict, classify};
 use client::{EmbedClient, EmbedError};
 use gate::{GateError, Health, OnOutage, Permit, ProviderGate};
+use isolate::Isolation;
 use retry::RetryPolicy;
 
 /// What happened to one input of a batch.
@@ -90,12 +98,18 @@ pub struct BatchStats {
     /// `usage.total_tokens` summed over the responses (informative: some providers count
     /// characters).
     pub reported_tokens: u64,
-    /// Times a rejected batch was split in two to find the input at fault.
+    /// Times a failing piece was split to find the input at fault.
     pub splits: u64,
     /// Attempts that were followed by another attempt, by reason.
     pub retries: BTreeMap<&'static str, u64>,
     /// Canary requests (breaker probes and systemic checks), included in `provider_calls`.
     pub canary_calls: u64,
+    /// Tokens of the inputs whose vector came back usable (estimated, or the provider's
+    /// plausible usage).
+    pub tokens_stored: u64,
+    /// Tokens sent for nothing: failed requests, unusable vectors, canaries, and so every
+    /// input that had to be sent again.
+    pub tokens_wasted: u64,
 }
 
 /// Client + classifier + policy + shared gate; one per run, shared by all workers.
@@ -113,6 +127,15 @@ pub struct Embedder {
     /// What this embedder's caller does while the breaker is open: an ingest follows its
     /// `on_outage` setting; replay keeps `Wait` (its items stay pending in the stream).
     pub on_outage: OnOutage,
+    /// Poison rate and memory of proven poison inputs, shared by every worker and replayer
+    /// that uses this embedder, so what one learns the others do not pay for again.
+    pub isolation: Arc<Isolation>,
+}
+
+/// The estimated tokens of `text`: [`limit::CHARS_PER_TOKEN`] characters a token, rounded up
+/// (the ratio the token limits use too).
+pub fn estimate_tokens(text: &str) -> u64 {
+    text.chars().count().div_ceil(limit::CHARS_PER_TOKEN) as u64
 }
 
 /// Why no request may be sent.
@@ -132,10 +155,12 @@ enum Checked {
 }
 
 /// A range of the batch still to embed. `isolating`: it comes from splitting a batch that
-/// kept failing with 500, so a 500 on it is evidence against one of its inputs.
+/// kept failing with 500 (or holds a remembered suspect), so a 500 on it is evidence against
+/// one of its inputs. `carve`: not yet cut to the request size (see [`isolate`]).
 struct Piece {
     range: Range<usize>,
     isolating: bool,
+    carve: bool,
 }
 
 /// The state of one `embed_batch` call: an outcome slot per text, the pieces still to embed,
@@ -146,6 +171,10 @@ struct Progress<'a> {
     outcomes: Vec<Option<ItemOutcome>>,
     /// Pieces still to embed; the top one is next.
     work: Vec<Piece>,
+    /// Inputs remembered as poison or suspect: each is sent alone, first.
+    suspects: Vec<bool>,
+    /// The batch's texts (a proven poison input is remembered by its text).
+    texts: &'a [&'a str],
     cancel: &'a CancellationToken,
     stats: &'a mut BatchStats,
 }
@@ -164,16 +193,42 @@ impl Embedder {
             target: self.target(),
             outcomes: vec![None; texts.len()],
             work: Vec::new(),
+            suspects: texts.iter().map(|t| self.isolation.is_suspect(t)).collect(),
+            texts,
             cancel,
             stats,
         };
         if !texts.is_empty() {
-            progress.work.push(Piece { range: 0..texts.len(), isolating: false });
+            progress.work.push(Piece { range: 0..texts.len(), isolating: false, carve: true });
         }
         while let Some(piece) = progress.work.pop() {
+            let piece = self.carve(piece, &progress.suspects, &mut progress.work);
             self.embed_piece(texts, piece, &mut progress).await?;
         }
         Ok(progress.outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect())
+    }
+
+    /// The next request to send from `piece`: a remembered suspect alone first, else the
+    /// head of the piece at the poison-aware request size; the rest goes back on `work`.
+    fn carve(&self, piece: Piece, suspects: &[bool], work: &mut Vec<Piece>) -> Piece {
+        if !piece.carve {
+            return piece;
+        }
+        let Range { start, end } = piece.range;
+        if let Some(i) = (start..end).find(|&i| suspects[i]) {
+            if i + 1 < end {
+                work.push(Piece { range: i + 1..end, isolating: false, carve: true });
+            }
+            if start < i {
+                work.push(Piece { range: start..i, isolating: false, carve: true });
+            }
+            return Piece { range: i..i + 1, isolating: true, carve: false };
+        }
+        let size = self.isolation.piece_size(end - start);
+        if start + size < end {
+            work.push(Piece { range: start + size..end, isolating: false, carve: true });
+        }
+        Piece { range: start..start + size, isolating: piece.isolating, carve: false }
     }
 
     /// Sends one piece, retrying it under the policy, until it is settled: embedded, failed,
@@ -212,9 +267,14 @@ impl Embedder {
             let err = match result {
                 Ok(resp) => {
                     self.gate.record(permit, Health::Responsive);
+                    account_response(&texts[piece.range.clone()], &resp, p.stats);
+                    self.isolation.settled(piece.range.len());
                     return self.settle_response(resp, &piece.range, attempt, p).await;
                 }
-                Err(err) => err,
+                Err(err) => {
+                    account_wasted(&texts[piece.range.clone()], p.stats);
+                    err
+                }
             };
             let (reason, retry_after) = match classify(&err) {
                 Verdict::Systemic { reason } => {
@@ -327,6 +387,7 @@ impl Embedder {
                 split(&mut p.work, &piece.range, piece.isolating);
             }
             Checked::InputFault => {
+                self.isolation.proven_poison(p.texts[piece.range.start]);
                 let failure = Failure { class, reason, detail, status, attempts: attempt };
                 fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(failure));
             }
@@ -338,7 +399,8 @@ impl Embedder {
     /// `true`): a `suspect` piece is split (one try per split level is enough); once the
     /// policy allows no other attempt, a piece of several that keeps getting 500 is split to
     /// isolate the input (some servers, e.g. Ollama, answer 500 for one input forever)
-    /// instead of parking its neighbours with it, and anything else is parked as transient.
+    /// instead of parking its neighbours with it, and anything else is parked as transient
+    /// (a lone `suspect` input is then remembered as poison: it failed alone every time).
     fn settle_without_retry(
         &self,
         err: &EmbedError,
@@ -361,6 +423,9 @@ impl Embedder {
             p.stats.splits += 1;
             split(&mut p.work, &piece.range, true);
         } else {
+            if suspect {
+                self.isolation.proven_poison(p.texts[piece.range.start]);
+            }
             fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(transient(err, reason, attempt)));
         }
         true
@@ -431,6 +496,7 @@ impl Embedder {
         stats.provider_calls += 1;
         stats.provider_inputs += 1;
         stats.canary_calls += 1;
+        account_wasted(&[CANARY_TEXT], stats);
         let sent = std::time::Instant::now();
         let result = self.client.embed(&[CANARY_TEXT], self.dimensions).await;
         crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
@@ -561,11 +627,54 @@ fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, Str
     }
 }
 
-/// Pushes the halves of `range` (first half on top, so it is done first).
+/// Pushes the parts of a failing `range` ([`isolate::part_lengths`]: singles when small,
+/// about √n parts when large), the first part on top so it is done first.
 fn split(work: &mut Vec<Piece>, range: &Range<usize>, isolating: bool) {
-    let mid = range.start + range.len() / 2;
-    work.push(Piece { range: mid..range.end, isolating });
-    work.push(Piece { range: range.start..mid, isolating });
+    let mut start = range.start;
+    let mut parts = Vec::new();
+    for len in isolate::part_lengths(range.len()) {
+        parts.push(Piece { range: start..start + len, isolating, carve: false });
+        start += len;
+    }
+    work.extend(parts.into_iter().rev());
+}
+
+/// Accounts the tokens of a request the provider answered: those of the inputs that came
+/// back with a usable vector are `stored`, the rest `wasted`. The estimate is scaled to the
+/// provider's reported usage when that is plausible (see [`plausible_usage`]).
+fn account_response(texts: &[&str], resp: &client::EmbedResponse, stats: &mut BatchStats) {
+    let estimates: Vec<u64> = texts.iter().map(|t| estimate_tokens(t)).collect();
+    let estimated: u64 = estimates.iter().sum();
+    let bytes: usize = texts.iter().map(|t| t.len()).sum();
+    let billed = plausible_usage(resp.reported_tokens, bytes).unwrap_or(estimated);
+    let usable: u64 =
+        estimates.iter().zip(&resp.items).filter(|(_, item)| item.is_ok()).map(|(e, _)| *e).sum();
+    let stored = if estimated == 0 {
+        0
+    } else {
+        ((usable as f64) * (billed as f64) / (estimated as f64)).round() as u64
+    }
+    .min(billed);
+    stats.tokens_stored += stored;
+    stats.tokens_wasted += billed - stored;
+    crate::metrics::tokens(stored, billed - stored);
+}
+
+/// Accounts a request that brought no vector back (or a canary, whose vector is thrown
+/// away): all its estimated tokens are wasted. A provider may not bill a rejected request;
+/// the figure is then an upper bound.
+fn account_wasted(texts: &[&str], stats: &mut BatchStats) {
+    let wasted = texts.iter().map(|t| estimate_tokens(t)).sum::<u64>();
+    stats.tokens_wasted += wasted;
+    crate::metrics::tokens(0, wasted);
+}
+
+/// The provider's reported usage, when it can be tokens of these inputs: positive, fewer than
+/// the inputs' bytes (a token spans at least one byte; a count equal to the length is
+/// characters, as some servers report) and not absurdly few (at most 32 bytes a token).
+fn plausible_usage(reported: u64, bytes: usize) -> Option<u64> {
+    let bytes = bytes as u64;
+    (reported > 0 && reported < bytes && reported.saturating_mul(32) >= bytes).then_some(reported)
 }
 
 fn outcome_label(result: &Result<client::EmbedResponse, EmbedError>) -> &'static str {
@@ -634,4 +743,44 @@ fn uniform_wrong_dimension(items: &[Result<Vec<f32>, client::VectorProblem>]) ->
         .iter()
         .all(|i| matches!(i, Err(p) if p.class == ErrorClass::DimensionMismatch && p.detail == first.detail));
     uniform.then(|| (Signature::Dimension(first.detail.clone()), first.detail.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem() -> client::VectorProblem {
+        client::VectorProblem { class: ErrorClass::InvalidVector, reason: "nan", detail: "NaN".into() }
+    }
+
+    #[test]
+    fn tokens_are_estimated_at_four_characters_rounded_up() {
+        assert_eq!(estimate_tokens(""), 0);
+        assert_eq!(estimate_tokens("abcd"), 1);
+        assert_eq!(estimate_tokens("abcde"), 2);
+        assert_eq!(estimate_tokens("日本語です"), 2, "characters, not bytes");
+    }
+
+    #[test]
+    fn plausible_usage_is_preferred_and_characters_are_not_believed() {
+        let texts = ["a".repeat(400), "b".repeat(400)];
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let resp = |reported| client::EmbedResponse {
+            items: vec![Ok(vec![0.0]), Err(problem())],
+            reported_tokens: reported,
+        };
+        // 200 tokens estimated; the provider says 300: half of them bought a usable vector.
+        let mut stats = BatchStats::default();
+        account_response(&texts, &resp(300), &mut stats);
+        assert_eq!((stats.tokens_stored, stats.tokens_wasted), (150, 150));
+        // A count equal to the characters sent (800) is characters: the estimate is used.
+        for implausible in [0, 800, 5_000, 10] {
+            let mut stats = BatchStats::default();
+            account_response(&texts, &resp(implausible), &mut stats);
+            assert_eq!((stats.tokens_stored, stats.tokens_wasted), (100, 100), "{implausible}");
+        }
+        let mut stats = BatchStats::default();
+        account_wasted(&texts, &mut stats);
+        assert_eq!((stats.tokens_stored, stats.tokens_wasted), (0, 200));
+    }
 }

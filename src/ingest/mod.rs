@@ -91,6 +91,8 @@ pub struct IngestOptions {
     /// What the workers do while the provider's circuit breaker is open: wait for the probes,
     /// park the rest as transient for `serve` to replay, or stop the run (see [`OnOutage`]).
     pub on_outage: OnOutage,
+    /// Price of a million tokens, for the summary's cost figures (none: no cost shown).
+    pub price_per_million_tokens: Option<f64>,
 }
 
 impl Default for IngestOptions {
@@ -110,6 +112,7 @@ impl Default for IngestOptions {
             progress: false,
             total_bytes: None,
             on_outage: OnOutage::Wait,
+            price_per_million_tokens: None,
         }
     }
 }
@@ -169,9 +172,26 @@ pub struct IngestSummary {
     pub elapsed_secs: f64,
     /// Set when the run ended early: shutdown requested or provider refused the run.
     pub stopped: Option<String>,
+    /// Tokens of the inputs whose vector came back usable (estimated from characters, or the
+    /// provider's usage when plausible).
+    pub tokens_stored: u64,
+    /// Tokens sent for nothing: failed requests, unusable vectors, canaries, and so every
+    /// input sent again.
+    pub tokens_wasted: u64,
+    /// Estimated cost of every token sent, at `price_per_million_tokens` (none without it).
+    pub estimated_cost: Option<f64>,
+    /// The part of `estimated_cost` spent on wasted tokens.
+    pub wasted_cost: Option<f64>,
 }
 
 impl IngestSummary {
+    /// Sets the cost figures from the tokens at `per_million` (left empty without a price).
+    pub fn price(&mut self, per_million: Option<f64>) {
+        let cost = |tokens: u64| per_million.map(|p| tokens as f64 * p / 1e6);
+        self.estimated_cost = cost(self.tokens_stored + self.tokens_wasted);
+        self.wasted_cost = cost(self.tokens_wasted);
+    }
+
     /// Total parked in this run.
     pub fn parked_total(&self) -> u64 {
         self.parked.values().sum()
@@ -338,6 +358,7 @@ impl Pipeline {
         t.summary.elapsed_secs = started.elapsed().as_secs_f64();
         t.summary.breaker_opened = self.embedder.gate.times_opened();
         t.summary.lines_read = lines_read.load(Ordering::Relaxed);
+        t.summary.price(self.options.price_per_million_tokens);
         settle_accounts(&mut t.summary, &run);
         let ending = RunEnding {
             failure: batcher_failure.into_iter().chain(tasks.failures()).next(),
@@ -1160,6 +1181,8 @@ fn merge_stats(s: &mut IngestSummary, b: &BatchStats) {
     s.provider_inputs += b.provider_inputs;
     s.reported_tokens += b.reported_tokens;
     s.batch_splits += b.splits;
+    s.tokens_stored += b.tokens_stored;
+    s.tokens_wasted += b.tokens_wasted;
     for (reason, n) in &b.retries {
         *s.retries.entry((*reason).to_string()).or_default() += n;
     }

@@ -3,6 +3,7 @@
 //! needs a provider, to the fault-injecting mock over real HTTP. Run it with scripts/test.sh.
 
 mod config;
+mod economy;
 mod from_rust;
 mod history;
 mod identity;

@@ -200,6 +200,7 @@ fn embedder(base_url: String, policy: RetryPolicy, breaker: BreakerConfig) -> Em
         policy,
         dimensions: DIMS,
         on_outage: Default::default(),
+        isolation: Default::default(),
     }
 }
 
