@@ -116,6 +116,11 @@ pub struct IngestArgs {
     /// memory whatever the size of the records.
     #[arg(long)]
     pub max_inflight_bytes: Option<u64>,
+    /// How long a chunk claimed for embedding stays leased to this run, 1..=3600 s: another
+    /// run of the same content leaves it alone meanwhile (a killed run's leases are taken
+    /// over at once, a hung one's after this).
+    #[arg(long)]
+    pub lease_secs: Option<u64>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -291,6 +296,8 @@ pub mod bounds {
     /// In-flight input bytes of an ingest (the byte budget).
     pub const MAX_INFLIGHT_BYTES: RangeInclusive<u64> =
         crate::ingest::budget::ByteBudget::MIN..=crate::ingest::budget::ByteBudget::MAX;
+    /// `lease_secs`: 1 second to 1 hour (longer only delays the takeover of a hung run's work).
+    pub const LEASE_SECS: RangeInclusive<u64> = 1..=3600;
     /// `retry_max_attempts`: attempts per input in one pass, the first included.
     pub const RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 1..=20;
     /// `retry_base_ms`: 1 ms to 1 minute.
@@ -792,6 +799,7 @@ fn resolve_ingest(
         max_input_chars,
         max_line_bytes,
         max_inflight_bytes,
+        lease_secs,
     } = flags;
     let table = r
         .text("table", table, file.table.clone(), check_table)?
@@ -835,6 +843,8 @@ fn resolve_ingest(
         d.max_inflight_bytes,
         bounds::MAX_INFLIGHT_BYTES,
     )?;
+    let lease_secs =
+        r.num("lease_secs", lease_secs, file.lease_secs, d.lease.as_secs(), bounds::LEASE_SECS)?;
     let options = IngestOptions {
         batch_max_inputs,
         batch_max_chars,
@@ -843,6 +853,7 @@ fn resolve_ingest(
         max_input_chars,
         max_line_bytes,
         max_inflight_bytes,
+        lease: Duration::from_secs(lease_secs),
         ..d
     };
     Ok((table, options))
@@ -1068,6 +1079,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("max_input_chars", o.max_input_chars.to_string()),
         ("max_line_bytes", o.max_line_bytes.to_string()),
         ("max_inflight_bytes", o.max_inflight_bytes.to_string()),
+        ("lease_secs", o.lease.as_secs().to_string()),
         ("retry_max_attempts", s.retry.max_attempts.to_string()),
         ("retry_base_ms", millis(s.retry.base).to_string()),
         ("retry_cap_ms", millis(s.retry.cap).to_string()),
@@ -1447,6 +1459,7 @@ reconcile_every_secs = 7
             ("max_input_chars", |c, v| c.ingest.max_input_chars = Some(v as usize), 1, 1_000_000),
             ("max_line_bytes", |c, v| c.ingest.max_line_bytes = Some(v as usize), 64, 64 << 20),
             ("max_inflight_bytes", |c, v| c.ingest.max_inflight_bytes = Some(v), 1 << 20, u32::MAX as u64),
+            ("lease_secs", |c, v| c.ingest.lease_secs = Some(v), 1, 3600),
             ("request_timeout_ms", |c, v| c.provider.request_timeout_ms = Some(v), 100, 600_000),
             ("request_dimensions", |c, v| c.provider.request_dimensions = Some(v as usize), 1, 16_000),
             ("retry_max_attempts", |c, v| c.retry.retry_max_attempts = Some(v as u32), 1, 20),

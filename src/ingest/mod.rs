@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! reader task ──records──> batcher ──jobs──> N workers ──outcomes──> M writers
-//!   (JSONL, charged to       │ manifest lookup: skip unchanged / already parked      │
-//!    the byte budget)        │ pre-flight: empty, too long, broken record → park     │
+//!   (JSONL, charged to       │ manifest lookup + leases: skip unchanged / already    │
+//!    the byte budget)        │ parked / leased to a concurrent run                   │
+//!                            │ pre-flight: empty, too long, broken record → park     │
 //!                                                    Store::store_batch / park_batch ┘
 //! ```
 //!
@@ -44,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
+use crate::store::lease::WindowKey;
 use crate::store::{ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
@@ -81,6 +83,10 @@ pub struct IngestOptions {
     pub progress: bool,
     /// Expected total bytes of input (a file's size), for the progress bar.
     pub total_bytes: Option<u64>,
+    /// How long a chunk claimed for embedding stays leased to this run (`[ingest]
+    /// lease_secs`): long enough for a window's provider calls and retries, short enough that
+    /// a hung run's chunks are not held up for long (a killed run's are taken over at once).
+    pub lease: Duration,
 }
 
 impl Default for IngestOptions {
@@ -99,6 +105,7 @@ impl Default for IngestOptions {
             dlq_schedule: DlqSchedule::default(),
             progress: false,
             total_bytes: None,
+            lease: Duration::from_secs(120),
         }
     }
 }
@@ -113,7 +120,8 @@ pub struct RejectedLine {
 }
 
 /// What a run did. Every record read is accounted for exactly once in `stored`, `unchanged`,
-/// `already_parked`, `parked`, `superseded`, `rejected_lines` or `not_attempted`.
+/// `already_parked`, `parked`, `superseded`, `rejected_lines`, `not_attempted` or
+/// `leased_elsewhere`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct IngestSummary {
     /// Lines read from the input ([`Pipeline::run`], blank and rejected ones included), or
@@ -158,6 +166,9 @@ pub struct IngestSummary {
     pub elapsed_secs: f64,
     /// Set when the run ended early: shutdown requested or provider refused the run.
     pub stopped: Option<String>,
+    /// Left to another run that holds the chunk's lease (a concurrent ingest of the same
+    /// content): that run stores or parks it; if it dies first, a rerun finishes it.
+    pub leased_elsewhere: u64,
 }
 
 impl IngestSummary {
@@ -170,13 +181,14 @@ impl IngestSummary {
     pub fn accounting(&self) -> String {
         format!(
             "of {} records, {} stored, {} unchanged, {} already in the DLQ, {} parked, {} superseded by a \
-             later line, {} not attempted (rerun the same corpus to finish them)",
+             later line, {} left to a concurrent run, {} not attempted (rerun the same corpus to finish them)",
             self.records,
             self.stored,
             self.unchanged,
             self.already_parked,
             self.parked_total(),
             self.superseded,
+            self.leased_elsewhere,
             self.not_attempted
         )
     }
@@ -295,6 +307,8 @@ impl Pipeline {
         let started = Instant::now();
         // Every record's position is (run id << 32 | line): later runs beat earlier ones.
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
+        // Marks the run alive while it holds leases (see `store::lease`); released below.
+        let run_lease = with_db_retry(|| self.store.hold_run(run_id)).await?;
         // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
         // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.
         let run = RunState {
@@ -322,6 +336,7 @@ impl Pipeline {
         drop(rec_rx);
         tasks.wait().await;
         run.progress.finish();
+        run_lease.release().await;
 
         let mut t = std::mem::take(&mut *run.tally.lock().unwrap_or_else(PoisonError::into_inner));
         t.summary.elapsed_secs = started.elapsed().as_secs_f64();
@@ -409,8 +424,13 @@ fn settle_accounts(s: &mut IngestSummary, run: &RunState) {
     if run.cancel.is_cancelled() && s.stopped.is_none() {
         s.stopped = Some("shutdown requested".into());
     }
-    let accounted =
-        s.stored + s.unchanged + s.already_parked + s.parked_total() + s.superseded + s.not_attempted;
+    let accounted = s.stored
+        + s.unchanged
+        + s.already_parked
+        + s.parked_total()
+        + s.superseded
+        + s.not_attempted
+        + s.leased_elsewhere;
     if accounted < s.records {
         if !run.halt.is_cancelled() {
             tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");
@@ -774,31 +794,53 @@ impl<'a> Batcher<'a> {
     }
 
     /// Drops (and counts) the records whose content the manifest already holds, stored or
-    /// parked (replay owns it then), in one lookup; keys `repeated` in this run are kept.
+    /// parked (replay owns it then), and the chunks another live run holds the lease of (it
+    /// embeds them), in one round trip that also leases the rest to this run
+    /// ([`Store::claim_window`]); keys `repeated` in this run are never skipped as done.
     async fn skip_known(
         &self,
         chunks: &mut Vec<(Chunk, String, i64)>,
         invalid: &mut Vec<ParkedChunk>,
         repeated: &HashSet<(String, i32)>,
     ) -> Result<(), IngestError> {
-        let keys: Vec<(String, i32)> = chunks
+        let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
+            doc_id: doc_id.to_owned(),
+            chunk_index,
+            content_hash: hash.to_owned(),
+            source_seq: seq,
+            embeds,
+            repeated: repeated.contains(&(doc_id.to_owned(), chunk_index)),
+        };
+        let keys: Vec<WindowKey> = chunks
             .iter()
-            .map(|(c, _, _)| (c.doc_id.clone(), c.chunk_index))
-            .chain(invalid.iter().map(|p| (p.doc_id.clone(), p.chunk_index)))
+            .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash, *seq, true))
+            .chain(
+                invalid
+                    .iter()
+                    .map(|p| window_key(&p.doc_id, p.chunk_index, &p.content_hash, p.source_seq, false)),
+            )
             .collect();
-        let known = with_db_retry(|| self.pipeline.store.manifest_lookup(&keys)).await?;
-        let (mut unchanged, mut already_parked) = (0u64, 0u64);
-        let mut seen = |k: (String, i32), hash: &str| match known.get(&k) {
-            _ if repeated.contains(&k) => false,
-            Some((h, ChunkStatus::Stored)) if h == hash => {
-                unchanged += 1;
-                true
+        let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
+        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease)).await?;
+        let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
+        let mut seen = |k: (String, i32), hash: &str| {
+            let claim = known.get(&k);
+            if claim.is_some_and(|c| c.leased_elsewhere) {
+                leased_elsewhere += 1;
+                return true;
             }
-            Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
-                already_parked += 1;
-                true
+            match claim.and_then(|c| c.manifest.as_ref()) {
+                _ if repeated.contains(&k) => false,
+                Some((h, ChunkStatus::Stored)) if h == hash => {
+                    unchanged += 1;
+                    true
+                }
+                Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
+                    already_parked += 1;
+                    true
+                }
+                _ => false,
             }
-            _ => false,
         };
         invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash));
         chunks.retain(|(chunk, hash, _)| !seen((chunk.doc_id.clone(), chunk.chunk_index), hash));
@@ -806,10 +848,13 @@ impl<'a> Batcher<'a> {
             let mut t = self.tally.lock().unwrap();
             t.summary.unchanged += unchanged;
             t.summary.already_parked += already_parked;
+            t.summary.leased_elsewhere += leased_elsewhere;
         }
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
             .increment(already_parked);
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "leased_elsewhere")
+            .increment(leased_elsewhere);
         Ok(())
     }
 

@@ -7,6 +7,7 @@ mod from_rust;
 mod history;
 mod identity;
 mod ingest;
+mod leases;
 mod process;
 mod provider;
 mod reconcile;
