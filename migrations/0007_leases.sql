@@ -4,9 +4,10 @@
 -- intake window, folded into the manifest lookup). Another run that meets the same content
 -- while the lease is live leaves the chunk to the holder and reports it as
 -- `leased_elsewhere`. The holder's store or park marks the lease finished in its own
--- transaction; a finished lease still turns away a claim of the same content (one whose
--- manifest lookup predates the outcome's commit would otherwise embed it again) until the
--- holder sweeps it a few seconds later.
+-- transaction. A finished lease turns away a claim of the same content only if the claim's
+-- snapshot cannot see that transaction (its manifest lookup missed the outcome and would
+-- embed the chunk again); once visible, the manifest speaks for the chunk. The holder
+-- sweeps its finished leases a few seconds later.
 --
 -- An unfinished lease is live while both hold:
 --   * expires_at is in the future ([ingest] lease_secs after the claim), and
@@ -28,8 +29,10 @@ CREATE UNLOGGED TABLE ingest_lease (
     -- The holding ingest run (nextval of embed_dlq_ingest_run_seq).
     run_id       bigint      NOT NULL,
     expires_at   timestamptz NOT NULL,
-    -- When the holder's outcome (store or park) committed; NULL while it is in flight.
+    -- When and in which transaction the holder's outcome (store or park) was written;
+    -- NULL while it is in flight.
     finished_at  timestamptz,
+    finished_xact xid8,
     PRIMARY KEY (target_table, doc_id, chunk_index)
 );
 

@@ -238,7 +238,7 @@ WITH input AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
         AS t(doc_id, chunk_index, content_hash, source_seq)
 ), released AS (
-    UPDATE ingest_lease l SET finished_at = now()
+    UPDATE ingest_lease l SET finished_at = now(), finished_xact = pg_current_xact_id()
      WHERE (l.target_table, l.doc_id, l.chunk_index) IN (
            SELECT x.target_table, x.doc_id, x.chunk_index
              FROM ingest_lease x

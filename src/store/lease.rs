@@ -10,12 +10,14 @@
 //! - A lease is taken over by its own run, after expiry or death of the holder, or by a newer
 //!   record (higher `source_seq`) of different content: a lease never blocks a newer record.
 //! - The holder's store or park marks the lease finished in the outcome's transaction (the
-//!   manifest claim of `ingest.rs`). A finished lease still turns away other runs' claims of
-//!   the same content for [`FINISHED_GRACE`]: a claim whose manifest lookup (its statement
-//!   snapshot) predates the outcome's commit would otherwise find no lease and embed the chunk
-//!   again — measured, that made three concurrent runs send 1.12–1.22 inputs per chunk. The
-//!   holder sweeps its finished leases after that grace at each window, and deletes its
-//!   unfinished ones when it ends ([`RunLease::release`]); each run start sweeps expired ones.
+//!   manifest claim of `ingest.rs`), recording that transaction. A finished lease turns away
+//!   another run's claim of the same content only if the claim's snapshot cannot see that
+//!   transaction: its manifest lookup missed the outcome, and without the lease it would embed
+//!   the chunk again (deleting the lease on outcome did exactly that: three concurrent runs
+//!   sent 1.12–1.22 inputs per chunk). Once the outcome is visible the manifest speaks for the
+//!   chunk, even if an operator purged it since. The holder sweeps its finished leases after
+//!   [`FINISHED_GRACE`] at each window and deletes its unfinished ones when it ends
+//!   ([`RunLease::release`]); each run start sweeps expired ones.
 //!
 //! Leases only save provider calls. Every outcome is still fenced by the manifest's content
 //! hash and `source_seq`, so a lost, stolen or expired lease costs a duplicate call, never a
@@ -30,7 +32,7 @@ use super::{Store, StoreError};
 use crate::model::ChunkStatus;
 
 /// How long a finished lease outlives its outcome: far longer than a claim statement runs,
-/// so no claim that could have missed the outcome finds the lease gone.
+/// so a claim whose snapshot missed the outcome still finds the lease.
 pub(crate) const FINISHED_GRACE: Duration = Duration::from_secs(10);
 
 /// One key of an intake window, as [`Store::claim_window`] takes it.
@@ -160,9 +162,11 @@ impl RunLease {
 /// deadlock with other claims or with the outcome transactions, which lock in the same
 /// order). A lease is taken over when it is this run's; when it is for different content
 /// that is finished or older than ours (a lease never blocks a newer record); when it is
-/// unfinished and expired or its holder is dead (no advisory lock); or when the manifest
-/// already holds a newer record than the lease's (the holder's outcome is superseded). A
-/// lease not taken over is another run's, in flight or just finished: `leased_elsewhere`.
+/// unfinished and expired or its holder is dead (no advisory lock); when it is finished in a
+/// transaction this statement's snapshot sees (the manifest lookup above saw the outcome, so
+/// if the chunk is still wanted the manifest changed since); or when the manifest already
+/// holds a newer record than the lease's (the holder's outcome is superseded). A lease not
+/// taken over is another run's, in flight or finished unseen: `leased_elsewhere`.
 /// The statement decides from the lease row as it is when the row lock is granted, so two
 /// runs claiming the same window at once agree on one holder. `swept`: the run's own leases
 /// finished more than the grace ago.
@@ -176,6 +180,8 @@ WITH input AS (
       FROM input i
       LEFT JOIN ingest_manifest m
         ON m.target_table = $1::text AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
+), snap AS MATERIALIZED (
+    SELECT pg_current_snapshot() AS s
 ), live AS MATERIALIZED (
     SELECT objid::bigint AS run_id
       FROM pg_locks
@@ -192,12 +198,14 @@ WITH input AS (
         source_seq   = EXCLUDED.source_seq,
         run_id       = EXCLUDED.run_id,
         expires_at   = EXCLUDED.expires_at,
-        finished_at  = NULL
+        finished_at  = NULL,
+        finished_xact = NULL
       WHERE l.run_id = EXCLUDED.run_id
          OR (l.content_hash <> EXCLUDED.content_hash
-             AND (l.finished_at IS NOT NULL OR l.source_seq < EXCLUDED.source_seq))
-         OR (l.finished_at IS NULL
+             AND (l.finished_xact IS NOT NULL OR l.source_seq < EXCLUDED.source_seq))
+         OR (l.finished_xact IS NULL
              AND (l.expires_at <= now() OR l.run_id NOT IN (SELECT run_id FROM live)))
+         OR pg_visible_in_snapshot(l.finished_xact, (SELECT s FROM snap))
          OR EXISTS (SELECT 1 FROM ingest_manifest m
                      WHERE m.target_table = l.target_table AND m.doc_id = l.doc_id
                        AND m.chunk_index = l.chunk_index AND m.source_seq > l.source_seq)
