@@ -140,8 +140,9 @@ async fn a_killed_runs_leases_are_taken_over_by_a_rerun() {
 
 /// Leases another run holds, planted in the table: a live holder's unexpired lease on the
 /// same content is left to it (reported, not stored, not lost: a rerun once the holder is gone
-/// stores it); its lease on older, different content, its expired lease, and a dead run's
-/// lease are all taken over at once.
+/// stores it); its lease on older, different content, its expired lease, its finished lease
+/// whose outcome the manifest no longer holds, its lease behind a newer manifest record, and
+/// a dead run's lease are all taken over at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_content() {
     let db = TestDb::new().await;
@@ -162,35 +163,57 @@ async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_c
         .await
         .unwrap();
     let dead = live + 1_000_000; // no advisory lock: its process is gone
-    // `expires_in` seconds from now (negative: already expired).
-    let plant = |k: i32, run: i64, content: String, expires_in: f64| {
+    // `expires_in` seconds from now (negative: already expired); `finished`: the holder's
+    // outcome committed (in this planting transaction, so every later snapshot sees it).
+    let plant = |k: i32, run: i64, content: String, expires_in: f64, finished: bool| {
         let pool = db.pool.clone();
         async move {
             sqlx::query(
-                "INSERT INTO ingest_lease (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
+                "INSERT INTO ingest_lease (target_table, doc_id, chunk_index, content_hash, source_seq, run_id,
+                                           expires_at, finished_at, finished_xact)
                  VALUES ('public.doc_embeddings', 'lease-doc', $1, $2, ($3::bigint << 32) | $1, $3,
-                         now() + make_interval(secs => $4))",
+                         now() + make_interval(secs => $4),
+                         CASE WHEN $5 THEN now() END, CASE WHEN $5 THEN pg_current_xact_id() END)",
             )
             .bind(k)
             .bind(content)
             .bind(run)
             .bind(expires_in)
+            .bind(finished)
             .execute(&pool)
             .await
             .unwrap();
         }
     };
     for k in 0..20 {
-        plant(k, live, hash(k), 3600.0).await; // left to the holder
+        plant(k, live, hash(k), 3600.0, false).await; // left to the holder
     }
     for k in 20..40 {
-        plant(k, live, "older content".into(), 3600.0).await; // newer record wins
+        plant(k, live, "older content".into(), 3600.0, false).await; // newer record wins
     }
     for k in 40..60 {
-        plant(k, dead, hash(k), 3600.0).await; // holder dead
+        plant(k, dead, hash(k), 3600.0, false).await; // holder dead
     }
     for k in 60..80 {
-        plant(k, live, hash(k), -1.0).await; // expired
+        plant(k, live, hash(k), -1.0, false).await; // expired
+    }
+    for k in 80..100 {
+        // Finished, but the manifest no longer holds it (an operator purged it): taken over.
+        plant(k, live, hash(k), 3600.0, true).await;
+    }
+    for k in 100..120 {
+        // In flight, but the manifest already holds a newer record than the lease's: the
+        // holder's outcome would be superseded, so the lease is taken over.
+        plant(k, live, hash(k), 3600.0, false).await;
+        sqlx::query(
+            "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+             VALUES ('public.doc_embeddings', 'lease-doc', $1, 'newer content', 'stored', ($2::bigint << 32) | 100000)",
+        )
+        .bind(k)
+        .bind(live)
+        .execute(&db.pool)
+        .await
+        .unwrap();
     }
 
     let p = pipeline(&settings(&db, &mock)).await;
