@@ -179,16 +179,20 @@ impl IngestSummary {
 
     /// Where every record went, in one line (for errors that end a run early).
     pub fn accounting(&self) -> String {
+        let leased = if self.leased_elsewhere > 0 {
+            format!(", and {} left to a concurrent run that holds them", self.leased_elsewhere)
+        } else {
+            String::new()
+        };
         format!(
             "of {} records, {} stored, {} unchanged, {} already in the DLQ, {} parked, {} superseded by a \
-             later line, {} left to a concurrent run, {} not attempted (rerun the same corpus to finish them)",
+             later line, {} not attempted (rerun the same corpus to finish them){leased}",
             self.records,
             self.stored,
             self.unchanged,
             self.already_parked,
             self.parked_total(),
             self.superseded,
-            self.leased_elsewhere,
             self.not_attempted
         )
     }
