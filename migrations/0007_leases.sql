@@ -36,8 +36,10 @@ CREATE UNLOGGED TABLE ingest_lease (
     PRIMARY KEY (target_table, doc_id, chunk_index)
 );
 
--- What a run releases when it ends, and the sweep of expired leases at the start of a run.
-CREATE INDEX ingest_lease_run_idx ON ingest_lease (run_id);
+-- A run's sweep of its own finished leases at each window (a range: only the rows it
+-- deletes) and its release when it ends.
+CREATE INDEX ingest_lease_run_idx ON ingest_lease (run_id, finished_at);
+-- The sweep of expired leases at the start of a run.
 CREATE INDEX ingest_lease_expires_idx ON ingest_lease (expires_at);
 
 -- The first key of the two-key advisory lock that marks a run alive (the second is its run id),

@@ -4,6 +4,10 @@
 //! - [`Store::claim_window`] is the intake window's one round trip: the manifest lookup of
 //!   every key, and a lease claimed for every chunk this run is about to embed. A key whose
 //!   lease another live run holds is reported `leased_elsewhere`: the holder embeds it.
+//! - Leases are claimed only while another ingest run is alive in the database (its advisory
+//!   lock is held): a run alone writes no lease rows, so a lone ingest pays one lock-table read
+//!   per window and nothing per chunk. Two runs that meet start claiming at their next window;
+//!   what the first had in flight before then may be embedded twice (a few windows at most).
 //! - A lease is live while it has not expired (`[ingest] lease_secs`) and its run still holds
 //!   the run's advisory lock ([`RunLease`]): a run killed with -9 loses its connection, so its
 //!   leases are taken over at once, and a hung one's after `lease_secs`.
@@ -158,7 +162,9 @@ impl RunLease {
 /// seconds, `$10` [`FINISHED_GRACE`] in seconds.
 ///
 /// `wanted`: chunks this run embeds unless the lease is elsewhere (not already finished with
-/// the same content, or repeated in the run). Their leases are inserted in key order (no
+/// the same content, or repeated in the run). `shared`: another run of this database is
+/// alive (holds its advisory lock); a run alone claims nothing, so it writes no lease rows.
+/// Otherwise the wanted chunks' leases are inserted in key order (no
 /// deadlock with other claims or with the outcome transactions, which lock in the same
 /// order). A lease is taken over when it is this run's; when it is for different content
 /// that is finished or older than ours (a lease never blocks a newer record); when it is
@@ -188,11 +194,13 @@ WITH input AS (
      WHERE locktype = 'advisory' AND granted AND objsubid = 2
        AND classid = embed_dlq_lease_lock_space()::oid
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), shared AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
 ), claimed AS (
     INSERT INTO ingest_lease AS l (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
     SELECT $1::text, doc_id, chunk_index, content_hash, source_seq, $8::bigint,
            now() + make_interval(secs => $9::float8)
-      FROM known WHERE wanted ORDER BY doc_id, chunk_index
+      FROM known WHERE wanted AND (SELECT yes FROM shared) ORDER BY doc_id, chunk_index
     ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
         content_hash = EXCLUDED.content_hash,
         source_seq   = EXCLUDED.source_seq,
@@ -214,6 +222,7 @@ WITH input AS (
     DELETE FROM ingest_lease
      WHERE run_id = $8::bigint AND finished_at < now() - make_interval(secs => $10::float8)
 )
-SELECT k.doc_id, k.chunk_index, k.done_hash, k.status, (k.wanted AND c.doc_id IS NULL) AS leased_elsewhere
+SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
+       (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere
   FROM known k LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
 "#;

@@ -24,7 +24,9 @@ fn corpus(chunks: usize) -> Vec<u8> {
 /// `runs` ingests of one corpus started together, each its own pipeline (own pool, own run):
 /// together they send each input about once, and every chunk ends stored exactly once.
 async fn concurrent_ingests_share_the_work(runs: usize) {
-    const CHUNKS: usize = 4_000;
+    // Large enough that one window (512) embedded twice before the runs see each other
+    // (a run alone claims nothing) stays within the bound.
+    const CHUNKS: usize = 8_000;
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig { latency_ms: 5, ..MockConfig::default() }).await;
     let bytes = corpus(CHUNKS);
@@ -75,13 +77,28 @@ async fn three_concurrent_ingests_send_each_input_about_once() {
     concurrent_ingests_share_the_work(3).await;
 }
 
-/// A run killed with -9 mid-way leaves leases behind; its advisory lock died with its
-/// connection, so a rerun started at once takes them over and finishes every chunk, and no
-/// lease is left.
+/// Holds the advisory lock of a made-up ingest run on a connection of its own, as a
+/// concurrent run would: runs then claim leases (a run alone claims none).
+async fn another_live_run(db: &TestDb) -> (sqlx::PgConnection, i64) {
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let run: i64 =
+        sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&mut conn).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(embed_dlq_lease_lock_space(), $1::int)")
+        .bind(run)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    (conn, run)
+}
+
+/// A run killed with -9 mid-way (while another run is alive, so it claims leases) leaves
+/// leases behind; its advisory lock died with its connection, so a rerun started at once
+/// takes them over and finishes every chunk, and no lease is left in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_runs_leases_are_taken_over_by_a_rerun() {
     const CHUNKS: i64 = 3_000;
     let db = TestDb::new().await;
+    let (other, _) = another_live_run(&db).await;
     let mock = start_mock(MockConfig { latency_ms: 15, ..MockConfig::default() }).await;
     let dir = std::env::temp_dir().join(format!(
         "embed-dlq-leases-{}-{}",
@@ -136,6 +153,7 @@ async fn a_killed_runs_leases_are_taken_over_by_a_rerun() {
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
+    other.close().await.unwrap();
 }
 
 /// Leases another run holds, planted in the table: a live holder's unexpired lease on the
@@ -152,16 +170,7 @@ async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_c
     let hash = |k: i32| content_hash("mock", 768, &text(k));
 
     // A live holder: a run id of its own and the run's advisory lock on a connection of its own.
-    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    let live: i64 = sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')")
-        .fetch_one(&mut holder)
-        .await
-        .unwrap();
-    sqlx::query("SELECT pg_advisory_lock(embed_dlq_lease_lock_space(), $1::int)")
-        .bind(live)
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let (holder, live) = another_live_run(&db).await;
     let dead = live + 1_000_000; // no advisory lock: its process is gone
     // `expires_in` seconds from now (negative: already expired); `finished`: the holder's
     // outcome committed (in this planting transaction, so every later snapshot sees it).
@@ -243,7 +252,15 @@ async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_c
     let s = p.run(input(lines.into_bytes()), CancellationToken::new()).await.unwrap();
     assert_eq!((s.unchanged, s.stored, s.leased_elsewhere), (180, 20, 0), "{s:?}");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 200);
-    assert_eq!(db.count("SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL").await, 0);
+    let in_flight: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL AND run_id NOT IN ($1, $2)",
+    )
+    .bind(live)
+    .bind(dead)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(in_flight, 0, "only the gone holders' leases are left, for the expiry sweep");
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
