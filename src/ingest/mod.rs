@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
-use crate::store::lease::WindowKey;
+use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowKey};
 use crate::store::{ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
@@ -632,6 +632,8 @@ struct Batcher<'a> {
     repeated: HashSet<(String, i32)>,
     /// The byte charges of the records in the window; shared by the window's jobs.
     charge: Charge,
+    /// Windows sent on so far (the first ones always claim leases, see `store::lease`).
+    windows: u64,
 }
 
 fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
@@ -698,6 +700,7 @@ impl<'a> Batcher<'a> {
             seen_in_run: SeenKeys::new(),
             repeated: HashSet::new(),
             charge: Charge::default(),
+            windows: 0,
         }
     }
 
@@ -792,6 +795,7 @@ impl<'a> Batcher<'a> {
         let repeated = std::mem::take(&mut self.repeated);
         self.keys.clear();
         self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
+        self.windows += 1;
         let (batches, park) = self.provider_batches(chunks, invalid);
         self.dispatch(batches, park, charge, jobs).await;
         Ok(())
@@ -825,7 +829,8 @@ impl<'a> Batcher<'a> {
             )
             .collect();
         let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
-        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease)).await?;
+        let young = self.windows < ALWAYS_LEASED_WINDOWS;
+        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young)).await?;
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
         let mut seen = |k: (String, i32), hash: &str| {
             let claim = known.get(&k);

@@ -5,9 +5,11 @@
 //!   every key, and a lease claimed for every chunk this run is about to embed. A key whose
 //!   lease another live run holds is reported `leased_elsewhere`: the holder embeds it.
 //! - Leases are claimed only while another ingest run is alive in the database (its advisory
-//!   lock is held): a run alone writes no lease rows, so a lone ingest pays one lock-table read
-//!   per window and nothing per chunk. Two runs that meet start claiming at their next window;
-//!   what the first had in flight before then may be embedded twice (a few windows at most).
+//!   lock is held), and in a run's first [`ALWAYS_LEASED_WINDOWS`] windows (runs started
+//!   together may not see each other's lock yet): a run alone writes no lease rows after
+//!   that, so a lone ingest pays one lock-table read per window and nothing per chunk. When a
+//!   run starts beside an older one, the older one starts claiming at its next window; what
+//!   it had in flight before then may be embedded twice (a few windows at most).
 //! - A lease is live while it has not expired (`[ingest] lease_secs`) and its run still holds
 //!   the run's advisory lock ([`RunLease`]): a run killed with -9 loses its connection, so its
 //!   leases are taken over at once, and a hung one's after `lease_secs`.
@@ -38,6 +40,10 @@ use crate::model::ChunkStatus;
 /// How long a finished lease outlives its outcome: far longer than a claim statement runs,
 /// so a claim whose snapshot missed the outcome still finds the lease.
 pub(crate) const FINISHED_GRACE: Duration = Duration::from_secs(10);
+
+/// A run's first windows claim leases whether or not another run is alive yet: runs started
+/// together take their advisory locks a few milliseconds apart.
+pub(crate) const ALWAYS_LEASED_WINDOWS: u64 = 8;
 
 /// One key of an intake window, as [`Store::claim_window`] takes it.
 #[derive(Debug, Clone)]
@@ -87,12 +93,14 @@ impl Store {
 
     /// The manifest lookup of an intake window and the leases of the chunks this run will
     /// embed, in one statement. Keys must be unique within the window. `lease` is clamped to
-    /// at least a second.
+    /// at least a second. Leases are claimed only while another run is alive, or if `always`
+    /// (a run's first windows: two runs started together have not seen each other's lock yet).
     pub(crate) async fn claim_window(
         &self,
         keys: &[WindowKey],
         run_id: i64,
         lease: Duration,
+        always: bool,
     ) -> Result<HashMap<(String, i32), WindowClaim>, StoreError> {
         let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
         let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
@@ -111,6 +119,7 @@ impl Store {
             .bind(run_id)
             .bind(lease.as_secs_f64().max(1.0))
             .bind(FINISHED_GRACE.as_secs_f64())
+            .bind(always)
             .fetch_all(&self.pool)
             .await?;
         let mut out = HashMap::with_capacity(rows.len());
@@ -159,11 +168,12 @@ impl RunLease {
 
 /// The window's round trip. `$1` table, `$2..$5` keys, hashes and positions, `$6` whether the
 /// key is a chunk to embed, `$7` whether the run met it before, `$8` run id, `$9` lease
-/// seconds, `$10` [`FINISHED_GRACE`] in seconds.
+/// seconds, `$10` [`FINISHED_GRACE`] in seconds, `$11` claim even if no other run is alive.
 ///
 /// `wanted`: chunks this run embeds unless the lease is elsewhere (not already finished with
 /// the same content, or repeated in the run). `shared`: another run of this database is
-/// alive (holds its advisory lock); a run alone claims nothing, so it writes no lease rows.
+/// alive (holds its advisory lock), or `$11` (the run is young); a run alone claims nothing
+/// after its first windows, so it writes no lease rows.
 /// Otherwise the wanted chunks' leases are inserted in key order (no
 /// deadlock with other claims or with the outcome transactions, which lock in the same
 /// order). A lease is taken over when it is this run's; when it is for different content
@@ -195,7 +205,7 @@ WITH input AS (
        AND classid = embed_dlq_lease_lock_space()::oid
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ), shared AS MATERIALIZED (
-    SELECT EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
+    SELECT $11::bool OR EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
 ), claimed AS (
     INSERT INTO ingest_lease AS l (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
     SELECT $1::text, doc_id, chunk_index, content_hash, source_seq, $8::bigint,

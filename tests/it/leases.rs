@@ -24,15 +24,21 @@ fn corpus(chunks: usize) -> Vec<u8> {
 /// `runs` ingests of one corpus started together, each its own pipeline (own pool, own run):
 /// together they send each input about once, and every chunk ends stored exactly once.
 async fn concurrent_ingests_share_the_work(runs: usize) {
-    // Large enough that one window (512) embedded twice before the runs see each other
-    // (a run alone claims nothing) stays within the bound.
-    const CHUNKS: usize = 8_000;
+    const CHUNKS: usize = 4_000;
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig { latency_ms: 5, ..MockConfig::default() }).await;
     let bytes = corpus(CHUNKS);
     let mut pipelines = Vec::new();
     for _ in 0..runs {
-        pipelines.push(pipeline(&settings(&db, &mock)).await);
+        let mut s = settings(&db, &mock);
+        // Generous: a request timed out on a loaded machine is re-sent, and re-sends are not
+        // what this test measures.
+        s.client.timeout = Duration::from_secs(30);
+        let mut p = pipeline(&s).await;
+        // Small windows: what the runs embed twice before they see each other (a run alone
+        // claims nothing) is a window or two, well within the bound.
+        p.options.intake_window = 128;
+        pipelines.push(p);
     }
     let summaries: Vec<IngestSummary> = futures::future::join_all(
         pipelines.iter().map(|p| p.run(input(bytes.clone()), CancellationToken::new())),
@@ -49,8 +55,14 @@ async fn concurrent_ingests_share_the_work(runs: usize) {
     );
     for s in &summaries {
         assert_eq!(s.records, CHUNKS as u64, "{s:?}");
-        assert_eq!(s.stored + s.unchanged + s.leased_elsewhere, s.records, "every record accounted: {s:?}");
-        assert_eq!(s.not_attempted + s.parked_total() + s.superseded, 0, "{s:?}");
+        // `superseded`: a chunk both runs embedded before they saw each other, written by
+        // the newer run too.
+        assert_eq!(
+            s.stored + s.unchanged + s.leased_elsewhere + s.superseded,
+            s.records,
+            "every record accounted: {s:?}"
+        );
+        assert_eq!(s.not_attempted + s.parked_total(), 0, "{s:?}");
     }
     assert!(summaries.iter().map(|s| s.stored).sum::<u64>() >= CHUNKS as u64, "{summaries:#?}");
     assert!(summaries.iter().any(|s| s.leased_elsewhere > 0), "the runs met: {summaries:#?}");
@@ -64,7 +76,8 @@ async fn concurrent_ingests_share_the_work(runs: usize) {
         0,
         "finished runs hold no lease in flight"
     );
-    eprintln!("{runs} concurrent runs of {CHUNKS} chunks: {inputs} inputs sent");
+    let retries: Vec<_> = summaries.iter().map(|s| &s.retries).collect();
+    eprintln!("{runs} concurrent runs of {CHUNKS} chunks: {inputs} inputs sent; retries {retries:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,7 +157,11 @@ async fn a_killed_runs_leases_are_taken_over_by_a_rerun() {
     assert_eq!(rerun.status.code(), Some(0), "{}", String::from_utf8_lossy(&rerun.stderr));
     let s: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
     assert_eq!(s["leased_elsewhere"], 0, "a dead run's leases are not waited for: {s}");
-    assert_eq!(s["unchanged"].as_i64().unwrap(), done_before, "{s}");
+    // A commit the killed process had already sent may land after it died: at least what
+    // was counted finished is unchanged, and the rerun stores the rest.
+    let (unchanged, stored) = (s["unchanged"].as_i64().unwrap(), s["stored"].as_i64().unwrap());
+    assert!(unchanged >= done_before, "{s}");
+    assert_eq!(unchanged + stored, CHUNKS, "{s}");
     let embedded_again = (mock.control.stats().inputs - inputs_before) as i64;
     assert!(embedded_again <= CHUNKS - done_before + 200, "rerun embedded {embedded_again}: {s}");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, CHUNKS);
