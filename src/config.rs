@@ -138,6 +138,11 @@ pub struct IngestArgs {
     /// replay) or stop (exit 4 at once).
     #[arg(long, value_enum)]
     pub on_outage: Option<OnOutage>,
+    /// How long a chunk claimed for embedding stays leased to this run, 1..=3600 s: another
+    /// run of the same content leaves it alone meanwhile (a killed run's leases are taken
+    /// over at once, a hung one's after this).
+    #[arg(long)]
+    pub lease_secs: Option<u64>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -316,6 +321,8 @@ pub mod bounds {
     /// In-flight input bytes of an ingest (the byte budget).
     pub const MAX_INFLIGHT_BYTES: RangeInclusive<u64> =
         crate::ingest::budget::ByteBudget::MIN..=crate::ingest::budget::ByteBudget::MAX;
+    /// `lease_secs`: 1 second to 1 hour (longer only delays the takeover of a hung run's work).
+    pub const LEASE_SECS: RangeInclusive<u64> = 1..=3600;
     /// `retry_max_attempts`: attempts per input in one pass, the first included.
     pub const RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 1..=20;
     /// `retry_base_ms`: 1 ms to 1 minute.
@@ -885,6 +892,7 @@ fn resolve_ingest(
         max_line_bytes,
         max_inflight_bytes,
         on_outage,
+        lease_secs,
     } = flags;
     let table = r
         .text("table", table, file.table.clone(), check_table)?
@@ -930,6 +938,8 @@ fn resolve_ingest(
     )?;
     // An enum: serde and clap reject anything but wait, park or stop.
     let on_outage = r.pick("on_outage", on_outage, file.on_outage).map_or(d.on_outage, |(v, _)| v);
+    let lease_secs =
+        r.num("lease_secs", lease_secs, file.lease_secs, d.lease.as_secs(), bounds::LEASE_SECS)?;
     let options = IngestOptions {
         batch_max_inputs,
         batch_max_chars,
@@ -939,6 +949,7 @@ fn resolve_ingest(
         max_line_bytes,
         max_inflight_bytes,
         on_outage,
+        lease: Duration::from_secs(lease_secs),
         ..d
     };
     Ok((table, options))
@@ -1166,6 +1177,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("max_line_bytes", o.max_line_bytes.to_string()),
         ("max_inflight_bytes", o.max_inflight_bytes.to_string()),
         ("on_outage", format!("{:?}", o.on_outage).to_lowercase()),
+        ("lease_secs", o.lease.as_secs().to_string()),
         ("retry_max_attempts", s.retry.max_attempts.to_string()),
         ("retry_base_ms", millis(s.retry.base).to_string()),
         ("retry_cap_ms", millis(s.retry.cap).to_string()),
@@ -1591,6 +1603,7 @@ reconcile_every_secs = 7
             ("max_input_chars", |c, v| c.ingest.max_input_chars = Some(v as usize), 1, 1_000_000),
             ("max_line_bytes", |c, v| c.ingest.max_line_bytes = Some(v as usize), 64, 64 << 20),
             ("max_inflight_bytes", |c, v| c.ingest.max_inflight_bytes = Some(v), 1 << 20, u32::MAX as u64),
+            ("lease_secs", |c, v| c.ingest.lease_secs = Some(v), 1, 3600),
             ("request_timeout_ms", |c, v| c.provider.request_timeout_ms = Some(v), 100, 600_000),
             ("request_dimensions", |c, v| c.provider.request_dimensions = Some(v as usize), 1, 16_000),
             ("retry_max_attempts", |c, v| c.retry.retry_max_attempts = Some(v as u32), 1, 20),

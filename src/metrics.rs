@@ -88,7 +88,10 @@ pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
 
 fn describe() {
     describe_counter!(CHUNKS_STORED, "Chunks whose vector was stored (ingest and replay).");
-    describe_counter!(CHUNKS_SKIPPED, "Chunks skipped because the same content is already stored or parked.");
+    describe_counter!(
+        CHUNKS_SKIPPED,
+        "Chunks skipped because the same content is already stored or parked, or leased to a concurrent run."
+    );
     describe_counter!(CHUNKS_PARKED, "Chunks parked in the DLQ, by error class.");
     describe_counter!(LINES_REJECTED, "Input lines without a usable identity (reported, not stored).");
     describe_counter!(RETRIES, "In-process retries of provider requests, by reason.");

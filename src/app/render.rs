@@ -38,6 +38,13 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
             s.superseded
         )?;
     }
+    if s.leased_elsewhere > 0 {
+        writeln!(
+            out,
+            "leased elsewhere    {:>10}  (a concurrent run holds them and stores them)",
+            s.leased_elsewhere
+        )?;
+    }
     if s.dlq_resolved > 0 {
         writeln!(out, "DLQ rows resolved   {:>10}", s.dlq_resolved)?;
     }

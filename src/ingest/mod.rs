@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! reader task ──records──> batcher ──jobs──> N workers ──outcomes──> M writers
-//!   (JSONL, charged to       │ manifest lookup: skip unchanged / already parked      │
-//!    the byte budget)        │ pre-flight: empty, too long, broken record → park     │
+//!   (JSONL, charged to       │ manifest lookup + leases: skip unchanged / already    │
+//!    the byte budget)        │ parked / leased to a concurrent run                   │
+//!                            │ pre-flight: empty, too long, broken record → park     │
 //!                                                    Store::store_batch / park_batch ┘
 //! ```
 //!
@@ -51,6 +52,7 @@ use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
+use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowKey};
 use crate::store::{ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
@@ -93,6 +95,10 @@ pub struct IngestOptions {
     pub on_outage: OnOutage,
     /// Price of a million tokens, for the summary's cost figures (none: no cost shown).
     pub price_per_million_tokens: Option<f64>,
+    /// How long a chunk claimed for embedding stays leased to this run (`[ingest]
+    /// lease_secs`): long enough for a window's provider calls and retries, short enough that
+    /// a hung run's chunks are not held up for long (a killed run's are taken over at once).
+    pub lease: Duration,
 }
 
 impl Default for IngestOptions {
@@ -113,6 +119,7 @@ impl Default for IngestOptions {
             total_bytes: None,
             on_outage: OnOutage::Wait,
             price_per_million_tokens: None,
+            lease: Duration::from_secs(120),
         }
     }
 }
@@ -127,7 +134,8 @@ pub struct RejectedLine {
 }
 
 /// What a run did. Every record read is accounted for exactly once in `stored`, `unchanged`,
-/// `already_parked`, `parked`, `superseded`, `rejected_lines` or `not_attempted`.
+/// `already_parked`, `parked`, `superseded`, `rejected_lines`, `not_attempted` or
+/// `leased_elsewhere`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct IngestSummary {
     /// Lines read from the input ([`Pipeline::run`], blank and rejected ones included), or
@@ -182,6 +190,9 @@ pub struct IngestSummary {
     pub estimated_cost: Option<f64>,
     /// The part of `estimated_cost` spent on wasted tokens.
     pub wasted_cost: Option<f64>,
+    /// Left to another run that holds the chunk's lease (a concurrent ingest of the same
+    /// content): that run stores or parks it; if it dies first, a rerun finishes it.
+    pub leased_elsewhere: u64,
 }
 
 impl IngestSummary {
@@ -199,9 +210,14 @@ impl IngestSummary {
 
     /// Where every record went, in one line (for errors that end a run early).
     pub fn accounting(&self) -> String {
+        let leased = if self.leased_elsewhere > 0 {
+            format!(", and {} left to a concurrent run that holds them", self.leased_elsewhere)
+        } else {
+            String::new()
+        };
         format!(
             "of {} records, {} stored, {} unchanged, {} already in the DLQ, {} parked, {} superseded by a \
-             later line, {} not attempted (rerun the same corpus to finish them)",
+             later line, {} not attempted (rerun the same corpus to finish them){leased}",
             self.records,
             self.stored,
             self.unchanged,
@@ -326,6 +342,8 @@ impl Pipeline {
         let started = Instant::now();
         // Every record's position is (run id << 32 | line): later runs beat earlier ones.
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
+        // Marks the run alive while it holds leases (see `store::lease`); released below.
+        let run_lease = with_db_retry(|| self.store.hold_run(run_id)).await?;
         // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
         // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.
         let run = RunState {
@@ -353,6 +371,7 @@ impl Pipeline {
         drop(rec_rx);
         tasks.wait().await;
         run.progress.finish();
+        run_lease.release().await;
 
         let mut t = std::mem::take(&mut *run.tally.lock().unwrap_or_else(PoisonError::into_inner));
         t.summary.elapsed_secs = started.elapsed().as_secs_f64();
@@ -441,8 +460,13 @@ fn settle_accounts(s: &mut IngestSummary, run: &RunState) {
     if run.cancel.is_cancelled() && s.stopped.is_none() {
         s.stopped = Some("shutdown requested".into());
     }
-    let accounted =
-        s.stored + s.unchanged + s.already_parked + s.parked_total() + s.superseded + s.not_attempted;
+    let accounted = s.stored
+        + s.unchanged
+        + s.already_parked
+        + s.parked_total()
+        + s.superseded
+        + s.not_attempted
+        + s.leased_elsewhere;
     if accounted < s.records {
         if !run.halt.is_cancelled() {
             tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");
@@ -640,6 +664,8 @@ struct Batcher<'a> {
     repeated: HashSet<(String, i32)>,
     /// The byte charges of the records in the window; shared by the window's jobs.
     charge: Charge,
+    /// Windows sent on so far (the first ones always claim leases, see `store::lease`).
+    windows: u64,
 }
 
 fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
@@ -706,6 +732,7 @@ impl<'a> Batcher<'a> {
             seen_in_run: SeenKeys::new(),
             repeated: HashSet::new(),
             charge: Charge::default(),
+            windows: 0,
         }
     }
 
@@ -800,37 +827,61 @@ impl<'a> Batcher<'a> {
         let repeated = std::mem::take(&mut self.repeated);
         self.keys.clear();
         self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
+        self.windows += 1;
         let (batches, park) = self.provider_batches(chunks, invalid);
         self.dispatch(batches, park, charge, jobs).await;
         Ok(())
     }
 
     /// Drops (and counts) the records whose content the manifest already holds, stored or
-    /// parked (replay owns it then), in one lookup; keys `repeated` in this run are kept.
+    /// parked (replay owns it then), and the chunks another live run holds the lease of (it
+    /// embeds them), in one round trip that also leases the rest to this run
+    /// ([`Store::claim_window`]); keys `repeated` in this run are never skipped as done.
     async fn skip_known(
         &self,
         chunks: &mut Vec<(Chunk, String, i64)>,
         invalid: &mut Vec<ParkedChunk>,
         repeated: &HashSet<(String, i32)>,
     ) -> Result<(), IngestError> {
-        let keys: Vec<(String, i32)> = chunks
+        let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
+            doc_id: doc_id.to_owned(),
+            chunk_index,
+            content_hash: hash.to_owned(),
+            source_seq: seq,
+            embeds,
+            repeated: repeated.contains(&(doc_id.to_owned(), chunk_index)),
+        };
+        let keys: Vec<WindowKey> = chunks
             .iter()
-            .map(|(c, _, _)| (c.doc_id.clone(), c.chunk_index))
-            .chain(invalid.iter().map(|p| (p.doc_id.clone(), p.chunk_index)))
+            .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash, *seq, true))
+            .chain(
+                invalid
+                    .iter()
+                    .map(|p| window_key(&p.doc_id, p.chunk_index, &p.content_hash, p.source_seq, false)),
+            )
             .collect();
-        let known = with_db_retry(|| self.pipeline.store.manifest_lookup(&keys)).await?;
-        let (mut unchanged, mut already_parked) = (0u64, 0u64);
-        let mut seen = |k: (String, i32), hash: &str| match known.get(&k) {
-            _ if repeated.contains(&k) => false,
-            Some((h, ChunkStatus::Stored)) if h == hash => {
-                unchanged += 1;
-                true
+        let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
+        let young = self.windows < ALWAYS_LEASED_WINDOWS;
+        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young)).await?;
+        let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
+        let mut seen = |k: (String, i32), hash: &str| {
+            let claim = known.get(&k);
+            if claim.is_some_and(|c| c.leased_elsewhere) {
+                leased_elsewhere += 1;
+                return true;
             }
-            Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
-                already_parked += 1;
-                true
+            match claim.and_then(|c| c.manifest.as_ref()) {
+                _ if repeated.contains(&k) => false,
+                Some((h, ChunkStatus::Stored)) if h == hash => {
+                    unchanged += 1;
+                    true
+                }
+                Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
+                    already_parked += 1;
+                    true
+                }
+                _ => false,
             }
-            _ => false,
         };
         invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash));
         chunks.retain(|(chunk, hash, _)| !seen((chunk.doc_id.clone(), chunk.chunk_index), hash));
@@ -838,10 +889,13 @@ impl<'a> Batcher<'a> {
             let mut t = self.tally.lock().unwrap();
             t.summary.unchanged += unchanged;
             t.summary.already_parked += already_parked;
+            t.summary.leased_elsewhere += leased_elsewhere;
         }
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
             .increment(already_parked);
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "leased_elsewhere")
+            .increment(leased_elsewhere);
         Ok(())
     }
 

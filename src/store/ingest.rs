@@ -1,6 +1,7 @@
-//! The ingest side of the store: the manifest lookup of an intake window, and the only two
-//! ways an ingest outcome is written ([`Store::store_batch`], [`Store::park_batch`]), each one
-//! transaction of two statements (the manifest claim, then the writes of the rows it accepted).
+//! The ingest side of the store: the only two ways an ingest outcome is written
+//! ([`Store::store_batch`], [`Store::park_batch`]), each one transaction of two statements
+//! (the manifest claim, which also marks the run's leases of those chunks finished, then the writes
+//! of the rows it accepted). The intake window's lookup is in `lease.rs`.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -83,39 +84,6 @@ impl Store {
     /// A new ingest run id (from a sequence): the high half of every [`source_seq`] of the run.
     pub(crate) async fn next_run_id(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&self.pool).await?)
-    }
-
-    /// Manifest rows for `keys` of this store's table: content hash and status of each chunk
-    /// that has finished an ingest before. One round trip.
-    pub(crate) async fn manifest_lookup(
-        &self,
-        keys: &[(String, i32)],
-    ) -> Result<HashMap<(String, i32), (String, ChunkStatus)>, StoreError> {
-        let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        let rows = sqlx::query(
-            "SELECT m.doc_id, m.chunk_index, m.content_hash, m.status
-               FROM ingest_manifest m
-               JOIN UNNEST($1::text[], $2::int[]) AS k(doc_id, chunk_index)
-                 ON m.doc_id = k.doc_id AND m.chunk_index = k.chunk_index
-              WHERE m.target_table = $3",
-        )
-        .bind(&docs)
-        .bind(&idxs)
-        .bind(&self.target.name)
-        .fetch_all(&self.pool)
-        .await?;
-        let mut out = HashMap::with_capacity(rows.len());
-        for r in rows {
-            let status: String = r.try_get("status")?;
-            let status = ChunkStatus::parse(&status).ok_or_else(|| {
-                StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {status:?}").into()))
-            })?;
-            out.insert(
-                (r.try_get("doc_id")?, r.try_get("chunk_index")?),
-                (r.try_get("content_hash")?, status),
-            );
-        }
-        Ok(out)
     }
 
     /// Upserts the manifest rows of a batch (first statement of a store or park transaction)
@@ -261,10 +229,24 @@ impl Store {
 /// least as new as the one the manifest holds ($6 is the new status). A park of content that
 /// is already stored is not accepted either. Keys are locked in key order (no deadlock between
 /// writers whose batches overlap). Returns the accepted keys.
+///
+/// It also marks finished the leases (`lease.rs`) the record's own run holds for this
+/// content, whether the row is accepted or superseded: the outcome is decided either way.
+/// Lease rows are locked in key order, as every lease claim does.
 const MANIFEST_SQL: &str = r#"
 WITH input AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
         AS t(doc_id, chunk_index, content_hash, source_seq)
+), released AS (
+    UPDATE ingest_lease l SET finished_at = now(), finished_xact = pg_current_xact_id()
+     WHERE (l.target_table, l.doc_id, l.chunk_index) IN (
+           SELECT x.target_table, x.doc_id, x.chunk_index
+             FROM ingest_lease x
+             JOIN input i ON x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index
+                         AND x.content_hash = i.content_hash AND x.run_id = i.source_seq >> 32
+            WHERE x.target_table = $1::text
+            ORDER BY x.doc_id, x.chunk_index
+              FOR UPDATE OF x)
 )
 INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
 SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq

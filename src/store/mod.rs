@@ -1,14 +1,16 @@
 //! Postgres: the system of record, and every SQL statement of the library, by concern:
 //!
-//! - `ingest`: the manifest lookup of an intake window and the only two ways an ingest
-//!   outcome is written: `Store::store_batch` (vectors upserted — a no-op for unchanged
-//!   content, so `updated_at` does not move — manifest stored, superseded DLQ rows resolved
-//!   with a `resolved` event) and [`Store::park_batch`] (DLQ rows with the full payload,
-//!   manifest parked, one `parked` event per DLQ row whose content changed). Each is one
-//!   transaction of two statements over `UNNEST` arrays: first the manifest claim, which locks
-//!   the chunks' manifest rows in key order and accepts only a record at least as new as the
-//!   one it holds ([`source_seq`]), then the writes of the accepted rows (a new snapshot, so
-//!   they see whatever the previous lock holder committed);
+//! - `lease`: the intake window's one round trip (the manifest lookup and the leases that
+//!   let concurrent runs share the work) and the advisory lock that marks a run alive;
+//! - `ingest`: the only two ways an ingest outcome is written: `Store::store_batch` (vectors
+//!   upserted — a no-op for unchanged content, so `updated_at` does not move — manifest
+//!   stored, superseded DLQ rows resolved with a `resolved` event) and [`Store::park_batch`]
+//!   (DLQ rows with the full payload, manifest parked, one `parked` event per DLQ row whose
+//!   content changed). Each is one transaction of two statements over `UNNEST` arrays: first
+//!   the manifest claim, which locks the chunks' manifest rows in key order, accepts only a
+//!   record at least as new as the one it holds ([`source_seq`]) and releases the run's leases
+//!   of them, then the writes of the accepted rows (a new snapshot, so they see whatever the
+//!   previous lock holder committed);
 //! - `replay`: the scheduler's enqueue and the replayers' fenced commits;
 //! - `dlq`: the operator actions; `outbox`: the relay's claim and marks;
 //!   [`reconcile`]: the reconciler's checks and repairs, and the seed's leak and duplicate
@@ -22,6 +24,7 @@
 
 pub(crate) mod dlq;
 pub(crate) mod ingest;
+pub(crate) mod lease;
 pub(crate) mod outbox;
 pub mod reconcile;
 pub(crate) mod replay;

@@ -93,7 +93,13 @@ async fn down_pipeline(
 }
 
 fn accounted(s: &IngestSummary) -> u64 {
-    s.stored + s.unchanged + s.already_parked + s.parked_total() + s.superseded + s.not_attempted
+    s.stored
+        + s.unchanged
+        + s.already_parked
+        + s.parked_total()
+        + s.superseded
+        + s.not_attempted
+        + s.leased_elsewhere
 }
 
 async fn reconcile_clean(db: &TestDb) {

@@ -8,6 +8,7 @@ mod from_rust;
 mod history;
 mod identity;
 mod ingest;
+mod leases;
 mod limits;
 mod outage;
 mod process;

@@ -1,0 +1,238 @@
+//! Ingest leases (`ingest_lease`, migration 0007): concurrent runs of the same corpus share
+//! the work instead of each embedding all of it.
+//!
+//! - [`Store::claim_window`] is the intake window's one round trip: the manifest lookup of
+//!   every key, and a lease claimed for every chunk this run is about to embed. A key whose
+//!   lease another live run holds is reported `leased_elsewhere`: the holder embeds it.
+//! - Leases are claimed only while another ingest run is alive in the database (its advisory
+//!   lock is held), and in a run's first [`ALWAYS_LEASED_WINDOWS`] windows (runs started
+//!   together may not see each other's lock yet): a run alone writes no lease rows after
+//!   that, so a lone ingest pays one lock-table read per window and nothing per chunk. When a
+//!   run starts beside an older one, the older one starts claiming at its next window; what
+//!   it had in flight before then may be embedded twice (a few windows at most).
+//! - A lease is live while it has not expired (`[ingest] lease_secs`) and its run still holds
+//!   the run's advisory lock ([`RunLease`]): a run killed with -9 loses its connection, so its
+//!   leases are taken over at once, and a hung one's after `lease_secs`.
+//! - A lease is taken over by its own run, after expiry or death of the holder, or by a newer
+//!   record (higher `source_seq`) of different content: a lease never blocks a newer record.
+//! - The holder's store or park marks the lease finished in the outcome's transaction (the
+//!   manifest claim of `ingest.rs`), recording that transaction. A finished lease turns away
+//!   another run's claim of the same content only if the claim's snapshot cannot see that
+//!   transaction: its manifest lookup missed the outcome, and without the lease it would embed
+//!   the chunk again (deleting the lease on outcome did exactly that: three concurrent runs
+//!   sent 1.12–1.22 inputs per chunk). Once the outcome is visible the manifest speaks for the
+//!   chunk, even if an operator purged it since. The holder sweeps its finished leases after
+//!   [`FINISHED_GRACE`] at each window and deletes its unfinished ones when it ends
+//!   ([`RunLease::release`]); each run start sweeps expired ones.
+//!
+//! Leases only save provider calls. Every outcome is still fenced by the manifest's content
+//! hash and `source_seq`, so a lost, stolen or expired lease costs a duplicate call, never a
+//! wrong or lost chunk.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sqlx::{Connection, PgConnection, Row};
+
+use super::{Store, StoreError};
+use crate::model::ChunkStatus;
+
+/// How long a finished lease outlives its outcome: far longer than a claim statement runs,
+/// so a claim whose snapshot missed the outcome still finds the lease.
+pub(crate) const FINISHED_GRACE: Duration = Duration::from_secs(10);
+
+/// A run's first windows claim leases whether or not another run is alive yet: runs started
+/// together take their advisory locks a few milliseconds apart.
+pub(crate) const ALWAYS_LEASED_WINDOWS: u64 = 8;
+
+/// One key of an intake window, as [`Store::claim_window`] takes it.
+#[derive(Debug, Clone)]
+pub(crate) struct WindowKey {
+    pub doc_id: String,
+    pub chunk_index: i32,
+    pub content_hash: String,
+    /// Position of the record ([`super::source_seq`]); its high half is the run id.
+    pub source_seq: i64,
+    /// True for a chunk the run would send to the provider (not a broken record, which is
+    /// parked without a call and needs no lease).
+    pub embeds: bool,
+    /// Met earlier in this run: embedded whatever the manifest holds, so it is claimed even
+    /// when the manifest holds the same content.
+    pub repeated: bool,
+}
+
+/// What the window's round trip found for one key.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct WindowClaim {
+    /// Content hash and status of the chunk's last finished ingest, if any.
+    pub manifest: Option<(String, ChunkStatus)>,
+    /// Another live run holds the chunk's lease: it is left to that run.
+    pub leased_elsewhere: bool,
+}
+
+/// Marks one ingest run alive for as long as it holds its leases: a session advisory lock on
+/// a connection of its own (outside the pool, so no pooled statement ever runs on it and the
+/// lock dies with the process). Call [`RunLease::release`] when the run ends.
+pub(crate) struct RunLease {
+    conn: PgConnection,
+    run_id: i64,
+}
+
+impl Store {
+    /// Takes the advisory lock that marks run `run_id` alive, and sweeps leases that expired
+    /// (left by runs that hung or died; each run sweeps, so the table stays small).
+    pub(crate) async fn hold_run(&self, run_id: i64) -> Result<RunLease, StoreError> {
+        sqlx::query("DELETE FROM ingest_lease WHERE expires_at < now()").execute(&self.pool).await?;
+        let mut conn = self.pool.acquire().await?.detach();
+        sqlx::query("SELECT pg_advisory_lock(embed_dlq_lease_lock_space(), $1::int)")
+            .bind(run_id)
+            .execute(&mut conn)
+            .await?;
+        Ok(RunLease { conn, run_id })
+    }
+
+    /// The manifest lookup of an intake window and the leases of the chunks this run will
+    /// embed, in one statement. Keys must be unique within the window. `lease` is clamped to
+    /// at least a second. Leases are claimed only while another run is alive, or if `always`
+    /// (a run's first windows: two runs started together have not seen each other's lock yet).
+    pub(crate) async fn claim_window(
+        &self,
+        keys: &[WindowKey],
+        run_id: i64,
+        lease: Duration,
+        always: bool,
+    ) -> Result<HashMap<(String, i32), WindowClaim>, StoreError> {
+        let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
+        let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
+        let hashes: Vec<&str> = keys.iter().map(|k| k.content_hash.as_str()).collect();
+        let seqs: Vec<i64> = keys.iter().map(|k| k.source_seq).collect();
+        let embeds: Vec<bool> = keys.iter().map(|k| k.embeds).collect();
+        let repeated: Vec<bool> = keys.iter().map(|k| k.repeated).collect();
+        let rows = sqlx::query(CLAIM_WINDOW_SQL)
+            .bind(&self.target.name)
+            .bind(&docs)
+            .bind(&idxs)
+            .bind(&hashes)
+            .bind(&seqs)
+            .bind(&embeds)
+            .bind(&repeated)
+            .bind(run_id)
+            .bind(lease.as_secs_f64().max(1.0))
+            .bind(FINISHED_GRACE.as_secs_f64())
+            .bind(always)
+            .fetch_all(&self.pool)
+            .await?;
+        let mut out = HashMap::with_capacity(rows.len());
+        for r in rows {
+            let hash: Option<String> = r.try_get("done_hash")?;
+            let status: Option<String> = r.try_get("status")?;
+            let manifest = match (hash, status) {
+                (Some(h), Some(s)) => Some((
+                    h,
+                    ChunkStatus::parse(&s).ok_or_else(|| {
+                        StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {s:?}").into()))
+                    })?,
+                )),
+                _ => None,
+            };
+            out.insert(
+                (r.try_get("doc_id")?, r.try_get("chunk_index")?),
+                WindowClaim { manifest, leased_elsewhere: r.try_get("leased_elsewhere")? },
+            );
+        }
+        Ok(out)
+    }
+}
+
+impl RunLease {
+    /// Ends the run's claim on everything: deletes the leases of chunks it did not finish (so
+    /// another run need not wait for their expiry) and its finished leases past
+    /// [`FINISHED_GRACE`] (the rest expire), then drops its advisory lock by closing its
+    /// connection. Best effort: if this fails, the closed connection still frees the leases
+    /// for takeover.
+    pub(crate) async fn release(mut self) {
+        let released = sqlx::query(
+            "DELETE FROM ingest_lease
+              WHERE run_id = $1 AND (finished_at IS NULL OR finished_at < now() - make_interval(secs => $2))",
+        )
+        .bind(self.run_id)
+        .bind(FINISHED_GRACE.as_secs_f64())
+        .execute(&mut self.conn)
+        .await;
+        if let Err(e) = released {
+            tracing::warn!(error = %e, run_id = self.run_id, "could not release the run's leases; they are taken over once its connection closes");
+        }
+        let _ = self.conn.close().await;
+    }
+}
+
+/// The window's round trip. `$1` table, `$2..$5` keys, hashes and positions, `$6` whether the
+/// key is a chunk to embed, `$7` whether the run met it before, `$8` run id, `$9` lease
+/// seconds, `$10` [`FINISHED_GRACE`] in seconds, `$11` claim even if no other run is alive.
+///
+/// `wanted`: chunks this run embeds unless the lease is elsewhere (not already finished with
+/// the same content, or repeated in the run). `shared`: another run of this database is
+/// alive (holds its advisory lock), or `$11` (the run is young); a run alone claims nothing
+/// after its first windows, so it writes no lease rows.
+/// Otherwise the wanted chunks' leases are inserted in key order (no
+/// deadlock with other claims or with the outcome transactions, which lock in the same
+/// order). A lease is taken over when it is this run's; when it is for different content
+/// that is finished or older than ours (a lease never blocks a newer record); when it is
+/// unfinished and expired or its holder is dead (no advisory lock); when it is finished in a
+/// transaction this statement's snapshot sees (the manifest lookup above saw the outcome, so
+/// if the chunk is still wanted the manifest changed since); or when the manifest already
+/// holds a newer record than the lease's (the holder's outcome is superseded). A lease not
+/// taken over is another run's, in flight or finished unseen: `leased_elsewhere`.
+/// The statement decides from the lease row as it is when the row lock is granted, so two
+/// runs claiming the same window at once agree on one holder. `swept`: the run's own leases
+/// finished more than the grace ago.
+const CLAIM_WINDOW_SQL: &str = r#"
+WITH input AS (
+    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[], $6::bool[], $7::bool[])
+        AS t(doc_id, chunk_index, content_hash, source_seq, embeds, repeated)
+), known AS (
+    SELECT i.doc_id, i.chunk_index, i.content_hash, i.source_seq, m.content_hash AS done_hash, m.status,
+           i.embeds AND (i.repeated OR m.content_hash IS DISTINCT FROM i.content_hash) AS wanted
+      FROM input i
+      LEFT JOIN ingest_manifest m
+        ON m.target_table = $1::text AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
+), snap AS MATERIALIZED (
+    SELECT pg_current_snapshot() AS s
+), live AS MATERIALIZED (
+    SELECT objid::bigint AS run_id
+      FROM pg_locks
+     WHERE locktype = 'advisory' AND granted AND objsubid = 2
+       AND classid = embed_dlq_lease_lock_space()::oid
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), shared AS MATERIALIZED (
+    SELECT $11::bool OR EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
+), claimed AS (
+    INSERT INTO ingest_lease AS l (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
+    SELECT $1::text, doc_id, chunk_index, content_hash, source_seq, $8::bigint,
+           now() + make_interval(secs => $9::float8)
+      FROM known WHERE wanted AND (SELECT yes FROM shared) ORDER BY doc_id, chunk_index
+    ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
+        content_hash = EXCLUDED.content_hash,
+        source_seq   = EXCLUDED.source_seq,
+        run_id       = EXCLUDED.run_id,
+        expires_at   = EXCLUDED.expires_at,
+        finished_at  = NULL,
+        finished_xact = NULL
+      WHERE l.run_id = EXCLUDED.run_id
+         OR (l.content_hash <> EXCLUDED.content_hash
+             AND (l.finished_xact IS NOT NULL OR l.source_seq < EXCLUDED.source_seq))
+         OR (l.finished_xact IS NULL
+             AND (l.expires_at <= now() OR l.run_id NOT IN (SELECT run_id FROM live)))
+         OR pg_visible_in_snapshot(l.finished_xact, (SELECT s FROM snap))
+         OR EXISTS (SELECT 1 FROM ingest_manifest m
+                     WHERE m.target_table = l.target_table AND m.doc_id = l.doc_id
+                       AND m.chunk_index = l.chunk_index AND m.source_seq > l.source_seq)
+    RETURNING l.doc_id, l.chunk_index
+), swept AS (
+    DELETE FROM ingest_lease
+     WHERE run_id = $8::bigint AND finished_at < now() - make_interval(secs => $10::float8)
+)
+SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
+       (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere
+  FROM known k LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
+"#;

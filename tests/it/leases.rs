@@ -1,0 +1,284 @@
+//! Concurrent runs share the work: ingests of the same corpus started together send each
+//! input about once (the intake window's lease claim), a killed run's leases are taken over by
+//! a rerun, and a live holder's lease is left alone until it expires — but never blocks a
+//! newer record of different content.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::ingest::IngestSummary;
+use embed_dlq::model::content_hash;
+use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
+use embed_dlq::testkit::mock_provider::MockConfig;
+use sqlx::Connection;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+fn corpus(chunks: usize) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    write_corpus(&mut bytes, &CorpusSpec { chunks, ..CorpusSpec::default() }, 32_000).unwrap();
+    bytes
+}
+
+/// `runs` ingests of one corpus started together, each its own pipeline (own pool, own run):
+/// together they send each input about once, and every chunk ends stored exactly once.
+async fn concurrent_ingests_share_the_work(runs: usize) {
+    const CHUNKS: usize = 4_000;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { latency_ms: 5, ..MockConfig::default() }).await;
+    let bytes = corpus(CHUNKS);
+    let mut pipelines = Vec::new();
+    for _ in 0..runs {
+        let mut s = settings(&db, &mock);
+        // Generous: a request timed out on a loaded machine is re-sent, and re-sends are not
+        // what this test measures.
+        s.client.timeout = Duration::from_secs(30);
+        let mut p = pipeline(&s).await;
+        // Small windows: what the runs embed twice before they see each other (a run alone
+        // claims nothing) is a window or two, well within the bound.
+        p.options.intake_window = 128;
+        pipelines.push(p);
+    }
+    let summaries: Vec<IngestSummary> = futures::future::join_all(
+        pipelines.iter().map(|p| p.run(input(bytes.clone()), CancellationToken::new())),
+    )
+    .await
+    .into_iter()
+    .map(|r| r.expect("every concurrent run succeeds"))
+    .collect();
+
+    let inputs = mock.control.stats().inputs;
+    assert!(
+        inputs as f64 <= 1.1 * CHUNKS as f64,
+        "{runs} concurrent runs sent {inputs} inputs for {CHUNKS} chunks: {summaries:#?}"
+    );
+    for s in &summaries {
+        assert_eq!(s.records, CHUNKS as u64, "{s:?}");
+        // `superseded`: a chunk both runs embedded before they saw each other, written by
+        // the newer run too.
+        assert_eq!(
+            s.stored + s.unchanged + s.leased_elsewhere + s.superseded,
+            s.records,
+            "every record accounted: {s:?}"
+        );
+        assert_eq!(s.not_attempted + s.parked_total(), 0, "{s:?}");
+    }
+    assert!(summaries.iter().map(|s| s.stored).sum::<u64>() >= CHUNKS as u64, "{summaries:#?}");
+    assert!(summaries.iter().any(|s| s.leased_elsewhere > 0), "the runs met: {summaries:#?}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, CHUNKS as i64);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, CHUNKS as i64);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL").await,
+        0,
+        "finished runs hold no lease in flight"
+    );
+    let retries: Vec<_> = summaries.iter().map(|s| &s.retries).collect();
+    eprintln!("{runs} concurrent runs of {CHUNKS} chunks: {inputs} inputs sent; retries {retries:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_concurrent_ingests_send_each_input_about_once() {
+    concurrent_ingests_share_the_work(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_concurrent_ingests_send_each_input_about_once() {
+    concurrent_ingests_share_the_work(3).await;
+}
+
+/// Holds the advisory lock of a made-up ingest run on a connection of its own, as a
+/// concurrent run would: runs then claim leases (a run alone claims none).
+async fn another_live_run(db: &TestDb) -> (sqlx::PgConnection, i64) {
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let run: i64 =
+        sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&mut conn).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(embed_dlq_lease_lock_space(), $1::int)")
+        .bind(run)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    (conn, run)
+}
+
+/// A run killed with -9 mid-way (while another run is alive, so it claims leases) leaves
+/// leases behind; its advisory lock died with its connection, so a rerun started at once
+/// takes them over and finishes every chunk, and no lease is left in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_runs_leases_are_taken_over_by_a_rerun() {
+    const CHUNKS: i64 = 3_000;
+    let db = TestDb::new().await;
+    let (other, _) = another_live_run(&db).await;
+    let mock = start_mock(MockConfig { latency_ms: 15, ..MockConfig::default() }).await;
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-leases-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("corpus.jsonl");
+    std::fs::write(&path, corpus(CHUNKS as usize)).unwrap();
+    let ingest = || {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+        c.env_remove("EMBED_DLQ_API_KEY").env_remove("RUST_LOG").stdin(Stdio::null());
+        c.arg("ingest")
+            .arg(&path)
+            .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+            .args(["--batch-max-inputs", "16", "--concurrency", "2", "--request-timeout-ms", "2000"])
+            .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress", "--json"])
+            // Long leases: only the dead holder's lost advisory lock can free them in time.
+            .args(["--lease-secs", "3600"]);
+        c
+    };
+    let mut child = ingest().stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut progressed = false;
+    for _ in 0..600 {
+        if db.count("SELECT count(*) FROM doc_embeddings").await >= 300 {
+            progressed = true;
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the ingest ended before it was killed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(progressed, "the ingest made no progress");
+    child.start_kill().unwrap(); // SIGKILL
+    child.wait().await.unwrap();
+    let done_before = db.count("SELECT count(*) FROM ingest_manifest").await;
+    assert!(done_before < CHUNKS, "killed mid-way: {done_before}");
+    let left = db.count("SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL").await;
+    assert!(left > 0, "the killed run left the leases of its windows in flight");
+
+    let inputs_before = mock.control.stats().inputs;
+    let rerun = ingest().output().await.unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(rerun.status.code(), Some(0), "{}", String::from_utf8_lossy(&rerun.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
+    assert_eq!(s["leased_elsewhere"], 0, "a dead run's leases are not waited for: {s}");
+    // A commit the killed process had already sent may land after it died: at least what
+    // was counted finished is unchanged, and the rerun stores the rest.
+    let (unchanged, stored) = (s["unchanged"].as_i64().unwrap(), s["stored"].as_i64().unwrap());
+    assert!(unchanged >= done_before, "{s}");
+    assert_eq!(unchanged + stored, CHUNKS, "{s}");
+    let embedded_again = (mock.control.stats().inputs - inputs_before) as i64;
+    assert!(embedded_again <= CHUNKS - done_before + 200, "rerun embedded {embedded_again}: {s}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, CHUNKS);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, CHUNKS);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL").await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    other.close().await.unwrap();
+}
+
+/// Leases another run holds, planted in the table: a live holder's unexpired lease on the
+/// same content is left to it (reported, not stored, not lost: a rerun once the holder is gone
+/// stores it); its lease on older, different content, its expired lease, its finished lease
+/// whose outcome the manifest no longer holds, its lease behind a newer manifest record, and
+/// a dead run's lease are all taken over at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_content() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let text = |k: i32| format!("lease test chunk {k}");
+    let lines: String = (0..200).map(|k| line("lease-doc", k, &text(k))).collect();
+    let hash = |k: i32| content_hash("mock", 768, &text(k));
+
+    // A live holder: a run id of its own and the run's advisory lock on a connection of its own.
+    let (holder, live) = another_live_run(&db).await;
+    let dead = live + 1_000_000; // no advisory lock: its process is gone
+    // `expires_in` seconds from now (negative: already expired); `finished`: the holder's
+    // outcome committed (in this planting transaction, so every later snapshot sees it).
+    let plant = |k: i32, run: i64, content: String, expires_in: f64, finished: bool| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO ingest_lease (target_table, doc_id, chunk_index, content_hash, source_seq, run_id,
+                                           expires_at, finished_at, finished_xact)
+                 VALUES ('public.doc_embeddings', 'lease-doc', $1, $2, ($3::bigint << 32) | $1, $3,
+                         now() + make_interval(secs => $4),
+                         CASE WHEN $5 THEN now() END, CASE WHEN $5 THEN pg_current_xact_id() END)",
+            )
+            .bind(k)
+            .bind(content)
+            .bind(run)
+            .bind(expires_in)
+            .bind(finished)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    for k in 0..20 {
+        plant(k, live, hash(k), 3600.0, false).await; // left to the holder
+    }
+    for k in 20..40 {
+        plant(k, live, "older content".into(), 3600.0, false).await; // newer record wins
+    }
+    for k in 40..60 {
+        plant(k, dead, hash(k), 3600.0, false).await; // holder dead
+    }
+    for k in 60..80 {
+        plant(k, live, hash(k), -1.0, false).await; // expired
+    }
+    for k in 80..100 {
+        // Finished, but the manifest no longer holds it (an operator purged it): taken over.
+        plant(k, live, hash(k), 3600.0, true).await;
+    }
+    for k in 100..120 {
+        // In flight, but the manifest already holds a newer record than the lease's: the
+        // holder's outcome would be superseded, so the lease is taken over.
+        plant(k, live, hash(k), 3600.0, false).await;
+        sqlx::query(
+            "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+             VALUES ('public.doc_embeddings', 'lease-doc', $1, 'newer content', 'stored', ($2::bigint << 32) | 100000)",
+        )
+        .bind(k)
+        .bind(live)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+
+    let p = pipeline(&settings(&db, &mock)).await;
+    let s = p.run(input(lines.clone().into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(s.leased_elsewhere, 20, "{s:?}");
+    assert_eq!(s.stored, 180, "{s:?}");
+    assert_eq!(mock.control.stats().inputs, 180, "the leased chunks were not sent");
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'lease-doc' AND chunk_index < 20")
+            .await,
+        0,
+        "left to the holder, so not finished by this run"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_lease WHERE chunk_index < 20").await,
+        20,
+        "visibly in flight: the holder's leases stay"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_lease WHERE chunk_index >= 20 AND finished_at IS NULL").await,
+        0,
+        "every lease taken over was finished"
+    );
+
+    // The holder goes away without finishing (its connection closes): a rerun stores the rest.
+    holder.close().await.unwrap();
+    let s = p.run(input(lines.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!((s.unchanged, s.stored, s.leased_elsewhere), (180, 20, 0), "{s:?}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 200);
+    let in_flight: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL AND run_id NOT IN ($1, $2)",
+    )
+    .bind(live)
+    .bind(dead)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(in_flight, 0, "only the gone holders' leases are left, for the expiry sweep");
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
