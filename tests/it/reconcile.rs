@@ -374,7 +374,11 @@ async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
     park(&db, "metrics", 7).await;
     let keys = fresh_keys();
     let mock = start_mock(MockConfig::default()).await;
-    let port = 20_000 + rand::random::<u16>() % 20_000;
+    // Below the kernel's ephemeral range (no client connection holds it) and checked free.
+    let port = (0..100)
+        .map(|_| 20_000 + rand::random::<u16>() % 1_000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port for the metrics endpoint");
     let prefix = keys.events().trim_start_matches('{').split('}').next().unwrap().to_string();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
         .arg("serve")
@@ -389,7 +393,8 @@ async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
         .unwrap();
     let url = format!("http://127.0.0.1:{port}/metrics");
     let mut body = String::new();
-    for _ in 0..100 {
+    // Up to 60 s on a loaded machine; usually well under a second.
+    for _ in 0..600 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         if let Ok(r) = reqwest::get(&url).await
             && let Ok(text) = r.text().await
