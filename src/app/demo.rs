@@ -205,7 +205,8 @@ async fn limits_pass(
         limit_window_ms: 2_000,
         ..MockConfig::default()
     };
-    let mock = MockProvider::start(account, SocketAddr::from(([127, 0, 0, 1], 0)), cancel.clone())
+    // Its own child token: shutting this mock down must not cancel the rest of the demo.
+    let mock = MockProvider::start(account, SocketAddr::from(([127, 0, 0, 1], 0)), cancel.child_token())
         .await
         .context("starting the rate-limited mock provider")?;
     let mut settings = demo_settings(database_url, &mock, concurrency)?;
@@ -242,9 +243,11 @@ async fn seed_checks(store: &embed_dlq::store::Store) -> anyhow::Result<(i64, i6
     Ok((leaks, duplicates))
 }
 
-/// The streams' key prefix of one demo run.
-fn demo_stream_prefix(run_id: &str) -> String {
-    format!("embed-dlq-demo-{run_id}")
+/// The streams' key prefix of the demo: one for every run, so a second demo on the same
+/// database finds the first one's events where the reconciler looks for them (a prefix per
+/// run made every earlier run's events look missing).
+fn demo_stream_prefix(_run_id: &str) -> String {
+    "embed-dlq-demo".to_string()
 }
 
 /// One reconciler run (check only) over the demo's table and streams.
