@@ -346,7 +346,8 @@ async fn outage_and_drain(
             demo_stream_prefix(run_id)
         );
     }
-    Ok(left == 0)
+    // An outage pass that parked nothing showed nothing: that is a failure of the demo too.
+    Ok(left == 0 && (parked_now > 0 || cancel.is_cancelled()))
 }
 
 /// Ingests a fresh corpus under `prefix` while the mock answers 503: two attempts per
