@@ -80,10 +80,49 @@ pub struct ParkCounts {
     pub superseded: Vec<usize>,
 }
 
+/// A row an ingest writes, as its manifest claim sees it: (doc_id, chunk_index, content
+/// hash, [`source_seq`]).
+trait ManifestRecord {
+    fn manifest_key(&self) -> (&str, i32, &str, i64);
+}
+
+impl ManifestRecord for StoredChunk {
+    fn manifest_key(&self) -> (&str, i32, &str, i64) {
+        (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq)
+    }
+}
+
+impl ManifestRecord for ParkedChunk {
+    fn manifest_key(&self) -> (&str, i32, &str, i64) {
+        (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq)
+    }
+}
+
 impl Store {
     /// A new ingest run id (from a sequence): the high half of every [`source_seq`] of the run.
     pub(crate) async fn next_run_id(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&self.pool).await?)
+    }
+
+    /// Opens the transaction of a store or park and claims the manifest rows of `rows` in it:
+    /// the transaction, the rows accepted, and the positions of those superseded by a newer
+    /// record (not to be written).
+    async fn begin_claimed<'r, R: ManifestRecord>(
+        &self,
+        rows: &'r [R],
+        status: ChunkStatus,
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<&'r R>, Vec<usize>), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let accepted = self.claim_manifest(&mut tx, rows.iter().map(R::manifest_key), status).await?;
+        let (mut keep, mut superseded) = (Vec::with_capacity(rows.len()), Vec::new());
+        for (n, (row, accepted)) in rows.iter().zip(accepted).enumerate() {
+            if accepted {
+                keep.push(row);
+            } else {
+                superseded.push(n);
+            }
+        }
+        Ok((tx, keep, superseded))
     }
 
     /// Upserts the manifest rows of a batch (first statement of a store or park transaction)
@@ -132,18 +171,8 @@ impl Store {
         if rows.is_empty() {
             return Ok(StoreCounts::default());
         }
-        let mut tx = self.pool.begin().await?;
-        let accepted = self
-            .claim_manifest(
-                &mut tx,
-                rows.iter()
-                    .map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
-                ChunkStatus::Stored,
-            )
-            .await?;
-        let keep: Vec<&StoredChunk> =
-            rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
-        let mut counts = StoreCounts { superseded: (rows.len() - keep.len()) as u64, ..Default::default() };
+        let (mut tx, keep, superseded) = self.begin_claimed(rows, ChunkStatus::Stored).await?;
+        let mut counts = StoreCounts { superseded: superseded.len() as u64, ..Default::default() };
         if !keep.is_empty() {
             let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
             let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
@@ -174,21 +203,8 @@ impl Store {
         if rows.is_empty() {
             return Ok(ParkCounts::default());
         }
-        let mut tx = self.pool.begin().await?;
-        let accepted = self
-            .claim_manifest(
-                &mut tx,
-                rows.iter()
-                    .map(|r| (r.doc_id.as_str(), r.chunk_index, r.content_hash.as_str(), r.source_seq)),
-                ChunkStatus::Parked,
-            )
-            .await?;
-        let mut counts = ParkCounts {
-            events: 0,
-            superseded: accepted.iter().enumerate().filter(|(_, a)| !**a).map(|(n, _)| n).collect(),
-        };
-        let keep: Vec<&ParkedChunk> =
-            rows.iter().zip(&accepted).filter(|(_, a)| **a).map(|(r, _)| r).collect();
+        let (mut tx, keep, superseded) = self.begin_claimed(rows, ChunkStatus::Parked).await?;
+        let mut counts = ParkCounts { events: 0, superseded };
         if !keep.is_empty() {
             let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
             let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
