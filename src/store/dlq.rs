@@ -12,6 +12,7 @@ use sqlx::postgres::{PgRow, PgTypeInfo, PgValueRef};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row};
 
 use super::StoreError;
+use super::replay::LOCK_MANIFEST_SQL;
 use crate::model::ErrorClass;
 
 /// `error_class` columns decode straight into [`ErrorClass`]: a spelling the enum does not
@@ -312,6 +313,8 @@ pub(crate) async fn requeue_candidates(
 /// re-ingest are left alone even if listed. Publishing the replay work is a separate step
 /// (`Store::enqueue_ids`).
 pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(LOCK_MANIFEST_SQL).bind(ids).execute(&mut *tx).await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH upd AS (
              UPDATE embedding_dlq d SET
@@ -341,8 +344,9 @@ pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), Stor
            FROM upd"
     )))
     .bind(ids)
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(())
 }
 
@@ -366,19 +370,30 @@ pub(crate) struct PurgedBatch {
 }
 
 /// Deletes up to `batch` matching rows after `after_id` (by id), their manifest rows, and
-/// announces each as `purged`, in one statement (one transaction).
+/// announces each as `purged`, in one transaction: the batch's ids are read first, their
+/// manifest rows locked (the lock order of every writer: manifest, then DLQ), then one
+/// statement deletes the rows that still match.
 pub(crate) async fn purge_batch(
     pool: &PgPool,
     filter: &RowFilter,
     after_id: i64,
     batch: usize,
 ) -> Result<PurgedBatch, StoreError> {
+    let mut tx = pool.begin().await?;
+    let mut q = QueryBuilder::new("SELECT id FROM embedding_dlq");
+    filter.push_where(&mut q);
+    q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(batch as i64);
+    let ids: Vec<i64> = q.build_query_scalar().fetch_all(&mut *tx).await?;
+    if ids.is_empty() {
+        return Ok(PurgedBatch { selected: 0, purged: 0, last_id: None });
+    }
+    sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
     let mut q = QueryBuilder::new(
         "WITH batch AS (
              SELECT id FROM embedding_dlq",
     );
     filter.push_where(&mut q);
-    q.push(" AND id > ").push_bind(after_id).push(" ORDER BY id LIMIT ").push_bind(batch as i64);
+    q.push(" AND id = ANY(").push_bind(ids.clone()).push(")");
     q.push(
         " FOR UPDATE
          ), gone AS (
@@ -400,15 +415,11 @@ pub(crate) async fn purge_batch(
                FROM gone
              RETURNING 1
          )
-         SELECT (SELECT count(*) FROM batch) AS selected, (SELECT count(*) FROM gone) AS purged,
-                (SELECT max(id) FROM batch) AS last_id",
+         SELECT count(*) FROM gone",
     );
-    let r = q.build().fetch_one(pool).await?;
-    Ok(PurgedBatch {
-        selected: r.try_get::<i64, _>("selected")? as u64,
-        purged: r.try_get::<i64, _>("purged")? as u64,
-        last_id: r.try_get("last_id")?,
-    })
+    let purged: i64 = q.build_query_scalar().fetch_one(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(PurgedBatch { selected: ids.len() as u64, purged: purged as u64, last_id: ids.last().copied() })
 }
 
 /// Rows per class, for the depth gauge (classes with no row are absent).

@@ -112,9 +112,11 @@ pub(crate) struct Repark {
     pub same_error_count: i32,
 }
 
-/// Locks the manifest rows of the given DLQ rows, in key order (first statement of a replay
-/// commit).
-const LOCK_MANIFEST_SQL: &str = "SELECT 1 FROM ingest_manifest m
+/// Locks the manifest rows of the given DLQ rows (`$1`: their ids), in key order: the first
+/// statement of every transaction that changes DLQ rows of existing chunks (replay commits,
+/// requeue, purge), so that every writer takes a chunk's manifest row before its DLQ row, as
+/// ingest's store and park do, and none deadlocks against another.
+pub(super) const LOCK_MANIFEST_SQL: &str = "SELECT 1 FROM ingest_manifest m
       JOIN embedding_dlq d
         ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
      WHERE d.id = ANY($1)

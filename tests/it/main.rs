@@ -10,6 +10,7 @@ mod identity;
 mod ingest;
 mod leases;
 mod limits;
+mod locks;
 mod outage;
 mod process;
 mod provider;
