@@ -96,7 +96,7 @@ pub struct ClientConfig {
 impl std::fmt::Debug for ClientConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClientConfig")
-            .field("base_url", &self.base_url)
+            .field("base_url", &crate::config::redact_password(&self.base_url))
             .field("model", &self.model)
             .field("request_dimensions", &self.request_dimensions)
             .field("encoding", &self.encoding)
@@ -269,6 +269,10 @@ impl EmbedClient {
         let url = format!("{}/embeddings", config.base_url.trim_end_matches('/'));
         let mut secrets: Vec<&str> = config.api_key.iter().map(String::as_str).collect();
         secrets.extend(config.extra_headers.iter().map(|(_, v)| v.as_str()));
+        // Credentials in the URL (reqwest sends them as Basic auth) are secrets too: as
+        // written, and percent-decoded (how they go on the wire).
+        let userinfo = url_credentials(&config.base_url);
+        secrets.extend(userinfo.iter().map(String::as_str));
         let redactor = Arc::new(Redactor::new(&secrets));
         let limiter = Arc::new(ProviderLimiter::local(LimitConfig::default()));
         Ok(EmbedClient { http, url, config: std::sync::Arc::new(config), redactor, limiter })
@@ -403,6 +407,20 @@ impl EmbedClient {
         client.config = std::sync::Arc::new(config);
         client
     }
+}
+
+/// The password of `url` (and its user name, which some gateways treat as the key), both as
+/// written and percent-decoded; empty when the URL has none.
+fn url_credentials(url: &str) -> Vec<String> {
+    let Ok(u) = reqwest::Url::parse(url) else { return Vec::new() };
+    let mut out = Vec::new();
+    for part in [u.username(), u.password().unwrap_or("")].into_iter().filter(|p| !p.is_empty()) {
+        out.push(part.to_string());
+        if let Ok(decoded) = percent_encoding::percent_decode_str(part).decode_utf8() {
+            out.push(decoded.into_owned());
+        }
+    }
+    out
 }
 
 /// The first `n` characters of `s`.

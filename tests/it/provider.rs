@@ -720,3 +720,38 @@ async fn the_binary_exits_4_when_a_gateway_rejects_everything_alike() {
     assert!(leaks(&all, KEY).is_none(), "{all}");
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
 }
+
+/// Credentials in the base URL (`https://user:secret@gateway/v1`, which reqwest sends as Basic
+/// auth) are secrets like the key: never in DLQ rows, events or the client's `Debug`, even when
+/// the server echoes the `Authorization` header or the request URL back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_in_the_base_url_are_redacted_like_the_key() {
+    const URL_SECRET: &str = "url-pw-9f3c1d7e5a";
+    let db = TestDb::new().await;
+    let server = Hostile::start(Arc::new(move |_, seen: &Seen| {
+        let echo = serde_json::json!({"error": {"message": format!("rejected: {}", seen.head)}}).to_string();
+        response("422 Unprocessable Entity", &[("content-type", "application/json")], echo.as_bytes())
+    }))
+    .await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.client.base_url =
+        server.base_url().replacen("http://", &format!("http://gateway-user:{URL_SECRET}@"), 1);
+    s.options.batch_max_inputs = 1;
+    let debug = format!("{:?} {:?}", s.client, s);
+    assert!(leaks(&debug, URL_SECRET).is_none(), "Debug shows the URL's password: {debug}");
+    let r = pipeline(&s)
+        .await
+        .run(input(corpus("url", 2, |i| format!("text {i}"))), CancellationToken::new())
+        .await;
+    let everything = format!("{}\n{r:?}", dlq_and_events(&db).await);
+    assert!(
+        server.seen()[0].head.to_ascii_lowercase().contains("authorization: basic"),
+        "sent as Basic auth"
+    );
+    if let Some(w) = leaks(&everything, URL_SECRET) {
+        panic!("a piece of the URL's password ({w}) reached the DLQ, the events or the run's error");
+    }
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("gateway-user:{URL_SECRET}"));
+    assert!(!everything.contains(&basic[4..basic.len() - 4]), "its Basic encoding was stored");
+}
