@@ -299,30 +299,12 @@ pub const DEFAULT_RECONCILE_EVERY_SECS: u64 = 0;
 pub mod bounds {
     use std::ops::RangeInclusive;
 
+    pub use crate::ingest::bounds::*;
+
     /// pgvector's `vector(N)` holds at most 16000 dimensions.
     pub const DIMENSIONS: RangeInclusive<usize> = 1..=16_000;
     /// `request_timeout_ms`: 100 ms to 10 minutes.
     pub const REQUEST_TIMEOUT_MS: RangeInclusive<u64> = 100..=600_000;
-    /// OpenAI accepts at most 2048 inputs per request.
-    pub const BATCH_MAX_INPUTS: RangeInclusive<usize> = 1..=2048;
-    /// `price_per_million_tokens`: the dearest embedding models cost well under 1 a million
-    /// tokens; 1000 leaves room for any currency while catching a price given per token.
-    pub const PRICE_PER_MILLION_TOKENS: RangeInclusive<f64> = 0.0..=1000.0;
-    /// `batch_max_chars`: at most 10 million characters per request.
-    pub const BATCH_MAX_CHARS: RangeInclusive<usize> = 1..=10_000_000;
-    /// Each request is a task holding a batch; the pool also grows with it.
-    pub const CONCURRENCY: RangeInclusive<usize> = 1..=256;
-    /// Each writer holds a database connection.
-    pub const WRITERS: RangeInclusive<usize> = 1..=32;
-    /// `max_input_chars`: longer inputs are parked as too long without a request.
-    pub const MAX_INPUT_CHARS: RangeInclusive<usize> = 1..=1_000_000;
-    /// `max_line_bytes`: 64 bytes to 64 MiB per JSONL line.
-    pub const MAX_LINE_BYTES: RangeInclusive<usize> = 64..=64 * 1024 * 1024;
-    /// In-flight input bytes of an ingest (the byte budget).
-    pub const MAX_INFLIGHT_BYTES: RangeInclusive<u64> =
-        crate::ingest::budget::ByteBudget::MIN..=crate::ingest::budget::ByteBudget::MAX;
-    /// `lease_secs`: 1 second to 1 hour (longer only delays the takeover of a hung run's work).
-    pub const LEASE_SECS: RangeInclusive<u64> = 1..=3600;
     /// `retry_max_attempts`: attempts per input in one pass, the first included.
     pub const RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 1..=20;
     /// `retry_base_ms`: 1 ms to 1 minute.
@@ -1275,7 +1257,8 @@ impl IngestSettings {
     /// so they all run the same wiring.
     pub async fn pipeline(&self) -> Result<crate::ingest::Pipeline, PipelineError> {
         use crate::store;
-        let connections = (self.options.concurrency + self.options.writers) as u32 + 2;
+        let options = self.options.within_bounds();
+        let connections = (options.concurrency + options.writers) as u32 + 2;
         let pool = store::connect(&self.database_url, connections).await.map_err(PipelineError::Connect)?;
         store::migrate(&pool).await?;
         let store = store::Store::open(pool, &self.table)

@@ -33,6 +33,7 @@
 //! every piece at once with a `breaker_open` failure, so parking runs at the writers' pace),
 //! or stop the run at once like a systemic error.
 
+pub mod bounds;
 pub(crate) mod budget;
 pub(crate) mod reader;
 
@@ -120,6 +121,42 @@ impl Default for IngestOptions {
             on_outage: OnOutage::Wait,
             price_per_million_tokens: None,
             lease: Duration::from_secs(120),
+        }
+    }
+}
+
+impl IngestOptions {
+    /// These options held to [`bounds`]: what a run actually uses. Settings read by
+    /// `config` are checked (and refused) against the same bounds before this; options built
+    /// in Rust are clamped here instead, so a zero can't stall a run and a huge value can't
+    /// spawn millions of tasks. A price that is not a finite number in range is dropped.
+    pub fn within_bounds(&self) -> IngestOptions {
+        fn clamp<T: PartialOrd + Copy>(v: T, r: std::ops::RangeInclusive<T>) -> T {
+            if v < *r.start() {
+                *r.start()
+            } else if v > *r.end() {
+                *r.end()
+            } else {
+                v
+            }
+        }
+        let linger_ms = u64::try_from(self.batch_linger.as_millis()).unwrap_or(u64::MAX);
+        IngestOptions {
+            batch_max_inputs: clamp(self.batch_max_inputs, bounds::BATCH_MAX_INPUTS),
+            batch_max_chars: clamp(self.batch_max_chars, bounds::BATCH_MAX_CHARS),
+            concurrency: clamp(self.concurrency, bounds::CONCURRENCY),
+            intake_window: clamp(self.intake_window, bounds::INTAKE_WINDOW),
+            write_batch_rows: clamp(self.write_batch_rows, bounds::WRITE_BATCH_ROWS),
+            writers: clamp(self.writers, bounds::WRITERS),
+            max_input_chars: clamp(self.max_input_chars, bounds::MAX_INPUT_CHARS),
+            max_line_bytes: clamp(self.max_line_bytes, bounds::MAX_LINE_BYTES),
+            max_inflight_bytes: clamp(self.max_inflight_bytes, bounds::MAX_INFLIGHT_BYTES),
+            batch_linger: Duration::from_millis(clamp(linger_ms, bounds::BATCH_LINGER_MS)),
+            lease: Duration::from_secs(clamp(self.lease.as_secs(), bounds::LEASE_SECS)),
+            price_per_million_tokens: self
+                .price_per_million_tokens
+                .filter(|p| bounds::PRICE_PER_MILLION_TOKENS.contains(p)),
+            ..self.clone()
         }
     }
 }
@@ -298,7 +335,7 @@ impl Pipeline {
     where
         R: AsyncBufRead + Unpin + Send + 'static,
     {
-        let max_line_bytes = self.options.max_line_bytes;
+        let max_line_bytes = self.options.within_bounds().max_line_bytes;
         self.execute(cancel, move |feed| feed.read_jsonl(input, max_line_bytes)).await
     }
 
@@ -333,8 +370,23 @@ impl Pipeline {
         self.execute(cancel, move |feed| feed.read_chunks(chunks)).await
     }
 
-    /// One run whose records come from the task `read` makes of its [`Feed`].
+    /// One run whose records come from the task `read` makes of its [`Feed`], with the
+    /// options held to their bounds.
     async fn execute<F, Fut>(&self, cancel: CancellationToken, read: F) -> Result<IngestSummary, IngestError>
+    where
+        F: FnOnce(Feed) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let bounded = Pipeline { options: self.options.within_bounds(), ..self.clone() };
+        bounded.execute_bounded(cancel, read).await
+    }
+
+    /// [`Pipeline::execute`] once the options are within bounds.
+    async fn execute_bounded<F, Fut>(
+        &self,
+        cancel: CancellationToken,
+        read: F,
+    ) -> Result<IngestSummary, IngestError>
     where
         F: FnOnce(Feed) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,

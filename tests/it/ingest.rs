@@ -532,3 +532,35 @@ async fn an_input_that_always_gets_500_does_not_take_its_batch_down() {
             .unwrap();
     assert_eq!((idx, reason.as_str(), attempts), (5, "http_500", s.retry.max_attempts as i32));
 }
+
+/// A library user who builds `IngestOptions` by hand bypasses the config file's checks: zero
+/// workers, writers, batch sizes or windows, or absurdly large ones, are clamped to the
+/// documented bounds (`config::bounds`) when a run starts, so the run neither hangs, panics
+/// nor spawns a million tasks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_out_of_bounds_are_clamped_when_a_run_starts() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let corpus: String = (0..40).map(|i| line("bounds", i, &format!("text {i}"))).collect();
+    for extreme in [0usize, usize::MAX / 2] {
+        let mut s = settings(&db, &mock);
+        let o = &mut s.options;
+        (o.batch_max_inputs, o.batch_max_chars, o.concurrency, o.writers) =
+            (extreme, extreme, extreme, extreme);
+        (o.intake_window, o.write_batch_rows) = (extreme, extreme);
+        o.max_line_bytes = extreme.max(1 << 20);
+        o.batch_linger = if extreme == 0 { std::time::Duration::ZERO } else { std::time::Duration::MAX };
+        o.lease = if extreme == 0 { std::time::Duration::ZERO } else { std::time::Duration::MAX };
+        o.price_per_million_tokens = Some(if extreme == 0 { f64::NAN } else { f64::INFINITY });
+        let p = pipeline(&s).await;
+        let run = p.run(input(corpus.clone().into_bytes()), CancellationToken::new());
+        let r = tokio::time::timeout(std::time::Duration::from_secs(300), run)
+            .await
+            .unwrap_or_else(|_| panic!("a run with every option at {extreme} hung"))
+            .unwrap();
+        assert_eq!(r.stored + r.unchanged, 40, "{extreme}: {r:?}");
+        assert_eq!(r.parked_total(), 0, "{extreme}: {r:?}");
+        assert!(r.estimated_cost.is_none_or(f64::is_finite), "{r:?}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
+}
