@@ -5,7 +5,9 @@
 //! - random, per request, at configured rates: 429 with `Retry-After`/`retry-after-ms`,
 //!   500/502/503, timeouts (the answer is held back far longer than any client waits) and
 //!   connection resets (the connection is closed without an answer);
-//! - an outage window (every request answers 503), set by config or at run time;
+//! - an outage window (every request answers 503), set by config (from server start, or from
+//!   the first request after a number of inputs: the middle of a run, whatever its speed) or
+//!   at run time;
 //! - systemic states: a required API key (401 otherwise, or the status in
 //!   `unauthorized_status`: a LiteLLM gateway answers a wrong key with 400), quota exhausted
 //!   (429 `insufficient_quota`), a `dimensions` request field out of range (400 for every
@@ -85,7 +87,11 @@ pub struct MockConfig {
     pub unauthorized_status: u16,
     /// Outage window, measured from server start: 503 for every request inside it.
     pub outage_after_ms: Option<u64>,
-    /// Length of that outage window.
+    /// Outage window that begins with the first request received after this many inputs
+    /// (0..=10^10): the middle of a run, whatever its speed. It lasts `outage_for_ms` and
+    /// happens once.
+    pub outage_after_inputs: Option<u64>,
+    /// Length of either outage window.
     pub outage_for_ms: u64,
     /// Seed of the fault dice, for repeatable runs.
     pub seed: u64,
@@ -123,6 +129,7 @@ impl Default for MockConfig {
             api_key: None,
             unauthorized_status: 401,
             outage_after_ms: None,
+            outage_after_inputs: None,
             outage_for_ms: 0,
             seed: 42,
             echo_auth_in_errors: false,
@@ -163,6 +170,11 @@ pub struct MockStats {
     /// in `rate_limited`).
     #[serde(default)]
     pub over_limit: u64,
+    /// Inputs of the requests counted in `rate_limited`, `server_errors`, `timeouts` or
+    /// `resets`: what request-level faults made the client send again, weighed by inputs
+    /// (a fault on a 64-input request costs 32 times one on a pair).
+    #[serde(default)]
+    pub fault_inputs: u64,
 }
 
 #[derive(Default)]
@@ -178,6 +190,7 @@ struct Counters {
     unauthorized: AtomicU64,
     canaries: AtomicU64,
     over_limit: AtomicU64,
+    fault_inputs: AtomicU64,
 }
 
 struct Shared {
@@ -188,6 +201,8 @@ struct Shared {
     quota_exhausted: AtomicBool,
     counters: Counters,
     limits: Mutex<AccountLimits>,
+    /// When the `outage_after_inputs` window began (set once, by the first request past it).
+    input_outage_began: std::sync::OnceLock<tokio::time::Instant>,
 }
 
 /// Run-time switches and counters of a running mock; cheap to clone.
@@ -221,6 +236,7 @@ impl MockControl {
             unauthorized: g(&c.unauthorized),
             canaries: g(&c.canaries),
             over_limit: g(&c.over_limit),
+            fault_inputs: g(&c.fault_inputs),
         }
     }
 }
@@ -258,6 +274,7 @@ impl MockProvider {
             quota_exhausted: AtomicBool::new(false),
             counters: Counters::default(),
             limits: Mutex::new(AccountLimits::new(&config)),
+            input_outage_began: std::sync::OnceLock::new(),
             config,
         });
         let tracker = TaskTracker::new();
@@ -405,40 +422,59 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
         let status = StatusCode::from_u16(c.unauthorized_status).unwrap_or(StatusCode::UNAUTHORIZED);
         return Ok(error(status, "invalid_api_key", &format!("Incorrect API key provided{echo}")));
     }
-    let parsed: EmbeddingsRequest = match serde_json::from_slice(&body) {
+    let mut parsed: EmbeddingsRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             counters.rejected.fetch_add(1, Ordering::Relaxed);
             return Ok(error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("bad JSON: {e}")));
         }
     };
-    let inputs = match parsed.input {
+    let inputs = match std::mem::replace(&mut parsed.input, InputField::Many(Vec::new())) {
         InputField::One(s) => vec![s],
         InputField::Many(v) => v,
     };
-    counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+    let before = counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
     if inputs.len() == 1 && inputs[0] == crate::embed::canary::CANARY_TEXT {
         counters.canaries.fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(refusal) = dimensions_refusal(&shared, parsed.dimensions).or_else(|| unavailable(&shared)) {
+    if c.outage_after_inputs.is_some_and(|n| before >= n) {
+        shared.input_outage_began.get_or_init(tokio::time::Instant::now);
+    }
+    let answer = answer_inputs(&shared, &parsed, &inputs, &echo).await;
+    // Every request-level fault: 429 (random, quota, over a limit), 5xx (random, outage,
+    // `[[poison:500]]`, a held-back timeout's 504) or a reset.
+    let fault = match &answer {
+        Err(InjectedReset) => true,
+        Ok(r) => r.status() == StatusCode::TOO_MANY_REQUESTS || r.status().is_server_error(),
+    };
+    if fault {
+        counters.fault_inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+    }
+    answer
+}
+
+/// The answer to a parsed request with `inputs`: a refusal, an injected fault, or vectors.
+async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[String], echo: &str) -> Answer {
+    let c = &shared.config;
+    if let Some(refusal) = dimensions_refusal(shared, parsed.dimensions).or_else(|| unavailable(shared)) {
         return Ok(refusal);
     }
-    let limit_headers = match admit_within_limits(&shared, &inputs) {
+    let limit_headers = match admit_within_limits(shared, inputs) {
         Ok(headers) => headers,
         Err(refusal) => return Ok(*refusal),
     };
-    if let Some(refusal) = input_refusal(&shared, &inputs, &echo) {
+    if let Some(refusal) = input_refusal(shared, inputs, echo) {
         return Ok(refusal);
     }
-    if let Some(fault) = injected_fault(&shared, &echo).await {
+    if let Some(fault) = injected_fault(shared, echo).await {
         return fault;
     }
-    counters.ok.fetch_add(1, Ordering::Relaxed);
+    shared.counters.ok.fetch_add(1, Ordering::Relaxed);
     let base64 = parsed.encoding_format.as_deref() != Some("float");
     let dimensions =
         parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
     let mut ok =
-        json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
+        json(StatusCode::OK, render(inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
     if c.limit_headers {
         add_headers(&mut ok, &limit_headers);
     }
@@ -625,7 +661,11 @@ fn unavailable(shared: &Shared) -> Option<Reply> {
     let elapsed = shared.started.elapsed().as_millis() as u64;
     let in_window =
         c.outage_after_ms.is_some_and(|start| elapsed >= start && elapsed < start + c.outage_for_ms);
-    if shared.outage.load(Ordering::SeqCst) || in_window {
+    let in_input_window = shared
+        .input_outage_began
+        .get()
+        .is_some_and(|began| began.elapsed() < Duration::from_millis(c.outage_for_ms));
+    if shared.outage.load(Ordering::SeqCst) || in_window || in_input_window {
         shared.counters.server_errors.fetch_add(1, Ordering::Relaxed);
         return Some(error(
             StatusCode::SERVICE_UNAVAILABLE,
