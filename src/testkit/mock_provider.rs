@@ -205,6 +205,15 @@ struct Shared {
     input_outage_began: std::sync::OnceLock<tokio::time::Instant>,
 }
 
+impl Shared {
+    /// Counts a request-level fault in `counter` and its `inputs` in `fault_inputs`, at the
+    /// moment the fault is decided (a held-back answer may never be sent: the client gives up).
+    fn fault(&self, counter: &AtomicU64, inputs: usize) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.counters.fault_inputs.fetch_add(inputs as u64, Ordering::Relaxed);
+    }
+}
+
 /// Run-time switches and counters of a running mock; cheap to clone.
 #[derive(Clone)]
 pub struct MockControl(Arc<Shared>);
@@ -218,6 +227,12 @@ impl MockControl {
     /// Simulates an account out of credit (429 `insufficient_quota`).
     pub fn set_quota_exhausted(&self, on: bool) {
         self.0.quota_exhausted.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether the mock is in an outage right now (switched on, or inside a configured window),
+    /// so a benchmark can wait for the provider to be back.
+    pub fn in_outage(&self) -> bool {
+        in_outage(&self.0)
     }
 
     /// A snapshot of the counters.
@@ -440,23 +455,15 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
     if c.outage_after_inputs.is_some_and(|n| before >= n) {
         shared.input_outage_began.get_or_init(tokio::time::Instant::now);
     }
-    let answer = answer_inputs(&shared, &parsed, &inputs, &echo).await;
-    // Every request-level fault: 429 (random, quota, over a limit), 5xx (random, outage,
-    // `[[poison:500]]`, a held-back timeout's 504) or a reset.
-    let fault = match &answer {
-        Err(InjectedReset) => true,
-        Ok(r) => r.status() == StatusCode::TOO_MANY_REQUESTS || r.status().is_server_error(),
-    };
-    if fault {
-        counters.fault_inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
-    }
-    answer
+    answer_inputs(&shared, &parsed, &inputs, &echo).await
 }
 
 /// The answer to a parsed request with `inputs`: a refusal, an injected fault, or vectors.
 async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[String], echo: &str) -> Answer {
     let c = &shared.config;
-    if let Some(refusal) = dimensions_refusal(shared, parsed.dimensions).or_else(|| unavailable(shared)) {
+    if let Some(refusal) =
+        dimensions_refusal(shared, parsed.dimensions).or_else(|| unavailable(shared, inputs.len()))
+    {
         return Ok(refusal);
     }
     let limit_headers = match admit_within_limits(shared, inputs) {
@@ -466,7 +473,7 @@ async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[St
     if let Some(refusal) = input_refusal(shared, inputs, echo) {
         return Ok(refusal);
     }
-    if let Some(fault) = injected_fault(shared, echo).await {
+    if let Some(fault) = injected_fault(shared, echo, inputs.len()).await {
         return fault;
     }
     shared.counters.ok.fetch_add(1, Ordering::Relaxed);
@@ -590,7 +597,7 @@ fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String
     if wait.is_zero() {
         return Ok(headers);
     }
-    shared.counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+    shared.fault(&shared.counters.rate_limited, inputs.len());
     shared.counters.over_limit.fetch_add(1, Ordering::Relaxed);
     let ms = (wait.as_secs_f64() * 1000.0).ceil() as u64;
     headers.push(("retry-after-ms".into(), ms.to_string()));
@@ -646,18 +653,9 @@ fn dimensions_refusal(shared: &Shared, dimensions: Option<u64>) -> Option<Reply>
     ))
 }
 
-/// The provider is unavailable to everyone: quota exhausted (429), or an outage (503, switched
-/// on by the control or in the configured window).
-fn unavailable(shared: &Shared) -> Option<Reply> {
+/// Whether every request answers 503 now: the run-time switch, or inside a configured window.
+fn in_outage(shared: &Shared) -> bool {
     let c = &shared.config;
-    if shared.quota_exhausted.load(Ordering::SeqCst) {
-        shared.counters.rate_limited.fetch_add(1, Ordering::Relaxed);
-        return Some(error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "insufficient_quota",
-            "You exceeded your current quota, please check your plan and billing details.",
-        ));
-    }
     let elapsed = shared.started.elapsed().as_millis() as u64;
     let in_window =
         c.outage_after_ms.is_some_and(|start| elapsed >= start && elapsed < start + c.outage_for_ms);
@@ -665,8 +663,22 @@ fn unavailable(shared: &Shared) -> Option<Reply> {
         .input_outage_began
         .get()
         .is_some_and(|began| began.elapsed() < Duration::from_millis(c.outage_for_ms));
-    if shared.outage.load(Ordering::SeqCst) || in_window || in_input_window {
-        shared.counters.server_errors.fetch_add(1, Ordering::Relaxed);
+    shared.outage.load(Ordering::SeqCst) || in_window || in_input_window
+}
+
+/// The provider is unavailable to everyone: quota exhausted (429), or an outage (503, switched
+/// on by the control or in the configured window).
+fn unavailable(shared: &Shared, inputs: usize) -> Option<Reply> {
+    if shared.quota_exhausted.load(Ordering::SeqCst) {
+        shared.fault(&shared.counters.rate_limited, inputs);
+        return Some(error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "insufficient_quota",
+            "You exceeded your current quota, please check your plan and billing details.",
+        ));
+    }
+    if in_outage(shared) {
+        shared.fault(&shared.counters.server_errors, inputs);
         return Some(error(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
@@ -706,7 +718,7 @@ fn input_refusal(shared: &Shared, inputs: &[String], echo: &str) -> Option<Reply
         return Some(error(StatusCode::UNPROCESSABLE_ENTITY, "validation", &msg));
     }
     if inputs.iter().any(|t| t.contains(POISON_500)) {
-        counters.server_errors.fetch_add(1, Ordering::Relaxed);
+        shared.fault(&counters.server_errors, inputs.len());
         return Some(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed to run the model"));
     }
     None
@@ -714,13 +726,13 @@ fn input_refusal(shared: &Shared, inputs: &[String], echo: &str) -> Option<Reply
 
 /// A random fault at the configured rates (429 with its wait, 5xx, a held-back timeout, a
 /// connection reset), or `None` to answer normally.
-async fn injected_fault(shared: &Shared, echo: &str) -> Option<Answer> {
+async fn injected_fault(shared: &Shared, echo: &str, inputs: usize) -> Option<Answer> {
     let c = &shared.config;
     let counters = &shared.counters;
     match roll(shared) {
         Dice::Ok => None,
         Dice::RateLimit => {
-            counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.rate_limited, inputs);
             let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached");
             let h = r.headers_mut();
             h.insert("retry-after-ms", c.retry_after_ms.to_string().parse().unwrap());
@@ -728,16 +740,16 @@ async fn injected_fault(shared: &Shared, echo: &str) -> Option<Answer> {
             Some(Ok(r))
         }
         Dice::ServerError(code) => {
-            counters.server_errors.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.server_errors, inputs);
             Some(Ok(error(code, "server_error", &format!("injected server error{echo}"))))
         }
         Dice::Timeout => {
-            counters.timeouts.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.timeouts, inputs);
             tokio::time::sleep(Duration::from_millis(c.timeout_hold_ms)).await;
             Some(Ok(error(StatusCode::GATEWAY_TIMEOUT, "timeout", "held back")))
         }
         Dice::Reset => {
-            counters.resets.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.resets, inputs);
             Some(Err(InjectedReset))
         }
     }
