@@ -515,23 +515,28 @@ async fn run() {
     let demo_rows: Vec<&Row> = rows.iter().filter(|r| r.label.starts_with("c. demo mix, seed")).collect();
     if !demo_rows.is_empty() {
         println!();
-        println!("demo mix, 4 workers, by seed: the gap to the request-weighted floor, split into the");
-        println!("fault factor (inputs / inputs answered without a fault: the floor weighed by inputs) and");
-        println!("the isolation factor (inputs answered / stored: what poison isolation and canaries cost)");
-        println!("| seed | inputs / stored | floor 1/(1-p) | gap | fault factor | isolation factor |");
-        println!("| --- | --- | --- | --- | --- | --- |");
+        println!("demo mix, 4 workers, by seed: the gap to the request-weighted floor, and to the floor");
+        println!("weighed by inputs (inputs / inputs answered without a fault: what this run's faults");
+        println!("imposed); the isolation factor is inputs answered / stored (poison isolation's cost)");
+        println!(
+            "| seed | p | floor 1/(1-p) | inputs / stored | gap | input-weighted floor | gap to it | isolation factor |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
         for r in demo_rows {
             let all = &r.ours.all;
             let f = floor(failed(all), all.requests);
             let answered = all.inputs - all.fault_inputs;
             let inputs = ratio(all.inputs, r.ours.stored);
+            let weighted = ratio(all.inputs, answered);
             println!(
-                "| {} | {:.4} | {:.4} | {:+.4} | {:.4} | {:.4} |",
+                "| {} | {:.4} | {:.4} | {:.4} | {:+.4} | {:.4} | {:+.4} | {:.4} |",
                 r.label.trim_start_matches("c. demo mix, seed "),
-                inputs,
+                failed(all) as f64 / all.requests as f64,
                 f,
+                inputs,
                 inputs - f,
-                ratio(all.inputs, answered),
+                weighted,
+                inputs - weighted,
                 ratio(answered, r.ours.stored),
             );
         }
