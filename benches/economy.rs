@@ -371,13 +371,8 @@ impl Row {
             m.total_secs,
         );
         println!(
-            "  embed-dlq retries by reason: {:?}; mock: {:?}; client calls {} inputs {} tokens stored {} wasted {}",
-            m.summary.retries,
-            m.all,
-            m.summary.provider_calls,
-            m.summary.provider_inputs,
-            m.summary.tokens_stored,
-            m.summary.tokens_wasted
+            "  embed-dlq ingest: retries {:?}; tokens stored {}, wasted {} (estimated)",
+            m.summary.retries, m.summary.tokens_stored, m.summary.tokens_wasted
         );
         let s = &self.seed;
         println!(
@@ -522,6 +517,7 @@ async fn run() {
             "| seed | p | floor 1/(1-p) | inputs / stored | gap | input-weighted floor | gap to it | isolation factor |"
         );
         println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+        let mut gaps = Vec::new();
         for r in demo_rows {
             let all = &r.ours.all;
             let f = floor(failed(all), all.requests);
@@ -539,6 +535,17 @@ async fn run() {
                 inputs - weighted,
                 ratio(answered, r.ours.stored),
             );
+            gaps.push((inputs - f, inputs - weighted));
         }
+        let stats = |xs: Vec<f64>| {
+            let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+            let (lo, hi) = xs.iter().fold((f64::MAX, f64::MIN), |(l, h), x| (l.min(*x), h.max(*x)));
+            format!("mean {mean:+.4}, min {lo:+.4}, max {hi:+.4}")
+        };
+        println!(
+            "gap to the request-weighted floor: {}; to the input-weighted floor: {}",
+            stats(gaps.iter().map(|g| g.0).collect()),
+            stats(gaps.iter().map(|g| g.1).collect())
+        );
     }
 }
