@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! BENCH=economy scripts/bench.sh          # = services up + cargo bench --bench economy
-//! ECONOMY_SEEDS=42,1,2,3,4,5,6,7 BENCH=economy scripts/bench.sh
+//! ECONOMY_SEEDS=42,1,2 ECONOMY_ONLY="demo mix" BENCH=economy scripts/bench.sh   # a subset
 //! ```
 //!
 //! Every scenario runs embed-dlq's real pipeline (`Pipeline::run`, the settings the command
@@ -421,7 +421,7 @@ async fn run() {
     let seeds: Vec<u64> = std::env::var("ECONOMY_SEEDS")
         .ok()
         .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![42, 1, 2, 3, 4]);
+        .unwrap_or_else(|| vec![42, 1, 2, 3, 4, 5, 6, 7]);
     let only = std::env::var("ECONOMY_ONLY").ok();
     let demo = MockConfig { timeout_hold_ms: 2_000, ..demo_faults() };
     let mut scenarios = vec![
