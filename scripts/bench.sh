@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Benchmarks (see BENCHMARKS.md): services up, then the ingest benchmark in release mode.
-# Knobs: BENCH_CHUNKS, BENCH_ROUNDS, BENCH_MEMORY_CHUNKS (comma-separated corpus sizes).
+# Benchmarks (see BENCHMARKS.md): services up, then a benchmark in release mode: `ingest`
+# (the default) or `economy` (BENCH=economy).
+# Knobs of ingest: BENCH_CHUNKS, BENCH_ROUNDS, BENCH_MEMORY_CHUNKS (comma-separated corpus sizes).
+# Knobs of economy: ECONOMY_SEEDS (comma-separated fault seeds of the demo mix), ECONOMY_ONLY
+# (run only the scenarios whose label contains it).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 eval "$(scripts/services.sh up)"
-exec cargo bench --locked --bench ingest "$@"
+exec cargo bench --locked --bench "${BENCH:-ingest}" "$@"

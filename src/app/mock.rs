@@ -33,7 +33,7 @@ pub async fn command(args: MockProviderCommand, cancel: CancellationToken) -> i3
 
 /// Longest wait the mock may be told to add (latency, hold, outage, Retry-After): 1 day.
 pub const MOCK_MAX_MS: u64 = 86_400_000;
-/// Largest `rpm_limit`/`tpm_limit` of the mock's account.
+/// Largest `rpm_limit`/`tpm_limit` of the mock's account (and `outage_after_inputs`).
 pub const MOCK_MAX_LIMIT: u64 = 10_000_000_000;
 /// Longest `limit_window_ms`: an hour's worth of a per-minute limit at once.
 pub const MOCK_MAX_LIMIT_WINDOW_MS: u64 = 3_600_000;
@@ -64,6 +64,9 @@ fn check_mock_config(c: &MockConfig) -> Result<(), String> {
         if ms > MOCK_MAX_MS {
             return Err(format!("{name} = {ms} is out of range: allowed 0..={MOCK_MAX_MS}"));
         }
+    }
+    if let Some(n) = c.outage_after_inputs.filter(|&n| n > MOCK_MAX_LIMIT) {
+        return Err(format!("outage_after_inputs = {n} is out of range: allowed 0..={MOCK_MAX_LIMIT}"));
     }
     for (name, limit) in [("rpm_limit", c.rpm_limit), ("tpm_limit", c.tpm_limit)] {
         if let Some(n) = limit
@@ -96,6 +99,7 @@ mod tests {
             MockConfig { outage_after_ms: Some(MOCK_MAX_MS + 1), ..MockConfig::default() },
             MockConfig { rpm_limit: Some(0), ..MockConfig::default() },
             MockConfig { tpm_limit: Some(MOCK_MAX_LIMIT + 1), ..MockConfig::default() },
+            MockConfig { outage_after_inputs: Some(MOCK_MAX_LIMIT + 1), ..MockConfig::default() },
             MockConfig { limit_window_ms: 0, ..MockConfig::default() },
         ];
         for c in bad {

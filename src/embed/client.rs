@@ -20,7 +20,9 @@ use base64::Engine as _;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::Deserialize;
 
-use super::limit::{LimitConfig, ProviderLimiter};
+use tokio_util::sync::CancellationToken;
+
+use super::limit::{LimitConfig, ProviderLimiter, Ticket};
 use crate::model::ErrorClass;
 
 /// Longest error-body excerpt we keep: a real server echoed a 1 MB input in a 2 MB body.
@@ -300,8 +302,42 @@ impl EmbedClient {
         self.config.request_dimensions
     }
 
-    /// Embeds `inputs` in one request and validates the answer against `dimensions`.
+    /// Embeds `inputs` in one request and validates the answer against `dimensions`. The
+    /// request first waits for its slot in the limiter, however long that takes (see
+    /// [`EmbedClient::embed_unless_cancelled`]).
     pub async fn embed(&self, inputs: &[&str], dimensions: usize) -> Result<EmbedResponse, EmbedError> {
+        let tokens = self.limiter.estimate(inputs);
+        let ticket = self.limiter.acquire(tokens).await;
+        self.send(inputs, dimensions, tokens, ticket).await
+    }
+
+    /// Like [`EmbedClient::embed`], but a wait for the limiter's slot (the budget, the shared
+    /// budget in Redis or a header pause: up to minutes) ends as soon as `cancel` fires, and
+    /// then nothing is sent (`None`). A slot that is free at once is taken even after
+    /// `cancel`, as the gate does: a shutdown cuts waits short, not work that needs none.
+    pub async fn embed_unless_cancelled(
+        &self,
+        inputs: &[&str],
+        dimensions: usize,
+        cancel: &CancellationToken,
+    ) -> Option<Result<EmbedResponse, EmbedError>> {
+        let tokens = self.limiter.estimate(inputs);
+        let ticket = tokio::select! {
+            biased;
+            ticket = self.limiter.acquire(tokens) => ticket,
+            _ = cancel.cancelled() => return None,
+        };
+        Some(self.send(inputs, dimensions, tokens, ticket).await)
+    }
+
+    /// Sends one admitted request (`_in_flight` counts it in flight until it is answered).
+    async fn send(
+        &self,
+        inputs: &[&str],
+        dimensions: usize,
+        tokens: u64,
+        _in_flight: Ticket<'_>,
+    ) -> Result<EmbedResponse, EmbedError> {
         let mut body = serde_json::json!({
             "model": self.config.model,
             "input": inputs,
@@ -314,8 +350,6 @@ impl EmbedClient {
             body["dimensions"] = d.into();
         }
         let raw_tokens = super::limit::estimate_tokens(inputs);
-        let tokens = self.limiter.estimate(inputs);
-        let _in_flight = self.limiter.acquire(tokens).await;
         let resp = self.http.post(&self.url).json(&body).send().await.map_err(|e| self.transport_error(e))?;
         let status = resp.status();
         self.limiter.observe_headers(resp.headers(), tokens);

@@ -19,6 +19,10 @@
 //!   each [`AIMD_WINDOW`] without a 429 gives [`AIMD_STEP`] back. With shared limits the
 //!   factor lives in Redis too, so a 429 seen by one process slows them all.
 //!
+//! A wait for a slot can be long (a small budget, a queue of reservations in Redis, a header
+//! pause): callers that must stop promptly race it with their cancellation token
+//! ([`super::client::EmbedClient::embed_unless_cancelled`]); a wait given up sends nothing.
+//!
 //! Tokens are estimated from characters ([`CHARS_PER_TOKEN`]) and corrected by the ratio of
 //! the provider's reported `usage` to the estimate, when that ratio is plausible
 //! ([`USAGE_PLAUSIBLE`]): some servers report characters as tokens, and their reports are

@@ -181,8 +181,9 @@ struct Progress<'a> {
 
 impl Embedder {
     /// Embeds `texts`, returning one outcome per text (same order) or the reason the whole run
-    /// must stop. `cancel` interrupts backoff waits: inputs already attempted are then
-    /// reported as transient failures (to be parked), the rest as not attempted.
+    /// must stop. `cancel` interrupts backoff waits and waits for the limiter's slot (nothing
+    /// is sent after it): inputs already attempted are then reported as transient failures
+    /// (to be parked), the rest as not attempted.
     pub async fn embed_batch(
         &self,
         texts: &[&str],
@@ -258,11 +259,22 @@ impl Embedder {
                 }
                 Err(Halt::Stop(stop)) => return Err(stop),
             };
+            let sent = std::time::Instant::now();
+            let inputs = &texts[piece.range.clone()];
+            let Some(result) = self.client.embed_unless_cancelled(inputs, self.dimensions, cancel).await
+            else {
+                // Shutdown while the request waited for its slot in the limiter: not sent.
+                self.gate.record(permit, Health::InputSuspect);
+                let outcome = match &last {
+                    None => ItemOutcome::NotAttempted,
+                    Some((err, reason)) => ItemOutcome::Failed(transient(err, reason, attempt)),
+                };
+                fill(&mut p.outcomes, piece.range.clone(), outcome);
+                return Ok(());
+            };
             attempt += 1;
             p.stats.provider_calls += 1;
             p.stats.provider_inputs += piece.range.len() as u64;
-            let sent = std::time::Instant::now();
-            let result = self.client.embed(&texts[piece.range.clone()], self.dimensions).await;
             crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
             let err = match result {
                 Ok(resp) => {
@@ -480,7 +492,10 @@ impl Embedder {
             if !permit.is_probe() {
                 return Ok(permit);
             }
-            let result = self.send_canary(stats).await;
+            let Some(result) = self.send_canary(cancel, stats).await else {
+                self.gate.record(permit, Health::InputSuspect);
+                return Err(Halt::Cancelled);
+            };
             let health = match &result {
                 Ok(_) => Health::Responsive,
                 Err(e) => match classify(e) {
@@ -492,15 +507,20 @@ impl Embedder {
         }
     }
 
-    async fn send_canary(&self, stats: &mut BatchStats) -> Result<client::EmbedResponse, EmbedError> {
+    /// Sends the canary input; `None` when `cancel` ended its wait for the limiter (not sent).
+    async fn send_canary(
+        &self,
+        cancel: &CancellationToken,
+        stats: &mut BatchStats,
+    ) -> Option<Result<client::EmbedResponse, EmbedError>> {
+        let sent = std::time::Instant::now();
+        let result = self.client.embed_unless_cancelled(&[CANARY_TEXT], self.dimensions, cancel).await?;
         stats.provider_calls += 1;
         stats.provider_inputs += 1;
         stats.canary_calls += 1;
         account_wasted(&[CANARY_TEXT], stats);
-        let sent = std::time::Instant::now();
-        let result = self.client.embed(&[CANARY_TEXT], self.dimensions).await;
         crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
-        result
+        Some(result)
     }
 
     /// Decides whether a failure with `signature` is the input's or the provider's, asking
@@ -562,8 +582,12 @@ impl Embedder {
                 Err(Halt::Cancelled) => return Ok(Err(CANARY_SHUTDOWN.into())),
                 Err(Halt::Park) => return Ok(Err(CANARY_BREAKER_OPEN.into())),
             };
+            let Some(sent) = self.send_canary(cancel, stats).await else {
+                self.gate.record(permit, Health::InputSuspect);
+                return Ok(Err(CANARY_SHUTDOWN.into()));
+            };
             attempt += 1;
-            let e = match self.send_canary(stats).await {
+            let e = match sent {
                 Ok(resp) => {
                     self.gate.record(permit, Health::Responsive);
                     return Ok(judge_canary_answer(resp));

@@ -5,7 +5,9 @@
 //! - random, per request, at configured rates: 429 with `Retry-After`/`retry-after-ms`,
 //!   500/502/503, timeouts (the answer is held back far longer than any client waits) and
 //!   connection resets (the connection is closed without an answer);
-//! - an outage window (every request answers 503), set by config or at run time;
+//! - an outage window (every request answers 503), set by config (from server start, or from
+//!   the first request after a number of inputs: the middle of a run, whatever its speed) or
+//!   at run time;
 //! - systemic states: a required API key (401 otherwise, or the status in
 //!   `unauthorized_status`: a LiteLLM gateway answers a wrong key with 400), quota exhausted
 //!   (429 `insufficient_quota`), a `dimensions` request field out of range (400 for every
@@ -85,7 +87,11 @@ pub struct MockConfig {
     pub unauthorized_status: u16,
     /// Outage window, measured from server start: 503 for every request inside it.
     pub outage_after_ms: Option<u64>,
-    /// Length of that outage window.
+    /// Outage window that begins with the first request received after this many inputs
+    /// (0..=10^10): the middle of a run, whatever its speed. It lasts `outage_for_ms` and
+    /// happens once.
+    pub outage_after_inputs: Option<u64>,
+    /// Length of either outage window.
     pub outage_for_ms: u64,
     /// Seed of the fault dice, for repeatable runs.
     pub seed: u64,
@@ -123,6 +129,7 @@ impl Default for MockConfig {
             api_key: None,
             unauthorized_status: 401,
             outage_after_ms: None,
+            outage_after_inputs: None,
             outage_for_ms: 0,
             seed: 42,
             echo_auth_in_errors: false,
@@ -163,6 +170,11 @@ pub struct MockStats {
     /// in `rate_limited`).
     #[serde(default)]
     pub over_limit: u64,
+    /// Inputs of the requests counted in `rate_limited`, `server_errors`, `timeouts` or
+    /// `resets`: what request-level faults made the client send again, weighed by inputs
+    /// (a fault on a 64-input request costs 32 times one on a pair).
+    #[serde(default)]
+    pub fault_inputs: u64,
 }
 
 #[derive(Default)]
@@ -178,6 +190,7 @@ struct Counters {
     unauthorized: AtomicU64,
     canaries: AtomicU64,
     over_limit: AtomicU64,
+    fault_inputs: AtomicU64,
 }
 
 struct Shared {
@@ -188,6 +201,17 @@ struct Shared {
     quota_exhausted: AtomicBool,
     counters: Counters,
     limits: Mutex<AccountLimits>,
+    /// When the `outage_after_inputs` window began (set once, by the first request past it).
+    input_outage_began: std::sync::OnceLock<tokio::time::Instant>,
+}
+
+impl Shared {
+    /// Counts a request-level fault in `counter` and its `inputs` in `fault_inputs`, at the
+    /// moment the fault is decided (a held-back answer may never be sent: the client gives up).
+    fn fault(&self, counter: &AtomicU64, inputs: usize) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.counters.fault_inputs.fetch_add(inputs as u64, Ordering::Relaxed);
+    }
 }
 
 /// Run-time switches and counters of a running mock; cheap to clone.
@@ -203,6 +227,12 @@ impl MockControl {
     /// Simulates an account out of credit (429 `insufficient_quota`).
     pub fn set_quota_exhausted(&self, on: bool) {
         self.0.quota_exhausted.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether the mock is in an outage right now (switched on, or inside a configured window),
+    /// so a benchmark can wait for the provider to be back.
+    pub fn in_outage(&self) -> bool {
+        in_outage(&self.0)
     }
 
     /// A snapshot of the counters.
@@ -221,6 +251,7 @@ impl MockControl {
             unauthorized: g(&c.unauthorized),
             canaries: g(&c.canaries),
             over_limit: g(&c.over_limit),
+            fault_inputs: g(&c.fault_inputs),
         }
     }
 }
@@ -258,6 +289,7 @@ impl MockProvider {
             quota_exhausted: AtomicBool::new(false),
             counters: Counters::default(),
             limits: Mutex::new(AccountLimits::new(&config)),
+            input_outage_began: std::sync::OnceLock::new(),
             config,
         });
         let tracker = TaskTracker::new();
@@ -405,40 +437,51 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
         let status = StatusCode::from_u16(c.unauthorized_status).unwrap_or(StatusCode::UNAUTHORIZED);
         return Ok(error(status, "invalid_api_key", &format!("Incorrect API key provided{echo}")));
     }
-    let parsed: EmbeddingsRequest = match serde_json::from_slice(&body) {
+    let mut parsed: EmbeddingsRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             counters.rejected.fetch_add(1, Ordering::Relaxed);
             return Ok(error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("bad JSON: {e}")));
         }
     };
-    let inputs = match parsed.input {
+    let inputs = match std::mem::replace(&mut parsed.input, InputField::Many(Vec::new())) {
         InputField::One(s) => vec![s],
         InputField::Many(v) => v,
     };
-    counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+    let before = counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
     if inputs.len() == 1 && inputs[0] == crate::embed::canary::CANARY_TEXT {
         counters.canaries.fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(refusal) = dimensions_refusal(&shared, parsed.dimensions).or_else(|| unavailable(&shared)) {
+    if c.outage_after_inputs.is_some_and(|n| before >= n) {
+        shared.input_outage_began.get_or_init(tokio::time::Instant::now);
+    }
+    answer_inputs(&shared, &parsed, &inputs, &echo).await
+}
+
+/// The answer to a parsed request with `inputs`: a refusal, an injected fault, or vectors.
+async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[String], echo: &str) -> Answer {
+    let c = &shared.config;
+    if let Some(refusal) =
+        dimensions_refusal(shared, parsed.dimensions).or_else(|| unavailable(shared, inputs.len()))
+    {
         return Ok(refusal);
     }
-    let limit_headers = match admit_within_limits(&shared, &inputs) {
+    let limit_headers = match admit_within_limits(shared, inputs) {
         Ok(headers) => headers,
         Err(refusal) => return Ok(*refusal),
     };
-    if let Some(refusal) = input_refusal(&shared, &inputs, &echo) {
+    if let Some(refusal) = input_refusal(shared, inputs, echo) {
         return Ok(refusal);
     }
-    if let Some(fault) = injected_fault(&shared, &echo).await {
+    if let Some(fault) = injected_fault(shared, echo, inputs.len()).await {
         return fault;
     }
-    counters.ok.fetch_add(1, Ordering::Relaxed);
+    shared.counters.ok.fetch_add(1, Ordering::Relaxed);
     let base64 = parsed.encoding_format.as_deref() != Some("float");
     let dimensions =
         parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
     let mut ok =
-        json(StatusCode::OK, render(&inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
+        json(StatusCode::OK, render(inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
     if c.limit_headers {
         add_headers(&mut ok, &limit_headers);
     }
@@ -554,7 +597,7 @@ fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String
     if wait.is_zero() {
         return Ok(headers);
     }
-    shared.counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+    shared.fault(&shared.counters.rate_limited, inputs.len());
     shared.counters.over_limit.fetch_add(1, Ordering::Relaxed);
     let ms = (wait.as_secs_f64() * 1000.0).ceil() as u64;
     headers.push(("retry-after-ms".into(), ms.to_string()));
@@ -610,23 +653,32 @@ fn dimensions_refusal(shared: &Shared, dimensions: Option<u64>) -> Option<Reply>
     ))
 }
 
+/// Whether every request answers 503 now: the run-time switch, or inside a configured window.
+fn in_outage(shared: &Shared) -> bool {
+    let c = &shared.config;
+    let elapsed = shared.started.elapsed().as_millis() as u64;
+    let in_window =
+        c.outage_after_ms.is_some_and(|start| elapsed >= start && elapsed < start + c.outage_for_ms);
+    let in_input_window = shared
+        .input_outage_began
+        .get()
+        .is_some_and(|began| began.elapsed() < Duration::from_millis(c.outage_for_ms));
+    shared.outage.load(Ordering::SeqCst) || in_window || in_input_window
+}
+
 /// The provider is unavailable to everyone: quota exhausted (429), or an outage (503, switched
 /// on by the control or in the configured window).
-fn unavailable(shared: &Shared) -> Option<Reply> {
-    let c = &shared.config;
+fn unavailable(shared: &Shared, inputs: usize) -> Option<Reply> {
     if shared.quota_exhausted.load(Ordering::SeqCst) {
-        shared.counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+        shared.fault(&shared.counters.rate_limited, inputs);
         return Some(error(
             StatusCode::TOO_MANY_REQUESTS,
             "insufficient_quota",
             "You exceeded your current quota, please check your plan and billing details.",
         ));
     }
-    let elapsed = shared.started.elapsed().as_millis() as u64;
-    let in_window =
-        c.outage_after_ms.is_some_and(|start| elapsed >= start && elapsed < start + c.outage_for_ms);
-    if shared.outage.load(Ordering::SeqCst) || in_window {
-        shared.counters.server_errors.fetch_add(1, Ordering::Relaxed);
+    if in_outage(shared) {
+        shared.fault(&shared.counters.server_errors, inputs);
         return Some(error(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
@@ -666,7 +718,7 @@ fn input_refusal(shared: &Shared, inputs: &[String], echo: &str) -> Option<Reply
         return Some(error(StatusCode::UNPROCESSABLE_ENTITY, "validation", &msg));
     }
     if inputs.iter().any(|t| t.contains(POISON_500)) {
-        counters.server_errors.fetch_add(1, Ordering::Relaxed);
+        shared.fault(&counters.server_errors, inputs.len());
         return Some(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed to run the model"));
     }
     None
@@ -674,13 +726,13 @@ fn input_refusal(shared: &Shared, inputs: &[String], echo: &str) -> Option<Reply
 
 /// A random fault at the configured rates (429 with its wait, 5xx, a held-back timeout, a
 /// connection reset), or `None` to answer normally.
-async fn injected_fault(shared: &Shared, echo: &str) -> Option<Answer> {
+async fn injected_fault(shared: &Shared, echo: &str, inputs: usize) -> Option<Answer> {
     let c = &shared.config;
     let counters = &shared.counters;
     match roll(shared) {
         Dice::Ok => None,
         Dice::RateLimit => {
-            counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.rate_limited, inputs);
             let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached");
             let h = r.headers_mut();
             h.insert("retry-after-ms", c.retry_after_ms.to_string().parse().unwrap());
@@ -688,16 +740,16 @@ async fn injected_fault(shared: &Shared, echo: &str) -> Option<Answer> {
             Some(Ok(r))
         }
         Dice::ServerError(code) => {
-            counters.server_errors.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.server_errors, inputs);
             Some(Ok(error(code, "server_error", &format!("injected server error{echo}"))))
         }
         Dice::Timeout => {
-            counters.timeouts.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.timeouts, inputs);
             tokio::time::sleep(Duration::from_millis(c.timeout_hold_ms)).await;
             Some(Ok(error(StatusCode::GATEWAY_TIMEOUT, "timeout", "held back")))
         }
         Dice::Reset => {
-            counters.resets.fetch_add(1, Ordering::Relaxed);
+            shared.fault(&counters.resets, inputs);
             Some(Err(InjectedReset))
         }
     }

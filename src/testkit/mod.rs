@@ -6,6 +6,8 @@
 //! - [`corpus`]: a synthetic JSONL corpus with poison inputs and broken lines, and the facts
 //!   to check outcomes against.
 //! - [`db`]: a fresh (migrated or unmigrated) database per test, always dropped with its value.
+//! - [`seed_model`]: the seed write-up's one-input-per-request retry design, simulated against
+//!   the mock's fault model, for the provider-economy benchmark's comparison.
 //!
 //! None of it is used on the production path: `ingest`, `serve`, `replay`, `reconcile` and
 //! the operator commands never call into this module. It is in the default build because the
@@ -14,5 +16,6 @@
 pub mod corpus;
 pub mod db;
 pub mod mock_provider;
+pub mod seed_model;
 
 pub use db::TestDb;

@@ -304,3 +304,60 @@ async fn a_replayer_sends_a_row_that_failed_alone_with_500_alone() {
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'o'").await, 0, "replayed");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'o'").await, 1);
 }
+
+/// The mock's outage can begin after a number of inputs (the middle of a run, whatever its
+/// speed) and ends by itself `outage_for_ms` later; the inputs of every request that met a
+/// request-level fault are counted, so a benchmark can weigh the faults by inputs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_outage_can_begin_after_n_inputs_and_fault_inputs_are_counted() {
+    let mock =
+        start_mock(MockConfig { outage_after_inputs: Some(10), outage_for_ms: 300, ..MockConfig::default() })
+            .await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/embeddings", mock.base_url());
+    let post = |n: usize| {
+        let body = serde_json::json!({"model": "m", "input": vec!["some text"; n]});
+        let req = http.post(&url).json(&body);
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(post(4).await, 200);
+    assert_eq!(post(4).await, 200);
+    assert_eq!(post(2).await, 200, "8 inputs before it: below the threshold");
+    assert!(!mock.control.in_outage());
+    assert_eq!(post(2).await, 503, "10 inputs before it: the outage begins");
+    assert!(mock.control.in_outage());
+    assert_eq!(post(3).await, 503);
+    let m = mock.control.stats();
+    assert_eq!((m.server_errors, m.fault_inputs), (2, 5));
+    // It ends by itself (no wall-clock assertion: poll until it does).
+    let mut failed = 2;
+    let mut status = 503;
+    for _ in 0..200 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        status = post(1).await;
+        if status != 503 {
+            break;
+        }
+        failed += 1;
+    }
+    assert_eq!(status, 200, "the outage ended");
+    assert!(!mock.control.in_outage());
+    assert_eq!(post(1).await, 200, "and does not begin again");
+    let m = mock.control.stats();
+    assert_eq!(m.server_errors, failed);
+    assert_eq!(m.fault_inputs, 5 + (failed - 2));
+}
+
+/// A held-back answer counts its inputs as a fault when the fault is decided, not when the
+/// answer goes out: the client gives up first and the answer is never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_counts_a_timeouts_inputs_even_when_the_client_gave_up() {
+    let mock =
+        start_mock(MockConfig { rate_timeout: 1.0, timeout_hold_ms: 30_000, ..MockConfig::default() }).await;
+    let http = reqwest::Client::builder().timeout(std::time::Duration::from_millis(200)).build().unwrap();
+    let body = serde_json::json!({"model": "m", "input": ["a", "b", "c"]});
+    let sent = http.post(format!("{}/embeddings", mock.base_url())).json(&body).send().await;
+    assert!(sent.is_err_and(|e| e.is_timeout()));
+    let m = mock.control.stats();
+    assert_eq!((m.timeouts, m.fault_inputs), (1, 3));
+}

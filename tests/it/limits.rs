@@ -185,3 +185,49 @@ async fn three_processes_with_shared_limits_get_no_429_where_unshared_ones_do() 
     assert_eq!(shared.rate_limited, 0, "{shared:?}");
     assert!(shared.requests >= 300, "{shared:?}");
 }
+
+/// A request waiting for its slot in the budget (here about a minute: one request a minute)
+/// is not sent once the run is asked to stop: the wait ends at once, nothing reaches the
+/// provider, and every claimed chunk is reported as not attempted. In-process and shared
+/// through Redis alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_the_budget_ends_on_shutdown_and_sends_nothing() {
+    for shared in [false, true] {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let mut s = settings(&db, &mock);
+        s.limits = LimitConfig { max_requests_per_minute: Some(1), shared, ..LimitConfig::default() };
+        if shared {
+            s.redis_url = Some(redis_url());
+        }
+        let p = pipeline(&s).await;
+        let cancel = CancellationToken::new();
+        let run = tokio::spawn({
+            let (p, cancel) = (p.clone(), cancel.clone());
+            async move { p.run(input(corpus("held", 40)), cancel).await }
+        });
+        // The first request waits ~59 s for its slot; give the workers time to reach it.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cancel.cancel();
+        // Only a safety net against a hang: a wait that ignored the token would end after
+        // its minute and send the request, which the count below catches.
+        let summary = tokio::time::timeout(Duration::from_secs(180), run)
+            .await
+            .expect("the run ended")
+            .unwrap()
+            .unwrap();
+        let m = mock.control.stats();
+        assert_eq!(m.requests, 0, "shared {shared}: nothing was sent after the stop: {m:?}");
+        assert!(summary.records > 0, "shared {shared}: work had been claimed: {summary:?}");
+        assert_eq!(summary.not_attempted, summary.records, "shared {shared}: {summary:?}");
+        assert_eq!(summary.provider_calls, 0);
+        if shared {
+            let mut redis = redis().await;
+            let _: () = redis::cmd("DEL")
+                .arg(shared_key(&mock.base_url(), "mock"))
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+        }
+    }
+}
