@@ -41,7 +41,7 @@ pub(crate) const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
 pub(crate) const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
 pub(crate) const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
 pub(crate) const LIMITER_DELAYED: &str = "embed_dlq_limiter_delayed_requests_total";
-pub(crate) const LIMITER_WAIT_MS: &str = "embed_dlq_limiter_wait_milliseconds_total";
+pub(crate) const LIMITER_WAIT: &str = "embed_dlq_limiter_wait_seconds";
 pub(crate) const LIMITER_HEADER_PAUSES: &str = "embed_dlq_limiter_header_pauses_total";
 pub(crate) const LIMITER_FACTOR: &str = "embed_dlq_limiter_factor";
 pub(crate) const TOKENS: &str = "embed_dlq_tokens_total";
@@ -80,6 +80,11 @@ pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
             &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
         )
         .map_err(MetricsError::Exporter)?
+        .set_buckets_for_metric(
+            Matcher::Full(LIMITER_WAIT.into()),
+            &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
+        )
+        .map_err(MetricsError::Exporter)?
         .install()
         .map_err(|source| MetricsError::Install { addr, source })?;
     describe();
@@ -112,7 +117,7 @@ fn initialise() {
     for c in [CHUNKS_STORED, LINES_REJECTED, BREAKER_OPENED, RELAY_PUBLISHED, RELAY_DUPLICATES] {
         counter!(c).increment(0);
     }
-    for c in [LIMITER_DELAYED, LIMITER_WAIT_MS, LIMITER_HEADER_PAUSES] {
+    for c in [LIMITER_DELAYED, LIMITER_HEADER_PAUSES] {
         counter!(c).increment(0);
     }
     for reason in ["unchanged", "already_parked", "leased_elsewhere"] {
@@ -133,7 +138,9 @@ fn initialise() {
     for outcome in ["stored", "wasted"] {
         counter!(TOKENS, "outcome" => outcome).increment(0);
     }
-    metrics::histogram!(PROVIDER_DURATION);
+    // Registered, never recorded: the exporter serves their (empty) buckets.
+    let _ = metrics::histogram!(PROVIDER_DURATION);
+    let _ = metrics::histogram!(LIMITER_WAIT);
     gauge!(BREAKER_STATE).set(0.0);
     gauge!(LIMITER_FACTOR).set(1.0);
 }
@@ -183,7 +190,11 @@ fn describe() {
         LIMITER_DELAYED,
         "Provider requests held back by the rate/token limiter or rate-limit headers."
     );
-    describe_counter!(LIMITER_WAIT_MS, "Milliseconds provider requests waited for the limiter.");
+    describe_histogram!(
+        LIMITER_WAIT,
+        metrics::Unit::Seconds,
+        "How long each held-back provider request waited for the limiter (its sum: the time waited in all)."
+    );
     describe_counter!(
         LIMITER_HEADER_PAUSES,
         "Pauses set because rate-limit headers said the provider was nearly out."

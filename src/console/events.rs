@@ -65,11 +65,23 @@ impl ShownEvent {
 
     /// The body's keys beyond the envelope, as `key=value` text (reason, attempts, ...).
     pub fn details(&self) -> String {
-        const ENVELOPE: [&str; 7] = ["event", "dlq_id", "table", "doc_id", "chunk_index", "generation", "at"];
+        // The envelope has columns of its own; hashes and the row's timestamps are on its page.
+        const SHOWN_ELSEWHERE: [&str; 10] = [
+            "event",
+            "dlq_id",
+            "table",
+            "doc_id",
+            "chunk_index",
+            "generation",
+            "at",
+            "content_hash",
+            "first_failed_at",
+            "last_failed_at",
+        ];
         match &self.body {
             serde_json::Value::Object(m) => m
                 .iter()
-                .filter(|(k, _)| !ENVELOPE.contains(&k.as_str()))
+                .filter(|(k, _)| !SHOWN_ELSEWHERE.contains(&k.as_str()))
                 .map(|(k, v)| match v {
                     serde_json::Value::String(s) => format!("{k}={s}"),
                     v => format!("{k}={v}"),

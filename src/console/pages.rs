@@ -435,7 +435,7 @@ pub fn detail(ctx: &Ctx, d: &Detail, events: &Result<(Vec<ShownEvent>, usize), S
         .as_object()
         .map(|m| {
             m.iter()
-                .filter(|(k, _)| !matches!(k.as_str(), "text" | "metadata"))
+                .filter(|(k, _)| !matches!(k.as_str(), "text" | "metadata" | "doc_id" | "chunk_index"))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect()
         })
@@ -526,7 +526,7 @@ fn events_table(events: &[ShownEvent], id: &str) -> Markup {
             tbody #events-body {
                 @for e in events {
                     tr {
-                        td { (e.at.map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string()).unwrap_or_default()) }
+                        td.t { (e.at.map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string()).unwrap_or_default()) }
                         td {
                             @match e.body.get("dlq_id").and_then(|v| v.as_i64()) {
                                 Some(id) => a href=(format!("/dlq/{id}")) { (e.event) },

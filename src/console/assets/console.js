@@ -20,7 +20,7 @@
     try { d = JSON.parse(e.data); } catch (err) { return; }
     var tr = document.createElement("tr");
     tr.className = "live";
-    cell(tr, d.at);
+    cell(tr, d.at, "t");
     var ev = cell(tr, "");
     if (typeof d.dlq_id === "number" && isFinite(d.dlq_id)) {
       var a = document.createElement("a");
