@@ -35,7 +35,7 @@ impl std::fmt::Debug for ConsoleToken {
 }
 
 impl ConsoleToken {
-    /// A token of [`TOKEN_LEN`] bytes without control characters or surrounding spaces (a
+    /// A token of 16..=1024 bytes without control characters or surrounding spaces (a
     /// short token is guessable; a stray newline from `$(cat file)` would never match).
     pub fn new(token: String) -> Result<ConsoleToken, String> {
         if !TOKEN_LEN.contains(&token.len()) {

@@ -47,7 +47,7 @@ pub fn time(t: DateTime<Utc>) -> String {
 
 /// A duration in seconds as `3 d 4 h`, `2 h 5 min`, `4 min 2 s` or `12 s`.
 pub fn age(secs: f64) -> String {
-    let s = secs.max(0.0).min(1e12) as u64;
+    let s = secs.clamp(0.0, 1e12) as u64;
     let (d, h, m, sec) = (s / 86_400, s % 86_400 / 3600, s % 3600 / 60, s % 60);
     match (d, h, m) {
         (0, 0, 0) => format!("{sec} s"),
@@ -510,7 +510,10 @@ pub fn detail(ctx: &Ctx, d: &Detail, events: &Result<(Vec<ShownEvent>, usize), S
             h2 { "Events" }
             @match events {
                 Ok((events, scanned)) => {
-                    p.note { "This chunk's events among the newest " (scanned) " of the events stream." }
+                    p.note {
+                        "This chunk's events among the newest " (scanned) " of the events stream."
+                        @if events.is_empty() { " None there: older ones are beyond this scan (" code { "--events-scan" } ") or trimmed." }
+                    }
                     (events_table(events, "row-events"))
                 }
                 Err(e) => { p.warn { "Events unavailable: " (e) } }
