@@ -735,7 +735,7 @@ pub fn reconcile(ctx: &Ctx, runs: &[ReconcileRun], report: Option<&Report>) -> M
                         tr {
                             td { (run.id) }
                             td { (time(run.finished_at)) }
-                            td { (if run.repaired { "repair" } else { "check" }) }
+                            td { (if run.repaired { "repair" } else { "check or dry run" }) }
                             td.num { (checks.iter().map(|c| c.1).sum::<u64>()) }
                             td { @for (c, n) in &checks { (c) " " (n) "; " } }
                         }

@@ -8,7 +8,9 @@
 //!   row opens with its payload and history; after logging in, requeueing the filter's rows
 //!   through the dry run and the confirmation makes exactly those rows due again as replay
 //!   work (checked in Postgres) and writes one audit entry; the live tail shows the events
-//!   of that requeue as they are relayed (Server-Sent Events); the reconcile page runs.
+//!   of that requeue as they are relayed (Server-Sent Events); the reconcile page finds a
+//!   vector deleted behind the manifest's back, shows the repair's dry run, repairs it, and
+//!   the next check is clean.
 //! - `actions_without_the_token_are_refused_and_change_nothing`: without a session the
 //!   confirmation form is not offered, and a forged form is refused; a logged-in browser
 //!   with a wrong CSRF token is refused too; a read-only console shows no action and refuses
@@ -392,12 +394,33 @@ async fn browse_filter_open_requeue_and_tail() {
     b.wait_text("#events-body", |t| t.contains("requeued")).await;
     b.shot("events").await;
 
-    // Reconcile: run the checks from the page.
+    // Reconcile: a vector lost behind the manifest's back is found by the checks, shown by
+    // the repair's dry run, repaired, and the next check is clean.
+    sqlx::query("DELETE FROM doc_embeddings WHERE doc_id = 'clean-0'").execute(&db.pool).await.unwrap();
     b.goto(&format!("{base}/reconcile")).await;
     b.wait("#run-check").await.click().await.unwrap();
-    b.wait("#report-summary").await;
-    assert!(b.text("#report").await.contains("leaks"));
+    b.wait_text("#report-summary", |t| t.contains("findings")).await;
+    assert!(b.text("#report").await.contains("stored_drift"));
+    b.wait("#run-dry-run").await.click().await.unwrap();
+    b.wait_text("h2", |t| t == "This run: repair dry run").await;
+    b.shot("reconcile-dry-run").await;
+    b.wait("#run-repair").await.click().await.unwrap();
+    b.wait_text("h2", |t| t == "This run: repair").await;
+    b.shot("reconcile-repair").await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'clean-0' AND status = 'reingest'")
+            .await,
+        1,
+        "the repair marked the chunk for re-ingest"
+    );
+    b.wait("#run-check").await.click().await.unwrap();
+    b.wait_text("#report-summary", |t| t.contains("clean")).await;
     b.shot("reconcile").await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM console_audit WHERE action LIKE 'reconcile_%' AND status = 'done'")
+            .await,
+        4
+    );
     b.goto(&format!("{base}/audit")).await;
     b.shot("audit").await;
 
