@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: brings up the project's own Postgres+pgvector and Redis (idempotent),
-# drops databases left by earlier test runs, makes sure promtool is installed (metrics and
-# alert-rule tests), then runs every test against them with the `failpoints` feature on (the
+# drops databases left by earlier test runs, makes sure promtool (metrics, alert-rule and
+# dashboard tests) and Debian's chromium + chromium-driver (the console's browser tests) are
+# installed, then runs every test against them with the `failpoints` feature on (the
 # crash tests need it; a default build has no failpoint code). Afterwards it checks that the
 # run left no test database behind (each `TestDb` drops its own, even when its test panics).
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- fault_mix).
@@ -11,6 +12,7 @@ cd "$root"
 eval "$(scripts/services.sh up)"
 scripts/services.sh drop-test-dbs
 scripts/ensure-promtool.sh
+scripts/ensure-chromium.sh
 
 # Tags the names of this run's test databases (it_<pid>_<run>_...), so the check below counts
 # exactly them and not those of another run on the same server.

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::model::ErrorClass;
 use crate::store::dlq::{self as sql, RowFilter};
@@ -49,6 +50,7 @@ impl Filter {
             older_than_secs: *older_than_secs,
             min_attempts: *min_attempts,
             exhausted: *exhausted,
+            ..RowFilter::default()
         }
     }
 }
@@ -104,15 +106,34 @@ pub async fn requeue(
 ) -> Result<RequeueOutcome, StoreError> {
     let rows_filter = filter.rows();
     if dry_run {
-        let (requeued, needs_reingest) = sql::count_requeue(store.pool(), &rows_filter).await?;
-        return Ok(RequeueOutcome { requeued, needs_reingest });
+        return requeue_dry_run(store, &rows_filter).await;
     }
+    requeue_rows(store, &rows_filter, rate_per_sec, &CancellationToken::new(), |_| {}).await
+}
+
+/// What [`requeue`] would do for `filter`, changing nothing.
+pub(crate) async fn requeue_dry_run(store: &Store, filter: &RowFilter) -> Result<RequeueOutcome, StoreError> {
+    let (requeued, needs_reingest) = sql::count_requeue(store.pool(), filter).await?;
+    Ok(RequeueOutcome { requeued, needs_reingest })
+}
+
+/// [`requeue`]'s work for a store filter: pages through the matching rows by id, at most
+/// `rate_per_sec` rows a second, handing the running totals to `progress` after each page.
+/// Stops between pages once `cancel` is cancelled (every page is complete on its own: its
+/// rows are due and published, or due and picked up by the scheduler).
+pub(crate) async fn requeue_rows(
+    store: &Store,
+    rows_filter: &RowFilter,
+    rate_per_sec: u32,
+    cancel: &CancellationToken,
+    mut progress: impl FnMut(&RequeueOutcome),
+) -> Result<RequeueOutcome, StoreError> {
     let batch = (rate_per_sec.max(1) as usize).min(1000);
     let mut outcome = RequeueOutcome::default();
     let mut after = 0i64;
-    loop {
+    while !cancel.is_cancelled() {
         let started = std::time::Instant::now();
-        let rows = sql::requeue_candidates(store.pool(), &rows_filter, after, batch).await?;
+        let rows = sql::requeue_candidates(store.pool(), rows_filter, after, batch).await?;
         let Some(last) = rows.last() else { break };
         after = last.id;
         let mut chunk = Vec::with_capacity(rows.len());
@@ -128,12 +149,16 @@ pub async fn requeue(
             let lease = crate::replay::ReplayConfig::default().lease;
             outcome.requeued += store.enqueue_ids(&chunk, lease).await?;
         }
+        progress(&outcome);
         if rows.len() < batch {
             break;
         }
         let pace = Duration::from_secs_f64(rows.len() as f64 / rate_per_sec.max(1) as f64);
         if let Some(rest) = pace.checked_sub(started.elapsed()) {
-            tokio::time::sleep(rest).await;
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(rest) => {}
+            }
         }
     }
     Ok(outcome)
@@ -165,15 +190,29 @@ pub async fn purge_in_batches(
     if dry_run {
         return sql::count(store.pool(), &rows_filter).await;
     }
+    purge_rows(store, &rows_filter, batch, &CancellationToken::new(), |_| {}).await
+}
+
+/// [`purge_in_batches`]'s work for a store filter, handing the running total to `progress`
+/// after each batch and stopping between batches once `cancel` is cancelled.
+pub(crate) async fn purge_rows(
+    store: &Store,
+    rows_filter: &RowFilter,
+    batch: usize,
+    cancel: &CancellationToken,
+    mut progress: impl FnMut(u64),
+) -> Result<u64, StoreError> {
     let batch = batch.clamp(1, MAX_PURGE_BATCH);
     let mut total = 0u64;
     let mut after = 0i64;
-    loop {
-        let done = sql::purge_batch(store.pool(), &rows_filter, after, batch).await?;
+    while !cancel.is_cancelled() {
+        let done = sql::purge_batch(store.pool(), rows_filter, after, batch).await?;
         total += done.purged;
+        progress(total);
         match done.last_id {
             Some(last) if done.selected as usize >= batch => after = last,
-            _ => return Ok(total),
+            _ => break,
         }
     }
+    Ok(total)
 }

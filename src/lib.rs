@@ -41,7 +41,8 @@
 //!   pipeline they describe ([`config::IngestSettings::pipeline`]).
 //! - [`serve`] runs the relay, the scheduler, the replayers and the periodic reconcile as
 //!   one service; [`tail`] follows the events stream; [`dlq`] holds the operator actions
-//!   (stats, list, show, requeue, purge).
+//!   (stats, list, show, requeue, purge); [`console`] is the operator console in the browser
+//!   (the same actions, the streams and the reconciler, with an audit trail).
 //! - [`supervise`] names the ways a task of a run can fail; [`shutdown`] turns signals into
 //!   cancellation tokens.
 //! - [`testkit`]: the mock provider, a synthetic corpus and throwaway test databases, for
@@ -88,6 +89,7 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod console;
 pub mod dlq;
 pub mod embed;
 pub(crate) mod failpoint;

@@ -41,7 +41,7 @@ pub(crate) const RECONCILE_FINDINGS: &str = "embed_dlq_reconcile_findings";
 pub(crate) const RECONCILE_LAST_SUCCESS: &str = "embed_dlq_reconcile_last_success_timestamp_seconds";
 pub(crate) const RECONCILE_DURATION: &str = "embed_dlq_reconcile_duration_seconds";
 pub(crate) const LIMITER_DELAYED: &str = "embed_dlq_limiter_delayed_requests_total";
-pub(crate) const LIMITER_WAIT_MS: &str = "embed_dlq_limiter_wait_milliseconds_total";
+pub(crate) const LIMITER_WAIT: &str = "embed_dlq_limiter_wait_seconds";
 pub(crate) const LIMITER_HEADER_PAUSES: &str = "embed_dlq_limiter_header_pauses_total";
 pub(crate) const LIMITER_FACTOR: &str = "embed_dlq_limiter_factor";
 pub(crate) const TOKENS: &str = "embed_dlq_tokens_total";
@@ -80,10 +80,69 @@ pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
             &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
         )
         .map_err(MetricsError::Exporter)?
+        .set_buckets_for_metric(
+            Matcher::Full(LIMITER_WAIT.into()),
+            &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
+        )
+        .map_err(MetricsError::Exporter)?
         .install()
         .map_err(|source| MetricsError::Install { addr, source })?;
     describe();
+    initialise();
     Ok(())
+}
+
+/// Every reason a retry is counted under (`embed::classify`): a small fixed set, so the
+/// exporter can show each at zero before the first retry.
+pub(crate) const RETRY_REASONS: [&str; 12] = [
+    "timeout",
+    "connect",
+    "transport",
+    "bad_response",
+    "rate_limited",
+    "http_408",
+    "http_425",
+    "http_500",
+    "http_502",
+    "http_503",
+    "http_504",
+    "http_5xx",
+];
+
+/// Registers every counter at zero for each of its fixed label values, and the breaker and
+/// limiter gauges at their resting values, so a scrape shows every family from the start:
+/// `rate()` and `increase()` see the first event, dashboards have no gaps, and an alert on
+/// a counter does not depend on its first increment.
+fn initialise() {
+    for c in [CHUNKS_STORED, LINES_REJECTED, BREAKER_OPENED, RELAY_PUBLISHED, RELAY_DUPLICATES] {
+        counter!(c).increment(0);
+    }
+    for c in [LIMITER_DELAYED, LIMITER_HEADER_PAUSES] {
+        counter!(c).increment(0);
+    }
+    for reason in ["unchanged", "already_parked", "leased_elsewhere"] {
+        counter!(CHUNKS_SKIPPED, "reason" => reason).increment(0);
+    }
+    for class in ErrorClass::ALL {
+        counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(0);
+    }
+    for reason in RETRY_REASONS {
+        counter!(RETRIES, "reason" => reason).increment(0);
+    }
+    for outcome in ["ok", "retry", "reject", "systemic"] {
+        counter!(PROVIDER_REQUESTS, "outcome" => outcome).increment(0);
+    }
+    for outcome in ["replayed", "reparked", "exhausted", "skipped"] {
+        counter!(REPLAY_OUTCOMES, "outcome" => outcome).increment(0);
+    }
+    for outcome in ["stored", "wasted"] {
+        counter!(TOKENS, "outcome" => outcome).increment(0);
+    }
+    // Registered, never recorded: the exporter serves their (empty) buckets.
+    let _ = metrics::histogram!(PROVIDER_DURATION);
+    let _ = metrics::histogram!(LIMITER_WAIT);
+    gauge!(BREAKER_STATE).set(0.0);
+    gauge!(LIMITER_FACTOR).set(1.0);
 }
 
 fn describe() {
@@ -131,7 +190,11 @@ fn describe() {
         LIMITER_DELAYED,
         "Provider requests held back by the rate/token limiter or rate-limit headers."
     );
-    describe_counter!(LIMITER_WAIT_MS, "Milliseconds provider requests waited for the limiter.");
+    describe_histogram!(
+        LIMITER_WAIT,
+        metrics::Unit::Seconds,
+        "How long each held-back provider request waited for the limiter (its sum: the time waited in all)."
+    );
     describe_counter!(
         LIMITER_HEADER_PAUSES,
         "Pauses set because rate-limit headers said the provider was nearly out."
@@ -208,4 +271,97 @@ pub(crate) async fn sample(
         }
     }
     Ok(())
+}
+
+/// One stream of one shard: what the console's overview (and any per-shard view) lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamRef {
+    /// The shard's label (`0` while the streams are not sharded): a small, bounded set.
+    pub shard: String,
+    /// `events` or `replay`.
+    pub stream: &'static str,
+    /// The Redis key.
+    pub key: String,
+}
+
+/// Every stream of the deployment under `keys`, per shard. One shard today; when the
+/// streams are sharded, this is the one place that lists them, and every view built on
+/// [`stream_stats`] shows each shard.
+pub fn stream_refs(keys: &StreamKeys) -> Vec<StreamRef> {
+    vec![
+        StreamRef { shard: "0".into(), stream: "events", key: keys.events() },
+        StreamRef { shard: "0".into(), stream: "replay", key: keys.replay() },
+    ]
+}
+
+/// The numbers of one stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Which stream.
+    pub stream: StreamRef,
+    /// Entries in it (`XLEN`).
+    pub length: u64,
+    /// For the replay stream: entries delivered to [`REPLAY_GROUP`] and not acknowledged
+    /// (`None`: no group yet, or not the replay stream).
+    pub pending: Option<u64>,
+    /// For the replay stream: entries not yet delivered to the group (`None` as above, or a
+    /// Redis too old to report it).
+    pub lag: Option<u64>,
+}
+
+/// Length, pending and lag of each stream in `refs`: the one function that reads these
+/// numbers from Redis for a view (a missing stream has length 0 and no group).
+pub async fn stream_stats(
+    redis: &mut ConnectionManager,
+    refs: &[StreamRef],
+) -> Result<Vec<StreamStats>, redis::RedisError> {
+    let mut out = Vec::with_capacity(refs.len());
+    for r in refs {
+        let length: u64 = redis::cmd("XLEN").arg(&r.key).query_async(redis).await?;
+        let (mut pending, mut lag) = (None, None);
+        if r.stream == "replay" && length > 0 {
+            let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
+                redis::cmd("XINFO").arg("GROUPS").arg(&r.key).query_async(redis).await;
+            if let Ok(groups) = groups
+                && let Some(g) = groups.groups.iter().find(|g| g.name == REPLAY_GROUP)
+            {
+                pending = Some(g.pending as u64);
+                lag = g.lag.map(|l| l as u64);
+            }
+        }
+        out.push(StreamStats { stream: r.clone(), length, pending, lag });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embed::classify::{Verdict, classify, classify_status};
+
+    #[test]
+    fn every_retry_reason_is_initialised() {
+        let mut reasons = std::collections::BTreeSet::new();
+        for status in 100..=599u16 {
+            for error_type in [None, Some("insufficient_quota")] {
+                if let Verdict::Retry { reason, .. } = classify_status(status, error_type, None) {
+                    reasons.insert(reason);
+                }
+            }
+        }
+        for err in [
+            crate::embed::client::EmbedError::Timeout,
+            crate::embed::client::EmbedError::Decode("x".into()),
+            crate::embed::client::EmbedError::TooLarge { limit: 1 },
+            crate::embed::client::EmbedError::Connect("x".into()),
+            crate::embed::client::EmbedError::Transport("x".into()),
+        ] {
+            if let Verdict::Retry { reason, .. } = classify(&err) {
+                reasons.insert(reason);
+            }
+        }
+        for r in &reasons {
+            assert!(RETRY_REASONS.contains(r), "retry reason {r} is not initialised in RETRY_REASONS");
+        }
+    }
 }

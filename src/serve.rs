@@ -1,5 +1,5 @@
-//! `serve`: relay, scheduler, N replayers and the gauge sampler under one stop token and one
-//! `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
+//! `serve`: relay, scheduler, N replayers, the gauge sampler and (with `--console-addr`) the
+//! operator console under one stop token and one `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
 //! and finishes the batch in hand; after the grace period in-flight retry waits are cut
 //! short (attempted items are re-parked, unattempted ones stay pending and are reclaimed by
 //! any live replayer after `min_idle`).
@@ -108,6 +108,20 @@ pub async fn serve(
     config: ServeConfig,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
+    serve_with_console(store, embedder, client, config, None, cancel).await
+}
+
+/// [`serve`], also serving the operator console (`serve --console-addr`) as one of its
+/// supervised tasks, with this process's provider breaker on its overview. A console that
+/// cannot bind its address is a failed task: the process stops (exit non-zero).
+pub async fn serve_with_console(
+    store: Store,
+    embedder: Embedder,
+    client: redis::Client,
+    config: ServeConfig,
+    console: Option<crate::console::MountedConsole>,
+    cancel: CancellationToken,
+) -> Result<(), ServeError> {
     let manager = streams::managed(&client).await.map_err(ServeError::Redis)?;
     // `stop`: the signal, or a failed task. `hard`: the grace period is over.
     let stop = cancel.child_token();
@@ -134,6 +148,16 @@ pub async fn serve(
     if config.metrics || config.reconcile_every.is_some() {
         let sampler = sample_and_reconcile(store.clone(), manager.clone(), config.clone(), stop.clone());
         tasks.spawn_until("sampler", stop.clone(), sampler);
+    }
+    if let Some(mounted) = console {
+        let console = crate::console::Console {
+            store: store.clone(),
+            redis_url: Some(mounted.redis_url),
+            keys: config.keys.clone(),
+            gate: Some(embedder.gate.clone()),
+            config: mounted.config,
+        };
+        tasks.spawn_until("console", stop.clone(), crate::console::serve(console, stop.clone()));
     }
     tracing::info!(replayers = config.replayers, "serving: relay, scheduler, replayers");
     stop.cancelled().await;

@@ -130,6 +130,9 @@ pub enum Command {
     Reconcile(ReconcileCommand),
     /// Inspect and act on the DLQ.
     Dlq(DlqCommand),
+    /// The operator console in the browser: DLQ overview, list, detail, bulk requeue/purge,
+    /// live events, reconcile (token `EMBED_DLQ_CONSOLE_TOKEN` for actions).
+    Console(ConsoleCommand),
     /// Run the fault-injecting OpenAI-compatible provider.
     MockProvider(MockProviderCommand),
     /// End-to-end demo on the local services with the built-in fault-injecting provider.
@@ -181,6 +184,49 @@ pub struct ServeCommand {
     pub retry: Box<RetryArgs>,
     #[command(flatten)]
     pub serve: ServeArgs,
+    /// Also serve the operator console here (e.g. 127.0.0.1:8088); see `console --help`.
+    #[arg(long)]
+    pub console_addr: Option<SocketAddr>,
+    /// With --console-addr: the console hides and refuses every action.
+    #[arg(long, requires = "console_addr")]
+    pub console_read_only: bool,
+}
+
+/// The arguments of `console`.
+#[derive(clap::Args, Debug)]
+pub struct ConsoleCommand {
+    /// Address to listen on: loopback by default; any other address belongs behind TLS.
+    #[arg(long, default_value = embed_dlq::console::DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+    /// Hide and refuse every action (requeue, purge, reconcile runs, login).
+    #[arg(long)]
+    pub read_only: bool,
+    /// Rows a second a console requeue publishes, 1..=100000.
+    #[arg(long, default_value_t = embed_dlq::console::DEFAULT_REQUEUE_RATE,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub requeue_rate: u32,
+    /// Live-event (SSE) clients served at once, 1..=64.
+    #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENT_CLIENTS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub max_event_clients: u64,
+    /// Newest events scanned for a row's events on its page, 100..=100000.
+    #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENTS_SCAN as u64,
+          value_parser = clap::value_parser!(u64).range(100..=100_000))]
+    pub events_scan: u64,
+    /// Prometheus endpoint of an ingest or serve process whose breaker state the overview
+    /// shows (repeatable, at most 8).
+    #[arg(long = "metrics-url")]
+    pub metrics_urls: Vec<String>,
+    /// Host name the console answers to besides IP addresses and localhost (repeatable, at
+    /// most 16), e.g. a reverse proxy's.
+    #[arg(long = "allow-host")]
+    pub allowed_hosts: Vec<String>,
+    /// Target vector table (else `[ingest] table` of the config file).
+    #[arg(long)]
+    pub table: Option<String>,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
 }
 
 /// The arguments of `tail`.

@@ -7,9 +7,11 @@
 //! - [`exit`]: exit codes and the mapping of outcomes to them.
 //! - [`render`]: the ingest summary and the reconcile report.
 //! - one file per command, each resolving its settings, calling the library and rendering:
-//!   [`migrate`], [`ingest`], [`serve`], [`tail`], [`reconcile`], [`dlq`], [`mock`], [`demo`].
+//!   [`migrate`], [`ingest`], [`serve`], [`tail`], [`reconcile`], [`dlq`], [`console`], [`mock`],
+//!   [`demo`].
 
 mod args;
+mod console;
 mod demo;
 mod dlq;
 mod exit;
@@ -73,6 +75,7 @@ async fn dispatch(cli: Cli, cancel: CancellationToken) -> i32 {
         Command::Tail(args) => tail::command(&resolver, args, cancel).await,
         Command::Reconcile(args) => reconcile::command(&resolver, args, cancel).await,
         Command::Dlq(args) => dlq::command(&resolver, args).await,
+        Command::Console(args) => console::command(&resolver, args, cancel).await,
         Command::MockProvider(args) => mock::command(args, cancel).await,
         Command::Demo(args) => demo::command(&resolver, args, cancel).await,
     }

@@ -1,7 +1,9 @@
-//! `serve`: builds the pipeline and the serve configuration from the settings, starts the
-//! metrics endpoint if asked, and runs the service until a signal or a failed task.
+//! `serve`: builds the pipeline and the serve configuration from the settings (with the
+//! console's, for `--console-addr`), starts the metrics endpoint if asked, and runs the
+//! service until a signal or a failed task.
 
 use embed_dlq::config::{FileConfig, IngestSettings, Settings};
+use embed_dlq::console::{ConsoleConfig, MountedConsole};
 use embed_dlq::serve::ServeConfig;
 use tokio_util::sync::CancellationToken;
 
@@ -10,18 +12,37 @@ use super::{Resolver, exit};
 
 /// Runs `serve`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: CancellationToken) -> i32 {
-    let ServeCommand { provider, ingest, retry, serve } = args;
+    let ServeCommand { provider, ingest, retry, serve, console_addr, console_read_only } = args;
     let flags =
         FileConfig { provider: *provider, ingest: *ingest, retry: *retry, serve, ..Default::default() };
     let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_url()?.to_string(), s)));
-    match resolved {
-        Ok((ingest, redis_url, settings)) => run(&settings, ingest, &redis_url, cancel).await,
-        Err(e) => exit::usage(&e),
+    let (ingest, redis_url, settings) = match resolved {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
+    };
+    let mut mounted = None;
+    if let Some(listen) = console_addr {
+        let token = match super::console::token_from_env() {
+            Ok(t) => t,
+            Err(e) => return exit::fail(exit::USAGE, &e),
+        };
+        let console = ConsoleConfig { listen, read_only: console_read_only, token, ..Default::default() };
+        if let Err(e) = console.check() {
+            return exit::fail(exit::USAGE, &e.to_string());
+        }
+        mounted = Some(MountedConsole { config: console, redis_url: redis_url.clone() });
     }
+    run(&settings, mounted, ingest, &redis_url, cancel).await
 }
 
 /// Builds the pipeline and runs the service.
-async fn run(settings: &Settings, ingest: IngestSettings, redis_url: &str, cancel: CancellationToken) -> i32 {
+async fn run(
+    settings: &Settings,
+    console: Option<MountedConsole>,
+    ingest: IngestSettings,
+    redis_url: &str,
+    cancel: CancellationToken,
+) -> i32 {
     let config = ServeConfig::from_settings(settings);
     let pipeline = match config.pipeline_settings(ingest).pipeline().await {
         Ok(p) => p,
@@ -36,7 +57,16 @@ async fn run(settings: &Settings, ingest: IngestSettings, redis_url: &str, cance
         Ok(c) => c,
         Err(e) => return exit::fail(exit::USAGE, &format!("bad Redis URL: {e}")),
     };
-    match embed_dlq::serve::serve(pipeline.store, pipeline.embedder, client, config, cancel).await {
+    match embed_dlq::serve::serve_with_console(
+        pipeline.store,
+        pipeline.embedder,
+        client,
+        config,
+        console,
+        cancel,
+    )
+    .await
+    {
         Ok(()) => exit::OK,
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }

@@ -455,7 +455,7 @@ impl ProviderLimiter {
             self.delayed.fetch_add(1, Ordering::Relaxed);
             self.waited_us.fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
             metrics::counter!(crate::metrics::LIMITER_DELAYED).increment(1);
-            metrics::counter!(crate::metrics::LIMITER_WAIT_MS).increment(waited.as_millis() as u64);
+            metrics::histogram!(crate::metrics::LIMITER_WAIT).record(waited.as_secs_f64());
         }
         self.in_flight_requests.fetch_add(1, Ordering::Relaxed);
         self.in_flight_tokens.fetch_add(tokens, Ordering::Relaxed);

@@ -48,10 +48,19 @@ pub(crate) struct RowFilter {
     pub min_attempts: Option<i32>,
     /// Only rows that automatic replay gave up on.
     pub exhausted: bool,
+    /// Only this row (the console's single-row actions).
+    pub id: Option<i64>,
+    /// Only rows with this `error_reason` (e.g. `http_503`).
+    pub reason: Option<String>,
+    /// Only rows meant for this target table (its canonical name, `public.doc_embeddings`).
+    pub table: Option<String>,
+    /// Only rows with an id up to this: a confirmed console action applies to the rows its
+    /// dry run saw, never to rows parked after it.
+    pub max_id: Option<i64>,
 }
 
 impl RowFilter {
-    fn push_where(&self, q: &mut QueryBuilder<Postgres>) {
+    pub(crate) fn push_where(&self, q: &mut QueryBuilder<Postgres>) {
         q.push(" WHERE true");
         if let Some(c) = self.class {
             q.push(" AND error_class = ").push_bind(c.as_str());
@@ -70,6 +79,18 @@ impl RowFilter {
         }
         if self.exhausted {
             q.push(" AND exhausted_at IS NOT NULL");
+        }
+        if let Some(id) = self.id {
+            q.push(" AND id = ").push_bind(id);
+        }
+        if let Some(r) = &self.reason {
+            q.push(" AND error_reason = ").push_bind(r.clone());
+        }
+        if let Some(t) = &self.table {
+            q.push(" AND target_table = ").push_bind(t.clone());
+        }
+        if let Some(m) = self.max_id {
+            q.push(" AND id <= ").push_bind(m);
         }
     }
 }
@@ -161,10 +182,10 @@ pub struct Detail {
     pub error_history: serde_json::Value,
 }
 
-const LISTED_COLUMNS: &str = "id, target_table, doc_id, chunk_index, error_class, error_reason, attempts, replays, generation, \
+pub(crate) const LISTED_COLUMNS: &str = "id, target_table, doc_id, chunk_index, error_class, error_reason, attempts, replays, generation, \
      first_failed_at, last_failed_at, next_retry_at, exhausted_at IS NOT NULL AS exhausted";
 
-fn listed(r: &PgRow) -> Result<Listed, sqlx::Error> {
+pub(crate) fn listed(r: &PgRow) -> Result<Listed, sqlx::Error> {
     Ok(Listed {
         id: r.try_get("id")?,
         target_table: r.try_get("target_table")?,

@@ -12,7 +12,9 @@
 //!   of them, then the writes of the accepted rows (a new snapshot, so they see whatever the
 //!   previous lock holder committed);
 //! - `replay`: the scheduler's enqueue and the replayers' fenced commits;
-//! - `dlq`: the operator actions; `outbox`: the relay's claim and marks;
+//! - `dlq`: the operator actions; `console`: what the operator console reads beyond them
+//!   (keyset pages in any sort order, activity over time) and its audit trail; `outbox`: the
+//!   relay's claim and marks;
 //!   [`reconcile`]: the reconciler's checks and repairs, and the seed's leak and duplicate
 //!   queries;
 //! - this module: connections, migrations, and the target tables (inspected in the catalog,
@@ -22,6 +24,7 @@
 //! canonical catalog name (`public.doc_embeddings`), so two spellings are one identity and two
 //! tables never share state.
 
+pub(crate) mod console;
 pub(crate) mod dlq;
 pub(crate) mod ingest;
 pub(crate) mod lease;

@@ -3,6 +3,8 @@
 //! needs a provider, to the fault-injecting mock over real HTTP. Run it with scripts/test.sh.
 
 mod config;
+mod console;
+mod dashboard;
 mod economy;
 mod from_rust;
 mod history;

@@ -372,41 +372,7 @@ fn alert_rules_pass_promtool_check_and_unit_tests() {
 async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
     let db = TestDb::new().await;
     park(&db, "metrics", 7).await;
-    let keys = fresh_keys();
-    let mock = start_mock(MockConfig::default()).await;
-    // Below the kernel's ephemeral range (no client connection holds it) and checked free.
-    let port = (0..100)
-        .map(|_| 20_000 + rand::random::<u16>() % 1_000)
-        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
-        .expect("a free port for the metrics endpoint");
-    let prefix = keys.events().trim_start_matches('{').split('}').next().unwrap().to_string();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
-        .arg("serve")
-        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
-        .args(["--stream-prefix", &prefix, "--replayers", "1", "--reconcile-every-secs", "1"])
-        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let url = format!("http://127.0.0.1:{port}/metrics");
-    let mut body = String::new();
-    // Up to 60 s on a loaded machine; usually well under a second.
-    for _ in 0..600 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        if let Ok(r) = reqwest::get(&url).await
-            && let Ok(text) = r.text().await
-            && text.contains("embed_dlq_dlq_depth")
-            && text.contains("embed_dlq_reconcile_last_success_timestamp_seconds")
-        {
-            body = text;
-            break;
-        }
-    }
-    child.kill().await.ok();
-    assert!(!body.is_empty(), "metrics endpoint never showed the DLQ gauges");
+    let body = scrape_serve(&db).await;
     let depth_line = body
         .lines()
         .find(|l| l.starts_with("embed_dlq_dlq_depth{error_class=\"transient\"}"))

@@ -265,3 +265,54 @@ async fn a_borrowed_database_is_left_alone() {
     drop(owner);
     assert!(!database_exists(&name).await);
 }
+
+/// A real scrape of `serve --metrics-addr` over `db` (its own stream prefix, one replayer, a
+/// reconcile every second), once the DLQ gauges and the reconcile timestamp are exported:
+/// what the metrics test checks.
+pub async fn scrape_serve(db: &TestDb) -> String {
+    scrape_serve_until(db, |text| {
+        text.contains("embed_dlq_dlq_depth")
+            && text.contains("embed_dlq_reconcile_last_success_timestamp_seconds")
+    })
+    .await
+}
+
+/// [`scrape_serve`], taken once `ready` accepts it (up to 60 s).
+pub async fn scrape_serve_until(db: &TestDb, ready: impl Fn(&str) -> bool) -> String {
+    use std::time::Duration;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    // Below the kernel's ephemeral range (no client connection holds it) and checked free.
+    let port = (0..100)
+        .map(|_| 20_000 + rand::random::<u16>() % 1_000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port for the metrics endpoint");
+    let prefix = keys.events().trim_start_matches('{').split('}').next().unwrap().to_string();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--stream-prefix", &prefix, "--replayers", "1", "--reconcile-every-secs", "1"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let mut body = String::new();
+    // Up to 60 s on a loaded machine; usually well under a second.
+    for _ in 0..600 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Ok(r) = reqwest::get(&url).await
+            && let Ok(text) = r.text().await
+            && ready(&text)
+        {
+            body = text;
+            break;
+        }
+    }
+    child.kill().await.ok();
+    assert!(!body.is_empty(), "the metrics endpoint never showed what the test waits for");
+    body
+}

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Writes grafana/embed-dlq.json, the Grafana dashboard of embed-dlq.
+
+One panel per metric family of src/metrics.rs, grouped by stage (ingest, provider, DLQ,
+outbox/relay, streams/replay, reconcile), templated on job, table and shard; every alert of
+prometheus/alerts.yml is drawn as a threshold line on the panel of its expression. Edit this
+file and run it (python3 grafana/generate.py) rather than editing the JSON by hand; the test
+suite (tests/it/dashboard.rs) checks every expression with promtool and every metric name
+against a real scrape.
+
+Gauges sampled from the shared database (DLQ, outbox, streams, reconcile) are exported by
+every serve/reconcile process alike, so they are combined with max/min, never summed.
+`table=~"$table"` and `shard=~"$shard"` also match series without that label, so the
+variables filter what carries them and leave the rest whole.
+"""
+
+import json
+import pathlib
+
+SEL = 'job=~"$job"'
+SEL_T = 'job=~"$job", table=~"$table"'
+SEL_S = 'job=~"$job", shard=~"$shard"'
+RATE = "$__rate_interval"
+
+panels = []
+next_id = 1
+y = 0
+
+
+def row(title):
+    global next_id, y
+    panels.append({"type": "row", "id": next_id, "title": title, "collapsed": False,
+                   "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+    next_id += 1
+    y += 1
+
+
+def stage(title, specs):
+    """A row and its panels, three to a line."""
+    global next_id, y
+    row(title)
+    for i, spec in enumerate(specs):
+        targets = [{"refId": chr(ord("A") + n), "expr": expr, "legendFormat": legend,
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                   for n, (expr, legend) in enumerate(spec["targets"])]
+        defaults = {"unit": spec.get("unit", "short"), "min": 0,
+                    "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
+                               "showPoints": "never"}}
+        description = spec["description"]
+        if "alert" in spec:
+            name, value = spec["alert"]
+            defaults["thresholds"] = {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "red", "value": value}]}
+            defaults["custom"]["thresholdsStyle"] = {"mode": "line+area"}
+            description += f" The red line is alert {name} (prometheus/alerts.yml): {value}."
+        else:
+            defaults["thresholds"] = {"mode": "absolute", "steps": [{"color": "green", "value": None}]}
+        panels.append({
+            "type": "timeseries", "id": next_id, "title": spec["title"], "description": description,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": y + (i // 3) * 8},
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}},
+            "targets": targets,
+        })
+        next_id += 1
+    y += ((len(specs) + 2) // 3) * 8
+
+
+stage("Ingest", [
+    {"title": "Chunks stored / s", "description": "Chunks whose vector was stored, by ingest and by replay.",
+     "targets": [(f"sum(rate(embed_dlq_chunks_stored_total{{{SEL_T}}}[{RATE}]))", "stored")]},
+    {"title": "Chunks skipped / s", "description": "Chunks an ingest did not embed: unchanged, already parked, or leased to a concurrent run.",
+     "targets": [(f"sum by (reason) (rate(embed_dlq_chunks_skipped_total{{{SEL_T}}}[{RATE}]))", "{{reason}}")]},
+    {"title": "Chunks parked / s", "description": "The park rate, by error class (a retried attempt is never counted here).",
+     "targets": [(f"sum by (error_class) (rate(embed_dlq_chunks_parked_total{{{SEL_T}}}[{RATE}]))", "{{error_class}}")]},
+    {"title": "Parked in 5 minutes", "description": "Chunks parked over the last 5 minutes.",
+     "alert": ("EmbedDlqParkSpike", 500),
+     "targets": [(f"sum(increase(embed_dlq_chunks_parked_total{{{SEL_T}}}[5m]))", "parked in 5m")]},
+    {"title": "Input lines rejected / s", "description": "Input lines without a usable identity (reported with their line numbers, stored nowhere).",
+     "targets": [(f"sum(rate(embed_dlq_input_lines_rejected_total{{{SEL}}}[{RATE}]))", "rejected")]},
+    {"title": "Tokens / s", "description": "Provider tokens: stored (usable vectors) and wasted (failed requests, unusable vectors, canaries, re-sent inputs).",
+     "targets": [(f"sum by (outcome) (rate(embed_dlq_tokens_total{{{SEL}}}[{RATE}]))", "{{outcome}}")]},
+])
+
+stage("Provider", [
+    {"title": "Provider requests / s", "description": "Requests by outcome: ok, retry, reject, systemic.",
+     "targets": [(f"sum by (outcome) (rate(embed_dlq_provider_requests_total{{{SEL}}}[{RATE}]))", "{{outcome}}")]},
+    {"title": "Provider latency", "description": "Request latency quantiles from the histogram.", "unit": "s",
+     "targets": [(f"histogram_quantile({q}, sum by (le) (rate(embed_dlq_provider_request_duration_seconds_bucket{{{SEL}}}[{RATE}])))", f"p{int(q * 100)}")
+                 for q in (0.5, 0.95, 0.99)]},
+    {"title": "Retries / s", "description": "In-process retries by reason (timeout, connect, rate_limited, http_5xx codes, ...).",
+     "targets": [(f"sum by (reason) (rate(embed_dlq_retries_total{{{SEL}}}[{RATE}]))", "{{reason}}")]},
+    {"title": "Breaker state", "description": "0 closed, 1 half-open, 2 open (the worst process).",
+     "alert": ("EmbedDlqBreakerOpen", 2),
+     "targets": [(f"max(embed_dlq_breaker_state{{{SEL}}})", "state")]},
+    {"title": "Breaker openings", "description": "Times the circuit breaker opened.",
+     "targets": [(f"sum(increase(embed_dlq_breaker_opened_total{{{SEL}}}[{RATE}]))", "opened")]},
+    {"title": "Limiter", "description": "Requests held back by the RPM/TPM budgets or rate-limit headers, the time they waited, and pauses set by headers.",
+     "targets": [(f"sum(rate(embed_dlq_limiter_delayed_requests_total{{{SEL}}}[{RATE}]))", "delayed / s"),
+                 (f"sum(rate(embed_dlq_limiter_wait_seconds_sum{{{SEL}}}[{RATE}]))", "waiting (s / s)"),
+                 (f"histogram_quantile(0.95, sum by (le) (rate(embed_dlq_limiter_wait_seconds_bucket{{{SEL}}}[{RATE}])))", "p95 wait (s)"),
+                 (f"sum(rate(embed_dlq_limiter_header_pauses_total{{{SEL}}}[{RATE}]))", "header pauses / s")]},
+    {"title": "Limiter AIMD factor", "description": "1 = the configured budget; lower after 429s (the lowest process).",
+     "targets": [(f"min(embed_dlq_limiter_factor{{{SEL}}})", "factor")]},
+])
+
+stage("DLQ", [
+    {"title": "DLQ depth by class", "description": "DLQ rows by error class (sampled from the database by every serve process: max, not sum).",
+     "targets": [(f"max by (error_class) (embed_dlq_dlq_depth{{{SEL_T}}})", "{{error_class}}")]},
+    {"title": "Ready to replay", "description": "Transient rows due now (permanent rows never count). Red from 1: the alert fires when it stays above 0 for 15 minutes.",
+     "alert": ("EmbedDlqReadyNotDraining", 1),
+     "targets": [(f"max(embed_dlq_dlq_ready{{{SEL_T}}})", "ready")]},
+    {"title": "Backing off and exhausted", "description": "Transient rows waiting for their next pass, and rows replay gave up on (only an operator moves them).",
+     "targets": [(f"max(embed_dlq_dlq_backing_off{{{SEL_T}}})", "backing off"),
+                 (f"max(embed_dlq_dlq_exhausted{{{SEL_T}}})", "exhausted")]},
+    {"title": "Oldest DLQ row", "description": "Age of the oldest DLQ row.", "unit": "s",
+     "targets": [(f"max(embed_dlq_dlq_oldest_age_seconds{{{SEL_T}}})", "oldest")]},
+    {"title": "Next replay due in", "description": "Seconds until the next scheduled replay (0 if one is due).", "unit": "s",
+     "targets": [(f"min(embed_dlq_dlq_next_due_seconds{{{SEL_T}}})", "next due")]},
+])
+
+stage("Outbox and relay", [
+    {"title": "Outbox backlog", "description": "Outbox rows not yet published to Redis.",
+     "targets": [(f"max(embed_dlq_outbox_backlog{{{SEL}}})", "unpublished")]},
+    {"title": "Oldest unpublished outbox row", "description": "Age of the oldest unpublished outbox row.", "unit": "s",
+     "alert": ("EmbedDlqOutboxStuck", 300),
+     "targets": [(f"max(embed_dlq_outbox_oldest_age_seconds{{{SEL}}})", "oldest")]},
+    {"title": "Relay / s", "description": "Outbox rows published, and rows recognised as already published (a republish after a crash).",
+     "targets": [(f"sum(rate(embed_dlq_relay_published_total{{{SEL}}}[{RATE}]))", "published"),
+                 (f"sum(rate(embed_dlq_relay_duplicates_total{{{SEL}}}[{RATE}]))", "duplicates")]},
+])
+
+stage("Streams and replay", [
+    {"title": "Stream length", "description": "Entries per stream and shard.",
+     "targets": [(f"max by (stream, shard) (embed_dlq_stream_length{{{SEL_S}}})", "{{stream}} {{shard}}")]},
+    {"title": "Replay pending and lag", "description": "Replay entries delivered and not acknowledged (pending), and not yet delivered (lag), per shard.",
+     "targets": [(f"max by (shard) (embed_dlq_stream_pending{{{SEL_S}}})", "pending {{shard}}"),
+                 (f"max by (shard) (embed_dlq_stream_lag{{{SEL_S}}})", "lag {{shard}}")]},
+    {"title": "Replay outcomes / s", "description": "Replay work items: replayed (stored), reparked, exhausted, skipped.",
+     "targets": [(f"sum by (outcome) (rate(embed_dlq_replay_outcomes_total{{{SEL_T}}}[{RATE}]))", "{{outcome}}")]},
+])
+
+stage("Reconcile", [
+    {"title": "Reconcile findings", "description": "Findings of the last run, by check. Red from 1: the alert fires when findings stay above 0 for 10 minutes.",
+     "alert": ("EmbedDlqReconcileFindings", 1),
+     "targets": [(f"max by (check) (embed_dlq_reconcile_findings{{{SEL}}})", "{{check}}")]},
+    {"title": "Since the last reconcile", "description": "Seconds since the last finished reconcile run (any process).", "unit": "s",
+     "alert": ("EmbedDlqReconcileNotRun", 7200),
+     "targets": [(f"time() - max(embed_dlq_reconcile_last_success_timestamp_seconds{{{SEL}}})", "since last run")]},
+    {"title": "Reconcile duration", "description": "Duration of the last reconcile run.", "unit": "s",
+     "targets": [(f"max(embed_dlq_reconcile_duration_seconds{{{SEL}}})", "duration")]},
+])
+
+
+def variable(name, label, query):
+    return {"type": "query", "name": name, "label": label,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
+            "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1}
+
+
+dashboard = {
+    "title": "embed-dlq",
+    "uid": "embed-dlq",
+    "description": "Lossless embedding ingestion: ingest, provider, DLQ, outbox/relay, streams/replay, reconcile. Generated by grafana/generate.py.",
+    "tags": ["embed-dlq"],
+    "timezone": "",
+    "editable": True,
+    "graphTooltip": 1,
+    "schemaVersion": 39,
+    "version": 1,
+    "refresh": "30s",
+    "time": {"from": "now-6h", "to": "now"},
+    "annotations": {"list": []},
+    "links": [],
+    "templating": {"list": [
+        {"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
+         "current": {}, "hide": 0, "refresh": 1},
+        variable("job", "job", "label_values(embed_dlq_chunks_stored_total, job)"),
+        variable("table", "table", "label_values(embed_dlq_dlq_depth, table)"),
+        variable("shard", "shard", "label_values(embed_dlq_stream_length, shard)"),
+    ]},
+    "panels": panels,
+}
+
+out = pathlib.Path(__file__).with_name("embed-dlq.json")
+out.write_text(json.dumps(dashboard, indent=2) + "\n")
+print(f"wrote {out} ({len([p for p in panels if p['type'] != 'row'])} panels)")

@@ -1,0 +1,557 @@
+//! The router, the shared state, the request guards (host check, security headers, time
+//! limit) and the read-only pages' handlers. The actions' handlers are in `actions`, the live
+//! tail's in `events`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, Form, Path, Query, Request, State as AxumState};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use maud::Markup;
+use redis::aio::ConnectionManager;
+use serde::Deserialize;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::auth::{self, Session, Sessions};
+use super::filter::RawQuery;
+use super::pages::{self, Ctx};
+use super::{Console, MAX_RUNNING_ACTIONS, PAGE_TIMEOUT, actions, events, overview};
+use crate::store::StoreError;
+use crate::store::console as sql;
+
+/// Shared by every request.
+#[derive(Clone)]
+pub struct State {
+    pub console: Arc<Console>,
+    pub sessions: Arc<Sessions>,
+    /// For reading metrics endpoints (short timeouts, no redirects).
+    pub http: reqwest::Client,
+    /// The console's stop: ends live tails and bulk actions (between pages).
+    pub cancel: CancellationToken,
+    /// Live tails and bulk actions: the console waits for them when it stops.
+    pub tasks: TaskTracker,
+    pub event_slots: Arc<Semaphore>,
+    pub action_slots: Arc<Semaphore>,
+    /// One reconcile run at a time per console.
+    pub reconcile_lock: Arc<tokio::sync::Mutex<()>>,
+    redis: Arc<tokio::sync::Mutex<Option<ConnectionManager>>>,
+}
+
+impl State {
+    /// The state of a console that stops on `cancel` and tracks its tasks in `tasks`.
+    pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker) -> State {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(3))
+            .connect_timeout(Duration::from_secs(2))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .expect("an HTTP client without TLS settings builds");
+        State {
+            event_slots: Arc::new(Semaphore::new(console.config.max_event_clients)),
+            action_slots: Arc::new(Semaphore::new(MAX_RUNNING_ACTIONS)),
+            console: Arc::new(console),
+            sessions: Arc::default(),
+            http,
+            cancel,
+            tasks,
+            reconcile_lock: Arc::default(),
+            redis: Arc::default(),
+        }
+    }
+
+    /// A Redis connection for short commands, made on first use (so the console starts and
+    /// shows the database's pages while Redis is down) and reused after.
+    pub async fn redis(&self) -> Result<ConnectionManager, String> {
+        let Some(url) = &self.console.redis_url else { return Err("Redis is not configured".into()) };
+        let mut slot = self.redis.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let client = crate::streams::client(url).map_err(|e| format!("bad Redis URL: {e}"))?;
+        let conn = tokio::time::timeout(Duration::from_secs(5), crate::streams::managed(&client))
+            .await
+            .map_err(|_| "Redis did not answer within 5 s".to_string())?
+            .map_err(|e| format!("cannot connect to Redis: {e}"))?;
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// The logged-in session of a request, if any (its id and contents).
+    pub fn session(&self, headers: &HeaderMap) -> Option<(String, Session)> {
+        let id = auth::session_cookie(headers)?;
+        let s = self.sessions.get(&id)?;
+        Some((id, s))
+    }
+
+    /// The page context of a request.
+    pub fn ctx(&self, headers: &HeaderMap, here: String) -> Ctx {
+        let read_only = self.console.config.read_only;
+        Ctx {
+            session: if read_only { None } else { self.session(headers).map(|(_, s)| (s.actor, s.csrf)) },
+            read_only,
+            token_set: self.console.config.token.is_some(),
+            here,
+        }
+    }
+}
+
+/// Every route of the console.
+pub fn router(state: State) -> Router {
+    Router::new()
+        .route("/", get(overview_page))
+        .route("/dlq", get(list_page))
+        .route("/dlq/{id}", get(detail_page))
+        .route("/actions/{kind}", get(actions::preview).post(actions::confirm))
+        .route("/audit", get(audit_list))
+        .route("/audit/{id}", get(audit_entry))
+        .route("/events", get(events_page))
+        .route("/events/stream", get(events::stream))
+        .route("/reconcile", get(actions::reconcile_page).post(actions::reconcile_run))
+        .route("/login", get(login_page).post(login))
+        .route("/logout", post(logout))
+        .route("/static/console.css", get(css))
+        .route("/static/console.js", get(js))
+        .fallback(not_found)
+        .layer(middleware::from_fn(time_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
+        .with_state(state)
+}
+
+/// Whether a `Host` header names this console: an IP address, `localhost`, or a name given
+/// with `--allow-host` (with any port). A page on another site that rebinds its name to
+/// 127.0.0.1 sends its own name and is turned away.
+fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((ip, _)) => return ip.parse::<std::net::Ipv6Addr>().is_ok(),
+            None => return false,
+        }
+    } else {
+        host.rsplit_once(':')
+            .map(|(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host })
+            .unwrap_or(host)
+    };
+    name.parse::<std::net::IpAddr>().is_ok()
+        || name.eq_ignore_ascii_case("localhost")
+        || allowed.iter().any(|a| a.eq_ignore_ascii_case(name))
+}
+
+/// The host check and the security headers of every response.
+async fn guard(AxumState(state): AxumState<State>, req: Request, next: Next) -> Response {
+    let host = req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
+    if !host_allowed(host, &state.console.config.allowed_hosts) {
+        tracing::warn!("console: refused a request for another host name (DNS rebinding?); see --allow-host");
+        return (
+            StatusCode::MISDIRECTED_REQUEST,
+            "unknown host name: start the console with --allow-host NAME",
+        )
+            .into_response();
+    }
+    let mut resp = next.run(req).await;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
+             form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    if !h.contains_key(header::CACHE_CONTROL) {
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    resp
+}
+
+/// Every page but the live tail and a reconcile run gets [`PAGE_TIMEOUT`].
+async fn time_limit(req: Request, next: Next) -> Response {
+    let unlimited = req.uri().path() == "/events/stream"
+        || (req.uri().path() == "/reconcile" && req.method() == axum::http::Method::POST);
+    if unlimited {
+        return next.run(req).await;
+    }
+    match tokio::time::timeout(PAGE_TIMEOUT, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the page took too long (is the database overloaded?)")
+            .into_response(),
+    }
+}
+
+/// An HTML response.
+pub fn html(status: StatusCode, m: Markup) -> Response {
+    (status, [(header::CONTENT_TYPE, "text/html; charset=utf-8")], m.into_string()).into_response()
+}
+
+/// A database failure as a page (the message names no secret: sqlx errors carry no URL).
+pub fn db_error(ctx: &Ctx, e: StoreError) -> Response {
+    tracing::warn!(error = %e, "console: a page's query failed");
+    html(StatusCode::SERVICE_UNAVAILABLE, pages::message(ctx, "Database error", &e.to_string()))
+}
+
+/// The path and query of a request (where a login returns to).
+pub fn here(uri: &axum::http::Uri) -> String {
+    uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into())
+}
+
+async fn overview_page(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    match overview::gather(&state).await {
+        Ok(o) => html(StatusCode::OK, pages::overview(&ctx, &o)),
+        Err(e) => db_error(&ctx, e),
+    }
+}
+
+async fn list_page(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+    Query(raw): Query<RawQuery>,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    let q = match raw.list() {
+        Ok(q) => q,
+        Err(e) => return html(StatusCode::BAD_REQUEST, pages::message(&ctx, "Bad filter", &e)),
+    };
+    let pool = state.console.store.pool();
+    let rows = q.filter.rows(None);
+    let page = match sql::page(pool, &rows, q.sort, q.desc, q.after.as_ref(), q.limit).await {
+        Ok(p) => p,
+        Err(StoreError::Db(e)) if q.after.is_some() && e.as_database_error().is_some() => {
+            return html(
+                StatusCode::BAD_REQUEST,
+                pages::message(&ctx, "Bad page cursor", "start again from the first page"),
+            );
+        }
+        Err(e) => return db_error(&ctx, e),
+    };
+    let lists = async {
+        let count = crate::store::dlq::count(pool, &rows).await?;
+        Ok::<_, StoreError>((count, sql::tables(pool).await?, sql::reasons(pool).await?))
+    };
+    match lists.await {
+        Ok((count, tables, reasons)) => {
+            html(StatusCode::OK, pages::list(&ctx, &q, count, &page, &tables, &reasons))
+        }
+        Err(e) => db_error(&ctx, e),
+    }
+}
+
+async fn detail_page(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+    Path(id): Path<String>,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    let Ok(id) = id.parse::<i64>() else {
+        return html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such DLQ row"));
+    };
+    let d = match crate::store::dlq::show(state.console.store.pool(), id).await {
+        Ok(Some(d)) => d,
+        Ok(None) => {
+            return html(
+                StatusCode::NOT_FOUND,
+                pages::message(
+                    &ctx,
+                    "Not found",
+                    &format!("no DLQ row {id} (replayed, purged or never parked)"),
+                ),
+            );
+        }
+        Err(e) => return db_error(&ctx, e),
+    };
+    let events = match state.redis().await {
+        Ok(mut redis) => {
+            let r = &d.row;
+            events::of_row(
+                &mut redis,
+                &state.console.keys,
+                (r.id, &r.target_table, &r.doc_id, r.chunk_index),
+                state.console.config.events_scan,
+            )
+            .await
+            .map_err(|e| format!("Redis: {e}"))
+        }
+        Err(e) => Err(e),
+    };
+    html(StatusCode::OK, pages::detail(&ctx, &d, &events))
+}
+
+async fn events_page(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    let recent = match state.redis().await {
+        Ok(mut redis) => {
+            events::recent(&mut redis, &state.console.keys, 50).await.map_err(|e| format!("Redis: {e}"))
+        }
+        Err(e) => Err(e),
+    };
+    html(StatusCode::OK, pages::events(&ctx, &recent))
+}
+
+async fn audit_list(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    match sql::audit_recent(state.console.store.pool(), 200).await {
+        Ok(entries) => html(StatusCode::OK, pages::audit_list(&ctx, &entries)),
+        Err(e) => db_error(&ctx, e),
+    }
+}
+
+async fn audit_entry(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+    Path(id): Path<String>,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    let entry = match id.parse::<i64>() {
+        Ok(id) => sql::audit_get(state.console.store.pool(), id).await,
+        Err(_) => Ok(None),
+    };
+    match entry {
+        Ok(Some(e)) => html(StatusCode::OK, pages::audit_entry(&ctx, &e)),
+        Ok(None) => html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such audit entry")),
+        Err(e) => db_error(&ctx, e),
+    }
+}
+
+/// `?next=` of the login: a local path only (never another site, never `//host`).
+fn local_next(next: Option<&str>) -> String {
+    match next {
+        Some(n) if n.starts_with('/') && !n.starts_with("//") && !n.contains('\\') && n.len() <= 2048 => {
+            n.to_string()
+        }
+        _ => "/".into(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct NextQuery {
+    next: Option<String>,
+}
+
+async fn login_page(
+    AxumState(state): AxumState<State>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+    Query(q): Query<NextQuery>,
+) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    html(StatusCode::OK, pages::login(&ctx, &local_next(q.next.as_deref()), None))
+}
+
+#[derive(Debug, Deserialize)]
+struct LoginForm {
+    token: String,
+    #[serde(default)]
+    name: String,
+    next: Option<String>,
+}
+
+async fn login(
+    AxumState(state): AxumState<State>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Form(form): Form<LoginForm>,
+) -> Response {
+    let ctx = state.ctx(&headers, "/login".into());
+    let next = local_next(form.next.as_deref());
+    let token = match (&state.console.config.token, state.console.config.read_only) {
+        (Some(t), false) => t,
+        _ => {
+            return html(
+                StatusCode::FORBIDDEN,
+                pages::login(&ctx, &next, Some("Actions are disabled on this console.")),
+            );
+        }
+    };
+    if cross_site(&headers) || !token.matches(&form.token) {
+        tracing::warn!(peer = %peer, "console: a login with a wrong token was refused");
+        // Slows guessing down (the token has at least 16 bytes anyway).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        return html(StatusCode::UNAUTHORIZED, pages::login(&ctx, &next, Some("Wrong token.")));
+    }
+    let id = state.sessions.create(&form.name);
+    let actor = state.sessions.get(&id).map(|s| s.actor).unwrap_or_default();
+    let audit = sql::audit_start(
+        state.console.store.pool(),
+        &actor,
+        Some(&peer.to_string()),
+        "login",
+        &serde_json::json!({}),
+        None,
+        Some((0, "logged in")),
+    )
+    .await;
+    if let Err(e) = audit {
+        // No audit, no session: an action must never go unrecorded.
+        state.sessions.remove(&id);
+        return db_error(&ctx, e);
+    }
+    tracing::info!(actor = %actor, peer = %peer, "console: logged in");
+    let mut resp = Redirect::to(&next).into_response();
+    resp.headers_mut()
+        .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::set_cookie(&id)).expect("hex cookie"));
+    resp
+}
+
+#[derive(Debug, Deserialize)]
+struct CsrfForm {
+    csrf: String,
+}
+
+async fn logout(
+    AxumState(state): AxumState<State>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Form(form): Form<CsrfForm>,
+) -> Response {
+    let ctx = state.ctx(&headers, "/".into());
+    let session = match authorize(&state, &headers, &form.csrf) {
+        Ok(s) => s,
+        Err(refused) => return refused.page(&ctx),
+    };
+    let (id, s) = session;
+    state.sessions.remove(&id);
+    let _ = sql::audit_start(
+        state.console.store.pool(),
+        &s.actor,
+        Some(&peer.to_string()),
+        "logout",
+        &serde_json::json!({}),
+        None,
+        Some((0, "logged out")),
+    )
+    .await;
+    let mut resp = Redirect::to("/").into_response();
+    resp.headers_mut()
+        .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::clear_cookie()).expect("static cookie"));
+    resp
+}
+
+/// Why a mutating request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// `--read-only`, or no token configured.
+    Disabled,
+    /// No (live) session.
+    NotLoggedIn,
+    /// The form's CSRF token is missing or wrong, or the request came from another site.
+    Csrf,
+}
+
+impl Refused {
+    /// The refusal as a page (401 or 403); nothing was changed.
+    pub fn page(self, ctx: &Ctx) -> Response {
+        let (status, text) = match self {
+            Refused::Disabled => {
+                (StatusCode::FORBIDDEN, "Refused: actions are disabled on this console. Nothing was changed.")
+            }
+            Refused::NotLoggedIn => (
+                StatusCode::UNAUTHORIZED,
+                "Refused: log in with the console token first. Nothing was changed.",
+            ),
+            Refused::Csrf => (
+                StatusCode::FORBIDDEN,
+                "Refused: the form's security token is missing or stale; reload the page. Nothing was changed.",
+            ),
+        };
+        html(status, pages::message(ctx, "Refused", text))
+    }
+}
+
+/// Whether the browser says the request comes from another site (`Sec-Fetch-Site`).
+fn cross_site(headers: &HeaderMap) -> bool {
+    headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()) == Some("cross-site")
+}
+
+/// The session of a mutating request, after every check: actions enabled, a live session,
+/// the session's CSRF token in the form, not a cross-site request.
+pub fn authorize(state: &State, headers: &HeaderMap, csrf: &str) -> Result<(String, Session), Refused> {
+    let refused = |r: Refused| {
+        tracing::warn!(reason = ?r, "console: refused an action");
+        Err(r)
+    };
+    if state.console.config.read_only || state.console.config.token.is_none() {
+        return refused(Refused::Disabled);
+    }
+    let Some((id, session)) = state.session(headers) else { return refused(Refused::NotLoggedIn) };
+    if cross_site(headers) || csrf.is_empty() || !auth::same(csrf, &session.csrf) {
+        return refused(Refused::Csrf);
+    }
+    Ok((id, session))
+}
+
+async fn not_found(AxumState(state): AxumState<State>, headers: HeaderMap, uri: axum::http::Uri) -> Response {
+    let ctx = state.ctx(&headers, here(&uri));
+    html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such page"))
+}
+
+async fn css() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8"), (header::CACHE_CONTROL, "max-age=300")],
+        include_str!("assets/console.css"),
+    )
+        .into_response()
+}
+
+async fn js() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8"), (header::CACHE_CONTROL, "max-age=300")],
+        include_str!("assets/console.js"),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ip_addresses_localhost_and_allowed_names_pass() {
+        let allowed = vec!["console.internal".to_string()];
+        for ok in [
+            "127.0.0.1:8088",
+            "localhost:8088",
+            "LOCALHOST",
+            "[::1]:8088",
+            "10.0.0.5",
+            "console.internal:443",
+        ] {
+            assert!(host_allowed(ok, &allowed), "{ok}");
+        }
+        for bad in ["", "evil.example:8088", "127.0.0.1.nip.io", "[nope]", "localhost.evil.example"] {
+            assert!(!host_allowed(bad, &allowed), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_login_returns_only_to_a_local_path() {
+        assert_eq!(local_next(Some("/dlq?class=transient")), "/dlq?class=transient");
+        for bad in ["//evil.example/", "https://evil.example/", "/\\evil.example", "dlq"] {
+            assert_eq!(local_next(Some(bad)), "/", "{bad}");
+        }
+        assert_eq!(local_next(None), "/");
+    }
+}

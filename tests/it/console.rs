@@ -1,0 +1,790 @@
+//! The operator console in a real browser: Debian's headless Chromium driven through
+//! chromedriver (WebDriver, `fantoccini`), against a console served in-process over a real
+//! test database and the real Redis (streams under a prefix of the test's own).
+//!
+//! What the browser tests prove:
+//! - `browse_filter_open_requeue_and_tail`: the overview loads with the DLQ's numbers; the
+//!   list's filter narrows it to one class (the count and every row agree with Postgres); a
+//!   row opens with its payload and history; after logging in, requeueing the filter's rows
+//!   through the dry run and the confirmation makes exactly those rows due again as replay
+//!   work (checked in Postgres) and writes one audit entry; the live tail shows the events
+//!   of that requeue as they are relayed (Server-Sent Events); the reconcile page finds a
+//!   vector deleted behind the manifest's back, shows the repair's dry run, repairs it, and
+//!   the next check is clean.
+//! - `actions_without_the_token_are_refused_and_change_nothing`: without a session the
+//!   confirmation form is not offered, and a forged form is refused; a logged-in browser
+//!   with a wrong CSRF token is refused too; a read-only console shows no action and refuses
+//!   them all; Postgres is unchanged and no action is in the audit trail.
+//! - `no_injected_script_runs`: a `<script>` in a doc id, a text, metadata and a provider's
+//!   error message is shown as text on every page and never runs (the raw HTML is escaped;
+//!   the browser's `window.__pwned` stays undefined and its title unchanged).
+//!
+//!
+//! Without a browser: the live tail resumes exactly after `Last-Event-ID` and refuses
+//! clients beyond its bound; `serve --console-addr` serves the console with its own breaker
+//! and stops with it; console settings outside their bounds are usage errors (exit 2).
+//!
+//! Screenshots of every page go to `target/test-output/console/`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::console::{Console, ConsoleConfig, ConsoleToken};
+use embed_dlq::streams::StreamKeys;
+use embed_dlq::testkit::mock_provider::{MockConfig, POISON_400, POISON_DIM};
+use fantoccini::{Client, ClientBuilder, Locator};
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+const TOKEN: &str = "test-console-token-0123456789";
+/// Generous: the machine running the suite may be loaded.
+const WAIT: Duration = Duration::from_secs(90);
+
+// ---------------------------------------------------------------------------------------
+// The browser
+// ---------------------------------------------------------------------------------------
+
+/// A headless Chromium behind a chromedriver of its own (its own process group, killed on
+/// drop with everything it started, also when the test panics).
+struct Browser {
+    client: Option<Client>,
+    driver: std::process::Child,
+    profile: PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        use std::os::unix::process::CommandExt;
+        let chromedriver = which("chromedriver")
+            .expect("chromedriver is missing: scripts/test.sh installs Debian's chromium-driver (scripts/ensure-chromium.sh)");
+        let port = free_port();
+        let driver = std::process::Command::new(chromedriver)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("start chromedriver");
+        let profile = std::env::temp_dir().join(format!("it-console-chromium-{}-{port}", std::process::id()));
+        let mut browser = Browser { client: None, driver, profile };
+        let url = format!("http://127.0.0.1:{port}");
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            if let Ok(r) = reqwest::get(format!("{url}/status")).await
+                && r.status().is_success()
+            {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "chromedriver did not come up");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mut caps = serde_json::Map::new();
+        caps.insert(
+            "goog:chromeOptions".into(),
+            serde_json::json!({
+                "binary": which("chromium").expect("chromium is missing: scripts/ensure-chromium.sh installs it"),
+                "args": [
+                    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    "--disable-extensions", "--disable-quic", "--no-first-run", "--window-size=1360,1000",
+                    format!("--user-data-dir={}", browser.profile.display()),
+                ],
+            }),
+        );
+        let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        let client = ClientBuilder::new(connector)
+            .capabilities(caps)
+            .connect(&url)
+            .await
+            .expect("a WebDriver session");
+        client
+            .update_timeouts(fantoccini::wd::TimeoutConfiguration::new(
+                Some(Duration::from_secs(60)),
+                Some(Duration::from_secs(90)),
+                Some(Duration::ZERO),
+            ))
+            .await
+            .unwrap();
+        browser.client = Some(client);
+        browser
+    }
+
+    fn c(&self) -> &Client {
+        self.client.as_ref().unwrap()
+    }
+
+    async fn goto(&self, url: &str) {
+        self.c().goto(url).await.unwrap_or_else(|e| panic!("load {url}: {e}"));
+    }
+
+    async fn wait(&self, css: &str) -> fantoccini::elements::Element {
+        self.c()
+            .wait()
+            .at_most(WAIT)
+            .every(Duration::from_millis(100))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no {css} on the page: {e}"))
+    }
+
+    async fn text(&self, css: &str) -> String {
+        self.wait(css).await.text().await.unwrap()
+    }
+
+    async fn exists(&self, css: &str) -> bool {
+        self.c().find(Locator::Css(css)).await.is_ok()
+    }
+
+    /// Waits until `css`'s text satisfies `ok` (pages that update themselves).
+    async fn wait_text(&self, css: &str, ok: impl Fn(&str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            if let Ok(e) = self.c().find(Locator::Css(css)).await
+                && let Ok(t) = e.text().await
+                && ok(&t)
+            {
+                return t;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{css} never showed the expected text");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn shot(&self, name: &str) {
+        let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-output/console"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let png = self.c().screenshot().await.unwrap();
+        std::fs::write(dir.join(format!("{name}.png")), png).unwrap();
+    }
+
+    /// `[typeof window.__pwned, document.title]`.
+    async fn pwned(&self) -> (String, String) {
+        let v = self.c().execute("return [typeof window.__pwned, document.title];", vec![]).await.unwrap();
+        (v[0].as_str().unwrap().to_string(), v[1].as_str().unwrap().to_string())
+    }
+
+    async fn login(&self, base: &str, next: &str) {
+        self.goto(&format!("{base}/login?next={}", next.replace('&', "%26").replace('?', "%3F"))).await;
+        self.wait("#login-name").await.send_keys("ci-operator").await.unwrap();
+        self.wait("#login-token").await.send_keys(TOKEN).await.unwrap();
+        self.wait("#login-button").await.click().await.unwrap();
+        self.wait_text(".who", |t| t.contains("ci-operator")).await;
+    }
+
+    async fn close(mut self) {
+        if let Some(c) = self.client.take() {
+            let _ = c.close().await;
+        }
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        // chromedriver and the browsers it started share its process group.
+        let _ = std::process::Command::new("kill")
+            .args(["-9", "--", &format!("-{}", self.driver.id())])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.driver.wait();
+        let _ = std::fs::remove_dir_all(&self.profile);
+    }
+}
+
+fn which(name: &str) -> Option<String> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| PathBuf::from(d).join(name))
+        .find(|p| p.is_file())
+        .map(|p| p.display().to_string())
+}
+
+// ---------------------------------------------------------------------------------------
+// The console under test
+// ---------------------------------------------------------------------------------------
+
+struct Served {
+    base: String,
+    cancel: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Served {
+    async fn stop(self) {
+        self.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.handle).await.expect("the console stops").unwrap();
+    }
+}
+
+async fn serve_console(db: &TestDb, keys: &StreamKeys, read_only: bool) -> Served {
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let console = Console {
+        store,
+        redis_url: Some(redis_url()),
+        keys: keys.clone(),
+        gate: None,
+        config: ConsoleConfig {
+            listen: addr,
+            read_only,
+            token: Some(ConsoleToken::new(TOKEN.into()).unwrap()),
+            ..Default::default()
+        },
+    };
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    let handle = tokio::spawn(async move {
+        embed_dlq::console::serve_on(listener, console, stop).await.expect("console serves");
+    });
+    Served { base: format!("http://{addr}"), cancel, handle }
+}
+
+/// Ingests `lines` against the mock (`mock` settings), then relays every event to `keys`.
+async fn seed(db: &TestDb, keys: &StreamKeys, mock: MockConfig, lines: &[String]) {
+    let mock = start_mock(mock).await;
+    let s = settings(db, &mock);
+    let corpus: String = lines.concat();
+    pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    relay_all(db, keys).await;
+}
+
+/// A corpus with clean chunks, rows the provider rejects (`permanent_input`) and rows with
+/// vectors of the wrong size (`dimension_mismatch`).
+fn mixed_corpus() -> Vec<String> {
+    let mut lines = Vec::new();
+    for i in 0..20 {
+        lines.push(line(&format!("clean-{i}"), 0, &format!("clean text {i}")));
+    }
+    for i in 0..5 {
+        lines.push(line(&format!("alpha-{i}"), 0, &format!("{POISON_400} alpha {i}")));
+    }
+    for i in 0..3 {
+        lines.push(line(&format!("beta-{i}"), 0, &format!("{POISON_DIM} beta {i}")));
+    }
+    lines
+}
+
+async fn ids_of_class(db: &TestDb, class: &str) -> Vec<i64> {
+    sqlx::query_scalar("SELECT id FROM embedding_dlq WHERE error_class = $1 ORDER BY id")
+        .bind(class)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// The DLQ's rows as text, to compare before and after a refused action.
+async fn dlq_snapshot(db: &TestDb) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT concat_ws('|', id, error_class, error_reason, generation, next_retry_at, exhausted_at)
+           FROM embedding_dlq ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// The tests
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn browse_filter_open_requeue_and_tail() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    seed(&db, &keys, MockConfig::default(), &mixed_corpus()).await;
+    let permanent = ids_of_class(&db, "permanent_input").await;
+    let dims = ids_of_class(&db, "dimension_mismatch").await;
+    assert_eq!((permanent.len(), dims.len()), (5, 3), "the corpus parks 5 + 3 rows");
+    let served = serve_console(&db, &keys, false).await;
+    let base = served.base.clone();
+    let b = Browser::start().await;
+
+    // The overview.
+    b.goto(&format!("{base}/")).await;
+    assert_eq!(b.text("#dlq-total").await, "8");
+    assert!(b.text("#by-class").await.contains("permanent_input"));
+    assert!(b.text("#streams").await.contains(&keys.events()));
+    b.shot("overview").await;
+
+    // The list, filtered to one class through the form.
+    b.goto(&format!("{base}/dlq")).await;
+    assert_eq!(b.text("#match-count").await, "8");
+    b.wait("select[name=class]").await.select_by_value("permanent_input").await.unwrap();
+    b.wait("#apply").await.click().await.unwrap();
+    b.wait_text(".summary", |t| t.contains("class permanent_input")).await;
+    assert_eq!(b.text("#match-count").await, permanent.len().to_string());
+    let rows = b.c().find_all(Locator::Css("#rows tbody tr")).await.unwrap();
+    assert_eq!(rows.len(), permanent.len());
+    for r in &rows {
+        assert!(r.text().await.unwrap().contains("permanent_input"));
+    }
+    b.shot("list-filtered").await;
+
+    // Open a row.
+    b.wait("a.row-link").await.click().await.unwrap();
+    let text = b.text("#payload-text").await;
+    assert!(text.contains("alpha"), "{text}");
+    assert!(b.text("#timeline").await.contains("ingest"));
+    b.wait("#row-events").await;
+    b.shot("detail").await;
+
+    // Requeue the filter's rows: log in, dry run, confirm, result.
+    let since: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&db.pool).await.unwrap();
+    b.login(&base, "/dlq?class=permanent_input").await;
+    b.wait("#bulk-requeue").await.click().await.unwrap();
+    assert_eq!(b.text("#would-count").await, permanent.len().to_string());
+    b.shot("requeue-dry-run").await;
+    b.wait("#confirm-button").await.click().await.unwrap();
+    b.wait_text("#status", |t| t == "done").await;
+    assert_eq!(b.text("#done-count").await, permanent.len().to_string());
+    b.shot("requeue-result").await;
+    let due: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM embedding_dlq
+          WHERE id = ANY($1) AND error_class = 'transient' AND exhausted_at IS NULL
+            AND error_reason LIKE 'requeued:permanent_input/%' AND enqueued_at >= $2",
+    )
+    .bind(&permanent)
+    .bind(since)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(due, permanent.len() as i64, "every filtered row is due again as replay work");
+    let work: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT dlq_id) FROM dlq_outbox WHERE stream = 'replay' AND dlq_id = ANY($1) AND created_at >= $2",
+    )
+    .bind(&permanent)
+    .bind(since)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(work, permanent.len() as i64, "a replay work item per row");
+    let untouched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM embedding_dlq WHERE id = ANY($1) AND error_class = 'dimension_mismatch'",
+    )
+    .bind(&dims)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(untouched, dims.len() as i64, "rows outside the filter are left alone");
+    let audit: (String, String, i64, String) = sqlx::query_as(
+        "SELECT actor, action, count, filter->>'class' FROM console_audit WHERE action = 'requeue'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        audit,
+        ("ci-operator".into(), "requeue".into(), permanent.len() as i64, "permanent_input".into())
+    );
+
+    // The live tail: the requeue's events arrive once the relay publishes them.
+    b.goto(&format!("{base}/events")).await;
+    b.wait_text("#events-status", |t| t == "live").await;
+    relay_all(&db, &keys).await;
+    b.wait("#events-body tr.live").await;
+    b.wait_text("#events-body", |t| t.contains("requeued")).await;
+    b.shot("events").await;
+
+    // Reconcile: a vector lost behind the manifest's back is found by the checks, shown by
+    // the repair's dry run, repaired, and the next check is clean.
+    sqlx::query("DELETE FROM doc_embeddings WHERE doc_id = 'clean-0'").execute(&db.pool).await.unwrap();
+    b.goto(&format!("{base}/reconcile")).await;
+    b.wait("#run-check").await.click().await.unwrap();
+    b.wait_text("#report-summary", |t| t.contains("findings")).await;
+    assert!(b.text("#report").await.contains("stored_drift"));
+    b.wait("#run-dry-run").await.click().await.unwrap();
+    b.wait_text("h2", |t| t == "This run: repair dry run").await;
+    b.shot("reconcile-dry-run").await;
+    b.wait("#run-repair").await.click().await.unwrap();
+    b.wait_text("h2", |t| t == "This run: repair").await;
+    b.shot("reconcile-repair").await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'clean-0' AND status = 'reingest'")
+            .await,
+        1,
+        "the repair marked the chunk for re-ingest"
+    );
+    b.wait("#run-check").await.click().await.unwrap();
+    b.wait_text("#report-summary", |t| t.contains("clean")).await;
+    b.shot("reconcile").await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM console_audit WHERE action LIKE 'reconcile_%' AND status = 'done'")
+            .await,
+        4
+    );
+    b.goto(&format!("{base}/audit")).await;
+    b.shot("audit").await;
+
+    b.close().await;
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_without_the_token_are_refused_and_change_nothing() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    seed(&db, &keys, MockConfig::default(), &mixed_corpus()).await;
+    let before = dlq_snapshot(&db).await;
+    let served = serve_console(&db, &keys, false).await;
+    let base = served.base.clone();
+    let b = Browser::start().await;
+
+    // Without a session: the dry run shows, the confirmation does not.
+    b.goto(&format!("{base}/actions/purge?class=permanent_input")).await;
+    assert_eq!(b.text("#would-count").await, "5");
+    b.wait("#login-to-act").await;
+    assert!(!b.exists("#confirm").await, "no confirmation form without a session");
+    b.shot("refused-no-session-dry-run").await;
+
+    // A forged form (what a script or another page could post) is refused.
+    let forge = "const [action, csrf] = arguments;
+        const f = document.createElement('form');
+        f.method = 'post'; f.action = action;
+        for (const [k, v] of [['class', 'permanent_input'], ['max_id', '1000000'], ['matched', '5'],
+                              ['confirm', 'purge'], ['csrf', csrf]]) {
+            const i = document.createElement('input'); i.type = 'hidden'; i.name = k; i.value = v; f.appendChild(i);
+        }
+        document.body.appendChild(f); f.submit();";
+    b.c().execute(forge, vec!["/actions/purge".into(), "".into()]).await.unwrap();
+    let refused = b.text("#message").await;
+    assert!(refused.contains("log in"), "{refused}");
+    b.shot("refused-no-session").await;
+
+    // Logged in, but with a forged CSRF token: refused as well.
+    b.login(&base, "/").await;
+    for action in ["/actions/purge", "/actions/requeue", "/reconcile"] {
+        b.goto(&format!("{base}/dlq")).await;
+        b.wait("#match-count").await;
+        b.c().execute(forge, vec![action.into(), "forged-csrf-token".into()]).await.unwrap();
+        let refused = b.text("#message").await;
+        assert!(refused.contains("security token"), "{action}: {refused}");
+    }
+    b.shot("refused-forged-csrf").await;
+
+    // Straight HTTP without a cookie: 401, for every mutating route.
+    let http = reqwest::Client::new();
+    for (path, body) in [
+        ("/actions/purge", "class=permanent_input&max_id=1000000&confirm=purge&csrf=x"),
+        ("/actions/requeue", "class=permanent_input&max_id=1000000&csrf=x"),
+        ("/reconcile", "mode=repair&csrf=x"),
+        ("/logout", "csrf=x"),
+    ] {
+        let r = http
+            .post(format!("{base}{path}"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{path}");
+    }
+    // A wrong token does not log in.
+    let r = http
+        .post(format!("{base}/login"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("token=wrong-token-wrong-token&name=mallory")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.headers().get("set-cookie").is_none());
+
+    // A read-only console offers no action and refuses them.
+    let ro = serve_console(&db, &keys, true).await;
+    b.goto(&format!("{}/dlq", ro.base)).await;
+    b.wait("#match-count").await;
+    assert!(!b.exists("#bulk-requeue").await && !b.exists("#bulk-purge").await);
+    assert!(b.text(".who").await.contains("read-only"));
+    b.shot("read-only").await;
+    let r = http
+        .post(format!("{}/actions/requeue", ro.base))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("class=permanent_input&max_id=1000000&csrf=x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403);
+
+    assert_eq!(dlq_snapshot(&db).await, before, "nothing changed");
+    assert_eq!(
+        db.count("SELECT count(*) FROM console_audit WHERE action NOT IN ('login', 'logout')").await,
+        0,
+        "no action was taken"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event IN ('purged', 'requeued')").await, 0);
+
+    b.close().await;
+    ro.stop().await;
+    served.stop().await;
+}
+
+/// A script that marks the page if it ever runs.
+const HOSTILE: &str = "<script>window.__pwned=1;document.title='pwned'</script>";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_injected_script_runs() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let img = "<img src=x onerror=\"window.__pwned=3;document.title='pwned'\">";
+    let mut lines = vec![line("clean", 0, "a clean text")];
+    // In the doc id and the text (rejected by the provider, so parked with its payload).
+    lines.push(line(HOSTILE, 0, &format!("{POISON_400} {HOSTILE}")));
+    // In the metadata.
+    lines.push(format!(
+        "{}\n",
+        serde_json::json!({"doc_id": "meta-doc", "chunk_index": 0, "text": format!("{POISON_400} meta"),
+                           "metadata": {"note": img, "html": HOSTILE}})
+    ));
+    // In the provider's error message: an over-long input is answered 422 echoing it.
+    lines.push(line("echo-doc", 0, &format!("{HOSTILE} {img} {}", "x".repeat(200))));
+    seed(&db, &keys, MockConfig { max_input_chars: 150, ..MockConfig::default() }, &lines).await;
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM embedding_dlq ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(ids.len(), 3, "three hostile rows parked");
+    let id_of = async |doc: &str| -> i64 {
+        sqlx::query_scalar("SELECT id FROM embedding_dlq WHERE doc_id = $1")
+            .bind(doc)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let (script_row, meta_row, echo_row) =
+        (id_of(HOSTILE).await, id_of("meta-doc").await, id_of("echo-doc").await);
+    let echoed: i64 = db.count("SELECT count(*) FROM embedding_dlq WHERE last_error LIKE '%<script>%'").await;
+    assert_eq!(echoed, 1, "the provider's error message carries the script");
+
+    let served = serve_console(&db, &keys, false).await;
+    let base = served.base.clone();
+    let prefix = form_urlencoded::byte_serialize(HOSTILE.as_bytes()).collect::<String>();
+    let mut pages = vec![
+        "/".to_string(),
+        "/dlq".to_string(),
+        format!("/dlq?doc_prefix={prefix}"),
+        format!("/actions/requeue?doc_prefix={prefix}"),
+        "/events".to_string(),
+        "/audit".to_string(),
+        format!("/login?next=/{prefix}"),
+        format!("/nope/{prefix}"),
+    ];
+    pages.extend(ids.iter().map(|id| format!("/dlq/{id}")));
+
+    // The HTML itself: every hostile string is escaped.
+    let http = reqwest::Client::new();
+    for p in &pages {
+        let body = http.get(format!("{base}{p}")).send().await.unwrap().text().await.unwrap();
+        assert!(!body.contains("<script>window"), "{p} has a raw script:\n{body}");
+        assert!(!body.contains("<img src=x"), "{p} has a raw img:\n{body}");
+    }
+
+    // In the browser: shown as text, never run.
+    let b = Browser::start().await;
+    for p in &pages {
+        b.goto(&format!("{base}{p}")).await;
+        b.wait("main").await;
+        if p == "/events" {
+            b.wait_text("#events-status", |t| t == "live").await;
+        }
+        let (pwned, title) = b.pwned().await;
+        assert_eq!(pwned, "undefined", "{p}: a script ran");
+        assert!(!title.contains("pwned"), "{p}: a script ran ({title})");
+    }
+    b.goto(&format!("{base}/dlq/{script_row}")).await;
+    assert_eq!(b.text("#doc-id").await, HOSTILE, "the doc id is shown as text");
+    assert!(b.text("#payload-text").await.contains(HOSTILE));
+    b.shot("hostile-detail").await;
+    b.goto(&format!("{base}/dlq/{meta_row}")).await;
+    assert!(b.text("#payload-metadata").await.contains("onerror"));
+    b.goto(&format!("{base}/dlq/{echo_row}")).await;
+    assert!(b.text("#last-error").await.contains("<script>"));
+    b.shot("hostile-error").await;
+    b.goto(&format!("{base}/events")).await;
+    b.wait_text("#events-body", |t| t.contains(HOSTILE)).await;
+    b.shot("hostile-events").await;
+    let (pwned, title) = b.pwned().await;
+    assert_eq!(pwned, "undefined");
+    assert!(!title.contains("pwned"), "{title}");
+
+    b.close().await;
+    served.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Without a browser: the live tail's protocol, `serve --console-addr`, the settings
+// ---------------------------------------------------------------------------------------
+
+/// Reads Server-Sent Events from `resp` until `n` `dlq` events arrived; returns their ids.
+async fn read_events(resp: &mut reqwest::Response, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    let mut buf = String::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while ids.len() < n {
+        let chunk = tokio::time::timeout_at(deadline, resp.chunk()).await.expect("events in time").unwrap();
+        buf.push_str(&String::from_utf8_lossy(&chunk.expect("the stream stays open")));
+        while let Some(end) = buf.find("\n\n") {
+            let frame: String = buf.drain(..end + 2).collect();
+            if frame.lines().any(|l| l == "event: dlq") {
+                let id = frame.lines().find_map(|l| l.strip_prefix("id: ")).expect("every event has an id");
+                ids.push(id.to_string());
+            }
+        }
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_tail_resumes_after_last_event_id_and_is_bounded() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    seed(&db, &keys, MockConfig::default(), &mixed_corpus()).await;
+    let all: Vec<String> = {
+        let mut redis = redis().await;
+        let reply: redis::streams::StreamRangeReply =
+            redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut redis).await.unwrap();
+        reply.ids.into_iter().map(|e| e.id).collect()
+    };
+    assert_eq!(all.len(), 8, "one parked event per row");
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let console = Console {
+        store,
+        redis_url: Some(redis_url()),
+        keys: keys.clone(),
+        gate: None,
+        config: ConsoleConfig { listen: addr, max_event_clients: 2, ..Default::default() },
+    };
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    let handle =
+        tokio::spawn(async move { embed_dlq::console::serve_on(listener, console, stop).await.unwrap() });
+    let url = format!("http://{addr}/events/stream");
+    let http = reqwest::Client::new();
+
+    // A browser that reconnects after the third event gets exactly the rest, in order.
+    let mut resumed = http.get(&url).header("last-event-id", &all[2]).send().await.unwrap();
+    assert_eq!(resumed.status().as_u16(), 200);
+    assert_eq!(resumed.headers()["content-type"], "text/event-stream");
+    assert_eq!(read_events(&mut resumed, 5).await, all[3..].to_vec());
+    // A bad id is refused rather than passed to Redis.
+    let bad = http.get(&url).header("last-event-id", "now").send().await.unwrap();
+    assert_eq!(bad.status().as_u16(), 400);
+    // Two clients at most: the third is told to come back.
+    let mut second = http.get(format!("{url}?from=0")).send().await.unwrap();
+    assert_eq!(read_events(&mut second, 8).await, all);
+    let third = http.get(&url).send().await.unwrap();
+    assert_eq!(third.status().as_u16(), 503);
+    // A client that leaves frees its slot.
+    drop(second);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r = http.get(&url).send().await.unwrap();
+        if r.status().as_u16() == 200 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the slot was never freed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Stopping the console ends the open tails.
+    drop(resumed);
+    cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the console stops with tails open")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_mounts_the_console_with_its_own_breaker() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    seed(&db, &keys, MockConfig::default(), &mixed_corpus()).await;
+    let mock = start_mock(MockConfig::default()).await;
+    let port = free_port();
+    let prefix = keys.events().trim_start_matches('{').split('}').next().unwrap().to_string();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--stream-prefix", &prefix, "--replayers", "1"])
+        .args(["--console-addr", &format!("127.0.0.1:{port}"), "--console-read-only"])
+        .env("EMBED_DLQ_CONSOLE_TOKEN", TOKEN)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let body = loop {
+        if let Ok(r) = reqwest::get(&url).await
+            && r.status().is_success()
+        {
+            break r.text().await.unwrap();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "serve never served the console");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(body.contains("this process (serve)"), "{body}");
+    assert!(body.contains("breaker-closed"), "{body}");
+    assert!(body.contains("read-only"), "{body}");
+    assert!(
+        !body.contains(&db.url) && !body.contains(&redis_url()) && !body.contains(TOKEN),
+        "no secret rendered"
+    );
+    let r = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/actions/purge"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("max_id=1&confirm=purge&csrf=x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403, "read-only inside serve too");
+    // SIGTERM stops serve and its console together, cleanly.
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let status = tokio::time::timeout(WAIT, child.wait()).await.expect("serve stops").unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[tokio::test]
+async fn console_settings_out_of_their_bounds_are_usage_errors() {
+    let db = TestDb::new().await;
+    let run = async |args: &[&str], token: &str| {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+            .arg("console")
+            // An address of no interface here (TEST-NET-1): binding it fails.
+            .args(["--database-url", &db.url, "--listen", "192.0.2.1:8088"])
+            .args(args)
+            .env("EMBED_DLQ_CONSOLE_TOKEN", token)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (code, err) = run(&[], "short").await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("EMBED_DLQ_CONSOLE_TOKEN") && !err.contains("short\""), "{err}");
+    let (code, err) = run(&["--requeue-rate", "0"], TOKEN).await;
+    assert_eq!(code, Some(2), "{err}");
+    let (code, err) = run(&["--max-event-clients", "65"], TOKEN).await;
+    assert_eq!(code, Some(2), "{err}");
+    let (code, err) = run(&["--metrics-url", "ftp://user:secret@host/metrics"], TOKEN).await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--metrics-url") && !err.contains("secret"), "{err}");
+    let (code, err) = run(&["--allow-host", "evil host"], TOKEN).await;
+    assert_eq!(code, Some(2), "{err}");
+    // Valid settings, but an address this host does not have: exit 1.
+    let (code, err) = run(&[], TOKEN).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("cannot listen"), "{err}");
+}
