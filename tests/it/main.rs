@@ -20,3 +20,4 @@ mod restart;
 mod runtime;
 mod streams;
 mod support;
+mod sweeps;
