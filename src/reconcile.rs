@@ -902,3 +902,64 @@ pub(crate) fn publish_zero_findings() {
         metrics::gauge!(crate::metrics::RECONCILE_FINDINGS, "check" => c.name()).set(0.0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn previous(full: Option<f64>, deep: Option<f64>, resume: &[Check]) -> sql::Previous {
+        let at = chrono::Utc::now();
+        sql::Previous {
+            secs_since_full: full,
+            secs_since_deep: deep,
+            resume: resume.iter().map(|c| (c.name().to_string(), at)).collect(),
+        }
+    }
+
+    #[test]
+    fn the_schedule_goes_deep_then_full_then_incremental() {
+        let hour = Duration::from_secs(3600);
+        let policy = SweepPolicy::Scheduled { full_every: hour, deep_every: Some(24 * hour) };
+        // Never ran: deep.
+        assert_eq!(policy.pick(&previous(None, None, &[])), Sweep::Deep);
+        // A recent deep run with resume points: incremental.
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(60.0), &WINDOWED)), Sweep::Incremental);
+        // Resume points missing (runs from before sweeps existed): full.
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(60.0), &[])), Sweep::Full);
+        // bad_vectors alone may be missing: its window starts at the next run.
+        let three = [Check::Leaks, Check::StoredDrift, Check::StaleDlq];
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(60.0), &three)), Sweep::Incremental);
+        // Full due, deep not.
+        assert_eq!(policy.pick(&previous(Some(3600.0), Some(3600.0), &WINDOWED)), Sweep::Full);
+        // Deep due.
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(86_400.0), &WINDOWED)), Sweep::Deep);
+        // Never deep; full every run.
+        let never = SweepPolicy::Scheduled { full_every: Duration::ZERO, deep_every: None };
+        assert_eq!(never.pick(&previous(None, None, &[])), Sweep::Full);
+        assert_eq!(never.pick(&previous(Some(0.5), None, &WINDOWED)), Sweep::Full);
+        assert_eq!(SweepPolicy::Always(Sweep::Incremental).pick(&previous(None, None, &[])), Sweep::Incremental);
+    }
+
+    #[test]
+    fn an_incremental_plan_resumes_each_check_where_it_left_off() {
+        let t = |s: i64| chrono::DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap();
+        let resume: HashMap<String, DateTime<Utc>> = [
+            ("leaks".to_string(), t(10)),
+            ("stored_drift".to_string(), t(5)),
+            ("stale_dlq".to_string(), t(20)),
+        ]
+        .into();
+        let plan = Plan::new(Sweep::Incremental, &resume);
+        assert_eq!(plan.gaps, Scope::Since(t(5)), "leaks and drift share the earlier start");
+        assert_eq!(plan.stale, Scope::Since(t(20)));
+        assert_eq!(plan.bad, None, "no window yet: no vector is read");
+        assert_eq!(plan.since(), Some(t(5)));
+        let full = Plan::new(Sweep::Full, &resume);
+        assert_eq!((full.gaps, full.stale, full.bad, full.since()), (Scope::All, Scope::All, None, None));
+        let deep = Plan::new(Sweep::Deep, &resume);
+        assert_eq!((deep.bad, deep.scan_duplicates), (Some(Scope::All), true));
+        // No resume point for a check: that check looks at every chunk.
+        let plan = Plan::new(Sweep::Incremental, &HashMap::new());
+        assert_eq!((plan.gaps, plan.stale, plan.since()), (Scope::All, Scope::All, None));
+    }
+}
