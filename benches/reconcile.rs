@@ -21,7 +21,9 @@
 //!
 //! A deep run (every vector read: what every run did before sweeps existed) is timed
 //! `BENCH_DEEP_ROUNDS` times (default 2). Times are wall-clock around the call (lock and
-//! horizon included); ratios are medians of the per-round ratios to the seed query.
+//! horizon included); ratios are medians of the per-round ratios to the seed query. Rounds
+//! are 2.5 s apart, as periodic runs are minutes apart (a run re-checks the 2 s of changes
+//! before its predecessor's horizon).
 
 use std::time::{Duration, Instant};
 
@@ -75,7 +77,10 @@ async fn run() {
     for size in sizes {
         let db_name = format!("bench_{}_{size}", std::process::id());
         let mut conn = PgConnection::connect(&admin).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{db_name}\""))).execute(&mut conn).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{db_name}\"")))
+            .execute(&mut conn)
+            .await
+            .unwrap();
         let url = with_database(&admin, &db_name);
         let pool = embed_dlq::store::connect(&url, 8).await.unwrap();
         embed_dlq::store::migrate(&pool).await.unwrap();
@@ -91,12 +96,21 @@ async fn run() {
             .unwrap();
     }
     println!();
-    println!("| manifest rows | seed anti-join | full | incremental ({changed} changed) | deep | full / seed | incremental / seed | deep / seed |");
+    println!(
+        "| manifest rows | seed anti-join | full | incremental ({changed} changed) | deep | full / seed | incremental / seed | deep / seed |"
+    );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for r in table {
         println!(
             "| {} | {:.0} ms | {:.0} ms | {:.1} ms | {:.0} ms | {:.2} | {:.3} | {:.1} |",
-            r.size, r.seed_ms, r.full_ms, r.incremental_ms, r.deep_ms, r.full_ratio, r.incremental_ratio, r.deep_ratio
+            r.size,
+            r.seed_ms,
+            r.full_ms,
+            r.incremental_ms,
+            r.deep_ms,
+            r.full_ratio,
+            r.incremental_ratio,
+            r.deep_ratio
         );
     }
 }
@@ -143,7 +157,10 @@ async fn load(pool: &PgPool, size: usize) {
     .execute(pool)
     .await
     .unwrap();
-    sqlx::raw_sql("VACUUM ANALYZE ingest_manifest, doc_embeddings, embedding_dlq").execute(pool).await.unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE ingest_manifest, doc_embeddings, embedding_dlq")
+        .execute(pool)
+        .await
+        .unwrap();
 }
 
 /// Re-stores `n` stored chunks (from `offset` on, by key) with new content, as an ingest of
@@ -218,6 +235,10 @@ async fn measure(pool: &PgPool, size: usize, rounds: usize, deep_rounds: usize, 
         let f = ms(run(Sweep::Full).await);
         change(pool, round * changed, changed, round).await;
         let i = ms(run(Sweep::Incremental).await);
+        // Periodic runs are minutes apart: more than the 2 s a run re-checks before the last
+        // horizon (without the pause the next full sweep would read this round's changed
+        // vectors again).
+        tokio::time::sleep(Duration::from_millis(2500)).await;
         println!("{size} rows, round {round}: seed {s:.0} ms, full {f:.0} ms, incremental {i:.1} ms");
         full_ratio.push(f / s);
         inc_ratio.push(i / s);

@@ -40,7 +40,7 @@
 //! a reconcile run went by. So a run does not resume from its own start but from its
 //! *horizon*: the oldest transaction start among the database's other sessions when the run
 //! began (read from `pg_stat_activity` before any check takes a snapshot), less a small
-//! margin. Whatever this run could not see was written by a transaction running then (which
+//! margin (2 s). Whatever this run could not see was written by a transaction running then (which
 //! started no earlier than the horizon) or starting later, so its `updated_at` is at or after
 //! the horizon, and the next run looks at it. Sessions whose transactions cannot be seen
 //! (other roles without `pg_read_all_stats`, prepared transactions) widen the margin to an
@@ -937,7 +937,10 @@ mod tests {
         let never = SweepPolicy::Scheduled { full_every: Duration::ZERO, deep_every: None };
         assert_eq!(never.pick(&previous(None, None, &[])), Sweep::Full);
         assert_eq!(never.pick(&previous(Some(0.5), None, &WINDOWED)), Sweep::Full);
-        assert_eq!(SweepPolicy::Always(Sweep::Incremental).pick(&previous(None, None, &[])), Sweep::Incremental);
+        assert_eq!(
+            SweepPolicy::Always(Sweep::Incremental).pick(&previous(None, None, &[])),
+            Sweep::Incremental
+        );
     }
 
     #[test]

@@ -574,8 +574,9 @@ pub(crate) async fn last_run_finished(pool: &PgPool) -> Result<Option<f64>, Stor
 }
 
 /// Margin below the horizon: covers a transaction whose start is not yet shown in
-/// `pg_stat_activity` when the horizon is read, and small steps of the server's clock.
-const HORIZON_MARGIN: Duration = Duration::from_secs(10);
+/// `pg_stat_activity` when the horizon is read (microseconds), and small steps of the
+/// server's clock. A run re-checks the changes of this long before its predecessor's horizon.
+pub(crate) const HORIZON_MARGIN: Duration = Duration::from_secs(2);
 /// Margin used instead when some transactions of this database cannot be seen (sessions of
 /// other roles without `pg_read_all_stats`, prepared transactions): changes of a transaction
 /// older than this that commits later are found by the next full sweep, not incrementally.
