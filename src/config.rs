@@ -42,6 +42,7 @@ use crate::embed::gate::{BreakerConfig, OnOutage};
 use crate::embed::limit::LimitConfig;
 use crate::embed::retry::{DlqSchedule, RetryPolicy};
 use crate::ingest::IngestOptions;
+use crate::reconcile::SweepPolicy;
 use crate::relay::RelayConfig;
 use crate::replay::ReplayConfig;
 
@@ -215,6 +216,14 @@ pub struct ServeArgs {
     /// Also run the reconciler (check only) every this many seconds; 0 = never, 0..=604800.
     #[arg(long)]
     pub reconcile_every_secs: Option<u64>,
+    /// A periodic reconcile run is a full sweep when none finished within this many seconds
+    /// (else incremental); 0 = every run is full, 0..=2592000.
+    #[arg(long)]
+    pub reconcile_full_every_secs: Option<u64>,
+    /// A periodic reconcile run is a deep sweep (reads every vector) when none finished
+    /// within this many seconds; 0 = never, 0..=31536000.
+    #[arg(long)]
+    pub reconcile_deep_every_secs: Option<u64>,
 }
 
 /// One layer of settings: the TOML config file, or what the command line (with the
@@ -339,6 +348,10 @@ pub mod bounds {
     pub const RELAY_POLL_MS: RangeInclusive<u64> = 10..=60_000;
     /// 0 = never; at most 7 days.
     pub const RECONCILE_EVERY_SECS: RangeInclusive<u64> = 0..=604_800;
+    /// 0 = every run is a full sweep; at most 30 days between full sweeps.
+    pub const RECONCILE_FULL_EVERY_SECS: RangeInclusive<u64> = 0..=2_592_000;
+    /// 0 = never a deep sweep unless asked for; at most a year between deep sweeps.
+    pub const RECONCILE_DEEP_EVERY_SECS: RangeInclusive<u64> = 0..=31_536_000;
     /// Characters of a stream prefix or consumer name.
     pub const NAME_CHARS: RangeInclusive<usize> = 1..=128;
     /// Characters of a model name.
@@ -632,6 +645,8 @@ pub struct ServeSettings {
     pub metrics_addr: Option<SocketAddr>,
     /// Run the reconciler (check only) this often; `None` = never.
     pub reconcile_every: Option<Duration>,
+    /// How each reconcile run (of `serve` or of `reconcile`) picks its sweep.
+    pub reconcile_sweeps: SweepPolicy,
 }
 
 impl Settings {
@@ -1088,6 +1103,8 @@ fn resolve_serve(
         relay_poll_ms,
         metrics_addr,
         reconcile_every_secs,
+        reconcile_full_every_secs,
+        reconcile_deep_every_secs,
     } = flags;
     let rd = ReplayConfig::default();
     let ld = RelayConfig::default();
@@ -1118,6 +1135,20 @@ fn resolve_serve(
         DEFAULT_RECONCILE_EVERY_SECS,
         bounds::RECONCILE_EVERY_SECS,
     )?;
+    let full_every = r.num(
+        "reconcile_full_every_secs",
+        reconcile_full_every_secs,
+        file.reconcile_full_every_secs,
+        crate::reconcile::DEFAULT_FULL_EVERY.as_secs(),
+        bounds::RECONCILE_FULL_EVERY_SECS,
+    )?;
+    let deep_every = r.num(
+        "reconcile_deep_every_secs",
+        reconcile_deep_every_secs,
+        file.reconcile_deep_every_secs,
+        crate::reconcile::DEFAULT_DEEP_EVERY.as_secs(),
+        bounds::RECONCILE_DEEP_EVERY_SECS,
+    )?;
     let serve = ServeSettings {
         replayers,
         replay: ReplayConfig {
@@ -1132,6 +1163,10 @@ fn resolve_serve(
         consumer_prefix,
         metrics_addr,
         reconcile_every: (reconcile_every_secs > 0).then(|| Duration::from_secs(reconcile_every_secs)),
+        reconcile_sweeps: SweepPolicy::Scheduled {
+            full_every: Duration::from_secs(full_every),
+            deep_every: (deep_every > 0).then(|| Duration::from_secs(deep_every)),
+        },
     };
     Ok((stream_prefix, serve))
 }
@@ -1143,6 +1178,9 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         Settings::resolve(FileConfig::default(), None, &Origins::default()).expect("the defaults are valid");
     let o = &s.options;
     let v = &s.serve;
+    let SweepPolicy::Scheduled { full_every, deep_every } = v.reconcile_sweeps else {
+        unreachable!("settings always schedule sweeps")
+    };
     vec![
         ("base_url", s.client.base_url.clone()),
         ("model", s.client.model.clone()),
@@ -1178,6 +1216,8 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
+        ("reconcile_full_every_secs", full_every.as_secs().to_string()),
+        ("reconcile_deep_every_secs", deep_every.map_or(0, |d| d.as_secs()).to_string()),
         ("price_per_million_tokens", o.price_per_million_tokens.map_or("none".into(), |p| p.to_string())),
     ]
 }
@@ -1630,6 +1670,8 @@ reconcile_every_secs = 7
             ("replayers", (|c: &mut FileConfig, v: u64| c.serve.replayers = Some(v as usize)) as Set, 64),
             ("grace_ms", |c, v| c.serve.grace_ms = Some(v), 600_000),
             ("reconcile_every_secs", |c, v| c.serve.reconcile_every_secs = Some(v), 604_800),
+            ("reconcile_full_every_secs", |c, v| c.serve.reconcile_full_every_secs = Some(v), 2_592_000),
+            ("reconcile_deep_every_secs", |c, v| c.serve.reconcile_deep_every_secs = Some(v), 31_536_000),
         ] {
             for (v, ok) in [(0, true), (hi, true), (hi + 1, false), (u64::MAX, false)] {
                 let mut c = FileConfig::default();

@@ -2,16 +2,62 @@
 //! Redis streams agree, and repairs what can be repaired safely.
 //!
 //! Every check is one set-based SQL statement or a paged scan (of a stream, or of outbox rows
-//! against a stream), so a run stays cheap at a million chunks and its memory is bounded by
-//! the page size (`ReconcileConfig::page`), not by the size of the data. [`Reconciler::run_once`] returns a [`Report`]; in repair mode
-//! each repairable check fixes what it found in one statement (or one Redis pipeline), and a
-//! second run is clean. Each run is recorded in `reconcile_runs` (for the "reconcile not run
-//! recently" alert, whatever process runs it).
+//! against a stream), so a run's memory is bounded by the page size
+//! (`ReconcileConfig::page`), not by the size of the data. [`Reconciler::run_once`] returns
+//! a [`Report`]; in repair mode each repairable check fixes what it found (in one statement,
+//! a few pages of rows, or one Redis pipeline), and a second run is clean. Each run is
+//! recorded in `reconcile_runs` (for the "reconcile not run recently" alert, whatever
+//! process runs it, and for where the next run resumes).
+//!
+//! # Sweeps: what a run looks at
+//!
+//! The table checks come in three [`Sweep`]s; the outbox, stream and replay-stall checks are
+//! the same in each.
+//!
+//! - **incremental**: only the chunks whose manifest row changed since the previous run, so
+//!   its cost follows the changes, not the corpus. Every writer of this tool that stores,
+//!   parks, replays or resolves a chunk moves its manifest `updated_at` in the same
+//!   transaction, so everything this tool did since the previous run is looked at, vectors'
+//!   contents included.
+//! - **full**: every chunk. Leaks and stored drift are one anti-join, stale DLQ rows a pass
+//!   over the DLQ, and duplicates are ruled out by the table's unique index. Vectors'
+//!   contents are read only for changed chunks, as in an incremental run: a vector is
+//!   checked (dimension, finite, non-zero norm) before this tool writes it, pgvector refuses a
+//!   wrong dimension or a NaN on every input path, so what is left to find is a zero vector
+//!   written by hand.
+//! - **deep**: full, plus the norm of every vector and the duplicates `GROUP BY` whatever the
+//!   index says (a corrupt index, hand-made rows). It reads every vector: many times the
+//!   cost of a full sweep.
+//!
+//! What only a full sweep finds: changes made behind this tool's back that leave the
+//! manifest alone (a vector or DLQ row deleted, a vector's content changed by hand, in a
+//! chunk that did not change since the previous run). What only a deep sweep finds: a bad
+//! vector written by hand into such a chunk.
+//!
+//! # The incremental window
+//!
+//! A writer stamps `updated_at = now()`, its transaction's start, and may commit long after
+//! a reconcile run went by. So a run does not resume from its own start but from its
+//! *horizon*: the oldest transaction start among the database's other sessions when the run
+//! began (read from `pg_stat_activity` before any check takes a snapshot), less a small
+//! margin (2 s). Whatever this run could not see was written by a transaction running then (which
+//! started no earlier than the horizon) or starting later, so its `updated_at` is at or after
+//! the horizon, and the next run looks at it. Sessions whose transactions cannot be seen
+//! (other roles without `pg_read_all_stats`, prepared transactions) widen the margin to an
+//! hour, and the report says so.
+//!
+//! A finding left unrepaired holds its check's window open back to it, so it is reported
+//! again by every run until it is repaired. Runs of one database take an advisory lock, one
+//! after another: two reconcilers started at once (several `serve` hosts) never advance past
+//! each other's windows. The window lives in `reconcile_runs`, so it survives restarts; a run
+//! that fails records nothing, and the next one starts where the last recorded run left off.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, TableCheck, WorkAudit};
+use chrono::{DateTime, Utc};
+
+use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, Scope, WorkAudit};
 use crate::store::{Store, StoreError, TargetTable, outbox};
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 use redis::aio::ConnectionManager;
@@ -114,7 +160,14 @@ pub struct Report {
     pub findings: Vec<Finding>,
     /// Whether the run changed anything.
     pub mode: Mode,
-    /// Wall-clock duration of the run.
+    /// What the table checks looked at.
+    pub sweep: Sweep,
+    /// An incremental run: the earliest manifest change it looked at (`None`: some check
+    /// looked at every chunk).
+    pub since: Option<DateTime<Utc>>,
+    /// Why the incremental window keeps a wider margin than usual, if it does.
+    pub window_note: Option<String>,
+    /// Wall-clock duration of the run (after waiting for another run to finish).
     pub duration_secs: f64,
 }
 
@@ -142,7 +195,84 @@ pub enum Mode {
     Repair,
 }
 
-/// Thresholds of the checks, and the page size that bounds a run's memory.
+/// What a run's table checks look at; see the module doc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Sweep {
+    /// Only chunks whose manifest row changed since the previous run (per check, where the
+    /// previous run left off); every chunk for a check no run has covered yet.
+    Incremental,
+    /// Every chunk; vectors' contents only of the changed chunks.
+    Full,
+    /// Every chunk and every vector's contents; duplicates by scanning.
+    Deep,
+}
+
+impl Sweep {
+    /// Name in reports, `reconcile_runs.sweep` and flags.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sweep::Incremental => "incremental",
+            Sweep::Full => "full",
+            Sweep::Deep => "deep",
+        }
+    }
+}
+
+/// How [`Reconciler::run_once`] picks a run's [`Sweep`]. The schedule reads the recorded runs
+/// of the database, so it holds across restarts and across every process that reconciles it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SweepPolicy {
+    /// Deep when no deep sweep finished within `deep_every` (`None`: never deep); else full
+    /// when no full (or deep) sweep finished within `full_every` (zero: every run is full)
+    /// or no run left resume points; else incremental.
+    Scheduled {
+        /// Longest time between full sweeps.
+        full_every: Duration,
+        /// Longest time between deep sweeps (`None`: only when asked for).
+        deep_every: Option<Duration>,
+    },
+    /// Always this sweep.
+    Always(Sweep),
+}
+
+/// Default longest time between full sweeps: a full sweep costs about one anti-join of the
+/// manifest against the vectors (see BENCHMARKS.md).
+pub const DEFAULT_FULL_EVERY: Duration = Duration::from_secs(3600);
+/// Default longest time between deep sweeps: one reads every vector.
+pub const DEFAULT_DEEP_EVERY: Duration = Duration::from_secs(7 * 86_400);
+
+impl Default for SweepPolicy {
+    fn default() -> Self {
+        SweepPolicy::Scheduled { full_every: DEFAULT_FULL_EVERY, deep_every: Some(DEFAULT_DEEP_EVERY) }
+    }
+}
+
+impl SweepPolicy {
+    /// The sweep of the next run, given what the previous runs left.
+    fn pick(self, previous: &sql::Previous) -> Sweep {
+        let (full_every, deep_every) = match self {
+            SweepPolicy::Always(s) => return s,
+            SweepPolicy::Scheduled { full_every, deep_every } => (full_every, deep_every),
+        };
+        let older = |ago: Option<f64>, d: Duration| ago.is_none_or(|s| s >= d.as_secs_f64());
+        if let Some(d) = deep_every
+            && older(previous.secs_since_deep, d)
+        {
+            return Sweep::Deep;
+        }
+        let resumable = [Check::Leaks, Check::StoredDrift, Check::StaleDlq]
+            .iter()
+            .all(|c| previous.resume.contains_key(c.name()));
+        if !resumable || older(previous.secs_since_full, full_every) {
+            return Sweep::Full;
+        }
+        Sweep::Incremental
+    }
+}
+
+/// Thresholds of the checks, the page size that bounds a run's memory, and the sweep
+/// schedule.
 #[derive(Debug, Clone)]
 pub struct ReconcileConfig {
     /// An unpublished outbox row older than this is a finding.
@@ -160,6 +290,8 @@ pub struct ReconcileConfig {
     /// than the stream's first entry count as trimmed by policy, not as missing, while the
     /// stream holds at least this many entries. 0: no cap (nothing is ever trimmed).
     pub events_maxlen: usize,
+    /// How [`Reconciler::run_once`] picks each run's sweep.
+    pub sweeps: SweepPolicy,
 }
 
 /// Largest page a scanning check uses, whatever is configured.
@@ -174,6 +306,7 @@ impl Default for ReconcileConfig {
             examples: 5,
             page: 1000,
             events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
+            sweeps: SweepPolicy::default(),
         }
     }
 }
@@ -197,15 +330,6 @@ pub enum ReconcileError {
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
 }
-
-/// The checks made per target table, in report order, with the statement each one runs.
-const TABLE_CHECKS: [(Check, TableCheck); 5] = [
-    (Check::Leaks, TableCheck::Leaks),
-    (Check::Duplicates, TableCheck::Duplicates),
-    (Check::StoredDrift, TableCheck::StoredDrift),
-    (Check::StaleDlq, TableCheck::StaleDlq),
-    (Check::BadVectors, TableCheck::BadVectors),
-];
 
 impl Finding {
     /// Adds examples until the finding holds `limit`.
@@ -240,6 +364,85 @@ fn finding(check: Check, run: CheckRun) -> Finding {
     Finding { check, found: run.found, examples: run.examples, repaired: run.repaired, note: None }
 }
 
+/// The table checks, in report order.
+const TABLE_CHECKS: [Check; 5] =
+    [Check::Leaks, Check::Duplicates, Check::StoredDrift, Check::StaleDlq, Check::BadVectors];
+
+/// The checks whose window an incremental run resumes, per check, where the previous run
+/// left off: they look at chunks (manifest rows) and can be limited to the changed ones.
+const WINDOWED: [Check; 4] = [Check::Leaks, Check::StoredDrift, Check::StaleDlq, Check::BadVectors];
+
+/// What each table check of one run looks at.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    /// Leaks and stored drift (one scan).
+    gaps: Scope,
+    stale: Scope,
+    /// `None`: no vector is read (a full or incremental sweep with no earlier window).
+    bad: Option<Scope>,
+    /// Scan for duplicates even where the unique index rules them out.
+    scan_duplicates: bool,
+}
+
+impl Plan {
+    /// The plan of `sweep` given where the previous run left off (`resume`).
+    fn new(sweep: Sweep, resume: &HashMap<String, DateTime<Utc>>) -> Plan {
+        let window = |c: Check| resume.get(c.name()).copied().map(Scope::Since);
+        let earlier = |a: Option<Scope>, b: Option<Scope>| match (a, b) {
+            (Some(Scope::Since(x)), Some(Scope::Since(y))) => Scope::Since(x.min(y)),
+            _ => Scope::All,
+        };
+        match sweep {
+            Sweep::Incremental => Plan {
+                gaps: earlier(window(Check::Leaks), window(Check::StoredDrift)),
+                stale: window(Check::StaleDlq).unwrap_or(Scope::All),
+                bad: window(Check::BadVectors),
+                scan_duplicates: false,
+            },
+            Sweep::Full => Plan {
+                gaps: Scope::All,
+                stale: Scope::All,
+                bad: window(Check::BadVectors),
+                scan_duplicates: false,
+            },
+            Sweep::Deep => {
+                Plan { gaps: Scope::All, stale: Scope::All, bad: Some(Scope::All), scan_duplicates: true }
+            }
+        }
+    }
+
+    /// The scope of a windowed check (`None`: not checked).
+    fn scope(&self, check: Check) -> Option<Scope> {
+        match check {
+            Check::Leaks | Check::StoredDrift => Some(self.gaps),
+            Check::StaleDlq => Some(self.stale),
+            Check::BadVectors => self.bad,
+            _ => None,
+        }
+    }
+
+    /// The earliest change any windowed check looks at (`None`: some check looks at every
+    /// chunk).
+    fn since(&self) -> Option<DateTime<Utc>> {
+        let mut out: Option<DateTime<Utc>> = None;
+        for c in WINDOWED {
+            match self.scope(c) {
+                Some(Scope::All) => return None,
+                Some(Scope::Since(t)) => out = Some(out.map_or(t, |o| o.min(t))),
+                None => {}
+            }
+        }
+        out
+    }
+}
+
+/// The table findings of a run, and per windowed check the earliest change among findings
+/// left unrepaired.
+struct TableFindings {
+    findings: Vec<Finding>,
+    unrepaired: HashMap<Check, DateTime<Utc>>,
+}
+
 /// Runs the checks over one database and its streams; [`Reconciler::run_once`] is what the
 /// `reconcile` command and the periodic loop of [`crate::serve`] call.
 pub struct Reconciler {
@@ -249,36 +452,76 @@ pub struct Reconciler {
     pub redis: Option<ConnectionManager>,
     /// The streams the stream checks read.
     pub keys: StreamKeys,
-    /// Thresholds and page size.
+    /// Thresholds, page size and the sweep schedule.
     pub config: ReconcileConfig,
 }
 
 impl Reconciler {
-    /// One run of every check.
+    /// One run of every check, in the sweep [`ReconcileConfig::sweeps`] picks.
     pub async fn run_once(&mut self, mode: Mode) -> Result<Report, ReconcileError> {
+        self.run_sweep(mode, None).await
+    }
+
+    /// One run of every check in `sweep` (`None`: the one [`ReconcileConfig::sweeps`]
+    /// picks). Waits until no other reconcile run of this database is in progress (an
+    /// advisory lock held for the whole run): each run resumes where the one before it left
+    /// off.
+    pub async fn run_sweep(&mut self, mode: Mode, sweep: Option<Sweep>) -> Result<Report, ReconcileError> {
+        let lock = sql::RunLock::begin(self.store.pool()).await?;
         let started = Instant::now();
         let started_at = chrono::Utc::now();
+        let sweep = sweep.unwrap_or_else(|| self.config.sweeps.pick(&lock.previous));
+        let plan = Plan::new(sweep, &lock.previous.resume);
         let repair = mode == Mode::Repair;
         let pool = self.store.pool();
         let mut findings = Vec::with_capacity(Check::ALL.len());
-        findings.extend(self.table_findings(repair).await?);
+        let tables = self.table_findings(repair, &plan).await?;
+        findings.extend(tables.findings);
         findings.push(self.outbox_check().await?);
         findings.extend(self.stream_findings(repair).await?);
         let stalled = sql::replay_stalled(pool, self.config.replay_stall_after, self.config.examples).await?;
         findings.push(finding(Check::ReplayStalled, stalled));
-        let report = Report { findings, mode, duration_secs: started.elapsed().as_secs_f64() };
-        let findings_json = serde_json::to_value(&report.findings).expect("findings serialize");
-        sql::record_run(pool, started_at, repair, findings_json).await?;
+        // Where the next incremental run starts, per check: this run's horizon, or the oldest
+        // finding it left unrepaired (so that finding is reported again until repaired).
+        let resume = WINDOWED
+            .iter()
+            .map(|c| {
+                let at = tables.unrepaired.get(c).map_or(lock.horizon, |t| (*t).min(lock.horizon));
+                (c.name().to_string(), at)
+            })
+            .collect();
+        let since = (sweep == Sweep::Incremental).then(|| plan.since()).flatten();
+        let report = Report {
+            findings,
+            mode,
+            sweep,
+            since,
+            window_note: lock.horizon_note.clone(),
+            duration_secs: started.elapsed().as_secs_f64(),
+        };
+        let record = sql::RunRecord {
+            started_at,
+            repaired: repair,
+            findings: serde_json::to_value(&report.findings).expect("findings serialize"),
+            sweep: sweep.name(),
+            scope_from: since,
+            resume,
+        };
+        lock.finish(record).await?;
         Ok(report)
     }
 
-    /// The table checks ([`TABLE_CHECKS`]), one finding each, summed over every table the
-    /// manifest or the DLQ names (each checked with its own joins). A table that cannot be
-    /// checked is named in the leaks finding's note.
-    async fn table_findings(&self, repair: bool) -> Result<Vec<Finding>, ReconcileError> {
+    /// The table checks, one finding each, summed over every table the manifest or the DLQ
+    /// names (an incremental run: every table with changed chunks, and this store's own),
+    /// each checked with its own joins. A table that cannot be checked is named in the leaks
+    /// finding's note.
+    async fn table_findings(&self, repair: bool, plan: &Plan) -> Result<TableFindings, ReconcileError> {
+        let mut names = vec![self.store.table_name().to_string()];
+        let named = sql::tables_named(self.store.pool(), plan.since(), MAX_TABLES).await?;
+        names.extend(named.into_iter().filter(|n| n != self.store.table_name()));
         let mut targets = Vec::new();
         let mut skipped_tables = Vec::new();
-        for name in self.store.known_tables(MAX_TABLES).await? {
+        for name in names {
             match self.store.target_for(&name).await {
                 Ok(t) => targets.push(t),
                 Err(StoreError::Target { problem, .. }) => skipped_tables.push(format!("{name}: {problem}")),
@@ -286,46 +529,74 @@ impl Reconciler {
             }
         }
         let several = targets.len() > 1;
-        let mut per_table: Vec<Vec<Finding>> = Vec::with_capacity(targets.len());
+        let mut merged: Vec<Finding> = TABLE_CHECKS
+            .iter()
+            .map(|&check| Finding { check, found: 0, examples: vec![], repaired: 0, note: None })
+            .collect();
+        let mut unrepaired: HashMap<Check, DateTime<Utc>> = HashMap::new();
         for target in &targets {
-            per_table.push(self.check_table(target, several, repair).await?);
-        }
-        let mut findings = Vec::with_capacity(TABLE_CHECKS.len());
-        for (n, (check, _)) in TABLE_CHECKS.into_iter().enumerate() {
-            let mut merged = Finding { check, found: 0, examples: vec![], repaired: 0, note: None };
-            for f in per_table.iter().map(|fs| &fs[n]) {
-                merged.found += f.found;
-                merged.repaired += f.repaired;
-                merged.add_examples(f.examples.iter().cloned(), self.config.examples);
+            for (mut f, oldest, note) in self.check_table(target, repair, plan).await? {
+                if several {
+                    for e in &mut f.examples {
+                        *e = format!("{}:{e}", target.name);
+                    }
+                }
+                let m = merged.iter_mut().find(|m| m.check == f.check).expect("a table check");
+                m.found += f.found;
+                m.repaired += f.repaired;
+                m.add_examples(f.examples, self.config.examples);
+                if let Some(note) = note {
+                    m.note = Some(match m.note.take() {
+                        Some(n) if n != note => format!("{n}; {note}"),
+                        _ => note,
+                    });
+                }
+                let left = f.found > 0 && (!repair || f.repaired < f.found);
+                if let (true, Some(t)) = (left, oldest) {
+                    let e = unrepaired.entry(f.check).or_insert(t);
+                    *e = (*e).min(t);
+                }
             }
-            if check == Check::Leaks && !skipped_tables.is_empty() {
-                merged.note = Some(format!("not checked: {}", skipped_tables.join("; ")));
-            }
-            findings.push(merged);
         }
-        Ok(findings)
+        if !skipped_tables.is_empty() {
+            let m = merged.iter_mut().find(|m| m.check == Check::Leaks).expect("leaks");
+            m.note = Some(format!("not checked: {}", skipped_tables.join("; ")));
+        }
+        if plan.bad.is_none() {
+            let m = merged.iter_mut().find(|m| m.check == Check::BadVectors).expect("bad vectors");
+            m.note = Some(
+                "vectors not read: from now on those of changed chunks; every vector in a deep sweep".into(),
+            );
+        }
+        Ok(TableFindings { findings: merged, unrepaired })
     }
 
-    /// The table checks of one table, in [`TABLE_CHECKS`] order. With `several` tables, each
-    /// example is prefixed with its table's name.
+    /// The table checks of one table: each finding, the earliest change among the rows it
+    /// found, and a note.
     async fn check_table(
         &self,
         target: &TargetTable,
-        several: bool,
         repair: bool,
-    ) -> Result<Vec<Finding>, ReconcileError> {
+        plan: &Plan,
+    ) -> Result<Vec<(Finding, Option<DateTime<Utc>>, Option<String>)>, ReconcileError> {
+        let pool = self.store.pool();
+        let (examples, page) = (self.config.examples, self.config.page());
         let mut out = Vec::with_capacity(TABLE_CHECKS.len());
-        for (check, table_check) in TABLE_CHECKS {
-            let run = sql::table_check(self.store.pool(), target, table_check, self.config.examples, repair)
-                .await?;
-            out.push(finding(check, run));
+        let (dups, note) =
+            sql::duplicates_check(pool, target, examples, plan.scan_duplicates, repair).await?;
+        out.push((finding(Check::Duplicates, dups), None, note));
+        let (leaks, drift) = sql::gaps(pool, target, plan.gaps, examples, repair).await?;
+        for (check, run) in [(Check::Leaks, leaks), (Check::StoredDrift, drift)] {
+            let oldest = run.oldest_change;
+            out.push((finding(check, run), oldest, None));
         }
-        if several {
-            for f in &mut out {
-                for e in &mut f.examples {
-                    *e = format!("{}:{e}", target.name);
-                }
-            }
+        let stale = sql::stale_dlq(pool, target, plan.stale, examples, page, repair).await?;
+        let oldest = stale.oldest_change;
+        out.push((finding(Check::StaleDlq, stale), oldest, None));
+        if let Some(scope) = plan.bad {
+            let bad = sql::bad_vectors(pool, target, scope, examples, page, repair).await?;
+            let oldest = bad.oldest_change;
+            out.push((finding(Check::BadVectors, bad), oldest, None));
         }
         Ok(out)
     }
@@ -629,5 +900,69 @@ pub(crate) fn publish_report(r: &Report) {
 pub(crate) fn publish_zero_findings() {
     for c in Check::ALL {
         metrics::gauge!(crate::metrics::RECONCILE_FINDINGS, "check" => c.name()).set(0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn previous(full: Option<f64>, deep: Option<f64>, resume: &[Check]) -> sql::Previous {
+        let at = chrono::Utc::now();
+        sql::Previous {
+            secs_since_full: full,
+            secs_since_deep: deep,
+            resume: resume.iter().map(|c| (c.name().to_string(), at)).collect(),
+        }
+    }
+
+    #[test]
+    fn the_schedule_goes_deep_then_full_then_incremental() {
+        let hour = Duration::from_secs(3600);
+        let policy = SweepPolicy::Scheduled { full_every: hour, deep_every: Some(24 * hour) };
+        // Never ran: deep.
+        assert_eq!(policy.pick(&previous(None, None, &[])), Sweep::Deep);
+        // A recent deep run with resume points: incremental.
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(60.0), &WINDOWED)), Sweep::Incremental);
+        // Resume points missing (runs from before sweeps existed): full.
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(60.0), &[])), Sweep::Full);
+        // bad_vectors alone may be missing: its window starts at the next run.
+        let three = [Check::Leaks, Check::StoredDrift, Check::StaleDlq];
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(60.0), &three)), Sweep::Incremental);
+        // Full due, deep not.
+        assert_eq!(policy.pick(&previous(Some(3600.0), Some(3600.0), &WINDOWED)), Sweep::Full);
+        // Deep due.
+        assert_eq!(policy.pick(&previous(Some(60.0), Some(86_400.0), &WINDOWED)), Sweep::Deep);
+        // Never deep; full every run.
+        let never = SweepPolicy::Scheduled { full_every: Duration::ZERO, deep_every: None };
+        assert_eq!(never.pick(&previous(None, None, &[])), Sweep::Full);
+        assert_eq!(never.pick(&previous(Some(0.5), None, &WINDOWED)), Sweep::Full);
+        assert_eq!(
+            SweepPolicy::Always(Sweep::Incremental).pick(&previous(None, None, &[])),
+            Sweep::Incremental
+        );
+    }
+
+    #[test]
+    fn an_incremental_plan_resumes_each_check_where_it_left_off() {
+        let t = |s: i64| chrono::DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap();
+        let resume: HashMap<String, DateTime<Utc>> = [
+            ("leaks".to_string(), t(10)),
+            ("stored_drift".to_string(), t(5)),
+            ("stale_dlq".to_string(), t(20)),
+        ]
+        .into();
+        let plan = Plan::new(Sweep::Incremental, &resume);
+        assert_eq!(plan.gaps, Scope::Since(t(5)), "leaks and drift share the earlier start");
+        assert_eq!(plan.stale, Scope::Since(t(20)));
+        assert_eq!(plan.bad, None, "no window yet: no vector is read");
+        assert_eq!(plan.since(), Some(t(5)));
+        let full = Plan::new(Sweep::Full, &resume);
+        assert_eq!((full.gaps, full.stale, full.bad, full.since()), (Scope::All, Scope::All, None, None));
+        let deep = Plan::new(Sweep::Deep, &resume);
+        assert_eq!((deep.bad, deep.scan_duplicates), (Some(Scope::All), true));
+        // No resume point for a check: that check looks at every chunk.
+        let plan = Plan::new(Sweep::Incremental, &HashMap::new());
+        assert_eq!((plan.gaps, plan.stale, plan.since()), (Scope::All, Scope::All, None));
     }
 }

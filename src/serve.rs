@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{IngestSettings, Settings};
 use crate::embed::Embedder;
-use crate::reconcile::{Mode, ReconcileError, Reconciler, Report};
+use crate::reconcile::{Mode, ReconcileConfig, ReconcileError, Reconciler, Report, SweepPolicy};
 use crate::relay::{Relay, RelayConfig};
 use crate::replay::{ReplayConfig, Replayer, Scheduler};
 use crate::store::Store;
@@ -58,6 +58,8 @@ pub struct ServeConfig {
     pub consumer_prefix: String,
     /// Run the reconciler (check only) this often.
     pub reconcile_every: Option<Duration>,
+    /// How each periodic reconcile run picks its sweep (incremental, full or deep).
+    pub reconcile_sweeps: SweepPolicy,
     /// Sample the DLQ/outbox/stream gauges (when a metrics endpoint is installed).
     pub metrics: bool,
 }
@@ -69,6 +71,7 @@ impl ServeConfig {
         let serve = &settings.serve;
         ServeConfig {
             reconcile_every: serve.reconcile_every,
+            reconcile_sweeps: serve.reconcile_sweeps,
             metrics: serve.metrics_addr.is_some(),
             replayers: serve.replayers,
             relay: serve.relay.clone(),
@@ -194,7 +197,7 @@ async fn sample_and_reconcile(
         store: store.clone(),
         redis: Some(redis.clone()),
         keys: keys.clone(),
-        config: Default::default(),
+        config: ReconcileConfig { sweeps: config.reconcile_sweeps, ..Default::default() },
     };
     crate::reconcile::publish_zero_findings();
     let mut last_reconcile = std::time::Instant::now();

@@ -264,6 +264,21 @@ pub struct ReconcileCommand {
     /// Run periodically, every this many seconds (a long-running job), 1..=604800.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub every_secs: Option<u64>,
+    /// Every run is a full sweep: every chunk, vectors' contents only of changed chunks
+    /// (default: incremental, with full and deep sweeps on schedule).
+    #[arg(long, conflicts_with = "deep")]
+    pub full: bool,
+    /// Every run is a deep sweep: a full one that also reads every vector.
+    #[arg(long)]
+    pub deep: bool,
+    /// Without --full/--deep, a run is a full sweep when none finished within this many
+    /// seconds; 0 = every run, 0..=2592000.
+    #[arg(long = "full-every-secs", id = "reconcile_full_every_secs")]
+    pub full_every_secs: Option<u64>,
+    /// Without --full/--deep, a run is a deep sweep when none finished within this many
+    /// seconds; 0 = never, 0..=31536000.
+    #[arg(long = "deep-every-secs", id = "reconcile_deep_every_secs")]
+    pub deep_every_secs: Option<u64>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,

@@ -398,6 +398,7 @@ fn demo_serve_config(
         grace: Duration::from_secs(5),
         consumer_prefix: format!("demo-{}", std::process::id()),
         reconcile_every: None,
+        reconcile_sweeps: Default::default(),
         metrics: false,
     }
 }

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
-use embed_dlq::reconcile::{Mode, Reconciler};
+use embed_dlq::reconcile::{Mode, ReconcileConfig, Reconciler, Sweep, SweepPolicy};
 use embed_dlq::streams::StreamKeys;
 use tokio_util::sync::CancellationToken;
 
@@ -15,10 +15,27 @@ use super::{Resolver, exit};
 
 /// Runs `reconcile`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: CancellationToken) -> i32 {
-    let ReconcileCommand { repair, dry_run, every_secs, json, metrics_addr, table, stream_prefix } = args;
+    let ReconcileCommand {
+        repair,
+        dry_run,
+        every_secs,
+        full,
+        deep,
+        full_every_secs,
+        deep_every_secs,
+        json,
+        metrics_addr,
+        table,
+        stream_prefix,
+    } = args;
     let flags = FileConfig {
         ingest: IngestArgs { table, ..Default::default() },
-        serve: ServeArgs { stream_prefix, ..Default::default() },
+        serve: ServeArgs {
+            stream_prefix,
+            reconcile_full_every_secs: full_every_secs,
+            reconcile_deep_every_secs: deep_every_secs,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let (settings, url) = match resolver.with_database(flags) {
@@ -30,12 +47,18 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
         (true, false) => Mode::Repair,
         (false, _) => Mode::Check,
     };
+    let sweeps = match (full, deep) {
+        (_, true) => SweepPolicy::Always(Sweep::Deep),
+        (true, false) => SweepPolicy::Always(Sweep::Full),
+        (false, false) => settings.serve.reconcile_sweeps,
+    };
     let run = ReconcileRun {
         database_url: &url,
         redis_url: settings.redis_url.as_deref(),
         table: &settings.table,
         stream_prefix: &settings.stream_prefix,
         mode,
+        sweeps,
         every: every_secs.map(Duration::from_secs),
         json,
         metrics_addr,
@@ -55,6 +78,8 @@ struct ReconcileRun<'a> {
     stream_prefix: &'a str,
     /// Check, repair, or show what a repair would do.
     mode: Mode,
+    /// How each run picks its sweep.
+    sweeps: SweepPolicy,
     /// Run every this often until a signal; `None` runs once.
     every: Option<Duration>,
     /// Each report as one JSON object instead of a table.
@@ -85,8 +110,8 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
         },
         None => None,
     };
-    let mut reconciler =
-        Reconciler { store, redis, keys: StreamKeys::new(run.stream_prefix), config: Default::default() };
+    let config = ReconcileConfig { sweeps: run.sweeps, ..Default::default() };
+    let mut reconciler = Reconciler { store, redis, keys: StreamKeys::new(run.stream_prefix), config };
     let mut code = exit::OK;
     let json = run.json;
     let on_run = |outcome: Result<_, _>| {

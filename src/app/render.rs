@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use embed_dlq::ingest::IngestSummary;
-use embed_dlq::reconcile::{Mode, Report};
+use embed_dlq::reconcile::{Mode, Report, Sweep};
 
 /// Prints a summary: human lines, or one JSON object.
 pub fn print_summary(s: &IngestSummary, json: bool) {
@@ -123,5 +123,15 @@ pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result
         writeln!(out, "{:<24}{:>10}{:>10}  {notes}", f.check.name(), f.found, repaired)?;
     }
     writeln!(out, "total findings: {} ({:.2}s, mode {:?})", r.total_found(), r.duration_secs, r.mode)?;
+    let scope = match (r.sweep, r.since) {
+        (Sweep::Incremental, Some(t)) => format!("incremental: chunks changed since {}", t.to_rfc3339()),
+        (Sweep::Incremental, None) => "incremental: every chunk (no earlier run to resume from)".into(),
+        (Sweep::Full, _) => "full: every chunk; vectors' contents of changed chunks only".into(),
+        (Sweep::Deep, _) => "deep: every chunk and every vector".into(),
+    };
+    writeln!(out, "sweep {scope}")?;
+    if let Some(note) = &r.window_note {
+        writeln!(out, "note: {note}")?;
+    }
     Ok(())
 }

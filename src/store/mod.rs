@@ -223,21 +223,6 @@ impl Store {
         cache.insert(table.to_string(), (std::time::Instant::now(), target.clone()));
         Ok(target)
     }
-
-    /// Every table the manifest or the DLQ names (at most `limit`), this store's own first.
-    pub(crate) async fn known_tables(&self, limit: usize) -> Result<Vec<String>, StoreError> {
-        let names: Vec<String> = sqlx::query_scalar(
-            "SELECT t FROM (SELECT target_table AS t FROM ingest_manifest GROUP BY 1
-                            UNION SELECT target_table FROM embedding_dlq GROUP BY 1) u
-              ORDER BY t LIMIT $1",
-        )
-        .bind(limit as i64)
-        .fetch_all(&self.pool)
-        .await?;
-        let mut out = vec![self.target.name.clone()];
-        out.extend(names.into_iter().filter(|n| *n != self.target.name));
-        Ok(out)
-    }
 }
 
 /// Quotes a possibly schema-qualified identifier (`a.b` → `"a"."b"`).

@@ -1,45 +1,60 @@
 //! Postgres side of the reconciler: the checks that compare the manifest, the target tables,
-//! the DLQ and the outbox, their repairs, and the record of each run. The reconciler
-//! (`crate::reconcile`) decides what to run and merges the results; the stream scans stay
-//! with it, and meet Postgres here through a `WorkAudit`.
+//! the DLQ and the outbox, their repairs, the run lock and the record of each run. The
+//! reconciler (`crate::reconcile`) decides what to run and merges the results; the stream
+//! scans stay with it, and meet Postgres here through a `WorkAudit`.
 //!
 //! The seed's two proofs live here once, as [`leaks`] and [`duplicates`]: the reconciler's
 //! `leaks` and `duplicates` checks are built from the same predicates, and the tests and the
 //! demo call the functions.
 //!
-//! Each check is a `SELECT` of example keys (counted with `count(*)` over it) and, for
-//! repairable checks, one repair statement over the same predicate, run only when something
-//! was found. Table names in these statements come from the catalog (`TargetTable`), never
-//! from input, and the canonical name is compared as a quoted literal.
+//! Each table check is one counting statement over a [`Scope`] (every chunk, or the chunks
+//! whose manifest row changed since a time) that also returns a few examples and the
+//! earliest change among the rows found; a repairable check then repairs, only when
+//! something was found. Leaks and stored drift share one anti-join ([`gaps`]); duplicates
+//! are ruled out by the table's unique index when it has one. Repairs that touch a chunk's
+//! DLQ row or vector lock its manifest row first, like every writer. Table names in these
+//! statements come from the catalog (`TargetTable`), never from input, and the canonical
+//! name is compared as a quoted literal.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction};
 
+use super::replay::LOCK_MANIFEST_SQL;
 use super::{StoreError, TargetTable};
 
 /// Most target tables one run (or one "every table" count) looks at: tables named by the
 /// manifest or the DLQ.
 pub(crate) const MAX_TABLES: usize = 1000;
 
-/// The checks made per target table, each one set-based statement (plus its repair).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum TableCheck {
-    /// Manifest rows with neither a vector nor a DLQ row, not yet marked for re-ingest.
-    /// Repair marks them for re-ingest.
-    Leaks,
-    /// More than one vector for a (doc_id, chunk_index). Repair keeps the newest row.
-    Duplicates,
-    /// Manifest says stored, but the vector is missing or has another content hash. Repair
-    /// marks the chunk for re-ingest.
-    StoredDrift,
-    /// A DLQ row for a chunk whose vector with the same content is stored. Repair deletes the
-    /// row, marks the chunk stored and announces it `resolved` (`by: reconcile`).
-    StaleDlq,
-    /// Vectors of the wrong dimension, with NaN, or of zero norm. Repair deletes them and
-    /// marks the chunks for re-ingest.
-    BadVectors,
+/// Which chunks a table check looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Every chunk of the table.
+    All,
+    /// The chunks whose manifest row changed (`updated_at`) at or after this instant: an
+    /// index range scan (`ingest_manifest_updated_at_idx`), so the cost follows the changes.
+    Since(DateTime<Utc>),
+}
+
+impl Scope {
+    /// The bound of `$1` in every scoped statement (unused, and NULL, for [`Scope::All`]).
+    fn since(self) -> Option<DateTime<Utc>> {
+        match self {
+            Scope::All => None,
+            Scope::Since(t) => Some(t),
+        }
+    }
+
+    /// The condition on the manifest row `m` (empty for [`Scope::All`]).
+    fn clause(self) -> &'static str {
+        match self {
+            Scope::All => "",
+            Scope::Since(_) => " AND m.updated_at >= $1",
+        }
+    }
 }
 
 /// What one check found, and what its repair changed.
@@ -50,6 +65,10 @@ pub(crate) struct CheckRun {
     pub examples: Vec<String>,
     /// Rows changed by the repair (0 without repair or without findings).
     pub repaired: u64,
+    /// The earliest manifest `updated_at` among the rows found (`None`: nothing found, or no
+    /// manifest row). An unrepaired finding keeps the next incremental run's window open back
+    /// to it, so it is reported again until it is repaired.
+    pub oldest_change: Option<DateTime<Utc>>,
 }
 
 /// `s` as an SQL string literal (standard_conforming_strings: only quotes need doubling).
@@ -85,107 +104,368 @@ fn duplicates_select(t: &str) -> String {
     format!("SELECT doc_id || '#' || chunk_index FROM {t} GROUP BY doc_id, chunk_index HAVING count(*) > 1")
 }
 
-/// The example query and the repair statement of `check` on `target`.
-fn table_check_sql(target: &TargetTable, check: TableCheck) -> (String, String) {
-    let t = target.sql_name();
-    let lit = sql_literal(&target.name);
-    match check {
-        TableCheck::Leaks => (
-            leaks_select(t, true),
-            format!(
-                "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {}",
-                leak_predicate(t, true)
-            ),
-        ),
-        TableCheck::Duplicates => (
-            duplicates_select(t),
-            format!(
-                "DELETE FROM {t} a USING {t} b
-                  WHERE a.doc_id = b.doc_id AND a.chunk_index = b.chunk_index
-                    AND (a.updated_at, a.ctid) < (b.updated_at, b.ctid)"
-            ),
-        ),
-        TableCheck::StoredDrift => {
-            let drift_pred = format!(
-                "m.target_table = {lit} AND m.status = 'stored' AND NOT EXISTS (
-                     SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-                                           AND e.content_hash = m.content_hash)"
-            );
-            (
-                format!("SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {drift_pred}"),
-                format!(
-                    "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {drift_pred}"
-                ),
-            )
-        }
-        TableCheck::StaleDlq => {
-            let stale_pred = format!(
-                "d.target_table = {lit}
-                 AND EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
-                                                   AND e.content_hash = d.content_hash)"
-            );
-            (
-                format!("SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d WHERE {stale_pred}"),
-                format!(
-                    "WITH gone AS (
-                         DELETE FROM embedding_dlq d WHERE {stale_pred}
-                         RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash,
-                                   d.generation, d.error_class, d.attempts
-                     ), manifest AS (
-                         UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                           FROM gone g
-                          WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
-                            AND m.chunk_index = g.chunk_index
-                            AND m.content_hash = g.content_hash AND m.status <> 'stored'
-                         RETURNING 1
-                     ), events AS (
-                         INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-                         SELECT 'resolved', id, target_table, doc_id, chunk_index,
-                                embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
-                                                jsonb_build_object('error_class', error_class,
-                                                                   'attempts', attempts, 'by', 'reconcile',
-                                                                   'at', now()))
-                           FROM gone
-                         RETURNING 1
-                     )
-                     SELECT count(*) FROM gone"
-                ),
-            )
-        }
-        TableCheck::BadVectors => {
-            let dims = target.dimensions as i32;
-            let bad_pred = format!(
-                "(vector_dims(e.embedding) <> {dims} OR vector_norm(e.embedding) = 0
-                  OR vector_norm(e.embedding) = 'NaN'::float8)"
-            );
-            (
-                format!("SELECT e.doc_id || '#' || e.chunk_index FROM {t} e WHERE {bad_pred}"),
-                format!(
-                    "WITH gone AS (DELETE FROM {t} e WHERE {bad_pred} RETURNING e.doc_id, e.chunk_index),
-                          manifest AS (
-                              UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
-                                FROM gone g
-                               WHERE m.target_table = {lit} AND m.doc_id = g.doc_id
-                                 AND m.chunk_index = g.chunk_index
-                              RETURNING 1)
-                     SELECT count(*) FROM gone"
-                ),
-            )
-        }
-    }
+/// Reads the counting statements' common columns: `found`, `oldest`, `examples`.
+fn check_run(row: &sqlx::postgres::PgRow, prefix: &str) -> Result<CheckRun, sqlx::Error> {
+    Ok(CheckRun {
+        found: row.try_get::<i64, _>(format!("{prefix}found").as_str())? as u64,
+        examples: row.try_get(format!("{prefix}examples").as_str())?,
+        repaired: 0,
+        oldest_change: row.try_get(format!("{prefix}oldest").as_str())?,
+    })
 }
 
-/// Runs `check` on `target`: counts, takes up to `examples` examples and, with `repair` and
-/// a finding, runs the repair.
-pub(crate) async fn table_check(
+/// Runs a repair statement: a `WITH` statement returns its own count; otherwise rows affected
+/// count.
+async fn run_repair<'c, E>(executor: E, sql: String, scope: Scope) -> Result<u64, StoreError>
+where
+    E: sqlx::PgExecutor<'c>,
+{
+    Ok(if sql.trim_start().starts_with("WITH") {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+            .bind(scope.since())
+            .persistent(false)
+            .fetch_one(executor)
+            .await? as u64
+    } else {
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(scope.since())
+            .persistent(false)
+            .execute(executor)
+            .await?
+            .rows_affected()
+    })
+}
+
+/// Leaks and stored drift of `target` in one scan: one anti-join of the manifest against
+/// the vectors on (doc_id, chunk_index, content_hash) gives every chunk whose vector is
+/// missing or holds other content, and only those few are then looked up by key.
+///
+/// - leak: neither a vector nor a DLQ row (the seed's query), not yet marked for re-ingest;
+/// - stored drift: the manifest says stored, and the vector is missing (with a DLQ row still
+///   there) or holds other content. A chunk is reported by one of the two, never both.
+///
+/// Repair (each only when found) marks the chunks for re-ingest, leaks first; both touch the
+/// manifest alone.
+pub(crate) async fn gaps(
     pool: &PgPool,
     target: &TargetTable,
-    check: TableCheck,
+    scope: Scope,
     examples: usize,
     repair: bool,
+) -> Result<(CheckRun, CheckRun), StoreError> {
+    let t = target.sql_name();
+    let lit = sql_literal(&target.name);
+    let within = scope.clause();
+    let sql = format!(
+        "WITH cand AS MATERIALIZED (
+             SELECT m.doc_id, m.chunk_index, m.status, m.updated_at,
+                    NOT EXISTS (SELECT 1 FROM {t} e
+                                 WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index) AS no_vector,
+                    NOT EXISTS (SELECT 1 FROM embedding_dlq d
+                                 WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
+                                   AND d.chunk_index = m.chunk_index) AS no_dlq
+               FROM ingest_manifest m
+              WHERE m.target_table = {lit} AND m.status <> 'reingest'{within}
+                AND NOT EXISTS (SELECT 1 FROM {t} e
+                                 WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+                                   AND e.content_hash = m.content_hash)
+         ), f AS MATERIALIZED (
+             SELECT doc_id || '#' || chunk_index AS key, updated_at,
+                    no_vector AND no_dlq AS leak,
+                    status = 'stored' AND NOT (no_vector AND no_dlq) AS drift
+               FROM cand
+         )
+         SELECT count(*) FILTER (WHERE leak) AS leak_found,
+                min(updated_at) FILTER (WHERE leak) AS leak_oldest,
+                ARRAY(SELECT key FROM f WHERE leak LIMIT $2) AS leak_examples,
+                count(*) FILTER (WHERE drift) AS drift_found,
+                min(updated_at) FILTER (WHERE drift) AS drift_oldest,
+                ARRAY(SELECT key FROM f WHERE drift LIMIT $2) AS drift_examples
+           FROM f"
+    );
+    let row = sqlx::query(AssertSqlSafe(sql))
+        .bind(scope.since())
+        .bind(examples as i64)
+        .persistent(false)
+        .fetch_one(pool)
+        .await?;
+    let mut leaks = check_run(&row, "leak_")?;
+    let mut drift = check_run(&row, "drift_")?;
+    if repair && leaks.found > 0 {
+        let sql = format!(
+            "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {}{within}",
+            leak_predicate(t, true)
+        );
+        leaks.repaired = run_repair(pool, sql, scope).await?;
+    }
+    if repair && drift.found > 0 {
+        let sql = format!(
+            "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
+              WHERE m.target_table = {lit} AND m.status = 'stored'{within}
+                AND NOT EXISTS (SELECT 1 FROM {t} e
+                                 WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+                                   AND e.content_hash = m.content_hash)
+                AND (EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
+                     OR EXISTS (SELECT 1 FROM embedding_dlq d
+                                 WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
+                                   AND d.chunk_index = m.chunk_index))"
+        );
+        drift.repaired = run_repair(pool, sql, scope).await?;
+    }
+    Ok((leaks, drift))
+}
+
+/// Stale DLQ rows of `target`: a DLQ row for a chunk whose vector with the same content is
+/// stored. Over every DLQ row of the table ([`Scope::All`], cost follows the DLQ), or over
+/// the changed chunks. Repair deletes the rows, marks the chunks stored and announces each
+/// `resolved` (`by: reconcile`), `page` rows a transaction, each locking the chunks'
+/// manifest rows first (the lock order of every writer: manifest, then DLQ or vector).
+pub(crate) async fn stale_dlq(
+    pool: &PgPool,
+    target: &TargetTable,
+    scope: Scope,
+    examples: usize,
+    page: usize,
+    repair: bool,
 ) -> Result<CheckRun, StoreError> {
-    let (select, repair_sql) = table_check_sql(target, check);
-    run_check(pool, &select, repair.then_some(repair_sql), examples).await
+    let t = target.sql_name();
+    let lit = sql_literal(&target.name);
+    let stale = format!(
+        "EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+                                       AND e.content_hash = d.content_hash)"
+    );
+    let rows = match scope {
+        Scope::All => format!(
+            "embedding_dlq d LEFT JOIN ingest_manifest m
+                 ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
+              WHERE d.target_table = {lit} AND {stale}"
+        ),
+        Scope::Since(_) => format!(
+            "ingest_manifest m JOIN embedding_dlq d
+                 ON d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index
+              WHERE m.target_table = {lit}{} AND {stale}",
+            scope.clause()
+        ),
+    };
+    let sql = format!(
+        "WITH f AS MATERIALIZED (SELECT d.doc_id || '#' || d.chunk_index AS key, m.updated_at FROM {rows})
+         SELECT count(*) AS found, min(updated_at) AS oldest, ARRAY(SELECT key FROM f LIMIT $2) AS examples
+           FROM f"
+    );
+    let row = sqlx::query(AssertSqlSafe(sql))
+        .bind(scope.since())
+        .bind(examples as i64)
+        .persistent(false)
+        .fetch_one(pool)
+        .await?;
+    let mut run = check_run(&row, "")?;
+    if !(repair && run.found > 0) {
+        return Ok(run);
+    }
+    let mut after = 0i64;
+    loop {
+        let mut tx = pool.begin().await?;
+        let ids: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT d.id FROM {rows} AND d.id > $2 ORDER BY d.id LIMIT $3"
+        )))
+        .bind(scope.since())
+        .bind(after)
+        .bind(page as i64)
+        .persistent(false)
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(&last) = ids.last() else { break };
+        sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
+        let deleted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "WITH gone AS (
+                 DELETE FROM embedding_dlq d WHERE d.id = ANY($1) AND {stale}
+                 RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash,
+                           d.generation, d.error_class, d.attempts
+             ), manifest AS (
+                 UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+                   FROM gone g
+                  WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
+                    AND m.chunk_index = g.chunk_index
+                    AND m.content_hash = g.content_hash AND m.status <> 'stored'
+                 RETURNING 1
+             ), events AS (
+                 INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+                 SELECT 'resolved', id, target_table, doc_id, chunk_index,
+                        embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
+                                        jsonb_build_object('error_class', error_class,
+                                                           'attempts', attempts, 'by', 'reconcile',
+                                                           'at', now()))
+                   FROM gone
+                 RETURNING 1
+             )
+             SELECT count(*) FROM gone"
+        )))
+        .bind(&ids)
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        run.repaired += deleted as u64;
+        after = last;
+        if ids.len() < page {
+            break;
+        }
+    }
+    Ok(run)
+}
+
+/// Vectors of `target` of the wrong dimension, with NaN or of zero norm: every vector
+/// ([`Scope::All`], a deep sweep: it reads every vector's contents), or those of the changed
+/// chunks. (pgvector refuses a wrong dimension for a `vector(N)` column and NaN or infinite
+/// values on every input path; zero norm is what a hand-made vector can still be.) Repair
+/// deletes them and marks the chunks for re-ingest, `page` vectors a transaction, each
+/// locking the chunks' manifest rows first.
+pub(crate) async fn bad_vectors(
+    pool: &PgPool,
+    target: &TargetTable,
+    scope: Scope,
+    examples: usize,
+    page: usize,
+    repair: bool,
+) -> Result<CheckRun, StoreError> {
+    let t = target.sql_name();
+    let lit = sql_literal(&target.name);
+    let dims = target.dimensions.min(i32::MAX as usize) as i32;
+    let bad = format!(
+        "(vector_dims(e.embedding) <> {dims} OR vector_norm(e.embedding) = 0
+          OR vector_norm(e.embedding) IN ('NaN'::float8, 'Infinity'::float8))"
+    );
+    let rows = match scope {
+        Scope::All => format!(
+            "{t} e LEFT JOIN ingest_manifest m
+                 ON m.target_table = {lit} AND m.doc_id = e.doc_id AND m.chunk_index = e.chunk_index
+              WHERE {bad}"
+        ),
+        Scope::Since(_) => format!(
+            "ingest_manifest m JOIN {t} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+              WHERE m.target_table = {lit}{} AND {bad}",
+            scope.clause()
+        ),
+    };
+    let sql = format!(
+        "WITH f AS MATERIALIZED (SELECT e.doc_id || '#' || e.chunk_index AS key, m.updated_at FROM {rows})
+         SELECT count(*) AS found, min(updated_at) AS oldest, ARRAY(SELECT key FROM f LIMIT $2) AS examples
+           FROM f"
+    );
+    let row = sqlx::query(AssertSqlSafe(sql))
+        .bind(scope.since())
+        .bind(examples as i64)
+        .persistent(false)
+        .fetch_one(pool)
+        .await?;
+    let mut run = check_run(&row, "")?;
+    if !(repair && run.found > 0) {
+        return Ok(run);
+    }
+    let mut after: Option<(String, i32)> = None;
+    loop {
+        let mut tx = pool.begin().await?;
+        let keys: Vec<(String, i32)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT e.doc_id, e.chunk_index FROM {rows}
+                AND ($2::text IS NULL OR (e.doc_id, e.chunk_index) > ($2::text, $3::int))
+              ORDER BY e.doc_id, e.chunk_index LIMIT $4"
+        )))
+        .bind(scope.since())
+        .bind(after.as_ref().map(|k| k.0.as_str()))
+        .bind(after.as_ref().map_or(0, |k| k.1))
+        .bind(page as i64)
+        .persistent(false)
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(last) = keys.last().cloned() else { break };
+        let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
+        sqlx::query(
+            "SELECT 1 FROM ingest_manifest m
+              WHERE m.target_table = $1
+                AND (m.doc_id, m.chunk_index) IN (SELECT * FROM UNNEST($2::text[], $3::int[]))
+              ORDER BY m.doc_id, m.chunk_index
+                FOR UPDATE",
+        )
+        .bind(&target.name)
+        .bind(&docs)
+        .bind(&idxs)
+        .execute(&mut *tx)
+        .await?;
+        let deleted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "WITH k AS (SELECT * FROM UNNEST($2::text[], $3::int[]) AS k(doc_id, chunk_index)
+             ), gone AS (
+                 DELETE FROM {t} e USING k
+                  WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index AND {bad}
+                 RETURNING e.doc_id, e.chunk_index
+             ), manifest AS (
+                 UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
+                   FROM gone g
+                  WHERE m.target_table = $1 AND m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
+                 RETURNING 1
+             )
+             SELECT count(*) FROM gone"
+        )))
+        .bind(&target.name)
+        .bind(&docs)
+        .bind(&idxs)
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        run.repaired += deleted as u64;
+        let full_page = keys.len() == page;
+        after = Some(last);
+        if !full_page {
+            break;
+        }
+    }
+    Ok(run)
+}
+
+/// Whether `table` (canonical name) has a valid unique index on exactly (doc_id, chunk_index),
+/// both `NOT NULL`: then no key can hold two vectors, and the duplicates check needs no scan.
+async fn has_unique_key(pool: &PgPool, table: &str) -> Result<bool, StoreError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (
+             SELECT 1 FROM pg_index i
+              WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid
+                AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2
+                AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a
+                      WHERE a.attrelid = i.indrelid AND a.attnum IN (i.indkey[0], i.indkey[1])
+                        AND a.attnotnull)
+                    = ARRAY['chunk_index', 'doc_id'])",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Keys of `target` with more than one vector: none by construction while a valid unique
+/// index on (doc_id, chunk_index) exists (read from the catalog, no scan), unless `scan`
+/// (a deep sweep) asks for the seed's `GROUP BY` anyway. Without such an index the table is
+/// scanned and the note says why. Repair keeps the newest row of each key (vector rows only:
+/// no other table is touched).
+pub(crate) async fn duplicates_check(
+    pool: &PgPool,
+    target: &TargetTable,
+    examples: usize,
+    scan: bool,
+    repair: bool,
+) -> Result<(CheckRun, Option<String>), StoreError> {
+    let keyed = has_unique_key(pool, &target.name).await?;
+    if keyed && !scan {
+        return Ok((CheckRun::default(), None));
+    }
+    let t = target.sql_name();
+    let repair_sql = format!(
+        "DELETE FROM {t} a USING {t} b
+          WHERE a.doc_id = b.doc_id AND a.chunk_index = b.chunk_index
+            AND (a.updated_at, a.ctid) < (b.updated_at, b.ctid)"
+    );
+    let run = run_check(pool, &duplicates_select(t), repair.then_some(repair_sql), examples).await?;
+    let note =
+        (!keyed).then(|| "no valid unique index on (doc_id, chunk_index): checked by scanning".to_string());
+    Ok((run, note))
 }
 
 /// Transient rows due for replay for longer than `after`: the replayers are not draining.
@@ -232,7 +512,7 @@ async fn run_check(
             sqlx::query(AssertSqlSafe(sql)).execute(pool).await?.rows_affected()
         };
     }
-    Ok(CheckRun { found: found as u64, examples, repaired })
+    Ok(CheckRun { found: found as u64, examples, repaired, oldest_change: None })
 }
 
 /// The canonical names of the tables `table` names: that one (as a user writes it: `table`
@@ -286,28 +566,187 @@ pub async fn duplicates(pool: &PgPool, table: Option<&str>) -> Result<i64, Store
     Ok(n)
 }
 
-/// Records a finished run in `reconcile_runs` (what the "reconcile not run recently" alert
-/// reads, whatever process ran it).
-pub(crate) async fn record_run(
-    pool: &PgPool,
-    started_at: chrono::DateTime<chrono::Utc>,
-    repaired: bool,
-    findings: serde_json::Value,
-) -> Result<(), StoreError> {
-    sqlx::query("INSERT INTO reconcile_runs (started_at, repaired, findings) VALUES ($1, $2, $3)")
-        .bind(started_at)
-        .bind(repaired)
-        .bind(findings)
-        .execute(pool)
-        .await?;
-    Ok(())
-}
-
 /// When the last recorded run finished, as Unix seconds (`None`: never).
 pub(crate) async fn last_run_finished(pool: &PgPool) -> Result<Option<f64>, StoreError> {
     Ok(sqlx::query_scalar("SELECT extract(epoch FROM max(finished_at))::float8 FROM reconcile_runs")
         .fetch_one(pool)
         .await?)
+}
+
+/// Margin below the horizon: covers a transaction whose start is not yet shown in
+/// `pg_stat_activity` when the horizon is read (microseconds), and small steps of the
+/// server's clock. A run re-checks the changes of this long before its predecessor's horizon.
+pub(crate) const HORIZON_MARGIN: Duration = Duration::from_secs(2);
+/// Margin used instead when some transactions of this database cannot be seen (sessions of
+/// other roles without `pg_read_all_stats`, prepared transactions): changes of a transaction
+/// older than this that commits later are found by the next full sweep, not incrementally.
+pub(crate) const UNSEEN_MARGIN: Duration = Duration::from_secs(3600);
+
+/// What the runs before this one left: how long ago the last full (or deep) and deep sweeps
+/// finished, and the latest run's resume points (check name → start of the next incremental
+/// window; empty when the latest run recorded none).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Previous {
+    pub secs_since_full: Option<f64>,
+    pub secs_since_deep: Option<f64>,
+    pub resume: HashMap<String, DateTime<Utc>>,
+}
+
+/// One reconcile run's hold on the database: a transaction holding the reconcile advisory
+/// lock (`embed_dlq_reconcile_lock_key()`), so runs of one database (from any process) go
+/// one after another, and the record of the run written in it. Dropped without
+/// [`RunLock::finish`] (an error, a cancelled run), the transaction rolls back: the lock is
+/// released and nothing is recorded, so the next run starts from the same resume points.
+pub(crate) struct RunLock {
+    tx: Transaction<'static, Postgres>,
+    /// Every change committed after this run's statements took their snapshots carries an
+    /// `updated_at` at or after this instant.
+    pub horizon: DateTime<Utc>,
+    /// Why the horizon fell back to [`UNSEEN_MARGIN`], if it did.
+    pub horizon_note: Option<String>,
+    pub previous: Previous,
+}
+
+impl RunLock {
+    /// Waits for the lock, then reads the horizon and what the previous runs left.
+    ///
+    /// The horizon: a writer stamps `updated_at = now()`, its transaction's start, and may
+    /// commit much later. Read before any check takes a snapshot, the oldest transaction
+    /// start among this database's other sessions bounds every change this run cannot see:
+    /// such a change belongs to a transaction running now (started no earlier than that) or
+    /// to one starting later (no earlier than the clock now).
+    pub(crate) async fn begin(pool: &PgPool) -> Result<RunLock, StoreError> {
+        let mut tx = pool.begin().await?;
+        // The lock is held by an open transaction for the whole run: a server-side idle limit
+        // must not end it.
+        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0").execute(&mut *tx).await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(embed_dlq_reconcile_lock_key())").execute(&mut *tx).await?;
+        let row = sqlx::query(
+            "SELECT clock_timestamp() AS now,
+                    min(a.xact_start) AS oldest,
+                    count(*) FILTER (WHERE a.query = '<insufficient privilege>') AS hidden,
+                    (SELECT min(p.prepared) FROM pg_prepared_xacts p
+                      WHERE p.database = current_database()) AS prepared
+               FROM pg_stat_activity a
+              WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        let now: DateTime<Utc> = row.try_get("now")?;
+        let oldest: Option<DateTime<Utc>> = row.try_get("oldest")?;
+        let hidden: i64 = row.try_get("hidden")?;
+        let prepared: Option<DateTime<Utc>> = row.try_get("prepared")?;
+        let margin = chrono::Duration::from_std(HORIZON_MARGIN).expect("small");
+        let unseen = chrono::Duration::from_std(UNSEEN_MARGIN).expect("small");
+        let mut horizon = oldest.map_or(now, |o| o.min(now)) - margin;
+        let mut notes = Vec::new();
+        if hidden > 0 {
+            horizon = horizon.min(now - unseen);
+            notes.push(format!("{hidden} sessions of other roles are not visible (grant pg_read_all_stats)"));
+        }
+        if let Some(p) = prepared {
+            horizon = horizon.min(p - unseen);
+            notes.push("prepared transactions are open".to_string());
+        }
+        let horizon_note = (!notes.is_empty()).then(|| {
+            format!(
+                "{}: the incremental window keeps {} s of margin",
+                notes.join("; "),
+                UNSEEN_MARGIN.as_secs()
+            )
+        });
+        let row = sqlx::query(
+            "SELECT extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
+                                                            WHERE sweep IN ('full', 'deep')))::float8 AS full,
+                    extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
+                                                            WHERE sweep = 'deep'))::float8 AS deep,
+                    (SELECT resume FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS resume",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        let resume: Option<serde_json::Value> = row.try_get("resume")?;
+        let previous = Previous {
+            secs_since_full: row.try_get("full")?,
+            secs_since_deep: row.try_get("deep")?,
+            // Unreadable resume points only widen the next window (to everything).
+            resume: resume.and_then(|v| serde_json::from_value(v).ok()).unwrap_or_default(),
+        };
+        Ok(RunLock { tx, horizon, horizon_note, previous })
+    }
+
+    /// Records the finished run in `reconcile_runs` (what the "reconcile not run recently"
+    /// alert reads, whatever process ran it, and where the next run resumes) and releases
+    /// the lock.
+    pub(crate) async fn finish(mut self, run: RunRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO reconcile_runs (started_at, finished_at, repaired, findings, sweep, scope_from, resume)
+             VALUES ($1, clock_timestamp(), $2, $3, $4, $5, $6)",
+        )
+        .bind(run.started_at)
+        .bind(run.repaired)
+        .bind(run.findings)
+        .bind(run.sweep)
+        .bind(run.scope_from)
+        .bind(serde_json::to_value(&run.resume).expect("timestamps serialize"))
+        .execute(&mut *self.tx)
+        .await?;
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// A finished run as `reconcile_runs` records it.
+pub(crate) struct RunRecord {
+    pub started_at: DateTime<Utc>,
+    /// Whether the run repaired (mode repair).
+    pub repaired: bool,
+    pub findings: serde_json::Value,
+    /// `incremental`, `full` or `deep`.
+    pub sweep: &'static str,
+    /// An incremental run's earliest change looked at.
+    pub scope_from: Option<DateTime<Utc>>,
+    /// Check name → start of the next incremental window.
+    pub resume: HashMap<String, DateTime<Utc>>,
+}
+
+/// The target tables of a run: every table the manifest or the DLQ names (`since`: `None`),
+/// or those with manifest changes at or after `since`, at most `limit`. A loose index scan
+/// over the tables' leading key columns (a few index probes per table), not a scan of the
+/// manifest.
+pub(crate) async fn tables_named(
+    pool: &PgPool,
+    since: Option<DateTime<Utc>>,
+    limit: usize,
+) -> Result<Vec<String>, StoreError> {
+    if let Some(since) = since {
+        return Ok(sqlx::query_scalar(
+            "SELECT DISTINCT target_table FROM ingest_manifest WHERE updated_at >= $1 ORDER BY 1 LIMIT $2",
+        )
+        .bind(since)
+        .bind(limit as i64)
+        .persistent(false)
+        .fetch_all(pool)
+        .await?);
+    }
+    Ok(sqlx::query_scalar(
+        "WITH RECURSIVE
+           m(t, n) AS (
+               (SELECT target_table, 1 FROM ingest_manifest ORDER BY target_table LIMIT 1)
+               UNION ALL
+               SELECT (SELECT target_table FROM ingest_manifest WHERE target_table > m.t
+                        ORDER BY target_table LIMIT 1), n + 1
+                 FROM m WHERE m.t IS NOT NULL AND n <= $1),
+           d(t, n) AS (
+               (SELECT target_table, 1 FROM embedding_dlq ORDER BY target_table LIMIT 1)
+               UNION ALL
+               SELECT (SELECT target_table FROM embedding_dlq WHERE target_table > d.t
+                        ORDER BY target_table LIMIT 1), n + 1
+                 FROM d WHERE d.t IS NOT NULL AND n <= $1)
+         SELECT t FROM (SELECT t FROM m UNION SELECT t FROM d) u WHERE t IS NOT NULL ORDER BY t LIMIT $1",
+    )
+    .bind(limit as i64)
+    .fetch_all(pool)
+    .await?)
 }
 
 /// One audit of replay work against the DLQ, in one transaction (so `now()` is its start):

@@ -173,6 +173,7 @@ async fn serve_replays_each_table_into_itself_with_its_own_dimensions() {
         grace: Duration::from_secs(2),
         consumer_prefix: "identity-serve".into(),
         reconcile_every: None,
+        reconcile_sweeps: Default::default(),
         metrics: false,
     };
     let cancel = CancellationToken::new();

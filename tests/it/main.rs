@@ -22,3 +22,4 @@ mod restart;
 mod runtime;
 mod streams;
 mod support;
+mod sweeps;
