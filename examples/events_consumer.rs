@@ -15,10 +15,9 @@
 use std::time::Duration;
 
 use embed_dlq::model::ErrorClass;
-use embed_dlq::streams::{self, StreamKeys};
+use embed_dlq::streams::{self, RedisConn, StreamKeys};
 use embed_dlq::tail::TailEvent;
 use redis::AsyncCommands;
-use redis::aio::MultiplexedConnection;
 use redis::streams::{
     StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply,
 };
@@ -74,7 +73,7 @@ impl Delivered {
 pub struct EventsConsumer {
     /// A connection of its own: a blocking read needs a response timeout longer than its
     /// BLOCK (redis-rs's default of 500 ms would cut it short) and would stall other commands.
-    conn: MultiplexedConnection,
+    conn: RedisConn,
     stream: String,
     group: String,
     consumer: String,

@@ -52,9 +52,13 @@ pub struct ServiceArgs {
     /// Postgres URL (the database must have the pgvector extension available).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Redis URL (Redis >= 6.2).
+    /// Redis URL (Redis >= 6.2); several comma-separated node URLs select Redis Cluster mode
+    /// (`redis://h1:7001,redis://h2:7002`).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
+    /// Treat a single Redis URL as a seed node of a Redis Cluster (a list of URLs always is).
+    #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub redis_cluster: Option<bool>,
 }
 
 /// The embeddings provider.
@@ -584,8 +588,10 @@ impl Resolver<'_> {
 pub struct Settings {
     /// Postgres URL (may hold a password).
     pub database_url: Option<String>,
-    /// Redis URL (may hold a password).
+    /// Redis URL (may hold a password), or several comma-separated node URLs of a cluster.
     pub redis_url: Option<String>,
+    /// Redis Cluster mode (a list of URLs, or `redis_cluster` with one seed URL).
+    pub redis_cluster: bool,
     /// Target vector table.
     pub table: String,
     /// Key prefix of the streams.
@@ -609,6 +615,7 @@ impl fmt::Debug for Settings {
         f.debug_struct("Settings")
             .field("database_url", &self.database_url.as_deref().map(redact_password))
             .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("redis_cluster", &self.redis_cluster)
             .field("table", &self.table)
             .field("stream_prefix", &self.stream_prefix)
             .field("client", &self.client)
@@ -621,8 +628,16 @@ impl fmt::Debug for Settings {
     }
 }
 
-/// `url` with its password (if any) replaced, for debug output.
+/// `url` with its password (if any) replaced, for debug output; each URL of a
+/// comma-separated list (a Redis Cluster's seed nodes) on its own.
 pub(crate) fn redact_password(url: &str) -> String {
+    if url.contains(',') {
+        return url.split(',').map(|u| redact_one(u.trim())).collect::<Vec<_>>().join(",");
+    }
+    redact_one(url)
+}
+
+fn redact_one(url: &str) -> String {
     match reqwest::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("[redacted]"));
@@ -667,7 +682,8 @@ impl Settings {
         // Exhaustive destructuring here and in each section: a new field that is not resolved
         // does not compile (or warns as unused), so no setting can be silently ignored.
         let FileConfig { services, provider, ingest, retry, serve } = flags;
-        let (database_url, redis_url) = resolve_services(&r.section("services"), services, &f.services)?;
+        let (database_url, redis_url, redis_cluster) =
+            resolve_services(&r.section("services"), services, &f.services)?;
         let (client, limits, price_per_million_tokens) =
             resolve_provider(&r.section("provider"), provider, &f.provider)?;
         if limits.shared && redis_url.is_none() {
@@ -684,6 +700,7 @@ impl Settings {
         Ok(Settings {
             database_url,
             redis_url,
+            redis_cluster,
             table,
             stream_prefix,
             client,
@@ -711,6 +728,11 @@ impl Settings {
         })
     }
 
+    /// A client for the configured Redis (single node or cluster; nothing is connected yet).
+    pub fn redis_client(&self) -> Result<crate::streams::RedisClient, ConfigError> {
+        redis_client(self.redis_url()?, self.redis_cluster)
+    }
+
     /// The stream keys under the configured prefix.
     pub fn stream_keys(&self) -> crate::streams::StreamKeys {
         crate::streams::StreamKeys::new(&self.stream_prefix)
@@ -727,28 +749,48 @@ impl Settings {
             breaker: self.breaker,
             limits: self.limits,
             redis_url: self.redis_url.clone(),
+            redis_cluster: self.redis_cluster,
         })
     }
 }
 
-/// `[services]`: the Postgres and Redis URLs (no defaults: a command that needs one says so).
+/// A client for `url` (one URL, or a comma-separated list of cluster nodes), in cluster mode
+/// if `cluster` is set or the list has several URLs. `url` was checked by
+/// [`Settings::resolve`]; the error never repeats it (it may hold a password).
+fn redis_client(url: &str, cluster: bool) -> Result<crate::streams::RedisClient, ConfigError> {
+    crate::streams::open(url, cluster).map_err(|e| ConfigError::Invalid {
+        setting: "redis_url",
+        origin: Origin::Default,
+        problem: format!("cannot be used: {}", e.category()),
+    })
+}
+
+/// `[services]`: the Postgres and Redis URLs (no defaults: a command that needs one says so)
+/// and whether Redis is a cluster.
 fn resolve_services(
     r: &Resolver<'_>,
     flags: ServiceArgs,
     file: &ServiceArgs,
-) -> Result<(Option<String>, Option<String>), ConfigError> {
-    let ServiceArgs { database_url, redis_url } = flags;
+) -> Result<(Option<String>, Option<String>, bool), ConfigError> {
+    let ServiceArgs { database_url, redis_url, redis_cluster } = flags;
     let database_url = r
         .text("database_url", database_url, file.database_url.clone(), |u| {
             check_scheme(u, &["postgres", "postgresql"])
         })?
         .map(|(v, _)| v);
-    let redis_url = r
-        .text("redis_url", redis_url, file.redis_url.clone(), |u| {
-            check_scheme(u, &["redis", "rediss", "redis+unix", "unix"])
-        })?
-        .map(|(v, _)| v);
-    Ok((database_url, redis_url))
+    let redis_url = r.text("redis_url", redis_url, file.redis_url.clone(), check_redis_urls)?;
+    let redis_cluster = r.pick("redis_cluster", redis_cluster, file.redis_cluster);
+    if let (Some((true, origin)), Some((url, _))) = (&redis_cluster, &redis_url)
+        && crate::streams::conn::split_urls(url).iter().any(|u| is_unix_socket(u))
+    {
+        return Err(ConfigError::Invalid {
+            setting: "redis_cluster",
+            origin: origin.clone(),
+            problem: "a Redis Cluster is reached over TCP, not a unix socket".into(),
+        });
+    }
+    let redis_cluster = redis_cluster.is_some_and(|(c, _)| c);
+    Ok((database_url, redis_url.map(|(v, _)| v), redis_cluster))
 }
 
 /// `[provider]`: the provider client, with the API key read from the variable it names, and
@@ -1219,6 +1261,8 @@ pub struct IngestSettings {
     pub limits: LimitConfig,
     /// Redis URL (may hold a password), needed only by shared limits.
     pub redis_url: Option<String>,
+    /// Redis Cluster mode (see [`Settings::redis_cluster`]).
+    pub redis_cluster: bool,
 }
 
 impl fmt::Debug for IngestSettings {
@@ -1232,6 +1276,7 @@ impl fmt::Debug for IngestSettings {
             .field("breaker", &self.breaker)
             .field("limits", &self.limits)
             .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("redis_cluster", &self.redis_cluster)
             .finish()
     }
 }
@@ -1304,7 +1349,10 @@ impl IngestSettings {
         use crate::embed::limit::ProviderLimiter;
         match (&self.redis_url, self.limits.shared) {
             (Some(url), true) => {
-                ProviderLimiter::with_redis(self.limits, url, &self.client.base_url, &self.client.model)
+                let redis = redis_client(url, self.redis_cluster).map_err(|e| {
+                    PipelineError::Client(format!("cannot set up the shared rate limit: {e}"))
+                })?;
+                ProviderLimiter::with_redis(self.limits, &redis, &self.client.base_url, &self.client.model)
                     .await
                     .map_err(|e| {
                         PipelineError::Client(format!("cannot set up the shared rate limit in Redis: {e}"))
@@ -1327,6 +1375,33 @@ fn check_scheme(url: &str, schemes: &[&str]) -> Result<(), String> {
         Some(s) if schemes.contains(&s.as_str()) => Ok(()),
         _ => Err(format!("not a URL of scheme {}", schemes.join(", "))),
     }
+}
+
+/// A Redis URL, or several comma-separated ones (a cluster's seed nodes, at most
+/// [`crate::streams::conn::MAX_SEED_NODES`], TCP only). The message never repeats a URL (it
+/// may hold a password).
+fn check_redis_urls(urls: &str) -> Result<(), String> {
+    let nodes = crate::streams::conn::split_urls(urls);
+    let max = crate::streams::conn::MAX_SEED_NODES;
+    if nodes.is_empty() {
+        return Err("no URL".into());
+    }
+    if nodes.len() > max {
+        return Err(format!("{} URLs; a cluster's seed list takes at most {max}", nodes.len()));
+    }
+    for (i, u) in nodes.iter().enumerate() {
+        let which = if nodes.len() > 1 { format!("URL {} of the list: ", i + 1) } else { String::new() };
+        check_scheme(u, &["redis", "rediss", "redis+unix", "unix"]).map_err(|p| format!("{which}{p}"))?;
+        if nodes.len() > 1 && is_unix_socket(u) {
+            return Err(format!("{which}a Redis Cluster is reached over TCP, not a unix socket"));
+        }
+    }
+    Ok(())
+}
+
+fn is_unix_socket(url: &str) -> bool {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    matches!(scheme.as_deref(), Some("redis+unix" | "unix"))
 }
 
 fn no_control(s: &str) -> Result<(), String> {
@@ -1489,6 +1564,7 @@ mod tests {
 [services]
 database_url = "postgres://f"
 redis_url = "redis://f"
+redis_cluster = true
 [provider]
 base_url = "https://example.test/v1"
 model = "m"
@@ -1533,6 +1609,7 @@ reconcile_every_secs = 7
         );
         let s = resolve(FileConfig::default(), Some(&f)).unwrap();
         assert_eq!(s.redis_url.as_deref(), Some("redis://f"));
+        assert!(s.redis_cluster);
         assert_eq!(s.client.base_url, "https://example.test/v1");
         assert_eq!(s.client.request_dimensions, Some(64));
         assert_eq!(s.client.encoding, EncodingFormat::Float);
@@ -1661,10 +1738,21 @@ reconcile_every_secs = 7
         let services = ServiceArgs {
             database_url: Some("postgres://u:pg-pw-1@h/db".into()),
             redis_url: Some("redis://:redis-pw-2@h:1/".into()),
+            redis_cluster: None,
         };
         let s = resolve(FileConfig { services, ..Default::default() }, None).unwrap();
         let all = format!("{s:?} {:?}", s.ingest().unwrap());
         assert!(!all.contains("pg-pw-1") && !all.contains("redis-pw-2"), "{all}");
+        // Every node of a cluster's seed list too.
+        let services = ServiceArgs {
+            database_url: Some("postgres://h/db".into()),
+            redis_url: Some("redis://:redis-pw-3@h:7001/,redis://:redis-pw-3@h:7002/".into()),
+            ..Default::default()
+        };
+        let s = resolve(FileConfig { services, ..Default::default() }, None).unwrap();
+        let all = format!("{s:?} {:?} {:?}", s.ingest().unwrap(), s.redis_client().unwrap());
+        assert!(!all.contains("redis-pw-3"), "{all}");
+        assert!(s.redis_cluster || s.redis_client().unwrap().is_cluster());
         assert!(all.contains("postgres://u:[redacted]@h/db") || all.contains("%5Bredacted%5D"), "{all}");
     }
 
@@ -1724,7 +1812,8 @@ reconcile_every_secs = 7
         );
 
         let with_services = |d: &str, r: &str| {
-            let services = ServiceArgs { database_url: Some(d.into()), redis_url: Some(r.into()) };
+            let services =
+                ServiceArgs { database_url: Some(d.into()), redis_url: Some(r.into()), redis_cluster: None };
             resolve(FileConfig { services, ..Default::default() }, None)
         };
         assert!(with_services("postgres://u@h/db", "redis://h:1/").is_ok());
@@ -1732,6 +1821,28 @@ reconcile_every_secs = 7
         let err = with_services("mysql://u:pw@h/db", "redis://h/").unwrap_err();
         assert!(!err.to_string().contains("pw"), "{err}");
         assert!(with_services("postgres://u@h/db", "").is_err());
+        // A cluster's seed list: each URL checked, none repeated in the message, TCP only.
+        let seeds = with_services("postgres://u@h/db", "redis://h:7001, redis://h:7002/").unwrap();
+        assert!(seeds.redis_client().unwrap().is_cluster() && !seeds.redis_cluster);
+        let err = with_services("postgres://u@h/db", "redis://:pw@h:7001,http://:pw@h:7002").unwrap_err();
+        assert!(err.to_string().contains("URL 2 of the list") && !err.to_string().contains("pw"), "{err}");
+        assert!(with_services("postgres://u@h/db", "redis://h:7001,unix:///tmp/r.sock").is_err());
+        let many = vec!["redis://h:7001"; 65].join(",");
+        assert!(with_services("postgres://u@h/db", &many).is_err());
+        let one_seed = |url: &str| {
+            let services = ServiceArgs {
+                database_url: Some("postgres://h/db".into()),
+                redis_url: Some(url.into()),
+                redis_cluster: Some(true),
+            };
+            resolve(FileConfig { services, ..Default::default() }, None)
+        };
+        let s = one_seed("redis://h:7001/").unwrap();
+        assert!(
+            s.redis_cluster && s.redis_client().unwrap().is_cluster() && s.ingest().unwrap().redis_cluster
+        );
+        let err = one_seed("unix:///tmp/r.sock").unwrap_err();
+        assert!(err.to_string().contains("redis_cluster"), "{err}");
 
         let with_table = |t: &str| {
             resolve(

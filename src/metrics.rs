@@ -6,9 +6,9 @@
 
 use std::net::SocketAddr;
 
+use crate::streams::RedisConn;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use redis::aio::ConnectionManager;
 
 use crate::model::ErrorClass;
 use crate::store::Store;
@@ -170,7 +170,7 @@ pub(crate) fn parked(class: ErrorClass, n: u64) {
 /// Samples the DLQ, outbox and stream gauges (a few cheap aggregate queries).
 pub(crate) async fn sample(
     store: &Store,
-    redis: Option<&mut ConnectionManager>,
+    redis: Option<&mut RedisConn>,
     keys: &StreamKeys,
 ) -> Result<(), MetricsError> {
     let pool = store.pool();

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, TableCheck, WorkAudit};
 use crate::store::{Store, StoreError, TargetTable, outbox};
+use crate::streams::RedisConn;
 use crate::streams::{REPLAY_GROUP, StreamKeys};
-use redis::aio::ConnectionManager;
 use serde::Serialize;
 
 /// The checks, in the order they run.
@@ -246,7 +246,7 @@ pub struct Reconciler {
     /// The database whose manifest, vectors, DLQ and outbox are checked.
     pub store: Store,
     /// Without Redis, the two stream checks are skipped (and say so).
-    pub redis: Option<ConnectionManager>,
+    pub redis: Option<RedisConn>,
     /// The streams the stream checks read.
     pub keys: StreamKeys,
     /// Thresholds and page size.
@@ -375,7 +375,7 @@ impl Reconciler {
     /// 0005 have no entry id and are skipped; rows past the outbox retention are gone.
     async fn missing_events_check(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         repair: bool,
     ) -> Result<Finding, ReconcileError> {
         let page = self.config.page();
@@ -406,7 +406,7 @@ impl Reconciler {
     /// length cap (missing, older than its first entry, while the stream is at the cap).
     async fn events_missing_from_stream<'r>(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         rows: &'r [outbox::PublishedEvent],
     ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
         let stream = self.keys.events();
@@ -450,7 +450,7 @@ impl Reconciler {
     /// relay would take the republish for a duplicate), then marks their rows unpublished.
     async fn republish_events(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         missing: &[&outbox::PublishedEvent],
     ) -> Result<u64, ReconcileError> {
         let mut del = redis::cmd("DEL");
@@ -478,7 +478,7 @@ impl Reconciler {
     /// (`now()` is its start), minus the grace period.
     async fn replay_stream_checks(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         repair: bool,
     ) -> Result<[Finding; 2], ReconcileError> {
         let mut audit = WorkAudit::begin(self.store.pool()).await?;
@@ -493,7 +493,7 @@ impl Reconciler {
     /// and finds (and, with `repair`, acknowledges and deletes) the orphan entries.
     async fn orphan_entries_check(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         audit: &mut WorkAudit,
         repair: bool,
     ) -> Result<Finding, ReconcileError> {
@@ -586,7 +586,7 @@ impl Reconciler {
     /// `page` at a time.
     async fn pending_between(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         first: &str,
         last: &str,
         page: usize,

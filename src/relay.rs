@@ -25,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
+use crate::streams::RedisConn;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
@@ -165,7 +165,7 @@ pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
 /// One relay; run as many as you like.
 pub struct Relay {
     pool: PgPool,
-    redis: ConnectionManager,
+    redis: RedisConn,
     keys: StreamKeys,
     config: RelayConfig,
     script: redis::Script,
@@ -175,7 +175,7 @@ impl Relay {
     /// A relay over the outbox of `pool`, publishing to the streams of `keys`. Several relays may
     /// run against one database: rows are claimed with `SKIP LOCKED` and deduplicated by the
     /// publish script.
-    pub fn new(pool: PgPool, redis: ConnectionManager, keys: StreamKeys, config: RelayConfig) -> Self {
+    pub fn new(pool: PgPool, redis: RedisConn, keys: StreamKeys, config: RelayConfig) -> Self {
         Relay { pool, redis, keys, config, script: publish_script() }
     }
 
@@ -307,7 +307,7 @@ pub(crate) async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
 
 /// XTRIM MINID at the smallest id that some group still needs: its oldest pending entry, or
 /// the entry after its last delivered one. Never trims anything a group has not acked.
-pub async fn trim_below_group_needs(redis: &mut ConnectionManager, stream: &str) -> Result<u64, RelayError> {
+pub async fn trim_below_group_needs(redis: &mut RedisConn, stream: &str) -> Result<u64, RelayError> {
     let exists: bool = redis::cmd("EXISTS").arg(stream).query_async(redis).await?;
     if !exists {
         return Ok(0);

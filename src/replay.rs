@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
+use crate::streams::RedisConn;
 use redis::streams::{StreamAutoClaimReply, StreamPendingCountReply, StreamReadReply};
 use tokio_util::sync::CancellationToken;
 
@@ -177,7 +177,7 @@ impl Scheduler {
 }
 
 /// Creates the consumer group (and the stream) if missing.
-pub async fn ensure_group(redis: &mut ConnectionManager, keys: &StreamKeys) -> Result<(), redis::RedisError> {
+pub async fn ensure_group(redis: &mut RedisConn, keys: &StreamKeys) -> Result<(), redis::RedisError> {
     let r: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(keys.replay())
@@ -215,9 +215,9 @@ pub struct Replayer {
     pub embedder: Embedder,
     /// Opens the dedicated connection for blocking `XREADGROUP` (a `BLOCK` would stall the shared
     /// connection).
-    pub client: redis::Client,
+    pub client: crate::streams::RedisClient,
     /// Shared connection for acknowledgements and claims.
-    pub redis: ConnectionManager,
+    pub redis: RedisConn,
     /// The replay stream and its group.
     pub keys: StreamKeys,
     /// Batching, idle and delivery limits.
@@ -230,7 +230,7 @@ impl Replayer {
     /// Reads and processes one batch of new entries (blocking up to `block`).
     pub async fn read_once(
         &mut self,
-        conn: &mut redis::aio::MultiplexedConnection,
+        conn: &mut crate::streams::RedisConn,
         cancel: &CancellationToken,
     ) -> Result<ReplayCounts, ReplayError> {
         let entries = self.read_once_entries(conn).await?;
@@ -623,7 +623,7 @@ impl Replayer {
 
     async fn read_once_entries(
         &self,
-        conn: &mut redis::aio::MultiplexedConnection,
+        conn: &mut crate::streams::RedisConn,
     ) -> Result<Vec<Entry>, redis::RedisError> {
         let reply: StreamReadReply = redis::cmd("XREADGROUP")
             .arg("GROUP")
@@ -687,13 +687,7 @@ fn record_outcomes(counts: &ReplayCounts) {
 
 /// Refreshes this consumer's claim on `ids` (resets their idle time) every third of
 /// `min_idle` until dropped, so nobody reclaims a batch that is still being worked on.
-async fn keep_claim(
-    mut redis: ConnectionManager,
-    keys: &StreamKeys,
-    me: &str,
-    ids: &[String],
-    min_idle: Duration,
-) {
+async fn keep_claim(mut redis: RedisConn, keys: &StreamKeys, me: &str, ids: &[String], min_idle: Duration) {
     let every = (min_idle / 3).max(Duration::from_millis(50));
     loop {
         tokio::time::sleep(every).await;

@@ -104,7 +104,7 @@ pub(crate) fn default_consumer_prefix() -> String {
 pub async fn serve(
     store: Store,
     embedder: Embedder,
-    client: redis::Client,
+    client: crate::streams::RedisClient,
     config: ServeConfig,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
@@ -161,7 +161,7 @@ pub async fn serve(
 /// The gauge sampler and the periodic reconcile check, every 5 s until `stop`.
 async fn sample_and_reconcile(
     store: Store,
-    mut redis: redis::aio::ConnectionManager,
+    mut redis: crate::streams::RedisConn,
     config: ServeConfig,
     stop: CancellationToken,
 ) {

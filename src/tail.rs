@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::streams::StreamReadReply;
 use tokio_util::sync::CancellationToken;
 
-use crate::streams::{self, StreamKeys, field};
+use crate::streams::{self, RedisClient, RedisConn, StreamKeys, field};
 
 /// What to follow.
 #[derive(Debug, Clone)]
@@ -112,15 +112,14 @@ pub fn check_from(from: &str) -> Result<(), InvalidFrom> {
 /// Delivers events to `sink` until cancelled, caught up (`no_follow`) or `count` is reached;
 /// returns how many were delivered.
 pub async fn tail(
-    redis_url: &str,
+    client: &RedisClient,
     keys: &StreamKeys,
     opts: &TailOptions,
     sink: &mut (dyn EventSink + Send),
     cancel: CancellationToken,
 ) -> Result<u64, TailError> {
-    let client = streams::client(redis_url).map_err(TailError::BadUrl)?;
     let block = Duration::from_secs(2);
-    let mut conn = streams::blocking(&client, block).await.map_err(TailError::Connect)?;
+    let mut conn = streams::blocking(client, block).await.map_err(TailError::Connect)?;
     let mut last = start_id(&mut conn, keys, opts).await;
     let mut delivered = 0u64;
     loop {
@@ -137,7 +136,7 @@ pub async fn tail(
                 Err(e) => {
                     tracing::warn!(error = %e, "tail: read failed; reconnecting");
                     tokio::time::sleep(Duration::from_millis(500)).await;
-                    conn = streams::blocking(&client, block).await.map_err(TailError::Reconnect)?;
+                    conn = streams::blocking(client, block).await.map_err(TailError::Reconnect)?;
                     continue;
                 }
             },
@@ -171,11 +170,7 @@ pub async fn tail(
 
 /// Where reading starts: the checkpoint's id if it holds one, else `from`, with `$` resolved
 /// to the stream's last id so that a reconnect does not skip events.
-async fn start_id(
-    conn: &mut redis::aio::MultiplexedConnection,
-    keys: &StreamKeys,
-    opts: &TailOptions,
-) -> String {
+async fn start_id(conn: &mut RedisConn, keys: &StreamKeys, opts: &TailOptions) -> String {
     let mut last = match &opts.checkpoint {
         Some(p) => match std::fs::read_to_string(p) {
             Ok(s) if !s.trim().is_empty() => s.trim().to_string(),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
 use embed_dlq::reconcile::{Mode, Reconciler};
-use embed_dlq::streams::StreamKeys;
+use embed_dlq::streams::{RedisClient, StreamKeys};
 use tokio_util::sync::CancellationToken;
 
 use super::args::ReconcileCommand;
@@ -32,7 +32,10 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
     };
     let run = ReconcileRun {
         database_url: &url,
-        redis_url: settings.redis_url.as_deref(),
+        redis: match settings.redis_url.is_some().then(|| settings.redis_client()).transpose() {
+            Ok(r) => r,
+            Err(e) => return exit::usage(&e),
+        },
         table: &settings.table,
         stream_prefix: &settings.stream_prefix,
         mode,
@@ -48,7 +51,7 @@ struct ReconcileRun<'a> {
     /// The Postgres that holds manifest, vectors, DLQ and outbox.
     database_url: &'a str,
     /// Without Redis, the checks that compare with the streams are skipped.
-    redis_url: Option<&'a str>,
+    redis: Option<RedisClient>,
     /// The target vector table.
     table: &'a str,
     /// Key prefix of the streams.
@@ -75,13 +78,10 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
         Ok(s) => s,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
-    let redis = match run.redis_url {
-        Some(u) => match embed_dlq::streams::client(u) {
-            Ok(c) => match embed_dlq::streams::managed(&c).await {
-                Ok(m) => Some(m),
-                Err(e) => return exit::fail(exit::FAILURE, &format!("cannot connect to Redis: {e}")),
-            },
-            Err(e) => return exit::fail(exit::USAGE, &format!("bad Redis URL: {e}")),
+    let redis = match &run.redis {
+        Some(client) => match client.managed().await {
+            Ok(m) => Some(m),
+            Err(e) => return exit::fail(exit::FAILURE, &format!("cannot connect to Redis: {e}")),
         },
         None => None,
     };

@@ -3,6 +3,7 @@
 
 use embed_dlq::config::{FileConfig, IngestSettings, Settings};
 use embed_dlq::serve::ServeConfig;
+use embed_dlq::streams::RedisClient;
 use tokio_util::sync::CancellationToken;
 
 use super::args::ServeCommand;
@@ -13,15 +14,20 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
     let ServeCommand { provider, ingest, retry, serve } = args;
     let flags =
         FileConfig { provider: *provider, ingest: *ingest, retry: *retry, serve, ..Default::default() };
-    let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_url()?.to_string(), s)));
+    let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_client()?, s)));
     match resolved {
-        Ok((ingest, redis_url, settings)) => run(&settings, ingest, &redis_url, cancel).await,
+        Ok((ingest, redis, settings)) => run(&settings, ingest, redis, cancel).await,
         Err(e) => exit::usage(&e),
     }
 }
 
 /// Builds the pipeline and runs the service.
-async fn run(settings: &Settings, ingest: IngestSettings, redis_url: &str, cancel: CancellationToken) -> i32 {
+async fn run(
+    settings: &Settings,
+    ingest: IngestSettings,
+    redis: RedisClient,
+    cancel: CancellationToken,
+) -> i32 {
     let config = ServeConfig::from_settings(settings);
     let pipeline = match config.pipeline_settings(ingest).pipeline().await {
         Ok(p) => p,
@@ -32,11 +38,7 @@ async fn run(settings: &Settings, ingest: IngestSettings, redis_url: &str, cance
     {
         return exit::fail(exit::FAILURE, &e.to_string());
     }
-    let client = match embed_dlq::streams::client(redis_url) {
-        Ok(c) => c,
-        Err(e) => return exit::fail(exit::USAGE, &format!("bad Redis URL: {e}")),
-    };
-    match embed_dlq::serve::serve(pipeline.store, pipeline.embedder, client, config, cancel).await {
+    match embed_dlq::serve::serve(pipeline.store, pipeline.embedder, redis, config, cancel).await {
         Ok(()) => exit::OK,
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }

@@ -15,13 +15,14 @@
 //! databases and deployments sharing a prefix (the outbox id is not), so consumers can
 //! deduplicate by it, and the dedup marker is keyed by it.
 
+pub mod conn;
 pub mod work;
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::{AsyncConnectionConfig, Client, Script};
+use redis::Script;
 
+pub use conn::{RedisClient, RedisConn};
 pub use work::WorkItem;
 
 /// The consumer group of the replayers on the replay stream.
@@ -82,28 +83,29 @@ impl Default for StreamKeys {
     }
 }
 
-/// Opens a client for `url`.
-pub fn client(url: &str) -> redis::RedisResult<Client> {
-    Client::open(url)
+/// Opens a client for `url`: a single node, or a Redis Cluster when `url` lists several
+/// comma-separated node URLs (use [`open`] to treat one seed URL as a cluster).
+pub fn client(url: &str) -> redis::RedisResult<RedisClient> {
+    RedisClient::open(url, false)
 }
 
-/// A self-reconnecting connection for ordinary (non-blocking) commands.
-pub async fn managed(client: &Client) -> redis::RedisResult<ConnectionManager> {
-    let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(5)))
-        .set_response_timeout(Some(Duration::from_secs(10)))
-        .set_number_of_retries(2);
-    client.get_connection_manager_with_config(config).await
+/// Opens a client for `urls`, in cluster mode if `cluster` is set or `urls` lists several
+/// nodes (see [`RedisClient::open`]).
+pub fn open(urls: &str, cluster: bool) -> redis::RedisResult<RedisClient> {
+    RedisClient::open(urls, cluster)
 }
 
-/// A dedicated connection for blocking reads (`XREAD(GROUP) BLOCK`): redis-rs gives every
-/// reply a 500 ms timeout by default, which would cut a blocking read short, and a blocking
-/// read on a shared connection would stall every other command on it.
-pub async fn blocking(client: &Client, block: Duration) -> redis::RedisResult<MultiplexedConnection> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(5)))
-        .set_response_timeout(Some(block + Duration::from_secs(10)));
-    client.get_multiplexed_async_connection_with_config(&config).await
+/// A shared connection for ordinary (non-blocking) commands ([`RedisClient::managed`]).
+pub async fn managed(client: &RedisClient) -> redis::RedisResult<RedisConn> {
+    client.managed().await
+}
+
+/// A dedicated connection for blocking reads (`XREAD(GROUP) BLOCK`) whose response timeout
+/// outlasts `block` ([`RedisClient::blocking`]): redis-rs gives every reply a 500 ms timeout
+/// by default, which would cut a blocking read short, and a blocking read on a shared
+/// connection would stall every other command on it.
+pub async fn blocking(client: &RedisClient, block: Duration) -> redis::RedisResult<RedisConn> {
+    client.blocking(block).await
 }
 
 /// Reads a field of a stream entry as a string.

@@ -240,7 +240,7 @@ async fn the_events_consumer_example_acks_what_it_handled_and_claims_what_anothe
         assert_eq!(body.error_class, Some(ErrorClass::PermanentInput));
         assert_eq!(body.table, "public.doc_embeddings");
     }
-    let pending = |c: &mut redis::aio::ConnectionManager| {
+    let pending = |c: &mut embed_dlq::streams::RedisConn| {
         let mut c = c.clone();
         let stream = keys.events();
         async move {

@@ -236,7 +236,7 @@ async fn errors_are_classified_by_kind_and_code_not_text() {
     assert!(!RelayError::from(script_error).is_transient(), "a script error");
     let _: () = redis.del(&key).await.unwrap();
 
-    let refused = embed_dlq::streams::client("redis://127.0.0.1:1/").unwrap();
+    let refused = redis::Client::open("redis://127.0.0.1:1/").unwrap();
     let err = refused.get_multiplexed_async_connection().await.unwrap_err();
     assert!(RelayError::from(err).is_transient(), "connection refused");
 }

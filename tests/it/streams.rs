@@ -411,7 +411,7 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     };
     let mut first: Vec<embed_dlq::tail::TailEvent> = Vec::new();
     let n = embed_dlq::tail::tail(
-        &redis_url(),
+        &redis_client(),
         &keys,
         &opts(Some(10), false),
         &mut first,
@@ -422,10 +422,15 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     assert_eq!(n, 10);
     // "Restart": a new tail from the same checkpoint.
     let mut second: Vec<embed_dlq::tail::TailEvent> = Vec::new();
-    let n =
-        embed_dlq::tail::tail(&redis_url(), &keys, &opts(None, true), &mut second, CancellationToken::new())
-            .await
-            .unwrap();
+    let n = embed_dlq::tail::tail(
+        &redis_client(),
+        &keys,
+        &opts(None, true),
+        &mut second,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
     assert_eq!(n, 20);
     let lines: Vec<serde_json::Value> = first.iter().chain(&second).map(|e| e.to_json()).collect();
     let printed: Vec<i64> = lines.iter().map(|v| v["dlq_id"].as_i64().unwrap()).collect();
@@ -534,7 +539,7 @@ async fn dead_consumers_are_removed_from_the_group() {
         .query_async(&mut r)
         .await
         .unwrap();
-    let consumers = |r: &mut redis::aio::ConnectionManager| {
+    let consumers = |r: &mut embed_dlq::streams::RedisConn| {
         let mut r = r.clone();
         let stream = keys.replay();
         async move {

@@ -72,7 +72,7 @@ pub async fn start_mock(config: MockConfig) -> MockProvider {
 /// Settings for a test run: fast retries, short timeouts, small batches.
 pub fn settings(db: &TestDb, mock: &MockProvider) -> IngestSettings {
     IngestSettings::resolve(
-        ServiceArgs { database_url: Some(db.url.clone()), redis_url: None },
+        ServiceArgs { database_url: Some(db.url.clone()), redis_url: None, ..Default::default() },
         ProviderArgs {
             base_url: Some(mock.base_url()),
             model: Some("mock".into()),
@@ -111,12 +111,17 @@ pub fn redis_url() -> String {
     std::env::var("REDIS_URL").expect("REDIS_URL is not set: run the tests with scripts/test.sh")
 }
 
+/// A client for the Redis named by `REDIS_URL`.
+pub fn redis_client() -> embed_dlq::streams::RedisClient {
+    embed_dlq::streams::client(&redis_url()).unwrap()
+}
+
 /// Stream keys under a prefix of their own, so tests never see each other's entries.
 pub fn fresh_keys() -> embed_dlq::streams::StreamKeys {
     embed_dlq::streams::StreamKeys::new(&format!("it-{}-{}", std::process::id(), rand::random::<u32>()))
 }
 
-pub async fn redis() -> redis::aio::ConnectionManager {
+pub async fn redis() -> embed_dlq::streams::RedisConn {
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
     embed_dlq::streams::managed(&client).await.expect("connect to REDIS_URL")
 }
@@ -141,7 +146,7 @@ impl PrivateRedis {
             .spawn()
             .expect("redis-server (scripts/services.sh installs it)");
         let url = format!("redis://127.0.0.1:{port}/");
-        let client = embed_dlq::streams::client(&url).unwrap();
+        let client = redis::Client::open(url.as_str()).unwrap();
         for _ in 0..100 {
             if let Ok(mut c) = client.get_multiplexed_async_connection().await
                 && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
@@ -155,7 +160,7 @@ impl PrivateRedis {
         panic!("private redis-server did not come up on {port}");
     }
 
-    pub async fn manager(&self) -> redis::aio::ConnectionManager {
+    pub async fn manager(&self) -> embed_dlq::streams::RedisConn {
         embed_dlq::streams::managed(&embed_dlq::streams::client(&self.url).unwrap()).await.unwrap()
     }
 }
