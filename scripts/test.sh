@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test command: brings up the project's own Postgres+pgvector and Redis (idempotent),
+# The test command: brings up the project's own Postgres+pgvector, Redis and a local Redis
+# Cluster of 3 masters + 3 replicas (all idempotent; the relay, replay, tail and reconcile
+# tests run against both Redis deployments),
 # drops databases left by earlier test runs, makes sure promtool is installed (metrics and
 # alert-rule tests), then runs every test against them with the `failpoints` feature on (the
 # crash tests need it; a default build has no failpoint code). Afterwards it checks that the
@@ -9,6 +11,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 eval "$(scripts/services.sh up)"
+eval "$(scripts/services.sh cluster up)"
 scripts/services.sh drop-test-dbs
 scripts/ensure-promtool.sh
 

@@ -123,7 +123,7 @@ fn prefix_of(keys: &StreamKeys) -> String {
 }
 
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -156,9 +156,10 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let nums: Vec<i64> = ids.iter().map(|s| s.parse().unwrap()).collect();
     assert!(nums.windows(2).all(|w| w[0] < w[1]));
 }
+}
 
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -200,9 +201,10 @@ async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, 50);
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 50);
 }
+}
 
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -229,8 +231,9 @@ async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -258,8 +261,9 @@ async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
     assert_eq!(slow.control.stats().inputs, 10, "every item embedded exactly once");
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -300,6 +304,7 @@ async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
     make_due(&db).await;
     assert_eq!(Scheduler { store: p.store.clone(), config: replay_config() }.run_once().await.unwrap(), 0);
 }
+}
 
 /// Replays `doc` until the scheduler has nothing left to enqueue; returns the passes made.
 async fn replay_until_settled(db: &TestDb, p: &Pipeline, keys: &StreamKeys, rep: &mut Replayer) -> usize {
@@ -314,7 +319,7 @@ async fn replay_until_settled(db: &TestDb, p: &Pipeline, keys: &StreamKeys, rep:
     panic!("still replaying after 20 passes: a loop");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn failing_replays_end_permanent_or_exhausted_never_forever() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -351,8 +356,9 @@ async fn failing_replays_end_permanent_or_exhausted_never_forever() {
     assert_eq!(status, "exhausted");
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn three_replayers_drain_10k_parked_items_each_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -393,8 +399,9 @@ async fn three_replayers_drain_10k_parked_items_each_exactly_once() {
     assert_eq!(db.manifest_disagreements().await, 0);
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -443,8 +450,9 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     assert!(lines.iter().all(|v| v["event"] == "parked" && v["error_class"] == "transient"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn sigterm_during_heavy_replay_exits_in_grace_and_leaves_work_reclaimable() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -479,8 +487,9 @@ async fn sigterm_during_heavy_replay_exits_in_grace_and_leaves_work_reclaimable(
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn trimming_never_removes_entries_a_group_still_needs() {
     let keys = fresh_keys();
     let mut r = redis().await;
@@ -515,8 +524,9 @@ async fn trimming_never_removes_entries_a_group_still_needs() {
     let len: usize = r.xlen(keys.replay()).await.unwrap();
     assert_eq!(len, 4, "entries 6..9 were never delivered and must stay");
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn dead_consumers_are_removed_from_the_group() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -558,8 +568,9 @@ async fn dead_consumers_are_removed_from_the_group() {
     rep.reclaim_once(&CancellationToken::new()).await.unwrap();
     assert!(!consumers(&mut r).await.contains(&"ghost".to_string()));
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn several_relays_at_once_publish_every_row_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -595,8 +606,9 @@ async fn several_relays_at_once_publish_every_row_exactly_once() {
         entries.ids.iter().map(|e| embed_dlq::streams::field(&e.map, "outbox_id").unwrap()).collect();
     assert_eq!((entries.ids.len(), ids.len()), (2_000, 2_000));
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -630,4 +642,5 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
         12,
         "back on the schedule after the pause"
     );
+}
 }

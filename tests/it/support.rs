@@ -106,14 +106,24 @@ pub fn line(doc: &str, idx: i32, text: &str) -> String {
     format!("{}\n", serde_json::json!({"doc_id": doc, "chunk_index": idx, "text": text}))
 }
 
-/// The Redis named by `REDIS_URL` (scripts/test.sh starts one).
+/// The Redis of the running test's [`backend`]: `REDIS_URL`, or the seed URLs of the cluster
+/// in `REDIS_CLUSTER_URL` (comma-separated: the list selects cluster mode).
 pub fn redis_url() -> String {
-    std::env::var("REDIS_URL").expect("REDIS_URL is not set: run the tests with scripts/test.sh")
+    match backend() {
+        Backend::SingleNode => {
+            std::env::var("REDIS_URL").expect("REDIS_URL is not set: run the tests with scripts/test.sh")
+        }
+        Backend::Cluster => std::env::var("REDIS_CLUSTER_URL").expect(
+            "REDIS_CLUSTER_URL is not set: run the tests with scripts/test.sh (scripts/services.sh cluster up)",
+        ),
+    }
 }
 
-/// A client for the Redis named by `REDIS_URL`.
+/// A client for [`redis_url`].
 pub fn redis_client() -> embed_dlq::streams::RedisClient {
-    embed_dlq::streams::client(&redis_url()).unwrap()
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    assert_eq!(client.is_cluster(), backend() == Backend::Cluster);
+    client
 }
 
 /// Stream keys under a prefix of their own, so tests never see each other's entries.
@@ -122,8 +132,7 @@ pub fn fresh_keys() -> embed_dlq::streams::StreamKeys {
 }
 
 pub async fn redis() -> embed_dlq::streams::RedisConn {
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    embed_dlq::streams::managed(&client).await.expect("connect to REDIS_URL")
+    redis_client().managed().await.expect("connect to REDIS_URL")
 }
 
 /// A Redis of this test's own (so it can be flushed or killed), on a free port; stopped on
@@ -270,3 +279,72 @@ async fn a_borrowed_database_is_left_alone() {
     drop(owner);
     assert!(!database_exists(&name).await);
 }
+
+/// Which Redis the helpers of this module talk to: the single node of `REDIS_URL`, or the
+/// Redis Cluster of `REDIS_CLUSTER_URL` (scripts/test.sh starts one with
+/// `scripts/services.sh cluster up`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    SingleNode,
+    Cluster,
+}
+
+thread_local! {
+    /// The backend of the runtime this thread belongs to (set on every thread of a runtime
+    /// built by [`run_on`]; a plain `#[tokio::test]` runtime has none: single node).
+    static BACKEND: std::cell::Cell<Backend> = const { std::cell::Cell::new(Backend::SingleNode) };
+}
+
+/// The backend of the running test (see [`on_single_and_cluster!`]).
+pub fn backend() -> Backend {
+    BACKEND.with(|b| b.get())
+}
+
+/// Runs a test body on a 2-worker runtime of its own whose every thread (workers, blocking
+/// pool, the test's own) reports `backend`, so that every helper the body calls, in any task,
+/// talks to the same Redis.
+pub fn run_on(backend: Backend, body: impl std::future::Future<Output = ()>) {
+    BACKEND.with(|b| b.set(backend));
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(move || BACKEND.with(|b| b.set(backend)))
+        .build()
+        .expect("test runtime")
+        .block_on(body);
+}
+
+/// Generates a test twice, as a module named after it: `single_node` runs the body against
+/// the Redis of `REDIS_URL`, `cluster` against the Redis Cluster of `REDIS_CLUSTER_URL`. The
+/// Redis helpers (`redis_url`, `redis_client`, `redis`, `relay_all`, `reconciler`) follow
+/// [`backend`], so the body is written once. A test that must break its Redis (flush, kill)
+/// uses a [`PrivateRedis`] and stays single.
+///
+/// ```ignore
+/// on_single_and_cluster! {
+///     async fn relay_publishes_once() {
+///         let mut redis = redis().await;   // single node, then cluster
+///     }
+/// }
+/// ```
+macro_rules! on_single_and_cluster {
+    ($($(#[$meta:meta])* async fn $name:ident() $body:block)+) => {$(
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            $(#[$meta])*
+            #[test]
+            fn single_node() {
+                crate::support::run_on(crate::support::Backend::SingleNode, async $body)
+            }
+
+            $(#[$meta])*
+            #[test]
+            fn cluster() {
+                crate::support::run_on(crate::support::Backend::Cluster, async $body)
+            }
+        }
+    )+};
+}
+pub(crate) use on_single_and_cluster;
