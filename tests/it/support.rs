@@ -181,6 +181,147 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// A Redis Cluster of this test's own (3 masters + 3 replicas, `cluster-node-timeout` 1 s),
+/// started by `scripts/services.sh cluster up` in a state dir and on ports of its own, so a
+/// test can kill its nodes; removed (`cluster clean`) on drop.
+pub struct PrivateCluster {
+    /// The three masters' seed URLs, comma-separated.
+    pub url: String,
+    /// The six node ports.
+    pub ports: Vec<u16>,
+    dir: std::path::PathBuf,
+    base: u16,
+}
+
+impl PrivateCluster {
+    pub async fn start() -> PrivateCluster {
+        let dir = std::env::temp_dir().join(format!(
+            "embed-dlq-cluster-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        // Node ports and their bus ports (+10000) below the ephemeral range, all free now.
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        let base = (0..200)
+            .map(|_| 20000 + (rand::random::<u16>() % 2700))
+            .find(|b| (0..6).all(|i| free(b + i) && free(b + i + 10000)))
+            .expect("six free ports for a private cluster");
+        let cluster = PrivateCluster {
+            url: (0..3).map(|i| format!("redis://127.0.0.1:{}/", base + i)).collect::<Vec<_>>().join(","),
+            ports: (0..6).map(|i| base + i).collect(),
+            dir,
+            base,
+        };
+        let out = cluster.script("up").output().await.expect("scripts/services.sh");
+        assert!(
+            out.status.success(),
+            "private cluster did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cluster
+    }
+
+    fn script(&self, action: &str) -> tokio::process::Command {
+        let mut c = tokio::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services.sh"));
+        c.args(["cluster", action])
+            .env("EMBED_DLQ_SERVICES_DIR", &self.dir)
+            .env("EMBED_DLQ_CLUSTER_PORT", self.base.to_string())
+            .env("EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS", "1000")
+            .stdin(std::process::Stdio::null());
+        c
+    }
+
+    /// A plain (non-cluster) connection to one node, for inspecting it.
+    pub async fn node(&self, port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(std::time::Duration::from_secs(1)))
+            .set_response_timeout(Some(std::time::Duration::from_secs(2)));
+        redis::Client::open(format!("redis://127.0.0.1:{port}/"))?
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+    }
+
+    /// A field of a node's `INFO <section>` (e.g. `role` of `replication`).
+    pub async fn info(&self, port: u16, section: &str, field: &str) -> Option<String> {
+        let text: String =
+            redis::cmd("INFO").arg(section).query_async(&mut self.node(port).await.ok()?).await.ok()?;
+        text.lines().find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_string()))
+    }
+
+    /// The port of the master that serves `key` (the one node answering a keyed read on it
+    /// without a MOVED redirection).
+    pub async fn master_of(&self, key: &str) -> u16 {
+        for &port in &self.ports {
+            if let Ok(mut c) = self.node(port).await
+                && redis::cmd("EXISTS").arg(key).query_async::<i64>(&mut c).await.is_ok()
+            {
+                return port;
+            }
+        }
+        panic!("no node serves {key}");
+    }
+
+    /// Kills the node on `port` with SIGKILL (no shutdown, nothing saved).
+    pub async fn kill(&self, port: u16) {
+        let pid = self.info(port, "server", "process_id").await.expect("the node's pid");
+        assert!(std::process::Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
+    }
+
+    /// The pid of the node on `port`.
+    pub async fn pid(&self, port: u16) -> String {
+        self.info(port, "server", "process_id").await.expect("the node's pid")
+    }
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to the node process `pid`.
+    pub fn signal(&self, pid: &str, signal: &str) {
+        assert!(
+            std::process::Command::new("kill").args([&format!("-{signal}"), pid]).status().unwrap().success()
+        );
+    }
+
+    /// Waits until every live node reports a healthy cluster.
+    pub async fn wait_healthy(&self, within: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let mut ok = true;
+            let mut alive = 0;
+            for &port in &self.ports {
+                match self.info(port, "cluster", "cluster_enabled").await {
+                    None => continue,
+                    Some(_) => alive += 1,
+                }
+                let state: Option<String> = async {
+                    let text: String = redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut self.node(port).await.ok()?)
+                        .await
+                        .ok()?;
+                    text.lines().find_map(|l| l.strip_prefix("cluster_state:").map(|v| v.trim().to_string()))
+                }
+                .await;
+                ok &= state.as_deref() == Some("ok");
+            }
+            if ok && alive > 0 {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the private cluster did not become healthy");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        let _ = self
+            .script("clean")
+            .as_std_mut()
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Relays every unpublished outbox row to `keys`; returns the new stream entries.
 pub async fn relay_all(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> u64 {
     use embed_dlq::relay::{Relay, RelayConfig};
