@@ -204,6 +204,10 @@ pub struct ServeArgs {
     /// Key prefix of the streams, wrapped in a hash tag (1..=128 characters, no braces).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
+    /// Replay and events streams split into this many shards, each in its own hash slot
+    /// (spread over a Redis Cluster's masters), 1..=256; fixed once the streams exist.
+    #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
+    pub stream_shards: Option<u16>,
     /// Prefix of this process's consumer names [default: hostname-pid].
     #[arg(long)]
     pub consumer_name: Option<String>,
@@ -291,6 +295,9 @@ pub const DEFAULT_STREAM_PREFIX: &str = crate::streams::DEFAULT_PREFIX;
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 60_000;
 /// Default replayer tasks in one `serve`.
 pub const DEFAULT_REPLAYERS: usize = 2;
+/// Default `stream_shards`: one stream of each kind, the key names of every release before
+/// sharding (no migration for existing deployments).
+pub const DEFAULT_STREAM_SHARDS: u16 = 1;
 /// Default time to drain after SIGTERM.
 pub const DEFAULT_GRACE_MS: u64 = 10_000;
 /// Default periodic reconcile in `serve`: never.
@@ -347,6 +354,9 @@ pub mod bounds {
     pub const MAX_OUTAGE_SECS: RangeInclusive<u64> = 1..=604_800;
     /// `replayers`: 0 runs only the relay and the scheduler.
     pub const REPLAYERS: RangeInclusive<usize> = 0..=64;
+    /// `stream_shards`: each shard is a stream pair, a consumer group and a loop in every
+    /// replayer, `tail` and gauge sampler ([`crate::streams::MAX_SHARDS`]).
+    pub const STREAM_SHARDS: RangeInclusive<u16> = 1..=crate::streams::MAX_SHARDS;
     /// `replay_batch`: entries per read, like a provider batch.
     pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
     /// 100 ms ..= 1 day.
@@ -596,6 +606,8 @@ pub struct Settings {
     pub table: String,
     /// Key prefix of the streams.
     pub stream_prefix: String,
+    /// Shards of the replay and events streams.
+    pub stream_shards: u16,
     /// The provider client (its `Debug` hides the key).
     pub client: ClientConfig,
     /// Batching, concurrency and memory bounds of an ingest.
@@ -618,6 +630,7 @@ impl fmt::Debug for Settings {
             .field("redis_cluster", &self.redis_cluster)
             .field("table", &self.table)
             .field("stream_prefix", &self.stream_prefix)
+            .field("stream_shards", &self.stream_shards)
             .field("client", &self.client)
             .field("options", &self.options)
             .field("retry", &self.retry)
@@ -696,13 +709,15 @@ impl Settings {
         let RetryParts { retry, breaker, dlq_schedule } =
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
         let options = IngestOptions { dlq_schedule, price_per_million_tokens, ..options };
-        let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
+        let (stream_prefix, stream_shards, serve) =
+            resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
         Ok(Settings {
             database_url,
             redis_url,
             redis_cluster,
             table,
             stream_prefix,
+            stream_shards,
             client,
             options,
             retry,
@@ -735,7 +750,7 @@ impl Settings {
 
     /// The stream keys under the configured prefix.
     pub fn stream_keys(&self) -> crate::streams::StreamKeys {
-        crate::streams::StreamKeys::new(&self.stream_prefix)
+        crate::streams::StreamKeys::with_shards(&self.stream_prefix, self.stream_shards)
     }
 
     /// The settings of an ingest (which needs a database).
@@ -1128,14 +1143,14 @@ fn resolve_breaker(
     })
 }
 
-/// `[serve]`: the stream prefix (which every Redis-facing command uses) and the settings of
+/// `[serve]`: the stream prefix and shard count (which every Redis-facing command uses) and the settings of
 /// `serve`, whose replayers follow `dlq_schedule`.
 fn resolve_serve(
     r: &Resolver<'_>,
     flags: ServeArgs,
     file: &ServeArgs,
     dlq_schedule: DlqSchedule,
-) -> Result<(String, ServeSettings), ConfigError> {
+) -> Result<(String, u16, ServeSettings), ConfigError> {
     let ServeArgs {
         replayers,
         replay_batch,
@@ -1143,6 +1158,7 @@ fn resolve_serve(
         delivery_cap,
         grace_ms,
         stream_prefix,
+        stream_shards,
         consumer_name,
         relay_batch,
         relay_poll_ms,
@@ -1154,6 +1170,13 @@ fn resolve_serve(
     let stream_prefix = r
         .text("stream_prefix", stream_prefix, file.stream_prefix.clone(), check_stream_prefix)?
         .map_or_else(|| DEFAULT_STREAM_PREFIX.to_string(), |(v, _)| v);
+    let stream_shards = r.num(
+        "stream_shards",
+        stream_shards,
+        file.stream_shards,
+        DEFAULT_STREAM_SHARDS,
+        bounds::STREAM_SHARDS,
+    )?;
     let consumer_prefix = r
         .text("consumer_name", consumer_name, file.consumer_name.clone(), |n| {
             check_len(n, bounds::NAME_CHARS).and(no_control(n))
@@ -1193,7 +1216,7 @@ fn resolve_serve(
         metrics_addr,
         reconcile_every: (reconcile_every_secs > 0).then(|| Duration::from_secs(reconcile_every_secs)),
     };
-    Ok((stream_prefix, serve))
+    Ok((stream_prefix, stream_shards, serve))
 }
 
 /// Every setting's default as shown in `--help`, by key, read from the resolved defaults (so
@@ -1235,6 +1258,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("delivery_cap", v.replay.delivery_cap.to_string()),
         ("grace_ms", millis(v.grace).to_string()),
         ("stream_prefix", s.stream_prefix.clone()),
+        ("stream_shards", s.stream_shards.to_string()),
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
@@ -1600,6 +1624,7 @@ min_idle_ms = 777
 delivery_cap = 7
 grace_ms = 7
 stream_prefix = "sp"
+stream_shards = 7
 consumer_name = "c"
 relay_batch = 7
 relay_poll_ms = 77
@@ -1644,6 +1669,7 @@ reconcile_every_secs = 7
         assert_eq!(v.replay.schedule, o.dlq_schedule);
         assert_eq!(v.grace, Duration::from_millis(7));
         assert_eq!(s.stream_prefix, "sp");
+        assert_eq!((s.stream_shards, s.stream_keys().shards()), (7, 7));
         assert_eq!(v.consumer_prefix.as_deref(), Some("c"));
         assert_eq!(v.relay.poll, Duration::from_millis(77));
         assert_eq!(v.metrics_addr, Some("127.0.0.1:1".parse().unwrap()));

@@ -194,18 +194,36 @@ pub(crate) async fn sample(
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }
     if let Some(redis) = redis {
-        for (name, key) in [("events", keys.events()), ("replay", keys.replay())] {
-            let len: u64 = redis::cmd("XLEN").arg(&key).query_async(redis).await?;
-            gauge!(STREAM_LENGTH, "stream" => name).set(len as f64);
-        }
-        let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
-            redis::cmd("XINFO").arg("GROUPS").arg(keys.replay()).query_async(redis).await;
-        if let Ok(groups) = groups
-            && let Some(g) = groups.groups.iter().find(|g| g.name == REPLAY_GROUP)
-        {
-            gauge!(STREAM_PENDING, "stream" => "replay").set(g.pending as f64);
-            gauge!(STREAM_LAG, "stream" => "replay").set(g.lag.unwrap_or(0) as f64);
+        for shard in keys.shard_ids() {
+            sample_shard(redis, keys, shard).await?;
         }
     }
     Ok(())
+}
+
+/// The stream gauges of one shard (one pipeline: one slot), labelled with its index.
+async fn sample_shard(redis: &mut RedisConn, keys: &StreamKeys, shard: u16) -> Result<(), MetricsError> {
+    let label = shard_label(shard);
+    let (events, replay): (u64, u64) = redis::pipe()
+        .cmd("XLEN")
+        .arg(keys.events_of(shard))
+        .cmd("XLEN")
+        .arg(keys.replay_of(shard))
+        .query_async(redis)
+        .await?;
+    gauge!(STREAM_LENGTH, "stream" => "events", "shard" => label.clone()).set(events as f64);
+    gauge!(STREAM_LENGTH, "stream" => "replay", "shard" => label.clone()).set(replay as f64);
+    let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
+        redis::cmd("XINFO").arg("GROUPS").arg(keys.replay_of(shard)).query_async(redis).await;
+    let group = groups.ok().and_then(|g| g.groups.into_iter().find(|g| g.name == REPLAY_GROUP));
+    let (pending, lag) = group.map_or((0, 0), |g| (g.pending, g.lag.unwrap_or(0)));
+    gauge!(STREAM_PENDING, "stream" => "replay", "shard" => label.clone()).set(pending as f64);
+    gauge!(STREAM_LAG, "stream" => "replay", "shard" => label).set(lag as f64);
+    Ok(())
+}
+
+/// The `shard` label value: the shard's index, `0` to `stream_shards - 1` (at most 256
+/// values, [`crate::streams::MAX_SHARDS`]).
+fn shard_label(shard: u16) -> String {
+    shard.to_string()
 }

@@ -35,6 +35,9 @@ pub enum ServeError {
     /// Redis was unreachable at start-up.
     #[error("cannot connect to Redis: {0}")]
     Redis(#[source] redis::RedisError),
+    /// The streams were set up with another shard count ([`crate::streams::check_shards`]).
+    #[error("{0}")]
+    Shards(#[source] crate::streams::ShardMismatch),
     /// A task died; the process stopped so its supervisor restarts it.
     #[error("{0}; serve stopped (exit non-zero) so that its process supervisor restarts it")]
     Task(TaskFailure),
@@ -109,6 +112,11 @@ pub async fn serve(
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
     let manager = streams::managed(&client).await.map_err(ServeError::Redis)?;
+    match streams::check_shards(&mut manager.clone(), &config.keys).await {
+        Ok(()) => {}
+        Err(streams::ShardsError::Mismatch(m)) => return Err(ServeError::Shards(m)),
+        Err(streams::ShardsError::Redis(e)) => return Err(ServeError::Redis(e)),
+    }
     // `stop`: the signal, or a failed task. `hard`: the grace period is over.
     let stop = cancel.child_token();
     let hard = CancellationToken::new();
@@ -117,7 +125,8 @@ pub async fn serve(
     tasks.spawn_until("relay", stop.clone(), relay.run(stop.clone()));
     let scheduler = Scheduler { store: store.clone(), config: config.replay.clone() };
     tasks.spawn_until("scheduler", stop.clone(), scheduler.run(stop.clone()));
-    for n in 0..config.replayers {
+    // Every shard is read by some replayer of this process, however few there are.
+    for (n, shards) in crate::replay::shares(config.replayers, config.keys.shards()).into_iter().enumerate() {
         let replayer = Replayer {
             name: format!("{}-{n}", config.consumer_prefix),
             store: store.clone(),
@@ -125,7 +134,7 @@ pub async fn serve(
             client: client.clone(),
             redis: manager.clone(),
             keys: config.keys.clone(),
-            config: config.replay.clone(),
+            config: crate::replay::ReplayConfig { shards, ..config.replay.clone() },
             paused_until: None,
         };
         let name = format!("replayer {}", replayer.name);
@@ -135,7 +144,11 @@ pub async fn serve(
         let sampler = sample_and_reconcile(store.clone(), manager.clone(), config.clone(), stop.clone());
         tasks.spawn_until("sampler", stop.clone(), sampler);
     }
-    tracing::info!(replayers = config.replayers, "serving: relay, scheduler, replayers");
+    tracing::info!(
+        replayers = config.replayers,
+        stream_shards = config.keys.shards(),
+        "serving: relay, scheduler, replayers"
+    );
     stop.cancelled().await;
     match tasks.failures().first() {
         Some(f) => tracing::error!(error = %f, grace_ms = config.grace.as_millis() as u64,

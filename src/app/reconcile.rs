@@ -15,10 +15,19 @@ use super::{Resolver, exit};
 
 /// Runs `reconcile`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: CancellationToken) -> i32 {
-    let ReconcileCommand { repair, dry_run, every_secs, json, metrics_addr, table, stream_prefix } = args;
+    let ReconcileCommand {
+        repair,
+        dry_run,
+        every_secs,
+        json,
+        metrics_addr,
+        table,
+        stream_prefix,
+        stream_shards,
+    } = args;
     let flags = FileConfig {
         ingest: IngestArgs { table, ..Default::default() },
-        serve: ServeArgs { stream_prefix, ..Default::default() },
+        serve: ServeArgs { stream_prefix, stream_shards, ..Default::default() },
         ..Default::default()
     };
     let (settings, url) = match resolver.with_database(flags) {
@@ -37,7 +46,7 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
             Err(e) => return exit::usage(&e),
         },
         table: &settings.table,
-        stream_prefix: &settings.stream_prefix,
+        keys: settings.stream_keys(),
         mode,
         every: every_secs.map(Duration::from_secs),
         json,
@@ -54,8 +63,8 @@ struct ReconcileRun<'a> {
     redis: Option<RedisClient>,
     /// The target vector table.
     table: &'a str,
-    /// Key prefix of the streams.
-    stream_prefix: &'a str,
+    /// The streams (prefix and shards).
+    keys: StreamKeys,
     /// Check, repair, or show what a repair would do.
     mode: Mode,
     /// Run every this often until a signal; `None` runs once.
@@ -85,8 +94,7 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
         },
         None => None,
     };
-    let mut reconciler =
-        Reconciler { store, redis, keys: StreamKeys::new(run.stream_prefix), config: Default::default() };
+    let mut reconciler = Reconciler { store, redis, keys: run.keys, config: Default::default() };
     let mut code = exit::OK;
     let json = run.json;
     let on_run = |outcome: Result<_, _>| {

@@ -40,6 +40,8 @@ async fn run(
     }
     match embed_dlq::serve::serve(pipeline.store, pipeline.embedder, redis, config, cancel).await {
         Ok(()) => exit::OK,
+        // The configuration does not fit the streams: a usage error, nothing ran.
+        Err(e @ embed_dlq::serve::ServeError::Shards(_)) => exit::fail(exit::USAGE, &e.to_string()),
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }
 }

@@ -13,8 +13,11 @@ use super::{Resolver, exit};
 
 /// Runs `tail`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: TailCommand, cancel: CancellationToken) -> i32 {
-    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix } = args;
-    let flags = FileConfig { serve: ServeArgs { stream_prefix, ..Default::default() }, ..Default::default() };
+    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix, stream_shards } = args;
+    let flags = FileConfig {
+        serve: ServeArgs { stream_prefix, stream_shards, ..Default::default() },
+        ..Default::default()
+    };
     let (redis, settings) = match resolver.settings(flags).and_then(|s| Ok((s.redis_client()?, s))) {
         Ok(r) => r,
         Err(e) => return exit::usage(&e),
@@ -37,6 +40,9 @@ async fn follow(
     let mut sink = LineSink { out: std::io::stdout(), json };
     match embed_dlq::tail::tail(redis, keys, &opts, &mut sink, cancel).await {
         Ok(_) => exit::OK,
+        Err(e @ embed_dlq::tail::TailError::Shards(embed_dlq::streams::ShardsError::Mismatch(_))) => {
+            exit::fail(exit::USAGE, &e.to_string())
+        }
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }
 }

@@ -18,5 +18,6 @@ mod reconcile;
 mod relay;
 mod restart;
 mod runtime;
+mod shards;
 mod streams;
 mod support;

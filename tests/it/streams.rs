@@ -122,8 +122,8 @@ fn prefix_of(keys: &StreamKeys) -> String {
     keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
 }
 
-#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 on_single_and_cluster! {
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -158,8 +158,8 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
 }
 }
 
-#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 on_single_and_cluster! {
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -203,8 +203,8 @@ async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
 }
 }
 
-#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 on_single_and_cluster! {
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
