@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
-use embed_dlq::reconcile::{Mode, Reconciler};
-use embed_dlq::streams::{RedisClient, StreamKeys};
+use embed_dlq::reconcile::{Mode, ReconcileError, Reconciler};
+use embed_dlq::streams::{RedisClient, ShardsError, StreamKeys};
 use tokio_util::sync::CancellationToken;
 
 use super::args::ReconcileCommand;
@@ -102,6 +102,10 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
             Ok(report) => {
                 print_report(&report, json);
                 if report.total_found() > 0 { exit::FINDINGS } else { exit::OK }
+            }
+            // Configured with another shard count than the streams have: a usage error.
+            Err(e @ ReconcileError::Shards(ShardsError::Mismatch(_))) => {
+                exit::fail(exit::USAGE, &e.to_string())
             }
             Err(e) => exit::fail(exit::FAILURE, &format!("reconcile failed: {e}")),
         }

@@ -251,6 +251,23 @@ async fn another_shard_count_is_refused_with_a_clear_message() {
     assert!(matches!(served, Err(ServeError::Shards(_))), "{served:?}");
     let mut r = reconciler(&db, &two, immediate()).await;
     assert!(r.run_once(Mode::Check).await.unwrap_err().to_string().contains("set up with 4 shard(s)"));
+    // The commands: a usage error (exit 2) that names both counts; nothing runs.
+    let base_url = mock.base_url();
+    for command in ["serve", "reconcile", "tail"] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+            .arg(command)
+            .args(["--database-url", &db.url, "--redis-url", &redis_url()])
+            .args(if command == "serve" { vec!["--base-url", base_url.as_str()] } else { vec![] })
+            .args(["--stream-prefix", keys.prefix(), "--stream-shards", "2"])
+            .env_remove("EMBED_DLQ_CONFIG")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command}: {stderr}");
+        assert!(stderr.contains("set up with 4 shard(s)") && stderr.contains("stream_shards = 2"), "{command}: {stderr}");
+    }
 
     // An unsharded deployment from before the count was recorded.
     let legacy = sharded_keys(1);
