@@ -33,7 +33,7 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 const BLOCK_MARGIN: Duration = Duration::from_secs(10);
 /// Cluster: retries of one command after a redirection, a connection loss or a failover
 /// (`TRYAGAIN`, `CLUSTERDOWN`, `READONLY`), each after a jittered wait of 100 ms growing to at
-/// most 2 s: about 7 s in all, longer than a replica's promotion with a `cluster-node-timeout`
+/// most 2 s: 5 to 8 s in all, longer than a replica's promotion with a `cluster-node-timeout`
 /// of a few seconds. What still fails is retried by the caller's loop.
 const CLUSTER_RETRIES: u32 = 10;
 const CLUSTER_MIN_RETRY_WAIT_MS: u64 = 100;

@@ -421,7 +421,7 @@ async fn a_borrowed_database_is_left_alone() {
     assert!(!database_exists(&name).await);
 }
 
-/// Which Redis the helpers of this module talk to: the single node of `REDIS_URL`, or the
+/// Which Redis the fixtures of this module talk to: the single node of `REDIS_URL`, or the
 /// Redis Cluster of `REDIS_CLUSTER_URL` (scripts/test.sh starts one with
 /// `scripts/services.sh cluster up`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -442,7 +442,7 @@ pub fn backend() -> Backend {
 }
 
 /// Runs a test body on a 2-worker runtime of its own whose every thread (workers, blocking
-/// pool, the test's own) reports `backend`, so that every helper the body calls, in any task,
+/// pool, the test's own) reports `backend`, so that every fixture the body calls, in any task,
 /// talks to the same Redis.
 pub fn run_on(backend: Backend, body: impl std::future::Future<Output = ()>) {
     BACKEND.with(|b| b.set(backend));
@@ -457,7 +457,7 @@ pub fn run_on(backend: Backend, body: impl std::future::Future<Output = ()>) {
 
 /// Generates a test twice, as a module named after it: `single_node` runs the body against
 /// the Redis of `REDIS_URL`, `cluster` against the Redis Cluster of `REDIS_CLUSTER_URL`. The
-/// Redis helpers (`redis_url`, `redis_client`, `redis`, `relay_all`, `reconciler`) follow
+/// Redis fixtures (`redis_url`, `redis_client`, `redis`, `relay_all`, `reconciler`) follow
 /// [`backend`], so the body is written once. A test that must break its Redis (flush, kill)
 /// uses a [`PrivateRedis`] and stays single.
 ///
