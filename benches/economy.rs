@@ -182,6 +182,7 @@ fn settings(s: &Scenario, db: &TestDb, mock: &MockProvider, serve: bool, prefix:
         services: ServiceArgs {
             database_url: Some(db.url.clone()),
             redis_url: std::env::var("REDIS_URL").ok(),
+            redis_cluster: None,
         },
         provider: ProviderArgs {
             base_url: Some(mock.base_url()),
@@ -292,7 +293,7 @@ async fn replay(s: &Scenario, db: &TestDb, mock: &MockProvider, prefix: &str) ->
 }
 
 /// Deletes every Redis key of this scenario's stream prefix.
-async fn delete_keys(client: &redis::Client, prefix: &str) {
+async fn delete_keys(client: &embed_dlq::streams::RedisClient, prefix: &str) {
     let mut conn = embed_dlq::streams::managed(client).await.unwrap();
     let pattern = format!("{{{prefix}}}*");
     let mut cursor: u64 = 0;

@@ -76,7 +76,7 @@ async fn run() {
     .await
     .unwrap();
     let settings = IngestSettings::resolve(
-        ServiceArgs { database_url: Some(url.clone()), redis_url: None },
+        ServiceArgs { database_url: Some(url.clone()), redis_url: None, ..Default::default() },
         ProviderArgs { base_url: Some(mock.base_url()), model: Some("bench".into()), ..Default::default() },
         IngestArgs {
             batch_max_inputs: std::env::var("BENCH_BATCH").ok().and_then(|v| v.parse().ok()),

@@ -32,7 +32,11 @@ pub struct Target {
 /// a config file. Fields left `None` keep their defaults.
 pub fn settings(target: &Target) -> anyhow::Result<IngestSettings> {
     let settings = IngestSettings::resolve(
-        ServiceArgs { database_url: Some(target.database_url.clone()), redis_url: None },
+        ServiceArgs {
+            database_url: Some(target.database_url.clone()),
+            redis_url: None,
+            ..Default::default()
+        },
         ProviderArgs {
             base_url: Some(target.base_url.clone()),
             model: Some(target.model.clone()),

@@ -9,16 +9,17 @@
 //! cargo run --example events_consumer -- my-group      # group name, default `example-consumers`
 //! ```
 //!
-//! `EMBED_DLQ_STREAM_PREFIX` selects the deployment's key prefix (default `embed-dlq`). Run
+//! `EMBED_DLQ_STREAM_PREFIX` selects the deployment's key prefix (default `embed-dlq`) and
+//! `EMBED_DLQ_STREAM_SHARDS` its shard count (default 1: the group then covers every shard's
+//! events stream, read in turn). Run
 //! `embed-dlq serve` (it relays the outbox to the stream) and ingest something that parks.
 
 use std::time::Duration;
 
 use embed_dlq::model::ErrorClass;
-use embed_dlq::streams::{self, StreamKeys};
+use embed_dlq::streams::{self, RedisConn, StreamKeys};
 use embed_dlq::tail::TailEvent;
 use redis::AsyncCommands;
-use redis::aio::MultiplexedConnection;
 use redis::streams::{
     StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply,
 };
@@ -74,16 +75,21 @@ impl Delivered {
 pub struct EventsConsumer {
     /// A connection of its own: a blocking read needs a response timeout longer than its
     /// BLOCK (redis-rs's default of 500 ms would cut it short) and would stall other commands.
-    conn: MultiplexedConnection,
-    stream: String,
+    conn: RedisConn,
+    /// The events stream of every shard (one with unsharded streams); a group read covers
+    /// one stream, so the consumer reads them in turn.
+    streams: Vec<String>,
+    /// The shard read next.
+    next: usize,
     group: String,
     consumer: String,
     block: Duration,
 }
 
 impl EventsConsumer {
-    /// Connects and creates `group` on the events stream if it is missing (`MKSTREAM`: the
-    /// stream may not exist yet). A new group starts with events published from now on.
+    /// Connects and creates `group` on the events stream of every shard if it is missing
+    /// (`MKSTREAM`: the stream may not exist yet). A new group starts with events published
+    /// from now on.
     pub async fn connect(
         redis_url: &str,
         keys: &StreamKeys,
@@ -92,18 +98,17 @@ impl EventsConsumer {
     ) -> redis::RedisResult<Self> {
         let block = Duration::from_secs(2);
         let conn = streams::blocking(&streams::client(redis_url)?, block).await?;
-        let mut me = EventsConsumer {
-            conn,
-            stream: keys.events(),
-            group: group.into(),
-            consumer: consumer.into(),
-            block,
-        };
-        let created: redis::RedisResult<()> =
-            me.conn.xgroup_create_mkstream(&me.stream, &me.group, "$").await;
-        match created {
-            Err(e) if e.code() != Some("BUSYGROUP") => return Err(e),
-            _ => {}
+        let streams: Vec<String> = keys.shard_ids().map(|s| keys.events_of(s)).collect();
+        let block = block / streams.len() as u32;
+        let mut me =
+            EventsConsumer { conn, streams, next: 0, group: group.into(), consumer: consumer.into(), block };
+        for stream in &me.streams {
+            let created: redis::RedisResult<()> =
+                me.conn.xgroup_create_mkstream(stream, &me.group, "$").await;
+            match created {
+                Err(e) if e.code() != Some("BUSYGROUP") => return Err(e),
+                _ => {}
+            }
         }
         Ok(me)
     }
@@ -114,52 +119,63 @@ impl EventsConsumer {
     where
         F: FnMut(&Delivered) -> bool,
     {
-        let (mut start, mut handled) = ("0-0".to_string(), 0);
-        loop {
-            let reply: StreamAutoClaimReply = self
-                .conn
-                .xautoclaim_options(
-                    &self.stream,
-                    &self.group,
-                    &self.consumer,
-                    min_idle.as_millis() as u64,
-                    &start,
-                    StreamAutoClaimOptions::default().count(100),
-                )
-                .await?;
-            handled += self.handle_and_ack(&reply.claimed, handle).await?;
-            if reply.next_stream_id == "0-0" {
-                return Ok(handled);
+        let mut handled = 0;
+        for stream in self.streams.clone() {
+            let mut start = "0-0".to_string();
+            loop {
+                let reply: StreamAutoClaimReply = self
+                    .conn
+                    .xautoclaim_options(
+                        &stream,
+                        &self.group,
+                        &self.consumer,
+                        min_idle.as_millis() as u64,
+                        &start,
+                        StreamAutoClaimOptions::default().count(100),
+                    )
+                    .await?;
+                handled += self.handle_and_ack(&stream, &reply.claimed, handle).await?;
+                if reply.next_stream_id == "0-0" {
+                    break;
+                }
+                start = reply.next_stream_id;
             }
-            start = reply.next_stream_id;
         }
+        Ok(handled)
     }
 
-    /// Reads new events (waiting up to the BLOCK time), handles and acknowledges them.
+    /// Reads new events of the next shard (waiting up to its share of the BLOCK time),
+    /// handles and acknowledges them.
     pub async fn read_once<F>(&mut self, handle: &mut F) -> redis::RedisResult<u64>
     where
         F: FnMut(&Delivered) -> bool,
     {
+        let stream = self.streams[self.next].clone();
+        self.next = (self.next + 1) % self.streams.len();
         let options = StreamReadOptions::default()
             .group(&self.group, &self.consumer)
             .count(100)
-            .block(self.block.as_millis() as usize);
-        let reply: Option<StreamReadReply> =
-            self.conn.xread_options(&[&self.stream], &[">"], &options).await?;
+            .block(self.block.as_millis().max(10) as usize);
+        let reply: Option<StreamReadReply> = self.conn.xread_options(&[&stream], &[">"], &options).await?;
         let entries: Vec<StreamId> = reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids).collect();
-        self.handle_and_ack(&entries, handle).await
+        self.handle_and_ack(&stream, &entries, handle).await
     }
 
     /// Hands each entry to `handle`; acknowledges those it handled (returned `true`). The
     /// others stay pending: this or another consumer claims them again after `min_idle`.
-    async fn handle_and_ack<F>(&mut self, entries: &[StreamId], handle: &mut F) -> redis::RedisResult<u64>
+    async fn handle_and_ack<F>(
+        &mut self,
+        stream: &str,
+        entries: &[StreamId],
+        handle: &mut F,
+    ) -> redis::RedisResult<u64>
     where
         F: FnMut(&Delivered) -> bool,
     {
         let handled: Vec<&str> =
             entries.iter().filter(|e| handle(&Delivered::from_entry(e))).map(|e| e.id.as_str()).collect();
         if !handled.is_empty() {
-            let _: usize = self.conn.xack(&self.stream, &self.group, &handled).await?;
+            let _: usize = self.conn.xack(stream, &self.group, &handled).await?;
         }
         Ok(handled.len() as u64)
     }
@@ -206,10 +222,14 @@ async fn main() -> anyhow::Result<()> {
     let prefix = std::env::var("EMBED_DLQ_STREAM_PREFIX").unwrap_or_else(|_| streams::DEFAULT_PREFIX.into());
     let group = std::env::args().nth(1).unwrap_or_else(|| "example-consumers".into());
     let consumer = format!("{}-{}", hostname(), std::process::id());
-    let keys = StreamKeys::new(&prefix);
+    let shards = std::env::var("EMBED_DLQ_STREAM_SHARDS").ok().and_then(|n| n.parse().ok()).unwrap_or(1);
+    let keys = StreamKeys::with_shards(&prefix, shards);
     let mut consumer = EventsConsumer::connect(&redis_url, &keys, &group, &consumer).await?;
     let cancel = embed_dlq::shutdown::on_signal().graceful;
-    eprintln!("consuming {} as group {group:?}; Ctrl-C to stop", keys.events());
+    eprintln!(
+        "consuming the events of {} shard(s) under {prefix} as group {group:?}; Ctrl-C to stop",
+        keys.shards()
+    );
     let handled = consumer.run(Duration::from_secs(60), print_event, cancel).await?;
     eprintln!("handled {handled} events");
     Ok(())

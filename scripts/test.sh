@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The test command: brings up the project's own Postgres+pgvector and Redis (idempotent),
-# drops databases left by earlier test runs, makes sure promtool (metrics, alert-rule and
-# dashboard tests) and Debian's chromium + chromium-driver (the console's browser tests) are
-# installed, then runs every test against them with the `failpoints` feature on (the
+# The test command: brings up the project's own Postgres+pgvector, Redis and a local Redis
+# Cluster of 3 masters + 3 replicas (all idempotent; the relay, replay, tail and reconcile
+# tests run against both Redis deployments), drops databases left by earlier test runs, makes
+# sure promtool (metrics, alert-rule and dashboard tests) and Debian's chromium +
+# chromium-driver (the console's browser tests) are installed, then runs every test against
+# them with the `failpoints` feature on (the
 # crash tests need it; a default build has no failpoint code). Afterwards it checks that the
 # run left no test database behind (each `TestDb` drops its own, even when its test panics).
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- fault_mix).
@@ -10,6 +12,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 eval "$(scripts/services.sh up)"
+eval "$(scripts/services.sh cluster up)"
 scripts/services.sh drop-test-dbs
 scripts/ensure-promtool.sh
 scripts/ensure-chromium.sh

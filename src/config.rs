@@ -53,9 +53,13 @@ pub struct ServiceArgs {
     /// Postgres URL (the database must have the pgvector extension available).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Redis URL (Redis >= 6.2).
+    /// Redis URL (Redis >= 6.2); several comma-separated node URLs select Redis Cluster mode
+    /// (`redis://h1:7001,redis://h2:7002`).
     #[arg(long, env = "REDIS_URL", global = true, hide_env_values = true)]
     pub redis_url: Option<String>,
+    /// Treat a single Redis URL as a seed node of a Redis Cluster (a list of URLs always is).
+    #[arg(long, global = true, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub redis_cluster: Option<bool>,
 }
 
 /// The embeddings provider.
@@ -201,6 +205,10 @@ pub struct ServeArgs {
     /// Key prefix of the streams, wrapped in a hash tag (1..=128 characters, no braces).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
+    /// Replay and events streams split into this many shards, each in its own hash slot
+    /// (spread over a Redis Cluster's masters), 1..=256; fixed once the streams exist.
+    #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
+    pub stream_shards: Option<u16>,
     /// Prefix of this process's consumer names [default: hostname-pid].
     #[arg(long)]
     pub consumer_name: Option<String>,
@@ -296,6 +304,9 @@ pub const DEFAULT_STREAM_PREFIX: &str = crate::streams::DEFAULT_PREFIX;
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 60_000;
 /// Default replayer tasks in one `serve`.
 pub const DEFAULT_REPLAYERS: usize = 2;
+/// Default `stream_shards`: one stream of each kind, the key names of every release before
+/// sharding (no migration for existing deployments).
+pub const DEFAULT_STREAM_SHARDS: u16 = 1;
 /// Default time to drain after SIGTERM.
 pub const DEFAULT_GRACE_MS: u64 = 10_000;
 /// Default periodic reconcile in `serve`: never.
@@ -334,6 +345,9 @@ pub mod bounds {
     pub const MAX_OUTAGE_SECS: RangeInclusive<u64> = 1..=604_800;
     /// `replayers`: 0 runs only the relay and the scheduler.
     pub const REPLAYERS: RangeInclusive<usize> = 0..=64;
+    /// `stream_shards`: each shard is a stream pair, a consumer group and a loop in every
+    /// replayer, `tail` and gauge sampler ([`crate::streams::MAX_SHARDS`]).
+    pub const STREAM_SHARDS: RangeInclusive<u16> = 1..=crate::streams::MAX_SHARDS;
     /// `replay_batch`: entries per read, like a provider batch.
     pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
     /// 100 ms ..= 1 day.
@@ -579,12 +593,16 @@ impl Resolver<'_> {
 pub struct Settings {
     /// Postgres URL (may hold a password).
     pub database_url: Option<String>,
-    /// Redis URL (may hold a password).
+    /// Redis URL (may hold a password), or several comma-separated node URLs of a cluster.
     pub redis_url: Option<String>,
+    /// Redis Cluster mode (a list of URLs, or `redis_cluster` with one seed URL).
+    pub redis_cluster: bool,
     /// Target vector table.
     pub table: String,
     /// Key prefix of the streams.
     pub stream_prefix: String,
+    /// Shards of the replay and events streams.
+    pub stream_shards: u16,
     /// The provider client (its `Debug` hides the key).
     pub client: ClientConfig,
     /// Batching, concurrency and memory bounds of an ingest.
@@ -604,8 +622,10 @@ impl fmt::Debug for Settings {
         f.debug_struct("Settings")
             .field("database_url", &self.database_url.as_deref().map(redact_password))
             .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("redis_cluster", &self.redis_cluster)
             .field("table", &self.table)
             .field("stream_prefix", &self.stream_prefix)
+            .field("stream_shards", &self.stream_shards)
             .field("client", &self.client)
             .field("options", &self.options)
             .field("retry", &self.retry)
@@ -616,8 +636,16 @@ impl fmt::Debug for Settings {
     }
 }
 
-/// `url` with its password (if any) replaced, for debug output.
+/// `url` with its password (if any) replaced, for debug output; each URL of a
+/// comma-separated list (a Redis Cluster's seed nodes) on its own.
 pub(crate) fn redact_password(url: &str) -> String {
+    if url.contains(',') {
+        return url.split(',').map(|u| redact_one(u.trim())).collect::<Vec<_>>().join(",");
+    }
+    redact_one(url)
+}
+
+fn redact_one(url: &str) -> String {
     match reqwest::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("[redacted]"));
@@ -664,7 +692,8 @@ impl Settings {
         // Exhaustive destructuring here and in each section: a new field that is not resolved
         // does not compile (or warns as unused), so no setting can be silently ignored.
         let FileConfig { services, provider, ingest, retry, serve } = flags;
-        let (database_url, redis_url) = resolve_services(&r.section("services"), services, &f.services)?;
+        let (database_url, redis_url, redis_cluster) =
+            resolve_services(&r.section("services"), services, &f.services)?;
         let (client, limits, price_per_million_tokens) =
             resolve_provider(&r.section("provider"), provider, &f.provider)?;
         if limits.shared && redis_url.is_none() {
@@ -677,12 +706,15 @@ impl Settings {
         let RetryParts { retry, breaker, dlq_schedule } =
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
         let options = IngestOptions { dlq_schedule, price_per_million_tokens, ..options };
-        let (stream_prefix, serve) = resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
+        let (stream_prefix, stream_shards, serve) =
+            resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
         Ok(Settings {
             database_url,
             redis_url,
+            redis_cluster,
             table,
             stream_prefix,
+            stream_shards,
             client,
             options,
             retry,
@@ -708,9 +740,14 @@ impl Settings {
         })
     }
 
+    /// A client for the configured Redis (single node or cluster; nothing is connected yet).
+    pub fn redis_client(&self) -> Result<crate::streams::RedisClient, ConfigError> {
+        redis_client(self.redis_url()?, self.redis_cluster)
+    }
+
     /// The stream keys under the configured prefix.
     pub fn stream_keys(&self) -> crate::streams::StreamKeys {
-        crate::streams::StreamKeys::new(&self.stream_prefix)
+        crate::streams::StreamKeys::with_shards(&self.stream_prefix, self.stream_shards)
     }
 
     /// The settings of an ingest (which needs a database).
@@ -724,28 +761,48 @@ impl Settings {
             breaker: self.breaker,
             limits: self.limits,
             redis_url: self.redis_url.clone(),
+            redis_cluster: self.redis_cluster,
         })
     }
 }
 
-/// `[services]`: the Postgres and Redis URLs (no defaults: a command that needs one says so).
+/// A client for `url` (one URL, or a comma-separated list of cluster nodes), in cluster mode
+/// if `cluster` is set or the list has several URLs. `url` was checked by
+/// [`Settings::resolve`]; the error never repeats it (it may hold a password).
+fn redis_client(url: &str, cluster: bool) -> Result<crate::streams::RedisClient, ConfigError> {
+    crate::streams::open(url, cluster).map_err(|e| ConfigError::Invalid {
+        setting: "redis_url",
+        origin: Origin::Default,
+        problem: format!("cannot be used: {}", e.category()),
+    })
+}
+
+/// `[services]`: the Postgres and Redis URLs (no defaults: a command that needs one says so)
+/// and whether Redis is a cluster.
 fn resolve_services(
     r: &Resolver<'_>,
     flags: ServiceArgs,
     file: &ServiceArgs,
-) -> Result<(Option<String>, Option<String>), ConfigError> {
-    let ServiceArgs { database_url, redis_url } = flags;
+) -> Result<(Option<String>, Option<String>, bool), ConfigError> {
+    let ServiceArgs { database_url, redis_url, redis_cluster } = flags;
     let database_url = r
         .text("database_url", database_url, file.database_url.clone(), |u| {
             check_scheme(u, &["postgres", "postgresql"])
         })?
         .map(|(v, _)| v);
-    let redis_url = r
-        .text("redis_url", redis_url, file.redis_url.clone(), |u| {
-            check_scheme(u, &["redis", "rediss", "redis+unix", "unix"])
-        })?
-        .map(|(v, _)| v);
-    Ok((database_url, redis_url))
+    let redis_url = r.text("redis_url", redis_url, file.redis_url.clone(), check_redis_urls)?;
+    let redis_cluster = r.pick("redis_cluster", redis_cluster, file.redis_cluster);
+    if let (Some((true, origin)), Some((url, _))) = (&redis_cluster, &redis_url)
+        && crate::streams::conn::split_urls(url).iter().any(|u| is_unix_socket(u))
+    {
+        return Err(ConfigError::Invalid {
+            setting: "redis_cluster",
+            origin: origin.clone(),
+            problem: "a Redis Cluster is reached over TCP, not a unix socket".into(),
+        });
+    }
+    let redis_cluster = redis_cluster.is_some_and(|(c, _)| c);
+    Ok((database_url, redis_url.map(|(v, _)| v), redis_cluster))
 }
 
 /// `[provider]`: the provider client, with the API key read from the variable it names, and
@@ -1083,14 +1140,14 @@ fn resolve_breaker(
     })
 }
 
-/// `[serve]`: the stream prefix (which every Redis-facing command uses) and the settings of
+/// `[serve]`: the stream prefix and shard count (which every Redis-facing command uses) and the settings of
 /// `serve`, whose replayers follow `dlq_schedule`.
 fn resolve_serve(
     r: &Resolver<'_>,
     flags: ServeArgs,
     file: &ServeArgs,
     dlq_schedule: DlqSchedule,
-) -> Result<(String, ServeSettings), ConfigError> {
+) -> Result<(String, u16, ServeSettings), ConfigError> {
     let ServeArgs {
         replayers,
         replay_batch,
@@ -1098,6 +1155,7 @@ fn resolve_serve(
         delivery_cap,
         grace_ms,
         stream_prefix,
+        stream_shards,
         consumer_name,
         relay_batch,
         relay_poll_ms,
@@ -1111,6 +1169,13 @@ fn resolve_serve(
     let stream_prefix = r
         .text("stream_prefix", stream_prefix, file.stream_prefix.clone(), check_stream_prefix)?
         .map_or_else(|| DEFAULT_STREAM_PREFIX.to_string(), |(v, _)| v);
+    let stream_shards = r.num(
+        "stream_shards",
+        stream_shards,
+        file.stream_shards,
+        DEFAULT_STREAM_SHARDS,
+        bounds::STREAM_SHARDS,
+    )?;
     let consumer_prefix = r
         .text("consumer_name", consumer_name, file.consumer_name.clone(), |n| {
             check_len(n, bounds::NAME_CHARS).and(no_control(n))
@@ -1168,7 +1233,7 @@ fn resolve_serve(
             deep_every: (deep_every > 0).then(|| Duration::from_secs(deep_every)),
         },
     };
-    Ok((stream_prefix, serve))
+    Ok((stream_prefix, stream_shards, serve))
 }
 
 /// Every setting's default as shown in `--help`, by key, read from the resolved defaults (so
@@ -1213,6 +1278,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("delivery_cap", v.replay.delivery_cap.to_string()),
         ("grace_ms", millis(v.grace).to_string()),
         ("stream_prefix", s.stream_prefix.clone()),
+        ("stream_shards", s.stream_shards.to_string()),
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
@@ -1241,6 +1307,8 @@ pub struct IngestSettings {
     pub limits: LimitConfig,
     /// Redis URL (may hold a password), needed only by shared limits.
     pub redis_url: Option<String>,
+    /// Redis Cluster mode (see [`Settings::redis_cluster`]).
+    pub redis_cluster: bool,
 }
 
 impl fmt::Debug for IngestSettings {
@@ -1254,6 +1322,7 @@ impl fmt::Debug for IngestSettings {
             .field("breaker", &self.breaker)
             .field("limits", &self.limits)
             .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("redis_cluster", &self.redis_cluster)
             .finish()
     }
 }
@@ -1327,7 +1396,10 @@ impl IngestSettings {
         use crate::embed::limit::ProviderLimiter;
         match (&self.redis_url, self.limits.shared) {
             (Some(url), true) => {
-                ProviderLimiter::with_redis(self.limits, url, &self.client.base_url, &self.client.model)
+                let redis = redis_client(url, self.redis_cluster).map_err(|e| {
+                    PipelineError::Client(format!("cannot set up the shared rate limit: {e}"))
+                })?;
+                ProviderLimiter::with_redis(self.limits, &redis, &self.client.base_url, &self.client.model)
                     .await
                     .map_err(|e| {
                         PipelineError::Client(format!("cannot set up the shared rate limit in Redis: {e}"))
@@ -1350,6 +1422,33 @@ fn check_scheme(url: &str, schemes: &[&str]) -> Result<(), String> {
         Some(s) if schemes.contains(&s.as_str()) => Ok(()),
         _ => Err(format!("not a URL of scheme {}", schemes.join(", "))),
     }
+}
+
+/// A Redis URL, or several comma-separated ones (a cluster's seed nodes, at most
+/// [`crate::streams::conn::MAX_SEED_NODES`], TCP only). The message never repeats a URL (it
+/// may hold a password).
+fn check_redis_urls(urls: &str) -> Result<(), String> {
+    let nodes = crate::streams::conn::split_urls(urls);
+    let max = crate::streams::conn::MAX_SEED_NODES;
+    if nodes.is_empty() {
+        return Err("no URL".into());
+    }
+    if nodes.len() > max {
+        return Err(format!("{} URLs; a cluster's seed list takes at most {max}", nodes.len()));
+    }
+    for (i, u) in nodes.iter().enumerate() {
+        let which = if nodes.len() > 1 { format!("URL {} of the list: ", i + 1) } else { String::new() };
+        check_scheme(u, &["redis", "rediss", "redis+unix", "unix"]).map_err(|p| format!("{which}{p}"))?;
+        if nodes.len() > 1 && is_unix_socket(u) {
+            return Err(format!("{which}a Redis Cluster is reached over TCP, not a unix socket"));
+        }
+    }
+    Ok(())
+}
+
+fn is_unix_socket(url: &str) -> bool {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    matches!(scheme.as_deref(), Some("redis+unix" | "unix"))
 }
 
 fn no_control(s: &str) -> Result<(), String> {
@@ -1512,6 +1611,7 @@ mod tests {
 [services]
 database_url = "postgres://f"
 redis_url = "redis://f"
+redis_cluster = true
 [provider]
 base_url = "https://example.test/v1"
 model = "m"
@@ -1547,6 +1647,7 @@ min_idle_ms = 777
 delivery_cap = 7
 grace_ms = 7
 stream_prefix = "sp"
+stream_shards = 7
 consumer_name = "c"
 relay_batch = 7
 relay_poll_ms = 77
@@ -1556,6 +1657,7 @@ reconcile_every_secs = 7
         );
         let s = resolve(FileConfig::default(), Some(&f)).unwrap();
         assert_eq!(s.redis_url.as_deref(), Some("redis://f"));
+        assert!(s.redis_cluster);
         assert_eq!(s.client.base_url, "https://example.test/v1");
         assert_eq!(s.client.request_dimensions, Some(64));
         assert_eq!(s.client.encoding, EncodingFormat::Float);
@@ -1590,6 +1692,7 @@ reconcile_every_secs = 7
         assert_eq!(v.replay.schedule, o.dlq_schedule);
         assert_eq!(v.grace, Duration::from_millis(7));
         assert_eq!(s.stream_prefix, "sp");
+        assert_eq!((s.stream_shards, s.stream_keys().shards()), (7, 7));
         assert_eq!(v.consumer_prefix.as_deref(), Some("c"));
         assert_eq!(v.relay.poll, Duration::from_millis(77));
         assert_eq!(v.metrics_addr, Some("127.0.0.1:1".parse().unwrap()));
@@ -1686,10 +1789,21 @@ reconcile_every_secs = 7
         let services = ServiceArgs {
             database_url: Some("postgres://u:pg-pw-1@h/db".into()),
             redis_url: Some("redis://:redis-pw-2@h:1/".into()),
+            redis_cluster: None,
         };
         let s = resolve(FileConfig { services, ..Default::default() }, None).unwrap();
         let all = format!("{s:?} {:?}", s.ingest().unwrap());
         assert!(!all.contains("pg-pw-1") && !all.contains("redis-pw-2"), "{all}");
+        // Every node of a cluster's seed list too.
+        let services = ServiceArgs {
+            database_url: Some("postgres://h/db".into()),
+            redis_url: Some("redis://:redis-pw-3@h:7001/,redis://:redis-pw-3@h:7002/".into()),
+            ..Default::default()
+        };
+        let s = resolve(FileConfig { services, ..Default::default() }, None).unwrap();
+        let all = format!("{s:?} {:?} {:?}", s.ingest().unwrap(), s.redis_client().unwrap());
+        assert!(!all.contains("redis-pw-3"), "{all}");
+        assert!(s.redis_cluster || s.redis_client().unwrap().is_cluster());
         assert!(all.contains("postgres://u:[redacted]@h/db") || all.contains("%5Bredacted%5D"), "{all}");
     }
 
@@ -1749,7 +1863,8 @@ reconcile_every_secs = 7
         );
 
         let with_services = |d: &str, r: &str| {
-            let services = ServiceArgs { database_url: Some(d.into()), redis_url: Some(r.into()) };
+            let services =
+                ServiceArgs { database_url: Some(d.into()), redis_url: Some(r.into()), redis_cluster: None };
             resolve(FileConfig { services, ..Default::default() }, None)
         };
         assert!(with_services("postgres://u@h/db", "redis://h:1/").is_ok());
@@ -1757,6 +1872,28 @@ reconcile_every_secs = 7
         let err = with_services("mysql://u:pw@h/db", "redis://h/").unwrap_err();
         assert!(!err.to_string().contains("pw"), "{err}");
         assert!(with_services("postgres://u@h/db", "").is_err());
+        // A cluster's seed list: each URL checked, none repeated in the message, TCP only.
+        let seeds = with_services("postgres://u@h/db", "redis://h:7001, redis://h:7002/").unwrap();
+        assert!(seeds.redis_client().unwrap().is_cluster() && !seeds.redis_cluster);
+        let err = with_services("postgres://u@h/db", "redis://:pw@h:7001,http://:pw@h:7002").unwrap_err();
+        assert!(err.to_string().contains("URL 2 of the list") && !err.to_string().contains("pw"), "{err}");
+        assert!(with_services("postgres://u@h/db", "redis://h:7001,unix:///tmp/r.sock").is_err());
+        let many = vec!["redis://h:7001"; 65].join(",");
+        assert!(with_services("postgres://u@h/db", &many).is_err());
+        let one_seed = |url: &str| {
+            let services = ServiceArgs {
+                database_url: Some("postgres://h/db".into()),
+                redis_url: Some(url.into()),
+                redis_cluster: Some(true),
+            };
+            resolve(FileConfig { services, ..Default::default() }, None)
+        };
+        let s = one_seed("redis://h:7001/").unwrap();
+        assert!(
+            s.redis_cluster && s.redis_client().unwrap().is_cluster() && s.ingest().unwrap().redis_cluster
+        );
+        let err = one_seed("unix:///tmp/r.sock").unwrap_err();
+        assert!(err.to_string().contains("redis_cluster"), "{err}");
 
         let with_table = |t: &str| {
             resolve(

@@ -64,7 +64,7 @@
 //!
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! let settings = IngestSettings::resolve(
-//!     ServiceArgs { database_url: Some("postgres://localhost/embeddings".into()), redis_url: None },
+//!     ServiceArgs { database_url: Some("postgres://localhost/embeddings".into()), redis_url: None, ..Default::default() },
 //!     ProviderArgs { base_url: Some("http://127.0.0.1:8089/v1".into()), ..Default::default() },
 //!     IngestArgs::default(),
 //!     RetryArgs::default(),

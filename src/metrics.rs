@@ -6,9 +6,9 @@
 
 use std::net::SocketAddr;
 
+use crate::streams::RedisConn;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use redis::aio::ConnectionManager;
 
 use crate::model::ErrorClass;
 use crate::store::Store;
@@ -233,7 +233,7 @@ pub(crate) fn parked(class: ErrorClass, n: u64) {
 /// Samples the DLQ, outbox and stream gauges (a few cheap aggregate queries).
 pub(crate) async fn sample(
     store: &Store,
-    redis: Option<&mut ConnectionManager>,
+    redis: Option<&mut RedisConn>,
     keys: &StreamKeys,
 ) -> Result<(), MetricsError> {
     let pool = store.pool();
@@ -257,20 +257,38 @@ pub(crate) async fn sample(
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }
     if let Some(redis) = redis {
-        for (name, key) in [("events", keys.events()), ("replay", keys.replay())] {
-            let len: u64 = redis::cmd("XLEN").arg(&key).query_async(redis).await?;
-            gauge!(STREAM_LENGTH, "stream" => name).set(len as f64);
-        }
-        let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
-            redis::cmd("XINFO").arg("GROUPS").arg(keys.replay()).query_async(redis).await;
-        if let Ok(groups) = groups
-            && let Some(g) = groups.groups.iter().find(|g| g.name == REPLAY_GROUP)
-        {
-            gauge!(STREAM_PENDING, "stream" => "replay").set(g.pending as f64);
-            gauge!(STREAM_LAG, "stream" => "replay").set(g.lag.unwrap_or(0) as f64);
+        for shard in keys.shard_ids() {
+            sample_shard(redis, keys, shard).await?;
         }
     }
     Ok(())
+}
+
+/// The stream gauges of one shard (one pipeline: one slot), labelled with its index.
+async fn sample_shard(redis: &mut RedisConn, keys: &StreamKeys, shard: u16) -> Result<(), MetricsError> {
+    let label = shard_label(shard);
+    let (events, replay): (u64, u64) = redis::pipe()
+        .cmd("XLEN")
+        .arg(keys.events_of(shard))
+        .cmd("XLEN")
+        .arg(keys.replay_of(shard))
+        .query_async(redis)
+        .await?;
+    gauge!(STREAM_LENGTH, "stream" => "events", "shard" => label.clone()).set(events as f64);
+    gauge!(STREAM_LENGTH, "stream" => "replay", "shard" => label.clone()).set(replay as f64);
+    let groups: redis::RedisResult<redis::streams::StreamInfoGroupsReply> =
+        redis::cmd("XINFO").arg("GROUPS").arg(keys.replay_of(shard)).query_async(redis).await;
+    let group = groups.ok().and_then(|g| g.groups.into_iter().find(|g| g.name == REPLAY_GROUP));
+    let (pending, lag) = group.map_or((0, 0), |g| (g.pending, g.lag.unwrap_or(0)));
+    gauge!(STREAM_PENDING, "stream" => "replay", "shard" => label.clone()).set(pending as f64);
+    gauge!(STREAM_LAG, "stream" => "replay", "shard" => label).set(lag as f64);
+    Ok(())
+}
+
+/// The `shard` label value: the shard's index, `0` to `stream_shards - 1` (at most 256
+/// values, [`crate::streams::MAX_SHARDS`]).
+fn shard_label(shard: u16) -> String {
+    shard.to_string()
 }
 
 /// One stream of one shard: what the console's overview (and any per-shard view) lists.
@@ -284,14 +302,17 @@ pub struct StreamRef {
     pub key: String,
 }
 
-/// Every stream of the deployment under `keys`, per shard. One shard today; when the
-/// streams are sharded, this is the one place that lists them, and every view built on
-/// [`stream_stats`] shows each shard.
+/// Every stream of the deployment under `keys`, per shard: the one place that lists them,
+/// so every view built on [`stream_stats`] shows each shard.
 pub fn stream_refs(keys: &StreamKeys) -> Vec<StreamRef> {
-    vec![
-        StreamRef { shard: "0".into(), stream: "events", key: keys.events() },
-        StreamRef { shard: "0".into(), stream: "replay", key: keys.replay() },
-    ]
+    keys.shard_ids()
+        .flat_map(|shard| {
+            [
+                StreamRef { shard: shard_label(shard), stream: "events", key: keys.events_of(shard) },
+                StreamRef { shard: shard_label(shard), stream: "replay", key: keys.replay_of(shard) },
+            ]
+        })
+        .collect()
 }
 
 /// The numbers of one stream.
@@ -312,7 +333,7 @@ pub struct StreamStats {
 /// Length, pending and lag of each stream in `refs`: the one function that reads these
 /// numbers from Redis for a view (a missing stream has length 0 and no group).
 pub async fn stream_stats(
-    redis: &mut ConnectionManager,
+    redis: &mut RedisConn,
     refs: &[StreamRef],
 ) -> Result<Vec<StreamStats>, redis::RedisError> {
     let mut out = Vec::with_capacity(refs.len());

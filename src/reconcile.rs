@@ -59,8 +59,8 @@ use chrono::{DateTime, Utc};
 
 use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, Scope, WorkAudit};
 use crate::store::{Store, StoreError, TargetTable, outbox};
+use crate::streams::RedisConn;
 use crate::streams::{REPLAY_GROUP, StreamKeys};
-use redis::aio::ConnectionManager;
 use serde::Serialize;
 
 /// The checks, in the order they run.
@@ -329,6 +329,9 @@ pub enum ReconcileError {
     /// A stream check's Redis command failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The streams were set up with another shard count (or Redis failed while checking it).
+    #[error("{0}")]
+    Shards(#[from] crate::streams::ShardsError),
 }
 
 impl Finding {
@@ -449,7 +452,7 @@ pub struct Reconciler {
     /// The database whose manifest, vectors, DLQ and outbox are checked.
     pub store: Store,
     /// Without Redis, the two stream checks are skipped (and say so).
-    pub redis: Option<ConnectionManager>,
+    pub redis: Option<RedisConn>,
     /// The streams the stream checks read.
     pub keys: StreamKeys,
     /// Thresholds, page size and the sweep schedule.
@@ -616,6 +619,7 @@ impl Reconciler {
                 });
             return Ok(skipped.into());
         };
+        crate::streams::check_shards(&mut redis, &self.keys).await?;
         let missing = self.missing_events_check(&mut redis, repair).await?;
         let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
         Ok(vec![missing, lost, orphans])
@@ -646,7 +650,7 @@ impl Reconciler {
     /// 0005 have no entry id and are skipped; rows past the outbox retention are gone.
     async fn missing_events_check(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         repair: bool,
     ) -> Result<Finding, ReconcileError> {
         let page = self.config.page();
@@ -673,16 +677,40 @@ impl Reconciler {
         Ok(out)
     }
 
-    /// Which of `rows` are not on the events stream, and how many more were trimmed by its
-    /// length cap (missing, older than its first entry, while the stream is at the cap).
+    /// Which of `rows` are not on their shard's events stream, and how many more were
+    /// trimmed by its length cap (missing, older than its first entry, while the stream is at
+    /// the cap).
     async fn events_missing_from_stream<'r>(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         rows: &'r [outbox::PublishedEvent],
     ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
-        let stream = self.keys.events();
-        let mut pipe = redis::pipe();
+        let mut by_shard: std::collections::BTreeMap<u16, Vec<&'r outbox::PublishedEvent>> =
+            Default::default();
         for r in rows {
+            by_shard.entry(r.identity.shard(&self.keys)).or_default().push(r);
+        }
+        let (mut missing, mut trimmed) = (Vec::new(), 0);
+        for (shard, rows) in by_shard {
+            let (m, t) = self.missing_from_shard(redis, shard, rows).await?;
+            missing.extend(m);
+            trimmed += t;
+        }
+        missing.sort_by_key(|r| r.id);
+        Ok((missing, trimmed))
+    }
+
+    /// [`Reconciler::events_missing_from_stream`] for the rows of one shard (one pipeline:
+    /// one slot).
+    async fn missing_from_shard<'r>(
+        &self,
+        redis: &mut RedisConn,
+        shard: u16,
+        rows: Vec<&'r outbox::PublishedEvent>,
+    ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
+        let stream = self.keys.events_of(shard);
+        let mut pipe = redis::pipe();
+        for r in &rows {
             pipe.cmd("XRANGE").arg(&stream).arg(&r.entry_id).arg(&r.entry_id).arg("COUNT").arg(1);
         }
         let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
@@ -703,7 +731,7 @@ impl Reconciler {
         let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
         let mut missing = Vec::new();
         let mut trimmed = 0u64;
-        for (r, hit) in rows.iter().zip(&present) {
+        for (r, hit) in rows.into_iter().zip(&present) {
             if !hit.is_empty() {
                 continue;
             }
@@ -721,12 +749,12 @@ impl Reconciler {
     /// relay would take the republish for a duplicate), then marks their rows unpublished.
     async fn republish_events(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         missing: &[&outbox::PublishedEvent],
     ) -> Result<u64, ReconcileError> {
         let mut del = redis::cmd("DEL");
         for r in missing {
-            del.arg(self.keys.outbox_marker(&r.event_id));
+            del.arg(self.keys.outbox_marker(r.identity.shard(&self.keys), &r.event_id));
         }
         let _: i64 = del.query_async(redis).await?;
         let ids: Vec<i64> = missing.iter().map(|r| r.id).collect();
@@ -749,7 +777,7 @@ impl Reconciler {
     /// (`now()` is its start), minus the grace period.
     async fn replay_stream_checks(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         repair: bool,
     ) -> Result<[Finding; 2], ReconcileError> {
         let mut audit = WorkAudit::begin(self.store.pool()).await?;
@@ -760,16 +788,14 @@ impl Reconciler {
         Ok([lost, orphans])
     }
 
-    /// Scans the replay stream page by page: records every outstanding work item in `audit`
-    /// and finds (and, with `repair`, acknowledges and deletes) the orphan entries.
+    /// Scans every shard's replay stream page by page: records every outstanding work item
+    /// in `audit` and finds (and, with `repair`, acknowledges and deletes) the orphan entries.
     async fn orphan_entries_check(
         &self,
-        redis: &mut ConnectionManager,
+        redis: &mut RedisConn,
         audit: &mut WorkAudit,
         repair: bool,
     ) -> Result<Finding, ReconcileError> {
-        let page = self.config.page();
-        let stream = self.keys.replay();
         let mut orphans = Finding {
             check: Check::OrphanStreamEntries,
             found: 0,
@@ -777,20 +803,36 @@ impl Reconciler {
             repaired: 0,
             note: None,
         };
-        let exists: bool = redis::cmd("EXISTS").arg(&stream).query_async(redis).await?;
+        for shard in self.keys.shard_ids() {
+            self.orphans_of_shard(redis, &self.keys.replay_of(shard), audit, repair, &mut orphans).await?;
+        }
+        Ok(orphans)
+    }
+
+    /// [`Reconciler::orphan_entries_check`] for one shard's replay stream.
+    async fn orphans_of_shard(
+        &self,
+        redis: &mut RedisConn,
+        stream: &str,
+        audit: &mut WorkAudit,
+        repair: bool,
+        orphans: &mut Finding,
+    ) -> Result<(), ReconcileError> {
+        let page = self.config.page();
+        let exists: bool = redis::cmd("EXISTS").arg(stream).query_async(redis).await?;
         if !exists {
-            return Ok(orphans);
+            return Ok(());
         }
         // Where the group stands: entries after its last delivered id are still to be read.
         let groups: redis::streams::StreamInfoGroupsReply =
-            redis::cmd("XINFO").arg("GROUPS").arg(&stream).query_async(redis).await?;
+            redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(redis).await?;
         let group = groups.groups.into_iter().find(|g| g.name == REPLAY_GROUP);
         let last_delivered =
             group.as_ref().map(|g| crate::streams::parse_entry_id(&g.last_delivered_id)).unwrap_or((0, 0));
         let mut start = "-".to_string();
         loop {
             let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-                .arg(&stream)
+                .arg(stream)
                 .arg(&start)
                 .arg("+")
                 .arg("COUNT")
@@ -799,7 +841,7 @@ impl Reconciler {
                 .await?;
             let (Some(first), Some(last)) = (entries.ids.first(), entries.ids.last()) else { break };
             let pending = match &group {
-                Some(g) if g.pending > 0 => self.pending_between(redis, &first.id, &last.id, page).await?,
+                Some(g) if g.pending > 0 => pending_between(redis, stream, &first.id, &last.id, page).await?,
                 _ => HashSet::new(),
             };
             let outstanding: Vec<(String, Option<(i64, i64)>)> = entries
@@ -815,8 +857,8 @@ impl Reconciler {
             orphans.add_examples(page_orphans.iter().cloned(), self.config.examples);
             if repair && !page_orphans.is_empty() {
                 let mut pipe = redis::pipe();
-                pipe.cmd("XACK").arg(&stream).arg(REPLAY_GROUP).arg(&page_orphans).ignore();
-                pipe.cmd("XDEL").arg(&stream).arg(&page_orphans);
+                pipe.cmd("XACK").arg(stream).arg(REPLAY_GROUP).arg(&page_orphans).ignore();
+                pipe.cmd("XDEL").arg(stream).arg(&page_orphans);
                 let (deleted,): (u64,) = pipe.query_async(redis).await?;
                 orphans.repaired += deleted;
             }
@@ -825,7 +867,7 @@ impl Reconciler {
             }
             start = format!("({}", last.id);
         }
-        Ok(orphans)
+        Ok(())
     }
 
     /// Leased rows with no outstanding work item (found in `audit` after the stream scan);
@@ -852,35 +894,35 @@ impl Reconciler {
         }
         Ok(lost)
     }
+}
 
-    /// The ids of the group's pending entries between `first` and `last` (inclusive), read
-    /// `page` at a time.
-    async fn pending_between(
-        &self,
-        redis: &mut ConnectionManager,
-        first: &str,
-        last: &str,
-        page: usize,
-    ) -> Result<HashSet<String>, ReconcileError> {
-        let mut out = HashSet::new();
-        let mut start = first.to_string();
-        loop {
-            let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
-                .arg(self.keys.replay())
-                .arg(REPLAY_GROUP)
-                .arg(&start)
-                .arg(last)
-                .arg(page)
-                .query_async(redis)
-                .await?;
-            let n = reply.ids.len();
-            if let Some(p) = reply.ids.last() {
-                start = format!("({}", p.id);
-            }
-            out.extend(reply.ids.into_iter().map(|p| p.id));
-            if n < page {
-                return Ok(out);
-            }
+/// The ids of the group's pending entries of `stream` between `first` and `last`
+/// (inclusive), read `page` at a time.
+async fn pending_between(
+    redis: &mut RedisConn,
+    stream: &str,
+    first: &str,
+    last: &str,
+    page: usize,
+) -> Result<HashSet<String>, ReconcileError> {
+    let mut out = HashSet::new();
+    let mut start = first.to_string();
+    loop {
+        let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(REPLAY_GROUP)
+            .arg(&start)
+            .arg(last)
+            .arg(page)
+            .query_async(redis)
+            .await?;
+        let n = reply.ids.len();
+        if let Some(p) = reply.ids.last() {
+            start = format!("({}", p.id);
+        }
+        out.extend(reply.ids.into_iter().map(|p| p.id));
+        if n < page {
+            return Ok(out);
         }
     }
 }

@@ -3,9 +3,9 @@
 //!
 //! One pass ([`Relay::run_once`]): in a transaction, claim the oldest unpublished rows with
 //! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), run
-//! `redis/publish.lua` for each in one pipeline (the script appends to the stream only if the
-//! row's dedup marker is absent), then mark the rows published, record the entry id each one
-//! became, and commit. A crash after the XADDs and before the commit leaves the rows
+//! `redis/publish.lua` for each in one pipeline per stream shard (the script appends to the
+//! row's shard stream only if the row's dedup marker, in the same slot, is absent), then mark
+//! the rows published, record the entry id each one became, and commit. A crash after the XADDs and before the commit leaves the rows
 //! unpublished; the next pass re-runs the script, which finds the markers and adds nothing.
 //! The loop wakes on `LISTEN embed_dlq_outbox` (sent at commit by a trigger, only by
 //! statements that inserted outbox rows) and polls as a fallback.
@@ -25,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
+use crate::streams::RedisConn;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
@@ -165,7 +165,7 @@ pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
 /// One relay; run as many as you like.
 pub struct Relay {
     pool: PgPool,
-    redis: ConnectionManager,
+    redis: RedisConn,
     keys: StreamKeys,
     config: RelayConfig,
     script: redis::Script,
@@ -175,24 +175,54 @@ impl Relay {
     /// A relay over the outbox of `pool`, publishing to the streams of `keys`. Several relays may
     /// run against one database: rows are claimed with `SKIP LOCKED` and deduplicated by the
     /// publish script.
-    pub fn new(pool: PgPool, redis: ConnectionManager, keys: StreamKeys, config: RelayConfig) -> Self {
+    pub fn new(pool: PgPool, redis: RedisConn, keys: StreamKeys, config: RelayConfig) -> Self {
         Relay { pool, redis, keys, config, script: publish_script() }
     }
 
-    /// Publishes one batch of unpublished outbox rows.
+    /// Publishes one batch of unpublished outbox rows: one pipeline per stream shard (a
+    /// pipeline stays in one slot of a Redis Cluster), the shards' pipelines at once, each
+    /// in outbox order.
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
         let Some(claim) = outbox::claim(&self.pool, self.config.batch).await? else {
             return Ok(RelayCounts::default());
         };
+        // Rows by shard, in outbox order within each.
+        let mut by_shard: std::collections::BTreeMap<u16, Vec<usize>> = Default::default();
+        for (n, r) in claim.rows.iter().enumerate() {
+            by_shard.entry(r.identity.shard(&self.keys)).or_default().push(n);
+        }
+        let publishes = by_shard.iter().map(|(&shard, rows)| {
+            let pipe = self.pipeline(shard, rows.iter().map(|&n| &claim.rows[n]));
+            let mut conn = self.redis.clone();
+            async move { pipe.query_async::<Vec<(String, i64)>>(&mut conn).await }
+        });
+        let per_shard = futures::future::try_join_all(publishes).await?;
+        let mut replies: Vec<(String, i64)> = vec![(String::new(), 0); claim.rows.len()];
+        for (rows, shard_replies) in by_shard.values().zip(per_shard) {
+            for (&n, reply) in rows.iter().zip(shard_replies) {
+                replies[n] = reply;
+            }
+        }
+        let ids: Vec<i64> = claim.rows.iter().map(|r| r.id).collect();
+        failpoint::hit!("relay_after_publish");
+        let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
+        claim.mark_published(&ids, &entry_ids).await?;
+        let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
+        metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
+        metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
+        Ok(RelayCounts { claimed: ids.len() as u64, published, duplicates: ids.len() as u64 - published })
+    }
+
+    /// The publish script for each of `rows` (all of shard `shard`), in one pipeline.
+    fn pipeline<'r>(&self, shard: u16, rows: impl Iterator<Item = &'r outbox::OutboxRow>) -> redis::Pipeline {
         let mut pipe = redis::pipe();
         pipe.load_script(&self.script).ignore();
-        let mut ids = Vec::with_capacity(claim.rows.len());
         let ttl = self.config.marker_ttl.as_secs().max(1);
-        for r in &claim.rows {
+        for r in rows {
             let maxlen = if r.stream == "events" { self.config.events_maxlen } else { 0 };
-            let mut invocation = self.script.key(self.keys.outbox_marker(&r.event_id));
+            let mut invocation = self.script.key(self.keys.outbox_marker(shard, &r.event_id));
             invocation
-                .key(self.keys.for_outbox_stream(&r.stream))
+                .key(self.keys.for_outbox_stream(&r.stream, shard))
                 .arg(ttl)
                 .arg(maxlen)
                 .arg("outbox_id")
@@ -204,16 +234,8 @@ impl Relay {
                 .arg("body")
                 .arg(&r.body);
             pipe.invoke_script(&invocation);
-            ids.push(r.id);
         }
-        let replies: Vec<(String, i64)> = pipe.query_async(&mut self.redis).await?;
-        failpoint::hit!("relay_after_publish");
-        let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
-        claim.mark_published(&ids, &entry_ids).await?;
-        let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
-        metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
-        metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
-        Ok(RelayCounts { claimed: ids.len() as u64, published, duplicates: ids.len() as u64 - published })
+        pipe
     }
 
     /// Deletes published rows past the retention; returns how many.
@@ -221,10 +243,14 @@ impl Relay {
         Ok(outbox::prune(&self.pool, self.config.retention).await?)
     }
 
-    /// Trims the replay stream below the oldest entry any group still needs (pending, or not
-    /// yet delivered); returns the entries removed.
+    /// Trims every shard's replay stream below the oldest entry any group still needs
+    /// (pending, or not yet delivered); returns the entries removed.
     pub(crate) async fn trim_replay(&mut self) -> Result<u64, RelayError> {
-        trim_below_group_needs(&mut self.redis, &self.keys.replay()).await
+        let mut removed = 0;
+        for shard in self.keys.shard_ids() {
+            removed += trim_below_group_needs(&mut self.redis, &self.keys.replay_of(shard)).await?;
+        }
+        Ok(removed)
     }
 
     /// Runs until `cancel`: passes back to back while there is work, otherwise waits for a
@@ -307,7 +333,7 @@ pub(crate) async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
 
 /// XTRIM MINID at the smallest id that some group still needs: its oldest pending entry, or
 /// the entry after its last delivered one. Never trims anything a group has not acked.
-pub async fn trim_below_group_needs(redis: &mut ConnectionManager, stream: &str) -> Result<u64, RelayError> {
+pub async fn trim_below_group_needs(redis: &mut RedisConn, stream: &str) -> Result<u64, RelayError> {
     let exists: bool = redis::cmd("EXISTS").arg(stream).query_async(redis).await?;
     if !exists {
         return Ok(0);

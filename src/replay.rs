@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
+use crate::streams::RedisConn;
 use redis::streams::{StreamAutoClaimReply, StreamPendingCountReply, StreamReadReply};
 use tokio_util::sync::CancellationToken;
 
@@ -59,6 +59,10 @@ pub struct ReplayConfig {
     pub schedule_every: Duration,
     /// How long a replayer pauses after the provider refused the run (bad key, no quota).
     pub systemic_pause: Duration,
+    /// The stream shards a replayer reads (each `XREADGROUP` reads one: a read across
+    /// shards would cross slots); empty means every shard of its keys. `serve` hands each
+    /// replayer its share ([`shares`]).
+    pub shards: Vec<u16>,
 }
 
 impl Default for ReplayConfig {
@@ -74,6 +78,7 @@ impl Default for ReplayConfig {
             lease: Duration::from_secs(15 * 60),
             schedule_every: Duration::from_secs(1),
             systemic_pause: Duration::from_secs(60),
+            shards: Vec::new(),
         }
     }
 }
@@ -176,11 +181,36 @@ impl Scheduler {
     }
 }
 
-/// Creates the consumer group (and the stream) if missing.
-pub async fn ensure_group(redis: &mut ConnectionManager, keys: &StreamKeys) -> Result<(), redis::RedisError> {
+/// Which shards each of `replayers` replayers reads, so that every shard is read even with
+/// fewer replayers than shards: replayer `r` reads shards `r`, `r + replayers`, ... (cycling
+/// through them), or, with more replayers than shards, shard `r % shards` alone (several
+/// replayers share a shard through the consumer group).
+pub fn shares(replayers: usize, shards: u16) -> Vec<Vec<u16>> {
+    let shards = usize::from(shards.max(1));
+    (0..replayers)
+        .map(|r| {
+            if replayers >= shards {
+                vec![(r % shards) as u16]
+            } else {
+                (r..shards).step_by(replayers).map(|s| s as u16).collect()
+            }
+        })
+        .collect()
+}
+
+/// Creates the consumer group (and the stream) of every shard if missing.
+pub async fn ensure_group(redis: &mut RedisConn, keys: &StreamKeys) -> Result<(), redis::RedisError> {
+    for shard in keys.shard_ids() {
+        ensure_group_of(redis, &keys.replay_of(shard)).await?;
+    }
+    Ok(())
+}
+
+/// Creates the consumer group (and the stream) of one replay stream if missing.
+async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<(), redis::RedisError> {
     let r: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
-        .arg(keys.replay())
+        .arg(stream)
         .arg(REPLAY_GROUP)
         .arg("0")
         .arg("MKSTREAM")
@@ -196,9 +226,11 @@ pub async fn ensure_group(redis: &mut ConnectionManager, keys: &StreamKeys) -> R
 /// rows record, `dimensions` request parameter).
 type EmbedTarget = (String, Option<String>, Option<i32>);
 
-/// One entry of the replay stream.
+/// One entry of a replay stream shard.
 #[derive(Debug, Clone)]
 struct Entry {
+    /// The shard whose stream holds the entry.
+    shard: u16,
     id: String,
     deliveries: u32,
     work: Option<WorkItem>,
@@ -215,9 +247,9 @@ pub struct Replayer {
     pub embedder: Embedder,
     /// Opens the dedicated connection for blocking `XREADGROUP` (a `BLOCK` would stall the shared
     /// connection).
-    pub client: redis::Client,
+    pub client: crate::streams::RedisClient,
     /// Shared connection for acknowledgements and claims.
-    pub redis: ConnectionManager,
+    pub redis: RedisConn,
     /// The replay stream and its group.
     pub keys: StreamKeys,
     /// Batching, idle and delivery limits.
@@ -226,25 +258,66 @@ pub struct Replayer {
     pub paused_until: Option<Instant>,
 }
 
+/// Entry ids by shard.
+fn by_shard<'e>(entries: impl IntoIterator<Item = (u16, &'e String)>) -> BTreeMap<u16, Vec<&'e String>> {
+    let mut out: BTreeMap<u16, Vec<&String>> = BTreeMap::new();
+    for (shard, id) in entries {
+        out.entry(shard).or_default().push(id);
+    }
+    out
+}
+
 impl Replayer {
-    /// Reads and processes one batch of new entries (blocking up to `block`).
-    pub async fn read_once(
-        &mut self,
-        conn: &mut redis::aio::MultiplexedConnection,
-        cancel: &CancellationToken,
-    ) -> Result<ReplayCounts, ReplayError> {
-        let entries = self.read_once_entries(conn).await?;
-        self.process(entries, cancel).await
+    /// The shards this replayer reads ([`ReplayConfig::shards`], else all of its keys').
+    pub fn shards(&self) -> Vec<u16> {
+        let all = self.keys.shards();
+        let own: Vec<u16> = self.config.shards.iter().copied().filter(|&s| s < all).collect();
+        if own.is_empty() { self.keys.shard_ids().collect() } else { own }
     }
 
-    /// Takes over entries idle longer than `min_idle` and processes them; also removes dead
-    /// consumers.
+    /// Reads and processes one batch of new entries: from the first of its shards that has
+    /// some, each read blocking for its share of `block`.
+    pub async fn read_once(
+        &mut self,
+        conn: &mut crate::streams::RedisConn,
+        cancel: &CancellationToken,
+    ) -> Result<ReplayCounts, ReplayError> {
+        let shards = self.shards();
+        let block = self.block_per_read(shards.len());
+        for shard in shards {
+            let entries = self.read_shard(conn, shard, block).await?;
+            if !entries.is_empty() {
+                return self.process(entries, cancel).await;
+            }
+        }
+        Ok(ReplayCounts::default())
+    }
+
+    /// Takes over entries idle longer than `min_idle` on each of its shards and processes
+    /// them; also removes dead consumers.
     pub async fn reclaim_once(&mut self, cancel: &CancellationToken) -> Result<ReplayCounts, ReplayError> {
+        let mut total = ReplayCounts::default();
+        for shard in self.shards() {
+            if cancel.is_cancelled() {
+                break;
+            }
+            total.add(self.reclaim_shard(shard, cancel).await?);
+        }
+        Ok(total)
+    }
+
+    /// [`Replayer::reclaim_once`] on one shard (`XAUTOCLAIM` reads one stream).
+    async fn reclaim_shard(
+        &mut self,
+        shard: u16,
+        cancel: &CancellationToken,
+    ) -> Result<ReplayCounts, ReplayError> {
+        let stream = self.keys.replay_of(shard);
         let mut total = ReplayCounts::default();
         let mut cursor = "0-0".to_string();
         loop {
             let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
-                .arg(self.keys.replay())
+                .arg(&stream)
                 .arg(REPLAY_GROUP)
                 .arg(&self.name)
                 .arg(self.config.min_idle.as_millis() as u64)
@@ -256,25 +329,26 @@ impl Replayer {
             if !reply.deleted_ids.is_empty() {
                 // Trimmed away while pending: nothing to do but forget them.
                 let mut ack = redis::cmd("XACK");
-                ack.arg(self.keys.replay()).arg(REPLAY_GROUP);
+                ack.arg(&stream).arg(REPLAY_GROUP);
                 for id in &reply.deleted_ids {
                     ack.arg(id);
                 }
                 let _: i64 = ack.query_async(&mut self.redis).await?;
             }
             if !reply.claimed.is_empty() {
-                let counts = self.delivery_counts(&reply.claimed).await?;
+                let counts = self.delivery_counts(&stream, &reply.claimed).await?;
                 let entries: Vec<Entry> = reply
                     .claimed
                     .into_iter()
                     .map(|e| Entry {
+                        shard,
                         deliveries: counts.get(&e.id).copied().unwrap_or(1),
                         work: crate::streams::work::from_entry(&e.map),
                         id: e.id,
                     })
                     .collect();
                 total.reclaimed += entries.len() as u64;
-                tracing::info!(consumer = %self.name, entries = entries.len(), "reclaimed idle replay entries");
+                tracing::info!(consumer = %self.name, shard, entries = entries.len(), "reclaimed idle replay entries");
                 total.add(self.process(entries, cancel).await?);
             }
             if reply.next_stream_id == "0-0" || cancel.is_cancelled() {
@@ -282,18 +356,19 @@ impl Replayer {
             }
             cursor = reply.next_stream_id;
         }
-        self.remove_dead_consumers().await?;
+        self.remove_dead_consumers(&stream).await?;
         Ok(total)
     }
 
     async fn delivery_counts(
         &mut self,
+        stream: &str,
         entries: &[redis::streams::StreamId],
     ) -> Result<HashMap<String, u32>, ReplayError> {
         let first = &entries.first().expect("non-empty").id;
         let last = &entries.last().expect("non-empty").id;
         let pending: StreamPendingCountReply = redis::cmd("XPENDING")
-            .arg(self.keys.replay())
+            .arg(stream)
             .arg(REPLAY_GROUP)
             .arg(first)
             .arg(last)
@@ -304,10 +379,10 @@ impl Replayer {
         Ok(pending.ids.into_iter().map(|p| (p.id, p.times_delivered as u32)).collect())
     }
 
-    async fn remove_dead_consumers(&mut self) -> Result<(), ReplayError> {
+    async fn remove_dead_consumers(&mut self, stream: &str) -> Result<(), ReplayError> {
         let info: redis::streams::StreamInfoConsumersReply = redis::cmd("XINFO")
             .arg("CONSUMERS")
-            .arg(self.keys.replay())
+            .arg(stream)
             .arg(REPLAY_GROUP)
             .query_async(&mut self.redis)
             .await?;
@@ -318,7 +393,7 @@ impl Replayer {
             {
                 let _: i64 = redis::cmd("XGROUP")
                     .arg("DELCONSUMER")
-                    .arg(self.keys.replay())
+                    .arg(stream)
                     .arg(REPLAY_GROUP)
                     .arg(&c.name)
                     .query_async(&mut self.redis)
@@ -345,7 +420,8 @@ impl Replayer {
         let todo = self.triage(entries, &mut batch).await?;
         let groups = group_by_target(todo);
         if !groups.is_empty() {
-            let entry_ids: Vec<String> = groups.values().flatten().map(|(e, _)| e.id.clone()).collect();
+            let entry_ids: Vec<(u16, String)> =
+                groups.values().flatten().map(|(e, _)| (e.shard, e.id.clone())).collect();
             let work = self.embed_groups(groups, cancel, &mut batch);
             let keepalive =
                 keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
@@ -377,7 +453,7 @@ impl Replayer {
             let Some(work) = e.work.as_ref() else {
                 tracing::warn!(entry = %e.id, "unreadable replay entry; acknowledging it");
                 batch.counts.skipped += 1;
-                batch.ack.push(e.id);
+                batch.ack.push((e.shard, e.id));
                 continue;
             };
             let live = rows
@@ -390,14 +466,14 @@ impl Replayer {
                             row,
                             &format!("delivery cap reached ({} deliveries)", e.deliveries),
                         ));
-                        batch.ack.push(e.id);
+                        batch.ack.push((e.shard, e.id));
                     } else {
                         todo.push((e, row.clone()));
                     }
                 }
                 _ => {
                     batch.counts.skipped += 1;
-                    batch.ack.push(e.id);
+                    batch.ack.push((e.shard, e.id));
                 }
             }
         }
@@ -459,7 +535,7 @@ impl Replayer {
                 tracing::error!(table = %table, %problem, "replay target table unusable; exhausting its rows");
                 for (e, row) in items {
                     batch.give_up.push(exhaust(row, &format!("target table {table}: {problem}")));
-                    batch.ack.push(e.id.clone());
+                    batch.ack.push((e.shard, e.id.clone()));
                 }
                 return Ok(None);
             }
@@ -490,11 +566,11 @@ impl Replayer {
             match outcome {
                 ItemOutcome::Embedded(embedding) => {
                     batch.replayed.push(Replayed::of(&row, embedding));
-                    batch.ack.push(e.id);
+                    batch.ack.push((e.shard, e.id));
                 }
                 ItemOutcome::Failed(f) => {
                     batch.reparked.push(next_state(&row, &f, &self.config));
-                    batch.ack.push(e.id);
+                    batch.ack.push((e.shard, e.id));
                 }
                 ItemOutcome::NotAttempted => batch.counts.left_pending += 1,
             }
@@ -517,7 +593,7 @@ impl Replayer {
         let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
         let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
         self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
-        batch.ack.extend(postpone.into_iter().map(|(e, _)| e.id));
+        batch.ack.extend(postpone.into_iter().map(|(e, _)| (e.shard, e.id)));
         batch.counts.postponed += ids.len() as u64;
         self.paused_until = Some(Instant::now() + self.config.systemic_pause);
         Ok(())
@@ -545,10 +621,10 @@ impl Replayer {
         }
         failpoint::hit!("replay_after_commit");
         record_outcomes(&counts);
-        if !ack.is_empty() {
+        for (shard, ids) in by_shard(ack.iter().map(|(s, id)| (*s, id))) {
             let mut cmd = redis::cmd("XACK");
-            cmd.arg(self.keys.replay()).arg(REPLAY_GROUP);
-            for id in &ack {
+            cmd.arg(self.keys.replay_of(shard)).arg(REPLAY_GROUP);
+            for id in ids {
                 cmd.arg(id);
             }
             let _: i64 = cmd.query_async(&mut self.redis).await?;
@@ -566,7 +642,11 @@ impl Replayer {
         let mut conn = None;
         let mut backoff = Duration::from_millis(100);
         let mut last_reclaim = Instant::now() - Duration::from_secs(3600);
-        if let Err(e) = ensure_group(&mut self.redis, &self.keys).await {
+        // Its shards, read one per XREADGROUP in turn.
+        let shards = self.shards();
+        let block = self.block_per_read(shards.len());
+        let mut next = 0;
+        if let Err(e) = self.ensure_groups().await {
             if !crate::relay::is_transient_redis(&e) {
                 return Err(e.into());
             }
@@ -580,22 +660,24 @@ impl Replayer {
             let step: Result<ReplayCounts, ReplayError> = async {
                 if last_reclaim.elapsed() >= self.config.min_idle / 2 {
                     last_reclaim = Instant::now();
-                    ensure_group(&mut self.redis, &self.keys).await?;
+                    self.ensure_groups().await?;
                     self.reclaim_once(&hard).await?;
                 }
                 if conn.is_none() {
                     conn = Some(crate::streams::blocking(&self.client, self.config.block).await?);
                 }
                 let c = conn.as_mut().expect("just set");
+                let shard = shards[next % shards.len()];
+                next = (next + 1) % shards.len();
                 let read = tokio::select! {
                     _ = stop.cancelled() => return Ok(ReplayCounts::default()),
-                    r = self.read_once_entries(c) => r,
+                    r = self.read_shard(c, shard, block) => r,
                 };
                 match read {
                     Ok(entries) => self.process(entries, &hard).await,
                     Err(e) => {
                         if e.code() == Some("NOGROUP") {
-                            ensure_group(&mut self.redis, &self.keys).await?;
+                            self.ensure_groups().await?;
                         }
                         Err(e.into())
                     }
@@ -621,9 +703,27 @@ impl Replayer {
         Ok(())
     }
 
-    async fn read_once_entries(
+    /// Creates the consumer group of each of its shards if missing.
+    async fn ensure_groups(&mut self) -> Result<(), redis::RedisError> {
+        for shard in self.shards() {
+            ensure_group_of(&mut self.redis, &self.keys.replay_of(shard)).await?;
+        }
+        Ok(())
+    }
+
+    /// How long one read blocks: its share of `block` when it reads several shards in turn
+    /// (at least 10 ms), so that a busy shard is read again within `block` however many idle
+    /// ones it has.
+    fn block_per_read(&self, shards: usize) -> Duration {
+        (self.config.block / shards.max(1) as u32).max(Duration::from_millis(10))
+    }
+
+    /// New entries of one shard (blocking up to `block`).
+    async fn read_shard(
         &self,
-        conn: &mut redis::aio::MultiplexedConnection,
+        conn: &mut crate::streams::RedisConn,
+        shard: u16,
+        block: Duration,
     ) -> Result<Vec<Entry>, redis::RedisError> {
         let reply: StreamReadReply = redis::cmd("XREADGROUP")
             .arg("GROUP")
@@ -632,9 +732,9 @@ impl Replayer {
             .arg("COUNT")
             .arg(self.config.batch)
             .arg("BLOCK")
-            .arg(self.config.block.as_millis() as u64)
+            .arg(block.as_millis() as u64)
             .arg("STREAMS")
-            .arg(self.keys.replay())
+            .arg(self.keys.replay_of(shard))
             .arg(">")
             .query_async(conn)
             .await?;
@@ -642,7 +742,7 @@ impl Replayer {
             .keys
             .into_iter()
             .flat_map(|k| k.ids)
-            .map(|e| Entry { work: crate::streams::work::from_entry(&e.map), id: e.id, deliveries: 1 })
+            .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id, deliveries: 1 })
             .collect())
     }
 }
@@ -650,8 +750,9 @@ impl Replayer {
 /// What one batch has decided so far: the entries to acknowledge and the rows to commit.
 #[derive(Default)]
 struct Settlement {
-    /// Entries settled (skipped, exhausted, replayed, re-parked or postponed).
-    ack: Vec<String>,
+    /// Entries settled (skipped, exhausted, replayed, re-parked or postponed), with their
+    /// shard.
+    ack: Vec<(u16, String)>,
     replayed: Vec<Replayed>,
     /// Failed passes, re-parked on the DLQ schedule.
     reparked: Vec<Repark>,
@@ -688,23 +789,26 @@ fn record_outcomes(counts: &ReplayCounts) {
 /// Refreshes this consumer's claim on `ids` (resets their idle time) every third of
 /// `min_idle` until dropped, so nobody reclaims a batch that is still being worked on.
 async fn keep_claim(
-    mut redis: ConnectionManager,
+    mut redis: RedisConn,
     keys: &StreamKeys,
     me: &str,
-    ids: &[String],
+    ids: &[(u16, String)],
     min_idle: Duration,
 ) {
     let every = (min_idle / 3).max(Duration::from_millis(50));
+    let shards = by_shard(ids.iter().map(|(s, id)| (*s, id)));
     loop {
         tokio::time::sleep(every).await;
-        let mut cmd = redis::cmd("XCLAIM");
-        cmd.arg(keys.replay()).arg(REPLAY_GROUP).arg(me).arg(0);
-        for id in ids {
-            cmd.arg(id);
-        }
-        cmd.arg("JUSTID");
-        if let Err(e) = cmd.query_async::<redis::Value>(&mut redis).await {
-            tracing::warn!(error = %e, "could not refresh the claim on a replay batch");
+        for (shard, ids) in &shards {
+            let mut cmd = redis::cmd("XCLAIM");
+            cmd.arg(keys.replay_of(*shard)).arg(REPLAY_GROUP).arg(me).arg(0);
+            for id in ids {
+                cmd.arg(id);
+            }
+            cmd.arg("JUSTID");
+            if let Err(e) = cmd.query_async::<redis::Value>(&mut redis).await {
+                tracing::warn!(error = %e, shard, "could not refresh the claim on a replay batch");
+            }
         }
     }
 }
@@ -796,6 +900,26 @@ mod tests {
 
     fn failure(reason: &'static str, status: u16, class: ErrorClass) -> Failure {
         Failure { class, reason, detail: "x".into(), status: Some(status), attempts: 3 }
+    }
+
+    #[test]
+    fn every_shard_is_read_whatever_the_number_of_replayers() {
+        for shards in 1..=20u16 {
+            for replayers in 1..=10usize {
+                let shares = shares(replayers, shards);
+                assert_eq!(shares.len(), replayers);
+                let covered: HashSet<u16> = shares.iter().flatten().copied().collect();
+                assert_eq!(covered, (0..shards).collect(), "{replayers} replayers, {shards} shards");
+                assert!(shares.iter().all(|s| !s.is_empty() && s.iter().all(|&x| x < shards)));
+                if replayers <= usize::from(shards) {
+                    let total: usize = shares.iter().map(Vec::len).sum();
+                    assert_eq!(total, usize::from(shards), "each shard read by one replayer");
+                }
+            }
+        }
+        assert_eq!(shares(2, 4), vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(shares(3, 1), vec![vec![0], vec![0], vec![0]]);
+        assert!(shares(0, 4).is_empty());
     }
 
     #[test]

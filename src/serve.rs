@@ -35,6 +35,9 @@ pub enum ServeError {
     /// Redis was unreachable at start-up.
     #[error("cannot connect to Redis: {0}")]
     Redis(#[source] redis::RedisError),
+    /// The streams were set up with another shard count ([`crate::streams::check_shards`]).
+    #[error("{0}")]
+    Shards(#[source] crate::streams::ShardMismatch),
     /// A task died; the process stopped so its supervisor restarts it.
     #[error("{0}; serve stopped (exit non-zero) so that its process supervisor restarts it")]
     Task(TaskFailure),
@@ -107,7 +110,7 @@ pub(crate) fn default_consumer_prefix() -> String {
 pub async fn serve(
     store: Store,
     embedder: Embedder,
-    client: redis::Client,
+    client: crate::streams::RedisClient,
     config: ServeConfig,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
@@ -120,12 +123,17 @@ pub async fn serve(
 pub async fn serve_with_console(
     store: Store,
     embedder: Embedder,
-    client: redis::Client,
+    client: crate::streams::RedisClient,
     config: ServeConfig,
     console: Option<crate::console::MountedConsole>,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
     let manager = streams::managed(&client).await.map_err(ServeError::Redis)?;
+    match streams::check_shards(&mut manager.clone(), &config.keys).await {
+        Ok(()) => {}
+        Err(streams::ShardsError::Mismatch(m)) => return Err(ServeError::Shards(m)),
+        Err(streams::ShardsError::Redis(e)) => return Err(ServeError::Redis(e)),
+    }
     // `stop`: the signal, or a failed task. `hard`: the grace period is over.
     let stop = cancel.child_token();
     let hard = CancellationToken::new();
@@ -134,7 +142,8 @@ pub async fn serve_with_console(
     tasks.spawn_until("relay", stop.clone(), relay.run(stop.clone()));
     let scheduler = Scheduler { store: store.clone(), config: config.replay.clone() };
     tasks.spawn_until("scheduler", stop.clone(), scheduler.run(stop.clone()));
-    for n in 0..config.replayers {
+    // Every shard is read by some replayer of this process, however few there are.
+    for (n, shards) in crate::replay::shares(config.replayers, config.keys.shards()).into_iter().enumerate() {
         let replayer = Replayer {
             name: format!("{}-{n}", config.consumer_prefix),
             store: store.clone(),
@@ -142,7 +151,7 @@ pub async fn serve_with_console(
             client: client.clone(),
             redis: manager.clone(),
             keys: config.keys.clone(),
-            config: config.replay.clone(),
+            config: crate::replay::ReplayConfig { shards, ..config.replay.clone() },
             paused_until: None,
         };
         let name = format!("replayer {}", replayer.name);
@@ -155,14 +164,18 @@ pub async fn serve_with_console(
     if let Some(mounted) = console {
         let console = crate::console::Console {
             store: store.clone(),
-            redis_url: Some(mounted.redis_url),
+            redis: Some(mounted.redis),
             keys: config.keys.clone(),
             gate: Some(embedder.gate.clone()),
             config: mounted.config,
         };
         tasks.spawn_until("console", stop.clone(), crate::console::serve(console, stop.clone()));
     }
-    tracing::info!(replayers = config.replayers, "serving: relay, scheduler, replayers");
+    tracing::info!(
+        replayers = config.replayers,
+        stream_shards = config.keys.shards(),
+        "serving: relay, scheduler, replayers"
+    );
     stop.cancelled().await;
     match tasks.failures().first() {
         Some(f) => tracing::error!(error = %f, grace_ms = config.grace.as_millis() as u64,
@@ -188,7 +201,7 @@ pub async fn serve_with_console(
 /// The gauge sampler and the periodic reconcile check, every 5 s until `stop`.
 async fn sample_and_reconcile(
     store: Store,
-    mut redis: redis::aio::ConnectionManager,
+    mut redis: crate::streams::RedisConn,
     config: ServeConfig,
     stop: CancellationToken,
 ) {

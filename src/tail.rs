@@ -2,6 +2,12 @@
 //! now, from an id, or from a checkpoint file that makes it resumable without gaps (the last
 //! delivered id is saved after every batch, once the sink has flushed it). The events are
 //! handed to an [`EventSink`]; how they look (human lines, JSON) is the caller's business.
+//!
+//! With sharded streams it follows every shard (one `XREAD` per shard: a read across shards
+//! would cross slots) and merges each round's entries by entry id; the events of one chunk
+//! are in one shard, so their order holds. The checkpoint holds one last id per shard: a
+//! bare id with one shard (the format of every release before sharding), else a
+//! `stream_shards N` line and N ids in shard order.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,7 +15,7 @@ use std::time::Duration;
 use redis::streams::StreamReadReply;
 use tokio_util::sync::CancellationToken;
 
-use crate::streams::{self, StreamKeys, field};
+use crate::streams::{self, RedisClient, RedisConn, StreamKeys, field};
 
 /// What to follow.
 #[derive(Debug, Clone)]
@@ -88,6 +94,18 @@ pub enum TailError {
     /// The checkpoint file could not be written.
     #[error("{0}")]
     Checkpoint(#[source] std::io::Error),
+    /// The checkpoint file holds something else than this tail's positions (another shard
+    /// count, or garbage): resuming from it could skip or repeat events.
+    #[error("checkpoint {path}: {problem}")]
+    BadCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// The streams were set up with another shard count, or Redis failed while checking it.
+    #[error("{0}")]
+    Shards(#[source] crate::streams::ShardsError),
 }
 
 /// A `--from` value that is not `$`, `0` or a stream entry id.
@@ -112,48 +130,72 @@ pub fn check_from(from: &str) -> Result<(), InvalidFrom> {
 /// Delivers events to `sink` until cancelled, caught up (`no_follow`) or `count` is reached;
 /// returns how many were delivered.
 pub async fn tail(
-    redis_url: &str,
+    client: &RedisClient,
     keys: &StreamKeys,
     opts: &TailOptions,
     sink: &mut (dyn EventSink + Send),
     cancel: CancellationToken,
 ) -> Result<u64, TailError> {
-    let client = streams::client(redis_url).map_err(TailError::BadUrl)?;
     let block = Duration::from_secs(2);
-    let mut conn = streams::blocking(&client, block).await.map_err(TailError::Connect)?;
-    let mut last = start_id(&mut conn, keys, opts).await;
+    let mut conn = streams::blocking(client, block).await.map_err(TailError::Connect)?;
+    streams::check_shards(&mut conn, keys).await.map_err(TailError::Shards)?;
+    let shards = keys.shards();
+    let mut last = start_ids(&mut conn, keys, opts).await?;
+    // Several shards: a non-blocking read of each, then (nothing anywhere) a blocking read of
+    // one in turn for its share of `block`, so a new event waits at most about `block`.
+    let block_one = (block / u32::from(shards)).max(Duration::from_millis(10));
+    let mut idle_turn = 0u16;
     let mut delivered = 0u64;
     loop {
-        let mut cmd = redis::cmd("XREAD");
-        cmd.arg("COUNT").arg(500);
-        if !opts.no_follow {
-            cmd.arg("BLOCK").arg(block.as_millis() as u64);
-        }
-        cmd.arg("STREAMS").arg(keys.events()).arg(&last);
-        let reply: StreamReadReply = tokio::select! {
+        let read = async {
+            let mut entries = Vec::new();
+            if shards > 1 {
+                for shard in keys.shard_ids() {
+                    entries.extend(read_shard(&mut conn, keys, shard, &last, None).await?);
+                }
+            }
+            if entries.is_empty() && !opts.no_follow {
+                let shard = idle_turn % shards;
+                idle_turn = idle_turn.wrapping_add(1);
+                entries = read_shard(
+                    &mut conn,
+                    keys,
+                    shard,
+                    &last,
+                    Some(if shards > 1 { block_one } else { block }),
+                )
+                .await?;
+            } else if entries.is_empty() && shards == 1 {
+                entries = read_shard(&mut conn, keys, 0, &last, None).await?;
+            }
+            Ok::<_, redis::RedisError>(entries)
+        };
+        let mut entries = tokio::select! {
             _ = cancel.cancelled() => return Ok(delivered),
-            r = cmd.query_async(&mut conn) => match r {
+            r = read => match r {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(error = %e, "tail: read failed; reconnecting");
                     tokio::time::sleep(Duration::from_millis(500)).await;
-                    conn = streams::blocking(&client, block).await.map_err(TailError::Reconnect)?;
+                    conn = streams::blocking(client, block).await.map_err(TailError::Reconnect)?;
                     continue;
                 }
             },
         };
-        let entries: Vec<_> = reply.keys.into_iter().flat_map(|k| k.ids).collect();
         if entries.is_empty() && opts.no_follow {
             return Ok(delivered);
         }
-        for e in entries {
+        // Merged by entry id (the shards' ids come from their masters' clocks: the order
+        // across shards is by time, approximately; within a shard it is exact).
+        entries.sort_by_key(|(shard, e)| (streams::parse_entry_id(&e.id), *shard));
+        for (shard, e) in entries {
             let event = TailEvent {
                 body: field(&e.map, "body").unwrap_or_default(),
                 event: field(&e.map, "event").unwrap_or_default(),
                 id: e.id,
             };
             sink.event(&event).map_err(TailError::Sink)?;
-            last = event.id;
+            last[usize::from(shard)] = event.id;
             delivered += 1;
             if opts.count.is_some_and(|c| delivered >= c) {
                 break;
@@ -169,32 +211,98 @@ pub async fn tail(
     }
 }
 
-/// Where reading starts: the checkpoint's id if it holds one, else `from`, with `$` resolved
-/// to the stream's last id so that a reconnect does not skip events.
-async fn start_id(
-    conn: &mut redis::aio::MultiplexedConnection,
+/// Up to 500 entries of shard `shard` after its last delivered id, blocking up to `block`
+/// if given.
+async fn read_shard(
+    conn: &mut RedisConn,
     keys: &StreamKeys,
-    opts: &TailOptions,
-) -> String {
-    let mut last = match &opts.checkpoint {
-        Some(p) => match std::fs::read_to_string(p) {
-            Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
-            _ => opts.from.clone(),
-        },
-        None => opts.from.clone(),
-    };
-    if last == "$" {
-        let info: redis::RedisResult<redis::streams::StreamInfoStreamReply> =
-            redis::cmd("XINFO").arg("STREAM").arg(keys.events()).query_async(conn).await;
-        last = info.map(|i| i.last_generated_id).unwrap_or_else(|_| "0-0".into());
+    shard: u16,
+    last: &[String],
+    block: Option<Duration>,
+) -> redis::RedisResult<Vec<(u16, redis::streams::StreamId)>> {
+    let mut cmd = redis::cmd("XREAD");
+    cmd.arg("COUNT").arg(500);
+    if let Some(block) = block {
+        cmd.arg("BLOCK").arg(block.as_millis() as u64);
     }
-    last
+    cmd.arg("STREAMS").arg(keys.events_of(shard)).arg(&last[usize::from(shard)]);
+    let reply: StreamReadReply = cmd.query_async(conn).await?;
+    Ok(reply.keys.into_iter().flat_map(|k| k.ids).map(|e| (shard, e)).collect())
 }
 
-/// Records the last delivered id in `path`, atomically (write aside, then rename).
-fn save_checkpoint(path: &std::path::Path, last: &str) -> Result<(), TailError> {
+/// Where reading starts, per shard: the checkpoint's ids if it holds some, else `from` for
+/// every shard, with `$` resolved to each stream's last id so that a reconnect does not skip
+/// events.
+async fn start_ids(
+    conn: &mut RedisConn,
+    keys: &StreamKeys,
+    opts: &TailOptions,
+) -> Result<Vec<String>, TailError> {
+    let shards = usize::from(keys.shards());
+    let saved = match &opts.checkpoint {
+        Some(p) => match std::fs::read_to_string(p) {
+            Ok(s) if !s.trim().is_empty() => Some(
+                parse_checkpoint(&s, shards)
+                    .map_err(|problem| TailError::BadCheckpoint { path: p.clone(), problem })?,
+            ),
+            _ => None,
+        },
+        None => None,
+    };
+    let mut last = saved.unwrap_or_else(|| vec![opts.from.clone(); shards]);
+    for (shard, id) in keys.shard_ids().zip(last.iter_mut()) {
+        if id == "$" {
+            let info: redis::RedisResult<redis::streams::StreamInfoStreamReply> =
+                redis::cmd("XINFO").arg("STREAM").arg(keys.events_of(shard)).query_async(conn).await;
+            *id = info.map(|i| i.last_generated_id).unwrap_or_else(|_| "0-0".into());
+        }
+    }
+    Ok(last)
+}
+
+/// The per-shard ids of a checkpoint written for `shards` shards.
+fn parse_checkpoint(text: &str, shards: usize) -> Result<Vec<String>, String> {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or_default();
+    let ids: Vec<String> = match first.strip_prefix("stream_shards ") {
+        None => vec![first.to_string()],
+        Some(n) => {
+            let n: usize = n.trim().parse().map_err(|_| format!("bad header {first:?}"))?;
+            let ids: Vec<String> = lines.map(str::to_string).collect();
+            if ids.len() != n {
+                return Err(format!("header says {n} shards but it holds {} ids", ids.len()));
+            }
+            ids
+        }
+    };
+    if ids.len() != shards {
+        return Err(format!(
+            "it was written for {} shard(s), the streams have {shards}: resuming from it could skip or repeat events \
+             (start a new checkpoint file, with --from)",
+            ids.len()
+        ));
+    }
+    if let Some(bad) = ids.iter().find(|id| check_from(id).is_err() || *id == "$") {
+        return Err(format!("{bad:?} is not a stream entry id"));
+    }
+    Ok(ids)
+}
+
+/// The checkpoint text of `last`: the bare id with one shard, else a header and the ids.
+fn checkpoint_text(last: &[String]) -> String {
+    match last {
+        [one] => one.clone(),
+        many => format!("stream_shards {}\n{}\n", many.len(), many.join("\n")),
+    }
+}
+
+/// Records the last delivered id of every shard in `path`, atomically (write aside, then
+/// rename).
+fn save_checkpoint(path: &std::path::Path, last: &[String]) -> Result<(), TailError> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, last).and_then(|_| std::fs::rename(&tmp, path)).map_err(TailError::Checkpoint)
+    std::fs::write(&tmp, checkpoint_text(last))
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(TailError::Checkpoint)
 }
 
 #[cfg(test)]
@@ -209,5 +317,18 @@ mod tests {
         for bad in ["", "now", "-1", "1-", "1-2-3", "18446744073709551616", "$$"] {
             assert!(check_from(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn checkpoints_hold_one_id_per_shard_and_refuse_another_count() {
+        let one = vec!["1700000000000-3".to_string()];
+        assert_eq!(checkpoint_text(&one), "1700000000000-3", "one shard: the format of every release");
+        assert_eq!(parse_checkpoint("1700000000000-3\n", 1).unwrap(), one);
+        let four: Vec<String> = ["1-0", "0-0", "5-2", "7-1"].map(String::from).to_vec();
+        assert_eq!(parse_checkpoint(&checkpoint_text(&four), 4).unwrap(), four);
+        assert!(parse_checkpoint(&checkpoint_text(&four), 2).unwrap_err().contains("written for 4 shard(s)"));
+        assert!(parse_checkpoint("1700000000000-3", 4).unwrap_err().contains("written for 1 shard(s)"));
+        assert!(parse_checkpoint("stream_shards 2\n1-0\n", 2).is_err());
+        assert!(parse_checkpoint("garbage", 1).is_err());
     }
 }

@@ -250,6 +250,9 @@ pub struct TailCommand {
     /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
+    /// Shards of the streams (else `[serve] stream_shards` of the config file), 1..=256.
+    #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
+    pub stream_shards: Option<u16>,
 }
 
 /// The arguments of `reconcile`.
@@ -291,6 +294,9 @@ pub struct ReconcileCommand {
     /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
+    /// Shards of the streams (else `[serve] stream_shards` of the config file), 1..=256.
+    #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
+    pub stream_shards: Option<u16>,
 }
 
 /// The arguments of `dlq`.

@@ -69,13 +69,11 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         Ok(s) => s,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
-    let console = Console {
-        store,
-        redis_url: settings.redis_url.clone(),
-        keys: settings.stream_keys(),
-        gate: None,
-        config,
+    let redis = match settings.redis_url.is_some().then(|| settings.redis_client()).transpose() {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
     };
+    let console = Console { store, redis, keys: settings.stream_keys(), gate: None, config };
     tracing::info!(listen = %listen, read_only, "console: serving");
     match embed_dlq::console::serve(console, cancel).await {
         Ok(()) => exit::OK,

@@ -24,12 +24,12 @@ pub async fn command(resolver: &Resolver, args: DemoCommand, cancel: Cancellatio
     let DemoCommand { chunks, concurrency, json } = args;
     let urls = resolver
         .settings(embed_dlq::config::FileConfig::default())
-        .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_url()?.to_string())));
-    let (url, redis_url) = match urls {
+        .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_client()?)));
+    let (url, redis) = match urls {
         Ok(u) => u,
         Err(e) => return exit::fail(exit::USAGE, &format!("{e} (or run scripts/demo.sh)")),
     };
-    match run(&url, &redis_url, chunks as usize, concurrency as usize, json, cancel).await {
+    match run(&url, &redis, chunks as usize, concurrency as usize, json, cancel).await {
         Ok(code) => code,
         Err(e) => exit::fail(exit::FAILURE, &format!("{e:#}")),
     }
@@ -41,7 +41,7 @@ const DEMO_MAX_INPUT_CHARS: usize = 8_000;
 /// Runs the demo against `database_url`; returns the exit code.
 async fn run(
     database_url: &str,
-    redis_url: &str,
+    redis: &embed_dlq::streams::RedisClient,
     chunks: usize,
     concurrency: usize,
     json: bool,
@@ -70,11 +70,10 @@ async fn run(
         println!("\n== pass 3: provider outage, then replay drains the DLQ ==");
     }
     let drained =
-        outage_and_drain(&pipeline, &mock, redis_url, &run_id, chunks.min(2_000), json, cancel.clone())
-            .await?;
+        outage_and_drain(&pipeline, &mock, redis, &run_id, chunks.min(2_000), json, cancel.clone()).await?;
     let (more_leaks, more_duplicates) = seed_checks(&pipeline.store).await?;
     let (leaks, duplicates) = (leaks + more_leaks, duplicates + more_duplicates);
-    let report = reconcile(&pipeline, redis_url, &run_id).await?;
+    let report = reconcile(&pipeline, redis, &run_id).await?;
     if !json {
         print_checks(&report, leaks, duplicates, &mock.control.stats())?;
     }
@@ -130,7 +129,7 @@ fn demo_settings(
     concurrency: usize,
 ) -> anyhow::Result<IngestSettings> {
     IngestSettings::resolve(
-        ServiceArgs { database_url: Some(database_url.to_string()), redis_url: None },
+        ServiceArgs { database_url: Some(database_url.to_string()), redis_url: None, ..Default::default() },
         ProviderArgs {
             base_url: Some(mock.base_url()),
             model: Some("mock-embed-768".into()),
@@ -253,12 +252,12 @@ fn demo_stream_prefix(_run_id: &str) -> String {
 /// One reconciler run (check only) over the demo's table and streams.
 async fn reconcile(
     pipeline: &embed_dlq::ingest::Pipeline,
-    redis_url: &str,
+    redis: &embed_dlq::streams::RedisClient,
     run_id: &str,
 ) -> anyhow::Result<embed_dlq::reconcile::Report> {
     let mut reconciler = embed_dlq::reconcile::Reconciler {
         store: pipeline.store.clone(),
-        redis: Some(embed_dlq::streams::managed(&embed_dlq::streams::client(redis_url)?).await?),
+        redis: Some(redis.managed().await?),
         keys: embed_dlq::streams::StreamKeys::new(&demo_stream_prefix(run_id)),
         config: Default::default(),
     };
@@ -297,7 +296,7 @@ fn print_checks(
 async fn outage_and_drain(
     pipeline: &embed_dlq::ingest::Pipeline,
     mock: &MockProvider,
-    redis_url: &str,
+    redis: &embed_dlq::streams::RedisClient,
     run_id: &str,
     chunks: usize,
     json: bool,
@@ -319,7 +318,7 @@ async fn outage_and_drain(
     let serve = tokio::spawn(embed_dlq::serve::serve(
         pipeline.store.clone(),
         pipeline.embedder.clone(),
-        embed_dlq::streams::client(redis_url)?,
+        redis.clone(),
         demo_serve_config(keys.clone(), schedule),
         serve_cancel.clone(),
     ));
@@ -334,9 +333,8 @@ async fn outage_and_drain(
     }
     serve_cancel.cancel();
     serve.await?.map_err(anyhow::Error::msg)?;
-    let client = embed_dlq::streams::client(redis_url)?;
-    let mut redis = embed_dlq::streams::managed(&client).await?;
-    let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await?;
+    let mut conn = redis.managed().await?;
+    let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut conn).await?;
     if !json {
         println!(
             "drained {} parked chunks in {:.1}s; {events} events on {} (embed-dlq tail --from 0 --stream-prefix {})",

@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
-use embed_dlq::reconcile::{Mode, ReconcileConfig, Reconciler, Sweep, SweepPolicy};
-use embed_dlq::streams::StreamKeys;
+use embed_dlq::reconcile::{Mode, ReconcileConfig, ReconcileError, Reconciler, Sweep, SweepPolicy};
+use embed_dlq::streams::{RedisClient, ShardsError, StreamKeys};
 use tokio_util::sync::CancellationToken;
 
 use super::args::ReconcileCommand;
@@ -27,11 +27,13 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
         metrics_addr,
         table,
         stream_prefix,
+        stream_shards,
     } = args;
     let flags = FileConfig {
         ingest: IngestArgs { table, ..Default::default() },
         serve: ServeArgs {
             stream_prefix,
+            stream_shards,
             reconcile_full_every_secs: full_every_secs,
             reconcile_deep_every_secs: deep_every_secs,
             ..Default::default()
@@ -54,9 +56,12 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
     };
     let run = ReconcileRun {
         database_url: &url,
-        redis_url: settings.redis_url.as_deref(),
+        redis: match settings.redis_url.is_some().then(|| settings.redis_client()).transpose() {
+            Ok(r) => r,
+            Err(e) => return exit::usage(&e),
+        },
         table: &settings.table,
-        stream_prefix: &settings.stream_prefix,
+        keys: settings.stream_keys(),
         mode,
         sweeps,
         every: every_secs.map(Duration::from_secs),
@@ -71,11 +76,11 @@ struct ReconcileRun<'a> {
     /// The Postgres that holds manifest, vectors, DLQ and outbox.
     database_url: &'a str,
     /// Without Redis, the checks that compare with the streams are skipped.
-    redis_url: Option<&'a str>,
+    redis: Option<RedisClient>,
     /// The target vector table.
     table: &'a str,
-    /// Key prefix of the streams.
-    stream_prefix: &'a str,
+    /// The streams (prefix and shards).
+    keys: StreamKeys,
     /// Check, repair, or show what a repair would do.
     mode: Mode,
     /// How each run picks its sweep.
@@ -100,18 +105,15 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
         Ok(s) => s,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
-    let redis = match run.redis_url {
-        Some(u) => match embed_dlq::streams::client(u) {
-            Ok(c) => match embed_dlq::streams::managed(&c).await {
-                Ok(m) => Some(m),
-                Err(e) => return exit::fail(exit::FAILURE, &format!("cannot connect to Redis: {e}")),
-            },
-            Err(e) => return exit::fail(exit::USAGE, &format!("bad Redis URL: {e}")),
+    let redis = match &run.redis {
+        Some(client) => match client.managed().await {
+            Ok(m) => Some(m),
+            Err(e) => return exit::fail(exit::FAILURE, &format!("cannot connect to Redis: {e}")),
         },
         None => None,
     };
     let config = ReconcileConfig { sweeps: run.sweeps, ..Default::default() };
-    let mut reconciler = Reconciler { store, redis, keys: StreamKeys::new(run.stream_prefix), config };
+    let mut reconciler = Reconciler { store, redis, keys: run.keys, config };
     let mut code = exit::OK;
     let json = run.json;
     let on_run = |outcome: Result<_, _>| {
@@ -119,6 +121,10 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
             Ok(report) => {
                 print_report(&report, json);
                 if report.total_found() > 0 { exit::FINDINGS } else { exit::OK }
+            }
+            // Configured with another shard count than the streams have: a usage error.
+            Err(e @ ReconcileError::Shards(ShardsError::Mismatch(_))) => {
+                exit::fail(exit::USAGE, &e.to_string())
             }
             Err(e) => exit::fail(exit::FAILURE, &format!("reconcile failed: {e}")),
         }

@@ -5,6 +5,7 @@
 use embed_dlq::config::{FileConfig, IngestSettings, Settings};
 use embed_dlq::console::{ConsoleConfig, MountedConsole};
 use embed_dlq::serve::ServeConfig;
+use embed_dlq::streams::RedisClient;
 use tokio_util::sync::CancellationToken;
 
 use super::args::ServeCommand;
@@ -15,8 +16,8 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
     let ServeCommand { provider, ingest, retry, serve, console_addr, console_read_only } = args;
     let flags =
         FileConfig { provider: *provider, ingest: *ingest, retry: *retry, serve, ..Default::default() };
-    let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_url()?.to_string(), s)));
-    let (ingest, redis_url, settings) = match resolved {
+    let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_client()?, s)));
+    let (ingest, redis, settings) = match resolved {
         Ok(r) => r,
         Err(e) => return exit::usage(&e),
     };
@@ -30,9 +31,9 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
         if let Err(e) = console.check() {
             return exit::fail(exit::USAGE, &e.to_string());
         }
-        mounted = Some(MountedConsole { config: console, redis_url: redis_url.clone() });
+        mounted = Some(MountedConsole { config: console, redis: redis.clone() });
     }
-    run(&settings, mounted, ingest, &redis_url, cancel).await
+    run(&settings, mounted, ingest, redis, cancel).await
 }
 
 /// Builds the pipeline and runs the service.
@@ -40,7 +41,7 @@ async fn run(
     settings: &Settings,
     console: Option<MountedConsole>,
     ingest: IngestSettings,
-    redis_url: &str,
+    redis: RedisClient,
     cancel: CancellationToken,
 ) -> i32 {
     let config = ServeConfig::from_settings(settings);
@@ -53,14 +54,10 @@ async fn run(
     {
         return exit::fail(exit::FAILURE, &e.to_string());
     }
-    let client = match embed_dlq::streams::client(redis_url) {
-        Ok(c) => c,
-        Err(e) => return exit::fail(exit::USAGE, &format!("bad Redis URL: {e}")),
-    };
     match embed_dlq::serve::serve_with_console(
         pipeline.store,
         pipeline.embedder,
-        client,
+        redis,
         config,
         console,
         cancel,
@@ -68,6 +65,8 @@ async fn run(
     .await
     {
         Ok(()) => exit::OK,
+        // The configuration does not fit the streams: a usage error, nothing ran.
+        Err(e @ embed_dlq::serve::ServeError::Shards(_)) => exit::fail(exit::USAGE, &e.to_string()),
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }
 }

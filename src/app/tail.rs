@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use embed_dlq::config::{FileConfig, ServeArgs};
-use embed_dlq::streams::StreamKeys;
+use embed_dlq::streams::{RedisClient, StreamKeys};
 use embed_dlq::tail::{EventSink, TailEvent, TailOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -13,20 +13,22 @@ use super::{Resolver, exit};
 
 /// Runs `tail`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: TailCommand, cancel: CancellationToken) -> i32 {
-    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix } = args;
-    let flags = FileConfig { serve: ServeArgs { stream_prefix, ..Default::default() }, ..Default::default() };
-    let (redis_url, settings) =
-        match resolver.settings(flags).and_then(|s| Ok((s.redis_url()?.to_string(), s))) {
-            Ok(r) => r,
-            Err(e) => return exit::usage(&e),
-        };
+    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix, stream_shards } = args;
+    let flags = FileConfig {
+        serve: ServeArgs { stream_prefix, stream_shards, ..Default::default() },
+        ..Default::default()
+    };
+    let (redis, settings) = match resolver.settings(flags).and_then(|s| Ok((s.redis_client()?, s))) {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
+    };
     let opts = TailOptions { from, checkpoint, count, no_follow };
-    follow(&redis_url, &settings.stream_keys(), opts, json, cancel).await
+    follow(&redis, &settings.stream_keys(), opts, json, cancel).await
 }
 
 /// Follows the events stream of `keys` on stdout.
 async fn follow(
-    redis_url: &str,
+    redis: &RedisClient,
     keys: &StreamKeys,
     opts: TailOptions,
     json: bool,
@@ -36,8 +38,11 @@ async fn follow(
         return exit::fail(exit::USAGE, &format!("--from: {e}"));
     }
     let mut sink = LineSink { out: std::io::stdout(), json };
-    match embed_dlq::tail::tail(redis_url, keys, &opts, &mut sink, cancel).await {
+    match embed_dlq::tail::tail(redis, keys, &opts, &mut sink, cancel).await {
         Ok(_) => exit::OK,
+        Err(e @ embed_dlq::tail::TailError::Shards(embed_dlq::streams::ShardsError::Mismatch(_))) => {
+            exit::fail(exit::USAGE, &e.to_string())
+        }
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }
 }

@@ -13,12 +13,12 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
+use crate::streams::RedisConn;
 use axum::extract::{Query, State as AxumState};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
-use redis::aio::ConnectionManager;
 use redis::streams::StreamRangeReply;
 use serde::Deserialize;
 
@@ -130,7 +130,7 @@ fn shown(reply: StreamRangeReply) -> Vec<ShownEvent> {
 
 /// The newest `count` events, newest first.
 pub async fn recent(
-    redis: &mut ConnectionManager,
+    redis: &mut RedisConn,
     keys: &StreamKeys,
     count: usize,
 ) -> redis::RedisResult<Vec<ShownEvent>> {
@@ -148,7 +148,7 @@ pub async fn recent(
 /// Events of one DLQ row (by its id, or by its chunk's identity: earlier rows of the same
 /// chunk too) among the newest `scan` events, newest first; also how many were scanned.
 pub async fn of_row(
-    redis: &mut ConnectionManager,
+    redis: &mut RedisConn,
     keys: &StreamKeys,
     (id, table, doc, chunk): (i64, &str, &str, i32),
     scan: usize,
@@ -218,7 +218,7 @@ pub async fn stream(
     headers: HeaderMap,
     Query(q): Query<StreamQuery>,
 ) -> Response {
-    let Some(url) = state.console.redis_url.clone() else {
+    let Some(client) = state.console.redis.clone() else {
         return (StatusCode::SERVICE_UNAVAILABLE, "Redis is not configured").into_response();
     };
     let from = headers
@@ -240,7 +240,7 @@ pub async fn stream(
     state.tasks.spawn(async move {
         let opts = TailOptions { from, checkpoint: None, count: None, no_follow: false };
         let mut sink = ChannelSink(tx);
-        if let Err(e) = crate::tail::tail(&url, &keys, &opts, &mut sink, cancel).await {
+        if let Err(e) = crate::tail::tail(&client, &keys, &opts, &mut sink, cancel).await {
             tracing::debug!(error = %e, "console: a live tail ended");
         }
     });

@@ -220,9 +220,9 @@ pub enum ConsoleError {
 pub struct Console {
     /// The database (DLQ, outbox, manifest, audit).
     pub store: Store,
-    /// Redis, for the streams' numbers, a row's events and the live tail (`None`: those
-    /// sections say so). Never rendered.
-    pub redis_url: Option<String>,
+    /// Redis (a node or a cluster), for the streams' numbers, a row's events and the live
+    /// tail (`None`: those sections say so). Never rendered.
+    pub redis: Option<crate::streams::RedisClient>,
     /// The stream keys (prefix) of the deployment.
     pub keys: StreamKeys,
     /// The provider gate of this process, when the console runs inside `serve`: its breaker
@@ -249,7 +249,7 @@ pub struct MountedConsole {
     /// Settings (`listen` is `--console-addr`).
     pub config: ConsoleConfig,
     /// The Redis the service uses.
-    pub redis_url: String,
+    pub redis: crate::streams::RedisClient,
 }
 
 impl std::fmt::Debug for MountedConsole {

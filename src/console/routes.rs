@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::streams::RedisConn;
 use axum::Router;
 use axum::extract::{ConnectInfo, Form, Path, Query, Request, State as AxumState};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -13,7 +14,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use maud::Markup;
-use redis::aio::ConnectionManager;
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -41,7 +41,7 @@ pub struct State {
     pub action_slots: Arc<Semaphore>,
     /// One reconcile run at a time per console.
     pub reconcile_lock: Arc<tokio::sync::Mutex<()>>,
-    redis: Arc<tokio::sync::Mutex<Option<ConnectionManager>>>,
+    redis: Arc<tokio::sync::Mutex<Option<RedisConn>>>,
 }
 
 impl State {
@@ -68,14 +68,13 @@ impl State {
 
     /// A Redis connection for short commands, made on first use (so the console starts and
     /// shows the database's pages while Redis is down) and reused after.
-    pub async fn redis(&self) -> Result<ConnectionManager, String> {
-        let Some(url) = &self.console.redis_url else { return Err("Redis is not configured".into()) };
+    pub async fn redis(&self) -> Result<RedisConn, String> {
+        let Some(client) = &self.console.redis else { return Err("Redis is not configured".into()) };
         let mut slot = self.redis.lock().await;
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
         }
-        let client = crate::streams::client(url).map_err(|e| format!("bad Redis URL: {e}"))?;
-        let conn = tokio::time::timeout(Duration::from_secs(5), crate::streams::managed(&client))
+        let conn = tokio::time::timeout(Duration::from_secs(5), crate::streams::managed(client))
             .await
             .map_err(|_| "Redis did not answer within 5 s".to_string())?
             .map_err(|e| format!("cannot connect to Redis: {e}"))?;

@@ -193,7 +193,7 @@ fn nonzero(n: u32) -> NonZeroU32 {
 
 /// The budget in Redis (`redis/limit.lua`).
 struct SharedBudget {
-    conn: redis::aio::ConnectionManager,
+    conn: crate::streams::RedisConn,
     key: String,
     script: redis::Script,
     warned: AtomicBool,
@@ -402,12 +402,11 @@ impl ProviderLimiter {
     /// Redis that cannot run it fails the command at start rather than every request.
     pub async fn with_redis(
         config: LimitConfig,
-        redis_url: &str,
+        redis: &crate::streams::RedisClient,
         base_url: &str,
         model: &str,
     ) -> redis::RedisResult<Self> {
-        let client = crate::streams::client(redis_url)?;
-        let mut conn = crate::streams::managed(&client).await?;
+        let mut conn = redis.managed().await?;
         let script = limit_script();
         script.prepare_invoke().load_async(&mut conn).await?;
         let mut limiter = ProviderLimiter::local(config);

@@ -28,6 +28,35 @@ pub(crate) struct OutboxRow {
     pub stream: String,
     /// The JSON body, as text.
     pub body: String,
+    /// The chunk's identity (canonical target table, doc id, chunk index): what its stream
+    /// shard is derived from ([`crate::streams::StreamKeys::shard_of`]).
+    pub identity: Identity,
+}
+
+/// A chunk's identity as the outbox records it; rows written before migration 0004 name no
+/// table and belong to the default one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub target_table: String,
+    pub doc_id: String,
+    pub chunk_index: i32,
+}
+
+impl Identity {
+    /// Reads the identity columns (`target_table` with the default table for old rows,
+    /// `doc_id`, `chunk_index`) of a row.
+    fn read(r: &sqlx::postgres::PgRow) -> Result<Identity, sqlx::Error> {
+        Ok(Identity {
+            target_table: r.try_get("target_table")?,
+            doc_id: r.try_get("doc_id")?,
+            chunk_index: r.try_get("chunk_index")?,
+        })
+    }
+
+    /// The chunk's stream shard under `keys`.
+    pub fn shard(&self, keys: &crate::streams::StreamKeys) -> u16 {
+        keys.shard_of(&self.target_table, &self.doc_id, self.chunk_index)
+    }
 }
 
 /// The oldest unpublished rows, locked by this claim's transaction until it is marked or
@@ -42,7 +71,9 @@ pub(crate) struct Claim {
 pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreError> {
     let mut tx = pool.begin().await?;
     let rows = sqlx::query(
-        "SELECT id, event_id::text AS event_id, event, stream, body::text AS body FROM dlq_outbox
+        "SELECT id, event_id::text AS event_id, event, stream, body::text AS body,
+                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index
+           FROM dlq_outbox
           WHERE published_at IS NULL
           ORDER BY id
           LIMIT $1
@@ -64,6 +95,7 @@ pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreEr
                 event: r.try_get("event")?,
                 stream: r.try_get("stream")?,
                 body: r.try_get("body")?,
+                identity: Identity::read(r)?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()?;
@@ -141,6 +173,8 @@ pub(crate) struct PublishedEvent {
     pub entry_id: String,
     /// `doc_id#chunk_index`, for reports.
     pub key: String,
+    /// The chunk's identity: which stream shard the event went to.
+    pub identity: Identity,
 }
 
 /// Up to `limit` published `events` rows after `after_id`, by id, that recorded their entry id
@@ -151,7 +185,8 @@ pub(crate) async fn published_events(
     limit: usize,
 ) -> Result<Vec<PublishedEvent>, StoreError> {
     let rows = sqlx::query(
-        "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key
+        "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key,
+                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index
            FROM dlq_outbox
           WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
           ORDER BY id LIMIT $2",
@@ -167,6 +202,7 @@ pub(crate) async fn published_events(
                 event_id: r.try_get("event_id")?,
                 entry_id: r.try_get("entry_id")?,
                 key: r.try_get("key")?,
+                identity: Identity::read(r)?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()

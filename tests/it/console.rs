@@ -229,7 +229,7 @@ async fn serve_console(db: &TestDb, keys: &StreamKeys, read_only: bool) -> Serve
     let addr: SocketAddr = listener.local_addr().unwrap();
     let console = Console {
         store,
-        redis_url: Some(redis_url()),
+        redis: Some(redis_client()),
         keys: keys.clone(),
         gate: None,
         config: ConsoleConfig {
@@ -657,7 +657,7 @@ async fn the_live_tail_resumes_after_last_event_id_and_is_bounded() {
     let addr = listener.local_addr().unwrap();
     let console = Console {
         store,
-        redis_url: Some(redis_url()),
+        redis: Some(redis_client()),
         keys: keys.clone(),
         gate: None,
         config: ConsoleConfig { listen: addr, max_event_clients: 2, ..Default::default() },

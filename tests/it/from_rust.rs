@@ -199,7 +199,7 @@ async fn the_embed_from_rust_example_retries_parks_and_reruns_against_the_mock()
     assert_eq!(again.provider_calls, 0, "{again:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn the_events_consumer_example_acks_what_it_handled_and_claims_what_another_left() {
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig::default()).await;
@@ -240,7 +240,7 @@ async fn the_events_consumer_example_acks_what_it_handled_and_claims_what_anothe
         assert_eq!(body.error_class, Some(ErrorClass::PermanentInput));
         assert_eq!(body.table, "public.doc_embeddings");
     }
-    let pending = |c: &mut redis::aio::ConnectionManager| {
+    let pending = |c: &mut embed_dlq::streams::RedisConn| {
         let mut c = c.clone();
         let stream = keys.events();
         async move {
@@ -267,4 +267,5 @@ async fn the_events_consumer_example_acks_what_it_handled_and_claims_what_anothe
     // Nothing new: a read waits out its BLOCK (longer than redis-rs's default response
     // timeout) and comes back empty instead of failing.
     assert_eq!(second.read_once(&mut events_consumer::print_event).await.unwrap(), 0);
+}
 }

@@ -82,7 +82,7 @@ async fn rate_limit_headers_pace_requests_before_the_provider_says_429() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_seen_by_one_process_shrinks_the_shared_budget_for_all() {
-    let url = redis_url();
+    let url = embed_dlq::streams::client(&redis_url()).unwrap();
     let config = LimitConfig { max_requests_per_minute: Some(600), shared: true, ..LimitConfig::default() };
     // 600 a minute, one second's worth at once: 10 requests go without waiting.
     let base = format!("http://aimd-{}.invalid/v1", rand::random::<u64>());

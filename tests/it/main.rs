@@ -2,6 +2,7 @@
 //! the real Postgres+pgvector named by `DATABASE_URL` (a fresh database each) and, where it
 //! needs a provider, to the fault-injecting mock over real HTTP. Run it with scripts/test.sh.
 
+mod cluster;
 mod config;
 mod console;
 mod dashboard;
@@ -20,6 +21,7 @@ mod reconcile;
 mod relay;
 mod restart;
 mod runtime;
+mod shards;
 mod streams;
 mod support;
 mod sweeps;

@@ -171,7 +171,7 @@ async fn schedule_and_relay(db: &TestDb, keys: &StreamKeys, r: &Reconciler) {
     relay_all(db, keys).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn stuck_outbox_is_reported_until_a_relay_runs() {
     let db = TestDb::new().await;
     park(&db, "ob", 3).await;
@@ -183,6 +183,7 @@ async fn stuck_outbox_is_reported_until_a_relay_runs() {
     assert!(report.get(Check::OutboxBacklog).note.as_deref().unwrap().starts_with("3 unpublished"));
     relay_all(&db, &keys).await;
     assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::OutboxBacklog).found, 0);
+}
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,7 +239,7 @@ async fn redis_flushall_is_repaired_and_replay_drains_to_zero() {
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn stream_entries_without_a_dlq_row_are_acknowledged_and_deleted() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -253,8 +254,9 @@ async fn stream_entries_without_a_dlq_row_are_acknowledged_and_deleted() {
     let len: u64 = redis::cmd("XLEN").arg(keys.replay()).query_async(&mut redis).await.unwrap();
     assert_eq!(len, 5);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn replay_that_does_not_drain_is_reported() {
     let db = TestDb::new().await;
     park(&db, "stall", 4).await;
@@ -272,8 +274,9 @@ async fn replay_that_does_not_drain_is_reported() {
     assert_eq!(report.get(Check::ReplayStalled).found, 4);
     assert_eq!(report.get(Check::ReplayStalled).repaired, 0, "nothing to repair: an alert for the operator");
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -336,6 +339,7 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     assert_eq!(embed_dlq::dlq::purge(&p.store, &prefix("src1-"), false).await.unwrap(), 4);
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 3);
 }
+}
 
 fn promtool() -> std::process::Command {
     let c = std::process::Command::new("promtool");
@@ -368,7 +372,7 @@ fn alert_rules_pass_promtool_check_and_unit_tests() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
     let db = TestDb::new().await;
     park(&db, "metrics", 7).await;
@@ -399,8 +403,9 @@ async fn metrics_endpoint_passes_promtool_and_matches_the_dlq() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn periodic_reconcile_hands_over_every_run_until_cancelled() {
     let db = TestDb::new().await;
     ingest(&db, "periodic", 5).await;
@@ -428,4 +433,5 @@ async fn periodic_reconcile_hands_over_every_run_until_cancelled() {
     embed_dlq::serve::reconcile_periodically(&mut r, Mode::Check, None, on_run, &CancellationToken::new())
         .await;
     assert_eq!(once, 1);
+}
 }

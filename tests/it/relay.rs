@@ -35,7 +35,7 @@ async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {
     all.ids
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn a_second_installation_on_the_same_prefix_publishes_all_its_events() {
     let keys = fresh_keys();
     // Two databases whose outbox ids are the same (1..=5): a re-created database, a restore,
@@ -58,8 +58,9 @@ async fn a_second_installation_on_the_same_prefix_publishes_all_its_events() {
         .collect();
     assert_eq!(docs.len(), 10, "every park of both installations is on the stream once");
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -72,6 +73,7 @@ async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
     let c = relay.run_once().await.unwrap();
     assert_eq!((c.claimed, c.published, c.duplicates), (6, 0, 6), "{c:?}");
     assert_eq!(events_on_stream(&keys).await.len(), 6);
+}
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +97,7 @@ async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
     assert_eq!(next.payload(), "", "a park wakes the relay");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn postponed_rows_are_not_lost_replay_work_and_repair_leaves_them_alone() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -148,6 +150,7 @@ async fn postponed_rows_are_not_lost_replay_work_and_repair_leaves_them_alone() 
     assert_eq!(state().await, before, "repair did not cancel the pause");
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox").await, outbox_before, "no new work item");
 }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_outbox_table_is_gone_stops_with_an_error() {
@@ -164,7 +167,7 @@ async fn a_relay_whose_outbox_table_is_gone_stops_with_an_error() {
     assert!(err.to_string().contains("dlq_outbox"), "{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn replay_loops_stop_on_permanent_errors() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -201,8 +204,9 @@ async fn replay_loops_stop_on_permanent_errors() {
     let err = ended.expect("the replayer gave up").expect_err("permanent error");
     assert!(!err.is_transient(), "{err}");
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn errors_are_classified_by_kind_and_code_not_text() {
     use embed_dlq::relay::RelayError;
     let db = TestDb::new().await;
@@ -236,12 +240,13 @@ async fn errors_are_classified_by_kind_and_code_not_text() {
     assert!(!RelayError::from(script_error).is_transient(), "a script error");
     let _: () = redis.del(&key).await.unwrap();
 
-    let refused = embed_dlq::streams::client("redis://127.0.0.1:1/").unwrap();
+    let refused = redis::Client::open("redis://127.0.0.1:1/").unwrap();
     let err = refused.get_multiplexed_async_connection().await.unwrap_err();
     assert!(RelayError::from(err).is_transient(), "connection refused");
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn published_events_missing_from_the_stream_are_found_and_republished() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -290,8 +295,9 @@ async fn published_events_missing_from_the_stream_are_found_and_republished() {
     assert_eq!(relay_all(&db, &keys).await, 30);
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn reconcile_pages_through_the_replay_stream() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -341,6 +347,7 @@ async fn reconcile_pages_through_the_replay_stream() {
     let len: usize = redis.xlen(keys.replay()).await.unwrap();
     assert_eq!(len, 23 - 7 - 6 + 7);
 }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_deletes_in_bounded_batches_each_with_its_events() {
@@ -365,7 +372,7 @@ async fn purge_deletes_in_bounded_batches_each_with_its_events() {
     assert_eq!(db.leaks().await, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -413,6 +420,7 @@ async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
         2,
         "left for re-ingest"
     );
+}
 }
 
 /// Every event body keeps its keys and values now that the envelope is built by

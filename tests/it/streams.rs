@@ -122,8 +122,8 @@ fn prefix_of(keys: &StreamKeys) -> String {
     keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
 }
 
+on_single_and_cluster! {
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -156,9 +156,10 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let nums: Vec<i64> = ids.iter().map(|s| s.parse().unwrap()).collect();
     assert!(nums.windows(2).all(|w| w[0] < w[1]));
 }
+}
 
+on_single_and_cluster! {
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -200,9 +201,10 @@ async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, 50);
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 50);
 }
+}
 
+on_single_and_cluster! {
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -229,8 +231,9 @@ async fn replayer_killed_before_commit_is_taken_over_with_xautoclaim() {
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -258,8 +261,9 @@ async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
     assert_eq!(slow.control.stats().inputs, 10, "every item embedded exactly once");
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -300,6 +304,7 @@ async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
     make_due(&db).await;
     assert_eq!(Scheduler { store: p.store.clone(), config: replay_config() }.run_once().await.unwrap(), 0);
 }
+}
 
 /// Replays `doc` until the scheduler has nothing left to enqueue; returns the passes made.
 async fn replay_until_settled(db: &TestDb, p: &Pipeline, keys: &StreamKeys, rep: &mut Replayer) -> usize {
@@ -314,7 +319,7 @@ async fn replay_until_settled(db: &TestDb, p: &Pipeline, keys: &StreamKeys, rep:
     panic!("still replaying after 20 passes: a loop");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn failing_replays_end_permanent_or_exhausted_never_forever() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -351,8 +356,9 @@ async fn failing_replays_end_permanent_or_exhausted_never_forever() {
     assert_eq!(status, "exhausted");
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn three_replayers_drain_10k_parked_items_each_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -393,8 +399,9 @@ async fn three_replayers_drain_10k_parked_items_each_exactly_once() {
     assert_eq!(db.manifest_disagreements().await, 0);
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -411,7 +418,7 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     };
     let mut first: Vec<embed_dlq::tail::TailEvent> = Vec::new();
     let n = embed_dlq::tail::tail(
-        &redis_url(),
+        &redis_client(),
         &keys,
         &opts(Some(10), false),
         &mut first,
@@ -422,10 +429,15 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     assert_eq!(n, 10);
     // "Restart": a new tail from the same checkpoint.
     let mut second: Vec<embed_dlq::tail::TailEvent> = Vec::new();
-    let n =
-        embed_dlq::tail::tail(&redis_url(), &keys, &opts(None, true), &mut second, CancellationToken::new())
-            .await
-            .unwrap();
+    let n = embed_dlq::tail::tail(
+        &redis_client(),
+        &keys,
+        &opts(None, true),
+        &mut second,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
     assert_eq!(n, 20);
     let lines: Vec<serde_json::Value> = first.iter().chain(&second).map(|e| e.to_json()).collect();
     let printed: Vec<i64> = lines.iter().map(|v| v["dlq_id"].as_i64().unwrap()).collect();
@@ -438,8 +450,9 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
     assert!(lines.iter().all(|v| v["event"] == "parked" && v["error_class"] == "transient"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn sigterm_during_heavy_replay_exits_in_grace_and_leaves_work_reclaimable() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -474,8 +487,9 @@ async fn sigterm_during_heavy_replay_exits_in_grace_and_leaves_work_reclaimable(
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(pending(&keys).await, 0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn trimming_never_removes_entries_a_group_still_needs() {
     let keys = fresh_keys();
     let mut r = redis().await;
@@ -510,8 +524,9 @@ async fn trimming_never_removes_entries_a_group_still_needs() {
     let len: usize = r.xlen(keys.replay()).await.unwrap();
     assert_eq!(len, 4, "entries 6..9 were never delivered and must stay");
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn dead_consumers_are_removed_from_the_group() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -534,7 +549,7 @@ async fn dead_consumers_are_removed_from_the_group() {
         .query_async(&mut r)
         .await
         .unwrap();
-    let consumers = |r: &mut redis::aio::ConnectionManager| {
+    let consumers = |r: &mut embed_dlq::streams::RedisConn| {
         let mut r = r.clone();
         let stream = keys.replay();
         async move {
@@ -553,8 +568,9 @@ async fn dead_consumers_are_removed_from_the_group() {
     rep.reclaim_once(&CancellationToken::new()).await.unwrap();
     assert!(!consumers(&mut r).await.contains(&"ghost".to_string()));
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn several_relays_at_once_publish_every_row_exactly_once() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -590,8 +606,9 @@ async fn several_relays_at_once_publish_every_row_exactly_once() {
         entries.ids.iter().map(|e| embed_dlq::streams::field(&e.map, "outbox_id").unwrap()).collect();
     assert_eq!((entries.ids.len(), ids.len()), (2_000, 2_000));
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_single_and_cluster! {
 async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -625,4 +642,5 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
         12,
         "back on the schedule after the pause"
     );
+}
 }

@@ -72,7 +72,7 @@ pub async fn start_mock(config: MockConfig) -> MockProvider {
 /// Settings for a test run: fast retries, short timeouts, small batches.
 pub fn settings(db: &TestDb, mock: &MockProvider) -> IngestSettings {
     IngestSettings::resolve(
-        ServiceArgs { database_url: Some(db.url.clone()), redis_url: None },
+        ServiceArgs { database_url: Some(db.url.clone()), redis_url: None, ..Default::default() },
         ProviderArgs {
             base_url: Some(mock.base_url()),
             model: Some("mock".into()),
@@ -106,9 +106,24 @@ pub fn line(doc: &str, idx: i32, text: &str) -> String {
     format!("{}\n", serde_json::json!({"doc_id": doc, "chunk_index": idx, "text": text}))
 }
 
-/// The Redis named by `REDIS_URL` (scripts/test.sh starts one).
+/// The Redis of the running test's [`backend`]: `REDIS_URL`, or the seed URLs of the cluster
+/// in `REDIS_CLUSTER_URL` (comma-separated: the list selects cluster mode).
 pub fn redis_url() -> String {
-    std::env::var("REDIS_URL").expect("REDIS_URL is not set: run the tests with scripts/test.sh")
+    match backend() {
+        Backend::SingleNode => {
+            std::env::var("REDIS_URL").expect("REDIS_URL is not set: run the tests with scripts/test.sh")
+        }
+        Backend::Cluster => std::env::var("REDIS_CLUSTER_URL").expect(
+            "REDIS_CLUSTER_URL is not set: run the tests with scripts/test.sh (scripts/services.sh cluster up)",
+        ),
+    }
+}
+
+/// A client for [`redis_url`].
+pub fn redis_client() -> embed_dlq::streams::RedisClient {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    assert_eq!(client.is_cluster(), backend() == Backend::Cluster);
+    client
 }
 
 /// Stream keys under a prefix of their own, so tests never see each other's entries.
@@ -116,9 +131,8 @@ pub fn fresh_keys() -> embed_dlq::streams::StreamKeys {
     embed_dlq::streams::StreamKeys::new(&format!("it-{}-{}", std::process::id(), rand::random::<u32>()))
 }
 
-pub async fn redis() -> redis::aio::ConnectionManager {
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    embed_dlq::streams::managed(&client).await.expect("connect to REDIS_URL")
+pub async fn redis() -> embed_dlq::streams::RedisConn {
+    redis_client().managed().await.expect("connect to REDIS_URL")
 }
 
 /// A Redis of this test's own (so it can be flushed or killed), on a free port; stopped on
@@ -141,7 +155,7 @@ impl PrivateRedis {
             .spawn()
             .expect("redis-server (scripts/services.sh installs it)");
         let url = format!("redis://127.0.0.1:{port}/");
-        let client = embed_dlq::streams::client(&url).unwrap();
+        let client = redis::Client::open(url.as_str()).unwrap();
         for _ in 0..100 {
             if let Ok(mut c) = client.get_multiplexed_async_connection().await
                 && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
@@ -155,7 +169,7 @@ impl PrivateRedis {
         panic!("private redis-server did not come up on {port}");
     }
 
-    pub async fn manager(&self) -> redis::aio::ConnectionManager {
+    pub async fn manager(&self) -> embed_dlq::streams::RedisConn {
         embed_dlq::streams::managed(&embed_dlq::streams::client(&self.url).unwrap()).await.unwrap()
     }
 }
@@ -164,6 +178,147 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A Redis Cluster of this test's own (3 masters + 3 replicas, `cluster-node-timeout` 1 s),
+/// started by `scripts/services.sh cluster up` in a state dir and on ports of its own, so a
+/// test can kill its nodes; removed (`cluster clean`) on drop.
+pub struct PrivateCluster {
+    /// The three masters' seed URLs, comma-separated.
+    pub url: String,
+    /// The six node ports.
+    pub ports: Vec<u16>,
+    dir: std::path::PathBuf,
+    base: u16,
+}
+
+impl PrivateCluster {
+    pub async fn start() -> PrivateCluster {
+        let dir = std::env::temp_dir().join(format!(
+            "embed-dlq-cluster-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        // Node ports and their bus ports (+10000) below the ephemeral range, all free now.
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        let base = (0..200)
+            .map(|_| 20000 + (rand::random::<u16>() % 2700))
+            .find(|b| (0..6).all(|i| free(b + i) && free(b + i + 10000)))
+            .expect("six free ports for a private cluster");
+        let cluster = PrivateCluster {
+            url: (0..3).map(|i| format!("redis://127.0.0.1:{}/", base + i)).collect::<Vec<_>>().join(","),
+            ports: (0..6).map(|i| base + i).collect(),
+            dir,
+            base,
+        };
+        let out = cluster.script("up").output().await.expect("scripts/services.sh");
+        assert!(
+            out.status.success(),
+            "private cluster did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cluster
+    }
+
+    fn script(&self, action: &str) -> tokio::process::Command {
+        let mut c = tokio::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services.sh"));
+        c.args(["cluster", action])
+            .env("EMBED_DLQ_SERVICES_DIR", &self.dir)
+            .env("EMBED_DLQ_CLUSTER_PORT", self.base.to_string())
+            .env("EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS", "1000")
+            .stdin(std::process::Stdio::null());
+        c
+    }
+
+    /// A plain (non-cluster) connection to one node, for inspecting it.
+    pub async fn node(&self, port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(std::time::Duration::from_secs(1)))
+            .set_response_timeout(Some(std::time::Duration::from_secs(2)));
+        redis::Client::open(format!("redis://127.0.0.1:{port}/"))?
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+    }
+
+    /// A field of a node's `INFO <section>` (e.g. `role` of `replication`).
+    pub async fn info(&self, port: u16, section: &str, field: &str) -> Option<String> {
+        let text: String =
+            redis::cmd("INFO").arg(section).query_async(&mut self.node(port).await.ok()?).await.ok()?;
+        text.lines().find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_string()))
+    }
+
+    /// The port of the master that serves `key` (the one node answering a keyed read on it
+    /// without a MOVED redirection).
+    pub async fn master_of(&self, key: &str) -> u16 {
+        for &port in &self.ports {
+            if let Ok(mut c) = self.node(port).await
+                && redis::cmd("EXISTS").arg(key).query_async::<i64>(&mut c).await.is_ok()
+            {
+                return port;
+            }
+        }
+        panic!("no node serves {key}");
+    }
+
+    /// Kills the node on `port` with SIGKILL (no shutdown, nothing saved).
+    pub async fn kill(&self, port: u16) {
+        let pid = self.info(port, "server", "process_id").await.expect("the node's pid");
+        assert!(std::process::Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
+    }
+
+    /// The pid of the node on `port`.
+    pub async fn pid(&self, port: u16) -> String {
+        self.info(port, "server", "process_id").await.expect("the node's pid")
+    }
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to the node process `pid`.
+    pub fn signal(&self, pid: &str, signal: &str) {
+        assert!(
+            std::process::Command::new("kill").args([&format!("-{signal}"), pid]).status().unwrap().success()
+        );
+    }
+
+    /// Waits until every live node reports a healthy cluster.
+    pub async fn wait_healthy(&self, within: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let mut ok = true;
+            let mut alive = 0;
+            for &port in &self.ports {
+                match self.info(port, "cluster", "cluster_enabled").await {
+                    None => continue,
+                    Some(_) => alive += 1,
+                }
+                let state: Option<String> = async {
+                    let text: String = redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut self.node(port).await.ok()?)
+                        .await
+                        .ok()?;
+                    text.lines().find_map(|l| l.strip_prefix("cluster_state:").map(|v| v.trim().to_string()))
+                }
+                .await;
+                ok &= state.as_deref() == Some("ok");
+            }
+            if ok && alive > 0 {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the private cluster did not become healthy");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        let _ = self
+            .script("clean")
+            .as_std_mut()
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -316,3 +471,72 @@ pub async fn scrape_serve_until(db: &TestDb, ready: impl Fn(&str) -> bool) -> St
     assert!(!body.is_empty(), "the metrics endpoint never showed what the test waits for");
     body
 }
+
+/// Which Redis the fixtures of this module talk to: the single node of `REDIS_URL`, or the
+/// Redis Cluster of `REDIS_CLUSTER_URL` (scripts/test.sh starts one with
+/// `scripts/services.sh cluster up`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    SingleNode,
+    Cluster,
+}
+
+thread_local! {
+    /// The backend of the runtime this thread belongs to (set on every thread of a runtime
+    /// built by [`run_on`]; a plain `#[tokio::test]` runtime has none: single node).
+    static BACKEND: std::cell::Cell<Backend> = const { std::cell::Cell::new(Backend::SingleNode) };
+}
+
+/// The backend of the running test (see [`on_single_and_cluster!`]).
+pub fn backend() -> Backend {
+    BACKEND.with(|b| b.get())
+}
+
+/// Runs a test body on a 2-worker runtime of its own whose every thread (workers, blocking
+/// pool, the test's own) reports `backend`, so that every fixture the body calls, in any task,
+/// talks to the same Redis.
+pub fn run_on(backend: Backend, body: impl std::future::Future<Output = ()>) {
+    BACKEND.with(|b| b.set(backend));
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(move || BACKEND.with(|b| b.set(backend)))
+        .build()
+        .expect("test runtime")
+        .block_on(body);
+}
+
+/// Generates a test twice, as a module named after it: `single_node` runs the body against
+/// the Redis of `REDIS_URL`, `cluster` against the Redis Cluster of `REDIS_CLUSTER_URL`. The
+/// Redis fixtures (`redis_url`, `redis_client`, `redis`, `relay_all`, `reconciler`) follow
+/// [`backend`], so the body is written once. A test that must break its Redis (flush, kill)
+/// uses a [`PrivateRedis`] and stays single.
+///
+/// ```ignore
+/// on_single_and_cluster! {
+///     async fn relay_publishes_once() {
+///         let mut redis = redis().await;   // single node, then cluster
+///     }
+/// }
+/// ```
+macro_rules! on_single_and_cluster {
+    ($($(#[$meta:meta])* async fn $name:ident() $body:block)+) => {$(
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            $(#[$meta])*
+            #[test]
+            fn single_node() {
+                crate::support::run_on(crate::support::Backend::SingleNode, async $body)
+            }
+
+            $(#[$meta])*
+            #[test]
+            fn cluster() {
+                crate::support::run_on(crate::support::Backend::Cluster, async $body)
+            }
+        }
+    )+};
+}
+pub(crate) use on_single_and_cluster;
