@@ -21,7 +21,7 @@
 //! same mock settings in virtual time (`embed_dlq::testkit::seed_model`, whose unit tests check
 //! it against the closed forms).
 //!
-//! Scenarios a-c use fast retry timings (5 ms base, 40 ms cap, 400 ms request timeout): the
+//! Scenarios a-c use fast retry timings (5 ms base, 40 ms cap, 1 s request timeout): the
 //! mock's faults are drawn per request, whatever the time, so the timings change how long a
 //! run takes, not what it sends. The outage and the storm use the defaults, because there
 //! time is the fault.
@@ -187,7 +187,7 @@ fn settings(s: &Scenario, db: &TestDb, mock: &MockProvider, serve: bool, prefix:
         provider: ProviderArgs {
             base_url: Some(mock.base_url()),
             model: Some("economy".into()),
-            request_timeout_ms: fast(400),
+            request_timeout_ms: fast(1_000),
             max_requests_per_minute: s.budget.map(|b| b.0),
             max_tokens_per_minute: s.budget.map(|b| b.1),
             ..Default::default()
@@ -375,6 +375,14 @@ impl Row {
             "  embed-dlq ingest: retries {:?}; tokens stored {}, wasted {} (estimated)",
             m.summary.retries, m.summary.tokens_stored, m.summary.tokens_wasted
         );
+        let client_timeouts = m.summary.retries.get("timeout").copied().unwrap_or(0);
+        if client_timeouts > m.ingest.timeouts {
+            println!(
+                "  WARNING: {client_timeouts} client timeouts for {} held-back answers: the machine is too loaded \
+                 for the request timeout, answered requests were sent again",
+                m.ingest.timeouts
+            );
+        }
         let s = &self.seed;
         println!(
             "  seed:      stored {} (parked permanent {}, transient {}, left {}); ingest {} req, replay {} req; \

@@ -79,13 +79,21 @@ impl Isolation {
         self.state.lock().unwrap().settled += inputs as u64;
     }
 
+    /// Counts a poison input in the rate as soon as a rejected request proves that one of its
+    /// inputs is (before the split has found which), so concurrent workers shrink their
+    /// requests at once. A request holding two counts once until the second is found alone.
+    pub(crate) fn poison_found(&self) {
+        self.state.lock().unwrap().poison += 1;
+    }
+
     /// Records an input proven to fail its request alone: remembered so that it is never
     /// sent in a batch again by this process, and counted in the poison rate unless it was
-    /// already known (then it was sent alone and cost its neighbours nothing).
-    pub(crate) fn proven_poison(&self, text: &str) {
+    /// already known (then it was sent alone and cost its neighbours nothing) or `counted`
+    /// already when its request was rejected ([`Isolation::poison_found`]).
+    pub(crate) fn proven_poison(&self, text: &str, counted: bool) {
         let mut s = self.state.lock().unwrap();
         s.settled += 1;
-        if remember(&mut s, fingerprint(text)) {
+        if remember(&mut s, fingerprint(text)) && !counted {
             s.poison += 1;
         }
     }
@@ -165,18 +173,24 @@ mod tests {
         iso.settled(512);
         assert_eq!(iso.piece_size(64), 64, "no poison seen: full batches");
         iso.settled(475);
-        iso.proven_poison("bad");
+        iso.proven_poison("bad", false);
         assert_eq!(iso.piece_size(64), 25, "1 in 1500, with the prior's 1000 clean: 0.01 × 2500");
-        iso.proven_poison("bad");
+        iso.proven_poison("bad", false);
         assert_eq!(iso.piece_size(64), 25, "a known poison input, sent alone, cost nothing");
         for i in 0..9 {
-            iso.proven_poison(&format!("worse {i}"));
+            iso.proven_poison(&format!("worse {i}"), false);
         }
         assert_eq!(iso.piece_size(64), 2, "10 in 1510, with the prior: 0.01 × 2510 / 10");
         for i in 0..10 {
-            iso.proven_poison(&format!("worst {i}"));
+            iso.proven_poison(&format!("worst {i}"), false);
         }
         assert_eq!(iso.piece_size(64), MIN_PIECE, "never below the floor");
+        let counted = Isolation::default();
+        counted.poison_found();
+        assert_eq!(counted.piece_size(64), 10, "counted when its request was rejected: 0.01 × 1000");
+        counted.proven_poison("found later", true);
+        assert_eq!(counted.piece_size(64), 10, "and not again when found");
+        assert!(counted.is_suspect("found later"));
         iso.settled(200_000);
         assert_eq!(iso.piece_size(64), 64, "a long clean stretch restores full batches");
         assert_eq!(iso.piece_size(1), 1);
@@ -185,7 +199,7 @@ mod tests {
     #[test]
     fn proven_and_suspect_inputs_are_remembered_within_a_bound() {
         let iso = Isolation::default();
-        iso.proven_poison("bad");
+        iso.proven_poison("bad", false);
         iso.suspect("odd");
         assert!(iso.is_suspect("bad") && iso.is_suspect("odd"));
         assert!(!iso.is_suspect("good"));

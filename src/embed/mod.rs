@@ -156,11 +156,14 @@ enum Checked {
 
 /// A range of the batch still to embed. `isolating`: it comes from splitting a batch that
 /// kept failing with 500 (or holds a remembered suspect), so a 500 on it is evidence against
-/// one of its inputs. `carve`: not yet cut to the request size (see [`isolate`]).
+/// one of its inputs. `carve`: not yet cut to the request size (see [`isolate`]). `counted`:
+/// it comes from splitting a rejected piece, whose poison input the poison rate already
+/// counts (so finding it does not count it again).
 struct Piece {
     range: Range<usize>,
     isolating: bool,
     carve: bool,
+    counted: bool,
 }
 
 /// The state of one `embed_batch` call: an outcome slot per text, the pieces still to embed,
@@ -200,7 +203,12 @@ impl Embedder {
             stats,
         };
         if !texts.is_empty() {
-            progress.work.push(Piece { range: 0..texts.len(), isolating: false, carve: true });
+            progress.work.push(Piece {
+                range: 0..texts.len(),
+                isolating: false,
+                carve: true,
+                counted: false,
+            });
         }
         while let Some(piece) = progress.work.pop() {
             let piece = self.carve(piece, &progress.suspects, &mut progress.work);
@@ -218,18 +226,18 @@ impl Embedder {
         let Range { start, end } = piece.range;
         if let Some(i) = (start..end).find(|&i| suspects[i]) {
             if i + 1 < end {
-                work.push(Piece { range: i + 1..end, isolating: false, carve: true });
+                work.push(Piece { range: i + 1..end, isolating: false, carve: true, counted: false });
             }
             if start < i {
-                work.push(Piece { range: start..i, isolating: false, carve: true });
+                work.push(Piece { range: start..i, isolating: false, carve: true, counted: false });
             }
-            return Piece { range: i..i + 1, isolating: true, carve: false };
+            return Piece { range: i..i + 1, isolating: true, carve: false, counted: false };
         }
         let size = self.isolation.piece_size(end - start);
         if start + size < end {
-            work.push(Piece { range: start + size..end, isolating: false, carve: true });
+            work.push(Piece { range: start + size..end, isolating: false, carve: true, counted: false });
         }
-        Piece { range: start..start + size, isolating: piece.isolating, carve: false }
+        Piece { range: start..start + size, isolating: piece.isolating, carve: false, counted: piece.counted }
     }
 
     /// Sends one piece, retrying it under the policy, until it is settled: embedded, failed,
@@ -396,10 +404,15 @@ impl Embedder {
             }
             Checked::InputFault if piece.range.len() > 1 => {
                 p.stats.splits += 1;
-                split(&mut p.work, &piece.range, piece.isolating);
+                // One of these inputs is poison: count it now, not when the split has found
+                // it, so other workers cut their requests to the poison-aware size meanwhile.
+                if !piece.counted {
+                    self.isolation.poison_found();
+                }
+                split(&mut p.work, &piece.range, piece.isolating, true);
             }
             Checked::InputFault => {
-                self.isolation.proven_poison(p.texts[piece.range.start]);
+                self.isolation.proven_poison(p.texts[piece.range.start], piece.counted);
                 let failure = Failure { class, reason, detail, status, attempts: attempt };
                 fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(failure));
             }
@@ -425,7 +438,7 @@ impl Embedder {
         let several = piece.range.len() > 1;
         if suspect && several {
             p.stats.splits += 1;
-            split(&mut p.work, &piece.range, true);
+            split(&mut p.work, &piece.range, true, piece.counted);
             return true;
         }
         if self.policy.allows_another(attempt) {
@@ -433,10 +446,10 @@ impl Embedder {
         }
         if reason == "http_500" && several {
             p.stats.splits += 1;
-            split(&mut p.work, &piece.range, true);
+            split(&mut p.work, &piece.range, true, piece.counted);
         } else {
             if suspect {
-                self.isolation.proven_poison(p.texts[piece.range.start]);
+                self.isolation.proven_poison(p.texts[piece.range.start], piece.counted);
             }
             fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(transient(err, reason, attempt)));
         }
@@ -653,11 +666,11 @@ fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, Str
 
 /// Pushes the parts of a failing `range` ([`isolate::part_lengths`]: singles when small,
 /// about √n parts when large), the first part on top so it is done first.
-fn split(work: &mut Vec<Piece>, range: &Range<usize>, isolating: bool) {
+fn split(work: &mut Vec<Piece>, range: &Range<usize>, isolating: bool, counted: bool) {
     let mut start = range.start;
     let mut parts = Vec::new();
     for len in isolate::part_lengths(range.len()) {
-        parts.push(Piece { range: start..start + len, isolating, carve: false });
+        parts.push(Piece { range: start..start + len, isolating, carve: false, counted });
         start += len;
     }
     work.extend(parts.into_iter().rev());

@@ -312,6 +312,66 @@ async fn one_poison_input_among_good_ones_is_still_parked_as_permanent_input() {
     assert_eq!(db.leaks().await, 0);
 }
 
+/// A rejected request proves one of its inputs poison before the isolation has found which:
+/// the poison rate counts it at once, so a concurrent worker's next request is already cut
+/// to the poison-aware size (not a full one, which would cost its size again if it held the
+/// next poison input), and the input found later is not counted a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_request_shrinks_concurrent_requests_before_its_isolation_ends() {
+    use std::sync::atomic::AtomicBool;
+    const MARK: &str = "POISON";
+    let held = Arc::new(AtomicBool::new(false));
+    let server = {
+        let held = held.clone();
+        Hostile::start(Arc::new(move |_, seen| {
+            let inputs = seen.inputs();
+            if !inputs.iter().any(|t| t.contains(MARK)) {
+                return response("200 OK", &[], &ok_body(&inputs, DIMS));
+            }
+            // The isolation's first part (the poison and 3 neighbours) waits 2 s once.
+            if inputs.len() == 4 && !held.swap(true, Ordering::SeqCst) {
+                return response("503 Service Unavailable", &[("retry-after", "2")], b"{}");
+            }
+            response("400 Bad Request", &[], br#"{"error":{"type":"invalid_request_error"}}"#)
+        }))
+        .await
+    };
+    let policy = RetryPolicy { cap: Duration::from_secs(5), ..fast(3) };
+    let e = embedder(server.base_url(), policy, BreakerConfig::default());
+    let texts = |tag: &str, n: usize| -> Vec<String> { (0..n).map(|i| format!("{tag} {i}")).collect() };
+    let mut a = texts("a", 16);
+    a[0] = format!("a {MARK}");
+    let isolating = tokio::spawn({
+        let e = e.clone();
+        async move {
+            let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+            e.embed_batch(&refs, &CancellationToken::new(), &mut BatchStats::default()).await.unwrap()
+        }
+    });
+    // The 16 rejected, the canary, then the held part: the isolation is under way.
+    while !held.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = server.seen().len();
+    let b = texts("b", 64);
+    let refs: Vec<&str> = b.iter().map(String::as_str).collect();
+    let out = e.embed_batch(&refs, &CancellationToken::new(), &mut BatchStats::default()).await.unwrap();
+    assert!(out.iter().all(|o| matches!(o, ItemOutcome::Embedded(_))));
+    let first_b =
+        server.seen()[before..].iter().find(|s| s.inputs()[0].starts_with("b ")).unwrap().inputs().len();
+    // 1 poison input and nothing settled yet, with the prior of 1,000 clean inputs: 0.01 × 1000.
+    assert_eq!(first_b, 10, "the concurrent request is cut to the poison-aware size");
+    let a_out = isolating.await.unwrap();
+    assert!(matches!(&a_out[0], ItemOutcome::Failed(f) if f.class == ErrorClass::PermanentInput));
+    assert!(a_out[1..].iter().all(|o| matches!(o, ItemOutcome::Embedded(_))));
+    // Once found, the same input is not counted again: 1 poison in 79 settled (+1,000 prior).
+    let c = texts("c", 64);
+    let refs: Vec<&str> = c.iter().map(String::as_str).collect();
+    let before = server.seen().len();
+    e.embed_batch(&refs, &CancellationToken::new(), &mut BatchStats::default()).await.unwrap();
+    assert_eq!(server.seen()[before].inputs().len(), 10, "0.01 × 1080 / 1");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_dimension_on_a_single_input_is_systemic_until_a_right_one_is_seen() {
     let db = TestDb::new().await;
