@@ -138,7 +138,9 @@ where
 
 /// Leaks and stored drift of `target` in one scan: one anti-join of the manifest against
 /// the vectors on (doc_id, chunk_index, content_hash) gives every chunk whose vector is
-/// missing or holds other content, and only those few are then looked up by key.
+/// missing or holds other content (parked chunks included), and only those are then looked
+/// up: their DLQ row (one hashed pass over the DLQ), and their vector by key only when they
+/// have no DLQ row.
 ///
 /// - leak: neither a vector nor a DLQ row (the seed's query), not yet marked for re-ingest;
 /// - stored drift: the manifest says stored, and the vector is missing (with a DLQ row still
@@ -159,8 +161,6 @@ pub(crate) async fn gaps(
     let sql = format!(
         "WITH cand AS MATERIALIZED (
              SELECT m.doc_id, m.chunk_index, m.status, m.updated_at,
-                    NOT EXISTS (SELECT 1 FROM {t} e
-                                 WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index) AS no_vector,
                     NOT EXISTS (SELECT 1 FROM embedding_dlq d
                                  WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
                                    AND d.chunk_index = m.chunk_index) AS no_dlq
@@ -169,11 +169,17 @@ pub(crate) async fn gaps(
                 AND NOT EXISTS (SELECT 1 FROM {t} e
                                  WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
                                    AND e.content_hash = m.content_hash)
-         ), f AS MATERIALIZED (
-             SELECT doc_id || '#' || chunk_index AS key, updated_at,
-                    no_vector AND no_dlq AS leak,
-                    status = 'stored' AND NOT (no_vector AND no_dlq) AS drift
+         ), flagged AS MATERIALIZED (
+             SELECT doc_id, chunk_index, status, updated_at,
+                    CASE WHEN no_dlq
+                         THEN NOT EXISTS (SELECT 1 FROM {t} e
+                                           WHERE e.doc_id = cand.doc_id AND e.chunk_index = cand.chunk_index)
+                         ELSE false END AS leak
                FROM cand
+         ), f AS MATERIALIZED (
+             SELECT doc_id || '#' || chunk_index AS key, updated_at, leak,
+                    status = 'stored' AND NOT leak AS drift
+               FROM flagged
          )
          SELECT count(*) FILTER (WHERE leak) AS leak_found,
                 min(updated_at) FILTER (WHERE leak) AS leak_oldest,
@@ -230,9 +236,12 @@ pub(crate) async fn stale_dlq(
 ) -> Result<CheckRun, StoreError> {
     let t = target.sql_name();
     let lit = sql_literal(&target.name);
+    // `IS TRUE` keeps the test a per-row probe of the vector table's unique index (cost
+    // follows the DLQ) rather than a semi-join the planner would run as a scan of the whole
+    // vector table.
     let stale = format!(
-        "EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
-                                       AND e.content_hash = d.content_hash)"
+        "(EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+                                        AND e.content_hash = d.content_hash)) IS TRUE"
     );
     let rows = match scope {
         Scope::All => format!(
@@ -619,14 +628,24 @@ impl RunLock {
         let mut tx = pool.begin().await?;
         // The lock is held by an open transaction for the whole run: a server-side idle limit
         // must not end it.
-        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0").execute(&mut *tx).await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(embed_dlq_reconcile_lock_key())").execute(&mut *tx).await?;
+        sqlx::query(
+            "SELECT set_config('idle_in_transaction_session_timeout', '0', true),
+                    pg_advisory_xact_lock(embed_dlq_reconcile_lock_key())",
+        )
+        .execute(&mut *tx)
+        .await?;
+        // Only once the lock is held: the horizon, then what the previous runs left.
         let row = sqlx::query(
             "SELECT clock_timestamp() AS now,
                     min(a.xact_start) AS oldest,
                     count(*) FILTER (WHERE a.query = '<insufficient privilege>') AS hidden,
                     (SELECT min(p.prepared) FROM pg_prepared_xacts p
-                      WHERE p.database = current_database()) AS prepared
+                      WHERE p.database = current_database()) AS prepared,
+                    extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
+                                                            WHERE sweep IN ('full', 'deep')))::float8 AS full,
+                    extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
+                                                            WHERE sweep = 'deep'))::float8 AS deep,
+                    (SELECT resume FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS resume
                FROM pg_stat_activity a
               WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()",
         )
@@ -655,15 +674,6 @@ impl RunLock {
                 UNSEEN_MARGIN.as_secs()
             )
         });
-        let row = sqlx::query(
-            "SELECT extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
-                                                            WHERE sweep IN ('full', 'deep')))::float8 AS full,
-                    extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
-                                                            WHERE sweep = 'deep'))::float8 AS deep,
-                    (SELECT resume FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS resume",
-        )
-        .fetch_one(&mut *tx)
-        .await?;
         let resume: Option<serde_json::Value> = row.try_get("resume")?;
         let previous = Previous {
             secs_since_full: row.try_get("full")?,
