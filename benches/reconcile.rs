@@ -21,9 +21,9 @@
 //!
 //! A deep run (every vector read: what every run did before sweeps existed) is timed
 //! `BENCH_DEEP_ROUNDS` times (default 2). Times are wall-clock around the call (lock and
-//! horizon included); ratios are medians of the per-round ratios to the seed query. Rounds
-//! are 2.5 s apart, as periodic runs are minutes apart (a run re-checks the 2 s of changes
-//! before its predecessor's horizon).
+//! horizon included); ratios are medians of the per-round ratios to the seed query. The
+//! changes are made 2.5 s before the incremental run, as periodic runs are minutes apart (a
+//! run re-checks the 2 s of changes before its predecessor's horizon).
 
 use std::time::{Duration, Instant};
 
@@ -234,11 +234,11 @@ async fn measure(pool: &PgPool, size: usize, rounds: usize, deep_rounds: usize, 
         let s = ms(seed_query(pool).await);
         let f = ms(run(Sweep::Full).await);
         change(pool, round * changed, changed, round).await;
-        let i = ms(run(Sweep::Incremental).await);
-        // Periodic runs are minutes apart: more than the 2 s a run re-checks before the last
-        // horizon (without the pause the next full sweep would read this round's changed
-        // vectors again).
+        // Periodic runs are minutes apart, changes come in between: more than the 2 s of
+        // changes a run re-checks before its predecessor's horizon (without the pause the
+        // next full sweep would read this round's changed vectors again).
         tokio::time::sleep(Duration::from_millis(2500)).await;
+        let i = ms(run(Sweep::Incremental).await);
         println!("{size} rows, round {round}: seed {s:.0} ms, full {f:.0} ms, incremental {i:.1} ms");
         full_ratio.push(f / s);
         inc_ratio.push(i / s);

@@ -7,10 +7,10 @@
 //! `leaks` and `duplicates` checks are built from the same predicates, and the tests and the
 //! demo call the functions.
 //!
-//! Each table check is one counting statement over a [`Scope`] (every chunk, or the chunks
+//! Each table check is one counting statement over a `Scope` (every chunk, or the chunks
 //! whose manifest row changed since a time) that also returns a few examples and the
 //! earliest change among the rows found; a repairable check then repairs, only when
-//! something was found. Leaks and stored drift share one anti-join ([`gaps`]); duplicates
+//! something was found. Leaks and stored drift share one anti-join (`gaps`); duplicates
 //! are ruled out by the table's unique index when it has one. Repairs that touch a chunk's
 //! DLQ row or vector lock its manifest row first, like every writer. Table names in these
 //! statements come from the catalog (`TargetTable`), never from input, and the canonical
