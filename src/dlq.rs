@@ -37,13 +37,20 @@ pub struct Filter {
     /// Only rows that automatic replay gave up on.
     #[arg(long)]
     pub exhausted: bool,
+    /// Rows of every target table. Without it an action applies to the rows of its store's
+    /// table only (`--table`, else the configured one): two tables share one DLQ, and a purge
+    /// meant for one must not delete the other's rows.
+    #[arg(long)]
+    pub all_tables: bool,
 }
 
 impl Filter {
-    /// The filter as the store's statements take it.
-    fn rows(&self) -> RowFilter {
-        let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted } = self;
+    /// The filter as the store's statements take it, for the rows of `store`'s table (or of
+    /// every table with `all_tables`).
+    fn rows(&self, store: &Store) -> RowFilter {
+        let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted, all_tables } = self;
         RowFilter {
+            table: (!all_tables).then(|| store.table_name().to_string()),
             class: *class,
             doc: doc.clone(),
             doc_prefix: doc_prefix.clone(),
@@ -55,9 +62,9 @@ impl Filter {
     }
 }
 
-/// The seed's two diagnostic queries in one report.
+/// The seed's two diagnostic queries in one report, over the rows of `store`'s table.
 pub async fn stats(store: &Store) -> Result<Stats, StoreError> {
-    sql::stats(store.pool()).await
+    sql::stats(store.pool(), Some(store.table_name())).await
 }
 
 /// Rows matching `filter`, oldest id first, `limit` at a time after `after_id` (paging).
@@ -67,7 +74,7 @@ pub async fn list(
     limit: i64,
     after_id: i64,
 ) -> Result<Vec<Listed>, StoreError> {
-    sql::list(store.pool(), &filter.rows(), limit, after_id).await
+    sql::list(store.pool(), &filter.rows(store), limit, after_id).await
 }
 
 /// One row with its payload and error history.
@@ -104,7 +111,7 @@ pub async fn requeue(
     dry_run: bool,
     rate_per_sec: u32,
 ) -> Result<RequeueOutcome, StoreError> {
-    let rows_filter = filter.rows();
+    let rows_filter = filter.rows(store);
     if dry_run {
         return requeue_dry_run(store, &rows_filter).await;
     }
@@ -166,7 +173,7 @@ pub(crate) async fn requeue_rows(
 
 /// The rows `filter` selects (what `list` would page through, or `purge` delete).
 pub async fn count(store: &Store, filter: &Filter) -> Result<u64, StoreError> {
-    sql::count(store.pool(), &filter.rows()).await
+    sql::count(store.pool(), &filter.rows(store)).await
 }
 
 /// Deletes matching rows for good (and their manifest rows, so a later ingest of the same
@@ -186,7 +193,7 @@ pub async fn purge_in_batches(
     dry_run: bool,
     batch: usize,
 ) -> Result<u64, StoreError> {
-    let rows_filter = filter.rows();
+    let rows_filter = filter.rows(store);
     if dry_run {
         return sql::count(store.pool(), &rows_filter).await;
     }

@@ -94,7 +94,8 @@ fn check_filter_bounds(filter: &Filter) -> Result<(), String> {
 /// Whether `filter` selects every row. Destructured exhaustively: a new filter field must be
 /// considered here, or an unfiltered requeue could slip past the confirmation.
 fn filter_is_empty(filter: &Filter) -> bool {
-    let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted } = filter;
+    // `all_tables` widens rather than narrows: it does not make a filter.
+    let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted, all_tables: _ } = filter;
     class.is_none()
         && doc.is_none()
         && doc_prefix.is_none()

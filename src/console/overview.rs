@@ -44,7 +44,7 @@ pub struct BreakerReading {
 /// only their sections).
 pub async fn gather(state: &State) -> Result<Overview, StoreError> {
     let pool = state.console.store.pool();
-    let stats = crate::store::dlq::stats(pool).await?;
+    let stats = crate::store::dlq::stats(pool, None).await?;
     let reasons = sql::depth_by_reason(pool).await?;
     let schedule = crate::store::dlq::schedule(pool).await?;
     let backlog = crate::store::outbox::backlog(pool, Duration::ZERO).await?;

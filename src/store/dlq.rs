@@ -203,13 +203,16 @@ pub(crate) fn listed(r: &PgRow) -> Result<Listed, sqlx::Error> {
     })
 }
 
-/// The seed's two diagnostic queries in one report.
-pub async fn stats(pool: &PgPool) -> Result<Stats, StoreError> {
+/// The seed's two diagnostic queries in one report, over the rows of `table` (canonical
+/// name) or of every table.
+pub async fn stats(pool: &PgPool, table: Option<&str>) -> Result<Stats, StoreError> {
     let by_class = sqlx::query(
         "SELECT error_class, count(*) AS parked, min(first_failed_at) AS oldest,
                 max(last_failed_at) AS newest, round(avg(attempts), 1)::float8 AS avg_attempts
-           FROM embedding_dlq GROUP BY error_class ORDER BY parked DESC",
+           FROM embedding_dlq WHERE $1::text IS NULL OR target_table = $1
+          GROUP BY error_class ORDER BY parked DESC",
     )
+    .bind(table)
     .fetch_all(pool)
     .await?
     .iter()
@@ -228,8 +231,9 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, StoreError> {
                 count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient' AND exhausted_at IS NULL) AS backing_off,
                 count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
                 min(next_retry_at) AS next_due
-           FROM embedding_dlq",
+           FROM embedding_dlq WHERE $1::text IS NULL OR target_table = $1",
     )
+    .bind(table)
     .fetch_one(pool)
     .await?;
     Ok(Stats {

@@ -258,6 +258,55 @@ async fn dlq_opens_the_config_files_table() {
     assert_eq!(stats["by_class"][0]["parked"], 2, "{stats}");
 }
 
+/// Two target tables share one DLQ: `dlq` acts on its own table's rows (`--table`, the config
+/// file's table, else the default) and touches another table's only with `--all-tables`.
+/// Before, `dlq purge --table a` deleted table b's rows too, and `list`/`stats` mixed them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_acts_on_its_own_tables_rows_only() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let (a, b) = (unique("dlq_a"), unique("dlq_b"));
+    ingest_into(&db, &mock, &a, corpus("a", 8, 4)).await; // 2 parked
+    ingest_into(&db, &mock, &b, corpus("b", 12, 4)).await; // 3 parked
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 5);
+    let dir = Dir::new();
+    let cfg = dir.write("c.toml", &config_text(&db, &b, "unused", None));
+    let dlq = |args: &[&str]| {
+        let mut c = bare();
+        c.env("EMBED_DLQ_CONFIG", &cfg).arg("dlq").args(args);
+        output(c)
+    };
+    let listed = |out: &str| -> Vec<String> {
+        let rows: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        rows.as_array().unwrap().iter().map(|r| r["doc_id"].as_str().unwrap().to_string()).collect()
+    };
+    // --table a: a's rows only; the config file's table (b) without the flag.
+    let (code, out, err) = dlq(&["--json", "--table", &a, "list"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(listed(&out), ["a", "a"], "{out}");
+    let (code, out, err) = dlq(&["--json", "list"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(listed(&out), ["b", "b", "b"], "{out}");
+    let (_, out, _) = dlq(&["--json", "list", "--all-tables"]).await;
+    assert_eq!(listed(&out).len(), 5, "{out}");
+    let (_, out, _) = dlq(&["--json", "--table", &a, "stats"]).await;
+    let stats: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(stats["by_class"][0]["parked"], 2, "{stats}");
+    assert_eq!(stats["by_class"].as_array().unwrap().len(), 1, "{stats}");
+    // A purge of a leaves b's rows (and b's manifest) alone.
+    let (code, out, err) = dlq(&["--json", "--table", &a, "purge", "--yes"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("\"purged\":2"), "{out}");
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT doc_id FROM embedding_dlq ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(left, ["b", "b", "b"]);
+    // A requeue of the (empty) a touches none of b's rows.
+    let (code, out, err) = dlq(&["--json", "--table", &a, "requeue", "--all"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("\"requeued\":0"), "{out}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class <> 'transient'").await, 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_range_settings_exit_2_naming_the_setting_never_a_panic() {
     let db = TestDb::new().await;
