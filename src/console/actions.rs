@@ -16,12 +16,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::extract::{ConnectInfo, Form, Path, Query, State as AxumState};
-use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 
 use super::filter::RawQuery;
 use super::pages::{self, Preview};
-use super::routes::{State, authorize, db_error, here, html};
+use super::routes::{Page, State, authorize, db_error, html};
 use crate::reconcile::{Mode, Reconciler};
 use crate::store::console as sql;
 
@@ -40,13 +40,10 @@ const SAMPLE: i64 = 20;
 /// `GET /actions/{kind}?<filter>`: the dry run (count and sample) and, for a logged-in
 /// operator, the confirmation form.
 pub async fn preview(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: Uri,
+    Page { state, ctx }: Page,
     Path(k): Path<String>,
     Query(raw): Query<RawQuery>,
 ) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
     let Some(kind) = kind(&k) else {
         return html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such action"));
     };
@@ -232,8 +229,7 @@ pub async fn confirm(
 }
 
 /// `GET /reconcile`.
-pub async fn reconcile_page(AxumState(state): AxumState<State>, headers: HeaderMap, uri: Uri) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+pub async fn reconcile_page(Page { state, ctx }: Page) -> Response {
     match sql::reconcile_runs(state.console.store.pool(), 20).await {
         Ok(runs) => html(StatusCode::OK, pages::reconcile(&ctx, &runs, None)),
         Err(e) => db_error(&ctx, e),

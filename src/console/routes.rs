@@ -101,6 +101,27 @@ impl State {
     }
 }
 
+/// What a page handler starts from: the shared state and the request's page context (the
+/// session, the read-only flag, and the page's own path for a login to return to). Handlers
+/// that check a form's CSRF token take the headers themselves.
+pub struct Page {
+    /// The console's shared state.
+    pub state: State,
+    /// The page context of this request.
+    pub ctx: Ctx,
+}
+
+impl axum::extract::FromRequestParts<State> for Page {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &State,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(Page { ctx: state.ctx(&parts.headers, here(&parts.uri)), state: state.clone() })
+    }
+}
+
 /// Every route of the console.
 pub fn router(state: State) -> Router {
     Router::new()
@@ -202,25 +223,14 @@ pub fn here(uri: &axum::http::Uri) -> String {
     uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into())
 }
 
-async fn overview_page(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn overview_page(Page { state, ctx }: Page) -> Response {
     match overview::gather(&state).await {
         Ok(o) => html(StatusCode::OK, pages::overview(&ctx, &o)),
         Err(e) => db_error(&ctx, e),
     }
 }
 
-async fn list_page(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-    Query(raw): Query<RawQuery>,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn list_page(Page { state, ctx }: Page, Query(raw): Query<RawQuery>) -> Response {
     let q = match raw.list() {
         Ok(q) => q,
         Err(e) => return html(StatusCode::BAD_REQUEST, pages::message(&ctx, "Bad filter", &e)),
@@ -249,13 +259,7 @@ async fn list_page(
     }
 }
 
-async fn detail_page(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-    Path(id): Path<String>,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such DLQ row"));
     };
@@ -290,12 +294,7 @@ async fn detail_page(
     html(StatusCode::OK, pages::detail(&ctx, &d, &events))
 }
 
-async fn events_page(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn events_page(Page { state, ctx }: Page) -> Response {
     let recent = match state.redis().await {
         Ok(mut redis) => {
             events::recent(&mut redis, &state.console.keys, 50).await.map_err(|e| format!("Redis: {e}"))
@@ -305,25 +304,14 @@ async fn events_page(
     html(StatusCode::OK, pages::events(&ctx, &recent))
 }
 
-async fn audit_list(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn audit_list(Page { state, ctx }: Page) -> Response {
     match sql::audit_recent(state.console.store.pool(), 200).await {
         Ok(entries) => html(StatusCode::OK, pages::audit_list(&ctx, &entries)),
         Err(e) => db_error(&ctx, e),
     }
 }
 
-async fn audit_entry(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-    Path(id): Path<String>,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn audit_entry(Page { state, ctx }: Page, Path(id): Path<String>) -> Response {
     let entry = match id.parse::<i64>() {
         Ok(id) => sql::audit_get(state.console.store.pool(), id).await,
         Err(_) => Ok(None),
@@ -350,13 +338,7 @@ struct NextQuery {
     next: Option<String>,
 }
 
-async fn login_page(
-    AxumState(state): AxumState<State>,
-    headers: HeaderMap,
-    uri: axum::http::Uri,
-    Query(q): Query<NextQuery>,
-) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn login_page(Page { ctx, .. }: Page, Query(q): Query<NextQuery>) -> Response {
     html(StatusCode::OK, pages::login(&ctx, &local_next(q.next.as_deref()), None))
 }
 
@@ -502,8 +484,7 @@ pub fn authorize(state: &State, headers: &HeaderMap, csrf: &str) -> Result<(Stri
     Ok((id, session))
 }
 
-async fn not_found(AxumState(state): AxumState<State>, headers: HeaderMap, uri: axum::http::Uri) -> Response {
-    let ctx = state.ctx(&headers, here(&uri));
+async fn not_found(Page { ctx, .. }: Page) -> Response {
     html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such page"))
 }
 

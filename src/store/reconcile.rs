@@ -114,6 +114,30 @@ fn check_run(row: &sqlx::postgres::PgRow, prefix: &str) -> Result<CheckRun, sqlx
     })
 }
 
+/// Counts the rows `rows` (a `FROM` clause binding `$1` to the scope's horizon) selects, with
+/// the oldest manifest change among them and up to `examples` of their keys, read from the
+/// table aliased `alias` (`d` for DLQ rows, `e` for vectors).
+async fn findings(
+    pool: &PgPool,
+    alias: &str,
+    rows: &str,
+    scope: Scope,
+    examples: usize,
+) -> Result<CheckRun, StoreError> {
+    let sql = format!(
+        "WITH f AS MATERIALIZED (SELECT {alias}.doc_id || '#' || {alias}.chunk_index AS key, m.updated_at FROM {rows})
+         SELECT count(*) AS found, min(updated_at) AS oldest, ARRAY(SELECT key FROM f LIMIT $2) AS examples
+           FROM f"
+    );
+    let row = sqlx::query(AssertSqlSafe(sql))
+        .bind(scope.since())
+        .bind(examples as i64)
+        .persistent(false)
+        .fetch_one(pool)
+        .await?;
+    Ok(check_run(&row, "")?)
+}
+
 /// Runs a repair statement: a `WITH` statement returns its own count; otherwise rows affected
 /// count.
 async fn run_repair<'c, E>(executor: E, sql: String, scope: Scope) -> Result<u64, StoreError>
@@ -256,18 +280,7 @@ pub(crate) async fn stale_dlq(
             scope.clause()
         ),
     };
-    let sql = format!(
-        "WITH f AS MATERIALIZED (SELECT d.doc_id || '#' || d.chunk_index AS key, m.updated_at FROM {rows})
-         SELECT count(*) AS found, min(updated_at) AS oldest, ARRAY(SELECT key FROM f LIMIT $2) AS examples
-           FROM f"
-    );
-    let row = sqlx::query(AssertSqlSafe(sql))
-        .bind(scope.since())
-        .bind(examples as i64)
-        .persistent(false)
-        .fetch_one(pool)
-        .await?;
-    let mut run = check_run(&row, "")?;
+    let mut run = findings(pool, "d", &rows, scope, examples).await?;
     if !(repair && run.found > 0) {
         return Ok(run);
     }
@@ -356,18 +369,7 @@ pub(crate) async fn bad_vectors(
             scope.clause()
         ),
     };
-    let sql = format!(
-        "WITH f AS MATERIALIZED (SELECT e.doc_id || '#' || e.chunk_index AS key, m.updated_at FROM {rows})
-         SELECT count(*) AS found, min(updated_at) AS oldest, ARRAY(SELECT key FROM f LIMIT $2) AS examples
-           FROM f"
-    );
-    let row = sqlx::query(AssertSqlSafe(sql))
-        .bind(scope.since())
-        .bind(examples as i64)
-        .persistent(false)
-        .fetch_one(pool)
-        .await?;
-    let mut run = check_run(&row, "")?;
+    let mut run = findings(pool, "e", &rows, scope, examples).await?;
     if !(repair && run.found > 0) {
         return Ok(run);
     }
