@@ -1506,7 +1506,9 @@ fn check_table(s: &str) -> Result<(), String> {
     no_control(s)
 }
 
-fn check_stream_prefix(s: &str) -> Result<(), String> {
+/// Checks a stream prefix against its bounds (length, no control characters, no braces or
+/// whitespace: it is wrapped in a Redis hash tag), as every setting of it is checked.
+pub fn check_stream_prefix(s: &str) -> Result<(), String> {
     check_len(s, bounds::NAME_CHARS)?;
     no_control(s)?;
     if s.contains(['{', '}']) || s.chars().any(char::is_whitespace) {

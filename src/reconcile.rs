@@ -332,6 +332,9 @@ pub enum ReconcileError {
     /// The streams were set up with another shard count (or Redis failed while checking it).
     #[error("{0}")]
     Shards(#[from] crate::streams::ShardsError),
+    /// The database is relayed under another stream prefix (or Postgres failed while checking it).
+    #[error("{0}")]
+    Prefix(#[from] crate::store::prefix::PrefixError),
 }
 
 impl Finding {
@@ -620,6 +623,7 @@ impl Reconciler {
             return Ok(skipped.into());
         };
         crate::streams::check_shards(&mut redis, &self.keys).await?;
+        crate::store::prefix::check(self.store.pool(), self.keys.prefix()).await?;
         let missing = self.missing_events_check(&mut redis, repair).await?;
         let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
         Ok(vec![missing, lost, orphans])

@@ -38,6 +38,12 @@ pub enum ServeError {
     /// The streams were set up with another shard count ([`crate::streams::check_shards`]).
     #[error("{0}")]
     Shards(#[source] crate::streams::ShardMismatch),
+    /// The database is relayed under another stream prefix ([`crate::store::prefix::check`]).
+    #[error("{0}")]
+    Prefix(#[source] crate::store::prefix::PrefixMismatch),
+    /// Postgres failed while the stream prefix was checked at start-up.
+    #[error("postgres: {0}")]
+    Store(#[source] crate::store::StoreError),
     /// A task died; the process stopped so its supervisor restarts it.
     #[error("{0}; serve stopped (exit non-zero) so that its process supervisor restarts it")]
     Task(TaskFailure),
@@ -133,6 +139,11 @@ pub async fn serve_with_console(
         Ok(()) => {}
         Err(streams::ShardsError::Mismatch(m)) => return Err(ServeError::Shards(m)),
         Err(streams::ShardsError::Redis(e)) => return Err(ServeError::Redis(e)),
+    }
+    match crate::store::prefix::check(store.pool(), config.keys.prefix()).await {
+        Ok(()) => {}
+        Err(crate::store::prefix::PrefixError::Mismatch(m)) => return Err(ServeError::Prefix(m)),
+        Err(crate::store::prefix::PrefixError::Store(e)) => return Err(ServeError::Store(e)),
     }
     // `stop`: the signal, or a failed task. `hard`: the grace period is over.
     let stop = cancel.child_token();

@@ -148,6 +148,11 @@ pub struct MigrateCommand {
     /// Dimensions of the table's `vector(N)` column, 1..=16000.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
     pub dimensions: Option<u64>,
+    /// Record this stream prefix as the one the database's outbox is relayed under, replacing
+    /// the recorded one: moves the database to new streams (stop every `serve` first, then run
+    /// `reconcile --repair` with the new prefix).
+    #[arg(long, value_name = "PREFIX")]
+    pub adopt_stream_prefix: Option<String>,
 }
 
 /// The arguments of `ingest`.

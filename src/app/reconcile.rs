@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
 use embed_dlq::reconcile::{Mode, ReconcileConfig, ReconcileError, Reconciler, Sweep, SweepPolicy};
+use embed_dlq::store::prefix::PrefixError;
 use embed_dlq::streams::{RedisClient, ShardsError, StreamKeys};
 use tokio_util::sync::CancellationToken;
 
@@ -123,9 +124,10 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
                 if report.total_found() > 0 { exit::FINDINGS } else { exit::OK }
             }
             // Configured with another shard count than the streams have: a usage error.
-            Err(e @ ReconcileError::Shards(ShardsError::Mismatch(_))) => {
-                exit::fail(exit::USAGE, &e.to_string())
-            }
+            Err(
+                e @ (ReconcileError::Shards(ShardsError::Mismatch(_))
+                | ReconcileError::Prefix(PrefixError::Mismatch(_))),
+            ) => exit::fail(exit::USAGE, &e.to_string()),
             Err(e) => exit::fail(exit::FAILURE, &format!("reconcile failed: {e}")),
         }
     };

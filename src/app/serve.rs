@@ -66,7 +66,9 @@ async fn run(
     {
         Ok(()) => exit::OK,
         // The configuration does not fit the streams: a usage error, nothing ran.
-        Err(e @ embed_dlq::serve::ServeError::Shards(_)) => exit::fail(exit::USAGE, &e.to_string()),
+        Err(e @ (embed_dlq::serve::ServeError::Shards(_) | embed_dlq::serve::ServeError::Prefix(_))) => {
+            exit::fail(exit::USAGE, &e.to_string())
+        }
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
     }
 }

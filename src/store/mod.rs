@@ -14,7 +14,7 @@
 //! - `replay`: the scheduler's enqueue and the replayers' fenced commits;
 //! - `dlq`: the operator actions; `console`: what the operator console reads beyond them
 //!   (keyset pages in any sort order, activity over time) and its audit trail; `outbox`: the
-//!   relay's claim and marks;
+//!   relay's claim and marks; [`prefix`]: the one stream prefix a database is relayed under;
 //!   [`reconcile`]: the reconciler's checks and repairs, and the seed's leak and duplicate
 //!   queries;
 //! - this module: connections, migrations, and the target tables (inspected in the catalog,
@@ -29,6 +29,7 @@ pub(crate) mod dlq;
 pub(crate) mod ingest;
 pub(crate) mod lease;
 pub(crate) mod outbox;
+pub mod prefix;
 pub mod reconcile;
 pub(crate) mod replay;
 

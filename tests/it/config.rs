@@ -198,6 +198,56 @@ async fn serve_relays_under_the_config_files_stream_prefix() {
     let _: () = redis.del(&events).await.unwrap();
 }
 
+/// One database, one set of streams: a second stream prefix over the same database would
+/// split the outbox between two sets of streams (each relay claiming part of it) and each
+/// reconciler would publish the other's events again. The first process records its prefix;
+/// `serve` and `reconcile` with another one exit 2 naming both, change nothing and publish
+/// nothing; `migrate --adopt-stream-prefix` moves the database on purpose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_stream_prefix_over_one_database_is_refused() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    ingest_into(&db, &mock, "doc_embeddings", corpus("pfx", 6, 2)).await;
+    let (first, second) = (unique("pfx-a"), unique("pfx-b"));
+    let run = |prefix: &str, args: &[&str]| {
+        let mut c = bare();
+        c.env("DATABASE_URL", &db.url).env("REDIS_URL", redis_url()).args(args);
+        c.args(["--stream-prefix", prefix]);
+        output(c)
+    };
+    let (code, out, err) = run(&first, &["reconcile"]).await;
+    assert_eq!(code, Some(0), "the first prefix is recorded and the run goes on: {out}{err}");
+    let outbox_before = db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await;
+    for args in [&["reconcile", "--repair"][..], &["serve", "--replayers", "0"]] {
+        let (code, out, err) = run(&second, args).await;
+        assert_eq!(code, Some(2), "{args:?}: {out}{err}");
+        assert!(err.contains(&first) && err.contains(&second), "{args:?} names both prefixes: {err}");
+        assert!(err.contains("--adopt-stream-prefix"), "{err}");
+    }
+    assert_eq!(
+        db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await,
+        outbox_before,
+        "nothing was relayed under the second prefix"
+    );
+    let mut redis = redis().await;
+    let second_events: u64 = redis.xlen(format!("{{{second}}}:events")).await.unwrap();
+    assert_eq!(second_events, 0);
+    // Moving on purpose: the new prefix is accepted, the old one refused.
+    let mut c = bare();
+    c.env("DATABASE_URL", &db.url).args(["migrate", "--adopt-stream-prefix", &second]);
+    let (code, out, err) = output(c).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    let (code, out, err) = run(&second, &["reconcile"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    let (code, _, err) = run(&first, &["reconcile"]).await;
+    assert_eq!(code, Some(2), "{err}");
+    let mut c = bare();
+    c.env("DATABASE_URL", &db.url).args(["migrate", "--adopt-stream-prefix", "bad {prefix}"]);
+    let (code, _, err) = output(c).await;
+    assert_eq!(code, Some(2), "a prefix outside its bounds is a usage error: {err}");
+    let _: () = redis.del(&[format!("{{{first}}}:meta"), format!("{{{second}}}:meta")]).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_follows_the_config_files_stream_prefix() {
     let db = TestDb::new().await;
