@@ -18,28 +18,15 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{env_usize, median, with_database};
+
 use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
 use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
 use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use pgvector::Vector;
 use sqlx::{Connection, PgConnection};
 use tokio_util::sync::CancellationToken;
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn with_database(url: &str, db: &str) -> String {
-    let base = url.split('?').next().unwrap();
-    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
-    let path_start = base[scheme_end..].find('/').map(|i| i + scheme_end).unwrap_or(base.len());
-    format!("{}/{db}", &base[..path_start])
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    xs[xs.len() / 2]
-}
 
 fn main() {
     // `cargo test --benches` runs benches in test mode: do nothing there.

@@ -27,25 +27,12 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{change_reconcile_rows, env_usize, load_reconcile_rows, median, with_database};
+
 use embed_dlq::reconcile::{Mode, ReconcileConfig, Reconciler, Sweep};
 use embed_dlq::store::Store;
 use sqlx::{Connection, PgConnection, PgPool};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn with_database(url: &str, db: &str) -> String {
-    let base = url.split('?').next().unwrap();
-    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
-    let path_start = base[scheme_end..].find('/').map(|i| i + scheme_end).unwrap_or(base.len());
-    format!("{}/{db}", &base[..path_start])
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    xs[xs.len() / 2]
-}
 
 fn main() {
     // `cargo test --benches` runs benches in test mode: do nothing there.
@@ -85,7 +72,7 @@ async fn run() {
         let pool = embed_dlq::store::connect(&url, 8).await.unwrap();
         embed_dlq::store::migrate(&pool).await.unwrap();
         let started = Instant::now();
-        load(&pool, size).await;
+        load_reconcile_rows(&pool, size).await;
         println!("{size} manifest rows loaded in {:.0}s", started.elapsed().as_secs_f64());
         let row = measure(&pool, size, rounds, deep_rounds, changed).await;
         table.push(row);
@@ -127,73 +114,6 @@ struct Row {
     deep_ratio: f64,
 }
 
-/// `size` manifest rows of the default table: every hundredth parked with a DLQ row, the
-/// rest stored with a vector (1000 distinct 768-dim vectors, each row its own copy).
-async fn load(pool: &PgPool, size: usize) {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TEMP TABLE basis AS
-             SELECT g AS k, (SELECT array_agg(sin(g * 7.1 + j)::real) FROM generate_series(1, 768) j)::vector(768) AS v
-               FROM generate_series(0, 999) g;
-         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
-         SELECT 'public.doc_embeddings', 'bench-doc-' || lpad((i / 8)::text, 8, '0'), i % 8,
-                encode(sha256(i::text::bytea), 'hex'),
-                CASE WHEN i % 100 = 99 THEN 'parked' ELSE 'stored' END, (1::bigint << 32) | i
-           FROM generate_series(0, {n}) i;
-         INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
-         SELECT 'bench-doc-' || lpad((i / 8)::text, 8, '0'), i % 8, encode(sha256(i::text::bytea), 'hex'), b.v
-           FROM generate_series(0, {n}) i JOIN basis b ON b.k = i % 1000
-          WHERE i % 100 <> 99;
-         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, model, dimensions, payload,
-                                    error_class, error_reason, last_error, last_status, attempts, next_retry_at)
-         SELECT 'public.doc_embeddings', 'bench-doc-' || lpad((i / 8)::text, 8, '0'), i % 8,
-                encode(sha256(i::text::bytea), 'hex'), 'bench', 768,
-                jsonb_build_object('doc_id', 'bench-doc-' || lpad((i / 8)::text, 8, '0'), 'chunk_index', i % 8,
-                                   'text', 'text of chunk ' || i),
-                'transient', 'http_503', 'HTTP 503', 503, 3, now() + interval '1 hour'
-           FROM generate_series(0, {n}) i WHERE i % 100 = 99;
-         DROP TABLE basis;",
-        n = size - 1
-    )))
-    .execute(pool)
-    .await
-    .unwrap();
-    sqlx::raw_sql("VACUUM ANALYZE ingest_manifest, doc_embeddings, embedding_dlq")
-        .execute(pool)
-        .await
-        .unwrap();
-}
-
-/// Re-stores `n` stored chunks (from `offset` on, by key) with new content, as an ingest of
-/// changed text does: manifest and vector in one transaction.
-async fn change(pool: &PgPool, offset: usize, n: usize, round: usize) {
-    let mut tx = pool.begin().await.unwrap();
-    let keys = "SELECT doc_id, chunk_index FROM ingest_manifest WHERE status = 'stored'
-                 ORDER BY doc_id, chunk_index OFFSET $1 LIMIT $2";
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE ingest_manifest m SET content_hash = encode(sha256((m.content_hash || $3)::bytea), 'hex'),
-                updated_at = now()
-           FROM ({keys}) k WHERE m.doc_id = k.doc_id AND m.chunk_index = k.chunk_index"
-    )))
-    .bind(offset as i64)
-    .bind(n as i64)
-    .bind(round.to_string())
-    .execute(&mut *tx)
-    .await
-    .unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE doc_embeddings e SET content_hash = m.content_hash, updated_at = now(),
-                embedding = array_fill(0.5::real, ARRAY[768])::vector
-           FROM ({keys}) k JOIN ingest_manifest m USING (doc_id, chunk_index)
-          WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index"
-    )))
-    .bind(offset as i64)
-    .bind(n as i64)
-    .execute(&mut *tx)
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-}
-
 async fn timed<F: std::future::Future>(f: F) -> (Duration, F::Output) {
     let start = Instant::now();
     let out = f.await;
@@ -233,7 +153,7 @@ async fn measure(pool: &PgPool, size: usize, rounds: usize, deep_rounds: usize, 
     for round in 0..rounds {
         let s = ms(seed_query(pool).await);
         let f = ms(run(Sweep::Full).await);
-        change(pool, round * changed, changed, round).await;
+        change_reconcile_rows(pool, round * changed, changed, round).await;
         // Periodic runs are minutes apart, changes come in between: more than the 2 s of
         // changes a run re-checks before its predecessor's horizon (without the pause the
         // next full sweep would read this round's changed vectors again).
