@@ -543,8 +543,17 @@ impl History {
                     self.note("redis_restart", "data lost".into());
                 }
             }
-            9 => self.run_cli("dlq_requeue", &["dlq", "requeue", "--all", "--rate", "100000"]).await,
-            10 => self.run_cli("dlq_purge", &["dlq", "purge", "--class", "permanent_input", "--yes"]).await,
+            9 => {
+                self.run_cli("dlq_requeue", &["dlq", "requeue", "--all", "--all-tables", "--rate", "100000"])
+                    .await
+            }
+            10 => {
+                self.run_cli(
+                    "dlq_purge",
+                    &["dlq", "purge", "--class", "permanent_input", "--all-tables", "--yes"],
+                )
+                .await
+            }
             11 => self.run_cli("reconcile_repair", &["reconcile", "--repair"]).await,
             _ => {
                 let pause = Duration::from_millis(self.rng.random_range(100..1500));
@@ -579,8 +588,12 @@ impl History {
             );
         }
         // Transient rows parked by earlier runs are replayed by serve on their schedule; make
-        // them due now so the check does not wait out the backoff.
-        self.run_cli("dlq_requeue", &["dlq", "requeue", "--class", "transient", "--rate", "100000"]).await;
+        // them due now (in every table) so the check does not wait out the backoff.
+        self.run_cli(
+            "dlq_requeue",
+            &["dlq", "requeue", "--class", "transient", "--all-tables", "--rate", "100000"],
+        )
+        .await;
         let mut serve = self.serve_cmd(&url).spawn().unwrap();
         // Replay drains about a thousand rows a second here; give large histories time.
         let limit = Duration::from_secs(180 + self.newest.texts.len() as u64 / 200);
