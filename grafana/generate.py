@@ -2,7 +2,7 @@
 """Writes grafana/embed-dlq.json, the Grafana dashboard of embed-dlq.
 
 One panel per metric family of src/metrics.rs, grouped by stage (ingest, provider, DLQ,
-outbox/relay, streams/replay, reconcile), templated on job, table and shard; every alert of
+outbox/relay, streams/replay, reconcile), templated on job and shard; every alert of
 prometheus/alerts.yml is drawn as a threshold line on the panel of its expression. Edit this
 file and run it (python3 grafana/generate.py) rather than editing the JSON by hand; the test
 suite (tests/it/dashboard.rs) checks every expression with promtool and every metric name
@@ -10,15 +10,15 @@ against a real scrape.
 
 Gauges sampled from the shared database (DLQ, outbox, streams, reconcile) are exported by
 every serve/reconcile process alike, so they are combined with max/min, never summed.
-`table=~"$table"` and `shard=~"$shard"` also match series without that label, so the
-variables filter what carries them and leave the rest whole.
+`shard=~"$shard"` also matches series without that label, so the variable filters what
+carries it and leaves the rest whole. (No metric carries the target table: the DLQ gauges
+count every table's rows; `embed-dlq dlq stats --table T` splits them.)
 """
 
 import json
 import pathlib
 
 SEL = 'job=~"$job"'
-SEL_T = 'job=~"$job", table=~"$table"'
 SEL_S = 'job=~"$job", shard=~"$shard"'
 RATE = "$__rate_interval"
 
@@ -70,14 +70,14 @@ def stage(title, specs):
 
 stage("Ingest", [
     {"title": "Chunks stored / s", "description": "Chunks whose vector was stored, by ingest and by replay.",
-     "targets": [(f"sum(rate(embed_dlq_chunks_stored_total{{{SEL_T}}}[{RATE}]))", "stored")]},
+     "targets": [(f"sum(rate(embed_dlq_chunks_stored_total{{{SEL}}}[{RATE}]))", "stored")]},
     {"title": "Chunks skipped / s", "description": "Chunks an ingest did not embed: unchanged, already parked, or leased to a concurrent run.",
-     "targets": [(f"sum by (reason) (rate(embed_dlq_chunks_skipped_total{{{SEL_T}}}[{RATE}]))", "{{reason}}")]},
+     "targets": [(f"sum by (reason) (rate(embed_dlq_chunks_skipped_total{{{SEL}}}[{RATE}]))", "{{reason}}")]},
     {"title": "Chunks parked / s", "description": "The park rate, by error class (a retried attempt is never counted here).",
-     "targets": [(f"sum by (error_class) (rate(embed_dlq_chunks_parked_total{{{SEL_T}}}[{RATE}]))", "{{error_class}}")]},
+     "targets": [(f"sum by (error_class) (rate(embed_dlq_chunks_parked_total{{{SEL}}}[{RATE}]))", "{{error_class}}")]},
     {"title": "Parked in 5 minutes", "description": "Chunks parked over the last 5 minutes.",
      "alert": ("EmbedDlqParkSpike", 500),
-     "targets": [(f"sum(increase(embed_dlq_chunks_parked_total{{{SEL_T}}}[5m]))", "parked in 5m")]},
+     "targets": [(f"sum(increase(embed_dlq_chunks_parked_total{{{SEL}}}[5m]))", "parked in 5m")]},
     {"title": "Input lines rejected / s", "description": "Input lines without a usable identity (reported with their line numbers, stored nowhere).",
      "targets": [(f"sum(rate(embed_dlq_input_lines_rejected_total{{{SEL}}}[{RATE}]))", "rejected")]},
     {"title": "Tokens / s", "description": "Provider tokens: stored (usable vectors) and wasted (failed requests, unusable vectors, canaries, re-sent inputs).",
@@ -108,17 +108,17 @@ stage("Provider", [
 
 stage("DLQ", [
     {"title": "DLQ depth by class", "description": "DLQ rows by error class (sampled from the database by every serve process: max, not sum).",
-     "targets": [(f"max by (error_class) (embed_dlq_dlq_depth{{{SEL_T}}})", "{{error_class}}")]},
+     "targets": [(f"max by (error_class) (embed_dlq_dlq_depth{{{SEL}}})", "{{error_class}}")]},
     {"title": "Ready to replay", "description": "Transient rows due now (permanent rows never count). Red from 1: the alert fires when it stays above 0 for 15 minutes.",
      "alert": ("EmbedDlqReadyNotDraining", 1),
-     "targets": [(f"max(embed_dlq_dlq_ready{{{SEL_T}}})", "ready")]},
+     "targets": [(f"max(embed_dlq_dlq_ready{{{SEL}}})", "ready")]},
     {"title": "Backing off and exhausted", "description": "Transient rows waiting for their next pass, and rows replay gave up on (only an operator moves them).",
-     "targets": [(f"max(embed_dlq_dlq_backing_off{{{SEL_T}}})", "backing off"),
-                 (f"max(embed_dlq_dlq_exhausted{{{SEL_T}}})", "exhausted")]},
+     "targets": [(f"max(embed_dlq_dlq_backing_off{{{SEL}}})", "backing off"),
+                 (f"max(embed_dlq_dlq_exhausted{{{SEL}}})", "exhausted")]},
     {"title": "Oldest DLQ row", "description": "Age of the oldest DLQ row.", "unit": "s",
-     "targets": [(f"max(embed_dlq_dlq_oldest_age_seconds{{{SEL_T}}})", "oldest")]},
+     "targets": [(f"max(embed_dlq_dlq_oldest_age_seconds{{{SEL}}})", "oldest")]},
     {"title": "Next replay due in", "description": "Seconds until the next scheduled replay (0 if one is due).", "unit": "s",
-     "targets": [(f"min(embed_dlq_dlq_next_due_seconds{{{SEL_T}}})", "next due")]},
+     "targets": [(f"min(embed_dlq_dlq_next_due_seconds{{{SEL}}})", "next due")]},
 ])
 
 stage("Outbox and relay", [
@@ -139,7 +139,7 @@ stage("Streams and replay", [
      "targets": [(f"max by (shard) (embed_dlq_stream_pending{{{SEL_S}}})", "pending {{shard}}"),
                  (f"max by (shard) (embed_dlq_stream_lag{{{SEL_S}}})", "lag {{shard}}")]},
     {"title": "Replay outcomes / s", "description": "Replay work items: replayed (stored), reparked, exhausted, skipped.",
-     "targets": [(f"sum by (outcome) (rate(embed_dlq_replay_outcomes_total{{{SEL_T}}}[{RATE}]))", "{{outcome}}")]},
+     "targets": [(f"sum by (outcome) (rate(embed_dlq_replay_outcomes_total{{{SEL}}}[{RATE}]))", "{{outcome}}")]},
 ])
 
 stage("Reconcile", [
@@ -180,7 +180,6 @@ dashboard = {
         {"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1},
         variable("job", "job", "label_values(embed_dlq_chunks_stored_total, job)"),
-        variable("table", "table", "label_values(embed_dlq_dlq_depth, table)"),
         variable("shard", "shard", "label_values(embed_dlq_stream_length, shard)"),
     ]},
     "panels": panels,

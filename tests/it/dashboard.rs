@@ -52,7 +52,6 @@ fn interpolate(expr: &str) -> String {
         .replace("$__interval", "30s")
         .replace("$__range", "1h")
         .replace("$job", ".*")
-        .replace("$table", ".*")
         .replace("$shard", ".*")
 }
 
