@@ -82,6 +82,9 @@ async fn run() {
         .map(|i| Vector::from(embed_dlq::testkit::mock_provider::vector_for(&format!("raw {i}"), 768)))
         .collect();
 
+    // BENCH_ONLY=streams: only the relay/replay/latency part (needs REDIS_URL).
+    let only_streams = std::env::var("BENCH_ONLY").is_ok_and(|o| o == "streams");
+    let rounds = if only_streams { 0 } else { rounds };
     println!("ingest benchmark: {chunks} chunks x 768 dims, {rounds} rounds (raw and pipeline alternate)");
     let (mut raw_rates, mut pipe_rates) = (vec![], vec![]);
     for round in 0..rounds {
@@ -114,10 +117,12 @@ async fn run() {
         pipe_rates.push(pipe_rate);
     }
     let ratios: Vec<f64> = raw_rates.iter().zip(&pipe_rates).map(|(r, p)| p / r).collect();
-    let (raw_m, pipe_m, ratio_m) = (median(raw_rates), median(pipe_rates), median(ratios));
-    println!(
-        "median: raw {raw_m:.0} rows/s, pipeline {pipe_m:.0} chunks/s, ratio {ratio_m:.2} (median of the per-round ratios)"
-    );
+    if rounds > 0 {
+        let (raw_m, pipe_m, ratio_m) = (median(raw_rates), median(pipe_rates), median(ratios));
+        println!(
+            "median: raw {raw_m:.0} rows/s, pipeline {pipe_m:.0} chunks/s, ratio {ratio_m:.2} (median of the per-round ratios)"
+        );
+    }
 
     if let Ok(redis_url) = std::env::var("REDIS_URL") {
         streams_bench(&pool, &pipeline, &mock, &redis_url, env_usize("BENCH_STREAM_ROWS", 20_000)).await;
@@ -228,6 +233,108 @@ async fn memory_run(url: &str, base_url: &str, size: usize) -> (u64, f64) {
     (peak_kb, secs)
 }
 
+/// Relay rounds over the `rows` parked outbox rows (`BENCH_RELAY_ROUNDS`, default 1), each
+/// after raw pipelined `XADD` of as many entries of the same size (the baseline, 500 a
+/// pipeline): the relay as `serve` runs it (`Relay::drain`) with `BENCH_RELAY_ROWS_PER_CALL`
+/// (default: the library's) rows per script call and `BENCH_RELAY_BATCH` (default: the
+/// library's) rows per pass, and with `BENCH_RELAY_COMPARE` set first the relay of before
+/// (`Relay::run_once` pass after pass, one row per script call). Between relays the rows are marked unpublished again and published under
+/// fresh stream keys (new markers); the last relay publishes under `keys`.
+async fn relay_rounds(
+    pool: &sqlx::PgPool,
+    redis: &mut embed_dlq::streams::RedisConn,
+    keys: &embed_dlq::streams::StreamKeys,
+    raw_key: &str,
+    body: &str,
+    rows: usize,
+) {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    use embed_dlq::streams::StreamKeys;
+    let rounds = env_usize("BENCH_RELAY_ROUNDS", 1).max(1);
+    let per_call = env_usize("BENCH_RELAY_ROWS_PER_CALL", RelayConfig::default().rows_per_call);
+    let compare = std::env::var("BENCH_RELAY_COMPARE").is_ok();
+    let (mut raws, mut relays, mut singles) = (vec![], vec![], vec![]);
+    for round in 0..rounds {
+        let _: () = redis::cmd("DEL").arg(raw_key).query_async(redis).await.unwrap();
+        let start = Instant::now();
+        for chunk in (0..rows).collect::<Vec<_>>().chunks(500) {
+            let mut pipe = redis::pipe();
+            for i in chunk {
+                pipe.cmd("XADD")
+                    .arg(raw_key)
+                    .arg("*")
+                    .arg("outbox_id")
+                    .arg(*i)
+                    .arg("event")
+                    .arg("parked")
+                    .arg("body")
+                    .arg(body)
+                    .ignore();
+            }
+            let _: () = pipe.query_async(redis).await.unwrap();
+        }
+        raws.push(rows as f64 / start.elapsed().as_secs_f64());
+        let mut variants = vec![per_call];
+        if compare {
+            variants.insert(0, 1);
+        }
+        for (n, &per_call) in variants.iter().enumerate() {
+            let last = round + 1 == rounds && n + 1 == variants.len();
+            let target =
+                if last { keys.clone() } else { StreamKeys::new(&format!("{}-r{round}-{n}", keys.prefix())) };
+            sqlx::query("UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL")
+                .execute(pool)
+                .await
+                .unwrap();
+            sqlx::query("VACUUM ANALYZE dlq_outbox").execute(pool).await.unwrap();
+            let batch = if compare && n == 0 {
+                500
+            } else {
+                env_usize("BENCH_RELAY_BATCH", RelayConfig::default().batch)
+            };
+            let config = RelayConfig { rows_per_call: per_call, batch, ..RelayConfig::default() };
+            let mut relay = Relay::new(pool.clone(), redis.clone(), target.clone(), config);
+            let start = Instant::now();
+            if compare && n == 0 {
+                while relay.run_once().await.unwrap().claimed > 0 {}
+            } else {
+                while relay.drain(&CancellationToken::new()).await.unwrap().claimed > 0 {}
+            }
+            let rate = rows as f64 / start.elapsed().as_secs_f64();
+            if compare && n == 0 {
+                singles.push(rate)
+            } else {
+                relays.push(rate)
+            }
+            if !last {
+                let _: () = redis::cmd("DEL").arg(target.events()).query_async(redis).await.unwrap();
+            }
+        }
+        let raw = raws[round];
+        let single = if compare {
+            format!("   one row a call {:>8.0} ({:.2})", singles[round], singles[round] / raw)
+        } else {
+            String::new()
+        };
+        println!(
+            "relay round {round}: {:>8.0} outbox rows/s ({per_call} rows a call)   raw pipelined XADD {raw:>8.0} entries/s   ratio {:.2}{single}",
+            relays[round],
+            relays[round] / raw
+        );
+    }
+    let ratio = median(relays.iter().zip(&raws).map(|(r, x)| r / x).collect());
+    let single = if compare {
+        format!(", one row a call {:.2}", median(singles.iter().zip(&raws).map(|(r, x)| r / x).collect()))
+    } else {
+        String::new()
+    };
+    println!(
+        "relay: {:>8.0} outbox rows/s   raw pipelined XADD {:>8.0} entries/s   ratio {ratio:.2}{single} (medians of {rounds} rounds)",
+        median(relays),
+        median(raws)
+    );
+}
+
 /// Relay and replay rates, and park-to-stream latency.
 async fn streams_bench(
     pool: &sqlx::PgPool,
@@ -265,41 +372,12 @@ async fn streams_bench(
     parking.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
     mock.control.set_outage(false);
 
-    // Baseline: the same number of entries with bodies of the same size, XADD pipelined 500 at a time.
+    // Relay rounds against raw XADD; the last round leaves every row published under `keys`.
     let body: String =
         sqlx::query_scalar("SELECT body::text FROM dlq_outbox LIMIT 1").fetch_one(pool).await.unwrap();
     let raw_key = format!("{{bench-{}}}:raw", std::process::id());
-    let start = Instant::now();
-    for chunk in (0..rows).collect::<Vec<_>>().chunks(500) {
-        let mut pipe = redis::pipe();
-        for i in chunk {
-            pipe.cmd("XADD")
-                .arg(&raw_key)
-                .arg("*")
-                .arg("outbox_id")
-                .arg(*i)
-                .arg("event")
-                .arg("parked")
-                .arg("body")
-                .arg(&body)
-                .ignore();
-        }
-        let _: () = pipe.query_async(&mut redis).await.unwrap();
-    }
-    let raw_rate = rows as f64 / start.elapsed().as_secs_f64();
-
+    relay_rounds(pool, &mut redis, &keys, &raw_key, &body, rows).await;
     let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
-    let start = Instant::now();
-    loop {
-        if relay.run_once().await.unwrap().claimed == 0 {
-            break;
-        }
-    }
-    let relay_rate = rows as f64 / start.elapsed().as_secs_f64();
-    println!(
-        "relay: {relay_rate:>8.0} outbox rows/s   raw pipelined XADD {raw_rate:>8.0} entries/s   ratio {:.2}",
-        relay_rate / raw_rate
-    );
 
     // Replay: schedule everything, relay the work, drain with two replayers.
     sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(pool).await.unwrap();

@@ -2,11 +2,16 @@
 //! without a visible duplicate.
 //!
 //! One pass ([`Relay::run_once`]): in a transaction, claim the oldest unpublished rows with
-//! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), run
-//! `redis/publish.lua` for each in one pipeline per stream shard (the script appends to the
-//! row's shard stream only if the row's dedup marker, in the same slot, is absent), then mark
-//! the rows published, record the entry id each one became, and commit. A crash after the XADDs and before the commit leaves the rows
-//! unpublished; the next pass re-runs the script, which finds the markers and adds nothing.
+//! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), group
+//! them by stream shard and publish each shard's rows in outbox order with one pipeline of
+//! `redis/publish.lua` calls, each call carrying up to [`RelayConfig::rows_per_call`] rows (the
+//! script appends a row to its shard's stream only if the row's dedup marker, in the same
+//! slot, is absent, and returns every row's entry id in order), then mark the rows published,
+//! record the entry id each one became, and commit. A crash after the XADDs and before the
+//! commit leaves the rows unpublished; the next pass re-runs the script, which finds the
+//! markers and adds nothing. The loop ([`Relay::run`]) publishes a backlog with
+//! [`Relay::drain`], which overlaps consecutive passes (publish N while marking N-1 and
+//! claiming N+1) and keeps each shard's stream in outbox order.
 //! The loop wakes on `LISTEN embed_dlq_outbox` (sent at commit by a trigger, only by
 //! statements that inserted outbox rows) and polls as a fallback.
 //!
@@ -48,7 +53,20 @@ pub struct RelayConfig {
     pub events_maxlen: usize,
     /// Published outbox rows are deleted after this long.
     pub retention: Duration,
+    /// Rows one call of the publish script carries (clamped to `1..=`[`MAX_ROWS_PER_CALL`]).
+    /// More rows per call means fewer round trips and script dispatches per row, but Redis
+    /// runs nothing else while a script runs, so one call must stay short.
+    pub rows_per_call: usize,
 }
+
+/// Most rows one call of `redis/publish.lua` may carry ([`RelayConfig::rows_per_call`]).
+/// The script costs the server 22-31 µs a row of ordinary envelopes (a few hundred bytes) on a
+/// loaded 2-core machine (BENCHMARKS.md), so a call of this many rows blocks it for up to
+/// about 15 ms there, and the default of 100 for a few milliseconds.
+pub const MAX_ROWS_PER_CALL: usize = 500;
+
+/// Default [`RelayConfig::rows_per_call`].
+pub const DEFAULT_ROWS_PER_CALL: usize = 100;
 
 impl Default for RelayConfig {
     fn default() -> Self {
@@ -58,11 +76,12 @@ impl Default for RelayConfig {
             marker_ttl: Duration::from_secs(7 * 24 * 3600),
             events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
             retention: Duration::from_secs(24 * 3600),
+            rows_per_call: DEFAULT_ROWS_PER_CALL,
         }
     }
 }
 
-/// What one pass did.
+/// What one pass (or several, [`Relay::drain`]) did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayCounts {
     /// Outbox rows taken in this pass (`published` + `duplicates`).
@@ -71,6 +90,14 @@ pub struct RelayCounts {
     pub published: u64,
     /// Rows whose entry already existed (a previous pass crashed before marking them).
     pub duplicates: u64,
+}
+
+impl std::ops::AddAssign for RelayCounts {
+    fn add_assign(&mut self, other: RelayCounts) {
+        self.claimed += other.claimed;
+        self.published += other.published;
+        self.duplicates += other.duplicates;
+    }
 }
 
 /// Why a pass failed. [`RelayError::is_transient`] tells the loop whether to back off and
@@ -181,58 +208,124 @@ impl Relay {
 
     /// Publishes one batch of unpublished outbox rows: one pipeline per stream shard (a
     /// pipeline stays in one slot of a Redis Cluster), the shards' pipelines at once, each
-    /// in outbox order.
+    /// in outbox order and made of calls of `redis/publish.lua` that publish up to
+    /// [`RelayConfig::rows_per_call`] rows each; then marks the rows published and commits.
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
         let Some(claim) = outbox::claim(&self.pool, self.config.batch).await? else {
             return Ok(RelayCounts::default());
         };
+        let replies = self.publish(&claim.rows).await?;
+        failpoint::hit!("relay_after_publish");
+        mark(claim, replies).await
+    }
+
+    /// Publishes batches back to back, as [`Relay::run_once`] does, until one is not full
+    /// (nothing more is waiting) or `cancel` fires, and returns what they did together.
+    ///
+    /// The steps of consecutive batches overlap: while batch N is published, batch N-1 is
+    /// marked (its own transaction) and batch N+1 is claimed (`SKIP LOCKED` skips the rows
+    /// still held, so the batches are disjoint and in outbox order), so a pass costs about
+    /// its slowest step instead of the sum of the three. Publishing stays strictly
+    /// sequential: a batch is published only after the one before it was, and when a
+    /// publish fails, every later claim is released unpublished (its transaction rolls
+    /// back), so a retry publishes the failed rows before the later ones and each shard's
+    /// stream keeps outbox order. A mark that fails after its batch was published leaves
+    /// the rows unpublished: the next pass finds their markers and adds nothing (the same
+    /// case as a crash between the publish and the commit).
+    pub async fn drain(&mut self, cancel: &CancellationToken) -> Result<RelayCounts, RelayError> {
+        type Marking =
+            std::pin::Pin<Box<dyn std::future::Future<Output = Result<RelayCounts, RelayError>> + Send>>;
+        let batch = self.config.batch;
+        let mut total = RelayCounts::default();
+        let mut claim = outbox::claim(&self.pool, batch).await?;
+        let mut marking: Option<Marking> = None;
+        while let Some(current) = claim.take() {
+            let more = current.rows.len() >= batch && !cancel.is_cancelled();
+            let previous = async {
+                match marking.take() {
+                    Some(m) => m.await,
+                    None => Ok(RelayCounts::default()),
+                }
+            };
+            let next = async {
+                match more {
+                    true => outbox::claim(&self.pool, batch).await,
+                    false => Ok(None),
+                }
+            };
+            let (published, previous, next) = tokio::join!(self.publish(&current.rows), previous, next);
+            // A failed publish drops `next` unpublished (see above) before anything else.
+            let replies = published?;
+            total += previous?;
+            claim = next?;
+            failpoint::hit!("relay_after_publish");
+            marking = Some(Box::pin(mark(current, replies)));
+        }
+        if let Some(m) = marking {
+            total += m.await?;
+        }
+        Ok(total)
+    }
+
+    /// Publishes `rows` (one claim, in outbox order) and returns each row's (entry id,
+    /// added) in the same order.
+    async fn publish(&self, rows: &[outbox::OutboxRow]) -> Result<Vec<(String, i64)>, RelayError> {
         // Rows by shard, in outbox order within each.
         let mut by_shard: std::collections::BTreeMap<u16, Vec<usize>> = Default::default();
-        for (n, r) in claim.rows.iter().enumerate() {
+        for (n, r) in rows.iter().enumerate() {
             by_shard.entry(r.identity.shard(&self.keys)).or_default().push(n);
         }
-        let publishes = by_shard.iter().map(|(&shard, rows)| {
-            let pipe = self.pipeline(shard, rows.iter().map(|&n| &claim.rows[n]));
+        let publishes = by_shard.iter().map(|(&shard, of_shard)| {
+            let of_shard: Vec<&outbox::OutboxRow> = of_shard.iter().map(|&n| &rows[n]).collect();
+            let pipe = self.pipeline(shard, &of_shard);
             let mut conn = self.redis.clone();
-            async move { pipe.query_async::<Vec<(String, i64)>>(&mut conn).await }
+            async move { pipe.query_async::<Vec<Vec<(String, i64)>>>(&mut conn).await }
         });
         let per_shard = futures::future::try_join_all(publishes).await?;
-        let mut replies: Vec<(String, i64)> = vec![(String::new(), 0); claim.rows.len()];
-        for (rows, shard_replies) in by_shard.values().zip(per_shard) {
-            for (&n, reply) in rows.iter().zip(shard_replies) {
+        let mut replies: Vec<(String, i64)> = vec![(String::new(), 0); rows.len()];
+        for (of_shard, calls) in by_shard.values().zip(per_shard) {
+            let shard_replies: Vec<(String, i64)> = calls.into_iter().flatten().collect();
+            if shard_replies.len() != of_shard.len() {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "publish.lua returned another number of entries than rows it was given",
+                    format!("{} entries for {} rows", shard_replies.len(), of_shard.len()),
+                ))
+                .into());
+            }
+            for (&n, reply) in of_shard.iter().zip(shard_replies) {
                 replies[n] = reply;
             }
         }
-        let ids: Vec<i64> = claim.rows.iter().map(|r| r.id).collect();
-        failpoint::hit!("relay_after_publish");
-        let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
-        claim.mark_published(&ids, &entry_ids).await?;
-        let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
-        metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
-        metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
-        Ok(RelayCounts { claimed: ids.len() as u64, published, duplicates: ids.len() as u64 - published })
+        Ok(replies)
     }
 
-    /// The publish script for each of `rows` (all of shard `shard`), in one pipeline.
-    fn pipeline<'r>(&self, shard: u16, rows: impl Iterator<Item = &'r outbox::OutboxRow>) -> redis::Pipeline {
+    /// The pipeline publishing `rows` (all of shard `shard`, in outbox order): the script
+    /// (loaded first, so a server that lost its script cache runs it), then one call per
+    /// [`RelayConfig::rows_per_call`] rows.
+    fn pipeline(&self, shard: u16, rows: &[&outbox::OutboxRow]) -> redis::Pipeline {
         let mut pipe = redis::pipe();
         pipe.load_script(&self.script).ignore();
         let ttl = self.config.marker_ttl.as_secs().max(1);
-        for r in rows {
-            let maxlen = if r.stream == "events" { self.config.events_maxlen } else { 0 };
-            let mut invocation = self.script.key(self.keys.outbox_marker(shard, &r.event_id));
-            invocation
-                .key(self.keys.for_outbox_stream(&r.stream, shard))
-                .arg(ttl)
-                .arg(maxlen)
-                .arg("outbox_id")
-                .arg(r.id)
-                .arg("event_id")
-                .arg(&r.event_id)
-                .arg("event")
-                .arg(&r.event)
-                .arg("body")
-                .arg(&r.body);
+        for call in rows.chunks(self.config.rows_per_call.clamp(1, MAX_ROWS_PER_CALL)) {
+            let mut invocation = self.script.prepare_invoke();
+            invocation.arg(ttl);
+            for r in call {
+                let maxlen = if r.stream == "events" { self.config.events_maxlen } else { 0 };
+                invocation
+                    .key(self.keys.outbox_marker(shard, &r.event_id))
+                    .key(self.keys.for_outbox_stream(&r.stream, shard))
+                    .arg(maxlen)
+                    .arg(8)
+                    .arg("outbox_id")
+                    .arg(r.id)
+                    .arg("event_id")
+                    .arg(&r.event_id)
+                    .arg("event")
+                    .arg(&r.event)
+                    .arg("body")
+                    .arg(&r.body);
+            }
             pipe.invoke_script(&invocation);
         }
         pipe
@@ -273,14 +366,11 @@ impl Relay {
                     Err(e) => tracing::warn!(error = %e, "relay: cannot open a LISTEN connection; polling"),
                 }
             }
-            match self.run_once().await {
+            match self.drain(&cancel).await {
                 Ok(c) => {
                     backoff = Duration::from_millis(100);
                     if c.claimed > 0 {
-                        tracing::debug!(published = c.published, duplicates = c.duplicates, "relay pass");
-                        if c.claimed as usize >= self.config.batch {
-                            continue;
-                        }
+                        tracing::debug!(published = c.published, duplicates = c.duplicates, "relay passes");
                     }
                 }
                 Err(e) if !e.is_transient() => return Err(e),
@@ -321,6 +411,18 @@ impl Relay {
         }
         Ok(())
     }
+}
+
+/// Marks the rows of `claim` published with the entry ids of `replies` (same order), commits,
+/// and counts them.
+async fn mark(claim: outbox::Claim, replies: Vec<(String, i64)>) -> Result<RelayCounts, RelayError> {
+    let ids: Vec<i64> = claim.rows.iter().map(|r| r.id).collect();
+    let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
+    claim.mark_published(&ids, &entry_ids).await?;
+    let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
+    metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
+    metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
+    Ok(RelayCounts { claimed: ids.len() as u64, published, duplicates: ids.len() as u64 - published })
 }
 
 /// Sleeps, or returns early on cancellation.

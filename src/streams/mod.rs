@@ -47,7 +47,8 @@ pub const DEFAULT_PREFIX: &str = "embed-dlq";
 /// to, and what the reconciler treats as "trimmed by policy" rather than lost.
 pub const DEFAULT_EVENTS_MAXLEN: usize = 1_000_000;
 
-/// The dedup-and-append script (`redis/publish.lua`).
+/// The dedup-and-append script (`redis/publish.lua`): publishes a batch of outbox rows of one
+/// shard, each at most once, and returns every row's entry id in order.
 pub(crate) fn publish_script() -> Script {
     Script::new(include_str!("../../redis/publish.lua"))
 }

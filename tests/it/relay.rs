@@ -76,6 +76,139 @@ async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
 }
 }
 
+on_single_and_cluster! {
+async fn one_script_call_adds_only_the_unpublished_rows_and_returns_every_id_in_order() {
+    // The contract of redis/publish.lua itself: KEYS marker, stream pairs; ARGV ttl, then per
+    // row maxlen, n, n field/value arguments; one {entry_id, added} pair per row, in order.
+    let keys = fresh_keys();
+    let script = redis::Script::new(include_str!("../../redis/publish.lua"));
+    let mut r = redis().await;
+    let tag = format!("{{{}}}", keys.prefix());
+    let call = |events: &[&str]| {
+        let mut inv = script.prepare_invoke();
+        inv.arg(3600);
+        for e in events {
+            inv.key(format!("{tag}:outbox:{e}")).key(keys.events()).arg(0).arg(4).arg("event_id").arg(*e).arg("n").arg(1);
+        }
+        inv
+    };
+    let first: Vec<(String, i64)> = call(&["e2", "e4"]).invoke_async(&mut r).await.unwrap();
+    assert_eq!(first.iter().map(|(_, added)| *added).collect::<Vec<_>>(), [1, 1]);
+    let second: Vec<(String, i64)> = call(&["e1", "e2", "e3", "e4", "e5"]).invoke_async(&mut r).await.unwrap();
+    assert_eq!(second.iter().map(|(_, added)| *added).collect::<Vec<_>>(), [1, 0, 1, 0, 1], "{second:?}");
+    assert_eq!((&second[1].0, &second[3].0), (&first[0].0, &first[1].0), "the original ids come back");
+    let new: Vec<(u64, u64)> =
+        [0, 2, 4].iter().map(|&i| embed_dlq::streams::parse_entry_id(&second[i].0)).collect();
+    assert!(new.windows(2).all(|w| w[0] < w[1]), "the new entries keep the rows' order: {second:?}");
+    let entries = events_on_stream(&keys).await;
+    let on_stream: Vec<String> =
+        entries.iter().map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap()).collect();
+    assert_eq!(on_stream, ["e2", "e4", "e1", "e3", "e5"], "each event once, nothing added for a marker");
+    let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, [&first[0].0, &first[1].0, &second[0].0, &second[2].0, &second[4].0]);
+    let _: () = r.del(keys.events()).await.unwrap();
+}
+}
+
+on_single_and_cluster! {
+async fn a_pass_mixing_published_and_new_rows_adds_only_the_new_ones_in_outbox_order() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "mixed", 6).await;
+    assert_eq!(relay_all(&db, &keys).await, 6);
+    let recorded = || async {
+        sqlx::query_as::<_, (i64, String, String)>(
+            "SELECT id, event_id::text, entry_id FROM dlq_outbox ORDER BY id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = recorded().await;
+    // A lost commit: rows 2, 4, 5 and 6 look unpublished again, and four new rows follow.
+    let ids: Vec<i64> = before.iter().map(|(id, _, _)| *id).collect();
+    sqlx::query("UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL WHERE id = ANY($1)")
+        .bind([ids[1], ids[3], ids[4], ids[5]])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    park(&db, "mixed-new", 4).await;
+    let config = RelayConfig { rows_per_call: 3, ..RelayConfig::default() };
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config);
+    let c = relay.run_once().await.unwrap();
+    assert_eq!((c.claimed, c.published, c.duplicates), (8, 4, 4), "{c:?}");
+    let after = recorded().await;
+    assert_eq!(&after[..6], &before[..], "the republished rows recorded their original entries");
+    let entries = events_on_stream(&keys).await;
+    assert_eq!(entries.len(), 10, "each event on the stream once");
+    let stream: Vec<(String, String)> = entries
+        .iter()
+        .map(|e| (embed_dlq::streams::field(&e.map, "event_id").unwrap(), e.id.clone()))
+        .collect();
+    let outbox: Vec<(String, String)> = after.into_iter().map(|(_, event, entry)| (event, entry)).collect();
+    assert_eq!(stream, outbox, "the stream holds the rows in outbox order, under the ids they recorded");
+}
+}
+
+on_single_and_cluster! {
+async fn drain_overlaps_batches_and_keeps_every_row_once_in_outbox_order() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "drain", 25).await;
+    let config = RelayConfig { batch: 4, rows_per_call: 3, ..RelayConfig::default() };
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config);
+    let c = relay.drain(&CancellationToken::new()).await.unwrap();
+    assert_eq!((c.claimed, c.published, c.duplicates), (25, 25, 0), "{c:?}");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 0);
+    let outbox: Vec<(String, String)> =
+        sqlx::query_as("SELECT event_id::text, entry_id FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    let stream: Vec<(String, String)> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| (embed_dlq::streams::field(&e.map, "event_id").unwrap(), e.id.clone()))
+        .collect();
+    assert_eq!(stream, outbox, "each row once, in outbox order, under the entry id it recorded");
+}
+}
+
+on_single_and_cluster! {
+async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "stuck", 12).await;
+    // The events stream is not a stream: every publish fails (WRONGTYPE).
+    let mut r = redis().await;
+    let _: () = r.set(keys.events(), "not a stream").await.unwrap();
+    let config = RelayConfig { batch: 4, ..RelayConfig::default() };
+    let mut relay = Relay::new(db.pool.clone(), r.clone(), keys.clone(), config.clone());
+    let err = relay.drain(&CancellationToken::new()).await.expect_err("WRONGTYPE");
+    assert!(!err.is_transient(), "{err}");
+    drop(relay);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 12);
+    // Every claim was released (dropped transactions roll back when their connection goes
+    // back to the pool); a hang guard, not a timing assertion.
+    let free = "SELECT count(*) FROM (SELECT 1 FROM dlq_outbox FOR UPDATE SKIP LOCKED) t";
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while db.count(free).await < 12 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a claim stayed locked after the drain failed");
+    let _: () = r.del(keys.events()).await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), r, keys.clone(), config);
+    assert_eq!(relay.drain(&CancellationToken::new()).await.unwrap().published, 12);
+    let outbox: Vec<String> =
+        sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    let stream: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect();
+    assert_eq!(stream, outbox, "outbox order after the retry");
+}
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
     let db = TestDb::new().await;
