@@ -275,22 +275,48 @@ impl Replayer {
         if own.is_empty() { self.keys.shard_ids().collect() } else { own }
     }
 
-    /// Reads and processes one batch of new entries: from the first of its shards that has
-    /// some, each read blocking for its share of `block`.
+    /// Reads and processes one batch of new entries ([`Replayer::read_next`], starting at its
+    /// first shard).
     pub async fn read_once(
         &mut self,
         conn: &mut crate::streams::RedisConn,
         cancel: &CancellationToken,
     ) -> Result<ReplayCounts, ReplayError> {
         let shards = self.shards();
-        let block = self.block_per_read(shards.len());
-        for shard in shards {
-            let entries = self.read_shard(conn, shard, block).await?;
-            if !entries.is_empty() {
-                return self.process(entries, cancel).await;
+        let entries = self.read_next(conn, &shards, &mut 0).await?;
+        if entries.is_empty() {
+            return Ok(ReplayCounts::default());
+        }
+        self.process(entries, cancel).await
+    }
+
+    /// The next batch of new entries of its `shards`, starting at `shards[*next]`. With one
+    /// shard: one read blocking up to `block`. With several: first one read of each that
+    /// does not block, and the first with entries wins; only when every shard is empty does
+    /// it block, on `shards[*next]`, for its share of `block`. (Blocking on each shard in
+    /// turn stalled a replayer whose shards were partly empty: it waited out every empty
+    /// shard's share before reaching the busy one.) `*next` moves past the shard read, so
+    /// busy shards take turns.
+    async fn read_next(
+        &self,
+        conn: &mut crate::streams::RedisConn,
+        shards: &[u16],
+        next: &mut usize,
+    ) -> Result<Vec<Entry>, redis::RedisError> {
+        let n = shards.len().max(1);
+        if shards.len() > 1 {
+            for k in 0..n {
+                let i = (*next + k) % n;
+                let entries = self.read_shard(conn, shards[i], None).await?;
+                if !entries.is_empty() {
+                    *next = (i + 1) % n;
+                    return Ok(entries);
+                }
             }
         }
-        Ok(ReplayCounts::default())
+        let shard = shards.get(*next % n).copied().unwrap_or(0);
+        *next = (*next + 1) % n;
+        self.read_shard(conn, shard, Some(self.block_per_read(n))).await
     }
 
     /// Takes over entries idle longer than `min_idle` on each of its shards and processes
@@ -642,9 +668,8 @@ impl Replayer {
         let mut conn = None;
         let mut backoff = Duration::from_millis(100);
         let mut last_reclaim = Instant::now() - Duration::from_secs(3600);
-        // Its shards, read one per XREADGROUP in turn.
+        // Its shards, one per XREADGROUP ([`Replayer::read_next`]).
         let shards = self.shards();
-        let block = self.block_per_read(shards.len());
         let mut next = 0;
         if let Err(e) = self.ensure_groups().await {
             if !crate::relay::is_transient_redis(&e) {
@@ -667,13 +692,12 @@ impl Replayer {
                     conn = Some(crate::streams::blocking(&self.client, self.config.block).await?);
                 }
                 let c = conn.as_mut().expect("just set");
-                let shard = shards[next % shards.len()];
-                next = (next + 1) % shards.len();
                 let read = tokio::select! {
                     _ = stop.cancelled() => return Ok(ReplayCounts::default()),
-                    r = self.read_shard(c, shard, block) => r,
+                    r = self.read_next(c, &shards, &mut next) => r,
                 };
                 match read {
+                    Ok(entries) if entries.is_empty() => Ok(ReplayCounts::default()),
                     Ok(entries) => self.process(entries, &hard).await,
                     Err(e) => {
                         if e.code() == Some("NOGROUP") {
@@ -718,26 +742,20 @@ impl Replayer {
         (self.config.block / shards.max(1) as u32).max(Duration::from_millis(10))
     }
 
-    /// New entries of one shard (blocking up to `block`).
+    /// New entries of one shard (blocking up to `block`; `None`: not at all).
     async fn read_shard(
         &self,
         conn: &mut crate::streams::RedisConn,
         shard: u16,
-        block: Duration,
+        block: Option<Duration>,
     ) -> Result<Vec<Entry>, redis::RedisError> {
-        let reply: StreamReadReply = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg(REPLAY_GROUP)
-            .arg(&self.name)
-            .arg("COUNT")
-            .arg(self.config.batch)
-            .arg("BLOCK")
-            .arg(block.as_millis() as u64)
-            .arg("STREAMS")
-            .arg(self.keys.replay_of(shard))
-            .arg(">")
-            .query_async(conn)
-            .await?;
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP").arg(REPLAY_GROUP).arg(&self.name).arg("COUNT").arg(self.config.batch);
+        if let Some(block) = block {
+            cmd.arg("BLOCK").arg(block.as_millis() as u64);
+        }
+        let reply: StreamReadReply =
+            cmd.arg("STREAMS").arg(self.keys.replay_of(shard)).arg(">").query_async(conn).await?;
         Ok(reply
             .keys
             .into_iter()

@@ -280,3 +280,45 @@ async fn another_shard_count_is_refused_with_a_clear_message() {
     embed_dlq::streams::check_shards(&mut conn, &legacy).await.unwrap();
 }
 }
+
+on_single_and_cluster! {
+/// A replayer that reads several shards does not wait on an empty one while another has work
+/// (the capacity check found 4 shards over 2 replayers draining at less than half the rate:
+/// each read blocked for its share of the block time on an empty shard first). Shard 0 is
+/// emptied, shard 1 holds work; with a block time of a minute, a read that blocked on shard 0
+/// first would take 30 s: it must come back with shard 1's work long before.
+async fn a_replayer_with_several_shards_takes_work_without_waiting_on_an_empty_one() {
+    let db = TestDb::new().await;
+    park_due(&db, 40, "stall").await;
+    let healthy = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &healthy)).await;
+    let keys = sharded_keys(2);
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let config = ReplayConfig { batch: 64, block: Duration::from_secs(60), ..ReplayConfig::default() };
+    embed_dlq::replay::Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    relay_all(&db, &keys).await;
+    let (on_0, on_1) = (xlen(&keys.replay_of(0)).await, xlen(&keys.replay_of(1)).await);
+    assert!(on_0 > 0 && on_1 > 0, "40 chunks spread over both shards: {on_0} and {on_1}");
+    let _: u64 = redis::cmd("XTRIM").arg(keys.replay_of(0)).arg("MAXLEN").arg(0).query_async(&mut redis).await.unwrap();
+    let mut replayer = embed_dlq::replay::Replayer {
+        name: "stall-0".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: redis_client(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig { shards: vec![0, 1], ..config },
+        paused_until: None,
+    };
+    let mut conn = embed_dlq::streams::blocking(&redis_client(), Duration::from_secs(70)).await.unwrap();
+    let counts = tokio::time::timeout(
+        Duration::from_secs(20),
+        replayer.read_once(&mut conn, &CancellationToken::new()),
+    )
+    .await
+    .expect("the read did not wait out an empty shard's block time")
+    .unwrap();
+    assert_eq!(counts.replayed, on_1, "{counts:?}");
+}
+}
