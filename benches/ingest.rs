@@ -344,7 +344,6 @@ async fn streams_bench(
     rows: usize,
 ) {
     use embed_dlq::relay::{Relay, RelayConfig};
-    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
     use embed_dlq::streams::{self, StreamKeys};
 
     sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
@@ -379,44 +378,8 @@ async fn streams_bench(
     relay_rounds(pool, &mut redis, &keys, &raw_key, &body, rows).await;
     let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
 
-    // Replay: schedule everything, relay the work, drain with two replayers.
-    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(pool).await.unwrap();
-    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
-    let config = ReplayConfig { batch: 64, block: Duration::from_millis(100), ..Default::default() };
-    let start = Instant::now();
-    Scheduler { store: pipeline.store.clone(), config: config.clone() }.run_once().await.unwrap();
-    while relay.run_once().await.unwrap().claimed > 0 {}
-    let mut tasks = Vec::new();
-    for n in 0..2 {
-        let mut rep = Replayer {
-            name: format!("bench-{n}"),
-            store: pipeline.store.clone(),
-            embedder: pipeline.embedder.clone(),
-            client: client.clone(),
-            redis: redis.clone(),
-            keys: keys.clone(),
-            config: config.clone(),
-            paused_until: None,
-        };
-        let client = client.clone();
-        let pool = pool.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut conn = streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-            loop {
-                let left: i64 =
-                    sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(&pool).await.unwrap();
-                if left == 0 {
-                    return;
-                }
-                rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let replay_rate = rows as f64 / start.elapsed().as_secs_f64();
-    println!("replay: {replay_rate:>8.0} items/s (schedule + relay + 2 replayers, re-embed, commit, XACK)");
+    // Replay against the ingest pipeline, side by side, `BENCH_REPLAY_ROUNDS` rounds.
+    replay_bench(pool, pipeline, &parking, mock, &client, &mut redis, &keys, rows).await;
 
     // Park-to-stream latency: a relay loop woken by NOTIFY; one park at a time.
     let cancel = CancellationToken::new();
@@ -459,4 +422,165 @@ async fn streams_bench(
         .query_async(&mut redis)
         .await
         .unwrap();
+}
+
+/// Replay rate against the ingest pipeline's, measured side by side: each round ingests
+/// `rows` chunks through the pipeline (the baseline), then parks `rows` chunks during an
+/// outage and times their replay: schedule + relay of the work items + two replayers
+/// draining them (load rows, re-embed via the mock, fenced commit, `XACK`). Sequential by
+/// default (the phases are timed apart); `BENCH_REPLAY_OVERLAP=1` starts the replayers
+/// first, as `serve` runs them beside the scheduler and the relay. The ratio recorded in
+/// BENCHMARKS.md is the median of the per-round ratios.
+///
+/// Knobs: `BENCH_REPLAY_ROUNDS` (default 3), `BENCH_REPLAY_BATCH` (entries per read and
+/// commit; default `ReplayConfig`'s), `BENCH_REPLAY_IN_FLIGHT` (provider requests of a batch in
+/// flight; default the pipeline's `concurrency`), `BENCH_REPLAY_OVERLAP`.
+#[allow(clippy::too_many_arguments)]
+async fn replay_bench(
+    pool: &sqlx::PgPool,
+    pipeline: &embed_dlq::ingest::Pipeline,
+    parking: &embed_dlq::ingest::Pipeline,
+    mock: &MockProvider,
+    client: &embed_dlq::streams::RedisClient,
+    redis: &mut embed_dlq::streams::RedisConn,
+    keys: &embed_dlq::streams::StreamKeys,
+    rows: usize,
+) {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let rounds = env_usize("BENCH_REPLAY_ROUNDS", 3).max(1);
+    let overlap = std::env::var("BENCH_REPLAY_OVERLAP").is_ok_and(|v| v == "1");
+    let defaults = ReplayConfig::default();
+    let config = ReplayConfig {
+        batch: env_usize("BENCH_REPLAY_BATCH", defaults.batch),
+        request_inputs: pipeline.options.batch_max_inputs,
+        request_chars: pipeline.options.batch_max_chars,
+        requests_in_flight: env_usize("BENCH_REPLAY_IN_FLIGHT", pipeline.options.concurrency),
+        block: Duration::from_millis(100),
+        ..defaults
+    };
+    embed_dlq::replay::ensure_group(redis, keys).await.unwrap();
+    let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    let (mut ingest_rates, mut replay_rates, mut ratios) = (vec![], vec![], vec![]);
+    for round in 0..rounds {
+        // Baseline: the ingest pipeline over `rows` fresh chunks.
+        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox; CHECKPOINT")
+            .execute(pool)
+            .await
+            .unwrap();
+        let mut corpus = Vec::new();
+        let spec = CorpusSpec { doc_prefix: format!("ib{round}"), chunks: rows, ..CorpusSpec::default() };
+        write_corpus(&mut corpus, &spec, 100_000).unwrap();
+        let start = Instant::now();
+        let summary = pipeline.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
+        let ingest_rate = rows as f64 / start.elapsed().as_secs_f64();
+        assert_eq!(summary.stored as usize, rows, "{summary:?}");
+
+        // `rows` parked chunks, their `parked` events relayed, all due now.
+        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
+            .execute(pool)
+            .await
+            .unwrap();
+        let mut corpus = Vec::new();
+        let spec = CorpusSpec { doc_prefix: format!("rp{round}"), chunks: rows, ..CorpusSpec::default() };
+        write_corpus(&mut corpus, &spec, 100_000).unwrap();
+        mock.control.set_outage(true);
+        parking.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
+        mock.control.set_outage(false);
+        while relay.run_once().await.unwrap().claimed > 0 {}
+        sqlx::raw_sql("UPDATE embedding_dlq SET next_retry_at = now(); CHECKPOINT")
+            .execute(pool)
+            .await
+            .unwrap();
+
+        // The replay: replayers run until every row is settled.
+        let settled = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(tokio::sync::Notify::new());
+        let spawn_replayers = || {
+            (0..2)
+                .map(|n| {
+                    let mut rep = Replayer {
+                        name: format!("bench-{round}-{n}"),
+                        store: pipeline.store.clone(),
+                        embedder: pipeline.embedder.clone(),
+                        client: client.clone(),
+                        redis: redis.clone(),
+                        keys: keys.clone(),
+                        config: config.clone(),
+                        paused_until: None,
+                    };
+                    let (client, settled, done) = (client.clone(), settled.clone(), done.clone());
+                    tokio::spawn(async move {
+                        let mut conn =
+                            embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+                        loop {
+                            let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+                            let n = c.replayed + c.reparked + c.exhausted + c.skipped + c.postponed;
+                            if settled.fetch_add(n, Ordering::Relaxed) + n >= rows as u64 {
+                                done.notify_one();
+                            }
+                        }
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let scheduler = Scheduler { store: pipeline.store.clone(), config: config.clone() };
+        let for_all = |settled: &AtomicU64| settled.load(Ordering::Relaxed) >= rows as u64;
+        let start = Instant::now();
+        let (tasks, phases) = if overlap {
+            let tasks = spawn_replayers();
+            scheduler.run_once().await.unwrap();
+            while relay.run_once().await.unwrap().claimed > 0 {}
+            (tasks, String::new())
+        } else {
+            scheduler.run_once().await.unwrap();
+            let scheduled = start.elapsed();
+            while relay.run_once().await.unwrap().claimed > 0 {}
+            let relayed = start.elapsed();
+            let tasks = spawn_replayers();
+            (
+                tasks,
+                format!(
+                    "schedule {:.2}s, relay {:.2}s, drain ",
+                    scheduled.as_secs_f64(),
+                    (relayed - scheduled).as_secs_f64()
+                ),
+            )
+        };
+        let before_drain = start.elapsed();
+        while !for_all(&settled) {
+            done.notified().await;
+        }
+        let elapsed = start.elapsed();
+        for t in &tasks {
+            t.abort();
+        }
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(pool).await.unwrap();
+        assert_eq!(left, 0, "every parked row replayed");
+        let replay_rate = rows as f64 / elapsed.as_secs_f64();
+        let phases = if overlap {
+            format!("overlapped, {:.2}s", elapsed.as_secs_f64())
+        } else {
+            format!("{phases}{:.2}s", (elapsed - before_drain).as_secs_f64())
+        };
+        println!(
+            "replay round {round}: ingest pipeline {ingest_rate:>8.0} chunks/s   replay {replay_rate:>8.0} items/s ({phases})   ratio {:.2}",
+            replay_rate / ingest_rate
+        );
+        ingest_rates.push(ingest_rate);
+        replay_rates.push(replay_rate);
+        ratios.push(replay_rate / ingest_rate);
+    }
+    println!(
+        "replay median: {:.0} items/s (schedule + relay + 2 replayers, batch {}{}), ingest pipeline {:.0} chunks/s, ratio {:.2} (median of the per-round ratios)",
+        median(replay_rates),
+        config.batch,
+        if overlap { ", overlapped" } else { "" },
+        median(ingest_rates),
+        median(ratios)
+    );
 }

@@ -190,7 +190,8 @@ pub struct ServeArgs {
     /// Replayer tasks in this process (0 runs only the relay and the scheduler), 0..=64.
     #[arg(long)]
     pub replayers: Option<usize>,
-    /// Entries per replay batch, 1..=2048.
+    /// Entries per replay batch (one read, one load, one commit transaction), 1..=2048;
+    /// provider requests are cut from it by `batch_max_inputs` and `batch_max_chars`.
     #[arg(long)]
     pub replay_batch: Option<usize>,
     /// Entries idle this long are taken over by another replayer, 100..=86400000 ms.
@@ -348,7 +349,8 @@ pub mod bounds {
     /// `stream_shards`: each shard is a stream pair, a consumer group and a loop in every
     /// replayer, `tail` and gauge sampler ([`crate::streams::MAX_SHARDS`]).
     pub const STREAM_SHARDS: RangeInclusive<u16> = 1..=crate::streams::MAX_SHARDS;
-    /// `replay_batch`: entries per read, like a provider batch.
+    /// `replay_batch`: entries per read, load and commit transaction (the provider requests
+    /// of a batch are cut by `batch_max_inputs` and `batch_max_chars`).
     pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
     /// 100 ms ..= 1 day.
     pub const MIN_IDLE_MS: RangeInclusive<u64> = 100..=86_400_000;
@@ -706,8 +708,12 @@ impl Settings {
         let RetryParts { retry, breaker, dlq_schedule } =
             resolve_retry(&r.section("retry"), retry, &f.retry)?;
         let options = IngestOptions { dlq_schedule, price_per_million_tokens, ..options };
-        let (stream_prefix, stream_shards, serve) =
+        let (stream_prefix, stream_shards, mut serve) =
             resolve_serve(&r.section("serve"), serve, &f.serve, dlq_schedule)?;
+        // Replay's provider requests obey the same provider limits as ingest's.
+        serve.replay.request_inputs = options.batch_max_inputs;
+        serve.replay.request_chars = options.batch_max_chars;
+        serve.replay.requests_in_flight = options.concurrency;
         Ok(Settings {
             database_url,
             redis_url,

@@ -20,7 +20,10 @@
 //!   row is exhausted. Nothing loops forever.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Range;
 use std::time::{Duration, Instant};
+
+use futures::StreamExt;
 
 use crate::streams::RedisConn;
 use redis::streams::{StreamAutoClaimReply, StreamPendingCountReply, StreamReadReply};
@@ -38,8 +41,21 @@ use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
 /// Replay tuning.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
-    /// Entries per XREADGROUP (and per provider batch).
+    /// Entries per `XREADGROUP` and `XAUTOCLAIM`, and so per load and per commit
+    /// transaction (`replay_batch`, bounded by `crate::config::bounds::REPLAY_BATCH`): the
+    /// round trips of a batch (read, load, lock, commit, `XACK`) are paid once for all of
+    /// its entries. Provider requests are cut from it by `request_inputs` and
+    /// `request_chars`.
     pub batch: usize,
+    /// Most inputs in one provider request. `serve` takes `[ingest] batch_max_inputs`: a
+    /// provider's limits are the same whoever sends.
+    pub request_inputs: usize,
+    /// Most characters in one provider request (a single longer input is sent alone).
+    /// `serve` takes `[ingest] batch_max_chars`.
+    pub request_chars: usize,
+    /// Provider requests of one batch in flight at once (at least 1). `serve` takes
+    /// `[ingest] concurrency`.
+    pub requests_in_flight: usize,
     /// XREADGROUP BLOCK time.
     pub block: Duration,
     /// Entries idle longer than this are taken over by another replayer.
@@ -67,8 +83,12 @@ pub struct ReplayConfig {
 
 impl Default for ReplayConfig {
     fn default() -> Self {
+        let provider = crate::ingest::IngestOptions::default();
         ReplayConfig {
-            batch: 32,
+            batch: 256,
+            request_inputs: provider.batch_max_inputs,
+            request_chars: provider.batch_max_chars,
+            requests_in_flight: provider.concurrency,
             block: Duration::from_secs(2),
             min_idle: Duration::from_secs(60),
             delivery_cap: 5,
@@ -225,6 +245,10 @@ async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<(), redi
 /// How a group of rows is embedded and where it goes: (canonical target table, model the
 /// rows record, `dimensions` request parameter).
 type EmbedTarget = (String, Option<String>, Option<i32>);
+
+/// One provider request of a group: how many of its items it covered, and their outcomes or
+/// why the run stopped (`None`: not sent, the provider had already refused the run).
+type Sent = (usize, Option<Result<Vec<ItemOutcome>, Stop>>);
 
 /// One entry of a replay stream shard.
 #[derive(Debug, Clone)]
@@ -506,8 +530,10 @@ impl Replayer {
         Ok(todo)
     }
 
-    /// Embeds each group in turn. After the provider refused the run (`Some(stop)`), the
-    /// remaining items are returned untouched, to be postponed.
+    /// Embeds each group in turn, in provider requests of at most `request_inputs` inputs and
+    /// `request_chars` characters, `requests_in_flight` at a time. After the provider refused
+    /// the run (`Some(stop)`), the items not embedded are returned untouched, to be
+    /// postponed (what other requests in flight embedded meanwhile is kept).
     async fn embed_groups(
         &self,
         groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>>,
@@ -534,13 +560,38 @@ impl Replayer {
                     embedder.isolation.suspect(text);
                 }
             }
-            let mut stats = BatchStats::default();
-            match embedder.embed_batch(&text_refs, cancel, &mut stats).await {
-                Err(stop) => {
-                    stopped = Some(stop);
-                    postpone.extend(items);
+            // The group's provider requests, `requests_in_flight` at a time; once the
+            // provider has refused the run, requests not yet sent are not sent.
+            let refused = std::sync::atomic::AtomicBool::new(false);
+            let ranges = request_ranges(&texts, self.config.request_inputs, self.config.request_chars);
+            let sent: Vec<Sent> = futures::stream::iter(ranges.into_iter().map(|range| {
+                let (embedder, text_refs, refused) = (&embedder, &text_refs, &refused);
+                async move {
+                    if refused.load(std::sync::atomic::Ordering::Relaxed) {
+                        return (range.len(), None);
+                    }
+                    let mut stats = BatchStats::default();
+                    let r = embedder.embed_batch(&text_refs[range.clone()], cancel, &mut stats).await;
+                    if r.is_err() {
+                        refused.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    (range.len(), Some(r))
                 }
-                Ok(outcomes) => self.settle_outcomes(items, outcomes, batch),
+            }))
+            .buffered(self.config.requests_in_flight.max(1))
+            .collect()
+            .await;
+            let mut items = items.into_iter();
+            for (len, result) in sent {
+                let part: Vec<(Entry, DlqRow)> = items.by_ref().take(len).collect();
+                match result {
+                    Some(Ok(outcomes)) => self.settle_outcomes(part, outcomes, batch),
+                    Some(Err(stop)) => {
+                        stopped.get_or_insert(stop);
+                        postpone.extend(part);
+                    }
+                    None => postpone.extend(part),
+                }
             }
         }
         Ok((stopped, postpone))
@@ -625,16 +676,16 @@ impl Replayer {
         Ok(())
     }
 
-    /// Commits the batch's results (a row that changed meanwhile is skipped), counts them,
-    /// and only then acknowledges the settled entries.
+    /// Commits the batch's results in one transaction (a row that changed meanwhile is
+    /// skipped), counts them, and only then acknowledges the settled entries: one `XACK` per
+    /// shard (a batch comes from one shard's read or claim, so normally one).
     async fn commit_and_ack(&mut self, batch: Settlement) -> Result<ReplayCounts, ReplayError> {
         let Settlement { ack, replayed, mut reparked, give_up, mut counts } = batch;
         failpoint::hit!("replay_before_commit");
-        let applied = self.store.commit_replayed(&replayed).await?;
-        counts.replayed += applied.len() as u64;
-        counts.skipped += (replayed.len() - applied.len()) as u64;
         reparked.extend(give_up);
-        let applied = self.store.commit_reparked(&reparked).await?;
+        let (stored, applied) = self.store.commit_settled(&replayed, &reparked).await?;
+        counts.replayed += stored.len() as u64;
+        counts.skipped += (replayed.len() - stored.len()) as u64;
         let applied: HashSet<i64> = applied.into_iter().collect();
         for r in &reparked {
             if !applied.contains(&r.id) {
@@ -777,6 +828,26 @@ struct Settlement {
     /// Rows exhausted without a pass (delivery cap, unusable target table).
     give_up: Vec<Repark>,
     counts: ReplayCounts,
+}
+
+/// The provider requests of a group: consecutive ranges of `texts` of at most `max_inputs`
+/// inputs and `max_chars` characters (an input longer than that alone), in order.
+fn request_ranges(texts: &[String], max_inputs: usize, max_chars: usize) -> Vec<Range<usize>> {
+    let max_inputs = max_inputs.max(1);
+    let mut out = Vec::new();
+    let (mut start, mut chars) = (0, 0usize);
+    for (i, t) in texts.iter().enumerate() {
+        let len = t.chars().count();
+        if i > start && (i - start >= max_inputs || chars + len > max_chars) {
+            out.push(start..i);
+            (start, chars) = (i, 0);
+        }
+        chars += len;
+    }
+    if start < texts.len() {
+        out.push(start..texts.len());
+    }
+    out
 }
 
 /// One group per (table, model, request dimensions), in a stable order.
@@ -938,6 +1009,18 @@ mod tests {
         assert_eq!(shares(2, 4), vec![vec![0, 2], vec![1, 3]]);
         assert_eq!(shares(3, 1), vec![vec![0], vec![0], vec![0]]);
         assert!(shares(0, 4).is_empty());
+    }
+
+    #[test]
+    fn provider_requests_obey_the_input_and_character_limits() {
+        let texts: Vec<String> = ["aa", "bbb", "c", "dddddd", "e", "ff", "g"].map(String::from).to_vec();
+        assert_eq!(request_ranges(&texts, 3, 1000), vec![0..3, 3..6, 6..7]);
+        assert_eq!(request_ranges(&texts, 100, 6), vec![0..3, 3..4, 4..7], "a long input goes alone");
+        assert_eq!(request_ranges(&texts, 100, 1), (0..7).map(|i| i..i + 1).collect::<Vec<_>>());
+        assert_eq!(request_ranges(&texts, 0, 1000), (0..7).map(|i| i..i + 1).collect::<Vec<_>>());
+        assert!(request_ranges(&[], 3, 10).is_empty());
+        let covered: Vec<usize> = request_ranges(&texts, 2, 4).into_iter().flatten().collect();
+        assert_eq!(covered, (0..7).collect::<Vec<_>>(), "every input once, in order");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Postgres side of replay: scheduling due DLQ rows as replay work, loading them, and the two
-//! ways a replay result is committed.
+//! ways a replay result is committed (both in one transaction per batch).
 //!
 //! Every commit is fenced by the row's `generation` (a number from a sequence that changes
 //! whenever the row's content changes, on every re-park and on requeue, and never goes back)
@@ -9,7 +9,7 @@
 //! resolve newer content or store its vector under the newer hash. The vector is stored under
 //! the hash that was embedded, never the row's current one.
 //!
-//! Both commits first lock the chunks' manifest rows in key order, like ingest does, so a
+//! The batch's commit first locks the chunks' manifest rows in key order, like ingest does, so a
 //! replay commit and an ingest of the same chunk are serialised instead of deadlocking.
 
 use std::collections::BTreeMap;
@@ -116,21 +116,29 @@ pub(crate) struct Repark {
 /// statement of every transaction that changes DLQ rows of existing chunks (replay commits,
 /// requeue, purge), so that every writer takes a chunk's manifest row before its DLQ row, as
 /// ingest's store and park do, and none deadlocks against another.
-pub(super) const LOCK_MANIFEST_SQL: &str = "SELECT 1 FROM ingest_manifest m
-      JOIN embedding_dlq d
-        ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
-     WHERE d.id = ANY($1)
-     ORDER BY m.target_table, m.doc_id, m.chunk_index
-       FOR UPDATE OF m";
+///
+/// Each manifest row is looked up by its key, one DLQ row after the other in key order (a
+/// `LATERAL ... FOR UPDATE` is never flattened into a join, and the ordered subquery is
+/// never pulled up): as a plain join the planner hashed the whole manifest for a batch of a
+/// few hundred rows.
+pub(super) const LOCK_MANIFEST_SQL: &str = "SELECT 1
+      FROM (SELECT target_table, doc_id, chunk_index FROM embedding_dlq WHERE id = ANY($1)
+             ORDER BY target_table, doc_id, chunk_index) d
+     CROSS JOIN LATERAL (SELECT 1 FROM ingest_manifest m
+                          WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                            AND m.chunk_index = d.chunk_index
+                            FOR UPDATE) locked";
 
 impl Store {
     /// Publishes up to `limit` due transient rows as replay work (outbox → replay stream) and
     /// pushes their `next_retry_at` out by `lease`, so work lost in Redis is scheduled again.
-    /// Safe to run from many processes at once (`SKIP LOCKED`, one statement).
+    /// Safe to run from many processes at once (`SKIP LOCKED`, one statement). Oldest due
+    /// first, in the order of `embedding_dlq_ready_idx`, so a pass reads `limit` rows of the
+    /// index instead of sorting every due row (ties are taken in any order).
     pub(crate) async fn schedule_due(&self, limit: usize, lease: Duration) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
             "next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
-             ORDER BY next_retry_at, id LIMIT $1",
+             ORDER BY next_retry_at LIMIT $1",
         )))
         .bind(limit as i64)
         .bind(lease.as_secs_f64())
@@ -182,9 +190,12 @@ impl Store {
                     d.request_dimensions, d.payload, d.replays, d.generation, d.attempts,
                     d.error_class, d.error_reason, d.last_error, d.last_status,
                     d.exhausted_at IS NOT NULL AS exhausted, d.last_error_signature,
-                    d.same_error_count, m.content_hash AS manifest_hash
+                    d.same_error_count,
+                    -- By key, row by row: as a join the planner hashed the whole manifest.
+                    (SELECT m.content_hash FROM ingest_manifest m
+                      WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                        AND m.chunk_index = d.chunk_index) AS manifest_hash
                FROM embedding_dlq d
-               LEFT JOIN ingest_manifest m USING (target_table, doc_id, chunk_index)
               WHERE d.id = ANY($1)",
         )
         .bind(ids)
@@ -218,27 +229,43 @@ impl Store {
             .map_err(StoreError::from)
     }
 
-    /// Commits successful replays, one transaction per target table: manifest rows locked,
-    /// then one statement: DLQ delete fenced by generation and embedded hash (and the
-    /// manifest still holding that hash), vector upsert under the embedded hash (a no-op for
-    /// unchanged content), manifest `stored`, `replayed` event. Returns the ids applied; the
-    /// others were already handled by someone else or superseded.
-    pub(crate) async fn commit_replayed(&self, rows: &[Replayed]) -> Result<Vec<i64>, StoreError> {
+    /// Commits a replay batch's results in one transaction: the manifest rows of every row
+    /// in it locked in key order (one statement), then one fenced statement per target table
+    /// of the successful replays ([`replayed_sql`]: DLQ delete fenced by generation and
+    /// embedded hash and the manifest still holding that hash, vector upsert under the
+    /// embedded hash, manifest `stored`, `replayed` event), then one for the failed passes
+    /// and give-ups ([`REPARK_SQL`]), then the commit. Each statement after the lock takes
+    /// a new snapshot, so it sees whatever the previous holder of those locks committed.
+    ///
+    /// Returns the ids applied, replayed and re-parked; the others were already handled by
+    /// someone else or superseded. An empty batch costs nothing.
+    pub(crate) async fn commit_settled(
+        &self,
+        replayed: &[Replayed],
+        reparked: &[Repark],
+    ) -> Result<(Vec<i64>, Vec<i64>), StoreError> {
+        if replayed.is_empty() && reparked.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
         let mut by_table: BTreeMap<&str, Vec<&Replayed>> = BTreeMap::new();
-        for r in rows {
+        for r in replayed {
             by_table.entry(r.target_table.as_str()).or_default().push(r);
         }
-        let mut applied = Vec::with_capacity(rows.len());
-        for (table, rows) in by_table {
-            let target = self.target_for(table).await?;
+        // Resolved before the transaction: a catalog lookup (cached) holds no lock.
+        let mut targets = Vec::with_capacity(by_table.len());
+        for table in by_table.keys() {
+            targets.push(self.target_for(table).await?);
+        }
+        let all_ids: Vec<i64> = replayed.iter().map(|r| r.id).chain(reparked.iter().map(|r| r.id)).collect();
+        let mut tx = self.pool().begin().await?;
+        sqlx::query(LOCK_MANIFEST_SQL).bind(&all_ids).execute(&mut *tx).await?;
+        let mut applied = Vec::with_capacity(replayed.len());
+        for (rows, target) in by_table.values().zip(&targets) {
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
             let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
             let vectors: Vec<Vector> = rows.iter().map(|r| Vector::from(r.embedding.clone())).collect();
-            let sql = replayed_sql(target.sql_name());
-            let mut tx = self.pool().begin().await?;
-            sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
-            let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+            let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(replayed_sql(target.sql_name())))
                 .bind(&target.name)
                 .bind(&ids)
                 .bind(&gens)
@@ -246,55 +273,47 @@ impl Store {
                 .bind(&vectors)
                 .fetch_all(&mut *tx)
                 .await?;
-            tx.commit().await?;
             applied.extend(done);
         }
-        Ok(applied)
-    }
-
-    /// Commits failed passes and give-ups in one transaction: manifest rows locked, then one
-    /// statement: DLQ row updated (attempts, a new generation, schedule or exhaustion) when it
-    /// still has the generation and content the pass was for, manifest `parked`/`exhausted`,
-    /// `reparked` or `exhausted` event. Returns the ids applied.
-    pub(crate) async fn commit_reparked(&self, rows: &[Repark]) -> Result<Vec<i64>, StoreError> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
-        let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
-        let classes: Vec<&str> = rows.iter().map(|r| r.error_class.as_str()).collect();
-        let reasons: Vec<&str> = rows.iter().map(|r| r.error_reason.as_str()).collect();
-        let errors: Vec<Option<&str>> = rows.iter().map(|r| r.last_error.as_deref()).collect();
-        let statuses: Vec<Option<i32>> = rows.iter().map(|r| r.last_status).collect();
-        let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
-        let retry_in: Vec<Option<f64>> = rows.iter().map(|r| r.retry_in.map(|d| d.as_secs_f64())).collect();
-        let exhausted: Vec<Option<&str>> = rows.iter().map(|r| r.exhausted_reason.as_deref()).collect();
-        let sigs: Vec<Option<&str>> = rows.iter().map(|r| r.signature.as_deref()).collect();
-        let same: Vec<i32> = rows.iter().map(|r| r.same_error_count).collect();
-        let mut tx = self.pool().begin().await?;
-        sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
-        let applied: Vec<i64> = sqlx::query_scalar(REPARK_SQL)
-            .bind(&ids)
-            .bind(&gens)
-            .bind(&classes)
-            .bind(&reasons)
-            .bind(&errors)
-            .bind(&statuses)
-            .bind(&attempts)
-            .bind(&retry_in)
-            .bind(&exhausted)
-            .bind(&sigs)
-            .bind(&same)
-            .bind(&hashes)
-            .fetch_all(&mut *tx)
-            .await?;
+        let reparked_applied = if reparked.is_empty() {
+            Vec::new()
+        } else {
+            let rows = reparked;
+            let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+            let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
+            let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
+            let classes: Vec<&str> = rows.iter().map(|r| r.error_class.as_str()).collect();
+            let reasons: Vec<&str> = rows.iter().map(|r| r.error_reason.as_str()).collect();
+            let errors: Vec<Option<&str>> = rows.iter().map(|r| r.last_error.as_deref()).collect();
+            let statuses: Vec<Option<i32>> = rows.iter().map(|r| r.last_status).collect();
+            let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
+            let retry_in: Vec<Option<f64>> =
+                rows.iter().map(|r| r.retry_in.map(|d| d.as_secs_f64())).collect();
+            let exhausted: Vec<Option<&str>> = rows.iter().map(|r| r.exhausted_reason.as_deref()).collect();
+            let sigs: Vec<Option<&str>> = rows.iter().map(|r| r.signature.as_deref()).collect();
+            let same: Vec<i32> = rows.iter().map(|r| r.same_error_count).collect();
+            sqlx::query_scalar(REPARK_SQL)
+                .bind(&ids)
+                .bind(&gens)
+                .bind(&classes)
+                .bind(&reasons)
+                .bind(&errors)
+                .bind(&statuses)
+                .bind(&attempts)
+                .bind(&retry_in)
+                .bind(&exhausted)
+                .bind(&sigs)
+                .bind(&same)
+                .bind(&hashes)
+                .fetch_all(&mut *tx)
+                .await?
+        };
         tx.commit().await?;
-        Ok(applied)
+        Ok((applied, reparked_applied))
     }
 }
 
-/// The statement of [`Store::commit_reparked`]: DLQ row updated (attempts, a new generation,
+/// The re-park statement of [`Store::commit_settled`]: DLQ row updated (attempts, a new generation,
 /// schedule or exhaustion, error history) when it still has the generation and content the
 /// pass was for, manifest `parked`/`exhausted`, `reparked` or `exhausted` event. Binds the
 /// columns of the rows, `$1..=$12`.
@@ -356,7 +375,7 @@ const REPARK_SQL: &str = "WITH input AS (
      )
      SELECT id FROM upd";
 
-/// The statement of [`Store::commit_replayed`] for one target table (its quoted name): DLQ
+/// The replay statement of [`Store::commit_settled`] for one target table (its quoted name): DLQ
 /// delete fenced by generation and embedded hash (and the manifest still holding that hash),
 /// vector upsert under the embedded hash (a no-op for unchanged content), manifest `stored`,
 /// `replayed` event. Binds the table's name `$1` and the rows' columns `$2..=$5`.
@@ -369,9 +388,11 @@ fn replayed_sql(table: &str) -> String {
              DELETE FROM embedding_dlq d USING input i
               WHERE d.id = i.id AND d.target_table = $1::text AND d.generation = i.generation
                 AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
-                AND EXISTS (SELECT 1 FROM ingest_manifest m
-                             WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
-                               AND m.chunk_index = d.chunk_index AND m.content_hash = i.content_hash)
+                -- The manifest's hash, looked up by its key for each row: as an EXISTS
+                -- joined on the hash, the planner hashed the whole manifest once per batch.
+                AND (SELECT m.content_hash FROM ingest_manifest m
+                      WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                        AND m.chunk_index = d.chunk_index) = i.content_hash
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
                        d.replays, d.generation, d.error_class, i.embedding
          ), vectors AS (

@@ -644,3 +644,120 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
     );
 }
 }
+
+on_single_and_cluster! {
+async fn a_mixed_batch_commits_in_one_transaction_and_acks_exactly_its_settled_entries() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // One chunk the provider fails with 500 forever (to be re-parked) and six good ones.
+    let (_down, p) = park_transient(&db, 1, &format!("bad500 {}", mock_provider::POISON_500)).await;
+    park_transient(&db, 6, "mix").await;
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 7);
+    // After the work was published: chunk 1 is superseded (a new generation, as a re-park
+    // gives it) and chunk 2's row is gone (resolved meanwhile): both entries are stale.
+    sqlx::query(
+        "UPDATE embedding_dlq SET generation = nextval('embed_dlq_generation_seq')
+          WHERE doc_id = 'mix' AND chunk_index = 1",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM embedding_dlq WHERE doc_id = 'mix' AND chunk_index = 2")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // A provider that takes at most two inputs a request (413 above): the batch of seven
+    // entries is read, loaded and committed at once, but embedded two inputs a request.
+    let mock = start_mock(MockConfig { max_inputs: 2, ..MockConfig::default() }).await;
+    let config = ReplayConfig { request_inputs: 2, ..replay_config() };
+    let mut rep = replayer(&db, &mock, &keys, "mixer", config).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!((c.replayed, c.reparked, c.skipped, c.left_pending), (4, 1, 2, 0), "{c:?}");
+    assert_eq!(pending(&keys).await, 0, "every settled entry acknowledged, and only after the commit");
+    let stats = mock.control.stats();
+    assert_eq!(stats.rejected, 0, "no request above the provider's limit: {stats:?}");
+    assert!(stats.ok >= 2, "the live rows went in several requests: {stats:?}");
+    // The replayed and re-parked rows were committed by one transaction.
+    let (events, transactions): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT xmin::text) FROM dlq_outbox WHERE event IN ('replayed', 'reparked')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((events, transactions), (5, 1));
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 4);
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id LIKE 'bad500%' AND replays = 1").await,
+        1,
+        "the failing row re-parked once"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'mix' AND chunk_index = 1 AND replays = 0")
+            .await,
+        1,
+        "the superseded row untouched"
+    );
+}
+}
+
+/// Sequential scans of the DLQ and of the manifest so far, as the statistics collector has
+/// them: an idle backend flushes its counts within 10 s (`PGSTAT_IDLE_INTERVAL`).
+async fn seq_scans(db: &TestDb) -> (i64, i64) {
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    sqlx::query_as(
+        "SELECT (SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'embedding_dlq'),
+                (SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'ingest_manifest')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+on_single_and_cluster! {
+async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &mock, &keys, "indexed", ReplayConfig { batch: 300, ..replay_config() }).await;
+    // 20,000 chunks parked as permanent (never scheduled) and 3,000 transient ones, all due
+    // at the same instant: a batch is a small part of the DLQ and of the manifest.
+    sqlx::raw_sql(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'perm-' || i, 0, md5(i::text), 'parked' FROM generate_series(1, 20000) i;
+         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
+                                    error_reason, attempts, model)
+         SELECT 'public.doc_embeddings', 'perm-' || i, 0, md5(i::text),
+                jsonb_build_object('doc_id', 'perm-' || i, 'chunk_index', 0, 'text', 'perm text ' || i),
+                'permanent_input', 'http_400', 1, 'mock'
+           FROM generate_series(1, 20000) i;
+         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i), 'parked' FROM generate_series(1, 3000) i;
+         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
+                                    error_reason, attempts, next_retry_at, model)
+         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i),
+                jsonb_build_object('doc_id', 'due-' || i, 'chunk_index', 0, 'text', 'due text ' || i),
+                'transient', 'http_503', 1, now() - interval '1 minute', 'mock'
+           FROM generate_series(1, 3000) i;
+         ANALYZE ingest_manifest; ANALYZE embedding_dlq;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let before = seq_scans(&db).await;
+    // Six scheduler passes of 500 due rows each, then one batch of 300: loaded, locked and
+    // committed by key.
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let scheduler = Scheduler { store: rep.store.clone(), config: replay_config() };
+    assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
+    relay_all(&db, &keys).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!(c.replayed, 300, "{c:?}");
+    let after = seq_scans(&db).await;
+    assert_eq!(after.1, before.1, "replaying a batch scanned the whole manifest");
+}
+}
