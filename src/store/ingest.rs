@@ -22,6 +22,10 @@ pub(crate) struct StoredChunk {
     /// Position of the record in the ingest history ([`source_seq`]): an outcome for an older
     /// position than the manifest holds is rejected as superseded.
     pub source_seq: i64,
+    /// The run claimed the chunk's lease (`lease.rs`), so the store marks it finished. A
+    /// batch where no row holds one skips the lease update (a run alone, past its first
+    /// windows); a lease left unmarked would only defer a concurrent run until this run ends.
+    pub leased: bool,
 }
 
 /// A chunk to park in the DLQ.
@@ -84,17 +88,26 @@ pub struct ParkCounts {
 /// hash, [`source_seq`]).
 trait ManifestRecord {
     fn manifest_key(&self) -> (&str, i32, &str, i64);
+    /// Whether the run may hold a lease of the chunk that its outcome must mark finished.
+    fn may_hold_lease(&self) -> bool;
 }
 
 impl ManifestRecord for StoredChunk {
     fn manifest_key(&self) -> (&str, i32, &str, i64) {
         (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq)
     }
+    fn may_hold_lease(&self) -> bool {
+        self.leased
+    }
 }
 
 impl ManifestRecord for ParkedChunk {
     fn manifest_key(&self) -> (&str, i32, &str, i64) {
         (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq)
+    }
+    /// Parks are rare on a clean run: they always look for a lease to finish.
+    fn may_hold_lease(&self) -> bool {
+        true
     }
 }
 
@@ -113,7 +126,8 @@ impl Store {
         status: ChunkStatus,
     ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<&'r R>, Vec<usize>), StoreError> {
         let mut tx = self.pool.begin().await?;
-        let accepted = self.claim_manifest(&mut tx, rows.iter().map(R::manifest_key), status).await?;
+        let leases = rows.iter().any(R::may_hold_lease);
+        let accepted = self.claim_manifest(&mut tx, rows.iter().map(R::manifest_key), status, leases).await?;
         let (mut keep, mut superseded) = (Vec::with_capacity(rows.len()), Vec::new());
         for (n, (row, accepted)) in rows.iter().zip(accepted).enumerate() {
             if accepted {
@@ -128,12 +142,14 @@ impl Store {
     /// Upserts the manifest rows of a batch (first statement of a store or park transaction)
     /// and returns the positions of the rows it accepted. Taking the row locks here, before
     /// anything else, serialises racing writers of one chunk, and the statements after it see
-    /// whatever the previous holder committed.
+    /// whatever the previous holder committed. Without `leases` (no row of the batch may hold
+    /// one) the statement leaves the lease table alone.
     async fn claim_manifest(
         &self,
         tx: &mut sqlx::PgConnection,
         keys: impl Iterator<Item = (&str, i32, &str, i64)>,
         status: ChunkStatus,
+        leases: bool,
     ) -> Result<Vec<bool>, StoreError> {
         let (mut docs, mut idxs, mut hashes, mut seqs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (d, i, h, s) in keys {
@@ -142,7 +158,7 @@ impl Store {
             hashes.push(h);
             seqs.push(s);
         }
-        let accepted = sqlx::query(MANIFEST_SQL)
+        let accepted = sqlx::query(if leases { MANIFEST_SQL } else { MANIFEST_NO_LEASE_SQL })
             .bind(&self.target.name)
             .bind(&docs)
             .bind(&idxs)
@@ -241,30 +257,21 @@ impl Store {
     }
 }
 
-/// First statement of a store or park: the manifest upsert, accepted only for a record at
-/// least as new as the one the manifest holds ($6 is the new status). A park of content that
-/// is already stored is not accepted either. Keys are locked in key order (no deadlock between
-/// writers whose batches overlap). Returns the accepted keys.
-///
-/// It also marks finished the leases (`lease.rs`) the record's own run holds for this
-/// content, whether the row is accepted or superseded: the outcome is decided either way.
-/// Lease rows are locked in key order, as every lease claim does.
-const MANIFEST_SQL: &str = r#"
+// The parts of the manifest claim shared by its two forms below.
+macro_rules! manifest_input {
+    () => {
+        r#"
 WITH input AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
         AS t(doc_id, chunk_index, content_hash, source_seq)
-), released AS (
-    UPDATE ingest_lease l SET finished_at = now(), finished_xact = pg_current_xact_id()
-     WHERE (l.target_table, l.doc_id, l.chunk_index) IN (
-           SELECT x.target_table, x.doc_id, x.chunk_index
-             FROM ingest_lease x
-             JOIN input i ON x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index
-                         AND x.content_hash = i.content_hash AND x.run_id = i.source_seq >> 32
-            WHERE x.target_table = $1::text
-            ORDER BY x.doc_id, x.chunk_index
-              FOR UPDATE OF x)
 )
-INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+"#
+    };
+}
+
+macro_rules! manifest_upsert {
+    () => {
+        r#"INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
 SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq
   FROM input ORDER BY doc_id, chunk_index
 ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
@@ -280,7 +287,38 @@ ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
   WHERE m.source_seq <= EXCLUDED.source_seq
     AND NOT (EXCLUDED.status = 'parked' AND m.status = 'stored' AND m.content_hash = EXCLUDED.content_hash)
 RETURNING m.doc_id, m.chunk_index
-"#;
+"#
+    };
+}
+
+/// First statement of a store or park: the manifest upsert, accepted only for a record at
+/// least as new as the one the manifest holds ($6 is the new status). A park of content that
+/// is already stored is not accepted either. Keys are locked in key order (no deadlock between
+/// writers whose batches overlap). Returns the accepted keys.
+///
+/// It also marks finished the leases (`lease.rs`) the record's own run holds for this
+/// content, whether the row is accepted or superseded: the outcome is decided either way.
+/// Lease rows are locked in key order, as every lease claim does.
+const MANIFEST_SQL: &str = concat!(
+    manifest_input!(),
+    r#", released AS (
+    UPDATE ingest_lease l SET finished_at = now(), finished_xact = pg_current_xact_id()
+     WHERE (l.target_table, l.doc_id, l.chunk_index) IN (
+           SELECT x.target_table, x.doc_id, x.chunk_index
+             FROM ingest_lease x
+             JOIN input i ON x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index
+                         AND x.content_hash = i.content_hash AND x.run_id = i.source_seq >> 32
+            WHERE x.target_table = $1::text
+            ORDER BY x.doc_id, x.chunk_index
+              FOR UPDATE OF x)
+)
+"#,
+    manifest_upsert!()
+);
+
+/// [`MANIFEST_SQL`] for a batch where no row holds a lease: the same upsert without the lease
+/// update, which would look up every key in the lease table for nothing.
+const MANIFEST_NO_LEASE_SQL: &str = concat!(manifest_input!(), manifest_upsert!());
 
 /// Second statement of a park (rows the manifest accepted). Payloads travel as one JSON array
 /// (`jsonb_array_elements` keeps their order with the other arrays via `WITH ORDINALITY`),
