@@ -6,8 +6,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use pgvector::Vector;
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::encode::IsNull;
+use sqlx::error::BoxDynError;
+use sqlx::postgres::{PgArgumentBuffer, PgHasArrayType, PgTypeInfo};
+use sqlx::{AssertSqlSafe, Postgres, Row};
 
 use super::{Store, StoreError};
 use crate::model::{ChunkStatus, ErrorClass};
@@ -26,6 +28,42 @@ pub(crate) struct StoredChunk {
     /// batch where no row holds one skips the lease update (a run alone, past its first
     /// windows); a lease left unmarked would only defer a concurrent run until this run ends.
     pub leased: bool,
+}
+
+/// A vector bound as pgvector's binary `vector` straight from the chunk's `f32`s: the wire
+/// format of `pgvector::Vector`'s encoder (dimension count, a zero, big-endian values),
+/// without first copying each 3 KB vector into a `Vector` and writing it four bytes at a time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct VectorRef<'a>(pub &'a [f32]);
+
+impl sqlx::Type<Postgres> for VectorRef<'_> {
+    fn type_info() -> PgTypeInfo {
+        PgTypeInfo::with_name("vector")
+    }
+}
+
+impl PgHasArrayType for VectorRef<'_> {
+    fn array_type_info() -> PgTypeInfo {
+        PgTypeInfo::with_name("_vector")
+    }
+}
+
+impl sqlx::Encode<'_, Postgres> for VectorRef<'_> {
+    fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
+        let dimensions = u16::try_from(self.0.len())?;
+        buf.extend_from_slice(&dimensions.to_be_bytes());
+        buf.extend_from_slice(&0u16.to_be_bytes());
+        let start = buf.len();
+        buf.resize(start + 4 * self.0.len(), 0);
+        for (out, v) in buf[start..].chunks_exact_mut(4).zip(self.0) {
+            out.copy_from_slice(&v.to_be_bytes());
+        }
+        Ok(IsNull::No)
+    }
+
+    fn size_hint(&self) -> usize {
+        4 + 4 * self.0.len()
+    }
 }
 
 /// A chunk to park in the DLQ.
@@ -193,7 +231,7 @@ impl Store {
             let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
             let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
             let hashes: Vec<&str> = keep.iter().map(|r| r.content_hash.as_str()).collect();
-            let vectors: Vec<Vector> = keep.iter().map(|r| Vector::from(r.embedding.clone())).collect();
+            let vectors: Vec<VectorRef<'_>> = keep.iter().map(|r| VectorRef(&r.embedding)).collect();
             let row = sqlx::query(AssertSqlSafe(self.target.store_sql.as_str()))
                 .bind(&self.target.name)
                 .bind(&docs)
@@ -417,4 +455,24 @@ SELECT (SELECT count(*) FROM vectors) AS vectors_written,
        (SELECT count(*) FROM events) AS events_written
 "#
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_borrowed_vector_is_encoded_exactly_like_pgvector_encodes_it() {
+        let values: Vec<f32> =
+            (0..768).map(|i| (i as f32 - 300.0) / 7.0).chain([f32::MIN_POSITIVE, -0.0]).collect();
+        let (mut ours, mut theirs) = (PgArgumentBuffer::default(), PgArgumentBuffer::default());
+        assert!(matches!(
+            sqlx::Encode::<Postgres>::encode_by_ref(&VectorRef(&values), &mut ours),
+            Ok(IsNull::No)
+        ));
+        let reference = pgvector::Vector::from(values.clone());
+        assert!(matches!(sqlx::Encode::<Postgres>::encode_by_ref(&reference, &mut theirs), Ok(IsNull::No)));
+        assert_eq!(&ours[..], &theirs[..]);
+        assert_eq!(sqlx::Encode::<Postgres>::size_hint(&VectorRef(&values)), ours.len());
+    }
 }
