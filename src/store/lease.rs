@@ -124,6 +124,10 @@ impl Store {
             .bind(lease.as_secs_f64().max(1.0))
             .bind(FINISHED_GRACE.as_secs_f64())
             .bind(always)
+            // Planned for each window with its real keys and the tables as they are now: a
+            // plan cached while a table was nearly empty may scan all of it once per key
+            // once it has grown (see the manifest claim in `ingest.rs`).
+            .persistent(false)
             .fetch_all(&self.pool)
             .await?;
         let mut out = HashMap::with_capacity(rows.len());

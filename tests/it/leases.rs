@@ -266,6 +266,23 @@ async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_c
 
     // The holder goes away without finishing (its connection closes): a rerun stores the rest.
     holder.close().await.unwrap();
+    // The server drops the holder's advisory lock when its backend exits, a moment after the
+    // close returns (under load, the rerun's first claim once still saw it alive).
+    for _ in 0..500 {
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+                AND classid = embed_dlq_lease_lock_space()::oid AND objid = $1::bigint::oid
+                AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .bind(live)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let s = p.run(input(lines.into_bytes()), CancellationToken::new()).await.unwrap();
     assert_eq!((s.unchanged, s.stored, s.leased_elsewhere), (180, 20, 0), "{s:?}");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 200);
