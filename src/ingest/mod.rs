@@ -308,6 +308,9 @@ struct Claimed {
     hash: String,
     /// Position of the record ([`crate::store::source_seq`]).
     seq: i64,
+    /// The window's claim took the chunk's lease for this run
+    /// ([`crate::store::lease::WindowClaim::leased`]).
+    leased: bool,
 }
 
 #[derive(Default)]
@@ -878,9 +881,9 @@ impl<'a> Batcher<'a> {
         let mut invalid = std::mem::take(&mut self.invalid);
         let repeated = std::mem::take(&mut self.repeated);
         self.keys.clear();
-        self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
+        let leased = self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
         self.windows += 1;
-        let (batches, park) = self.provider_batches(chunks, invalid);
+        let (batches, park) = self.provider_batches(chunks, invalid, &leased);
         self.dispatch(batches, park, charge, jobs).await;
         Ok(())
     }
@@ -889,12 +892,14 @@ impl<'a> Batcher<'a> {
     /// parked (replay owns it then), and the chunks another live run holds the lease of (it
     /// embeds them), in one round trip that also leases the rest to this run
     /// ([`Store::claim_window`]); keys `repeated` in this run are never skipped as done.
+    /// Returns the keys whose lease this run took (none once a run alone is past its first
+    /// windows).
     async fn skip_known(
         &self,
         chunks: &mut Vec<(Chunk, String, i64)>,
         invalid: &mut Vec<ParkedChunk>,
         repeated: &HashSet<(String, i32)>,
-    ) -> Result<(), IngestError> {
+    ) -> Result<HashSet<(String, i32)>, IngestError> {
         let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
             doc_id: doc_id.to_owned(),
             chunk_index,
@@ -915,6 +920,8 @@ impl<'a> Batcher<'a> {
         let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
         let young = self.windows < ALWAYS_LEASED_WINDOWS;
         let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young)).await?;
+        let leased: HashSet<(String, i32)> =
+            known.iter().filter(|(_, c)| c.leased).map(|(k, _)| k.clone()).collect();
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
         let mut seen = |k: (String, i32), hash: &str| {
             let claim = known.get(&k);
@@ -948,7 +955,7 @@ impl<'a> Batcher<'a> {
             .increment(already_parked);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "leased_elsewhere")
             .increment(leased_elsewhere);
-        Ok(())
+        Ok(leased)
     }
 
     /// Splits the chunks into provider batches (by count and characters); what fails the
@@ -957,6 +964,7 @@ impl<'a> Batcher<'a> {
         &self,
         chunks: Vec<(Chunk, String, i64)>,
         mut park: Vec<ParkedChunk>,
+        leased: &HashSet<(String, i32)>,
     ) -> (Vec<Vec<Claimed>>, Vec<ParkedChunk>) {
         let opts = &self.pipeline.options;
         let mut batches: Vec<Vec<Claimed>> = Vec::new();
@@ -986,7 +994,8 @@ impl<'a> Batcher<'a> {
                 chars = 0;
             }
             chars += len;
-            current.push(Claimed { chunk, hash, seq });
+            let leased = !leased.is_empty() && leased.contains(&(chunk.doc_id.clone(), chunk.chunk_index));
+            current.push(Claimed { chunk, hash, seq, leased });
         }
         if !current.is_empty() {
             batches.push(current);
@@ -1101,6 +1110,7 @@ impl Worker {
                         content_hash: claimed.hash,
                         embedding,
                         source_seq: claimed.seq,
+                        leased: claimed.leased,
                     }),
                     ItemOutcome::Failed(f) => out.park.push(ParkedChunk {
                         payload: serde_json::to_value(&claimed.chunk).expect("chunk serializes"),

@@ -68,6 +68,10 @@ pub(crate) struct WindowClaim {
     pub manifest: Option<(String, ChunkStatus)>,
     /// Another live run holds the chunk's lease: it is left to that run.
     pub leased_elsewhere: bool,
+    /// This claim took the chunk's lease for this run: the outcome's transaction marks it
+    /// finished. Without it (a run alone, past its first windows) the store skips the lease
+    /// update altogether.
+    pub leased: bool,
 }
 
 /// Marks one ingest run alive for as long as it holds its leases: a session advisory lock on
@@ -120,6 +124,10 @@ impl Store {
             .bind(lease.as_secs_f64().max(1.0))
             .bind(FINISHED_GRACE.as_secs_f64())
             .bind(always)
+            // Planned for each window with its real keys and the tables as they are now: a
+            // plan cached while a table was nearly empty may scan all of it once per key
+            // once it has grown (see the manifest claim in `ingest.rs`).
+            .persistent(false)
             .fetch_all(&self.pool)
             .await?;
         let mut out = HashMap::with_capacity(rows.len());
@@ -137,7 +145,11 @@ impl Store {
             };
             out.insert(
                 (r.try_get("doc_id")?, r.try_get("chunk_index")?),
-                WindowClaim { manifest, leased_elsewhere: r.try_get("leased_elsewhere")? },
+                WindowClaim {
+                    manifest,
+                    leased_elsewhere: r.try_get("leased_elsewhere")?,
+                    leased: r.try_get("leased")?,
+                },
             );
         }
         Ok(out)
@@ -170,6 +182,9 @@ impl RunLease {
 /// key is a chunk to embed, `$7` whether the run met it before, `$8` run id, `$9` lease
 /// seconds, `$10` [`FINISHED_GRACE`] in seconds, `$11` claim even if no other run is alive.
 ///
+/// `known`: one index probe of the manifest per key (the `OFFSET 0` keeps the planner from
+/// turning the lookup into a hash join over every manifest row of the table: custom plans
+/// chose that once the manifest held a few thousand rows, at a cost that grows with it).
 /// `wanted`: chunks this run embeds unless the lease is elsewhere (not already finished with
 /// the same content, or repeated in the run). `shared`: another run of this database is
 /// alive (holds its advisory lock), or `$11` (the run is young); a run alone claims nothing
@@ -194,8 +209,10 @@ WITH input AS (
     SELECT i.doc_id, i.chunk_index, i.content_hash, i.source_seq, m.content_hash AS done_hash, m.status,
            i.embeds AND (i.repeated OR m.content_hash IS DISTINCT FROM i.content_hash) AS wanted
       FROM input i
-      LEFT JOIN ingest_manifest m
-        ON m.target_table = $1::text AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
+      LEFT JOIN LATERAL (
+           SELECT m.content_hash, m.status FROM ingest_manifest m
+            WHERE m.target_table = $1::text AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
+           OFFSET 0) m ON true
 ), snap AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 ), live AS MATERIALIZED (
@@ -233,6 +250,7 @@ WITH input AS (
      WHERE run_id = $8::bigint AND finished_at < now() - make_interval(secs => $10::float8)
 )
 SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
-       (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere
+       (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere,
+       c.doc_id IS NOT NULL AS leased
   FROM known k LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
 "#;
