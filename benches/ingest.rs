@@ -381,7 +381,6 @@ async fn streams_bench(
         sqlx::query_scalar("SELECT body::text FROM dlq_outbox LIMIT 1").fetch_one(pool).await.unwrap();
     let raw_key = format!("{{bench-{}}}:raw", std::process::id());
     relay_rounds(pool, &mut redis, &keys, &raw_key, &body, rows).await;
-    let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
 
     // Replay against the ingest pipeline, side by side, `BENCH_REPLAY_ROUNDS` rounds.
     replay_bench(pool, pipeline, &parking, mock, &client, &mut redis, &keys, rows).await;
