@@ -299,8 +299,9 @@ impl Replayer {
         if own.is_empty() { self.keys.shard_ids().collect() } else { own }
     }
 
-    /// Reads and processes one batch of new entries ([`Replayer::read_next`], starting at its
-    /// first shard).
+    /// Reads and processes one batch of new entries, starting at its first shard: with
+    /// several shards, one read of each that does not block first (the first with entries
+    /// wins), and a blocking read only when all are empty.
     pub async fn read_once(
         &mut self,
         conn: &mut crate::streams::RedisConn,
