@@ -219,6 +219,11 @@ pub struct ServeArgs {
     /// Relay poll interval when no notification arrives, 10..=60000 ms.
     #[arg(long)]
     pub relay_poll_ms: Option<u64>,
+    /// How long a published event's dedup marker stays in Redis, 3600..=2592000 s (default 7
+    /// days): it must outlive any outage between a publish and its mark; shorter saves Redis
+    /// memory (about 160 bytes per event).
+    #[arg(long)]
+    pub relay_marker_ttl_secs: Option<u64>,
     /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
@@ -362,6 +367,9 @@ pub mod bounds {
     pub const RELAY_BATCH: RangeInclusive<usize> = 1..=10_000;
     /// `relay_poll_ms`: 10 ms to 1 minute between passes without a notification.
     pub const RELAY_POLL_MS: RangeInclusive<u64> = 10..=60_000;
+    /// `relay_marker_ttl_secs`: an hour (a relay down longer than the marker lives could show
+    /// a re-published event twice) to 30 days.
+    pub const RELAY_MARKER_TTL_SECS: RangeInclusive<u64> = 3_600..=2_592_000;
     /// 0 = never; at most 7 days.
     pub const RECONCILE_EVERY_SECS: RangeInclusive<u64> = 0..=604_800;
     /// 0 = every run is a full sweep; at most 30 days between full sweeps.
@@ -1165,6 +1173,7 @@ fn resolve_serve(
         consumer_name,
         relay_batch,
         relay_poll_ms,
+        relay_marker_ttl_secs,
         metrics_addr,
         reconcile_every_secs,
         reconcile_full_every_secs,
@@ -1198,6 +1207,13 @@ fn resolve_serve(
     let relay_batch = r.num("relay_batch", relay_batch, file.relay_batch, ld.batch, bounds::RELAY_BATCH)?;
     let relay_poll_ms =
         r.num("relay_poll_ms", relay_poll_ms, file.relay_poll_ms, millis(ld.poll), bounds::RELAY_POLL_MS)?;
+    let marker_ttl_secs = r.num(
+        "relay_marker_ttl_secs",
+        relay_marker_ttl_secs,
+        file.relay_marker_ttl_secs,
+        ld.marker_ttl.as_secs(),
+        bounds::RELAY_MARKER_TTL_SECS,
+    )?;
     let metrics_addr = r.pick("metrics_addr", metrics_addr, file.metrics_addr).map(|(v, _)| v);
     let reconcile_every_secs = r.num(
         "reconcile_every_secs",
@@ -1229,7 +1245,12 @@ fn resolve_serve(
             schedule: dlq_schedule,
             ..rd
         },
-        relay: RelayConfig { batch: relay_batch, poll: Duration::from_millis(relay_poll_ms), ..ld },
+        relay: RelayConfig {
+            batch: relay_batch,
+            poll: Duration::from_millis(relay_poll_ms),
+            marker_ttl: Duration::from_secs(marker_ttl_secs),
+            ..ld
+        },
         grace: Duration::from_millis(grace_ms),
         consumer_prefix,
         metrics_addr,
@@ -1287,6 +1308,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("stream_shards", s.stream_shards.to_string()),
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
+        ("relay_marker_ttl_secs", v.relay.marker_ttl.as_secs().to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
         ("reconcile_full_every_secs", full_every.as_secs().to_string()),
         ("reconcile_deep_every_secs", deep_every.map_or(0, |d| d.as_secs()).to_string()),
@@ -1591,6 +1613,7 @@ mod tests {
         assert!(bounds::MAX_LINE_BYTES.contains(&d.max_line_bytes));
         assert!(bounds::MIN_IDLE_MS.contains(&millis(ReplayConfig::default().min_idle)));
         assert!(bounds::RELAY_POLL_MS.contains(&millis(RelayConfig::default().poll)));
+        assert!(bounds::RELAY_MARKER_TTL_SECS.contains(&RelayConfig::default().marker_ttl.as_secs()));
         assert!(bounds::BREAKER_COOLDOWN_MS.contains(&millis(BreakerConfig::default().cooldown)));
         assert!(bounds::DLQ_CAP_SECS.contains(&DlqSchedule::default().cap.as_secs()));
     }
@@ -1659,6 +1682,7 @@ stream_shards = 7
 consumer_name = "c"
 relay_batch = 7
 relay_poll_ms = 77
+relay_marker_ttl_secs = 7777
 metrics_addr = "127.0.0.1:1"
 reconcile_every_secs = 7
 "#,
@@ -1697,6 +1721,7 @@ reconcile_every_secs = 7
         let v = &s.serve;
         assert_eq!((v.replayers, v.replay.batch, v.replay.delivery_cap, v.relay.batch), (7, 7, 7, 7));
         assert_eq!(v.replay.min_idle, Duration::from_millis(777));
+        assert_eq!(v.relay.marker_ttl, Duration::from_secs(7777));
         assert_eq!(v.replay.schedule, o.dlq_schedule);
         assert_eq!(v.grace, Duration::from_millis(7));
         assert_eq!(s.stream_prefix, "sp");
@@ -1759,6 +1784,7 @@ reconcile_every_secs = 7
             ("delivery_cap", |c, v| c.serve.delivery_cap = Some(v as u32), 1, 1000),
             ("relay_batch", |c, v| c.serve.relay_batch = Some(v as usize), 1, 10_000),
             ("relay_poll_ms", |c, v| c.serve.relay_poll_ms = Some(v), 10, 60_000),
+            ("relay_marker_ttl_secs", |c, v| c.serve.relay_marker_ttl_secs = Some(v), 3_600, 2_592_000),
         ];
         for (name, set, lo, hi) in cases {
             for (v, ok) in [(lo - 1, false), (*lo, true), (*hi, true), (hi + 1, false)] {

@@ -47,7 +47,9 @@ pub struct RelayConfig {
     /// Longest wait between passes when no notification arrives.
     pub poll: Duration,
     /// Lifetime of a dedup marker; must exceed the longest time a row can stay unpublished
-    /// after its script ran (a relay crash plus restart).
+    /// after its script ran (a relay crash plus restart, a lost asynchronous mark). Setting
+    /// `[serve] relay_marker_ttl_secs` (bounds in `config::bounds`); each marker costs
+    /// Redis about 160 bytes for this long.
     pub marker_ttl: Duration,
     /// Approximate cap on the events stream's length (0 = unbounded).
     pub events_maxlen: usize,

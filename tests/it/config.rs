@@ -72,7 +72,7 @@ fn unique(what: &str) -> String {
 /// A config file naming the test's services, a non-default table and stream prefix.
 fn config_text(db: &TestDb, table: &str, prefix: &str, mock: Option<&MockProvider>) -> String {
     let mut t = format!(
-        "[services]\ndatabase_url = {:?}\nredis_url = {:?}\n[ingest]\ntable = {table:?}\n[serve]\nstream_prefix = {prefix:?}\nrelay_poll_ms = 50\n",
+        "[services]\ndatabase_url = {:?}\nredis_url = {:?}\n[ingest]\ntable = {table:?}\n[serve]\nstream_prefix = {prefix:?}\nrelay_poll_ms = 50\nrelay_marker_ttl_secs = 3600\n",
         db.url,
         redis_url()
     );
@@ -191,6 +191,14 @@ async fn serve_relays_under_the_config_files_stream_prefix() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(len >= parked as u64, "the parks reached {events}");
+    // The file's marker lifetime reached the relay (the default is 7 days).
+    let event_id: String =
+        sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox WHERE published_at IS NOT NULL LIMIT 1")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let ttl: i64 = redis.ttl(format!("{{{prefix}}}:outbox:{event_id}")).await.unwrap();
+    assert!((3000..=3600).contains(&ttl), "marker TTL {ttl} s, configured 3600");
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await.unwrap().unwrap();
