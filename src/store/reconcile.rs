@@ -129,13 +129,22 @@ async fn findings(
          SELECT count(*) AS found, min(updated_at) AS oldest, ARRAY(SELECT key FROM f LIMIT $2) AS examples
            FROM f"
     );
-    let row = sqlx::query(AssertSqlSafe(sql))
+    Ok(check_run(&findings_row(pool, sql, scope, examples).await?, "")?)
+}
+
+/// Runs a findings statement: `$1` the scope's horizon, `$2` how many example keys to return.
+async fn findings_row(
+    pool: &PgPool,
+    sql: String,
+    scope: Scope,
+    examples: usize,
+) -> Result<sqlx::postgres::PgRow, StoreError> {
+    Ok(sqlx::query(AssertSqlSafe(sql))
         .bind(scope.since())
         .bind(examples as i64)
         .persistent(false)
         .fetch_one(pool)
-        .await?;
-    Ok(check_run(&row, "")?)
+        .await?)
 }
 
 /// Runs a repair statement: a `WITH` statement returns its own count; otherwise rows affected
@@ -213,12 +222,7 @@ pub(crate) async fn gaps(
                 ARRAY(SELECT key FROM f WHERE drift LIMIT $2) AS drift_examples
            FROM f"
     );
-    let row = sqlx::query(AssertSqlSafe(sql))
-        .bind(scope.since())
-        .bind(examples as i64)
-        .persistent(false)
-        .fetch_one(pool)
-        .await?;
+    let row = findings_row(pool, sql, scope, examples).await?;
     let mut leaks = check_run(&row, "leak_")?;
     let mut drift = check_run(&row, "drift_")?;
     if repair && leaks.found > 0 {

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use pgvector::Vector;
+use super::ingest::VectorRef;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{Store, StoreError};
@@ -264,7 +264,7 @@ impl Store {
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
             let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
-            let vectors: Vec<Vector> = rows.iter().map(|r| Vector::from(r.embedding.clone())).collect();
+            let vectors: Vec<VectorRef<'_>> = rows.iter().map(|r| VectorRef(&r.embedding)).collect();
             let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(replayed_sql(target.sql_name())))
                 .bind(&target.name)
                 .bind(&ids)
