@@ -142,6 +142,22 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     let len: usize = r.xlen(keys.events()).await.unwrap();
     assert_eq!(len, 100, "one batch was added to the stream before the crash");
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 300);
+    // The dead relay's backends roll back its claims (the batch it published and the next one
+    // it had claimed) only once Postgres notices the connection is gone; until then SKIP LOCKED
+    // would pass over those rows and publish later ones first.
+    for _ in 0..600 {
+        let held = db
+            .count(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+                  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                    AND l.relation = 'dlq_outbox'::regclass",
+            )
+            .await;
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     let published = relay_all(&db, &keys).await;
     assert_eq!(published, 200, "the 100 already in the stream were recognised, not added again");
