@@ -749,18 +749,25 @@ impl Reconciler {
         Ok((missing, trimmed))
     }
 
-    /// Has the relay publish `missing` events again: deletes their dedup markers (or the
-    /// relay would take the republish for a duplicate), then marks their rows unpublished.
+    /// Has the relay publish `missing` events again: deletes their dedup records, and the
+    /// markers an older relay may have written (or the relay would take the republish for a
+    /// duplicate), then marks their rows unpublished.
     async fn republish_events(
         &self,
         redis: &mut RedisConn,
         missing: &[&outbox::PublishedEvent],
     ) -> Result<u64, ReconcileError> {
-        let mut del = redis::cmd("DEL");
+        // One pipeline per shard: a cluster pipeline must stay in one slot.
+        let mut by_shard: std::collections::BTreeMap<u16, redis::Pipeline> = Default::default();
         for r in missing {
-            del.arg(self.keys.outbox_marker(r.identity.shard(&self.keys), &r.event_id));
+            let shard = r.identity.shard(&self.keys);
+            let forget = by_shard.entry(shard).or_insert_with(redis::pipe);
+            forget.hdel(self.keys.dedup_hash(shard, &r.dedup_hour), &r.event_id).ignore();
+            forget.del(self.keys.legacy_marker(shard, &r.event_id)).ignore();
         }
-        let _: i64 = del.query_async(redis).await?;
+        for forget in by_shard.values() {
+            let _: () = forget.query_async(redis).await?;
+        }
         let ids: Vec<i64> = missing.iter().map(|r| r.id).collect();
         Ok(outbox::mark_unpublished(self.store.pool(), &ids).await?)
     }

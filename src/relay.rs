@@ -5,17 +5,18 @@
 //! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), group
 //! them by stream shard and publish each shard's rows in outbox order with one pipeline of
 //! `redis/publish.lua` calls, each call carrying up to [`RelayConfig::rows_per_call`] rows (the
-//! script appends a row to its shard's stream only if the row's dedup marker, in the same
-//! slot, is absent, and returns every row's entry id in order), then mark the rows published,
+//! script appends a row to its shard's stream only if no dedup record of the row's event, in
+//! a hash of the same slot, exists, and returns every row's entry id in order), then mark the
+//! rows published,
 //! record the entry id each one became, and commit. A crash after the XADDs and before the
 //! commit leaves the rows unpublished; the next pass re-runs the script, which finds the
-//! markers and adds nothing. The loop ([`Relay::run`]) publishes a backlog with
+//! records and adds nothing. The loop ([`Relay::run`]) publishes a backlog with
 //! [`Relay::drain`], which overlaps consecutive passes (publish N while marking N-1 and
 //! claiming N+1) and keeps each shard's stream in outbox order.
 //! The loop wakes on `LISTEN embed_dlq_outbox` (sent at commit by a trigger, only by
 //! statements that inserted outbox rows) and polls as a fallback.
 //!
-//! Dedup identity: the marker is keyed by the row's `event_id`, a random uuid written with the
+//! Dedup identity: the record is keyed by the row's `event_id`, a random uuid written with the
 //! row (migration 0005), never by the outbox id: outbox ids repeat after a database restore, in
 //! a re-created database and across deployments sharing a prefix, and a repeated id would
 //! make a new event look like a duplicate of an old one and drop it.
@@ -46,10 +47,10 @@ pub struct RelayConfig {
     pub batch: usize,
     /// Longest wait between passes when no notification arrives.
     pub poll: Duration,
-    /// Lifetime of a dedup marker; must exceed the longest time a row can stay unpublished
-    /// after its script ran (a relay crash plus restart, a lost asynchronous mark). Setting
-    /// `[serve] relay_marker_ttl_secs` (bounds in `config::bounds`); each marker costs
-    /// Redis about 160 bytes for this long.
+    /// How long a dedup record outlives the last write to its hash; must exceed the longest
+    /// time a row can stay unpublished after its script ran (a relay crash plus restart, a
+    /// lost asynchronous mark). Setting `[serve] relay_marker_ttl_secs` (bounds in
+    /// `config::bounds`); each record costs Redis about 100 bytes for this long.
     pub marker_ttl: Duration,
     /// Approximate cap on the events stream's length (0 = unbounded).
     pub events_maxlen: usize,
@@ -232,7 +233,7 @@ impl Relay {
     /// publish fails, every later claim is released unpublished (its transaction rolls
     /// back), so a retry publishes the failed rows before the later ones and each shard's
     /// stream keeps outbox order. A mark that fails after its batch was published leaves
-    /// the rows unpublished: the next pass finds their markers and adds nothing (the same
+    /// the rows unpublished: the next pass finds their dedup records and adds nothing (the same
     /// case as a crash between the publish and the commit).
     pub async fn drain(&mut self, cancel: &CancellationToken) -> Result<RelayCounts, RelayError> {
         type Marking =
@@ -304,31 +305,37 @@ impl Relay {
 
     /// The pipeline publishing `rows` (all of shard `shard`, in outbox order): the script
     /// (loaded first, so a server that lost its script cache runs it), then one call per
-    /// [`RelayConfig::rows_per_call`] rows.
+    /// [`RelayConfig::rows_per_call`] consecutive rows of one dedup hour (every row of a call
+    /// is recorded in one hash, see `redis/publish.lua`).
     fn pipeline(&self, shard: u16, rows: &[&outbox::OutboxRow]) -> redis::Pipeline {
         let mut pipe = redis::pipe();
         pipe.load_script(&self.script).ignore();
         let ttl = self.config.marker_ttl.as_secs().max(1);
-        for call in rows.chunks(self.config.rows_per_call.clamp(1, MAX_ROWS_PER_CALL)) {
-            let mut invocation = self.script.prepare_invoke();
-            invocation.arg(ttl);
-            for r in call {
-                let maxlen = if r.stream == "events" { self.config.events_maxlen } else { 0 };
+        let per_call = self.config.rows_per_call.clamp(1, MAX_ROWS_PER_CALL);
+        for of_hour in rows.chunk_by(|a, b| a.dedup_hour == b.dedup_hour) {
+            for call in of_hour.chunks(per_call) {
+                let mut invocation = self.script.prepare_invoke();
                 invocation
-                    .key(self.keys.outbox_marker(shard, &r.event_id))
-                    .key(self.keys.for_outbox_stream(&r.stream, shard))
-                    .arg(maxlen)
-                    .arg(8)
-                    .arg("outbox_id")
-                    .arg(r.id)
-                    .arg("event_id")
-                    .arg(&r.event_id)
-                    .arg("event")
-                    .arg(&r.event)
-                    .arg("body")
-                    .arg(&r.body);
+                    .key(self.keys.dedup_hash(shard, &call[0].dedup_hour))
+                    .key(self.keys.events_of(shard))
+                    .key(self.keys.replay_of(shard))
+                    .arg(ttl)
+                    .arg(self.config.events_maxlen);
+                let mut legacy_keys = 3;
+                for r in call {
+                    let legacy = match r.legacy_marker {
+                        true => {
+                            invocation.key(self.keys.legacy_marker(shard, &r.event_id));
+                            legacy_keys += 1;
+                            legacy_keys
+                        }
+                        false => 0,
+                    };
+                    let stream = if r.stream == "replay" { 2 } else { 1 };
+                    invocation.arg(stream).arg(legacy).arg(&r.event_id).arg(r.id).arg(&r.event).arg(&r.body);
+                }
+                pipe.invoke_script(&invocation);
             }
-            pipe.invoke_script(&invocation);
         }
         pipe
     }

@@ -31,6 +31,13 @@ pub(crate) struct OutboxRow {
     /// The chunk's identity (canonical target table, doc id, chunk index): what its stream
     /// shard is derived from ([`crate::streams::StreamKeys::shard_of`]).
     pub identity: Identity,
+    /// The hour the row was created (UTC, `YYYYMMDDHH`): which dedup hash records its event
+    /// ([`crate::streams::StreamKeys::dedup_hash`]); fixed for the row's life, so every
+    /// retry looks in the same hash.
+    pub dedup_hour: String,
+    /// Created before the dedup hashes (migration 0011): an older relay may have published it
+    /// with a marker key of its own, which the publish script must also look at.
+    pub legacy_marker: bool,
 }
 
 /// A chunk's identity as the outbox records it; rows written before migration 0004 name no
@@ -72,12 +79,14 @@ pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreEr
     let mut tx = pool.begin().await?;
     let rows = sqlx::query(
         "SELECT id, event_id::text AS event_id, event, stream, body::text AS body,
-                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index
+                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,
+                embed_dlq_dedup_hour(created_at) AS dedup_hour,
+                created_at < COALESCE((SELECT since FROM embed_dlq_dedup_hashes), '-infinity') AS legacy_marker
            FROM dlq_outbox
           WHERE published_at IS NULL
           ORDER BY id
           LIMIT $1
-          FOR UPDATE SKIP LOCKED",
+          FOR UPDATE OF dlq_outbox SKIP LOCKED",
     )
     .bind(limit as i64)
     .fetch_all(&mut *tx)
@@ -96,6 +105,8 @@ pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreEr
                 stream: r.try_get("stream")?,
                 body: r.try_get("body")?,
                 identity: Identity::read(r)?,
+                dedup_hour: r.try_get("dedup_hour")?,
+                legacy_marker: r.try_get("legacy_marker")?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()?;
@@ -180,6 +191,8 @@ pub(crate) struct PublishedEvent {
     pub key: String,
     /// The chunk's identity: which stream shard the event went to.
     pub identity: Identity,
+    /// Which dedup hash records the event ([`OutboxRow::dedup_hour`]).
+    pub dedup_hour: String,
 }
 
 /// Up to `limit` published `events` rows after `after_id`, by id, that recorded their entry id
@@ -191,7 +204,8 @@ pub(crate) async fn published_events(
 ) -> Result<Vec<PublishedEvent>, StoreError> {
     let rows = sqlx::query(
         "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key,
-                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index
+                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,
+                embed_dlq_dedup_hour(created_at) AS dedup_hour
            FROM dlq_outbox
           WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
           ORDER BY id LIMIT $2",
@@ -208,6 +222,7 @@ pub(crate) async fn published_events(
                 entry_id: r.try_get("entry_id")?,
                 key: r.try_get("key")?,
                 identity: Identity::read(r)?,
+                dedup_hour: r.try_get("dedup_hour")?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()

@@ -129,19 +129,19 @@ impl StreamKeys {
         format!("{{{}}}:meta", self.prefix)
     }
 
-    /// Dedup marker of one outbox row, keyed by its `event_id` (never by the outbox id, which
-    /// repeats across restores, re-created databases and deployments sharing a prefix), in
-    /// its shard's slot (the publish script touches the marker and the stream together).
-    pub(crate) fn outbox_marker(&self, shard: u16, event_id: &str) -> String {
-        format!("{}:outbox:{event_id}", self.tag(shard))
+    /// The hash recording which events of shard `shard` created in hour `hour` (UTC,
+    /// `YYYYMMDDHH`) were published: field = `event_id` (never the outbox id, which repeats
+    /// across restores, re-created databases and deployments sharing a prefix), value = the
+    /// entry id. In the shard's slot: the publish script writes it and the streams together.
+    /// An hour bounds one hash (and the work of freeing it when it expires).
+    pub(crate) fn dedup_hash(&self, shard: u16, hour: &str) -> String {
+        format!("{}:published:{hour}", self.tag(shard))
     }
 
-    /// The stream an outbox row's `stream` column names, in shard `shard`.
-    pub(crate) fn for_outbox_stream(&self, stream: &str, shard: u16) -> String {
-        match stream {
-            "replay" => self.replay_of(shard),
-            _ => self.events_of(shard),
-        }
+    /// The dedup marker an older relay (before migration 0011) wrote per event: still looked
+    /// at for rows created before the upgrade, and deleted with the hash field on a republish.
+    pub(crate) fn legacy_marker(&self, shard: u16, event_id: &str) -> String {
+        format!("{}:outbox:{event_id}", self.tag(shard))
     }
 
     /// The shard of a chunk: a stable hash (the first 8 bytes of SHA-256) of its identity
@@ -326,11 +326,10 @@ mod tests {
         assert_eq!(k.events(), "{prod}:events");
         assert_eq!(k.replay(), "{prod}:replay");
         assert_eq!(
-            k.outbox_marker(0, "0b6f0c52-8a56-4e0e-9b43-4c3f8e8d1a2b"),
+            k.legacy_marker(0, "0b6f0c52-8a56-4e0e-9b43-4c3f8e8d1a2b"),
             "{prod}:outbox:0b6f0c52-8a56-4e0e-9b43-4c3f8e8d1a2b"
         );
-        assert_eq!(k.for_outbox_stream("replay", 0), k.replay());
-        assert_eq!(k.for_outbox_stream("events", 0), k.events());
+        assert_eq!(k.dedup_hash(0, "2026113014"), "{prod}:published:2026113014");
         assert_eq!(k.meta(), "{prod}:meta");
         assert_eq!((k.shards(), k.shard_of("public.t", "doc", 3)), (1, 0));
         assert_eq!(StreamKeys::with_shards("prod", 1), k, "one shard is the unsharded layout");
@@ -356,7 +355,8 @@ mod tests {
             let lo = i as u16 * quarter + quarter / 4;
             assert!((lo..lo + quarter / 2).contains(s), "shard {i} on slot {s}");
             assert_eq!(slot(k.events_of(i as u16).as_bytes()), *s);
-            assert_eq!(slot(k.outbox_marker(i as u16, "e").as_bytes()), *s);
+            assert_eq!(slot(k.legacy_marker(i as u16, "e").as_bytes()), *s);
+            assert_eq!(slot(k.dedup_hash(i as u16, "2026113014").as_bytes()), *s);
         }
         // Three masters owning 0-5460, 5461-10922, 10923-16383 all get a shard.
         let masters: std::collections::HashSet<u16> = slots.iter().map(|s| s / 5461).collect();

@@ -192,13 +192,15 @@ async fn serve_relays_under_the_config_files_stream_prefix() {
     }
     assert!(len >= parked as u64, "the parks reached {events}");
     // The file's marker lifetime reached the relay (the default is 7 days).
-    let event_id: String =
-        sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox WHERE published_at IS NOT NULL LIMIT 1")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    let ttl: i64 = redis.ttl(format!("{{{prefix}}}:outbox:{event_id}")).await.unwrap();
-    assert!((3000..=3600).contains(&ttl), "marker TTL {ttl} s, configured 3600");
+    let hour: String = sqlx::query_scalar(
+        // Every event is on the stream (its record written with it); its row may not be marked yet.
+        "SELECT embed_dlq_dedup_hour(created_at) FROM dlq_outbox WHERE stream = 'events' ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let ttl: i64 = redis.ttl(format!("{{{prefix}}}:published:{hour}")).await.unwrap();
+    assert!((3000..=3600).contains(&ttl), "dedup hash TTL {ttl} s, configured 3600");
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await.unwrap().unwrap();

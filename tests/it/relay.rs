@@ -76,26 +76,46 @@ async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
 }
 }
 
+/// One call of `redis/publish.lua` for rows `(stream, legacy marker index, event_id)` of shard
+/// 0 of `keys`, recorded in the hash of hour `hour`; `legacy` names the old-format markers
+/// passed after the streams.
+fn publish_call(
+    keys: &StreamKeys,
+    hour: &str,
+    legacy: &[&str],
+    rows: &[(u8, u8, &str)],
+) -> redis::ScriptInvocation<'static> {
+    static SCRIPT: std::sync::LazyLock<redis::Script> =
+        std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../redis/publish.lua")));
+    let tag = format!("{{{}}}", keys.prefix());
+    let mut inv = SCRIPT.prepare_invoke();
+    inv.key(format!("{tag}:published:{hour}")).key(keys.events()).key(keys.replay()).arg(3600).arg(0);
+    for e in legacy {
+        inv.key(format!("{tag}:outbox:{e}"));
+    }
+    for (n, (stream, marker, e)) in rows.iter().enumerate() {
+        inv.arg(*stream).arg(*marker).arg(*e).arg(n).arg("parked").arg("{}");
+    }
+    inv
+}
+
+fn added(replies: &[(String, i64)]) -> Vec<i64> {
+    replies.iter().map(|(_, added)| *added).collect()
+}
+
 on_single_and_cluster! {
 async fn one_script_call_adds_only_the_unpublished_rows_and_returns_every_id_in_order() {
-    // The contract of redis/publish.lua itself: KEYS marker, stream pairs; ARGV ttl, then per
-    // row maxlen, n, n field/value arguments; one {entry_id, added} pair per row, in order.
+    // The contract of redis/publish.lua itself: KEYS dedup hash, events, replay, old markers;
+    // ARGV ttl, maxlen, then six per row; one {entry_id, added} pair per row, in order.
     let keys = fresh_keys();
-    let script = redis::Script::new(include_str!("../../redis/publish.lua"));
     let mut r = redis().await;
-    let tag = format!("{{{}}}", keys.prefix());
-    let call = |events: &[&str]| {
-        let mut inv = script.prepare_invoke();
-        inv.arg(3600);
-        for e in events {
-            inv.key(format!("{tag}:outbox:{e}")).key(keys.events()).arg(0).arg(4).arg("event_id").arg(*e).arg("n").arg(1);
-        }
-        inv
-    };
-    let first: Vec<(String, i64)> = call(&["e2", "e4"]).invoke_async(&mut r).await.unwrap();
-    assert_eq!(first.iter().map(|(_, added)| *added).collect::<Vec<_>>(), [1, 1]);
-    let second: Vec<(String, i64)> = call(&["e1", "e2", "e3", "e4", "e5"]).invoke_async(&mut r).await.unwrap();
-    assert_eq!(second.iter().map(|(_, added)| *added).collect::<Vec<_>>(), [1, 0, 1, 0, 1], "{second:?}");
+    let row = |e| (1u8, 0u8, e);
+    let first: Vec<(String, i64)> =
+        publish_call(&keys, "2026113010", &[], &[row("e2"), row("e4")]).invoke_async(&mut r).await.unwrap();
+    assert_eq!(added(&first), [1, 1]);
+    let all = [row("e1"), row("e2"), row("e3"), row("e4"), row("e5")];
+    let second: Vec<(String, i64)> = publish_call(&keys, "2026113010", &[], &all).invoke_async(&mut r).await.unwrap();
+    assert_eq!(added(&second), [1, 0, 1, 0, 1], "{second:?}");
     assert_eq!((&second[1].0, &second[3].0), (&first[0].0, &first[1].0), "the original ids come back");
     let new: Vec<(u64, u64)> =
         [0, 2, 4].iter().map(|&i| embed_dlq::streams::parse_entry_id(&second[i].0)).collect();
@@ -103,11 +123,101 @@ async fn one_script_call_adds_only_the_unpublished_rows_and_returns_every_id_in_
     let entries = events_on_stream(&keys).await;
     let on_stream: Vec<String> =
         entries.iter().map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap()).collect();
-    assert_eq!(on_stream, ["e2", "e4", "e1", "e3", "e5"], "each event once, nothing added for a marker");
+    assert_eq!(on_stream, ["e2", "e4", "e1", "e3", "e5"], "each event once, nothing added for a record");
     let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids, [&first[0].0, &first[1].0, &second[0].0, &second[2].0, &second[4].0]);
-    let _: () = r.del(keys.events()).await.unwrap();
+    // The same event twice in one call is added once; a replay row goes to the replay stream.
+    let third: Vec<(String, i64)> = publish_call(&keys, "2026113010", &[], &[row("e6"), (2, 0, "w1"), row("e6")])
+        .invoke_async(&mut r)
+        .await
+        .unwrap();
+    assert_eq!(added(&third), [1, 1, 0], "{third:?}");
+    assert_eq!(third[0].0, third[2].0);
+    let replay: redis::streams::StreamRangeReply = r.xrange_all(keys.replay()).await.unwrap();
+    assert_eq!(replay.ids.len(), 1);
+    assert_eq!(embed_dlq::streams::field(&replay.ids[0].map, "event_id").as_deref(), Some("w1"));
+    // The records live in the call's hash, with the TTL the call gave.
+    let tag = format!("{{{}}}", keys.prefix());
+    let ttl: i64 = r.ttl(format!("{tag}:published:2026113010")).await.unwrap();
+    assert!((3500..=3600).contains(&ttl), "{ttl}");
+    let recorded: Option<String> = r.hget(format!("{tag}:published:2026113010"), "e3").await.unwrap();
+    assert_eq!(recorded.as_deref(), Some(second[2].0.as_str()));
+    let _: () = r.del(&[keys.events(), keys.replay(), format!("{tag}:published:2026113010")]).await.unwrap();
 }
+}
+
+on_single_and_cluster! {
+async fn an_old_format_marker_still_dedupes_the_row_it_was_written_for() {
+    // An older relay published e1 (a key per event holding its entry id) and crashed before
+    // marking the row: the upgraded relay, told the row may have one, gets that id back.
+    let keys = fresh_keys();
+    let mut r = redis().await;
+    let tag = format!("{{{}}}", keys.prefix());
+    let old: String = r.xadd(keys.events(), "*", &[("event_id", "e1")]).await.unwrap();
+    let _: () = r.set(format!("{tag}:outbox:e1"), &old).await.unwrap();
+    let rows = [(1, 4, "e1"), (1, 0, "e2")];
+    let replies: Vec<(String, i64)> =
+        publish_call(&keys, "2026113010", &["e1"], &rows).invoke_async(&mut r).await.unwrap();
+    assert_eq!(added(&replies), [0, 1], "{replies:?}");
+    assert_eq!(replies[0].0, old);
+    assert_eq!(events_on_stream(&keys).await.len(), 2);
+    let _: () = r.del(&[keys.events(), format!("{tag}:outbox:e1"), format!("{tag}:published:2026113010")]).await.unwrap();
+}
+}
+
+on_single_and_cluster! {
+async fn a_call_that_fails_half_way_still_records_the_rows_it_added() {
+    // Redis does not roll a script back: when a later XADD fails, the entries added before it
+    // stay, so their records must be written too, or a retry would add them a second time.
+    let keys = fresh_keys();
+    let mut r = redis().await;
+    let _: () = r.set(keys.replay(), "not a stream").await.unwrap();
+    let rows = [(1, 0, "e1"), (2, 0, "w1"), (1, 0, "e2")];
+    let failed: redis::RedisResult<Vec<(String, i64)>> =
+        publish_call(&keys, "2026113010", &[], &rows).invoke_async(&mut r).await;
+    assert!(failed.is_err(), "{failed:?}");
+    let _: () = r.del(keys.replay()).await.unwrap();
+    let retried: Vec<(String, i64)> = publish_call(&keys, "2026113010", &[], &rows).invoke_async(&mut r).await.unwrap();
+    assert_eq!(added(&retried), [0, 1, 1], "{retried:?}");
+    let on_stream: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect();
+    assert_eq!(on_stream, ["e1", "e2"], "e1 once");
+    let tag = format!("{{{}}}", keys.prefix());
+    let _: () = r.del(&[keys.events(), keys.replay(), format!("{tag}:published:2026113010")]).await.unwrap();
+}
+}
+
+on_single_and_cluster! {
+async fn rows_parked_before_the_upgrade_are_checked_against_old_markers() {
+    // Rows created before migration 0011's cut-over, published by an older relay that wrote a
+    // marker per event and crashed before its commit: the upgraded relay adds nothing.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "upgrade", 4).await;
+    let mut r = redis().await;
+    let rows: Vec<(String,)> =
+        sqlx::query_as("SELECT event_id::text FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    for (event_id,) in &rows {
+        let id: String = r.xadd(keys.events(), "*", &[("event_id", event_id.as_str())]).await.unwrap();
+        let _: () = r.set(keys_legacy_marker(&keys, event_id), id).await.unwrap();
+    }
+    sqlx::query("UPDATE embed_dlq_dedup_hashes SET since = now()").execute(&db.pool).await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let c = relay.run_once().await.unwrap();
+    assert_eq!((c.claimed, c.published, c.duplicates), (4, 0, 4), "{c:?}");
+    assert_eq!(events_on_stream(&keys).await.len(), 4);
+    // Rows created after the cut-over never had a marker: the relay does not look for one.
+    park(&db, "after", 2).await;
+    assert_eq!(relay_all(&db, &keys).await, 2);
+    assert_eq!(events_on_stream(&keys).await.len(), 6);
+}
+}
+
+fn keys_legacy_marker(keys: &StreamKeys, event_id: &str) -> String {
+    format!("{{{}}}:outbox:{event_id}", keys.prefix())
 }
 
 on_single_and_cluster! {
