@@ -63,9 +63,9 @@ pub struct RelayConfig {
 }
 
 /// Most rows one call of `redis/publish.lua` may carry ([`RelayConfig::rows_per_call`]).
-/// The script costs the server 22-31 µs a row of ordinary envelopes (a few hundred bytes) on a
-/// loaded 2-core machine (BENCHMARKS.md), so a call of this many rows blocks it for up to
-/// about 15 ms there, and the default of 100 for a few milliseconds.
+/// The script costs the server about 6 µs a row of ordinary envelopes (a few hundred bytes) on
+/// a quiet 2-core machine and up to 16 µs under load (BENCHMARKS.md), so a call of this many
+/// rows blocks it for 3-8 ms, and the default of 100 for about a millisecond.
 pub const MAX_ROWS_PER_CALL: usize = 500;
 
 /// Default [`RelayConfig::rows_per_call`].
