@@ -219,9 +219,9 @@ pub struct ServeArgs {
     /// Relay poll interval when no notification arrives, 10..=60000 ms.
     #[arg(long)]
     pub relay_poll_ms: Option<u64>,
-    /// How long a published event's dedup marker stays in Redis, 3600..=2592000 s (default 7
+    /// How long a published event's dedup record stays in Redis, 3600..=2592000 s (default 7
     /// days): it must outlive any outage between a publish and its mark; shorter saves Redis
-    /// memory (about 160 bytes per event).
+    /// memory (about 115 bytes per event).
     #[arg(long)]
     pub relay_marker_ttl_secs: Option<u64>,
     /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
@@ -367,7 +367,7 @@ pub mod bounds {
     pub const RELAY_BATCH: RangeInclusive<usize> = 1..=10_000;
     /// `relay_poll_ms`: 10 ms to 1 minute between passes without a notification.
     pub const RELAY_POLL_MS: RangeInclusive<u64> = 10..=60_000;
-    /// `relay_marker_ttl_secs`: an hour (a relay down longer than the marker lives could show
+    /// `relay_marker_ttl_secs`: an hour (a relay down longer than the record lives could show
     /// a re-published event twice) to 30 days.
     pub const RELAY_MARKER_TTL_SECS: RangeInclusive<u64> = 3_600..=2_592_000;
     /// 0 = never; at most 7 days.

@@ -21,7 +21,7 @@ pub(crate) const NOTIFY_CHANNEL: &str = "embed_dlq_outbox";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct OutboxRow {
     pub id: i64,
-    /// The event's identity on the Redis side (dedup marker); never repeats (migration 0005).
+    /// The event's identity on the Redis side (dedup record); never repeats (migration 0005).
     pub event_id: String,
     pub event: String,
     /// `events` or `replay`.
@@ -117,7 +117,7 @@ impl Claim {
     /// Marks the claimed rows `ids` published, each with the stream entry id it became
     /// (`entry_ids`, same order), and commits without waiting for the commit to reach disk
     /// (`synchronous_commit = off` for this transaction only): a mark lost in a database
-    /// crash leaves its rows unpublished, which is the case the dedup markers already cover
+    /// crash leaves its rows unpublished, which is the case the dedup records already cover
     /// (the next pass gets the original entry ids back and adds nothing), so waiting for the
     /// flush, the longest step of a pass on a busy disk, buys nothing.
     pub(crate) async fn mark_published(mut self, ids: &[i64], entry_ids: &[&str]) -> Result<(), StoreError> {

@@ -14,7 +14,8 @@
 //! | --- | --- | --- | --- |
 //! | `{tag}:events` | stream | relay (every park, resolve, replay, re-park, exhaustion) | `tail`, any consumer |
 //! | `{tag}:replay` | stream | relay (due replay work items) | group [`REPLAY_GROUP`] |
-//! | `{tag}:outbox:<event_id>` | string, TTL | `redis/publish.lua` (dedup marker → entry id) | `redis/publish.lua` |
+//! | `{tag}:published:<YYYYMMDDHH>` | hash, TTL | `redis/publish.lua` (dedup records of the events of rows created that hour: `event_id` → entry id) | `redis/publish.lua`, the reconciler (deletes a record to publish again) |
+//! | `{tag}:outbox:<event_id>` | string, TTL | releases before migration 0011 (dedup marker → entry id) | `redis/publish.lua`, for rows created before it |
 //! | `{prefix}:meta` | hash | the first `serve`/`tail`/`reconcile` ([`check_shards`]) | every later one: `stream_shards` |
 //!
 //! A row maps to its shard by a stable hash of its identity (target table, doc id, chunk
@@ -25,7 +26,7 @@
 //! from the outbox: ids, error class, attempts, timestamps — never the payload or a secret).
 //! `event_id` is a random uuid per outbox row: unique across database restores, re-created
 //! databases and deployments sharing a prefix (the outbox id is not), so consumers can
-//! deduplicate by it, and the dedup marker is keyed by it.
+//! deduplicate by it, and the dedup record is keyed by it.
 
 pub mod conn;
 pub mod work;
