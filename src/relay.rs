@@ -50,7 +50,7 @@ pub struct RelayConfig {
     /// How long a dedup record outlives the last write to its hash; must exceed the longest
     /// time a row can stay unpublished after its script ran (a relay crash plus restart, a
     /// lost asynchronous mark). Setting `[serve] relay_marker_ttl_secs` (bounds in
-    /// `config::bounds`); each record costs Redis about 100 bytes for this long.
+    /// `config::bounds`); each record costs Redis about 115 bytes for this long.
     pub marker_ttl: Duration,
     /// Approximate cap on the events stream's length (0 = unbounded).
     pub events_maxlen: usize,
