@@ -217,7 +217,8 @@ async fn run() {
     }
 
     if let Ok(redis_url) = std::env::var("REDIS_URL") {
-        streams_bench(&pool, &pipeline, &mock, &redis_url, env_usize("BENCH_STREAM_ROWS", 20_000)).await;
+        streams_bench(&pool, &pipeline, &mock, &redis_url, env_usize("BENCH_STREAM_ROWS", 20_000), &cpu)
+            .await;
     }
 
     if let Ok(sizes) = std::env::var("BENCH_MEMORY_CHUNKS") {
@@ -635,6 +636,15 @@ async fn ceiling_pass(
     }
 }
 
+/// The CPU-seconds (user + system) the Redis server behind `redis` has used, from `INFO cpu`.
+async fn redis_cpu_secs(redis: &mut embed_dlq::streams::RedisConn) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(redis).await.unwrap();
+    info.lines()
+        .filter_map(|l| l.strip_prefix("used_cpu_sys:").or_else(|| l.strip_prefix("used_cpu_user:")))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
 /// Relay and replay rates, and park-to-stream latency.
 async fn streams_bench(
     pool: &sqlx::PgPool,
@@ -642,6 +652,7 @@ async fn streams_bench(
     mock: &MockProvider,
     redis_url: &str,
     rows: usize,
+    cpu: &CpuSampler,
 ) {
     use embed_dlq::relay::{Relay, RelayConfig};
     use embed_dlq::streams::{self, StreamKeys};
@@ -678,7 +689,7 @@ async fn streams_bench(
     relay_rounds(pool, &mut redis, &keys, &raw_key, &body, rows).await;
 
     // Replay against the ingest pipeline, side by side, `BENCH_REPLAY_ROUNDS` rounds.
-    replay_bench(pool, pipeline, &parking, mock, &client, &mut redis, &keys, rows).await;
+    replay_bench(pool, pipeline, &parking, mock, &client, &mut redis, &keys, rows, cpu).await;
 
     // Park-to-stream latency: a relay loop woken by NOTIFY; one park at a time.
     let cancel = CancellationToken::new();
@@ -744,6 +755,7 @@ async fn replay_bench(
     redis: &mut embed_dlq::streams::RedisConn,
     keys: &embed_dlq::streams::StreamKeys,
     rows: usize,
+    cpu: &CpuSampler,
 ) {
     use embed_dlq::relay::{Relay, RelayConfig};
     use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
@@ -773,9 +785,24 @@ async fn replay_bench(
         let mut corpus = Vec::new();
         let spec = CorpusSpec { doc_prefix: format!("ib{round}"), chunks: rows, ..CorpusSpec::default() };
         write_corpus(&mut corpus, &spec, 100_000).unwrap();
-        let start = Instant::now();
+        let mut info_conn = redis.clone();
+        let mut redis_cpu = redis_cpu_secs(&mut info_conn).await;
+        let (start, mut phase_cpu) = (Instant::now(), cpu.snapshot());
+        let mut cpu_lines = vec![];
+        let mut book = async |what: &str| {
+            let (now, now_redis) = (cpu.snapshot(), redis_cpu_secs(&mut info_conn).await);
+            let d = now.since(&phase_cpu);
+            cpu_lines.push(format!(
+                "{what} client {:.1} + pg {:.1} + redis {:.1} us",
+                d.client * 1e6 / rows as f64,
+                (d.pg_own + d.pg_background) * 1e6 / rows as f64,
+                (now_redis - redis_cpu) * 1e6 / rows as f64
+            ));
+            (phase_cpu, redis_cpu) = (now, now_redis);
+        };
         let summary = pipeline.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
         let ingest_rate = rows as f64 / start.elapsed().as_secs_f64();
+        book("ingest").await;
         assert_eq!(summary.stored as usize, rows, "{summary:?}");
 
         // `rows` parked chunks, their `parked` events relayed, all due now.
@@ -794,6 +821,7 @@ async fn replay_bench(
             .execute(pool)
             .await
             .unwrap();
+        book("park (outage) + relay").await;
 
         // The replay: replayers run until every row is settled.
         let settled = Arc::new(AtomicU64::new(0));
@@ -837,8 +865,10 @@ async fn replay_bench(
         } else {
             scheduler.run_once().await.unwrap();
             let scheduled = start.elapsed();
+            book("schedule").await;
             while relay.run_once().await.unwrap().claimed > 0 {}
             let relayed = start.elapsed();
+            book("relay").await;
             let tasks = spawn_replayers();
             (
                 tasks,
@@ -857,6 +887,7 @@ async fn replay_bench(
         for t in &tasks {
             t.abort();
         }
+        book(if overlap { "replay" } else { "drain" }).await;
         let left: i64 =
             sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(pool).await.unwrap();
         assert_eq!(left, 0, "every parked row replayed");
@@ -870,6 +901,7 @@ async fn replay_bench(
             "replay round {round}: ingest pipeline {ingest_rate:>8.0} chunks/s   replay {replay_rate:>8.0} items/s ({phases})   ratio {:.2}",
             replay_rate / ingest_rate
         );
+        println!("  CPU per item: {}", cpu_lines.join("; "));
         ingest_rates.push(ingest_rate);
         replay_rates.push(replay_rate);
         ratios.push(replay_rate / ingest_rate);
