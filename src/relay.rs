@@ -2,7 +2,9 @@
 //! without a visible duplicate.
 //!
 //! One pass ([`Relay::run_once`]): in a transaction, claim the oldest unpublished rows with
-//! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows), group
+//! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows; a row
+//! waits while an earlier row of its chunk is unpublished, so a chunk's events keep their
+//! order across relays), group
 //! them by stream shard and publish each shard's rows in outbox order with one pipeline of
 //! `redis/publish.lua` calls, each call carrying up to [`RelayConfig::rows_per_call`] rows (the
 //! script appends a row to its shard's stream only if no dedup record of the row's event, in
@@ -375,10 +377,15 @@ impl Relay {
                     Err(e) => tracing::warn!(error = %e, "relay: cannot open a LISTEN connection; polling"),
                 }
             }
+            // Rows a claim left for later (an earlier row of their chunk was still waiting)
+            // become claimable as soon as this relay's own marks commit: after a drain that
+            // claimed anything, look again at once instead of waiting for a notification.
+            let mut busy = false;
             match self.drain(&cancel).await {
                 Ok(c) => {
                     backoff = Duration::from_millis(100);
                     if c.claimed > 0 {
+                        busy = true;
                         tracing::debug!(published = c.published, duplicates = c.duplicates, "relay passes");
                     }
                 }
@@ -402,6 +409,9 @@ impl Relay {
                     Err(e) => tracing::warn!(error = %e, "relay: trimming the replay stream failed"),
                     Ok(_) => {}
                 }
+            }
+            if busy {
+                continue;
             }
             match listener.as_mut() {
                 Some(l) => {

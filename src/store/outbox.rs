@@ -73,8 +73,10 @@ pub(crate) struct Claim {
     pub rows: Vec<OutboxRow>,
 }
 
-/// Claims up to `limit` of the oldest unpublished rows that no other relay holds. `None`
-/// when there is nothing to publish (the transaction is already closed).
+/// Claims up to `limit` of the oldest unpublished rows that no other relay holds and whose
+/// chunk has no earlier unpublished row in the same stream (so one chunk's events reach the
+/// stream in outbox order even when several relays drain a backlog side by side). `None` when
+/// there is nothing to publish (the transaction is already closed).
 pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreError> {
     let mut tx = pool.begin().await?;
     let rows = sqlx::query(
@@ -82,11 +84,20 @@ pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreEr
                 COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,
                 embed_dlq_dedup_hour(created_at) AS dedup_hour,
                 created_at < COALESCE((SELECT since FROM embed_dlq_dedup_hashes), '-infinity') AS legacy_marker
-           FROM dlq_outbox
+           FROM dlq_outbox o
           WHERE published_at IS NULL
+            -- Not while an earlier row of the chunk waits: it may be held by another relay
+            -- (SKIP LOCKED passes over it) or be in this very claim; either way this row goes
+            -- in a later batch, after that one is published. A scalar subquery, so it is one
+            -- probe of dlq_outbox_unpublished_chunk_idx a row, never a join over the backlog.
+            AND (SELECT true FROM dlq_outbox e
+                  WHERE e.published_at IS NULL AND e.doc_id = o.doc_id
+                    AND e.chunk_index = o.chunk_index AND e.id < o.id AND e.stream = o.stream
+                    AND e.target_table IS NOT DISTINCT FROM o.target_table
+                  LIMIT 1) IS NULL
           ORDER BY id
           LIMIT $1
-          FOR UPDATE OF dlq_outbox SKIP LOCKED",
+          FOR UPDATE OF o SKIP LOCKED",
     )
     .bind(limit as i64)
     .fetch_all(&mut *tx)

@@ -282,6 +282,94 @@ async fn drain_overlaps_batches_and_keeps_every_row_once_in_outbox_order() {
 }
 
 on_single_and_cluster! {
+async fn a_chunks_later_event_waits_while_another_relay_holds_its_earlier_one() {
+    // Two relays (two `serve` hosts) drain one backlog: relay A has claimed the batch with
+    // chunk X's `parked` event and not published it yet (or its host died with the claim
+    // open). Relay B must not publish X's later `resolved` event before it, or the stream
+    // would show X resolved, then parked.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "order", 1).await;
+    park(&db, "filler", 3).await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    pipeline(&s).await.run(input(line("order", 0, "order 0, edited").into_bytes()), CancellationToken::new()).await.unwrap();
+    let x: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT id, event FROM dlq_outbox WHERE doc_id = 'order' AND stream = 'events' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(x.iter().map(|(_, e)| e.as_str()).collect::<Vec<_>>(), ["parked", "resolved"]);
+    let mut relay_a = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM dlq_outbox WHERE id = $1 FOR UPDATE").bind(x[0].0).execute(&mut *relay_a).await.unwrap();
+
+    let mut relay_b = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    while relay_b.run_once().await.unwrap().claimed > 0 {}
+    let published: Vec<String> = sqlx::query_scalar(
+        "SELECT doc_id || ':' || event FROM dlq_outbox WHERE published_at IS NOT NULL ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(published, ["filler:parked"; 3], "the other chunks went on; X's later event waited");
+
+    relay_a.rollback().await.unwrap();
+    relay_all(&db, &keys).await;
+    let order: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .filter_map(|e| {
+            let body: serde_json::Value =
+                serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap();
+            (body["doc_id"] == "order").then(|| body["event"].as_str().unwrap().to_string())
+        })
+        .collect();
+    assert_eq!(order, ["parked", "resolved"], "X's events on the stream in the order they happened");
+}
+}
+
+on_single_and_cluster! {
+async fn rows_left_for_a_later_batch_are_published_without_waiting_for_a_wake_up() {
+    // Three chunks, each parked and then resolved: p0 p1 p2 r0 r1 r2 in the outbox. With
+    // batches of two, the second claim finds only p2 (r0..r2 wait for their parked events),
+    // so the drain ends short of a full batch with rows still to publish. The loop must look
+    // again at once: nothing else will wake it (no new row, and the poll is an hour).
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "pairs", 3).await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let edited: String = (0..3).map(|i| line("pairs", i, &format!("pairs {i}, edited"))).collect();
+    pipeline(&s).await.run(input(edited.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 6);
+    let config = RelayConfig { batch: 2, poll: Duration::from_secs(3600), ..RelayConfig::default() };
+    let relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config);
+    let cancel = CancellationToken::new();
+    let running = tokio::spawn(relay.run(cancel.clone()));
+    let all_published = tokio::time::timeout(Duration::from_secs(60), async {
+        while db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    cancel.cancel();
+    running.await.unwrap().unwrap();
+    assert!(all_published.is_ok(), "rows left for a later batch waited for a wake-up that never came");
+    let mut per_chunk: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for e in events_on_stream(&keys).await {
+        let body: serde_json::Value =
+            serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap();
+        per_chunk.entry(body["chunk_index"].to_string()).or_default().push(body["event"].as_str().unwrap().into());
+    }
+    assert_eq!(per_chunk.len(), 3);
+    for events in per_chunk.values() {
+        assert_eq!(events, &["parked", "resolved"], "{per_chunk:?}");
+    }
+}
+}
+
+on_single_and_cluster! {
 async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
