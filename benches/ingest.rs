@@ -276,20 +276,9 @@ async fn raw_write(pool: &sqlx::PgPool, vectors: &Arc<[Vector]>, connections: us
             let last = ((part + 1) * share).min(vectors.len());
             for (n, batch) in vectors[first..last].chunks(500).enumerate() {
                 let base = first + n * 500;
-                let docs: Vec<String> = (0..batch.len()).map(|i| format!("raw-{}", (base + i) / 8)).collect();
-                let idxs: Vec<i32> = (0..batch.len()).map(|i| ((base + i) % 8) as i32).collect();
-                let hashes: Vec<String> = (0..batch.len()).map(|i| format!("{:064x}", base + i)).collect();
-                sqlx::query(
-                    "INSERT INTO raw_embeddings (doc_id, chunk_index, content_hash, embedding)
-                     SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[], $4::vector[])",
-                )
-                .bind(&docs)
-                .bind(&idxs)
-                .bind(&hashes)
-                .bind(batch)
-                .execute(&mut *conn)
-                .await
-                .unwrap();
+                let rows: Vec<(usize, &Vector)> =
+                    batch.iter().enumerate().map(|(i, v)| (base + i, v)).collect();
+                insert_raw(&mut conn, "raw", &rows).await;
             }
         });
     }
@@ -297,6 +286,26 @@ async fn raw_write(pool: &sqlx::PgPool, vectors: &Arc<[Vector]>, connections: us
         done.unwrap();
     }
     start.elapsed()
+}
+
+/// Inserts `rows` (position, vector) into `raw_embeddings` in one statement the way the raw
+/// writer does: 8 chunks a document named `<prefix>-<position / 8>`, a made-up content hash.
+async fn insert_raw(conn: &mut sqlx::PgConnection, prefix: &str, rows: &[(usize, &Vector)]) {
+    let docs: Vec<String> = rows.iter().map(|(n, _)| format!("{prefix}-{}", n / 8)).collect();
+    let idxs: Vec<i32> = rows.iter().map(|(n, _)| (n % 8) as i32).collect();
+    let hashes: Vec<String> = rows.iter().map(|(n, _)| format!("{n:064x}")).collect();
+    let vectors: Vec<&Vector> = rows.iter().map(|(_, v)| *v).collect();
+    sqlx::query(
+        "INSERT INTO raw_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[], $4::vector[])",
+    )
+    .bind(&docs)
+    .bind(&idxs)
+    .bind(&hashes)
+    .bind(&vectors)
+    .execute(conn)
+    .await
+    .unwrap();
 }
 
 /// The ingest floor (see the module docs): `texts` embedded by `pipeline`'s client in requests
@@ -332,22 +341,8 @@ async fn floor_write(
                     None => open = false,
                 }
                 if rows.len() >= 512 || (!open && !rows.is_empty()) {
-                    let docs: Vec<String> =
-                        rows.iter().map(|(n, _)| format!("floor-{w}-{}", n / 8)).collect();
-                    let idxs: Vec<i32> = rows.iter().map(|(n, _)| (n % 8) as i32).collect();
-                    let hashes: Vec<String> = rows.iter().map(|(n, _)| format!("{n:064x}")).collect();
-                    let vectors: Vec<&Vector> = rows.iter().map(|(_, v)| v).collect();
-                    sqlx::query(
-                        "INSERT INTO raw_embeddings (doc_id, chunk_index, content_hash, embedding)
-                         SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[], $4::vector[])",
-                    )
-                    .bind(&docs)
-                    .bind(&idxs)
-                    .bind(&hashes)
-                    .bind(&vectors)
-                    .execute(&mut *conn)
-                    .await
-                    .unwrap();
+                    let refs: Vec<(usize, &Vector)> = rows.iter().map(|(n, v)| (*n, v)).collect();
+                    insert_raw(&mut conn, &format!("floor-{w}"), &refs).await;
                     rows.clear();
                 }
             }
