@@ -58,6 +58,13 @@ pub struct RelayConfig {
     pub events_maxlen: usize,
     /// Published outbox rows are deleted after this long.
     pub retention: Duration,
+    /// How long a claim may sit idle in its open transaction before Postgres ends the session
+    /// and so releases the rows (`idle_in_transaction_session_timeout` for the claim only;
+    /// clamped to [`CLAIM_IDLE_TIMEOUT_BOUNDS`]). A live relay holds a claim for at most a
+    /// couple of Redis reply timeouts (10 s each); a relay host that froze or dropped off the
+    /// network would otherwise hold its rows, and the later events of their chunks, until
+    /// Postgres noticed the dead connection (hours with default TCP keepalives).
+    pub claim_idle_timeout: Duration,
     /// Rows one call of the publish script carries (clamped to `1..=`[`MAX_ROWS_PER_CALL`]).
     /// More rows per call means fewer round trips and script dispatches per row, but Redis
     /// runs nothing else while a script runs, so one call must stay short.
@@ -69,6 +76,10 @@ pub struct RelayConfig {
 /// a quiet 2-core machine and up to 16 µs under load (BENCHMARKS.md), so a call of this many
 /// rows blocks it for 3-8 ms, and the default of 100 for about a millisecond.
 pub const MAX_ROWS_PER_CALL: usize = 500;
+
+/// Bounds of [`RelayConfig::claim_idle_timeout`]: from a second (tests) to an hour.
+pub const CLAIM_IDLE_TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(3600);
 
 /// Default [`RelayConfig::rows_per_call`].
 pub const DEFAULT_ROWS_PER_CALL: usize = 100;
@@ -82,6 +93,7 @@ impl Default for RelayConfig {
             events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
             retention: Duration::from_secs(24 * 3600),
             rows_per_call: DEFAULT_ROWS_PER_CALL,
+            claim_idle_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -139,7 +151,9 @@ impl RelayError {
 /// exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
 /// resources (53), lock not available (55P03), operator intervention (57, e.g. a cancelled
 /// statement or a shutting-down server, except 57P04 database dropped), system I/O errors
-/// (58000, 58030) and a read-only server during failover (25006). Everything else, e.g. an
+/// (58000, 58030), a read-only server during failover (25006) and a session the server
+/// ended because it sat idle in a transaction (25P03: a relay claim that outlived
+/// [`RelayConfig::claim_idle_timeout`], its rows free for the next pass). Everything else, e.g. an
 /// undefined table (42P01) or column (42703), a permission problem or a decode error, needs a
 /// person and is permanent.
 pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
@@ -154,7 +168,7 @@ pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
                 || c.starts_with("40")
                 || c.starts_with("53")
                 || (c.starts_with("57") && c != "57P04")
-                || matches!(c.as_ref(), "55P03" | "58000" | "58030" | "25006" | "72000")
+                || matches!(c.as_ref(), "55P03" | "58000" | "58030" | "25006" | "25P03" | "72000")
         }),
         _ => false,
     }
@@ -216,7 +230,8 @@ impl Relay {
     /// in outbox order and made of calls of `redis/publish.lua` that publish up to
     /// [`RelayConfig::rows_per_call`] rows each; then marks the rows published and commits.
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
-        let Some(claim) = outbox::claim(&self.pool, self.config.batch).await? else {
+        let Some(claim) = outbox::claim(&self.pool, self.config.batch, self.claim_idle_timeout()).await?
+        else {
             return Ok(RelayCounts::default());
         };
         let replies = self.publish(&claim.rows).await?;
@@ -242,7 +257,8 @@ impl Relay {
             std::pin::Pin<Box<dyn std::future::Future<Output = Result<RelayCounts, RelayError>> + Send>>;
         let batch = self.config.batch;
         let mut total = RelayCounts::default();
-        let mut claim = outbox::claim(&self.pool, batch).await?;
+        let idle_timeout = self.claim_idle_timeout();
+        let mut claim = outbox::claim(&self.pool, batch, idle_timeout).await?;
         let mut marking: Option<Marking> = None;
         while let Some(current) = claim.take() {
             let more = current.rows.len() >= batch && !cancel.is_cancelled();
@@ -254,7 +270,7 @@ impl Relay {
             };
             let next = async {
                 match more {
-                    true => outbox::claim(&self.pool, batch).await,
+                    true => outbox::claim(&self.pool, batch, idle_timeout).await,
                     false => Ok(None),
                 }
             };
@@ -340,6 +356,13 @@ impl Relay {
             }
         }
         pipe
+    }
+
+    /// [`RelayConfig::claim_idle_timeout`] within its bounds.
+    fn claim_idle_timeout(&self) -> Duration {
+        self.config
+            .claim_idle_timeout
+            .clamp(*CLAIM_IDLE_TIMEOUT_BOUNDS.start(), *CLAIM_IDLE_TIMEOUT_BOUNDS.end())
     }
 
     /// Deletes published rows past the retention; returns how many.

@@ -77,8 +77,16 @@ pub(crate) struct Claim {
 /// chunk has no earlier unpublished row in the same stream (so one chunk's events reach the
 /// stream in outbox order even when several relays drain a backlog side by side). `None` when
 /// there is nothing to publish (the transaction is already closed).
-pub async fn claim(pool: &PgPool, limit: usize) -> Result<Option<Claim>, StoreError> {
+///
+/// Postgres ends the claim's session if it sits idle for `idle_timeout` (the transaction's
+/// `idle_in_transaction_session_timeout`), so a relay that froze or vanished mid-claim
+/// releases its rows without anyone noticing the dead connection.
+pub async fn claim(pool: &PgPool, limit: usize, idle_timeout: Duration) -> Result<Option<Claim>, StoreError> {
     let mut tx = pool.begin().await?;
+    sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+        .bind(idle_timeout.as_millis().to_string())
+        .execute(&mut *tx)
+        .await?;
     let rows = sqlx::query(
         "SELECT id, event_id::text AS event_id, event, stream, body::text AS body,
                 COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,

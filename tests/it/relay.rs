@@ -408,6 +408,53 @@ async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_relay_went_silent_is_released_by_postgres() {
+    // A relay host that freezes (or drops off the network) with a claim open: its rows, and
+    // since the per-chunk order also the later events of their chunks, must not wait for the
+    // host. Here the relay's Redis is frozen, so its publish hangs (until its 10 s reply
+    // timeout) with the claim open; Postgres must end the idle claim first.
+    let db = TestDb::new().await;
+    park(&db, "silent", 5).await;
+    let private = PrivateRedis::start().await;
+    let conn = private.manager().await;
+    private.freeze();
+    let config = RelayConfig { claim_idle_timeout: Duration::from_secs(1), ..RelayConfig::default() };
+    let mut relay = Relay::new(db.pool.clone(), conn, fresh_keys(), config);
+    let blocked = tokio::spawn(async move { relay.run_once().await });
+    let free =
+        "SELECT count(*) FROM (SELECT 1 FROM dlq_outbox WHERE published_at IS NULL FOR UPDATE SKIP LOCKED) t";
+    let claimed = tokio::time::timeout(Duration::from_secs(30), async {
+        while db.count(free).await > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(claimed.is_ok(), "the relay never claimed the rows");
+    // Hang guard, not a timing assertion: the question is which comes first, the rows free
+    // again or the relay's publish giving up.
+    let released_while_blocked = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if blocked.is_finished() {
+                return false;
+            }
+            if db.count(free).await == 5 {
+                return !blocked.is_finished();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("neither the claim ended nor the publish gave up");
+    assert!(released_while_blocked, "the claim stayed open until the silent relay's publish gave up");
+    // The host wakes up: its publish goes through, its mark finds the session ended. That
+    // is a retry (the rows are published again, deduplicated), never a reason to stop.
+    private.thaw();
+    let woke = blocked.await.unwrap();
+    let err = woke.expect_err("the mark of a claim Postgres ended");
+    assert!(err.is_transient(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_without_dlq_rows_sends_no_notification_and_a_park_does() {
     let db = TestDb::new().await;
     let mut listener = PgListener::connect(&db.url).await.unwrap();

@@ -172,6 +172,22 @@ impl PrivateRedis {
     pub async fn manager(&self) -> embed_dlq::streams::RedisConn {
         embed_dlq::streams::managed(&embed_dlq::streams::client(&self.url).unwrap()).await.unwrap()
     }
+
+    /// Stops the server (`SIGSTOP`): connections stay open and nothing is answered, like a
+    /// host that froze. [`PrivateRedis::thaw`] resumes it.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Resumes a frozen server (`SIGCONT`).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.id().to_string();
+        assert!(std::process::Command::new("kill").args([signal, &pid]).status().unwrap().success());
+    }
 }
 
 impl Drop for PrivateRedis {
