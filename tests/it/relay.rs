@@ -407,6 +407,22 @@ async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
 }
 }
 
+on_single_and_cluster! {
+async fn a_claim_idle_timeout_out_of_bounds_is_clamped_not_sent_to_postgres() {
+    // Zero would switch the timeout off in Postgres, and `Duration::MAX` in milliseconds is
+    // past its integer range (an error on every claim): both are clamped to the bounds.
+    let db = TestDb::new().await;
+    park(&db, "bounds", 3).await;
+    for timeout in [Duration::ZERO, Duration::MAX] {
+        let config = RelayConfig { claim_idle_timeout: timeout, ..RelayConfig::default() };
+        let mut relay = Relay::new(db.pool.clone(), redis().await, fresh_keys(), config);
+        sqlx::query("UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL").execute(&db.pool).await.unwrap();
+        let c = relay.run_once().await.unwrap();
+        assert_eq!(c.published, 3, "{timeout:?}: {c:?}");
+    }
+}
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_relay_went_silent_is_released_by_postgres() {
     // A relay host that freezes (or drops off the network) with a claim open: its rows, and
