@@ -434,13 +434,18 @@ async fn a_claim_whose_relay_went_silent_is_released_by_postgres() {
     let private = PrivateRedis::start().await;
     let conn = private.manager().await;
     private.freeze();
-    let config = RelayConfig { claim_idle_timeout: Duration::from_secs(1), ..RelayConfig::default() };
+    // The claim must be seen while it is open: the watcher's session is opened before the
+    // relay starts, so no poll waits for a new connection (that took over the claim's whole
+    // life once, under a loaded CI machine, with a 1 s timeout). The timeout stays well
+    // under the 10 s reply timeout that ends the frozen publish.
+    let mut watcher = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
+    let config = RelayConfig { claim_idle_timeout: Duration::from_secs(4), ..RelayConfig::default() };
     let mut relay = Relay::new(db.pool.clone(), conn, fresh_keys(), config);
     let blocked = tokio::spawn(async move { relay.run_once().await });
     let free =
         "SELECT count(*) FROM (SELECT 1 FROM dlq_outbox WHERE published_at IS NULL FOR UPDATE SKIP LOCKED) t";
     let claimed = tokio::time::timeout(Duration::from_secs(30), async {
-        while db.count(free).await > 0 {
+        while sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() > 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -453,7 +458,7 @@ async fn a_claim_whose_relay_went_silent_is_released_by_postgres() {
             if blocked.is_finished() {
                 return false;
             }
-            if db.count(free).await == 5 {
+            if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() == 5 {
                 return !blocked.is_finished();
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
