@@ -160,7 +160,8 @@ pub struct RetryArgs {
     /// First in-process backoff ceiling, 1..=60000 ms.
     #[arg(long)]
     pub retry_base_ms: Option<u64>,
-    /// Longest in-process sleep (and server-given wait), retry_base_ms..=600000 ms.
+    /// Longest in-process backoff and longest honoured server-given wait (which gets up to
+    /// one backoff of jitter on top), retry_base_ms..=600000 ms.
     #[arg(long)]
     pub retry_cap_ms: Option<u64>,
     /// First delay of the DLQ replay schedule, 1..=86400 s.

@@ -94,6 +94,9 @@ struct State {
     rate_limited: Option<(Instant, Instant)>,
     /// Longest shared pause ever set, for tests and the run summary.
     longest_pause: Duration,
+    /// Callers held by the current pause resume at a random point within this long after
+    /// it ends (half the wait that set it), not all at its last instant.
+    pause_spread: Duration,
 }
 
 impl State {
@@ -181,6 +184,7 @@ impl ProviderGate {
                 opened_count: 0,
                 rate_limited: None,
                 longest_pause: Duration::ZERO,
+                pause_spread: Duration::ZERO,
             }),
             canary: CanaryBook::default(),
             open: tokio::sync::watch::Sender::new(false),
@@ -220,8 +224,9 @@ impl ProviderGate {
         self.state.lock().unwrap().opened_count
     }
 
-    /// Waits until a request may be sent: after any rate-limit pause, and, with the breaker
-    /// open, until it is this caller's turn to probe. With the breaker open, `on_outage`
+    /// Waits until a request may be sent: after any rate-limit pause (at a point of this
+    /// caller's own within the pause's spread, so the held requests do not all go out at
+    /// once), and, with the breaker open, until it is this caller's turn to probe. With the breaker open, `on_outage`
     /// decides: `Wait` waits as above; `Park` gets [`GateError::BreakerOpen`] at once unless
     /// a probe is due (then it probes); `Stop` gets [`GateError::BreakerOpen`] and never probes.
     pub(crate) async fn admit(
@@ -229,6 +234,8 @@ impl ProviderGate {
         cancel: &CancellationToken,
         on_outage: OnOutage,
     ) -> Result<Permit, GateError> {
+        // The end of the pause this caller was held by, and its own point to resume.
+        let mut resume: Option<(Instant, Instant)> = None;
         loop {
             let wake = {
                 let mut st = self.state.lock().unwrap();
@@ -255,9 +262,21 @@ impl ProviderGate {
                 {
                     return Err(GateError::RateLimited(self.config.max_outage));
                 }
-                match st.paused_until {
-                    Some(t) if t > now => t,
-                    _ => match st.breaker {
+                let held_until = match st.paused_until {
+                    Some(end) if end > now => Some(match resume {
+                        Some((seen, at)) if seen == end => at,
+                        // A new or extended pause: draw again.
+                        _ => {
+                            let at = end + super::retry::jitter(st.pause_spread);
+                            resume = Some((end, at));
+                            at
+                        }
+                    }),
+                    _ => resume.map(|(_, at)| at).filter(|at| *at > now),
+                };
+                match held_until {
+                    Some(at) => at,
+                    None => match st.breaker {
                         Breaker::Closed => return Ok(Permit { probe: false }),
                         Breaker::Open { until, since, cooldown } => {
                             if until <= now {
@@ -324,7 +343,10 @@ impl ProviderGate {
                     let wait = wait.min(self.config.max_cooldown);
                     st.longest_pause = st.longest_pause.max(wait);
                     let until = now + wait;
-                    st.paused_until = Some(st.paused_until.map_or(until, |p| p.max(until)));
+                    if st.paused_until.is_none_or(|p| p < until) {
+                        st.paused_until = Some(until);
+                        st.pause_spread = wait / 2;
+                    }
                 }
                 if permit.probe {
                     // The provider is up, just busy.
@@ -415,6 +437,36 @@ mod tests {
             }
         }
         assert_eq!(result, Err(GateError::Outage(Duration::from_secs(30))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_requests_a_pause_held_go_out_spread_over_half_the_pause_after_it() {
+        // Eight workers held by one `Retry-After: 4`: all sent at the pause's last instant
+        // they would be the next 429 together.
+        let gate = std::sync::Arc::new(ProviderGate::new(cfg()));
+        let cancel = CancellationToken::new();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+        let start = Instant::now();
+        gate.record(p, Health::RateLimited(Some(Duration::from_secs(4))));
+        let held: Vec<_> = (0..8)
+            .map(|_| {
+                let (gate, cancel) = (gate.clone(), cancel.clone());
+                tokio::spawn(async move {
+                    let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+                    let sent = Instant::now() - start;
+                    gate.record(p, Health::Responsive);
+                    sent
+                })
+            })
+            .collect();
+        let mut sent = Vec::new();
+        for h in held {
+            sent.push(h.await.unwrap());
+        }
+        assert!(sent.iter().all(|s| *s >= Duration::from_secs(4)), "one went out during the pause: {sent:?}");
+        assert!(sent.iter().all(|s| *s <= Duration::from_secs(6)), "held longer than the spread: {sent:?}");
+        let spread = *sent.iter().max().unwrap() - *sent.iter().min().unwrap();
+        assert!(spread >= Duration::from_millis(500), "all sent within {spread:?}: {sent:?}");
     }
 
     #[tokio::test(start_paused = true)]

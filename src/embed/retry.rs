@@ -18,7 +18,8 @@ pub struct RetryPolicy {
     pub base: Duration,
     /// Growth of the ceiling per failed attempt (2.0 doubles it).
     pub factor: f64,
-    /// Upper bound of one sleep, before jitter; also bounds a server's Retry-After.
+    /// Upper bound of one backoff; also bounds a server's Retry-After (which gets up to one
+    /// backoff of jitter on top, so no sleep is longer than twice this).
     pub cap: Duration,
 }
 
@@ -51,11 +52,14 @@ impl RetryPolicy {
         attempt < self.max_attempts
     }
 
-    /// The wait before the next attempt, honouring a server-provided Retry-After (never
-    /// shorter than it asked, never longer than `cap`).
+    /// The wait before the next attempt. A server-provided Retry-After is a floor, not a
+    /// schedule: the wait is what it asked (at most `cap`) plus this attempt's full-jitter
+    /// backoff, so the requests one 429 turned away do not all come back at the instant the
+    /// server named (a new 429 storm). Never shorter than it asked (up to `cap`), never
+    /// longer than twice `cap`.
     pub(crate) fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
         match retry_after {
-            Some(ra) => ra.min(self.cap),
+            Some(ra) => ra.min(self.cap) + self.backoff(attempt),
             None => self.backoff(attempt),
         }
     }
@@ -103,7 +107,8 @@ fn exp_ceiling(base: Duration, factor: f64, cap: Duration, attempt: u32) -> Dura
     if !secs.is_finite() || secs >= cap.as_secs_f64() { cap } else { Duration::from_secs_f64(secs) }
 }
 
-fn jitter(ceiling: Duration) -> Duration {
+/// Uniform in [0, ceiling]: the random part of every wait here and of the gate's pauses.
+pub(crate) fn jitter(ceiling: Duration) -> Duration {
     if ceiling.is_zero() {
         return ceiling;
     }
@@ -143,12 +148,13 @@ mod tests {
         }
 
         #[test]
-        fn retry_after_is_honoured_up_to_cap(ra_ms in 0u64..100_000, attempt in 1u32..10) {
+        fn retry_after_is_a_floor_with_at_most_one_backoff_on_top(ra_ms in 0u64..100_000, attempt in 1u32..10) {
             let p = RetryPolicy::default();
             let ra = Duration::from_millis(ra_ms);
             let d = p.delay(attempt, Some(ra));
             prop_assert!(d >= ra.min(p.cap));
-            prop_assert!(d <= p.cap);
+            prop_assert!(d <= ra.min(p.cap) + p.ceiling(attempt));
+            prop_assert!(d <= p.cap * 2);
         }
 
         #[test]
@@ -174,6 +180,18 @@ mod tests {
         assert_eq!(p.ceiling(4), Duration::from_secs(1));
         assert!(p.allows_another(3));
         assert!(!p.allows_another(4));
+    }
+
+    #[test]
+    fn requests_turned_away_by_one_retry_after_come_back_spread_out() {
+        // Fifty requests got `Retry-After: 1`: resending all of them at the same instant
+        // would earn the next 429 together.
+        let p = RetryPolicy::default();
+        let ra = Duration::from_secs(1);
+        let waits: Vec<Duration> = (0..50).map(|_| p.delay(1, Some(ra))).collect();
+        assert!(waits.iter().all(|w| *w >= ra), "{waits:?}");
+        let spread = *waits.iter().max().unwrap() - *waits.iter().min().unwrap();
+        assert!(spread >= p.ceiling(1) / 4, "resent within {spread:?} of each other: {waits:?}");
     }
 
     #[test]
