@@ -480,8 +480,8 @@ impl Replayer {
                 r = work => r?,
                 _ = keepalive => unreachable!("keepalive never ends"),
             };
-            if let Some(stop) = stopped {
-                self.postpone_refused(&stop, postpone, &mut batch).await?;
+            if let Some((stop, whole_batch)) = stopped {
+                self.postpone_refused(&stop, postpone, whole_batch, &mut batch).await?;
             }
         }
         self.commit_and_ack(batch).await
@@ -532,19 +532,23 @@ impl Replayer {
     }
 
     /// Embeds each group in turn, in provider requests of at most `request_inputs` inputs and
-    /// `request_chars` characters, `requests_in_flight` at a time. After the provider refused
-    /// the run (`Some(stop)`), the items not embedded are returned untouched, to be
-    /// postponed (what other requests in flight embedded meanwhile is kept).
+    /// `request_chars` characters, `requests_in_flight` at a time. A group the provider
+    /// refuses has its items not embedded returned untouched, to be postponed (what other
+    /// requests in flight embedded meanwhile is kept). The refusal holds back the whole
+    /// batch, and pauses this replayer (`Some((stop, true))`), when it is provider-wide
+    /// ([`Stop::is_provider_wide`]) or refuses the model `serve` is configured with; a
+    /// refusal of another model (one retired since its rows were parked) holds back only
+    /// that model's rows (`Some((stop, false))`), so the other models' rows go on.
     async fn embed_groups(
         &self,
         groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>>,
         cancel: &CancellationToken,
         batch: &mut Settlement,
-    ) -> Result<(Option<Stop>, Vec<(Entry, DlqRow)>), ReplayError> {
+    ) -> Result<(Option<(Stop, bool)>, Vec<(Entry, DlqRow)>), ReplayError> {
         let mut postpone: Vec<(Entry, DlqRow)> = Vec::new();
-        let mut stopped = None;
+        let mut stopped: Option<(Stop, bool)> = None;
         for (target, items) in groups {
-            if stopped.is_some() {
+            if stopped.as_ref().is_some_and(|(_, whole_batch)| *whole_batch) {
                 postpone.extend(items);
                 continue;
             }
@@ -583,15 +587,29 @@ impl Replayer {
             .collect()
             .await;
             let mut items = items.into_iter();
+            let mut refused: Option<Stop> = None;
             for (len, result) in sent {
                 let part: Vec<(Entry, DlqRow)> = items.by_ref().take(len).collect();
                 match result {
                     Some(Ok(outcomes)) => self.settle_outcomes(part, outcomes, batch),
                     Some(Err(stop)) => {
-                        stopped.get_or_insert(stop);
+                        refused.get_or_insert(stop);
                         postpone.extend(part);
                     }
                     None => postpone.extend(part),
+                }
+            }
+            if let Some(stop) = refused {
+                let (table, model, _) = &target;
+                let whole_batch = stop.is_provider_wide()
+                    || model.as_deref().is_none_or(|m| m == self.embedder.client.model());
+                if !whole_batch {
+                    tracing::warn!(error = %stop, table = %table, model = model.as_deref().unwrap_or_default(),
+                        pause_secs = self.config.systemic_pause.as_secs(),
+                        "provider refused this model's replay; postponing its rows, the other models go on");
+                }
+                if stopped.as_ref().is_none_or(|(_, w)| !w) {
+                    stopped = Some((stop, whole_batch));
                 }
             }
         }
@@ -655,25 +673,29 @@ impl Replayer {
         }
     }
 
-    /// The provider refused the run (bad key, no quota, long outage): not the items' fault,
-    /// so nothing is charged. Leaving the entries pending would burn their delivery count on
-    /// every reclaim until they were exhausted for a problem they did not cause, so the rows
-    /// are postponed (same generation, same attempts), the entries acknowledged and this
-    /// replayer paused.
+    /// The provider refused the run (bad key, no quota, long outage, or one model): not the
+    /// items' fault, so nothing is charged. Leaving the entries pending would burn their
+    /// delivery count on every reclaim until they were exhausted for a problem they did not
+    /// cause, so the rows are postponed by `systemic_pause` (same generation, same
+    /// attempts) and the entries acknowledged; with `pause` (a refusal of the whole batch,
+    /// see [`Replayer::embed_groups`]) this replayer pauses as long.
     async fn postpone_refused(
         &mut self,
         stop: &Stop,
         postpone: Vec<(Entry, DlqRow)>,
+        pause: bool,
         batch: &mut Settlement,
     ) -> Result<(), ReplayError> {
-        tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
-            "provider refused replay; postponing the batch and pausing this replayer");
+        if pause {
+            tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
+                "provider refused replay; postponing the batch and pausing this replayer");
+            self.paused_until = Some(Instant::now() + self.config.systemic_pause);
+        }
         let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
         let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
         self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
         batch.ack.extend(postpone.into_iter().map(|(e, _)| (e.shard, e.id)));
         batch.counts.postponed += ids.len() as u64;
-        self.paused_until = Some(Instant::now() + self.config.systemic_pause);
         Ok(())
     }
 

@@ -65,6 +65,9 @@ fn check_mock_config(c: &MockConfig) -> Result<(), String> {
             return Err(format!("{name} = {ms} is out of range: allowed 0..={MOCK_MAX_MS}"));
         }
     }
+    if c.retired_models.len() > 64 || c.retired_models.iter().any(|m| m.is_empty() || m.len() > 256) {
+        return Err("retired_models: at most 64 names of 1..=256 bytes".into());
+    }
     if let Some(n) = c.outage_after_inputs.filter(|&n| n > MOCK_MAX_LIMIT) {
         return Err(format!("outage_after_inputs = {n} is out of range: allowed 0..={MOCK_MAX_LIMIT}"));
     }
@@ -101,6 +104,8 @@ mod tests {
             MockConfig { tpm_limit: Some(MOCK_MAX_LIMIT + 1), ..MockConfig::default() },
             MockConfig { outage_after_inputs: Some(MOCK_MAX_LIMIT + 1), ..MockConfig::default() },
             MockConfig { limit_window_ms: 0, ..MockConfig::default() },
+            MockConfig { retired_models: vec![String::new()], ..MockConfig::default() },
+            MockConfig { retired_models: vec!["m".into(); 65], ..MockConfig::default() },
         ];
         for c in bad {
             assert!(check_mock_config(&c).is_err(), "{c:?}");

@@ -88,6 +88,22 @@ pub enum Stop {
     Outage(String),
 }
 
+impl Stop {
+    /// Whether the refusal holds for every model and table this provider serves (the key,
+    /// the account's quota, the URL, an outage), or only for the one a request was for (an
+    /// unknown or retired model, a `dimensions` it cannot give, every input rejected alike
+    /// for it): `serve` replays rows of many models, and one model's refusal must not hold
+    /// back the others'.
+    pub fn is_provider_wide(&self) -> bool {
+        match self {
+            Stop::Systemic { reason, .. } => {
+                matches!(*reason, "unauthorized" | "forbidden" | "insufficient_quota" | "redirect")
+            }
+            Stop::Outage(_) => true,
+        }
+    }
+}
+
 /// Counters of one batch, merged into the run's summary.
 #[derive(Debug, Default, Clone)]
 pub struct BatchStats {
@@ -785,6 +801,18 @@ fn uniform_wrong_dimension(items: &[Result<Vec<f32>, client::VectorProblem>]) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refusals_of_the_key_quota_or_url_are_provider_wide_and_of_a_model_are_not() {
+        let systemic = |reason| Stop::Systemic { reason, detail: String::new() };
+        for reason in ["unauthorized", "forbidden", "insufficient_quota", "redirect"] {
+            assert!(systemic(reason).is_provider_wide(), "{reason}");
+        }
+        for reason in ["not_found", "uniform_rejection", "dimension_mismatch", "unexpected_status"] {
+            assert!(!systemic(reason).is_provider_wide(), "{reason}");
+        }
+        assert!(Stop::Outage("breaker open".into()).is_provider_wide());
+    }
 
     fn problem() -> client::VectorProblem {
         client::VectorProblem { class: ErrorClass::InvalidVector, reason: "nan", detail: "NaN".into() }

@@ -111,6 +111,9 @@ pub struct MockConfig {
     /// Send the `x-ratelimit-*` headers on successes too (on by default, like OpenAI); 429s
     /// for the limit always carry them.
     pub limit_headers: bool,
+    /// Models the provider no longer serves: a request for one is answered 404
+    /// `model_not_found`, like OpenAI after a model is retired (at most 64 names).
+    pub retired_models: Vec<String>,
 }
 
 impl Default for MockConfig {
@@ -137,6 +140,7 @@ impl Default for MockConfig {
             tpm_limit: None,
             limit_window_ms: 60_000,
             limit_headers: true,
+            retired_models: Vec::new(),
         }
     }
 }
@@ -461,8 +465,9 @@ async fn embeddings(shared: Arc<Shared>, req: Request<Incoming>) -> Answer {
 /// The answer to a parsed request with `inputs`: a refusal, an injected fault, or vectors.
 async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[String], echo: &str) -> Answer {
     let c = &shared.config;
-    if let Some(refusal) =
-        dimensions_refusal(shared, parsed.dimensions).or_else(|| unavailable(shared, inputs.len()))
+    if let Some(refusal) = model_refusal(shared, parsed.model.as_deref())
+        .or_else(|| dimensions_refusal(shared, parsed.dimensions))
+        .or_else(|| unavailable(shared, inputs.len()))
     {
         return Ok(refusal);
     }
@@ -642,6 +647,15 @@ fn is_authorized(c: &MockConfig, req: &Request<Incoming>) -> bool {
 }
 
 /// A `dimensions` request parameter the model cannot give: 400.
+/// A model in `retired_models`: 404 `model_not_found`, OpenAI's answer for a retired model.
+fn model_refusal(shared: &Shared, model: Option<&str>) -> Option<Reply> {
+    let model = model.filter(|m| shared.config.retired_models.iter().any(|r| r == m))?;
+    shared.counters.rejected.fetch_add(1, Ordering::Relaxed);
+    let message = format!("The model `{model}` does not exist or you do not have access to it.");
+    let body = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "code": "model_not_found"}});
+    Some(json(StatusCode::NOT_FOUND, body.to_string()))
+}
+
 fn dimensions_refusal(shared: &Shared, dimensions: Option<u64>) -> Option<Reply> {
     let c = &shared.config;
     let d = dimensions.filter(|&d| d == 0 || d > c.dimensions as u64)?;

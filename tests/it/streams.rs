@@ -662,6 +662,51 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
 }
 
 on_single_and_cluster! {
+async fn a_model_the_provider_no_longer_serves_holds_back_only_its_own_rows() {
+    // After a model migration the DLQ still holds rows recorded with the old model, which the
+    // provider now answers with 404 model_not_found. Those rows wait, uncharged; the other
+    // model's rows in the same batch are replayed, and the replayer does not pause. (The
+    // retired model sorts first, so its refusal comes before the other group is sent.)
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 6, "old").await;
+    park_transient(&db, 6, "new").await;
+    sqlx::query("UPDATE embedding_dlq SET model = 'a-retired-model' WHERE doc_id = 'old'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 12);
+    let before: Vec<(i64, i32, i32)> =
+        sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq WHERE doc_id = 'old' ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let mock =
+        start_mock(MockConfig { retired_models: vec!["a-retired-model".into()], ..MockConfig::default() }).await;
+    let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
+    let mut rep = replayer(&db, &mock, &keys, "migrated", config).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (6, 6, 0, 0), "{c:?}");
+    assert!(rep.paused_until.is_none(), "one model's refusal paused the replay of every model");
+    assert_eq!(pending(&keys).await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'new'").await, 0);
+    let after: Vec<(i64, i32, i32)> =
+        sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq WHERE doc_id = 'old' ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(before, after, "the retired model's rows are not charged");
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE next_retry_at > now() + interval '100 seconds'").await,
+        6,
+        "the retired model's rows are back on the schedule after the pause"
+    );
+}
+}
+
+on_single_and_cluster! {
 async fn a_mixed_batch_commits_in_one_transaction_and_acks_exactly_its_settled_entries() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
