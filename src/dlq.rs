@@ -34,6 +34,10 @@ pub struct Filter {
     /// Only rows with at least this many provider attempts.
     #[arg(long)]
     pub min_attempts: Option<i32>,
+    /// Only rows parked under this model (e.g. one the provider has retired since: replay
+    /// leaves its rows waiting until they are re-ingested or purged).
+    #[arg(long)]
+    pub model: Option<String>,
     /// Only rows that automatic replay gave up on.
     #[arg(long)]
     pub exhausted: bool,
@@ -48,7 +52,8 @@ impl Filter {
     /// The filter as the store's statements take it, for the rows of `store`'s table (or of
     /// every table with `all_tables`).
     fn rows(&self, store: &Store) -> RowFilter {
-        let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted, all_tables } = self;
+        let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, model, exhausted, all_tables } =
+            self;
         RowFilter {
             table: (!all_tables).then(|| store.table_name().to_string()),
             class: *class,
@@ -56,6 +61,7 @@ impl Filter {
             doc_prefix: doc_prefix.clone(),
             older_than_secs: *older_than_secs,
             min_attempts: *min_attempts,
+            model: model.clone(),
             exhausted: *exhausted,
             ..RowFilter::default()
         }

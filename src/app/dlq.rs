@@ -95,12 +95,14 @@ fn check_filter_bounds(filter: &Filter) -> Result<(), String> {
 /// considered here, or an unfiltered requeue could slip past the confirmation.
 fn filter_is_empty(filter: &Filter) -> bool {
     // `all_tables` widens rather than narrows: it does not make a filter.
-    let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, exhausted, all_tables: _ } = filter;
+    let Filter { class, doc, doc_prefix, older_than_secs, min_attempts, model, exhausted, all_tables: _ } =
+        filter;
     class.is_none()
         && doc.is_none()
         && doc_prefix.is_none()
         && older_than_secs.is_none()
         && min_attempts.is_none()
+        && model.is_none()
         && !exhausted
 }
 

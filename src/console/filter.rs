@@ -151,6 +151,7 @@ impl ListFilter {
             doc_prefix: self.doc_prefix.clone(),
             older_than_secs: self.older_than,
             min_attempts: self.min_attempts,
+            model: None,
             exhausted: self.exhausted,
             id: self.id,
             reason: self.reason.clone(),

@@ -46,6 +46,8 @@ pub(crate) struct RowFilter {
     pub older_than_secs: Option<u64>,
     /// Rows with at least this many provider attempts.
     pub min_attempts: Option<i32>,
+    /// Rows parked under this model.
+    pub model: Option<String>,
     /// Only rows that automatic replay gave up on.
     pub exhausted: bool,
     /// Only this row (the console's single-row actions).
@@ -76,6 +78,9 @@ impl RowFilter {
         }
         if let Some(a) = self.min_attempts {
             q.push(" AND attempts >= ").push_bind(a);
+        }
+        if let Some(m) = &self.model {
+            q.push(" AND model = ").push_bind(m.clone());
         }
         if self.exhausted {
             q.push(" AND exhausted_at IS NOT NULL");

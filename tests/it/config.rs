@@ -368,6 +368,38 @@ async fn dlq_acts_on_its_own_tables_rows_only() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_lists_and_purges_the_rows_of_one_model_only() {
+    // Rows parked under a model the provider has retired wait in the DLQ (replay postpones
+    // them); the operator finds and purges exactly those.
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let table = unique("dlq_model");
+    ingest_into(&db, &mock, &table, corpus("m", 12, 4)).await; // 3 parked
+    sqlx::query(
+        "UPDATE embedding_dlq SET model = 'retired-model' WHERE id = (SELECT min(id) FROM embedding_dlq)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let dir = Dir::new();
+    let cfg = dir.write("c.toml", &config_text(&db, &table, "unused", None));
+    let dlq = |args: &[&str]| {
+        let mut c = bare();
+        c.env("EMBED_DLQ_CONFIG", &cfg).arg("dlq").args(args);
+        output(c)
+    };
+    let (code, out, err) = dlq(&["--json", "list", "--model", "retired-model"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    let rows: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 1, "{out}");
+    let (code, out, err) = dlq(&["--json", "purge", "--model", "retired-model", "--yes"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("\"purged\":1"), "{out}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 2);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE model = 'retired-model'").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_range_settings_exit_2_naming_the_setting_never_a_panic() {
     let db = TestDb::new().await;
     let dir = Dir::new();
