@@ -95,6 +95,7 @@ fn raw_filter(form: &[(String, String)]) -> RawQuery {
         reason: get("reason"),
         doc_prefix: get("doc_prefix"),
         table: get("table"),
+        model: get("model"),
         older_than: get("older_than"),
         min_attempts: get("min_attempts"),
         exhausted: get("exhausted"),

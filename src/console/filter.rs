@@ -15,6 +15,8 @@ pub const MAX_DOC_PREFIX: usize = 1024;
 pub const MAX_REASON: usize = 128;
 /// Longest target table name accepted (`schema.table`, each part at most 63 bytes, quoted).
 pub const MAX_TABLE: usize = 140;
+/// Longest model name accepted (provider model ids are short; gateways prefix a route).
+pub const MAX_MODEL: usize = 256;
 /// Longest cursor key accepted (a doc id, a timestamp or a number as text).
 pub const MAX_CURSOR: usize = 1100;
 /// Highest minimum-attempts filter.
@@ -44,6 +46,7 @@ pub struct RawQuery {
     pub reason: Option<String>,
     pub doc_prefix: Option<String>,
     pub table: Option<String>,
+    pub model: Option<String>,
     pub older_than: Option<String>,
     pub min_attempts: Option<String>,
     pub exhausted: Option<String>,
@@ -62,6 +65,8 @@ pub struct ListFilter {
     pub reason: Option<String>,
     pub doc_prefix: Option<String>,
     pub table: Option<String>,
+    /// Rows parked under this model (one the provider has retired since, say).
+    pub model: Option<String>,
     pub older_than: Option<u64>,
     pub min_attempts: Option<i32>,
     pub exhausted: bool,
@@ -117,6 +122,7 @@ impl RawQuery {
             reason: bounded("reason", &self.reason, MAX_REASON)?,
             doc_prefix: bounded("doc_prefix", &self.doc_prefix, MAX_DOC_PREFIX)?,
             table: bounded("table", &self.table, MAX_TABLE)?,
+            model: bounded("model", &self.model, MAX_MODEL)?,
             older_than,
             min_attempts: min_attempts.map(|a| a as i32),
             exhausted: matches!(text(&self.exhausted), Some("1" | "on" | "true")),
@@ -151,7 +157,7 @@ impl ListFilter {
             doc_prefix: self.doc_prefix.clone(),
             older_than_secs: self.older_than,
             min_attempts: self.min_attempts,
-            model: None,
+            model: self.model.clone(),
             exhausted: self.exhausted,
             id: self.id,
             reason: self.reason.clone(),
@@ -179,6 +185,9 @@ impl ListFilter {
         }
         if let Some(t) = &self.table {
             p.push(("table", t.clone()));
+        }
+        if let Some(m) = &self.model {
+            p.push(("model", m.clone()));
         }
         if let Some(o) = self.older_than {
             p.push(("older_than", o.to_string()));
@@ -277,6 +286,7 @@ mod tests {
         assert!(raw(&[("min_attempts", "99999999999")]).filter().is_err());
         assert!(raw(&[("older_than", &(MAX_OLDER_THAN_SECS + 1).to_string())]).filter().is_err());
         assert!(raw(&[("doc_prefix", &"x".repeat(MAX_DOC_PREFIX + 1))]).filter().is_err());
+        assert!(raw(&[("model", &"m".repeat(MAX_MODEL + 1))]).filter().is_err());
         assert!(raw(&[("sort", "id; drop table")]).list().is_err());
         assert!(raw(&[("after", "5")]).list().is_err(), "a cursor needs both parts");
         assert_eq!(raw(&[("limit", "100000")]).list().unwrap().limit, 500);
@@ -290,6 +300,7 @@ mod tests {
             ("reason", "http_503"),
             ("doc_prefix", "a&b=<c>"),
             ("table", "public.doc_embeddings"),
+            ("model", "text-embedding-ada-002"),
             ("older_than", "3600"),
             ("min_attempts", "3"),
             ("exhausted", "1"),
@@ -302,6 +313,7 @@ mod tests {
         let rows = f.rows(Some(9));
         assert_eq!(rows.max_id, Some(9));
         assert_eq!(rows.doc_prefix.as_deref(), Some("a&b=<c>"));
+        assert_eq!(rows.model.as_deref(), Some("text-embedding-ada-002"));
         assert_eq!(f.json(Some(9))["max_id"], 9);
     }
 }

@@ -310,6 +310,7 @@ fn filter_form(f: &ListFilter, q: Option<&ListQuery>, tables: &[String], reasons
                 }
             }
             label { "doc prefix " input type="text" name="doc_prefix" value=[f.doc_prefix.as_deref()] size="16"; }
+            label { "model " input type="text" name="model" value=[f.model.as_deref()] size="16"; }
             label { "table "
                 select name="table" {
                     option value="" { "any" }
