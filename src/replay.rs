@@ -536,9 +536,10 @@ impl Replayer {
     /// refuses has its items not embedded returned untouched, to be postponed (what other
     /// requests in flight embedded meanwhile is kept). The refusal holds back the whole
     /// batch, and pauses this replayer (`Some((stop, true))`), when it is provider-wide
-    /// ([`Stop::is_provider_wide`]) or refuses the model `serve` is configured with; a
-    /// refusal of another model (one retired since its rows were parked) holds back only
-    /// that model's rows (`Some((stop, false))`), so the other models' rows go on.
+    /// ([`Stop::is_provider_wide`]) or refuses the model and `dimensions` `serve` is
+    /// configured with; a refusal of another target (a model retired since its rows were
+    /// parked, `dimensions` it cannot give) holds back only that target's rows
+    /// (`Some((stop, false))`), so the other rows go on.
     async fn embed_groups(
         &self,
         groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>>,
@@ -600,9 +601,15 @@ impl Replayer {
                 }
             }
             if let Some(stop) = refused {
-                let (table, model, _) = &target;
-                let whole_batch = stop.is_provider_wide()
-                    || model.as_deref().is_none_or(|m| m == self.embedder.client.model());
+                let (table, model, request_dimensions) = &target;
+                let configured = &self.embedder.client;
+                // What `serve` is configured with: new parks would be refused alike.
+                let refuses_configured = model.as_deref().is_none_or(|m| {
+                    m == configured.model()
+                        && request_dimensions.and_then(|d| usize::try_from(d).ok())
+                            == configured.request_dimensions()
+                });
+                let whole_batch = stop.is_provider_wide() || refuses_configured;
                 if !whole_batch {
                     tracing::warn!(error = %stop, table = %table, model = model.as_deref().unwrap_or_default(),
                         pause_secs = self.config.systemic_pause.as_secs(),

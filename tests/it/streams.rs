@@ -707,6 +707,31 @@ async fn a_model_the_provider_no_longer_serves_holds_back_only_its_own_rows() {
 }
 
 on_single_and_cluster! {
+async fn dimensions_the_model_cannot_give_hold_back_only_their_own_rows() {
+    // Same model, but some rows were parked asking for `dimensions` it cannot give (400 for
+    // every input, the canary too): only those rows wait; the replayer does not pause.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 6, "wide").await;
+    park_transient(&db, 6, "plain").await;
+    sqlx::query("UPDATE embedding_dlq SET request_dimensions = 4096 WHERE doc_id = 'wide'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 12);
+    let mock = start_mock(MockConfig::default()).await;
+    let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
+    let mut rep = replayer(&db, &mock, &keys, "dims", config).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (6, 6, 0, 0), "{c:?}");
+    assert!(rep.paused_until.is_none(), "one target's refusal paused the replay of every target");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'plain'").await, 0);
+}
+}
+
+on_single_and_cluster! {
 async fn a_mixed_batch_commits_in_one_transaction_and_acks_exactly_its_settled_entries() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
