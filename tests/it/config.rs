@@ -85,6 +85,13 @@ fn config_text(db: &TestDb, table: &str, prefix: &str, mock: Option<&MockProvide
     t
 }
 
+/// `embed-dlq dlq ARGS` with only the config file `cfg` for settings.
+fn dlq_cmd(cfg: &std::path::Path, args: &[&str]) -> Command {
+    let mut c = bare();
+    c.env("EMBED_DLQ_CONFIG", cfg).arg("dlq").args(args);
+    c
+}
+
 async fn output(mut c: Command) -> (Option<i32>, String, String) {
     let out =
         tokio::time::timeout(Duration::from_secs(60), c.output()).await.expect("command finishes").unwrap();
@@ -331,11 +338,7 @@ async fn dlq_acts_on_its_own_tables_rows_only() {
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 5);
     let dir = Dir::new();
     let cfg = dir.write("c.toml", &config_text(&db, &b, "unused", None));
-    let dlq = |args: &[&str]| {
-        let mut c = bare();
-        c.env("EMBED_DLQ_CONFIG", &cfg).arg("dlq").args(args);
-        output(c)
-    };
+    let dlq = |args: &[&str]| output(dlq_cmd(&cfg, args));
     let listed = |out: &str| -> Vec<String> {
         let rows: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         rows.as_array().unwrap().iter().map(|r| r["doc_id"].as_str().unwrap().to_string()).collect()
@@ -383,11 +386,7 @@ async fn dlq_lists_and_purges_the_rows_of_one_model_only() {
     .unwrap();
     let dir = Dir::new();
     let cfg = dir.write("c.toml", &config_text(&db, &table, "unused", None));
-    let dlq = |args: &[&str]| {
-        let mut c = bare();
-        c.env("EMBED_DLQ_CONFIG", &cfg).arg("dlq").args(args);
-        output(c)
-    };
+    let dlq = |args: &[&str]| output(dlq_cmd(&cfg, args));
     let (code, out, err) = dlq(&["--json", "list", "--model", "retired-model"]).await;
     assert_eq!(code, Some(0), "{out}{err}");
     let rows: serde_json::Value = serde_json::from_str(out.trim()).unwrap();

@@ -86,6 +86,13 @@ async fn enqueue_due(db: &TestDb, p: &Pipeline, keys: &StreamKeys) -> u64 {
     n
 }
 
+/// One read of `rep` (a batch of new entries, or nothing after its block time), processed.
+async fn read_batch(rep: &mut Replayer) -> embed_dlq::replay::ReplayCounts {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
+}
+
 async fn pending(keys: &StreamKeys) -> usize {
     let mut r = redis().await;
     let reply: redis::streams::StreamPendingReply =
@@ -640,9 +647,7 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
         start_mock(MockConfig { api_key: Some("the-right-key".into()), ..MockConfig::default() }).await;
     let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
     let mut rep = replayer(&db, &locked, &keys, "r", config).await;
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let c = read_batch(&mut rep).await;
     assert_eq!((c.postponed, c.reparked, c.exhausted), (12, 0, 0), "{c:?}");
     assert!(rep.paused_until.is_some(), "the replayer pauses instead of hammering");
     assert_eq!(pending(&keys).await, 0, "acknowledged: no delivery count is burnt on it");
@@ -661,45 +666,62 @@ async fn a_provider_refusing_replay_postpones_rows_without_charging_them() {
 }
 }
 
+/// What a replayer did with one batch of six rows of a target the provider refuses (doc
+/// `held`, altered by `alter`) beside six rows it accepts (doc `free`), all due and on the
+/// stream, embedding through a mock with `mock`; `held` is (id, replays, attempts) of the
+/// refused rows before the batch.
+struct BesideARefusal {
+    db: TestDb,
+    keys: StreamKeys,
+    rep: Replayer,
+    counts: embed_dlq::replay::ReplayCounts,
+    held: Vec<(i64, i32, i32)>,
+}
+
+async fn one_batch_beside_a_refusal(alter: &str, mock: MockConfig) -> BesideARefusal {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 6, "held").await;
+    park_transient(&db, 6, "free").await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE embedding_dlq SET {alter} WHERE doc_id = 'held'")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 12);
+    let held = held_rows(&db).await;
+    let mock = start_mock(mock).await;
+    let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
+    let mut rep = replayer(&db, &mock, &keys, "beside", config).await;
+    let counts = read_batch(&mut rep).await;
+    BesideARefusal { db, keys, rep, counts, held }
+}
+
+async fn held_rows(db: &TestDb) -> Vec<(i64, i32, i32)> {
+    sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq WHERE doc_id = 'held' ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
 on_single_and_cluster! {
 async fn a_model_the_provider_no_longer_serves_holds_back_only_its_own_rows() {
     // After a model migration the DLQ still holds rows recorded with the old model, which the
     // provider now answers with 404 model_not_found. Those rows wait, uncharged; the other
     // model's rows in the same batch are replayed, and the replayer does not pause. (The
     // retired model sorts first, so its refusal comes before the other group is sent.)
-    let db = TestDb::new().await;
-    let keys = fresh_keys();
-    let (_down, p) = park_transient(&db, 6, "old").await;
-    park_transient(&db, 6, "new").await;
-    sqlx::query("UPDATE embedding_dlq SET model = 'a-retired-model' WHERE doc_id = 'old'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(enqueue_due(&db, &p, &keys).await, 12);
-    let before: Vec<(i64, i32, i32)> =
-        sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq WHERE doc_id = 'old' ORDER BY id")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    let mock =
-        start_mock(MockConfig { retired_models: vec!["a-retired-model".into()], ..MockConfig::default() }).await;
-    let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
-    let mut rep = replayer(&db, &mock, &keys, "migrated", config).await;
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let r = one_batch_beside_a_refusal(
+        "model = 'a-retired-model'",
+        MockConfig { retired_models: vec!["a-retired-model".into()], ..MockConfig::default() },
+    )
+    .await;
+    let c = r.counts;
     assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (6, 6, 0, 0), "{c:?}");
-    assert!(rep.paused_until.is_none(), "one model's refusal paused the replay of every model");
-    assert_eq!(pending(&keys).await, 0);
-    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'new'").await, 0);
-    let after: Vec<(i64, i32, i32)> =
-        sqlx::query_as("SELECT id, replays, attempts FROM embedding_dlq WHERE doc_id = 'old' ORDER BY id")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(before, after, "the retired model's rows are not charged");
+    assert!(r.rep.paused_until.is_none(), "one model's refusal paused the replay of every model");
+    assert_eq!(pending(&r.keys).await, 0);
+    assert_eq!(r.db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'free'").await, 0);
+    assert_eq!(held_rows(&r.db).await, r.held, "the retired model's rows are not charged");
     assert_eq!(
-        db.count("SELECT count(*) FROM embedding_dlq WHERE next_retry_at > now() + interval '100 seconds'").await,
+        r.db.count("SELECT count(*) FROM embedding_dlq WHERE next_retry_at > now() + interval '100 seconds'").await,
         6,
         "the retired model's rows are back on the schedule after the pause"
     );
@@ -710,24 +732,12 @@ on_single_and_cluster! {
 async fn dimensions_the_model_cannot_give_hold_back_only_their_own_rows() {
     // Same model, but some rows were parked asking for `dimensions` it cannot give (400 for
     // every input, the canary too): only those rows wait; the replayer does not pause.
-    let db = TestDb::new().await;
-    let keys = fresh_keys();
-    let (_down, p) = park_transient(&db, 6, "wide").await;
-    park_transient(&db, 6, "plain").await;
-    sqlx::query("UPDATE embedding_dlq SET request_dimensions = 4096 WHERE doc_id = 'wide'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(enqueue_due(&db, &p, &keys).await, 12);
-    let mock = start_mock(MockConfig::default()).await;
-    let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
-    let mut rep = replayer(&db, &mock, &keys, "dims", config).await;
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let r = one_batch_beside_a_refusal("request_dimensions = 4096", MockConfig::default()).await;
+    let c = r.counts;
     assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (6, 6, 0, 0), "{c:?}");
-    assert!(rep.paused_until.is_none(), "one target's refusal paused the replay of every target");
-    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'plain'").await, 0);
+    assert!(r.rep.paused_until.is_none(), "one target's refusal paused the replay of every target");
+    assert_eq!(r.db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'free'").await, 0);
+    assert_eq!(held_rows(&r.db).await, r.held, "the refused rows are not charged");
 }
 }
 
@@ -757,9 +767,7 @@ async fn a_mixed_batch_commits_in_one_transaction_and_acks_exactly_its_settled_e
     let mock = start_mock(MockConfig { max_inputs: 2, ..MockConfig::default() }).await;
     let config = ReplayConfig { request_inputs: 2, ..replay_config() };
     let mut rep = replayer(&db, &mock, &keys, "mixer", config).await;
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let c = read_batch(&mut rep).await;
     assert_eq!((c.replayed, c.reparked, c.skipped, c.left_pending), (4, 1, 2, 0), "{c:?}");
     assert_eq!(pending(&keys).await, 0, "every settled entry acknowledged, and only after the commit");
     let stats = mock.control.stats();
@@ -839,9 +847,7 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
     let scheduler = Scheduler { store: rep.store.clone(), config: replay_config() };
     assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
     relay_all(&db, &keys).await;
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let c = read_batch(&mut rep).await;
     assert_eq!(c.replayed, 300, "{c:?}");
     let after = seq_scans(&db).await;
     assert_eq!(after.1, before.1, "replaying a batch scanned the whole manifest");
