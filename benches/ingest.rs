@@ -34,6 +34,7 @@ use common::{CpuSampler, CpuSnapshot, env_usize, median, with_database};
 
 use embed_dlq::config::{IngestArgs, IngestSettings, ProviderArgs, RetryArgs, ServiceArgs};
 use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
+use embed_dlq::testkit::db::insert_raw_rows;
 use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
 use pgvector::Vector;
 use sqlx::{Connection, PgConnection};
@@ -278,7 +279,7 @@ async fn raw_write(pool: &sqlx::PgPool, vectors: &Arc<[Vector]>, connections: us
                 let base = first + n * 500;
                 let rows: Vec<(usize, &Vector)> =
                     batch.iter().enumerate().map(|(i, v)| (base + i, v)).collect();
-                insert_raw(&mut conn, "raw", &rows).await;
+                insert_raw_rows(&mut conn, "raw", &rows).await.unwrap();
             }
         });
     }
@@ -286,26 +287,6 @@ async fn raw_write(pool: &sqlx::PgPool, vectors: &Arc<[Vector]>, connections: us
         done.unwrap();
     }
     start.elapsed()
-}
-
-/// Inserts `rows` (position, vector) into `raw_embeddings` in one statement the way the raw
-/// writer does: 8 chunks a document named `<prefix>-<position / 8>`, a made-up content hash.
-async fn insert_raw(conn: &mut sqlx::PgConnection, prefix: &str, rows: &[(usize, &Vector)]) {
-    let docs: Vec<String> = rows.iter().map(|(n, _)| format!("{prefix}-{}", n / 8)).collect();
-    let idxs: Vec<i32> = rows.iter().map(|(n, _)| (n % 8) as i32).collect();
-    let hashes: Vec<String> = rows.iter().map(|(n, _)| format!("{n:064x}")).collect();
-    let vectors: Vec<&Vector> = rows.iter().map(|(_, v)| *v).collect();
-    sqlx::query(
-        "INSERT INTO raw_embeddings (doc_id, chunk_index, content_hash, embedding)
-         SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[], $4::vector[])",
-    )
-    .bind(&docs)
-    .bind(&idxs)
-    .bind(&hashes)
-    .bind(&vectors)
-    .execute(conn)
-    .await
-    .unwrap();
 }
 
 /// The ingest floor (see the module docs): `texts` embedded by `pipeline`'s client in requests
@@ -342,7 +323,7 @@ async fn floor_write(
                 }
                 if rows.len() >= 512 || (!open && !rows.is_empty()) {
                     let refs: Vec<(usize, &Vector)> = rows.iter().map(|(n, v)| (*n, v)).collect();
-                    insert_raw(&mut conn, &format!("floor-{w}"), &refs).await;
+                    insert_raw_rows(&mut conn, &format!("floor-{w}"), &refs).await.unwrap();
                     rows.clear();
                 }
             }

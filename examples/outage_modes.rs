@@ -165,20 +165,8 @@ async fn raw_write_rate(db: &TestDb, rows: usize) -> f64 {
     let mut conn = db.pool.acquire().await.unwrap();
     let start = Instant::now();
     for (n, batch) in vectors.chunks(500).enumerate() {
-        let docs: Vec<String> = (0..batch.len()).map(|i| format!("raw-{}", (n * 500 + i) / 8)).collect();
-        let idxs: Vec<i32> = (0..batch.len()).map(|i| ((n * 500 + i) % 8) as i32).collect();
-        let hashes: Vec<String> = (0..batch.len()).map(|i| format!("{:064x}", n * 500 + i)).collect();
-        sqlx::query(
-            "INSERT INTO raw_embeddings (doc_id, chunk_index, content_hash, embedding)
-             SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[], $4::vector[])",
-        )
-        .bind(&docs)
-        .bind(&idxs)
-        .bind(&hashes)
-        .bind(batch)
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+        let rows: Vec<(usize, &Vector)> = batch.iter().enumerate().map(|(i, v)| (n * 500 + i, v)).collect();
+        embed_dlq::testkit::db::insert_raw_rows(&mut conn, "raw", &rows).await.unwrap();
     }
     rows as f64 / start.elapsed().as_secs_f64()
 }
