@@ -6,6 +6,7 @@
 //! - [`corpus`]: a synthetic JSONL corpus with poison inputs and broken lines, and the facts
 //!   to check outcomes against.
 //! - [`db`]: a fresh (migrated or unmigrated) database per test, always dropped with its value.
+//! - [`proxy`]: a TCP proxy that makes Postgres or Redis unreachable for as long as a test wants.
 //! - [`seed_model`]: the seed write-up's one-input-per-request retry design, simulated against
 //!   the mock's fault model, for the provider-economy benchmark's comparison.
 //!
@@ -16,6 +17,7 @@
 pub mod corpus;
 pub mod db;
 pub mod mock_provider;
+pub mod proxy;
 pub mod seed_model;
 
 pub use db::TestDb;
