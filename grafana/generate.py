@@ -140,6 +140,8 @@ stage("Streams and replay", [
                  (f"max by (shard) (embed_dlq_stream_lag{{{SEL_S}}})", "lag {{shard}}")]},
     {"title": "Replay outcomes / s", "description": "Replay work items: replayed (stored), reparked, exhausted, skipped.",
      "targets": [(f"sum by (outcome) (rate(embed_dlq_replay_outcomes_total{{{SEL}}}[{RATE}]))", "{{outcome}}")]},
+    {"title": "Replay leases released", "description": "Leases of work items lost with a replay stream's data (a consumer group found missing: FLUSHALL, a restart without persistence, an emptied cluster master), released so their work is issued again at once.",
+     "targets": [(f"sum(increase(embed_dlq_replay_leases_released_total{{{SEL}}}[{RATE}]))", "released")]},
 ])
 
 stage("Reconcile", [

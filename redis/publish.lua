@@ -20,6 +20,11 @@
 -- ARGV[1]  TTL of the dedup hash in seconds (renewed by every call that writes to it; must
 --          outlive any relay retry of the same row)
 -- ARGV[2]  approximate MAXLEN of the events stream, 0 for no length trimming here
+-- ARGV[3]  exact MAXLEN of the replay stream, 0 for none: the outstanding-work cap. Entries
+--          are read in order, so the unread ones are the newest and every live work item is
+--          among the newest `cap`; what the trim removes is consumed or stale (an item whose
+--          lease ran out and was issued again), and a live item it might still remove is
+--          issued again when its lease ends
 -- then six arguments per row, in outbox order:
 --   stream     1 = events stream (KEYS[2]), 2 = replay stream (KEYS[3])
 --   legacy     index in KEYS of the row's old-format marker, 0 when it has none
@@ -41,22 +46,24 @@
 local PER_ROW = 6
 local ttl = tonumber(ARGV[1])
 local maxlen = tonumber(ARGV[2])
+local replay_maxlen = tonumber(ARGV[3])
+local HEADER = 3
 if #KEYS < 3 then
   return redis.error_reply('ERR publish.lua: KEYS must start with the dedup hash and the two streams')
 end
 if not ttl or ttl < 1 then
   return redis.error_reply('ERR publish.lua: the dedup TTL must be a positive number of seconds')
 end
-if not maxlen or maxlen < 0 or (#ARGV - 2) % PER_ROW ~= 0 then
-  return redis.error_reply('ERR publish.lua: malformed ARGV (maxlen, then six arguments per row)')
+if not maxlen or maxlen < 0 or not replay_maxlen or replay_maxlen < 0 or (#ARGV - HEADER) % PER_ROW ~= 0 then
+  return redis.error_reply('ERR publish.lua: malformed ARGV (ttl, two maxlens, then six arguments per row)')
 end
-local rows = (#ARGV - 2) / PER_ROW
+local rows = (#ARGV - HEADER) / PER_ROW
 if rows == 0 then
   return {}
 end
 local ids = {}
 for r = 1, rows do
-  ids[r] = ARGV[2 + (r - 1) * PER_ROW + 3]
+  ids[r] = ARGV[HEADER + (r - 1) * PER_ROW + 3]
 end
 local recorded = redis.call('HMGET', KEYS[1], unpack(ids))
 local added = {}
@@ -69,7 +76,7 @@ local function flush()
 end
 local out = {}
 for r = 1, rows do
-  local a = 2 + (r - 1) * PER_ROW
+  local a = HEADER + (r - 1) * PER_ROW
   local stream = tonumber(ARGV[a + 1])
   local legacy = tonumber(ARGV[a + 2])
   local event_id = ARGV[a + 3]
@@ -87,6 +94,9 @@ for r = 1, rows do
     local id
     if stream == 1 and maxlen > 0 then
       id = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', maxlen, '*',
+        'outbox_id', ARGV[a + 4], 'event_id', event_id, 'event', ARGV[a + 5], 'body', ARGV[a + 6])
+    elseif stream == 2 and replay_maxlen > 0 then
+      id = redis.pcall('XADD', KEYS[3], 'MAXLEN', replay_maxlen, '*',
         'outbox_id', ARGV[a + 4], 'event_id', event_id, 'event', ARGV[a + 5], 'body', ARGV[a + 6])
     else
       id = redis.pcall('XADD', KEYS[1 + stream], '*',

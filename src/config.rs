@@ -198,9 +198,18 @@ pub struct ServeArgs {
     /// Entries idle this long are taken over by another replayer, 100..=86400000 ms.
     #[arg(long)]
     pub min_idle_ms: Option<u64>,
-    /// Deliveries after which an entry is marked exhausted, 1..=1000.
+    /// Replays of one work item begun without an outcome (its replayer died or lost the
+    /// database mid-batch) before the row is exhausted, 1..=1000; Redis deliveries do not count.
     #[arg(long)]
     pub delivery_cap: Option<u32>,
+    /// How long a row handed out as replay work stays leased, 1..=86400 s (default 900): no
+    /// other work item is issued for it meanwhile, and a lost item is issued again after it.
+    #[arg(long)]
+    pub replay_lease_secs: Option<u64>,
+    /// Most replay work items outstanding at once (leased rows; each replay stream shard is
+    /// trimmed to this many entries), 1..=1000000 (default 10000).
+    #[arg(long)]
+    pub replay_outstanding_max: Option<usize>,
     /// Time to finish in-flight work after SIGTERM, 0..=600000 ms.
     #[arg(long)]
     pub grace_ms: Option<u64>,
@@ -360,8 +369,14 @@ pub mod bounds {
     pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
     /// 100 ms ..= 1 day.
     pub const MIN_IDLE_MS: RangeInclusive<u64> = 100..=86_400_000;
-    /// `delivery_cap`: deliveries of one replay entry before it is given up on.
+    /// `delivery_cap`: replays of one work item begun without an outcome before the row is
+    /// given up on.
     pub const DELIVERY_CAP: RangeInclusive<u32> = 1..=1000;
+    /// `replay_lease_secs`: a second (tests) to a day; a lease must outlast a replay batch,
+    /// since a load extends it by as much.
+    pub const REPLAY_LEASE_SECS: RangeInclusive<u64> = 1..=86_400;
+    /// `replay_outstanding_max`: a million work items is about 300 MB of replay stream.
+    pub const REPLAY_OUTSTANDING_MAX: RangeInclusive<usize> = 1..=1_000_000;
     /// `grace_ms`: up to 10 minutes of drain after the signal.
     pub const GRACE_MS: RangeInclusive<u64> = 0..=600_000;
     /// `relay_batch`: outbox rows per relay pass.
@@ -1168,6 +1183,8 @@ fn resolve_serve(
         replay_batch,
         min_idle_ms,
         delivery_cap,
+        replay_lease_secs,
+        replay_outstanding_max,
         grace_ms,
         stream_prefix,
         stream_shards,
@@ -1204,6 +1221,20 @@ fn resolve_serve(
         r.num("min_idle_ms", min_idle_ms, file.min_idle_ms, millis(rd.min_idle), bounds::MIN_IDLE_MS)?;
     let delivery_cap =
         r.num("delivery_cap", delivery_cap, file.delivery_cap, rd.delivery_cap, bounds::DELIVERY_CAP)?;
+    let replay_lease_secs = r.num(
+        "replay_lease_secs",
+        replay_lease_secs,
+        file.replay_lease_secs,
+        rd.lease.as_secs(),
+        bounds::REPLAY_LEASE_SECS,
+    )?;
+    let replay_outstanding_max = r.num(
+        "replay_outstanding_max",
+        replay_outstanding_max,
+        file.replay_outstanding_max,
+        rd.outstanding_max,
+        bounds::REPLAY_OUTSTANDING_MAX,
+    )?;
     let grace_ms = r.num("grace_ms", grace_ms, file.grace_ms, DEFAULT_GRACE_MS, bounds::GRACE_MS)?;
     let relay_batch = r.num("relay_batch", relay_batch, file.relay_batch, ld.batch, bounds::RELAY_BATCH)?;
     let relay_poll_ms =
@@ -1243,11 +1274,14 @@ fn resolve_serve(
             batch: replay_batch,
             min_idle: Duration::from_millis(min_idle_ms),
             delivery_cap,
+            lease: Duration::from_secs(replay_lease_secs),
+            outstanding_max: replay_outstanding_max,
             schedule: dlq_schedule,
             ..rd
         },
         relay: RelayConfig {
             batch: relay_batch,
+            replay_maxlen: replay_outstanding_max,
             poll: Duration::from_millis(relay_poll_ms),
             marker_ttl: Duration::from_secs(marker_ttl_secs),
             ..ld
@@ -1304,6 +1338,8 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("replay_batch", v.replay.batch.to_string()),
         ("min_idle_ms", millis(v.replay.min_idle).to_string()),
         ("delivery_cap", v.replay.delivery_cap.to_string()),
+        ("replay_lease_secs", v.replay.lease.as_secs().to_string()),
+        ("replay_outstanding_max", v.replay.outstanding_max.to_string()),
         ("grace_ms", millis(v.grace).to_string()),
         ("stream_prefix", s.stream_prefix.clone()),
         ("stream_shards", s.stream_shards.to_string()),
@@ -1783,6 +1819,13 @@ reconcile_every_secs = 7
             ("replay_batch", |c, v| c.serve.replay_batch = Some(v as usize), 1, 2048),
             ("min_idle_ms", |c, v| c.serve.min_idle_ms = Some(v), 100, 86_400_000),
             ("delivery_cap", |c, v| c.serve.delivery_cap = Some(v as u32), 1, 1000),
+            ("replay_lease_secs", |c, v| c.serve.replay_lease_secs = Some(v), 1, 86_400),
+            (
+                "replay_outstanding_max",
+                |c, v| c.serve.replay_outstanding_max = Some(v as usize),
+                1,
+                1_000_000,
+            ),
             ("relay_batch", |c, v| c.serve.relay_batch = Some(v as usize), 1, 10_000),
             ("relay_poll_ms", |c, v| c.serve.relay_poll_ms = Some(v), 10, 60_000),
             ("relay_marker_ttl_secs", |c, v| c.serve.relay_marker_ttl_secs = Some(v), 3_600, 2_592_000),

@@ -97,17 +97,18 @@ pub const MAX_PURGE_BATCH: usize = 10_000;
 /// What `requeue` did (or would do, in a dry run).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct RequeueOutcome {
-    /// Rows made due and published as replay work.
+    /// Rows made due now (the scheduler issues their work within the outstanding cap).
     pub requeued: u64,
     /// Matching rows left alone because replay cannot fix them: `invalid_record` rows and
     /// rows whose payload has no text. Re-ingest their corrected source lines.
     pub needs_reingest: u64,
 }
 
-/// Makes matching rows due now and publishes them as replay work through the outbox, at most
-/// `rate_per_sec` rows a second. Permanent classes are requeued too (after their cause was
-/// fixed): they become `transient` with reason `requeued:<class>/<reason>`, and a new
-/// generation, so outstanding work items for them are void. Rows that replay can never fix
+/// Makes matching rows due now (a running `serve`'s scheduler issues their replay work within
+/// its outstanding cap), at most `rate_per_sec` rows a second. Permanent classes are requeued
+/// too (after their cause was fixed): they become `transient` with reason
+/// `requeued:<class>/<reason>`, and a new generation, so outstanding work items for them are
+/// void. Rows that replay can never fix
 /// (`invalid_record`, no payload text) are never sent to the provider: they are counted in
 /// [`RequeueOutcome::needs_reingest`] and left as they are. Rows are read in pages (keyset by
 /// id), so memory does not grow with the DLQ.
@@ -158,9 +159,7 @@ pub(crate) async fn requeue_rows(
             }
         }
         if !chunk.is_empty() {
-            sql::mark_requeued(store.pool(), &chunk).await?;
-            let lease = crate::replay::ReplayConfig::default().lease;
-            outcome.requeued += store.enqueue_ids(&chunk, lease).await?;
+            outcome.requeued += sql::mark_requeued(store.pool(), &chunk).await?;
         }
         progress(&outcome);
         if rows.len() < batch {

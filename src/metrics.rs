@@ -26,6 +26,7 @@ pub(crate) const BREAKER_OPENED: &str = "embed_dlq_breaker_opened_total";
 pub(crate) const RELAY_PUBLISHED: &str = "embed_dlq_relay_published_total";
 pub(crate) const RELAY_DUPLICATES: &str = "embed_dlq_relay_duplicates_total";
 pub(crate) const REPLAY_OUTCOMES: &str = "embed_dlq_replay_outcomes_total";
+pub(crate) const REPLAY_LEASES_RELEASED: &str = "embed_dlq_replay_leases_released_total";
 pub(crate) const DLQ_DEPTH: &str = "embed_dlq_dlq_depth";
 pub(crate) const DLQ_READY: &str = "embed_dlq_dlq_ready";
 pub(crate) const DLQ_BACKING_OFF: &str = "embed_dlq_dlq_backing_off";
@@ -135,6 +136,7 @@ fn initialise() {
     for outcome in ["replayed", "reparked", "exhausted", "skipped"] {
         counter!(REPLAY_OUTCOMES, "outcome" => outcome).increment(0);
     }
+    counter!(REPLAY_LEASES_RELEASED).increment(0);
     for outcome in ["stored", "wasted"] {
         counter!(TOKENS, "outcome" => outcome).increment(0);
     }
@@ -164,6 +166,10 @@ fn describe() {
         "Outbox rows whose entry already existed (republished after a crash)."
     );
     describe_counter!(REPLAY_OUTCOMES, "Replay work items, by outcome.");
+    describe_counter!(
+        REPLAY_LEASES_RELEASED,
+        "Replay leases released because their work items were lost with a replay stream's data."
+    );
     describe_gauge!(DLQ_DEPTH, "DLQ rows, by error class.");
     describe_gauge!(DLQ_READY, "Transient DLQ rows due for replay (permanent rows never count).");
     describe_gauge!(DLQ_BACKING_OFF, "Transient DLQ rows waiting for their next replay.");

@@ -181,6 +181,11 @@ pub struct WorkItem {
     pub content_hash: String,
     /// Canonical target table name (`embedding_dlq.target_table`).
     pub target_table: String,
+    /// The replay lease the item was issued under (`replay_lease.lease_no`): of two items of
+    /// the same row only the one of its current lease is replayed. `None` for items issued
+    /// before leases were numbered (replayed if their generation is current).
+    #[serde(default)]
+    pub lease: Option<i64>,
 }
 
 /// Longest content hash / table name accepted from a work item (a hash is 64 hex
@@ -200,6 +205,7 @@ impl WorkItem {
             generation: v["generation"].as_i64()?,
             content_hash: content_hash.to_string(),
             target_table: target_table.to_string(),
+            lease: v["lease"].as_i64(),
         })
     }
 }
@@ -249,9 +255,15 @@ mod tests {
                 dlq_id: 7,
                 generation: 42,
                 content_hash: "ab".into(),
-                target_table: "public.t".into()
+                target_table: "public.t".into(),
+                lease: None,
             }
         );
+        let leased = WorkItem::parse_body(
+            r#"{"dlq_id":7,"generation":42,"content_hash":"ab","table":"public.t","lease":9}"#,
+        )
+        .unwrap();
+        assert_eq!(leased.lease, Some(9));
         assert_eq!(WorkItem::parse_body(r#"{"dlq_id":7,"replays":0}"#), None, "pre-generation item");
         assert_eq!(WorkItem::parse_body("not json"), None);
         let long =

@@ -882,7 +882,7 @@ impl Reconciler {
     }
 
     /// Leased rows with no outstanding work item (found in `audit` after the stream scan);
-    /// with `repair`, enqueued again.
+    /// with `repair`, their leases are released so the scheduler issues them again.
     async fn lost_work_check(&self, audit: &mut WorkAudit, repair: bool) -> Result<Finding, ReconcileError> {
         let page = self.config.page();
         let mut lost =
@@ -895,9 +895,10 @@ impl Reconciler {
             lost.found += rows.len() as u64;
             lost.add_examples(rows.iter().map(|(_, key)| key.clone()), self.config.examples);
             if repair {
+                // Released, not issued here: the scheduler issues them again within the
+                // outstanding cap at its next pass.
                 let ids: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
-                let lease = crate::replay::ReplayConfig::default().lease;
-                lost.repaired += self.store.enqueue_ids(&ids, lease).await?;
+                lost.repaired += self.store.release_leases(&ids).await?;
             }
             if rows.len() < page {
                 break;

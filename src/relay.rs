@@ -56,6 +56,10 @@ pub struct RelayConfig {
     pub marker_ttl: Duration,
     /// Approximate cap on the events stream's length (0 = unbounded).
     pub events_maxlen: usize,
+    /// Exact cap on each replay stream shard's length (0 = unbounded): `serve` sets the
+    /// outstanding-work cap (`[serve] replay_outstanding_max`), so a backlog never grows the
+    /// replay stream past it (see `redis/publish.lua` for why the trim loses no live work).
+    pub replay_maxlen: usize,
     /// Published outbox rows are deleted after this long.
     pub retention: Duration,
     /// How long a claim may sit idle in its open transaction before Postgres ends the session
@@ -91,6 +95,7 @@ impl Default for RelayConfig {
             poll: Duration::from_millis(1000),
             marker_ttl: Duration::from_secs(7 * 24 * 3600),
             events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
+            replay_maxlen: crate::replay::DEFAULT_OUTSTANDING_MAX,
             retention: Duration::from_secs(24 * 3600),
             rows_per_call: DEFAULT_ROWS_PER_CALL,
             claim_idle_timeout: Duration::from_secs(60),
@@ -338,7 +343,8 @@ impl Relay {
                     .key(self.keys.events_of(shard))
                     .key(self.keys.replay_of(shard))
                     .arg(ttl)
-                    .arg(self.config.events_maxlen);
+                    .arg(self.config.events_maxlen)
+                    .arg(self.config.replay_maxlen);
                 let mut legacy_keys = 3;
                 for r in call {
                     let legacy = match r.legacy_marker {

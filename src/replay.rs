@@ -10,11 +10,23 @@
 //! - One `serve` replays rows of every target table: a batch is embedded in groups of
 //!   (table, model, request dimensions), each with the model the row records, checked
 //!   against that table's dimension and committed into that table.
-//! - Stuck work: entries idle longer than `min_idle` are taken over with `XAUTOCLAIM`
-//!   (delivery counts read from `XPENDING`). While a replayer works on a batch it refreshes
-//!   its claim (`XCLAIM ... JUSTID` to itself), so a short `min_idle` never causes double
-//!   processing. Past `delivery_cap` deliveries the row is marked exhausted and the entry
-//!   acknowledged. Consumers idle past `dead_consumer_after` with nothing pending are removed.
+//! - Outstanding work is bounded: the scheduler hands a row out under a lease (a narrow
+//!   `replay_lease` row, `crate::store::replay`), at most one live lease per row and at
+//!   most `outstanding_max` in all, and the relay trims each replay stream shard to that
+//!   many entries. A work item names its lease; an older item of the same row is skipped.
+//! - Stuck work: entries idle longer than `min_idle` are taken over with `XAUTOCLAIM`.
+//!   While a replayer works on a batch it refreshes its claim on the entries it still owns
+//!   (`XCLAIM ... JUSTID`, never taking back one another replayer reclaimed), so a short
+//!   `min_idle` never causes double processing.
+//! - Attempts are counted in Postgres, not by Redis deliveries: loading a row for replay
+//!   charges its lease in the same statement, so a database that cannot be reached charges
+//!   nothing however often Redis redelivers. An item begun more than `delivery_cap` times
+//!   without an outcome (an input that kills its replayer) is exhausted. Consumers idle past
+//!   `dead_consumer_after` with nothing pending are removed.
+//! - Lost Redis data is noticed: a replayer that finds its shard's consumer group missing
+//!   (FLUSHALL, a restart without persistence, a cluster master restarted empty) creates it
+//!   and releases the leases whose items lived only in that stream, so the scheduler issues
+//!   them again at its next pass instead of when the leases run out.
 //! - Failed passes are re-parked on the DLQ schedule; the same content failing with the same
 //!   `http_500` several passes in a row is reclassified as permanent; past `max_replays` the
 //!   row is exhausted. Nothing loops forever.
@@ -60,7 +72,10 @@ pub struct ReplayConfig {
     pub block: Duration,
     /// Entries idle longer than this are taken over by another replayer.
     pub min_idle: Duration,
-    /// Deliveries after which an entry is given up on (row exhausted, entry acked).
+    /// Replays of one work item begun without an outcome (counted in Postgres when the
+    /// replayer loads the row: a replayer that died, or lost the database, mid-batch) after
+    /// which the row is exhausted: the guard against an input that kills its replayer every
+    /// time. Redis deliveries are not counted.
     pub delivery_cap: u32,
     /// Consumers idle this long with nothing pending are removed from the group.
     pub dead_consumer_after: Duration,
@@ -68,9 +83,14 @@ pub struct ReplayConfig {
     pub deterministic_failures: i32,
     /// Backoff of a row that fails again (its next `next_retry_at`) and its replay limit.
     pub schedule: DlqSchedule,
-    /// How far `next_retry_at` is pushed when a row is published as work (re-published if
-    /// the work is lost and the lease runs out).
+    /// How long a row handed out as work stays leased (`[serve] replay_lease_secs`): no
+    /// other work item is issued for it meanwhile, and a lost item is issued again when the
+    /// lease runs out. A replayer's load extends it by as much.
     pub lease: Duration,
+    /// Most live leases, and so most work items outstanding in the replay streams and the
+    /// outbox together (`[serve] replay_outstanding_max`); each replay stream shard is
+    /// trimmed to this many entries.
+    pub outstanding_max: usize,
     /// How often the scheduler looks for due rows.
     pub schedule_every: Duration,
     /// How long a replayer pauses after the provider refused the run (bad key, no quota).
@@ -96,6 +116,7 @@ impl Default for ReplayConfig {
             deterministic_failures: 3,
             schedule: DlqSchedule::default(),
             lease: Duration::from_secs(15 * 60),
+            outstanding_max: DEFAULT_OUTSTANDING_MAX,
             schedule_every: Duration::from_secs(1),
             systemic_pause: Duration::from_secs(60),
             shards: Vec::new(),
@@ -160,6 +181,10 @@ impl ReplayError {
     }
 }
 
+/// Default `outstanding_max`: a few seconds of replay at the rates measured here, a few
+/// MB of Redis (BENCHMARKS.md).
+pub const DEFAULT_OUTSTANDING_MAX: usize = 10_000;
+
 /// Publishes due rows as replay work.
 pub struct Scheduler {
     /// Where due rows are found and marked as published work.
@@ -169,11 +194,11 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// One pass: rows made into work items.
+    /// One pass: rows made into work items, while the outstanding cap leaves room.
     pub async fn run_once(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let n = self.store.schedule_due(500, self.config.lease).await?;
+            let n = self.store.schedule_due(500, self.config.lease, self.config.outstanding_max).await?;
             total += n;
             if n < 500 {
                 return Ok(total);
@@ -187,7 +212,14 @@ impl Scheduler {
     /// Returns `Ok(())` once cancelled, `Err` on a permanent error (the caller logs it at
     /// ERROR and stops the process: nothing would be replayed until someone fixes it).
     pub async fn run(self, cancel: CancellationToken) -> Result<(), ReplayError> {
+        let mut last_sweep: Option<Instant> = None;
         while !cancel.is_cancelled() {
+            if last_sweep.is_none_or(|t| t.elapsed() >= LEASE_SWEEP_EVERY) {
+                last_sweep = Some(Instant::now());
+                if let Err(e) = self.store.sweep_stale_leases().await {
+                    tracing::warn!(error = %e, "sweeping stale replay leases failed; retrying later");
+                }
+            }
             if let Err(e) = self.run_once().await {
                 let e = ReplayError::from(e);
                 if !e.is_transient() {
@@ -200,6 +232,9 @@ impl Scheduler {
         Ok(())
     }
 }
+
+/// How often the scheduler deletes leases left by rows that moved on.
+const LEASE_SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// Which shards each of `replayers` replayers reads, so that every shard is read even with
 /// fewer replayers than shards: replayer `r` reads shards `r`, `r + replayers`, ... (cycling
@@ -226,8 +261,9 @@ pub async fn ensure_group(redis: &mut RedisConn, keys: &StreamKeys) -> Result<()
     Ok(())
 }
 
-/// Creates the consumer group (and the stream) of one replay stream if missing.
-async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<(), redis::RedisError> {
+/// Creates the consumer group (and the stream) of one replay stream if missing; true when it
+/// was missing (the first start, or Redis lost the stream).
+async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<bool, redis::RedisError> {
     let r: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(stream)
@@ -237,9 +273,41 @@ async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<(), redi
         .query_async(redis)
         .await;
     match r {
-        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
-        other => other,
+        Ok(()) => Ok(true),
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(false),
+        Err(e) => Err(e),
     }
+}
+
+/// Ends the leases of `shard` whose work items lived only in its replay stream (published
+/// from the outbox), after the stream's consumer group was found missing: those items are
+/// gone with it, and the scheduler issues them again at its next pass. Returns the leases
+/// ended. Leases are few (at most the outstanding cap), so they are read page by page and
+/// matched to the shard here.
+pub(crate) async fn release_lost_leases(
+    store: &Store,
+    keys: &StreamKeys,
+    shard: u16,
+) -> Result<u64, StoreError> {
+    const PAGE: usize = 1000;
+    let (mut after, mut released) = (0i64, 0u64);
+    loop {
+        let page = store.published_leases(after, PAGE).await?;
+        let Some(last) = page.last() else { break };
+        after = last.0;
+        let ids: Vec<i64> = page
+            .iter()
+            .filter(|(_, table, doc, idx)| keys.shard_of(table, doc, *idx) == shard)
+            .map(|(id, ..)| *id)
+            .collect();
+        if !ids.is_empty() {
+            released += store.release_leases(&ids).await?;
+        }
+        if page.len() < PAGE {
+            break;
+        }
+    }
+    Ok(released)
 }
 
 /// How a group of rows is embedded and where it goes: (canonical target table, model the
@@ -256,7 +324,6 @@ struct Entry {
     /// The shard whose stream holds the entry.
     shard: u16,
     id: String,
-    deliveries: u32,
     work: Option<WorkItem>,
 }
 
@@ -387,16 +454,10 @@ impl Replayer {
                 let _: i64 = ack.query_async(&mut self.redis).await?;
             }
             if !reply.claimed.is_empty() {
-                let counts = self.delivery_counts(&stream, &reply.claimed).await?;
                 let entries: Vec<Entry> = reply
                     .claimed
                     .into_iter()
-                    .map(|e| Entry {
-                        shard,
-                        deliveries: counts.get(&e.id).copied().unwrap_or(1),
-                        work: crate::streams::work::from_entry(&e.map),
-                        id: e.id,
-                    })
+                    .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id })
                     .collect();
                 total.reclaimed += entries.len() as u64;
                 tracing::info!(consumer = %self.name, shard, entries = entries.len(), "reclaimed idle replay entries");
@@ -409,25 +470,6 @@ impl Replayer {
         }
         self.remove_dead_consumers(&stream).await?;
         Ok(total)
-    }
-
-    async fn delivery_counts(
-        &mut self,
-        stream: &str,
-        entries: &[redis::streams::StreamId],
-    ) -> Result<HashMap<String, u32>, ReplayError> {
-        let first = &entries.first().expect("non-empty").id;
-        let last = &entries.last().expect("non-empty").id;
-        let pending: StreamPendingCountReply = redis::cmd("XPENDING")
-            .arg(stream)
-            .arg(REPLAY_GROUP)
-            .arg(first)
-            .arg(last)
-            .arg(entries.len() * 2 + 10)
-            .arg(&self.name)
-            .query_async(&mut self.redis)
-            .await?;
-        Ok(pending.ids.into_iter().map(|p| (p.id, p.times_delivered as u32)).collect())
     }
 
     async fn remove_dead_consumers(&mut self, stream: &str) -> Result<(), ReplayError> {
@@ -471,6 +513,7 @@ impl Replayer {
         let todo = self.triage(entries, &mut batch).await?;
         let groups = group_by_target(todo);
         if !groups.is_empty() {
+            failpoint::hit!("replay_before_embed");
             let entry_ids: Vec<(u16, String)> =
                 groups.values().flatten().map(|(e, _)| (e.shard, e.id.clone())).collect();
             let work = self.embed_groups(groups, cancel, &mut batch);
@@ -488,16 +531,23 @@ impl Replayer {
     }
 
     /// Sorts the batch's entries: unreadable, stale or duplicate ones are acknowledged and
-    /// skipped, those past the delivery cap are exhausted; the rest (with their live DLQ row)
-    /// are returned to be replayed.
+    /// skipped, and so is an item of an older lease of its row (another item stands for the
+    /// row's work); a row begun more than `delivery_cap` times without an outcome is
+    /// exhausted; the rest (with their live DLQ row) are returned to be replayed. Loading
+    /// the rows charges the attempt in Postgres ([`Store::load_for_replay`]).
     async fn triage(
         &self,
         entries: Vec<Entry>,
         batch: &mut Settlement,
     ) -> Result<Vec<(Entry, DlqRow)>, ReplayError> {
-        let ids: Vec<i64> = entries.iter().filter_map(|e| e.work.as_ref().map(|w| w.dlq_id)).collect();
-        let rows: HashMap<i64, DlqRow> =
-            self.store.load_dlq_rows(&ids).await?.into_iter().map(|r| (r.id, r)).collect();
+        let items: Vec<&WorkItem> = entries.iter().filter_map(|e| e.work.as_ref()).collect();
+        let rows: HashMap<i64, DlqRow> = self
+            .store
+            .load_for_replay(&items, self.config.lease)
+            .await?
+            .into_iter()
+            .map(|r| (r.id, r))
+            .collect();
         let mut todo: Vec<(Entry, DlqRow)> = Vec::new();
         let mut seen: HashSet<i64> = HashSet::new();
         for e in entries {
@@ -507,15 +557,22 @@ impl Replayer {
                 batch.ack.push((e.shard, e.id));
                 continue;
             };
-            let live = rows
-                .get(&work.dlq_id)
-                .filter(|r| r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient);
+            let live = rows.get(&work.dlq_id).filter(|r| {
+                r.is_current(work)
+                    && !r.exhausted
+                    && r.error_class == ErrorClass::Transient
+                    && r.loads.is_some()
+            });
             match live {
                 Some(row) if seen.insert(work.dlq_id) => {
-                    if e.deliveries > self.config.delivery_cap {
+                    let loads = row.loads.unwrap_or(0);
+                    if loads > self.config.delivery_cap as i32 {
                         batch.give_up.push(exhaust(
                             row,
-                            &format!("delivery cap reached ({} deliveries)", e.deliveries),
+                            &format!(
+                                "replay begun {loads} times without an outcome (delivery cap {})",
+                                self.config.delivery_cap
+                            ),
                         ));
                         batch.ack.push((e.shard, e.id));
                     } else {
@@ -753,8 +810,8 @@ impl Replayer {
         let shards = self.shards();
         let mut next = 0;
         if let Err(e) = self.ensure_groups().await {
-            if !crate::relay::is_transient_redis(&e) {
-                return Err(e.into());
+            if !e.is_transient() {
+                return Err(e);
             }
             tracing::warn!(error = %e, "cannot create the consumer group yet; will retry");
         }
@@ -808,10 +865,21 @@ impl Replayer {
         Ok(())
     }
 
-    /// Creates the consumer group of each of its shards if missing.
-    async fn ensure_groups(&mut self) -> Result<(), redis::RedisError> {
+    /// Creates the consumer group of each of its shards if missing. A group found missing
+    /// means the stream is new or lost its data: the leases of items that lived only there
+    /// are released at once ([`release_lost_leases`]), so replay resumes within a scheduler
+    /// pass rather than a lease.
+    async fn ensure_groups(&mut self) -> Result<(), ReplayError> {
         for shard in self.shards() {
-            ensure_group_of(&mut self.redis, &self.keys.replay_of(shard)).await?;
+            if ensure_group_of(&mut self.redis, &self.keys.replay_of(shard)).await? {
+                let released = release_lost_leases(&self.store, &self.keys, shard).await?;
+                if released > 0 {
+                    metrics::counter!(crate::metrics::REPLAY_LEASES_RELEASED).increment(released);
+                    tracing::warn!(consumer = %self.name, shard, released,
+                        "replay stream shard found without its consumer group (Redis lost its data?): \
+                         released the leases of its lost work items; they are issued again");
+                }
+            }
         }
         Ok(())
     }
@@ -841,7 +909,7 @@ impl Replayer {
             .keys
             .into_iter()
             .flat_map(|k| k.ids)
-            .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id, deliveries: 1 })
+            .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id })
             .collect())
     }
 }
@@ -906,7 +974,9 @@ fn record_outcomes(counts: &ReplayCounts) {
 }
 
 /// Refreshes this consumer's claim on `ids` (resets their idle time) every third of
-/// `min_idle` until dropped, so nobody reclaims a batch that is still being worked on.
+/// `min_idle` until dropped, so nobody reclaims a batch that is still being worked on. Only
+/// entries this consumer still owns are refreshed: one that another replayer reclaimed
+/// while this one stalled stays with it (taking it back made both embed it).
 async fn keep_claim(
     mut redis: RedisConn,
     keys: &StreamKeys,
@@ -919,9 +989,18 @@ async fn keep_claim(
     loop {
         tokio::time::sleep(every).await;
         for (shard, ids) in &shards {
+            let stream = keys.replay_of(*shard);
+            let mine = match still_owned(&mut redis, &stream, me, ids).await {
+                Ok(mine) if mine.is_empty() => continue,
+                Ok(mine) => mine,
+                Err(e) => {
+                    tracing::warn!(error = %e, shard, "could not read the claim on a replay batch");
+                    continue;
+                }
+            };
             let mut cmd = redis::cmd("XCLAIM");
-            cmd.arg(keys.replay_of(*shard)).arg(REPLAY_GROUP).arg(me).arg(0);
-            for id in ids {
+            cmd.arg(&stream).arg(REPLAY_GROUP).arg(me).arg(0);
+            for id in mine {
                 cmd.arg(id);
             }
             cmd.arg("JUSTID");
@@ -930,6 +1009,32 @@ async fn keep_claim(
             }
         }
     }
+}
+
+/// Which of `ids` (entries of `stream`) are still pending for consumer `me`.
+async fn still_owned<'i>(
+    redis: &mut RedisConn,
+    stream: &str,
+    me: &str,
+    ids: &[&'i String],
+) -> Result<Vec<&'i String>, redis::RedisError> {
+    let (Some(first), Some(last)) = (
+        ids.iter().min_by_key(|id| crate::streams::parse_entry_id(id)),
+        ids.iter().max_by_key(|id| crate::streams::parse_entry_id(id)),
+    ) else {
+        return Ok(Vec::new());
+    };
+    let pending: StreamPendingCountReply = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(REPLAY_GROUP)
+        .arg(*first)
+        .arg(*last)
+        .arg(ids.len() * 2 + 10)
+        .arg(me)
+        .query_async(redis)
+        .await?;
+    let owned: HashSet<String> = pending.ids.into_iter().map(|p| p.id).collect();
+    Ok(ids.iter().copied().filter(|id| owned.contains(*id)).collect())
 }
 
 fn exhaust(row: &DlqRow, why: &str) -> Repark {
@@ -1014,6 +1119,7 @@ mod tests {
             last_error_signature: sig.map(str::to_string),
             same_error_count: same,
             manifest_hash: Some("h".into()),
+            loads: Some(1),
         }
     }
 

@@ -340,12 +340,13 @@ pub(crate) async fn requeue_candidates(
 /// Makes the rows `ids` due now under a new generation, as `transient` (a permanent class is
 /// kept in the reason: `requeued:<class>/<reason>`), moves their manifest rows back to
 /// `parked` and writes a `requeued` event per row, in one statement. Rows that need a
-/// re-ingest are left alone even if listed. Publishing the replay work is a separate step
-/// (`Store::enqueue_ids`).
-pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), StoreError> {
+/// re-ingest are left alone even if listed. Their replay leases end (work issued for the old
+/// generation is stale): the scheduler issues them at its next pass, within the outstanding
+/// cap. Returns the rows requeued.
+pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<u64, StoreError> {
     let mut tx = pool.begin().await?;
     sqlx::query(LOCK_MANIFEST_SQL).bind(ids).execute(&mut *tx).await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
+    let requeued: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "WITH upd AS (
              UPDATE embedding_dlq d SET
                     error_reason = CASE WHEN d.error_class = 'transient' AND d.exhausted_at IS NULL
@@ -365,19 +366,24 @@ pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<(), Stor
                 AND m.chunk_index = u.chunk_index
                 AND m.content_hash = u.content_hash AND m.status <> 'parked'
              RETURNING 1
+         ), released AS (
+             DELETE FROM replay_lease l USING upd u WHERE l.dlq_id = u.id
+         ), events AS (
+             INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+             SELECT 'requeued', id, target_table, doc_id, chunk_index,
+                    embed_dlq_event('requeued', id, target_table, doc_id, chunk_index, generation,
+                                    jsonb_build_object('error_reason', error_reason, 'attempts', attempts,
+                                                       'at', now()))
+               FROM upd
+             RETURNING 1
          )
-         INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-         SELECT 'requeued', id, target_table, doc_id, chunk_index,
-                embed_dlq_event('requeued', id, target_table, doc_id, chunk_index, generation,
-                                jsonb_build_object('error_reason', error_reason, 'attempts', attempts,
-                                                   'at', now()))
-           FROM upd"
+         SELECT count(*) FROM upd"
     )))
     .bind(ids)
-    .execute(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(())
+    Ok(requeued as u64)
 }
 
 /// Matching rows, counted (the dry run of a purge).
@@ -435,6 +441,8 @@ pub(crate) async fn purge_batch(
               WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
                 AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
              RETURNING 1
+         ), released AS (
+             DELETE FROM replay_lease l USING gone g WHERE l.dlq_id = g.id
          ), events AS (
              INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
              SELECT 'purged', id, target_table, doc_id, chunk_index,

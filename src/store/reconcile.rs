@@ -494,7 +494,10 @@ pub(crate) async fn replay_stalled(
     let select = format!(
         "SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d
           WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
-            AND d.next_retry_at < now() - make_interval(secs => {stall})"
+            AND d.next_retry_at < now() - make_interval(secs => {stall})
+            AND NOT EXISTS (SELECT 1 FROM replay_lease l
+                             WHERE l.dlq_id = d.id AND l.generation = d.generation
+                               AND l.leased_until > now())"
     );
     run_check(pool, &select, None, examples).await
 }
@@ -825,9 +828,10 @@ impl WorkAudit {
             .map_err(StoreError::from)
     }
 
-    /// Up to `limit` rows after `after_id` (by id) handed out as replay work more than `grace`
-    /// before the audit began, with no outstanding work item (neither unpublished in the
-    /// outbox nor recorded from the stream): `(id, "doc_id#chunk_index")`.
+    /// Up to `limit` rows after `after_id` (by id) whose live replay lease was issued more
+    /// than `grace` before the audit began, with no outstanding work item (neither
+    /// unpublished in the outbox nor recorded from the stream): `(id, "doc_id#chunk_index")`.
+    /// Read from the leases (at most the outstanding cap of them), not from the DLQ.
     pub(crate) async fn lost_work(
         &mut self,
         grace: Duration,
@@ -835,16 +839,16 @@ impl WorkAudit {
         limit: usize,
     ) -> Result<Vec<(i64, String)>, StoreError> {
         let rows = sqlx::query(
-            "SELECT d.id, d.doc_id || '#' || d.chunk_index AS key FROM embedding_dlq d
+            "SELECT d.id, d.doc_id || '#' || d.chunk_index AS key
+               FROM replay_lease l JOIN embedding_dlq d ON d.id = l.dlq_id AND d.generation = l.generation
               WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
-                AND d.enqueued_at IS NOT NULL AND d.enqueued_at > d.last_failed_at
-                AND d.enqueued_at < now() - make_interval(secs => $1)
-                AND d.next_retry_at > now()
+                AND l.leased_until > now()
+                AND l.leased_at < now() - make_interval(secs => $1)
                 AND NOT EXISTS (SELECT 1 FROM reconcile_unpublished_work u WHERE u.dlq_id = d.id)
                 AND NOT EXISTS (SELECT 1 FROM reconcile_outstanding_work o
                                  WHERE o.dlq_id = d.id AND o.generation = d.generation)
-                AND d.id > $2
-              ORDER BY d.id LIMIT $3",
+                AND l.dlq_id > $2
+              ORDER BY l.dlq_id LIMIT $3",
         )
         .bind(grace.as_secs_f64())
         .bind(after_id)

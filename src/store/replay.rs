@@ -1,6 +1,12 @@
 //! Postgres side of replay: scheduling due DLQ rows as replay work, loading them, and the two
 //! ways a replay result is committed (both in one transaction per batch).
 //!
+//! Handing a row out is a narrow `replay_lease` row (migration 0013), not a rewrite of the DLQ
+//! row: at most one live lease per row, at most `outstanding_max` live leases in all, and the
+//! work item names its lease (`lease_no`) so an older item of the same row is skipped. A
+//! replayer's load counts the attempt in the lease (`loads`) in the same statement that reads
+//! the row: what could not reach Postgres was never charged. Every outcome deletes the lease.
+//!
 //! Every commit is fenced by the row's `generation` (a number from a sequence that changes
 //! whenever the row's content changes, on every re-park and on requeue, and never goes back)
 //! and by the content hash the replayer actually embedded: a result applies only while the
@@ -54,6 +60,10 @@ pub(crate) struct DlqRow {
     pub same_error_count: i32,
     /// The manifest's hash for this chunk (None: no manifest row).
     pub manifest_hash: Option<String>,
+    /// Replays of this work item begun without an outcome, this load included; `None` when
+    /// the load did not charge it (the item is not the row's current work: another item of
+    /// the same row holds the lease, or the row moved on).
+    pub loads: Option<i32>,
 }
 
 impl DlqRow {
@@ -130,77 +140,148 @@ pub(super) const LOCK_MANIFEST_SQL: &str = "SELECT 1
                             FOR UPDATE) locked";
 
 impl Store {
-    /// Publishes up to `limit` due transient rows as replay work (outbox → replay stream) and
-    /// pushes their `next_retry_at` out by `lease`, so work lost in Redis is scheduled again.
-    /// Safe to run from many processes at once (`SKIP LOCKED`, one statement). Oldest due
-    /// first, in the order of `embedding_dlq_ready_idx`, so a pass reads `limit` rows of the
-    /// index instead of sorting every due row (ties are taken in any order).
-    pub(crate) async fn schedule_due(&self, limit: usize, lease: Duration) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
-            "next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
-             ORDER BY next_retry_at LIMIT $1",
-        )))
-        .bind(limit as i64)
-        .bind(lease.as_secs_f64())
-        .fetch_one(self.pool())
-        .await?;
+    /// Issues replay work for up to `limit` due transient rows, oldest due first, while fewer
+    /// than `outstanding_max` leases are live: each gets a lease of `lease` (a narrow
+    /// `replay_lease` row) and one work item in the outbox (→ relay → replay stream), in one
+    /// statement. A row whose current generation holds a live lease is skipped: its work is
+    /// outstanding. One pass at a time per database (a tried advisory lock: a concurrent pass
+    /// issues nothing), so processes side by side never overshoot the cap.
+    ///
+    /// Live leases are counted against the rows they are for (a lease left by a row that
+    /// was resolved, re-parked or purged since does not count), at most `outstanding_max`
+    /// index probes.
+    pub(crate) async fn schedule_due(
+        &self,
+        limit: usize,
+        lease: Duration,
+        outstanding_max: usize,
+    ) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(SCHEDULE_SQL)
+            .bind(limit as i64)
+            .bind(lease.as_secs_f64())
+            .bind(outstanding_max as i64)
+            .fetch_one(self.pool())
+            .await?;
         Ok(n as u64)
     }
 
-    /// Publishes the given transient rows as replay work now, whatever their schedule (used by
-    /// the reconciler for work lost in Redis and by `dlq requeue`).
-    pub(crate) async fn enqueue_ids(&self, ids: &[i64], lease: Duration) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(enqueue_sql(
-            "id = ANY($1) AND error_class = 'transient' AND exhausted_at IS NULL",
-        )))
-        .bind(ids)
-        .bind(lease.as_secs_f64())
-        .fetch_one(self.pool())
+    /// Ends the leases of `ids`, so the scheduler issues their work again at its next pass
+    /// (within the cap) instead of when the lease runs out: used when their work items are
+    /// known to be lost (the reconciler found none outstanding, Redis lost the stream).
+    /// Returns the leases ended.
+    pub(crate) async fn release_leases(&self, ids: &[i64]) -> Result<u64, StoreError> {
+        let done = sqlx::query("DELETE FROM replay_lease WHERE dlq_id = ANY($1)")
+            .bind(ids)
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// The live leases whose work item has left the outbox (it was published, so it lived
+    /// only in Redis): `(dlq_id, target table, doc_id, chunk_index)`, at most `limit`, by id
+    /// after `after_id`. What a replay stream that lost its data held.
+    pub(crate) async fn published_leases(
+        &self,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, String, String, i32)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT l.dlq_id, d.target_table, d.doc_id, d.chunk_index
+               FROM replay_lease l JOIN embedding_dlq d ON d.id = l.dlq_id AND d.generation = l.generation
+              WHERE l.leased_until > now() AND l.dlq_id > $1
+                AND NOT EXISTS (SELECT 1 FROM dlq_outbox o
+                                 WHERE o.doc_id = d.doc_id AND o.chunk_index = d.chunk_index
+                                   AND o.published_at IS NULL AND o.stream = 'replay'
+                                   AND o.dlq_id = d.id)
+              ORDER BY l.dlq_id LIMIT $2",
+        )
+        .bind(after_id)
+        .bind(limit as i64)
+        .fetch_all(self.pool())
         .await?;
-        Ok(n as u64)
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get("dlq_id")?,
+                    r.try_get("target_table")?,
+                    r.try_get("doc_id")?,
+                    r.try_get("chunk_index")?,
+                ))
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(StoreError::from)
+    }
+
+    /// Deletes leases that expired and no longer stand for a row's current generation (the
+    /// row was resolved, re-parked, purged or changed by an ingest since). Leases of current
+    /// rows are kept while expired: their `loads` is the poison-pill count of the next item.
+    pub(crate) async fn sweep_stale_leases(&self) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM replay_lease l
+              WHERE l.leased_until < now()
+                AND NOT EXISTS (SELECT 1 FROM embedding_dlq d
+                                 WHERE d.id = l.dlq_id AND d.generation = l.generation
+                                   AND d.exhausted_at IS NULL AND d.error_class = 'transient')",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(done.rows_affected())
     }
 
     /// Puts rows back on the schedule `delay` from now without charging them (same
     /// generation, same attempts): used when the provider refused the run, not the rows.
-    /// The work item was consumed, so the row is no longer leased (`enqueued_at` cleared):
-    /// the reconciler must not take the pause for lost work and cancel it.
+    /// The work item was consumed, so the lease ends with it (the reconciler must not take
+    /// the pause for lost work), and so does its `loads` count.
     pub(crate) async fn postpone(
         &self,
         ids: &[i64],
         generations: &[i64],
         delay: Duration,
     ) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3), enqueued_at = NULL
-               FROM UNNEST($1::bigint[], $2::bigint[]) AS i(id, generation)
-              WHERE d.id = i.id AND d.generation = i.generation AND d.exhausted_at IS NULL",
+        let done: i64 = sqlx::query_scalar(
+            "WITH upd AS (
+                 UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3)
+                   FROM UNNEST($1::bigint[], $2::bigint[]) AS i(id, generation)
+                  WHERE d.id = i.id AND d.generation = i.generation AND d.exhausted_at IS NULL
+                 RETURNING d.id
+             ), released AS (
+                 DELETE FROM replay_lease l USING upd WHERE l.dlq_id = upd.id
+             )
+             SELECT count(*) FROM upd",
         )
         .bind(ids)
         .bind(generations)
         .bind(delay.as_secs_f64())
-        .execute(self.pool())
+        .fetch_one(self.pool())
         .await?;
-        Ok(done.rows_affected())
+        Ok(done as u64)
     }
 
-    /// Loads DLQ rows (with their manifest hash) by id; missing ids are simply absent.
-    pub(crate) async fn load_dlq_rows(&self, ids: &[i64]) -> Result<Vec<DlqRow>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.model,
-                    d.request_dimensions, d.payload, d.replays, d.generation, d.attempts,
-                    d.error_class, d.error_reason, d.last_error, d.last_status,
-                    d.exhausted_at IS NOT NULL AS exhausted, d.last_error_signature,
-                    d.same_error_count,
-                    -- By key, row by row: as a join the planner hashed the whole manifest.
-                    (SELECT m.content_hash FROM ingest_manifest m
-                      WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
-                        AND m.chunk_index = d.chunk_index) AS manifest_hash
-               FROM embedding_dlq d
-              WHERE d.id = ANY($1)",
-        )
-        .bind(ids)
-        .fetch_all(self.pool())
-        .await?;
+    /// Loads the DLQ rows of `items` (with their manifest hash) for replay and, in the same
+    /// statement, charges each item that is its row's current work: its lease's `loads` goes
+    /// up by one and the lease is extended by `lease` from now (an item whose lease was
+    /// released, or that was issued before leases were numbered, takes the lease). An item
+    /// of an older lease of the row, or of another generation, is not charged
+    /// ([`DlqRow::loads`] is `None`). Missing rows are simply absent.
+    ///
+    /// Nothing is charged when the statement fails: a database that cannot be reached
+    /// never counts against a row.
+    pub(crate) async fn load_for_replay(
+        &self,
+        items: &[&WorkItem],
+        lease: Duration,
+    ) -> Result<Vec<DlqRow>, StoreError> {
+        let ids: Vec<i64> = items.iter().map(|w| w.dlq_id).collect();
+        let gens: Vec<i64> = items.iter().map(|w| w.generation).collect();
+        // -1: an item from before leases were numbered.
+        let leases: Vec<i64> = items.iter().map(|w| w.lease.unwrap_or(-1)).collect();
+        let rows = sqlx::query(LOAD_FOR_REPLAY_SQL)
+            .bind(&ids)
+            .bind(&gens)
+            .bind(&leases)
+            .bind(lease.as_secs_f64())
+            .fetch_all(self.pool())
+            .await?;
         rows.into_iter()
             .map(|r| {
                 Ok(DlqRow {
@@ -223,6 +304,7 @@ impl Store {
                     last_error_signature: r.try_get("last_error_signature")?,
                     same_error_count: r.try_get("same_error_count")?,
                     manifest_hash: r.try_get("manifest_hash")?,
+                    loads: r.try_get("loads")?,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
@@ -360,6 +442,8 @@ const REPARK_SQL: &str = "WITH input AS (
             AND m.chunk_index = u.chunk_index AND m.content_hash = u.content_hash
             AND m.status <> u.status
          RETURNING 1
+     ), released AS (
+         DELETE FROM replay_lease l USING upd u WHERE l.dlq_id = u.id
      ), events AS (
          INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
          SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
@@ -410,6 +494,8 @@ fn replayed_sql(table: &str) -> String {
               WHERE m.target_table = c.target_table AND m.doc_id = c.doc_id
                 AND m.chunk_index = c.chunk_index AND m.content_hash = c.content_hash
              RETURNING 1
+         ), released AS (
+             DELETE FROM replay_lease l USING claimed c WHERE l.dlq_id = c.id
          ), events AS (
              INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
              SELECT 'replayed', id, target_table, doc_id, chunk_index,
@@ -423,49 +509,86 @@ fn replayed_sql(table: &str) -> String {
     )
 }
 
-/// Marks the rows selected by `filter` (over `embedding_dlq`, binding `$1`) as enqueued and
-/// writes one replay work item ([`WorkItem`]) per row to the outbox, in one statement.
-fn enqueue_sql(filter: &str) -> String {
-    format!(
-        "WITH due AS (
-             SELECT id FROM embedding_dlq WHERE {filter} FOR UPDATE SKIP LOCKED
-         ), upd AS (
-             UPDATE embedding_dlq d
-                SET next_retry_at = now() + make_interval(secs => $2), enqueued_at = now()
-               FROM due WHERE d.id = due.id
-             RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
-                       d.attempts
-         ), work AS (
-             INSERT INTO dlq_outbox (event, stream, dlq_id, target_table, doc_id, chunk_index, body)
-             SELECT 'replay', 'replay', id, target_table, doc_id, chunk_index, {body}
-               FROM upd
-             RETURNING 1
-         )
-         SELECT count(*) FROM work",
-        body = WORK_ITEM_BODY
-    )
-}
+/// The scheduler's statement ([`Store::schedule_due`]): `$1` most rows, `$2` lease seconds,
+/// `$3` most live leases. `room`: how many more leases fit under the cap, 0 while another
+/// pass holds the lock. `due`: oldest due first, in the order of `embedding_dlq_ready_idx`,
+/// skipping rows whose current generation holds a live lease (at most the cap of them).
+/// `leased`: a new lease per row (an expired lease of the same generation keeps its
+/// `loads`: the poison-pill count survives a lost item); `work`: one work item per lease.
+const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
+         SELECT CASE WHEN pg_try_advisory_xact_lock(embed_dlq_schedule_lock_key())
+                     THEN GREATEST(LEAST($1::bigint, $3::bigint - (
+                              SELECT count(*) FROM replay_lease l
+                               WHERE l.leased_until > now()
+                                 AND EXISTS (SELECT 1 FROM embedding_dlq d
+                                              WHERE d.id = l.dlq_id AND d.generation = l.generation
+                                                AND d.exhausted_at IS NULL))), 0)
+                     ELSE 0 END AS n
+     ), due AS (
+         SELECT d.id, d.generation FROM embedding_dlq d
+          WHERE d.next_retry_at <= now() AND d.error_class = 'transient' AND d.exhausted_at IS NULL
+            AND NOT EXISTS (SELECT 1 FROM replay_lease l
+                             WHERE l.dlq_id = d.id AND l.generation = d.generation
+                               AND l.leased_until > now())
+          ORDER BY d.next_retry_at
+          LIMIT (SELECT n FROM room)
+     ), leased AS (
+         INSERT INTO replay_lease AS l (dlq_id, generation, leased_until)
+         SELECT id, generation, now() + make_interval(secs => $2::float8) FROM due ORDER BY id
+         ON CONFLICT (dlq_id) DO UPDATE
+            SET generation = EXCLUDED.generation, lease_no = nextval('embed_dlq_lease_seq'),
+                leased_at = now(), leased_until = EXCLUDED.leased_until,
+                loads = CASE WHEN l.generation = EXCLUDED.generation THEN l.loads ELSE 0 END
+          WHERE l.leased_until <= now() OR l.generation <> EXCLUDED.generation
+         RETURNING l.dlq_id, l.lease_no
+     ), work AS (
+         INSERT INTO dlq_outbox (event, stream, dlq_id, target_table, doc_id, chunk_index, body)
+         SELECT 'replay', 'replay', upd.id, upd.target_table, upd.doc_id, upd.chunk_index,
+                jsonb_build_object('dlq_id', upd.id, 'generation', upd.generation,
+                                   'content_hash', upd.content_hash, 'table', upd.target_table,
+                                   'doc_id', upd.doc_id, 'chunk_index', upd.chunk_index,
+                                   'attempts', upd.attempts, 'lease', leased.lease_no)
+           FROM leased JOIN embedding_dlq upd ON upd.id = leased.dlq_id
+          ORDER BY upd.id
+         RETURNING 1
+     )
+     SELECT count(*) FROM work";
 
-/// The JSON body of a replay work item over the columns of `upd` (what
-/// [`WorkItem::parse_body`] reads, plus `doc_id`, `chunk_index` and `attempts` for stream
-/// readers).
-const WORK_ITEM_BODY: &str = "jsonb_build_object('dlq_id', upd.id, 'generation', upd.generation, \
-     'content_hash', upd.content_hash, 'table', upd.target_table, 'doc_id', upd.doc_id, \
-     'chunk_index', upd.chunk_index, 'attempts', upd.attempts)";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn work_item_body_names_every_field_the_parser_reads() {
-        for f in [
-            "'dlq_id', upd.id",
-            "'generation', upd.generation",
-            "'content_hash', upd.content_hash",
-            "'table', upd.target_table",
-        ] {
-            assert!(WORK_ITEM_BODY.contains(f), "{WORK_ITEM_BODY} lacks {f}");
-        }
-    }
-}
+/// The replayer's load ([`Store::load_for_replay`]): `$1..$3` the items' row ids,
+/// generations and lease numbers (-1: an item from before leases were numbered), `$4` lease
+/// seconds. `current`: items of their row's current generation. `charged`: the lease of
+/// each such row gets one more load and is extended, when the item is the lease's (same
+/// number), or from before numbered leases, or the lease is gone or stale (the item takes
+/// it over); an item of an older lease of the row is not charged.
+const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
+         SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[]) AS t(id, generation, lease_no)
+     ), current AS (
+         SELECT DISTINCT ON (i.id) i.id, i.generation, i.lease_no
+           FROM input i JOIN embedding_dlq d ON d.id = i.id AND d.generation = i.generation
+          WHERE d.exhausted_at IS NULL AND d.error_class = 'transient'
+          ORDER BY i.id, i.lease_no DESC
+     ), charged AS (
+         INSERT INTO replay_lease AS l (dlq_id, generation, lease_no, leased_until, loads)
+         SELECT id, generation, lease_no, now() + make_interval(secs => $4::float8), 1
+           FROM current ORDER BY id
+         ON CONFLICT (dlq_id) DO UPDATE
+            SET loads = CASE WHEN l.generation = EXCLUDED.generation THEN l.loads + 1 ELSE 1 END,
+                lease_no = CASE WHEN l.generation = EXCLUDED.generation THEN l.lease_no
+                                ELSE EXCLUDED.lease_no END,
+                generation = EXCLUDED.generation,
+                leased_until = GREATEST(l.leased_until, EXCLUDED.leased_until)
+          WHERE l.generation <> EXCLUDED.generation OR EXCLUDED.lease_no IN (-1, l.lease_no)
+         RETURNING l.dlq_id, l.loads
+     )
+     SELECT d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.model,
+            d.request_dimensions, d.payload, d.replays, d.generation, d.attempts,
+            d.error_class, d.error_reason, d.last_error, d.last_status,
+            d.exhausted_at IS NOT NULL AS exhausted, d.last_error_signature,
+            d.same_error_count,
+            -- By key, row by row: as a join the planner hashed the whole manifest.
+            (SELECT m.content_hash FROM ingest_manifest m
+              WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                AND m.chunk_index = d.chunk_index) AS manifest_hash,
+            c.loads
+       FROM embedding_dlq d LEFT JOIN charged c ON c.dlq_id = d.id
+      WHERE d.id = ANY($1)";

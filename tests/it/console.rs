@@ -350,7 +350,7 @@ async fn browse_filter_open_requeue_and_tail() {
     let due: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM embedding_dlq
           WHERE id = ANY($1) AND error_class = 'transient' AND exhausted_at IS NULL
-            AND error_reason LIKE 'requeued:permanent_input/%' AND enqueued_at >= $2",
+            AND error_reason LIKE 'requeued:permanent_input/%' AND next_retry_at >= $2",
     )
     .bind(&permanent)
     .bind(since)

@@ -21,6 +21,7 @@ mod reconcile;
 mod relay;
 mod restart;
 mod runtime;
+mod seasons;
 mod shards;
 mod streams;
 mod support;

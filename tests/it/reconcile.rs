@@ -212,6 +212,8 @@ async fn redis_flushall_is_repaired_and_replay_drains_to_zero() {
     let _: () = redis::cmd("FLUSHALL").query_async(&mut redis).await.unwrap();
     let report = assert_found_repaired_clean(&mut r, Check::LostReplayWork, 25).await;
     assert_eq!(report.get(Check::LostReplayWork).examples.len(), 5);
+    let scheduler = Scheduler { store: p.store.clone(), config: ReplayConfig::default() };
+    assert_eq!(scheduler.run_once().await.unwrap(), 25, "released leases are issued again");
     while relay.run_once().await.unwrap().claimed > 0 {}
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let client = embed_dlq::streams::client(&private.url).unwrap();
@@ -301,6 +303,8 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, false, 100).await.unwrap().requeued, 6);
+    let scheduler = Scheduler { store: p.store.clone(), config: ReplayConfig::default() };
+    assert_eq!(scheduler.run_once().await.unwrap(), 6, "requeued rows are due now");
     relay_all(&db, &keys).await;
     let mut rep = Replayer {
         name: "requeue".into(),

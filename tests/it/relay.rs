@@ -89,7 +89,7 @@ fn publish_call(
         std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../redis/publish.lua")));
     let tag = format!("{{{}}}", keys.prefix());
     let mut inv = SCRIPT.prepare_invoke();
-    inv.key(format!("{tag}:published:{hour}")).key(keys.events()).key(keys.replay()).arg(3600).arg(0);
+    inv.key(format!("{tag}:published:{hour}")).key(keys.events()).key(keys.replay()).arg(3600).arg(0).arg(0);
     for e in legacy {
         inv.key(format!("{tag}:outbox:{e}"));
     }
@@ -106,7 +106,7 @@ fn added(replies: &[(String, i64)]) -> Vec<i64> {
 on_single_and_cluster! {
 async fn one_script_call_adds_only_the_unpublished_rows_and_returns_every_id_in_order() {
     // The contract of redis/publish.lua itself: KEYS dedup hash, events, replay, old markers;
-    // ARGV ttl, maxlen, then six per row; one {entry_id, added} pair per row, in order.
+    // ARGV ttl, events maxlen, replay maxlen, then six per row; one {entry_id, added} pair per row, in order.
     let keys = fresh_keys();
     let mut r = redis().await;
     let row = |e| (1u8, 0u8, e);
@@ -571,7 +571,7 @@ async fn replay_loops_stop_on_permanent_errors() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
     let r = reconciler(&db, &keys, immediate()).await;
-    sqlx::query("ALTER TABLE embedding_dlq RENAME COLUMN enqueued_at TO enqueued_at_gone")
+    sqlx::query("ALTER TABLE replay_lease RENAME COLUMN lease_no TO lease_no_gone")
         .execute(&db.pool)
         .await
         .unwrap();
@@ -740,7 +740,9 @@ async fn reconcile_pages_through_the_replay_stream() {
     assert_eq!(report.get(Check::LostReplayWork).found, 7, "{report:#?}");
     let repaired = r.run_once(Mode::Repair).await.unwrap();
     assert_eq!(repaired.get(Check::OrphanStreamEntries).repaired, 6);
-    assert_eq!(repaired.get(Check::LostReplayWork).repaired, 7);
+    assert_eq!(repaired.get(Check::LostReplayWork).repaired, 7, "their leases released");
+    let scheduler = Scheduler { store: r.store.clone(), config: ReplayConfig::default() };
+    assert_eq!(scheduler.run_once().await.unwrap(), 7, "and their work issued again");
     relay_all(&db, &keys).await;
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
     let len: usize = redis.xlen(keys.replay()).await.unwrap();
@@ -802,6 +804,8 @@ async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
     assert_eq!((dry.requeued, dry.needs_reingest), (1, 2));
     let done = embed_dlq::dlq::requeue(&p.store, &all, false, 100).await.unwrap();
     assert_eq!((done.requeued, done.needs_reingest), (1, 2));
+    let scheduler = Scheduler { store: p.store.clone(), config: ReplayConfig::default() };
+    assert_eq!(scheduler.run_once().await.unwrap(), 1, "the scheduler issues the requeued row's work");
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 1);
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'replay'").await, 1);
     assert_eq!(

@@ -287,12 +287,14 @@ async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
 }
 
 on_single_and_cluster! {
-async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
+async fn an_input_that_kills_its_replayer_is_exhausted_after_the_cap_not_looped() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
     let (_down, p) = park_transient(&db, 5, "cap").await;
     enqueue_due(&db, &p, &keys).await;
-    // A consumer that takes the entries and dies without acknowledging them.
+    // A consumer that takes the entries and dies without loading them: Redis counts a
+    // delivery, Postgres nothing, so it is never charged to the rows.
     let mut r = redis().await;
     let _: redis::Value = redis::cmd("XREADGROUP")
         .arg("GROUP")
@@ -306,17 +308,35 @@ async fn an_entry_past_the_delivery_cap_is_exhausted_not_looped() {
         .query_async(&mut r)
         .await
         .unwrap();
+    // Replayers that die every time they begin to replay the batch (after loading its rows,
+    // before the provider call), as on an input that crashes the process.
     let mock = start_mock(MockConfig::default()).await;
-    let mut rep =
-        replayer(&db, &mock, &keys, "reaper", ReplayConfig { delivery_cap: 1, ..replay_config() }).await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let c = rep.reclaim_once(&CancellationToken::new()).await.unwrap();
-    assert_eq!((c.reclaimed, c.exhausted), (5, 5), "{c:?}");
-    assert_eq!(pending(&keys).await, 0, "acknowledged, so never delivered again");
-    assert_eq!(mock.control.stats().requests, 0, "given up without another attempt");
+    let mut crashes = 0;
+    while db.count("SELECT count(*) FROM embedding_dlq WHERE exhausted_at IS NOT NULL").await < 5 {
+        assert!(crashes <= 3, "still not exhausted after {crashes} crashes");
+        let mut child = serve_cmd(&db, &mock, &prefix_of(&keys))
+            .args(["--replayers", "1", "--min-idle-ms", "300", "--delivery-cap", "2"])
+            .env("EMBED_DLQ_FAILPOINT", "replay_before_embed")
+            .spawn()
+            .unwrap();
+        let exited = tokio::time::timeout(Duration::from_secs(20), child.wait()).await;
+        match exited {
+            Ok(status) => {
+                assert!(!status.unwrap().success(), "the failpoint aborts");
+                crashes += 1;
+            }
+            // Alive: it exhausted the rows instead of beginning them again.
+            Err(_) => {
+                let _ = child.kill().await;
+            }
+        }
+    }
+    assert_eq!(crashes, 2, "loads 1 and 2 crash; the third load is past delivery cap 2");
+    assert_eq!(mock.control.stats().requests, 0, "given up without a provider call");
     assert_eq!(
         db.count(
-            "SELECT count(*) FROM embedding_dlq WHERE exhausted_at IS NOT NULL AND next_retry_at IS NULL"
+            "SELECT count(*) FROM embedding_dlq WHERE exhausted_at IS NOT NULL AND next_retry_at IS NULL
+                AND exhausted_reason LIKE 'replay begun 3 times without an outcome%'"
         )
         .await,
         5

@@ -1,0 +1,324 @@
+//! Histories that take time, not just operations: a database gone for longer than the
+//! delivery cap times the reclaim time, a provider refusing for several lease periods, a
+//! backlog bigger than the outstanding-work cap, Redis data lost with replay in flight. The
+//! settings are shortened so each runs in seconds, but every one lasts longer than the
+//! period it is about (a lease, min-idle × delivery cap). The oracle is plain SQL on the
+//! tables and plain Redis commands, never the product's own checks.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::relay::{Relay, RelayConfig};
+use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+use embed_dlq::streams::StreamKeys;
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
+use embed_dlq::testkit::proxy::TcpProxy;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// Parks `n` transient chunks of document `doc` (the provider is down while they are
+/// ingested) and makes them due now.
+async fn park_due(db: &TestDb, n: usize, doc: &str) {
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(db, &down);
+    s.retry.max_attempts = 1;
+    let p = pipeline(&s).await;
+    let corpus: String = (0..n).map(|i| line(doc, i as i32, &format!("{doc} chunk {i}"))).collect();
+    let r = p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked_total(), n as u64);
+    make_due(db).await;
+}
+
+/// `db.url` with its host and port replaced by `addr` (a proxy in front of the server).
+fn through(db: &TestDb, addr: std::net::SocketAddr) -> String {
+    let mut url = reqwest::Url::parse(&db.url).unwrap();
+    url.set_host(Some(&addr.ip().to_string())).unwrap();
+    url.set_port(Some(addr.port())).unwrap();
+    url.to_string()
+}
+
+/// The Postgres server `db` lives on.
+fn postgres_addr(db: &TestDb) -> std::net::SocketAddr {
+    let url = reqwest::Url::parse(&db.url).unwrap();
+    let host = url.host_str().unwrap();
+    let ip: std::net::IpAddr =
+        if host == "localhost" { [127, 0, 0, 1].into() } else { host.parse().unwrap() };
+    (ip, url.port().unwrap_or(5432)).into()
+}
+
+fn prefix_of(keys: &StreamKeys) -> String {
+    keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
+}
+
+/// `serve` against `database_url`, the test's Redis and `mock`, with short replay periods.
+fn serve(database_url: &str, base_url: &str, keys: &StreamKeys, extra: &[&str]) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.arg("serve")
+        .args(["--database-url", database_url, "--redis-url", &redis_url(), "--base-url", base_url])
+        .args(["--model", "mock", "--stream-prefix", &prefix_of(keys), "--request-timeout-ms", "2000"])
+        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--relay-poll-ms", "100"])
+        .args(extra)
+        .env_remove("EMBED_DLQ_FAILPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    c
+}
+
+async fn wait_for(what: &str, within: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !done().await {
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+on_single_and_cluster! {
+/// Postgres unreachable for several times `delivery_cap × min_idle` while replay is in
+/// flight: every XREADGROUP and XAUTOCLAIM of that time adds a Redis delivery, and none of it
+/// is the rows' fault. Once the database is back every row is replayed; none is exhausted.
+async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
+    const ROWS: usize = 400;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_due(&db, ROWS, "outage").await;
+    // Slow enough that the stream holds unread and pending entries when the database goes.
+    let mock = start_mock(MockConfig { latency_ms: 60, ..Default::default() }).await;
+    let proxy = TcpProxy::start(postgres_addr(&db)).await.unwrap();
+    let url = through(&db, proxy.addr);
+    let mut child = serve(
+        &url,
+        &mock.base_url(),
+        &keys,
+        &["--replayers", "2", "--replay-batch", "8", "--min-idle-ms", "300", "--delivery-cap", "2"],
+    )
+    .spawn()
+    .unwrap();
+    wait_for("the first replays", Duration::from_secs(60), async || {
+        db.count("SELECT count(*) FROM doc_embeddings").await >= 24
+    })
+    .await;
+    proxy.control.cut();
+    // 12 s: forty reclaim periods, six times delivery cap × min-idle.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert!(proxy.control.refused() > 0, "serve never tried the database during the outage");
+    proxy.control.restore();
+    wait_for("the DLQ to drain or give up", Duration::from_secs(120), async || {
+        db.count("SELECT count(*) FROM embedding_dlq WHERE exhausted_at IS NULL").await == 0
+    })
+    .await;
+    let _ = child.kill().await;
+    let exhausted: Vec<(String, String)> = sqlx::query_as(
+        "SELECT doc_id || '#' || chunk_index, coalesce(exhausted_reason, '') FROM embedding_dlq
+          WHERE exhausted_at IS NOT NULL ORDER BY 1 LIMIT 5",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(exhausted.is_empty(), "healthy rows exhausted by a database outage: {exhausted:?}");
+    assert_eq!(
+        db.count("SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings WHERE doc_id = 'outage'").await,
+        ROWS as i64
+    );
+}
+}
+
+/// A replayer of the `replayers` group over `keys`, embedding through `mock`.
+async fn replayer(
+    db: &TestDb,
+    mock: &MockProvider,
+    keys: &StreamKeys,
+    name: &str,
+    config: ReplayConfig,
+) -> Replayer {
+    let p = pipeline(&settings(db, mock)).await;
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
+    Replayer {
+        name: name.into(),
+        store: p.store,
+        embedder: p.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    }
+}
+
+/// Entries in the replay stream (every shard).
+async fn replay_len(keys: &StreamKeys) -> usize {
+    let mut r = redis().await;
+    let mut n = 0;
+    for shard in keys.shard_ids() {
+        let len: usize = redis::cmd("XLEN").arg(keys.replay_of(shard)).query_async(&mut r).await.unwrap();
+        n += len;
+    }
+    n
+}
+
+on_single_and_cluster! {
+/// Ten times the outstanding cap parked, the provider refusing for five lease periods, the
+/// replayer far slower than leases run out: the replay stream never holds more than the cap,
+/// and once the provider is back every row is embedded exactly once.
+async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_each_row_once() {
+    const ROWS: usize = 3_000;
+    const CAP: usize = 300;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_due(&db, ROWS, "backlog").await;
+    let refusing = start_mock(MockConfig::default()).await;
+    refusing.control.set_quota_exhausted(true);
+    let lease = Duration::from_secs(2);
+    let config = ReplayConfig {
+        batch: 16,
+        block: Duration::from_millis(200),
+        min_idle: Duration::from_secs(1),
+        lease,
+        outstanding_max: CAP,
+        systemic_pause: Duration::from_millis(500),
+        schedule_every: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let stop = CancellationToken::new();
+    let p = pipeline(&settings(&db, &refusing)).await;
+    let scheduler = tokio::spawn(Scheduler { store: p.store.clone(), config: config.clone() }.run(stop.clone()));
+    let relay_config = RelayConfig { replay_maxlen: CAP, poll: Duration::from_millis(100), ..Default::default() };
+    let relay = tokio::spawn(Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config).run(stop.clone()));
+    let refused = CancellationToken::new();
+    let slow = replayer(&db, &refusing, &keys, "refused", config.clone()).await;
+    let slow = tokio::spawn(slow.run(refused.clone(), refused.clone()));
+    let mut peak = 0;
+    let until = tokio::time::Instant::now() + lease * 5;
+    while tokio::time::Instant::now() < until {
+        peak = peak.max(replay_len(&keys).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    refused.cancel();
+    slow.await.unwrap().unwrap();
+    let issued = db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replay'").await;
+    assert!(issued > 2 * CAP as i64, "the refusing phase issued work again as leases ran out ({issued} items)");
+    assert!(refusing.control.stats().requests > 0, "the provider was asked and refused");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 0);
+
+    let healthy = start_mock(MockConfig::default()).await;
+    let recovered = CancellationToken::new();
+    let config = ReplayConfig { batch: 64, lease: Duration::from_secs(60), ..config };
+    let mut replayers = Vec::new();
+    for name in ["healthy-1", "healthy-2"] {
+        let r = replayer(&db, &healthy, &keys, name, config.clone()).await;
+        replayers.push(tokio::spawn(r.run(recovered.clone(), recovered.clone())));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    while db.count("SELECT count(*) FROM embedding_dlq").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the backlog did not drain");
+        peak = peak.max(replay_len(&keys).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    recovered.cancel();
+    stop.cancel();
+    for r in replayers {
+        r.await.unwrap().unwrap();
+    }
+    scheduler.await.unwrap().unwrap();
+    relay.await.unwrap().unwrap();
+    assert!(peak <= CAP, "the replay stream held {peak} entries, over the cap of {CAP}");
+    assert_eq!(healthy.control.stats().inputs, ROWS as u64, "each row embedded exactly once after recovery");
+    assert_eq!(
+        db.count("SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings WHERE doc_id = 'backlog'").await,
+        ROWS as i64
+    );
+}
+}
+
+/// Replay in flight against the Redis at `url`, with production's 15-minute lease; then
+/// `flush` loses every stream, group and record of the keys' shard. Replay resumes at once
+/// and drains the backlog: it does not wait out the leases of the lost work items.
+async fn replay_resumes_after_redis_loses_its_data(url: &str, flush: impl AsyncFnOnce(&StreamKeys)) {
+    const ROWS: usize = 600;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_due(&db, ROWS, "lost").await;
+    let mock = start_mock(MockConfig { latency_ms: 40, ..Default::default() }).await;
+    let client = embed_dlq::streams::client(url).unwrap();
+    let config = ReplayConfig {
+        batch: 16,
+        block: Duration::from_millis(200),
+        schedule_every: Duration::from_millis(100),
+        ..Default::default()
+    };
+    assert_eq!(config.lease, Duration::from_secs(900), "production's lease");
+    let stop = CancellationToken::new();
+    let p = pipeline(&settings(&db, &mock)).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    let scheduler = Scheduler { store: p.store.clone(), config: config.clone() };
+    let s = stop.clone();
+    tasks.spawn(async move { scheduler.run(s).await.map_err(|e| e.to_string()) });
+    let relay_config = RelayConfig { poll: Duration::from_millis(100), ..Default::default() };
+    let relay = Relay::new(db.pool.clone(), client.managed().await.unwrap(), keys.clone(), relay_config);
+    let s = stop.clone();
+    tasks.spawn(async move { relay.run(s).await.map_err(|e| e.to_string()) });
+    let mut redis = client.managed().await.unwrap();
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let rep = Replayer {
+        name: "survivor".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: client.clone(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    };
+    let s = stop.clone();
+    tasks.spawn(async move { rep.run(s.clone(), s).await.map_err(|e| e.to_string()) });
+    wait_for("the first replays", Duration::from_secs(60), async || {
+        db.count("SELECT count(*) FROM doc_embeddings").await >= 48
+    })
+    .await;
+    flush(&keys).await;
+    let left = db.count("SELECT count(*) FROM embedding_dlq").await;
+    assert!(left > 0, "the data loss came too late: nothing was left in flight");
+    // A minute is a fifteenth of the leases the lost items hold.
+    wait_for("replay to resume and drain the DLQ", Duration::from_secs(60), async || {
+        db.count("SELECT count(*) FROM embedding_dlq").await == 0
+    })
+    .await;
+    stop.cancel();
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap().unwrap();
+    }
+    assert_eq!(
+        db.count("SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings WHERE doc_id = 'lost'")
+            .await,
+        ROWS as i64
+    );
+}
+
+#[test]
+fn replay_resumes_after_a_flushall_of_a_single_node() {
+    run_on(Backend::SingleNode, async {
+        let redis = PrivateRedis::start().await;
+        replay_resumes_after_redis_loses_its_data(&redis.url, async |_| {
+            let mut c = redis.manager().await;
+            let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+        })
+        .await;
+    });
+}
+
+#[test]
+fn replay_resumes_after_a_cluster_master_loses_its_data() {
+    run_on(Backend::Cluster, async {
+        let cluster = PrivateCluster::start().await;
+        replay_resumes_after_redis_loses_its_data(&cluster.url, async |keys| {
+            let master = cluster.master_of(&keys.replay()).await;
+            let mut c = cluster.node(master).await.unwrap();
+            let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+        })
+        .await;
+    });
+}
