@@ -61,11 +61,11 @@ pub struct Delivered {
 
 impl Delivered {
     fn from_entry(e: &StreamId) -> Delivered {
-        let entry = TailEvent {
-            id: e.id.clone(),
-            event: streams::field(&e.map, "event").unwrap_or_default(),
-            body: streams::field(&e.map, "body").unwrap_or_default(),
-        };
+        let entry = TailEvent::new(
+            e.id.clone(),
+            streams::field(&e.map, "event").unwrap_or_default(),
+            streams::field(&e.map, "body").unwrap_or_default(),
+        );
         let body = serde_json::from_str(&entry.body).ok();
         Delivered { entry, body }
     }

@@ -234,6 +234,12 @@ pub struct ServeArgs {
     /// memory (about 115 bytes per event).
     #[arg(long)]
     pub relay_marker_ttl_secs: Option<u64>,
+    /// Approximate cap on each events stream shard's length (`XADD ... MAXLEN ~`),
+    /// 1000..=1000000000 (default 1,000,000): a tail that stays away longer than this many
+    /// events finds its position trimmed and is told the gap; the reconciler counts older
+    /// entries as trimmed by policy. About 300-500 bytes of Redis memory an entry.
+    #[arg(long)]
+    pub events_maxlen: Option<usize>,
     /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
@@ -386,6 +392,10 @@ pub mod bounds {
     /// `relay_marker_ttl_secs`: an hour (a relay down longer than the record lives could show
     /// a re-published event twice) to 30 days.
     pub const RELAY_MARKER_TTL_SECS: RangeInclusive<u64> = 3_600..=2_592_000;
+    /// `events_maxlen`: at least 1000 entries (a few relay batches: trimming must never eat
+    /// a batch before a tail that keeps up has read it), at most a billion (hundreds of GB of
+    /// Redis memory; there is no "unbounded": every stream has a bound).
+    pub const EVENTS_MAXLEN: RangeInclusive<usize> = 1_000..=1_000_000_000;
     /// 0 = never; at most 7 days.
     pub const RECONCILE_EVERY_SECS: RangeInclusive<u64> = 0..=604_800;
     /// 0 = every run is a full sweep; at most 30 days between full sweeps.
@@ -778,6 +788,17 @@ impl Settings {
     /// The stream keys under the configured prefix.
     pub fn stream_keys(&self) -> crate::streams::StreamKeys {
         crate::streams::StreamKeys::with_shards(&self.stream_prefix, self.stream_shards)
+    }
+
+    /// The reconciler's settings: its defaults with the sweep policy of `serve` and the
+    /// events stream cap the relay trims to (so trimmed entries count as trimmed by policy,
+    /// not as lost, by the same number everywhere).
+    pub fn reconcile_config(&self) -> crate::reconcile::ReconcileConfig {
+        crate::reconcile::ReconcileConfig {
+            sweeps: self.serve.reconcile_sweeps,
+            events_maxlen: self.serve.relay.events_maxlen,
+            ..Default::default()
+        }
     }
 
     /// The settings of an ingest (which needs a database).
@@ -1192,6 +1213,7 @@ fn resolve_serve(
         relay_batch,
         relay_poll_ms,
         relay_marker_ttl_secs,
+        events_maxlen,
         metrics_addr,
         reconcile_every_secs,
         reconcile_full_every_secs,
@@ -1246,6 +1268,8 @@ fn resolve_serve(
         ld.marker_ttl.as_secs(),
         bounds::RELAY_MARKER_TTL_SECS,
     )?;
+    let events_maxlen =
+        r.num("events_maxlen", events_maxlen, file.events_maxlen, ld.events_maxlen, bounds::EVENTS_MAXLEN)?;
     let metrics_addr = r.pick("metrics_addr", metrics_addr, file.metrics_addr).map(|(v, _)| v);
     let reconcile_every_secs = r.num(
         "reconcile_every_secs",
@@ -1284,6 +1308,7 @@ fn resolve_serve(
             replay_maxlen: replay_outstanding_max,
             poll: Duration::from_millis(relay_poll_ms),
             marker_ttl: Duration::from_secs(marker_ttl_secs),
+            events_maxlen,
             ..ld
         },
         grace: Duration::from_millis(grace_ms),
@@ -1346,6 +1371,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("relay_batch", v.relay.batch.to_string()),
         ("relay_poll_ms", millis(v.relay.poll).to_string()),
         ("relay_marker_ttl_secs", v.relay.marker_ttl.as_secs().to_string()),
+        ("events_maxlen", v.relay.events_maxlen.to_string()),
         ("reconcile_every_secs", v.reconcile_every.map_or(0, |d| d.as_secs()).to_string()),
         ("reconcile_full_every_secs", full_every.as_secs().to_string()),
         ("reconcile_deep_every_secs", deep_every.map_or(0, |d| d.as_secs()).to_string()),
@@ -1601,6 +1627,22 @@ mod tests {
         assert!(msg.contains("modle") && msg.contains("/etc/e.toml"), "{msg}");
         assert!(ConfigFile::parse(Path::new("x"), "[nope]\n").is_err());
         assert!(ConfigFile::parse(Path::new("x"), "[serve]\nreplayer = 1\n").is_err());
+    }
+
+    #[test]
+    fn the_events_stream_cap_is_a_bounded_setting_the_relay_and_reconciler_share() {
+        let s = resolve(FileConfig::default(), Some(&file("[serve]\nevents_maxlen = 5000\n"))).unwrap();
+        assert_eq!(s.serve.relay.events_maxlen, 5000);
+        assert_eq!(s.reconcile_config().events_maxlen, 5000, "the reconciler judges trims by the same cap");
+        let d = resolve(FileConfig::default(), None).unwrap();
+        assert_eq!(d.serve.relay.events_maxlen, crate::streams::DEFAULT_EVENTS_MAXLEN);
+        for bad in ["0", "999", "1000000001"] {
+            let err =
+                resolve(FileConfig::default(), Some(&file(&format!("[serve]\nevents_maxlen = {bad}\n"))))
+                    .unwrap_err()
+                    .to_string();
+            assert!(err.contains("events_maxlen"), "{bad}: {err}");
+        }
     }
 
     #[test]

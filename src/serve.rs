@@ -221,7 +221,12 @@ async fn sample_and_reconcile(
         store: store.clone(),
         redis: Some(redis.clone()),
         keys: keys.clone(),
-        config: ReconcileConfig { sweeps: config.reconcile_sweeps, ..Default::default() },
+        config: ReconcileConfig {
+            sweeps: config.reconcile_sweeps,
+            // The cap the relay trims to: older entries are trimmed by policy, not lost.
+            events_maxlen: config.relay.events_maxlen,
+            ..Default::default()
+        },
     };
     crate::reconcile::publish_zero_findings();
     let mut last_reconcile = std::time::Instant::now();

@@ -240,6 +240,11 @@ pub struct TailCommand {
     /// Where to start: `$` (new events only), `0` (everything kept) or an entry id.
     #[arg(long, default_value = "$")]
     pub from: String,
+    /// When entries after the resume point were trimmed from the stream: `warn` (a line on
+    /// stderr, then go on with the oldest entry kept) or `fail` (the line, then exit 6 with
+    /// nothing printed past the gap and the checkpoint unmoved).
+    #[arg(long, value_enum, default_value_t = embed_dlq::tail::OnGap::Warn)]
+    pub on_gap: embed_dlq::tail::OnGap,
     /// One JSON object per event.
     #[arg(long)]
     pub json: bool,

@@ -17,6 +17,10 @@ pub const REJECTED_INPUT: i32 = 3;
 pub const PROVIDER_STOP: i32 = 4;
 /// `reconcile` found something (repaired or not; a second run tells whether it is clean).
 pub const FINDINGS: i32 = 5;
+/// `tail --on-gap fail`: events after the resume point were trimmed from the stream before
+/// they were read (the count is on stderr); nothing past the gap was printed and the
+/// checkpoint was not moved.
+pub const TAIL_GAP: i32 = 6;
 /// Stopped by SIGINT/SIGTERM after finishing or parking in-flight work; rerun to resume.
 pub const INTERRUPTED: i32 = 130;
 

@@ -65,6 +65,7 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
         keys: settings.stream_keys(),
         mode,
         sweeps,
+        config: settings.reconcile_config(),
         every: every_secs.map(Duration::from_secs),
         json,
         metrics_addr,
@@ -86,6 +87,9 @@ struct ReconcileRun<'a> {
     mode: Mode,
     /// How each run picks its sweep.
     sweeps: SweepPolicy,
+    /// The settings' reconciler configuration (the events stream cap of `[serve]
+    /// events_maxlen` among them); `sweeps` replaces its sweep policy.
+    config: ReconcileConfig,
     /// Run every this often until a signal; `None` runs once.
     every: Option<Duration>,
     /// Each report as one JSON object instead of a table.
@@ -113,7 +117,7 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
         },
         None => None,
     };
-    let config = ReconcileConfig { sweeps: run.sweeps, ..Default::default() };
+    let config = ReconcileConfig { sweeps: run.sweeps, ..run.config };
     let mut reconciler = Reconciler { store, redis, keys: run.keys, config };
     let mut code = exit::OK;
     let json = run.json;

@@ -5,7 +5,7 @@ use std::io::Write;
 
 use embed_dlq::config::{FileConfig, ServeArgs};
 use embed_dlq::streams::{RedisClient, StreamKeys};
-use embed_dlq::tail::{EventSink, TailEvent, TailOptions};
+use embed_dlq::tail::{EventSink, StreamGap, TailError, TailEvent, TailOptions};
 use tokio_util::sync::CancellationToken;
 
 use super::args::TailCommand;
@@ -13,7 +13,7 @@ use super::{Resolver, exit};
 
 /// Runs `tail`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: TailCommand, cancel: CancellationToken) -> i32 {
-    let TailCommand { from, json, checkpoint, count, no_follow, stream_prefix, stream_shards } = args;
+    let TailCommand { from, on_gap, json, checkpoint, count, no_follow, stream_prefix, stream_shards } = args;
     let flags = FileConfig {
         serve: ServeArgs { stream_prefix, stream_shards, ..Default::default() },
         ..Default::default()
@@ -22,7 +22,7 @@ pub async fn command(resolver: &Resolver, args: TailCommand, cancel: Cancellatio
         Ok(r) => r,
         Err(e) => return exit::usage(&e),
     };
-    let opts = TailOptions { from, checkpoint, count, no_follow };
+    let opts = TailOptions { from, checkpoint, count, no_follow, on_gap };
     follow(&redis, &settings.stream_keys(), opts, json, cancel).await
 }
 
@@ -40,7 +40,9 @@ async fn follow(
     let mut sink = LineSink { out: std::io::stdout(), json };
     match embed_dlq::tail::tail(redis, keys, &opts, &mut sink, cancel).await {
         Ok(_) => exit::OK,
-        Err(e @ embed_dlq::tail::TailError::Shards(embed_dlq::streams::ShardsError::Mismatch(_))) => {
+        // Already on stderr (the sink's gap line).
+        Err(TailError::Gap(_)) => exit::TAIL_GAP,
+        Err(e @ TailError::Shards(embed_dlq::streams::ShardsError::Mismatch(_))) => {
             exit::fail(exit::USAGE, &e.to_string())
         }
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
@@ -60,8 +62,20 @@ impl<W: Write> EventSink for LineSink<W> {
         if self.json {
             writeln!(self.out, "{}", e.to_json())
         } else {
-            writeln!(self.out, "{}", human_line(&e.id, &e.event, &e.body))
+            let mut line = human_line(&e.id, &e.event, &e.body);
+            if let Some(seq) = e.late_after_seq {
+                line.push_str(&format!(" LATE(after seq {seq})"));
+            }
+            writeln!(self.out, "{line}")
         }
+    }
+
+    /// A gap goes to stderr (so it never mixes with the events of stdout), whatever the
+    /// output format.
+    fn gap(&mut self, gap: &StreamGap) -> std::io::Result<()> {
+        self.out.flush()?;
+        eprintln!("embed-dlq: tail: gap: {gap}");
+        Ok(())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

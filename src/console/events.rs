@@ -9,6 +9,13 @@
 //! reconnects with `Last-Event-ID` and resumes after the last event it received, so a slow
 //! client costs a reconnect, never a gap and never unbounded memory. At most
 //! `max_event_clients` are served at once; the next one gets 503 and retries.
+//!
+//! The SSE id of an event is its tail position (entry id and the stream's entries-added count
+//! at it, [`crate::tail::Position`]), so a browser that comes back after the stream was trimmed
+//! past it is told exactly how many events it missed: an `event: gap` message (JSON with
+//! `shard`, `after`, `resumes_at`, `missing` and `exact`) before the events that follow. With
+//! several shards the one id is applied to every shard and the count of the others is unknown:
+//! the gap then says at most how many.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -24,13 +31,16 @@ use serde::Deserialize;
 
 use super::routes::State;
 use crate::streams::{StreamKeys, field};
-use crate::tail::{EventSink, TailEvent, TailOptions};
+use crate::tail::{EventSink, MissingEvents, OnGap, StreamGap, TailEvent, TailOptions};
 
 /// An event as the console shows it.
 #[derive(Debug, Clone)]
 pub struct ShownEvent {
     /// The stream entry id.
     pub id: String,
+    /// Where a live tail resumes after it (the SSE id): the entry id and, when known, the
+    /// stream's count at it.
+    pub resume: String,
     /// When it was added (the entry id's milliseconds).
     pub at: Option<DateTime<Utc>>,
     /// `parked`, `replayed`, ...
@@ -43,6 +53,7 @@ impl ShownEvent {
     fn new(id: String, event: String, body: &str) -> ShownEvent {
         let ms = id.split('-').next().and_then(|ms| ms.parse::<i64>().ok());
         ShownEvent {
+            resume: id.clone(),
             at: ms.and_then(DateTime::<Utc>::from_timestamp_millis),
             body: serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
             id,
@@ -51,7 +62,7 @@ impl ShownEvent {
     }
 
     fn from_tail(e: &TailEvent) -> ShownEvent {
-        ShownEvent::new(e.id.clone(), e.event.clone(), &e.body)
+        ShownEvent { resume: e.position.to_text(), ..ShownEvent::new(e.id.clone(), e.event.clone(), &e.body) }
     }
 
     /// A body field as text (strings as they are, other values as JSON), empty if absent.
@@ -180,13 +191,38 @@ pub async fn of_row(
     Ok((found, scanned))
 }
 
+/// What a live-tail follower hands its response.
+enum Live {
+    /// An event.
+    Event(ShownEvent),
+    /// Events were trimmed past the client's position.
+    Gap(StreamGap),
+}
+
+/// The `gap` SSE message's data: what the page shows, and what a script can act on.
+fn gap_json(gap: &StreamGap) -> String {
+    let (missing, exact) = match gap.missing {
+        MissingEvents::Exactly(n) => (n, true),
+        MissingEvents::AtMost(n) => (n, false),
+    };
+    serde_json::json!({
+        "shard": gap.shard,
+        "after": gap.after,
+        "resumes_at": gap.resumes_at,
+        "missing": missing,
+        "exact": exact,
+        "message": gap.to_string(),
+    })
+    .to_string()
+}
+
 /// Hands a follower's events to one live-tail response, never waiting: a full channel (a
 /// client that does not keep up) stops the follower.
-struct ChannelSink(tokio::sync::mpsc::Sender<ShownEvent>);
+struct ChannelSink(tokio::sync::mpsc::Sender<Live>);
 
-impl EventSink for ChannelSink {
-    fn event(&mut self, event: &TailEvent) -> std::io::Result<()> {
-        self.0.try_send(ShownEvent::from_tail(event)).map_err(|e| match e {
+impl ChannelSink {
+    fn send(&mut self, live: Live) -> std::io::Result<()> {
+        self.0.try_send(live).map_err(|e| match e {
             tokio::sync::mpsc::error::TrySendError::Full(_) => {
                 std::io::Error::new(std::io::ErrorKind::WouldBlock, "live-tail client too slow")
             }
@@ -194,6 +230,16 @@ impl EventSink for ChannelSink {
                 std::io::Error::new(std::io::ErrorKind::BrokenPipe, "live-tail client gone")
             }
         })
+    }
+}
+
+impl EventSink for ChannelSink {
+    fn event(&mut self, event: &TailEvent) -> std::io::Result<()> {
+        self.send(Live::Event(ShownEvent::from_tail(event)))
+    }
+
+    fn gap(&mut self, gap: &StreamGap) -> std::io::Result<()> {
+        self.send(Live::Gap(gap.clone()))
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -227,7 +273,7 @@ pub async fn stream(
         .map(str::to_string)
         .or(q.from)
         .unwrap_or_else(|| "$".into());
-    if crate::tail::check_from(&from).is_err() {
+    if crate::tail::check_resume(&from).is_err() {
         return (StatusCode::BAD_REQUEST, "bad event id").into_response();
     }
     let Ok(permit) = state.event_slots.clone().try_acquire_owned() else {
@@ -238,15 +284,17 @@ pub async fn stream(
     let guard = cancel.clone().drop_guard();
     let keys = state.console.keys.clone();
     state.tasks.spawn(async move {
-        let opts = TailOptions { from, checkpoint: None, count: None, no_follow: false };
+        let opts = TailOptions { from, checkpoint: None, count: None, no_follow: false, on_gap: OnGap::Warn };
         let mut sink = ChannelSink(tx);
         if let Err(e) = crate::tail::tail(&client, &keys, &opts, &mut sink, cancel).await {
             tracing::debug!(error = %e, "console: a live tail ended");
         }
     });
     let events = futures::stream::unfold((rx, guard, permit), |(mut rx, guard, permit)| async move {
-        let e = rx.recv().await?;
-        let event = Event::default().id(e.id.clone()).event("dlq").data(e.json());
+        let event = match rx.recv().await? {
+            Live::Event(e) => Event::default().id(e.resume.clone()).event("dlq").data(e.json()),
+            Live::Gap(gap) => Event::default().event("gap").data(gap_json(&gap)),
+        };
         Some((Ok::<_, Infallible>(event), (rx, guard, permit)))
     });
     let retry = futures::stream::once(async { Ok(Event::default().retry(Duration::from_secs(3))) });

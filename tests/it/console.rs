@@ -633,7 +633,10 @@ async fn read_events(resp: &mut reqwest::Response, n: usize) -> Vec<String> {
             let frame: String = buf.drain(..end + 2).collect();
             if frame.lines().any(|l| l == "event: dlq") {
                 let id = frame.lines().find_map(|l| l.strip_prefix("id: ")).expect("every event has an id");
-                ids.push(id.to_string());
+                // The SSE id is the tail position: the entry id, then (when known) the
+                // stream's count at it.
+                let entry = id.split(' ').next().unwrap_or_default();
+                ids.push(entry.to_string());
             }
         }
     }

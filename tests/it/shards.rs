@@ -142,6 +142,7 @@ async fn tail_merges_every_shard_and_resumes_without_gaps_or_repeats() {
         checkpoint: Some(checkpoint.clone()),
         count,
         no_follow: true,
+        on_gap: embed_dlq::tail::OnGap::Fail,
     };
     let mut first: Vec<embed_dlq::tail::TailEvent> = Vec::new();
     let n = embed_dlq::tail::tail(&redis_client(), &keys, &opts(Some(25)), &mut first, CancellationToken::new())

@@ -458,6 +458,7 @@ async fn tail_prints_every_park_in_order_and_resumes_without_gaps() {
         checkpoint: Some(checkpoint.clone()),
         count,
         no_follow,
+        on_gap: embed_dlq::tail::OnGap::Fail,
     };
     let mut first: Vec<embed_dlq::tail::TailEvent> = Vec::new();
     let n = embed_dlq::tail::tail(
@@ -871,5 +872,136 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
     assert_eq!(c.replayed, 300, "{c:?}");
     let after = seq_scans(&db).await;
     assert_eq!(after.1, before.1, "replaying a batch scanned the whole manifest");
+}
+}
+
+/// Appends `n` synthetic `parked` events (chunks `first..first + n` of doc `doc`) to the
+/// events stream of `keys` (one shard).
+async fn add_events(keys: &StreamKeys, doc: &str, first: usize, n: usize) {
+    let mut conn = redis().await;
+    for chunk in (first..first + n).collect::<Vec<_>>().chunks(500) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            let body = serde_json::json!({"event": "parked", "doc_id": doc, "chunk_index": i}).to_string();
+            pipe.cmd("XADD")
+                .arg(keys.events())
+                .arg("*")
+                .arg("event")
+                .arg("parked")
+                .arg("body")
+                .arg(body)
+                .ignore();
+        }
+        let _: () = pipe.query_async(&mut conn).await.unwrap();
+    }
+}
+
+/// Runs `embed-dlq tail --json --no-follow` on `keys` with `args`; returns (exit code,
+/// stdout lines, stderr).
+async fn tail_process(keys: &StreamKeys, args: &[&str]) -> (i32, Vec<serde_json::Value>, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .args([
+            "--redis-url",
+            &redis_url(),
+            "tail",
+            "--json",
+            "--no-follow",
+            "--stream-prefix",
+            &prefix_of(keys),
+        ])
+        .args(args)
+        .env_remove("EMBED_DLQ_CONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let lines =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (out.status.code().unwrap_or(-1), lines, String::from_utf8(out.stderr).unwrap())
+}
+
+on_single_and_cluster! {
+async fn tail_reports_the_events_trimmed_past_its_checkpoint_and_fails_on_request() {
+    // Issue 19: checkpoint after 300 events, 2,000 more, the stream trimmed to 1,000: 1,300
+    // entries are gone, 1,000 of them (the 301st to the 1,300th) never read by this tail,
+    // which must say so rather than exit 0 in silence.
+    let keys = fresh_keys();
+    let dir = std::env::temp_dir().join(format!("embed-dlq-gap-{}", rand::random::<u64>()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let checkpoint = dir.join("tail.checkpoint");
+    let cp = checkpoint.to_str().unwrap();
+    add_events(&keys, "gap", 0, 300).await;
+    let (code, lines, stderr) = tail_process(&keys, &["--from", "0", "--checkpoint", cp]).await;
+    assert_eq!((code, lines.len()), (0, 300), "{stderr}");
+    assert!(stderr.is_empty(), "no gap from the start: {stderr}");
+    let saved = std::fs::read_to_string(&checkpoint).unwrap();
+    add_events(&keys, "gap", 300, 2000).await;
+    let _: u64 = redis::cmd("XTRIM").arg(keys.events()).arg("MAXLEN").arg(1000).query_async(&mut redis().await).await.unwrap();
+
+    // --on-gap fail: nothing delivered, a documented exit code, the checkpoint unmoved.
+    let (code, lines, stderr) = tail_process(&keys, &["--checkpoint", cp, "--on-gap", "fail"]).await;
+    assert!(stderr.contains("1000 events missed"), "{stderr}");
+    assert_eq!((code, lines.len()), (6, 0), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&checkpoint).unwrap(), saved, "a failed gap leaves the checkpoint");
+
+    // The default (warn): the gap on stderr, then the 1,000 events still held, exit 0.
+    let (code, lines, stderr) = tail_process(&keys, &["--checkpoint", cp]).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("1000 events missed"), "{stderr}");
+    let chunks: Vec<i64> = lines.iter().map(|v| v["chunk_index"].as_i64().unwrap()).collect();
+    assert_eq!(chunks, (1300..2300).collect::<Vec<i64>>());
+    // Past the gap the position is caught up again: the next resume is clean.
+    add_events(&keys, "gap", 2300, 5).await;
+    let (code, lines, stderr) = tail_process(&keys, &["--checkpoint", cp, "--on-gap", "fail"]).await;
+    assert_eq!((code, lines.len(), stderr.as_str()), (0, 5, ""));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+}
+
+on_single_and_cluster! {
+async fn a_republished_event_carries_its_chunk_order_and_tail_marks_it_late() {
+    // A `parked` event lost in Redis is republished by the reconciler at the end of the
+    // stream, after the chunk's later `replayed`: tail must not pass it off as the newest.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 3, "order").await;
+    relay_all(&db, &keys).await;
+    let up = start_mock(MockConfig::default()).await;
+    enqueue_due(&db, &p, &keys).await;
+    let mut rep = replayer(&db, &up, &keys, "order", replay_config()).await;
+    drain(&mut rep, &db, 30).await;
+    relay_all(&db, &keys).await;
+    let mut conn = redis().await;
+    let entries: redis::streams::StreamRangeReply =
+        redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut conn).await.unwrap();
+    let bodies: Vec<(String, serde_json::Value)> = entries
+        .ids
+        .iter()
+        .map(|e| (e.id.clone(), serde_json::from_str(&embed_dlq::streams::field(&e.map, "body").unwrap()).unwrap()))
+        .collect();
+    assert_eq!(bodies.len(), 6, "3 parked, 3 replayed");
+    // The order the test made them in: each chunk's parked before its replayed.
+    for i in 0..3 {
+        let of = |event: &str| {
+            bodies.iter().find(|(_, b)| b["chunk_index"] == i && b["event"] == event).unwrap().1["seq"].as_i64()
+        };
+        let (parked, replayed) = (of("parked"), of("replayed"));
+        assert!(parked.is_some() && replayed.is_some(), "every event carries seq: {bodies:?}");
+        assert!(parked < replayed, "chunk {i}: parked {parked:?} before replayed {replayed:?}");
+    }
+    let lost = &bodies.iter().find(|(_, b)| b["chunk_index"] == 0 && b["event"] == "parked").unwrap().0;
+    let _: u64 = redis::cmd("XDEL").arg(keys.events()).arg(lost).query_async(&mut conn).await.unwrap();
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    r.run_once(embed_dlq::reconcile::Mode::Repair).await.unwrap();
+    relay_all(&db, &keys).await;
+
+    let (code, lines, stderr) = tail_process(&keys, &["--from", "0"]).await;
+    assert_eq!(code, 0, "{stderr}");
+    let chunk0: Vec<&serde_json::Value> = lines.iter().filter(|v| v["chunk_index"] == 0).collect();
+    assert_eq!(chunk0.len(), 2, "{lines:?}");
+    assert_eq!((chunk0[0]["event"].as_str(), chunk0[1]["event"].as_str()), (Some("replayed"), Some("parked")));
+    assert!(chunk0[0]["late_after_seq"].is_null());
+    assert_eq!(chunk0[1]["late_after_seq"], chunk0[0]["seq"], "the republished parked is reported late");
+    assert!(lines.iter().filter(|v| v["chunk_index"] != 0).all(|v| v["late_after_seq"].is_null()));
 }
 }

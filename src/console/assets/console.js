@@ -39,6 +39,19 @@
     while (body.children.length > 500) { body.removeChild(body.lastChild); }
     status.textContent = "live";
   });
+  // The stream was trimmed past the position this page resumed from: say so in the table,
+  // where the missing rows would have been, and in the status.
+  source.addEventListener("gap", function (e) {
+    var d;
+    try { d = JSON.parse(e.data); } catch (err) { return; }
+    var tr = document.createElement("tr");
+    tr.className = "live gap";
+    var td = cell(tr, (d.exact ? "" : "up to ") + String(d.missing) + " events missed: the stream was trimmed past "
+      + String(d.after) + " (shard " + String(d.shard) + ")");
+    td.colSpan = 7;
+    body.insertBefore(tr, body.firstChild);
+    status.textContent = "live (gap: " + (d.exact ? "" : "up to ") + String(d.missing) + " events missed)";
+  });
   source.onopen = function () { status.textContent = "live"; };
   source.onerror = function () { status.textContent = "reconnecting…"; };
 })();
