@@ -358,6 +358,10 @@ async fn browse_filter_open_requeue_and_tail() {
     .await
     .unwrap();
     assert_eq!(due, permanent.len() as i64, "every filtered row is due again as replay work");
+    // A serve's scheduler issues their work at its next pass.
+    let store = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await.store;
+    let scheduler = embed_dlq::replay::Scheduler { store, config: Default::default() };
+    assert_eq!(scheduler.run_once().await.unwrap(), permanent.len() as u64);
     let work: i64 = sqlx::query_scalar(
         "SELECT count(DISTINCT dlq_id) FROM dlq_outbox WHERE stream = 'replay' AND dlq_id = ANY($1) AND created_at >= $2",
     )

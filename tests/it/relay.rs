@@ -850,7 +850,8 @@ async fn event_bodies_keep_their_envelope_and_keys() {
     assert_eq!(requeued.requeued, 3);
     assert_eq!(embed_dlq::dlq::purge(&p.store, &one, false).await.unwrap(), 3);
 
-    let envelope = ["event", "dlq_id", "table", "doc_id", "chunk_index", "generation"];
+    // `seq` is added to every events-stream body by the outbox trigger (migration 0014).
+    let envelope = ["event", "dlq_id", "table", "doc_id", "chunk_index", "generation", "seq"];
     let own = |event: &str| -> Vec<&'static str> {
         match event {
             "parked" => vec![
@@ -885,6 +886,7 @@ async fn event_bodies_keep_their_envelope_and_keys() {
         assert_eq!(body["doc_id"], doc_id.as_str());
         assert_eq!(body["chunk_index"], chunk_index);
         assert!(body["generation"].is_i64(), "{body}");
+        assert!(body["seq"].is_i64(), "{body}");
         kinds.insert(event);
     }
     assert_eq!(kinds, HashSet::from(["parked".to_string(), "requeued".into(), "purged".into()]));

@@ -81,10 +81,15 @@ on_single_and_cluster! {
 /// flight: every XREADGROUP and XAUTOCLAIM of that time adds a Redis delivery, and none of it
 /// is the rows' fault. Once the database is back every row is replayed; none is exhausted.
 async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
-    const ROWS: usize = 400;
+    // EMBED_DLQ_OUTAGE_{ROWS,SECS,MIN_IDLE_MS,CAP} scale it up to the long outages recorded
+    // in the README (e.g. 3,000 rows, 330 s, min-idle 15 s, cap 5).
+    let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let rows = env("EMBED_DLQ_OUTAGE_ROWS", 400) as usize;
+    let outage = Duration::from_secs(env("EMBED_DLQ_OUTAGE_SECS", 12));
+    let (min_idle_ms, cap) = (env("EMBED_DLQ_OUTAGE_MIN_IDLE_MS", 300), env("EMBED_DLQ_OUTAGE_CAP", 2));
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    park_due(&db, ROWS, "outage").await;
+    park_due(&db, rows, "outage").await;
     // Slow enough that the stream holds unread and pending entries when the database goes.
     let mock = start_mock(MockConfig { latency_ms: 60, ..Default::default() }).await;
     let proxy = TcpProxy::start(postgres_addr(&db)).await.unwrap();
@@ -93,7 +98,16 @@ async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
         &url,
         &mock.base_url(),
         &keys,
-        &["--replayers", "2", "--replay-batch", "8", "--min-idle-ms", "300", "--delivery-cap", "2"],
+        &[
+            "--replayers",
+            "2",
+            "--replay-batch",
+            "8",
+            "--min-idle-ms",
+            &min_idle_ms.to_string(),
+            "--delivery-cap",
+            &cap.to_string(),
+        ],
     )
     .spawn()
     .unwrap();
@@ -102,11 +116,13 @@ async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
     })
     .await;
     proxy.control.cut();
-    // 12 s: forty reclaim periods, six times delivery cap × min-idle.
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    // By default 12 s: forty reclaim periods, six times delivery cap × min-idle.
+    assert!(outage > Duration::from_millis(min_idle_ms * cap), "the outage must outlast delivery cap × min-idle");
+    tokio::time::sleep(outage).await;
     assert!(proxy.control.refused() > 0, "serve never tried the database during the outage");
     proxy.control.restore();
-    wait_for("the DLQ to drain or give up", Duration::from_secs(120), async || {
+    let refused = proxy.control.refused();
+    wait_for("the DLQ to drain or give up", Duration::from_secs(120 + rows as u64 / 50), async || {
         db.count("SELECT count(*) FROM embedding_dlq WHERE exhausted_at IS NULL").await == 0
     })
     .await;
@@ -118,10 +134,11 @@ async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
     .fetch_all(&db.pool)
     .await
     .unwrap();
+    eprintln!("outage: {rows} rows, Postgres cut {outage:?} (min-idle {min_idle_ms} ms, delivery cap {cap}), {refused} connections refused meanwhile, {} exhausted", exhausted.len());
     assert!(exhausted.is_empty(), "healthy rows exhausted by a database outage: {exhausted:?}");
     assert_eq!(
         db.count("SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings WHERE doc_id = 'outage'").await,
-        ROWS as i64
+        rows as i64
     );
 }
 }
@@ -149,6 +166,14 @@ async fn replayer(
     }
 }
 
+/// The test Redis's `used_memory` in bytes (0 where `INFO` does not answer one node's text,
+/// as on a cluster: the measured run is on a single node).
+async fn used_memory() -> u64 {
+    let mut r = redis().await;
+    let info: String = redis::cmd("INFO").arg("memory").query_async(&mut r).await.unwrap_or_default();
+    info.lines().find_map(|l| l.strip_prefix("used_memory:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+}
+
 /// Entries in the replay stream (every shard).
 async fn replay_len(keys: &StreamKeys) -> usize {
     let mut r = redis().await;
@@ -165,11 +190,13 @@ on_single_and_cluster! {
 /// replayer far slower than leases run out: the replay stream never holds more than the cap,
 /// and once the provider is back every row is embedded exactly once.
 async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_each_row_once() {
-    const ROWS: usize = 3_000;
-    const CAP: usize = 300;
+    // EMBED_DLQ_BACKLOG_ROWS / _CAP scale it up for the measured run in BENCHMARKS.md.
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (rows, cap) = (env("EMBED_DLQ_BACKLOG_ROWS", 3_000), env("EMBED_DLQ_BACKLOG_CAP", 300));
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    park_due(&db, ROWS, "backlog").await;
+    park_due(&db, rows, "backlog").await;
+    let memory_before = used_memory().await;
     let refusing = start_mock(MockConfig::default()).await;
     refusing.control.set_quota_exhausted(true);
     let lease = Duration::from_secs(2);
@@ -178,7 +205,7 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
         block: Duration::from_millis(200),
         min_idle: Duration::from_secs(1),
         lease,
-        outstanding_max: CAP,
+        outstanding_max: cap,
         systemic_pause: Duration::from_millis(500),
         schedule_every: Duration::from_millis(100),
         ..Default::default()
@@ -186,8 +213,9 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     let stop = CancellationToken::new();
     let p = pipeline(&settings(&db, &refusing)).await;
     let scheduler = tokio::spawn(Scheduler { store: p.store.clone(), config: config.clone() }.run(stop.clone()));
-    let relay_config = RelayConfig { replay_maxlen: CAP, poll: Duration::from_millis(100), ..Default::default() };
+    let relay_config = RelayConfig { replay_maxlen: cap, poll: Duration::from_millis(100), ..Default::default() };
     let relay = tokio::spawn(Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config).run(stop.clone()));
+    let mut memory_peak = memory_before;
     let refused = CancellationToken::new();
     let slow = replayer(&db, &refusing, &keys, "refused", config.clone()).await;
     let slow = tokio::spawn(slow.run(refused.clone(), refused.clone()));
@@ -195,12 +223,13 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     let until = tokio::time::Instant::now() + lease * 5;
     while tokio::time::Instant::now() < until {
         peak = peak.max(replay_len(&keys).await);
+        memory_peak = memory_peak.max(used_memory().await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     refused.cancel();
     slow.await.unwrap().unwrap();
     let issued = db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replay'").await;
-    assert!(issued > 2 * CAP as i64, "the refusing phase issued work again as leases ran out ({issued} items)");
+    assert!(issued > 2 * cap as i64, "the refusing phase issued work again as leases ran out ({issued} items)");
     assert!(refusing.control.stats().requests > 0, "the provider was asked and refused");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 0);
 
@@ -212,10 +241,11 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
         let r = replayer(&db, &healthy, &keys, name, config.clone()).await;
         replayers.push(tokio::spawn(r.run(recovered.clone(), recovered.clone())));
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180 + rows as u64 / 100);
     while db.count("SELECT count(*) FROM embedding_dlq").await > 0 {
         assert!(tokio::time::Instant::now() < deadline, "the backlog did not drain");
         peak = peak.max(replay_len(&keys).await);
+        memory_peak = memory_peak.max(used_memory().await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     recovered.cancel();
@@ -225,11 +255,16 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     }
     scheduler.await.unwrap().unwrap();
     relay.await.unwrap().unwrap();
-    assert!(peak <= CAP, "the replay stream held {peak} entries, over the cap of {CAP}");
-    assert_eq!(healthy.control.stats().inputs, ROWS as u64, "each row embedded exactly once after recovery");
+    eprintln!(
+        "backlog: {rows} rows, cap {cap}, {issued} work items issued while refused; replay stream peak {peak}; \
+         Redis used_memory before {memory_before}, peak {memory_peak}, after {}",
+        used_memory().await
+    );
+    assert!(peak <= cap, "the replay stream held {peak} entries, over the cap of {cap}");
+    assert_eq!(healthy.control.stats().inputs, rows as u64, "each row embedded exactly once after recovery");
     assert_eq!(
         db.count("SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings WHERE doc_id = 'backlog'").await,
-        ROWS as i64
+        rows as i64
     );
 }
 }
