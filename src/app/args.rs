@@ -122,7 +122,8 @@ pub enum Command {
     /// Embed a JSONL corpus (file or `-` for stdin) into the target table; park failures.
     Ingest(IngestCommand),
     /// Relay parked failures to Redis Streams and replay due work with a consumer group.
-    Serve(ServeCommand),
+    // Boxed: its settings make it several times the size of the other commands.
+    Serve(Box<ServeCommand>),
     /// Follow the events stream (every park, replay, re-park, exhaustion).
     Tail(TailCommand),
     /// Check that manifest, vectors, DLQ, outbox and streams agree; optionally repair.

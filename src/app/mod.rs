@@ -71,7 +71,7 @@ async fn dispatch(cli: Cli, cancel: CancellationToken) -> i32 {
     match cli.command {
         Command::Migrate(args) => migrate::command(&resolver, args).await,
         Command::Ingest(args) => ingest::command(&resolver, args, cancel).await,
-        Command::Serve(args) => serve::command(&resolver, args, cancel).await,
+        Command::Serve(args) => serve::command(&resolver, *args, cancel).await,
         Command::Tail(args) => tail::command(&resolver, args, cancel).await,
         Command::Reconcile(args) => reconcile::command(&resolver, args, cancel).await,
         Command::Dlq(args) => dlq::command(&resolver, args).await,
