@@ -315,6 +315,7 @@ async fn replay_resumes_after_redis_loses_its_data(url: &str, flush: impl AsyncF
     })
     .await;
     flush(&keys).await;
+    let lost_at = tokio::time::Instant::now();
     let left = db.count("SELECT count(*) FROM embedding_dlq").await;
     assert!(left > 0, "the data loss came too late: nothing was left in flight");
     // A minute is a fifteenth of the leases the lost items hold.
@@ -322,6 +323,10 @@ async fn replay_resumes_after_redis_loses_its_data(url: &str, flush: impl AsyncF
         db.count("SELECT count(*) FROM embedding_dlq").await == 0
     })
     .await;
+    eprintln!(
+        "redis data loss: {left} rows in the DLQ when it happened, drained {:?} later",
+        lost_at.elapsed()
+    );
     stop.cancel();
     while let Some(r) = tasks.join_next().await {
         r.unwrap().unwrap();

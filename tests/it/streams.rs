@@ -349,6 +349,59 @@ async fn an_input_that_kills_its_replayer_is_exhausted_after_the_cap_not_looped(
 }
 }
 
+on_single_and_cluster! {
+async fn a_replayer_that_stalled_does_not_take_back_what_another_reclaimed() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 6, "stalled").await;
+    enqueue_due(&db, &p, &keys).await;
+    // The owner's batch takes 2 s; its keepalive refreshes every 200 ms (min-idle / 3).
+    let slow = start_mock(MockConfig { latency_ms: 2_000, ..MockConfig::default() }).await;
+    let config = ReplayConfig { min_idle: Duration::from_millis(600), ..replay_config() };
+    let mut owner =
+        replayer_with_timeout(&db, &slow, &keys, "owner", config, Duration::from_secs(10)).await;
+    let owner_task = tokio::spawn(async move {
+        let client = embed_dlq::streams::client(&redis_url()).unwrap();
+        let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+        owner.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(pending(&keys).await, 6, "the owner holds the batch");
+    // Another replayer takes the entries over, as it would after the owner stalled past
+    // min-idle (forced here with min-idle 0).
+    let mut r = redis().await;
+    let _: redis::Value = redis::cmd("XAUTOCLAIM")
+        .arg(keys.replay())
+        .arg(REPLAY_GROUP)
+        .arg("reclaimer")
+        .arg(0)
+        .arg("0-0")
+        .arg("COUNT")
+        .arg(100)
+        .arg("JUSTID")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    // Several of the owner's keepalive periods later, the entries are still the reclaimer's.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let owners: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+        .arg(keys.replay())
+        .arg(REPLAY_GROUP)
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let by: HashSet<String> = owners.ids.iter().map(|p| p.consumer.clone()).collect();
+    assert_eq!(by, HashSet::from(["reclaimer".to_string()]), "the stalled owner took entries back: {by:?}");
+    // The owner still finishes its batch: the commit is fenced by Postgres, not by Redis.
+    let c = owner_task.await.unwrap();
+    assert_eq!(c.replayed, 6, "{c:?}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+}
+}
+
 /// Replays `doc` until the scheduler has nothing left to enqueue; returns the passes made.
 async fn replay_until_settled(db: &TestDb, p: &Pipeline, keys: &StreamKeys, rep: &mut Replayer) -> usize {
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
