@@ -148,6 +148,12 @@ pub struct IngestArgs {
     /// over at once, a hung one's after this).
     #[arg(long)]
     pub lease_secs: Option<u64>,
+    /// When a chunk's new text is parked: withdraw (delete the vector of its previous text in
+    /// the same transaction, with a `withdrawn` event) or keep (search serves the previous
+    /// text until the new one is stored). Set it in the config file so that `reconcile`
+    /// and `console` judge superseded vectors by the same policy.
+    #[arg(long, value_enum)]
+    pub on_newer_parked: Option<crate::store::OnNewerParked>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -962,6 +968,7 @@ fn resolve_ingest(
         max_inflight_bytes,
         on_outage,
         lease_secs,
+        on_newer_parked,
     } = flags;
     let table = r
         .text("table", table, file.table.clone(), check_table)?
@@ -1009,6 +1016,10 @@ fn resolve_ingest(
     let on_outage = r.pick("on_outage", on_outage, file.on_outage).map_or(d.on_outage, |(v, _)| v);
     let lease_secs =
         r.num("lease_secs", lease_secs, file.lease_secs, d.lease.as_secs(), bounds::LEASE_SECS)?;
+    // An enum: serde and clap reject anything but withdraw or keep.
+    let on_newer_parked = r
+        .pick("on_newer_parked", on_newer_parked, file.on_newer_parked)
+        .map_or(d.on_newer_parked, |(v, _)| v);
     let options = IngestOptions {
         batch_max_inputs,
         batch_max_chars,
@@ -1019,6 +1030,7 @@ fn resolve_ingest(
         max_inflight_bytes,
         on_outage,
         lease: Duration::from_secs(lease_secs),
+        on_newer_parked,
         ..d
     };
     Ok((table, options))
@@ -1401,7 +1413,8 @@ impl IngestSettings {
         store::migrate(&pool).await?;
         let store = store::Store::open(pool, &self.table)
             .await?
-            .with_model(&self.client.model, self.client.request_dimensions);
+            .with_model(&self.client.model, self.client.request_dimensions)
+            .with_on_newer_parked(options.on_newer_parked);
         let client = crate::embed::client::EmbedClient::new(self.client.clone())
             .map_err(PipelineError::Client)?
             .with_limiter(std::sync::Arc::new(self.limiter().await?));

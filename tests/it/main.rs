@@ -23,5 +23,6 @@ mod restart;
 mod runtime;
 mod shards;
 mod streams;
+mod superseded;
 mod support;
 mod sweeps;

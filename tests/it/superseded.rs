@@ -1,0 +1,150 @@
+//! Superseded vectors (issue 19, item 5): when a chunk's new text is parked, the vector of its
+//! previous text is withdrawn in the park's transaction (`[ingest] on_newer_parked =
+//! withdraw`, the default) or kept until the new text is stored (`keep`); the reconciler's
+//! `superseded_vectors` check finds such vectors and, under `withdraw`, removes them.
+//!
+//! Every oracle here reads the vector table, the DLQ and the outbox with plain SELECTs of its
+//! own, never the product's statements.
+
+use std::time::Duration;
+
+use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+use embed_dlq::testkit::mock_provider::{MockConfig, POISON_400};
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// One JSONL corpus of document `doc`, chunk `i` holding `texts[i]`.
+fn corpus(doc: &str, texts: &[&str]) -> Vec<u8> {
+    texts.iter().enumerate().map(|(i, t)| line(doc, i as i32, t)).collect::<String>().into_bytes()
+}
+
+async fn ingest(settings: &embed_dlq::config::IngestSettings, bytes: Vec<u8>) {
+    pipeline(settings).await.run(input(bytes), CancellationToken::new()).await.unwrap();
+}
+
+/// The content hash of the vector row of (`doc`, `idx`) in `doc_embeddings`, if there is one.
+async fn vector_hash(db: &TestDb, doc: &str, idx: i32) -> Option<String> {
+    sqlx::query_scalar("SELECT content_hash FROM doc_embeddings WHERE doc_id = $1 AND chunk_index = $2")
+        .bind(doc)
+        .bind(idx)
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// The DLQ row of (`doc`, `idx`): id, error class, content hash, generation.
+async fn dlq_row(db: &TestDb, doc: &str, idx: i32) -> (i64, String, String, i64) {
+    sqlx::query_as(
+        "SELECT id, error_class, content_hash, generation FROM embedding_dlq
+          WHERE doc_id = $1 AND chunk_index = $2",
+    )
+    .bind(doc)
+    .bind(idx)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// The outbox events of (`doc`, `idx`) in the order they were written: event, the writing
+/// transaction's id, body.
+async fn events_of(db: &TestDb, doc: &str, idx: i32) -> Vec<(String, String, serde_json::Value)> {
+    sqlx::query_as(
+        "SELECT event, xmin::text, body FROM dlq_outbox WHERE doc_id = $1 AND chunk_index = $2 ORDER BY id",
+    )
+    .bind(doc)
+    .bind(idx)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_by_a_park_the_previous_vector_is_withdrawn_in_the_same_transaction() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    ingest(&s, corpus("w", &["w zero", "w one", "w two"])).await;
+    let old = vector_hash(&db, "w", 1).await.expect("the first text is stored");
+
+    // Chunk 1's new text is rejected by the provider (400): parked as permanent_input.
+    let new_text = format!("w one, rewritten {POISON_400}");
+    ingest(&s, corpus("w", &["w zero", &new_text, "w two"])).await;
+
+    let (dlq_id, class, parked, generation) = dlq_row(&db, "w", 1).await;
+    assert_eq!(class, "permanent_input");
+    assert_ne!(parked, old, "the DLQ row holds the new text");
+    assert_eq!(vector_hash(&db, "w", 1).await, None, "the previous text's vector is no longer searchable");
+    assert!(vector_hash(&db, "w", 0).await.is_some() && vector_hash(&db, "w", 2).await.is_some());
+    let events = events_of(&db, "w", 1).await;
+    let names: Vec<&str> = events.iter().map(|(e, _, _)| e.as_str()).collect();
+    assert_eq!(names, ["parked", "withdrawn"], "{events:#?}");
+    let (parked_tx, withdrawn_tx) = (&events[0].1, &events[1].1);
+    assert_eq!(parked_tx, withdrawn_tx, "one transaction parks and withdraws");
+    let body = &events[1].2;
+    assert_eq!(body["event"], "withdrawn");
+    assert_eq!(body["dlq_id"], dlq_id);
+    assert_eq!(body["generation"], generation);
+    assert_eq!(body["table"], "public.doc_embeddings");
+    assert_eq!(body["withdrawn_hash"], old.as_str());
+    assert_eq!(body["content_hash"], parked.as_str());
+    assert_eq!(body["by"], "ingest");
+    // Nothing lost: the chunk is in the DLQ with its new text.
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+
+    // Parking the same text again withdraws nothing more and announces nothing.
+    ingest(&s, corpus("w", &["w zero", &new_text, "w two"])).await;
+    assert_eq!(events_of(&db, "w", 1).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_then_replayed_a_chunk_stores_its_new_vector() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.retry.max_attempts = 1;
+    ingest(&s, corpus("r", &["r zero", "r one"])).await;
+    let old = vector_hash(&db, "r", 0).await.unwrap();
+
+    // The provider is down when chunk 0's new text comes: parked as transient.
+    mock.control.set_outage(true);
+    ingest(&s, corpus("r", &["r zero, second edition", "r one"])).await;
+    let (_, class, parked, _) = dlq_row(&db, "r", 0).await;
+    assert_eq!(class, "transient");
+    assert_eq!(vector_hash(&db, "r", 0).await, None);
+
+    // Back up: the replay stores the new text's vector (an insert: the old row is gone).
+    mock.control.set_outage(false);
+    let p = pipeline(&s).await;
+    make_due(&db).await;
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    Scheduler { store: p.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    relay_all(&db, &keys).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut rep = Replayer {
+        name: "superseded".into(),
+        store: p.store.clone(),
+        embedder: p.embedder.clone(),
+        client: client.clone(),
+        redis,
+        keys: keys.clone(),
+        config: ReplayConfig { block: Duration::from_millis(200), ..Default::default() },
+        paused_until: None,
+    };
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    for _ in 0..50 {
+        if db.count("SELECT count(*) FROM embedding_dlq").await == 0 {
+            break;
+        }
+        rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    }
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(vector_hash(&db, "r", 0).await.as_deref(), Some(parked.as_str()));
+    assert_ne!(parked, old);
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
