@@ -148,3 +148,73 @@ async fn superseded_then_replayed_a_chunk_stores_its_new_vector() {
     assert_eq!(db.duplicates().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 }
+
+/// The finding of the check named `name` in `report`, as JSON (by name, as `--json` shows it).
+fn finding(report: &embed_dlq::reconcile::Report, name: &str) -> serde_json::Value {
+    let all = serde_json::to_value(&report.findings).unwrap();
+    all.as_array().unwrap().iter().find(|f| f["check"] == name).cloned().unwrap_or_else(|| {
+        panic!("no {name} finding in {report:#?}");
+    })
+}
+
+/// Puts back by hand a vector of other text under (`doc`, `idx`): what a `keep` policy, or a
+/// release before this check, leaves next to a parked chunk.
+async fn put_back_previous_vector(db: &TestDb, doc: &str, idx: i32) {
+    sqlx::query(
+        "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         VALUES ($1, $2, 'previous-text', array_fill(0.5, ARRAY[768])::vector)
+         ON CONFLICT (doc_id, chunk_index) DO UPDATE SET content_hash = EXCLUDED.content_hash",
+    )
+    .bind(doc)
+    .bind(idx)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_vector_next_to_a_parked_chunk_is_found_and_withdrawn_by_repair() {
+    use embed_dlq::reconcile::Mode;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    ingest(&s, corpus("h", &["h zero", "h one", "h two"])).await;
+    ingest(&s, corpus("h", &["h zero", &format!("h one again {POISON_400}"), "h two"])).await;
+    put_back_previous_vector(&db, "h", 1).await;
+    let (dlq_id, _, parked, _) = dlq_row(&db, "h", 1).await;
+    let withdrawn_before = db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'withdrawn'").await;
+
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    let f = finding(&report, "superseded_vectors");
+    assert_eq!(f["found"], 1, "{report:#?}");
+    assert_eq!(f["examples"], serde_json::json!(["h#1"]));
+    assert_eq!(report.total_found(), 1, "no other check reports it: {report:#?}");
+    assert_eq!(vector_hash(&db, "h", 1).await.as_deref(), Some("previous-text"), "a check changes nothing");
+
+    let repaired = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(finding(&repaired, "superseded_vectors")["repaired"], 1, "{repaired:#?}");
+    assert_eq!(vector_hash(&db, "h", 1).await, None, "the previous text's vector is withdrawn");
+    assert!(vector_hash(&db, "h", 0).await.is_some() && vector_hash(&db, "h", 2).await.is_some());
+    let events = events_of(&db, "h", 1).await;
+    let (event, _, body) = events.last().unwrap();
+    assert_eq!(event, "withdrawn");
+    assert_eq!(
+        (&body["dlq_id"], &body["withdrawn_hash"], &body["content_hash"], &body["by"]),
+        (
+            &serde_json::json!(dlq_id),
+            &serde_json::json!("previous-text"),
+            &serde_json::json!(parked),
+            &serde_json::json!("reconcile")
+        )
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'withdrawn'").await,
+        withdrawn_before + 1
+    );
+    // The chunk is still in the DLQ with its new text: nothing lost, and the next run is clean.
+    assert_eq!(dlq_row(&db, "h", 1).await.2, parked);
+    assert_eq!(db.leaks().await, 0);
+    let clean = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(clean.total_found(), 0, "{clean:#?}");
+}
