@@ -218,3 +218,118 @@ async fn superseded_vector_next_to_a_parked_chunk_is_found_and_withdrawn_by_repa
     let clean = r.run_once(Mode::Check).await.unwrap();
     assert_eq!(clean.total_found(), 0, "{clean:#?}");
 }
+
+/// Ingest settings for `db` under `on_newer_parked = keep`.
+fn keep_settings(
+    db: &TestDb,
+    mock: &embed_dlq::testkit::mock_provider::MockProvider,
+) -> embed_dlq::config::IngestSettings {
+    let mut s = settings(db, mock);
+    s.options.on_newer_parked = embed_dlq::store::OnNewerParked::Keep;
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_under_keep_the_previous_vector_serves_until_the_new_text_is_stored() {
+    use embed_dlq::reconcile::{Mode, Reconciler, Sweep};
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = keep_settings(&db, &mock);
+    ingest(&s, corpus("k", &["k zero", "k one"])).await;
+    let old = vector_hash(&db, "k", 1).await.unwrap();
+    ingest(&s, corpus("k", &["k zero", &format!("k one, edited {POISON_400}")])).await;
+
+    let (_, class, parked, _) = dlq_row(&db, "k", 1).await;
+    assert_eq!(class, "permanent_input");
+    assert_eq!(
+        vector_hash(&db, "k", 1).await,
+        Some(old.clone()),
+        "keep: search still serves the previous text"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'withdrawn'").await, 0);
+
+    // A reconciler of the same policy: expected, so no finding, only a note; repair keeps it.
+    let keys = fresh_keys();
+    let mut keeping = Reconciler {
+        store: pipeline(&s).await.store,
+        redis: Some(redis().await),
+        keys: keys.clone(),
+        config: immediate(),
+    };
+    for mode in [Mode::Check, Mode::Repair] {
+        let report = keeping.run_sweep(mode, Some(Sweep::Full)).await.unwrap();
+        let f = finding(&report, "superseded_vectors");
+        assert_eq!((f["found"].as_u64(), f["repaired"].as_u64()), (Some(0), Some(0)), "{report:#?}");
+        let note = f["note"].as_str().unwrap_or_default();
+        assert!(note.contains("1 kept on purpose") && note.contains("k#1"), "{note}");
+        assert_eq!(report.total_found(), 0, "{report:#?}");
+    }
+    assert_eq!(vector_hash(&db, "k", 1).await, Some(old.clone()));
+
+    // The policy becomes withdraw: a full sweep (an incremental one sees only the chunks
+    // changed since the last run) finds the kept vector and withdraws it.
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    let full = r.run_sweep(Mode::Repair, Some(Sweep::Full)).await.unwrap();
+    let f = finding(&full, "superseded_vectors");
+    assert_eq!((f["found"].as_u64(), f["repaired"].as_u64()), (Some(1), Some(1)), "{full:#?}");
+    assert_eq!(vector_hash(&db, "k", 1).await, None);
+    let (event, _, body) = events_of(&db, "k", 1).await.pop().unwrap();
+    assert_eq!(
+        (event.as_str(), &body["withdrawn_hash"], &body["by"]),
+        ("withdrawn", &serde_json::json!(old), &serde_json::json!("reconcile"))
+    );
+    assert_eq!(dlq_row(&db, "k", 1).await.2, parked, "the new text is still parked");
+    assert_eq!(db.leaks().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_under_keep_a_stored_new_text_replaces_the_kept_vector() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = keep_settings(&db, &mock);
+    ingest(&s, corpus("s", &["s zero"])).await;
+    let old = vector_hash(&db, "s", 0).await.unwrap();
+    ingest(&s, corpus("s", &[&format!("s zero, edited {POISON_400}")])).await;
+    assert_eq!(vector_hash(&db, "s", 0).await, Some(old.clone()));
+    // The text is fixed upstream: the next ingest stores it over the kept vector.
+    ingest(&s, corpus("s", &["s zero, edited and fixed"])).await;
+    let now = vector_hash(&db, "s", 0).await.unwrap();
+    assert_ne!(now, old);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 1);
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_then_purged_under_keep_the_vector_without_a_manifest_row_is_noted_not_repaired() {
+    use embed_dlq::reconcile::{Mode, Sweep};
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = keep_settings(&db, &mock);
+    ingest(&s, corpus("p", &["p zero", "p one"])).await;
+    ingest(&s, corpus("p", &["p zero", &format!("p one, edited {POISON_400}")])).await;
+    let p = pipeline(&s).await;
+    let filter = embed_dlq::dlq::Filter { doc: Some("p".into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::purge(&p.store, &filter, false).await.unwrap(), 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'p' AND chunk_index = 1").await,
+        0
+    );
+    assert!(vector_hash(&db, "p", 1).await.is_some(), "the purge leaves the kept vector");
+
+    // Whatever the policy: reported in the note of a full sweep, never a finding nor repaired
+    // (a vector written by another tool looks the same).
+    let mut r = reconciler(&db, &fresh_keys(), immediate()).await;
+    let report = r.run_sweep(Mode::Repair, Some(Sweep::Full)).await.unwrap();
+    let f = finding(&report, "superseded_vectors");
+    assert_eq!((f["found"].as_u64(), f["repaired"].as_u64()), (Some(0), Some(0)), "{report:#?}");
+    let note = f["note"].as_str().unwrap_or_default();
+    assert!(note.contains("1 vectors have no manifest row") && note.contains("p#1"), "{note}");
+    assert!(vector_hash(&db, "p", 1).await.is_some());
+    let incremental = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();
+    assert_eq!(
+        finding(&incremental, "superseded_vectors")["note"],
+        serde_json::Value::Null,
+        "an incremental run does not scan every vector"
+    );
+}
