@@ -1562,6 +1562,7 @@ pub fn check_stream_prefix(s: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::OnNewerParked;
 
     fn file(text: &str) -> ConfigFile {
         ConfigFile::parse(Path::new("/etc/e.toml"), text).unwrap()
@@ -1647,6 +1648,24 @@ mod tests {
         assert!(err.to_string().contains("on_outage"), "{err}");
     }
 
+    #[test]
+    fn on_newer_parked_defaults_to_withdraw_and_rejects_other_words() {
+        let s = resolve(FileConfig::default(), None).unwrap();
+        assert_eq!(s.options.on_newer_parked, OnNewerParked::Withdraw);
+        let s =
+            resolve(FileConfig::default(), Some(&file("[ingest]\non_newer_parked = \"keep\"\n"))).unwrap();
+        assert_eq!(s.options.on_newer_parked, OnNewerParked::Keep);
+        let flags = FileConfig {
+            ingest: IngestArgs { on_newer_parked: Some(OnNewerParked::Withdraw), ..Default::default() },
+            ..Default::default()
+        };
+        let s = resolve(flags, Some(&file("[ingest]\non_newer_parked = \"keep\"\n"))).unwrap();
+        assert_eq!(s.options.on_newer_parked, OnNewerParked::Withdraw, "the flag wins over the file");
+        let err = ConfigFile::parse(Path::new("/etc/e.toml"), "[ingest]\non_newer_parked = \"delete\"\n")
+            .unwrap_err();
+        assert!(err.to_string().contains("on_newer_parked"), "{err}");
+    }
+
     /// A file that sets every key: after resolution nothing may still be the default, so a
     /// key the resolver forgets is caught here.
     #[test]
@@ -1675,6 +1694,7 @@ writers = 3
 max_input_chars = 77
 max_line_bytes = 7777
 on_outage = "park"
+on_newer_parked = "keep"
 [retry]
 retry_max_attempts = 7
 retry_base_ms = 7
@@ -1732,6 +1752,7 @@ reconcile_every_secs = 7
         assert_eq!(s.breaker.cooldown, Duration::from_millis(77));
         assert_eq!(s.breaker.max_outage, Duration::from_secs(7));
         assert_eq!(o.on_outage, OnOutage::Park);
+        assert_eq!(o.on_newer_parked, OnNewerParked::Keep);
         let v = &s.serve;
         assert_eq!((v.replayers, v.replay.batch, v.replay.delivery_cap, v.relay.batch), (7, 7, 7, 7));
         assert_eq!(v.replay.min_idle, Duration::from_millis(777));
