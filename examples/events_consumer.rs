@@ -29,7 +29,8 @@ use tokio_util::sync::CancellationToken;
 /// fields every event has are typed; the rest (`content_hash`, `at`, ...) stays in `extra`.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct DlqEvent {
-    /// `parked`, `resolved`, `replayed`, `reparked`, `exhausted`, `requeued`, `purged`.
+    /// `parked`, `resolved`, `replayed`, `reparked`, `exhausted`, `requeued`, `purged`,
+    /// `withdrawn` (a vector of the chunk's previous text deleted; `withdrawn_hash`, `by`).
     pub event: String,
     /// The DLQ row the event is about.
     pub dlq_id: i64,

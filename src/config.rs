@@ -148,6 +148,12 @@ pub struct IngestArgs {
     /// over at once, a hung one's after this).
     #[arg(long)]
     pub lease_secs: Option<u64>,
+    /// When a chunk's new text is parked: withdraw (delete the vector of its previous text in
+    /// the same transaction, with a `withdrawn` event) or keep (search serves the previous
+    /// text until the new one is stored). Set it in the config file so that `reconcile`
+    /// and `console` judge superseded vectors by the same policy.
+    #[arg(long, value_enum)]
+    pub on_newer_parked: Option<crate::store::OnNewerParked>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -998,6 +1004,7 @@ fn resolve_ingest(
         max_inflight_bytes,
         on_outage,
         lease_secs,
+        on_newer_parked,
     } = flags;
     let table = r
         .text("table", table, file.table.clone(), check_table)?
@@ -1045,6 +1052,10 @@ fn resolve_ingest(
     let on_outage = r.pick("on_outage", on_outage, file.on_outage).map_or(d.on_outage, |(v, _)| v);
     let lease_secs =
         r.num("lease_secs", lease_secs, file.lease_secs, d.lease.as_secs(), bounds::LEASE_SECS)?;
+    // An enum: serde and clap reject anything but withdraw or keep.
+    let on_newer_parked = r
+        .pick("on_newer_parked", on_newer_parked, file.on_newer_parked)
+        .map_or(d.on_newer_parked, |(v, _)| v);
     let options = IngestOptions {
         batch_max_inputs,
         batch_max_chars,
@@ -1055,6 +1066,7 @@ fn resolve_ingest(
         max_inflight_bytes,
         on_outage,
         lease: Duration::from_secs(lease_secs),
+        on_newer_parked,
         ..d
     };
     Ok((table, options))
@@ -1463,7 +1475,8 @@ impl IngestSettings {
         store::migrate(&pool).await?;
         let store = store::Store::open(pool, &self.table)
             .await?
-            .with_model(&self.client.model, self.client.request_dimensions);
+            .with_model(&self.client.model, self.client.request_dimensions)
+            .with_on_newer_parked(options.on_newer_parked);
         let client = crate::embed::client::EmbedClient::new(self.client.clone())
             .map_err(PipelineError::Client)?
             .with_limiter(std::sync::Arc::new(self.limiter().await?));
@@ -1611,6 +1624,7 @@ pub fn check_stream_prefix(s: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::OnNewerParked;
 
     fn file(text: &str) -> ConfigFile {
         ConfigFile::parse(Path::new("/etc/e.toml"), text).unwrap()
@@ -1712,6 +1726,24 @@ mod tests {
         assert!(err.to_string().contains("on_outage"), "{err}");
     }
 
+    #[test]
+    fn on_newer_parked_defaults_to_withdraw_and_rejects_other_words() {
+        let s = resolve(FileConfig::default(), None).unwrap();
+        assert_eq!(s.options.on_newer_parked, OnNewerParked::Withdraw);
+        let s =
+            resolve(FileConfig::default(), Some(&file("[ingest]\non_newer_parked = \"keep\"\n"))).unwrap();
+        assert_eq!(s.options.on_newer_parked, OnNewerParked::Keep);
+        let flags = FileConfig {
+            ingest: IngestArgs { on_newer_parked: Some(OnNewerParked::Withdraw), ..Default::default() },
+            ..Default::default()
+        };
+        let s = resolve(flags, Some(&file("[ingest]\non_newer_parked = \"keep\"\n"))).unwrap();
+        assert_eq!(s.options.on_newer_parked, OnNewerParked::Withdraw, "the flag wins over the file");
+        let err = ConfigFile::parse(Path::new("/etc/e.toml"), "[ingest]\non_newer_parked = \"delete\"\n")
+            .unwrap_err();
+        assert!(err.to_string().contains("on_newer_parked"), "{err}");
+    }
+
     /// A file that sets every key: after resolution nothing may still be the default, so a
     /// key the resolver forgets is caught here.
     #[test]
@@ -1740,6 +1772,7 @@ writers = 3
 max_input_chars = 77
 max_line_bytes = 7777
 on_outage = "park"
+on_newer_parked = "keep"
 [retry]
 retry_max_attempts = 7
 retry_base_ms = 7
@@ -1797,6 +1830,7 @@ reconcile_every_secs = 7
         assert_eq!(s.breaker.cooldown, Duration::from_millis(77));
         assert_eq!(s.breaker.max_outage, Duration::from_secs(7));
         assert_eq!(o.on_outage, OnOutage::Park);
+        assert_eq!(o.on_newer_parked, OnNewerParked::Keep);
         let v = &s.serve;
         assert_eq!((v.replayers, v.replay.batch, v.replay.delivery_cap, v.relay.batch), (7, 7, 7, 7));
         assert_eq!(v.replay.min_idle, Duration::from_millis(777));

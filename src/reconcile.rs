@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 
 use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, Scope, WorkAudit};
-use crate::store::{Store, StoreError, TargetTable, outbox};
+use crate::store::{OnNewerParked, Store, StoreError, TargetTable, outbox};
 use crate::streams::RedisConn;
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 use serde::Serialize;
@@ -77,6 +77,11 @@ pub enum Check {
     StaleDlq,
     /// Vectors of the wrong dimension, with NaN, or of zero norm.
     BadVectors,
+    /// Vectors of a chunk's previous text while the manifest holds newer content that is
+    /// parked or exhausted: search returns text the source no longer holds. A finding under
+    /// `[ingest] on_newer_parked = withdraw`; under `keep` they are expected and only counted
+    /// in the note. The note also counts (full and deep sweeps) vectors with no manifest row.
+    SupersededVectors,
     /// Outbox rows unpublished for longer than the threshold.
     OutboxBacklog,
     /// Events marked published whose entry is not on the events stream, and was not trimmed
@@ -93,12 +98,13 @@ pub enum Check {
 
 impl Check {
     /// Every check, in the order a report lists them.
-    pub const ALL: [Check; 10] = [
+    pub const ALL: [Check; 11] = [
         Check::Leaks,
         Check::Duplicates,
         Check::StoredDrift,
         Check::StaleDlq,
         Check::BadVectors,
+        Check::SupersededVectors,
         Check::OutboxBacklog,
         Check::MissingEvents,
         Check::LostReplayWork,
@@ -114,6 +120,7 @@ impl Check {
             Check::StoredDrift => "stored_drift",
             Check::StaleDlq => "stale_dlq",
             Check::BadVectors => "bad_vectors",
+            Check::SupersededVectors => "superseded_vectors",
             Check::OutboxBacklog => "outbox_backlog",
             Check::MissingEvents => "missing_events",
             Check::LostReplayWork => "lost_replay_work",
@@ -129,6 +136,7 @@ impl Check {
             Check::Duplicates => Some("keep the newest vector row"),
             Check::StaleDlq => Some("delete the stale DLQ row, mark stored"),
             Check::BadVectors => Some("delete the vector, mark for re-ingest"),
+            Check::SupersededVectors => Some("withdraw the vector (`withdrawn` event)"),
             Check::MissingEvents => Some("re-publish from the outbox"),
             Check::LostReplayWork => Some("re-publish through the outbox"),
             Check::OrphanStreamEntries => Some("acknowledge and delete the entries"),
@@ -371,12 +379,19 @@ fn finding(check: Check, run: CheckRun) -> Finding {
 }
 
 /// The table checks, in report order.
-const TABLE_CHECKS: [Check; 5] =
-    [Check::Leaks, Check::Duplicates, Check::StoredDrift, Check::StaleDlq, Check::BadVectors];
+const TABLE_CHECKS: [Check; 6] = [
+    Check::Leaks,
+    Check::Duplicates,
+    Check::StoredDrift,
+    Check::StaleDlq,
+    Check::BadVectors,
+    Check::SupersededVectors,
+];
 
 /// The checks whose window an incremental run resumes, per check, where the previous run
 /// left off: they look at chunks (manifest rows) and can be limited to the changed ones.
-const WINDOWED: [Check; 4] = [Check::Leaks, Check::StoredDrift, Check::StaleDlq, Check::BadVectors];
+const WINDOWED: [Check; 5] =
+    [Check::Leaks, Check::StoredDrift, Check::StaleDlq, Check::BadVectors, Check::SupersededVectors];
 
 /// What each table check of one run looks at.
 #[derive(Debug, Clone, Copy)]
@@ -384,6 +399,7 @@ struct Plan {
     /// Leaks and stored drift (one scan).
     gaps: Scope,
     stale: Scope,
+    superseded: Scope,
     /// `None`: no vector is read (a full or incremental sweep with no earlier window).
     bad: Option<Scope>,
     /// Scan for duplicates even where the unique index rules them out.
@@ -402,18 +418,24 @@ impl Plan {
             Sweep::Incremental => Plan {
                 gaps: earlier(window(Check::Leaks), window(Check::StoredDrift)),
                 stale: window(Check::StaleDlq).unwrap_or(Scope::All),
+                superseded: window(Check::SupersededVectors).unwrap_or(Scope::All),
                 bad: window(Check::BadVectors),
                 scan_duplicates: false,
             },
             Sweep::Full => Plan {
                 gaps: Scope::All,
                 stale: Scope::All,
+                superseded: Scope::All,
                 bad: window(Check::BadVectors),
                 scan_duplicates: false,
             },
-            Sweep::Deep => {
-                Plan { gaps: Scope::All, stale: Scope::All, bad: Some(Scope::All), scan_duplicates: true }
-            }
+            Sweep::Deep => Plan {
+                gaps: Scope::All,
+                stale: Scope::All,
+                superseded: Scope::All,
+                bad: Some(Scope::All),
+                scan_duplicates: true,
+            },
         }
     }
 
@@ -422,6 +444,7 @@ impl Plan {
         match check {
             Check::Leaks | Check::StoredDrift => Some(self.gaps),
             Check::StaleDlq => Some(self.stale),
+            Check::SupersededVectors => Some(self.superseded),
             Check::BadVectors => self.bad,
             _ => None,
         }
@@ -604,7 +627,49 @@ impl Reconciler {
             let oldest = bad.oldest_change;
             out.push((finding(Check::BadVectors, bad), oldest, None));
         }
+        out.push(self.superseded_check(target, repair, plan.superseded).await?);
         Ok(out)
+    }
+
+    /// The `superseded_vectors` check of one table, judged by the store's
+    /// [`OnNewerParked`] policy: under `withdraw` a vector of a parked chunk's previous text is a
+    /// finding, and repair withdraws it; under `keep` it is what the policy asks for, so it
+    /// is only counted in the note (no finding, no repair, and it holds no window open). A
+    /// sweep over every chunk also counts, in the note, vectors with no manifest row (never
+    /// repaired: see [`sql::vectors_without_manifest`]).
+    async fn superseded_check(
+        &self,
+        target: &TargetTable,
+        repair: bool,
+        scope: Scope,
+    ) -> Result<(Finding, Option<DateTime<Utc>>, Option<String>), ReconcileError> {
+        let pool = self.store.pool();
+        let (examples, page) = (self.config.examples, self.config.page());
+        let withdraw = self.store.on_newer_parked() == OnNewerParked::Withdraw;
+        let mut run =
+            sql::superseded_vectors(pool, target, scope, examples, page, repair && withdraw).await?;
+        let mut notes = Vec::new();
+        if !withdraw && run.found > 0 {
+            notes.push(format!(
+                "{} kept on purpose (on_newer_parked = keep), e.g. {}",
+                run.found,
+                run.examples.join(", ")
+            ));
+            run = CheckRun::default();
+        }
+        if scope == Scope::All {
+            let orphans = sql::vectors_without_manifest(pool, target, examples).await?;
+            if orphans.found > 0 {
+                notes.push(format!(
+                    "{} vectors have no manifest row (left by a dlq purge, or written by another tool), e.g. {}; not repaired",
+                    orphans.found,
+                    orphans.examples.join(", ")
+                ));
+            }
+        }
+        let oldest = run.oldest_change;
+        let note = (!notes.is_empty()).then(|| notes.join("; "));
+        Ok((finding(Check::SupersededVectors, run), oldest, note))
     }
 
     /// The three stream checks, or (without Redis) three findings saying they were skipped.
@@ -1004,15 +1069,24 @@ mod tests {
             ("leaks".to_string(), t(10)),
             ("stored_drift".to_string(), t(5)),
             ("stale_dlq".to_string(), t(20)),
+            ("superseded_vectors".to_string(), t(30)),
         ]
         .into();
         let plan = Plan::new(Sweep::Incremental, &resume);
         assert_eq!(plan.gaps, Scope::Since(t(5)), "leaks and drift share the earlier start");
         assert_eq!(plan.stale, Scope::Since(t(20)));
+        assert_eq!(plan.superseded, Scope::Since(t(30)));
         assert_eq!(plan.bad, None, "no window yet: no vector is read");
         assert_eq!(plan.since(), Some(t(5)));
         let full = Plan::new(Sweep::Full, &resume);
         assert_eq!((full.gaps, full.stale, full.bad, full.since()), (Scope::All, Scope::All, None, None));
+        assert_eq!(full.superseded, Scope::All, "a full sweep also finds vectors without a manifest row");
+        // A window not recorded yet (runs of a release before the check): that check looks at
+        // every chunk, the others keep theirs.
+        let mut older = resume.clone();
+        older.remove("superseded_vectors");
+        let plan = Plan::new(Sweep::Incremental, &older);
+        assert_eq!((plan.superseded, plan.stale, plan.since()), (Scope::All, Scope::Since(t(20)), None));
         let deep = Plan::new(Sweep::Deep, &resume);
         assert_eq!((deep.bad, deep.scan_duplicates), (Some(Scope::All), true));
         // No resume point for a check: that check looks at every chunk.

@@ -302,6 +302,11 @@ pub struct ReconcileCommand {
     /// Target vector table (else `[ingest] table` of the config file).
     #[arg(long)]
     pub table: Option<String>,
+    /// The policy the ingests follow (else `[ingest] on_newer_parked` of the config file,
+    /// default withdraw): under keep, vectors of parked chunks' previous text are expected
+    /// (noted, never repaired); under withdraw they are findings that --repair withdraws.
+    #[arg(long, value_enum)]
+    pub on_newer_parked: Option<embed_dlq::store::OnNewerParked>,
     /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,

@@ -65,8 +65,9 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
     if config.token.is_none() && !config.read_only {
         tracing::warn!("{TOKEN_ENV} is not set: the console shows everything but takes no action");
     }
+    // Its reconcile action judges superseded vectors by the configured policy.
     let store = match super::open_store(&url, 8, &settings.table).await {
-        Ok(s) => s,
+        Ok(s) => s.with_on_newer_parked(settings.options.on_newer_parked),
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
     let redis = match settings.redis_url.is_some().then(|| settings.redis_client()).transpose() {

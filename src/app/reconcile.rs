@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
 use embed_dlq::reconcile::{Mode, ReconcileConfig, ReconcileError, Reconciler, Sweep, SweepPolicy};
+use embed_dlq::store::OnNewerParked;
 use embed_dlq::store::prefix::PrefixError;
 use embed_dlq::streams::{RedisClient, ShardsError, StreamKeys};
 use tokio_util::sync::CancellationToken;
@@ -27,11 +28,12 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
         json,
         metrics_addr,
         table,
+        on_newer_parked,
         stream_prefix,
         stream_shards,
     } = args;
     let flags = FileConfig {
-        ingest: IngestArgs { table, ..Default::default() },
+        ingest: IngestArgs { table, on_newer_parked, ..Default::default() },
         serve: ServeArgs {
             stream_prefix,
             stream_shards,
@@ -62,6 +64,7 @@ pub async fn command(resolver: &Resolver, args: ReconcileCommand, cancel: Cancel
             Err(e) => return exit::usage(&e),
         },
         table: &settings.table,
+        on_newer_parked: settings.options.on_newer_parked,
         keys: settings.stream_keys(),
         mode,
         sweeps,
@@ -81,6 +84,9 @@ struct ReconcileRun<'a> {
     redis: Option<RedisClient>,
     /// The target vector table.
     table: &'a str,
+    /// What the ingests do to a parked chunk's previous vector: what `superseded_vectors`
+    /// expects.
+    on_newer_parked: OnNewerParked,
     /// The streams (prefix and shards).
     keys: StreamKeys,
     /// Check, repair, or show what a repair would do.
@@ -107,7 +113,7 @@ async fn reconcile(run: ReconcileRun<'_>, cancel: CancellationToken) -> i32 {
         return exit::fail(exit::FAILURE, &e.to_string());
     }
     let store = match super::open_store(run.database_url, 4, run.table).await {
-        Ok(s) => s,
+        Ok(s) => s.with_on_newer_parked(run.on_newer_parked),
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
     let redis = match &run.redis {

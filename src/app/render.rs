@@ -48,6 +48,13 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
     if s.dlq_resolved > 0 {
         writeln!(out, "DLQ rows resolved   {:>10}", s.dlq_resolved)?;
     }
+    if s.vectors_withdrawn > 0 {
+        writeln!(
+            out,
+            "vectors withdrawn   {:>10}  (their chunk's new text is parked; on_newer_parked = withdraw)",
+            s.vectors_withdrawn
+        )?;
+    }
     let retries: u64 = s.retries.values().sum();
     writeln!(out, "retries             {:>10}", retries)?;
     for (reason, n) in &s.retries {

@@ -99,7 +99,16 @@ fn human_line(id: &str, event: &str, body: &str) -> String {
         s("doc_id").unwrap_or_else(|| "?".into()),
         s("chunk_index").unwrap_or_else(|| "?".into())
     );
-    for k in ["error_class", "error_reason", "attempts", "replays", "next_retry_at", "exhausted_reason"] {
+    for k in [
+        "error_class",
+        "error_reason",
+        "attempts",
+        "replays",
+        "next_retry_at",
+        "exhausted_reason",
+        "withdrawn_hash",
+        "by",
+    ] {
         if let Some(val) = s(k) {
             line.push_str(&format!(" {k}={val}"));
         }
@@ -127,5 +136,12 @@ mod tests {
         assert!(!line.contains('\n') && !line.contains('\u{1b}'), "{line:?}");
         assert!(line.contains("evil\\n1-0") && line.contains("\\u{1b}[31m"), "{line:?}");
         assert_eq!(human_line("1-0", "parked", r#"{"doc_id":"d","chunk_index":2}"#), "1-0 parked    d#2");
+    }
+
+    #[test]
+    fn a_withdrawn_event_shows_which_text_was_withdrawn_and_by_whom() {
+        let body =
+            r#"{"doc_id":"d","chunk_index":2,"content_hash":"new","withdrawn_hash":"old","by":"ingest"}"#;
+        assert_eq!(human_line("1-0", "withdrawn", body), "1-0 withdrawn d#2 withdrawn_hash=old by=ingest");
     }
 }

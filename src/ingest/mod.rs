@@ -54,7 +54,9 @@ use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
 use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowKey};
-use crate::store::{ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq};
+use crate::store::{
+    OnNewerParked, ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq,
+};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
 use budget::{ByteBudget, Charge};
@@ -100,6 +102,14 @@ pub struct IngestOptions {
     /// lease_secs`): long enough for a window's provider calls and retries, short enough that
     /// a hung run's chunks are not held up for long (a killed run's are taken over at once).
     pub lease: Duration,
+    /// What a park of a chunk's new text does to the vector of its previous text: withdraw
+    /// it in the park's transaction (the default) or keep it until the new text is stored
+    /// (`[ingest] on_newer_parked`, see [`OnNewerParked`]). [`IngestSettings::pipeline`]
+    /// gives it to the pipeline's store, which applies it: a [`Pipeline`] built by hand
+    /// follows its store's policy.
+    ///
+    /// [`IngestSettings::pipeline`]: crate::config::IngestSettings::pipeline
+    pub on_newer_parked: OnNewerParked,
 }
 
 impl Default for IngestOptions {
@@ -121,6 +131,7 @@ impl Default for IngestOptions {
             on_outage: OnOutage::Wait,
             price_per_million_tokens: None,
             lease: Duration::from_secs(120),
+            on_newer_parked: OnNewerParked::Withdraw,
         }
     }
 }
@@ -192,6 +203,9 @@ pub struct IngestSummary {
     pub parked: BTreeMap<ErrorClass, u64>,
     /// Old DLQ rows superseded by a newly stored vector.
     pub dlq_resolved: u64,
+    /// Vectors of a chunk's previous text deleted because its new text was parked
+    /// ([`OnNewerParked::Withdraw`]): not an outcome of a record, a side effect of a park.
+    pub vectors_withdrawn: u64,
     /// Outcomes not written because a newer record of the same chunk (a later line of this
     /// corpus, or a later run) was written first: the last line wins.
     pub superseded: u64,
@@ -1285,6 +1299,7 @@ impl Writer {
         s.superseded += counts.superseded + superseded.len() as u64;
         s.vectors_written += counts.vectors_written;
         s.dlq_resolved += counts.dlq_resolved;
+        s.vectors_withdrawn += parked.withdrawn;
         for p in &to_park {
             *s.parked.entry(p.class).or_default() += 1;
         }

@@ -93,6 +93,36 @@ pub struct ParkedChunk {
     pub source_seq: i64,
 }
 
+/// What a park of a chunk's new text does to the vector of its previous text (`[ingest]
+/// on_newer_parked`, `--on-newer-parked`). Invariant 9 says a stored vector is the vector of
+/// the chunk's current text; once newer text is parked, the old vector answers searches with
+/// text that is no longer in the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNewerParked {
+    /// Delete the previous text's vector in the park's transaction, with a `withdrawn` event:
+    /// search stops returning text the source no longer holds, and the chunk is missing from
+    /// search until its new text is stored (by replay, or a later ingest). The reconciler's
+    /// `superseded_vectors` check reports such vectors left behind and its repair withdraws
+    /// them.
+    #[default]
+    Withdraw,
+    /// Leave the previous text's vector in place: search keeps serving the previous text until
+    /// the new one is stored (which overwrites it). The reconciler counts these vectors in
+    /// the `superseded_vectors` note, not as findings, and never deletes them.
+    Keep,
+}
+
+impl OnNewerParked {
+    /// The setting's spelling in files, flags and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnNewerParked::Withdraw => "withdraw",
+            OnNewerParked::Keep => "keep",
+        }
+    }
+}
+
 /// The position of line `line` of ingest run `run_id`: `(run_id << 32) | line`. Later runs
 /// beat earlier runs; within a run, later lines beat earlier lines. Lines past 2^32 - 1 share
 /// the last position (a corpus that long is split into several runs in practice).
@@ -117,6 +147,9 @@ pub struct ParkCounts {
     /// `parked` events written: DLQ rows inserted or whose content changed. A park onto a
     /// row with the same content (a retried statement, a concurrent ingest) writes none.
     pub events: u64,
+    /// Vectors of the chunks' previous text deleted with the park, each announced by a
+    /// `withdrawn` event ([`OnNewerParked::Withdraw`]; always 0 under `Keep`).
+    pub withdrawn: u64,
     /// Positions (in the input slice) of rows not written because the manifest already holds
     /// a newer record for the chunk, or already has this content stored.
     pub superseded: Vec<usize>,
@@ -252,7 +285,10 @@ impl Store {
         Ok(counts)
     }
 
-    /// Parks a batch: manifest status, DLQ rows and `parked` events, atomically. Idempotent
+    /// Parks a batch: manifest status, DLQ rows and `parked` events, atomically; under
+    /// [`OnNewerParked::Withdraw`] (the store's policy) the same transaction deletes each
+    /// chunk's vector of other content (its previous text) with a `withdrawn` event, so no
+    /// search returns text the chunk no longer holds. Idempotent
     /// per content: a park onto a DLQ row that already holds the same content changes nothing
     /// and announces nothing (a retried statement, a concurrent ingest of the same corpus); a
     /// park of changed content restarts the row (attempts, replays, history) under a new
@@ -263,7 +299,7 @@ impl Store {
             return Ok(ParkCounts::default());
         }
         let (mut tx, keep, superseded) = self.begin_claimed(rows, ChunkStatus::Parked).await?;
-        let mut counts = ParkCounts { events: 0, superseded };
+        let mut counts = ParkCounts { events: 0, withdrawn: 0, superseded };
         if !keep.is_empty() {
             let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
             let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
@@ -294,6 +330,16 @@ impl Store {
                 .fetch_one(&mut *tx)
                 .await?;
             counts.events = events as u64;
+            if self.on_newer_parked() == OnNewerParked::Withdraw {
+                let withdrawn: i64 = sqlx::query_scalar(AssertSqlSafe(self.target.withdraw_sql.as_str()))
+                    .bind(&self.target.name)
+                    .bind(&docs)
+                    .bind(&idxs)
+                    .bind(&hashes)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                counts.withdrawn = withdrawn as u64;
+            }
         }
         tx.commit().await?;
         Ok(counts)
@@ -427,6 +473,52 @@ WITH input AS (
 )
 SELECT count(*) FROM events
 "#;
+
+/// The keys of a park's withdraw ([`withdraw_sql`]): the accepted rows' (doc_id, chunk_index,
+/// content hash just parked), `$2..=$4`.
+const PARKED_KEYS: &str =
+    "SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[]) AS k(doc_id, chunk_index, content_hash)";
+
+/// Third statement of a park under [`OnNewerParked::Withdraw`], for one table (its canonical
+/// name): deletes the vectors of the parked chunks whose content differs from what was just
+/// parked, with one `withdrawn` event each (`by: ingest`). Binds the table's name `$1` and the
+/// keys `$2..=$4`. Runs after the DLQ upsert (its own statement, so it sees the rows that upsert
+/// wrote) and never deletes a vector of the parked content itself.
+pub(super) fn park_withdraw_sql(table: &str) -> String {
+    withdraw_sql(table, PARKED_KEYS, "ingest")
+}
+
+/// Deletes the vectors of `table` (canonical name) for the chunks `keys` selects (a query
+/// giving doc_id, chunk_index and the chunk's current content_hash) that hold other content,
+/// and announces each with a `withdrawn` event carrying the chunk's DLQ row (the one holding its
+/// current content), the withdrawn hash and `by` (a constant: `ingest` or `reconcile`).
+/// Returns one row: how many vectors were deleted. The caller holds the chunks' manifest rows
+/// locked (every writer locks the manifest first).
+pub(super) fn withdraw_sql(table: &str, keys: &str, by: &str) -> String {
+    format!(
+        r#"
+WITH k AS ({keys}
+), gone AS (
+    DELETE FROM {table} e USING k
+     WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index AND e.content_hash <> k.content_hash
+    RETURNING e.doc_id, e.chunk_index, e.content_hash AS withdrawn_hash, k.content_hash
+), events AS (
+    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+    SELECT 'withdrawn', d.id, d.target_table, d.doc_id, d.chunk_index,
+           embed_dlq_event('withdrawn', d.id, d.target_table, d.doc_id, d.chunk_index, d.generation,
+                           jsonb_build_object('content_hash', g.content_hash,
+                                              'withdrawn_hash', g.withdrawn_hash,
+                                              'by', '{by}', 'at', now()))
+      FROM gone g
+      JOIN embedding_dlq d ON d.target_table = $1::text AND d.doc_id = g.doc_id
+                          AND d.chunk_index = g.chunk_index AND d.content_hash = g.content_hash
+     ORDER BY g.doc_id, g.chunk_index
+    RETURNING 1
+)
+SELECT count(*) FROM gone
+"#
+    )
+}
 
 /// Second statement of a store (rows the manifest accepted) for one table ($1 is its
 /// canonical name): vector upsert, DLQ rows of the chunks resolved, `resolved` events.

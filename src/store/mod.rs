@@ -33,7 +33,7 @@ pub mod prefix;
 pub mod reconcile;
 pub(crate) mod replay;
 
-pub use ingest::{ParkCounts, ParkedChunk, source_seq};
+pub use ingest::{OnNewerParked, ParkCounts, ParkedChunk, source_seq};
 pub(crate) use ingest::{StoreCounts, StoredChunk};
 
 use std::collections::HashMap;
@@ -133,6 +133,8 @@ pub(crate) struct TargetTable {
     pub dimensions: usize,
     /// The second statement of [`Store::store_batch`] for this table.
     store_sql: String,
+    /// The withdraw of [`Store::park_batch`] for this table ([`OnNewerParked::Withdraw`]).
+    withdraw_sql: String,
 }
 
 impl TargetTable {
@@ -157,6 +159,9 @@ pub struct Store {
     pool: PgPool,
     target: Arc<TargetTable>,
     space: Option<Arc<EmbeddingSpace>>,
+    /// What a park of a chunk's new text does to its previous text's vector, and so what the
+    /// reconciler's `superseded_vectors` check expects.
+    on_newer_parked: OnNewerParked,
     /// Other tables met in DLQ rows (replay) or the manifest (reconcile), by name as asked.
     tables: Arc<Mutex<TargetCache>>,
 }
@@ -170,7 +175,27 @@ impl Store {
         let target = Arc::new(inspect_target(&pool, table, false).await?);
         let mut cache = HashMap::new();
         cache.insert(target.name.clone(), (std::time::Instant::now(), target.clone()));
-        Ok(Store { pool, target, space: None, tables: Arc::new(Mutex::new(cache)) })
+        Ok(Store {
+            pool,
+            target,
+            space: None,
+            on_newer_parked: OnNewerParked::default(),
+            tables: Arc::new(Mutex::new(cache)),
+        })
+    }
+
+    /// Sets what this store's parks do to the vector of a chunk's previous text, and what its
+    /// reconciler expects ([`OnNewerParked`]; [`OnNewerParked::Withdraw`] unless set). Every
+    /// process working on one database should use the same policy: a reconciler told `withdraw`
+    /// repairs what ingests under `keep` leave on purpose.
+    pub fn with_on_newer_parked(mut self, policy: OnNewerParked) -> Store {
+        self.on_newer_parked = policy;
+        self
+    }
+
+    /// What this store's parks do to the vector of a chunk's previous text.
+    pub fn on_newer_parked(&self) -> OnNewerParked {
+        self.on_newer_parked
     }
 
     /// Records `model` (and the `dimensions` request parameter, if any) on every DLQ row this
@@ -295,6 +320,7 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
     }
     Ok(TargetTable {
         store_sql: ingest::store_sql(&name),
+        withdraw_sql: ingest::park_withdraw_sql(&name),
         quoted: name.clone(),
         name,
         dimensions: dims.expect("embedding checked"),

@@ -394,18 +394,7 @@ pub(crate) async fn bad_vectors(
         .await?;
         let Some(last) = keys.last().cloned() else { break };
         let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        sqlx::query(
-            "SELECT 1 FROM ingest_manifest m
-              WHERE m.target_table = $1
-                AND (m.doc_id, m.chunk_index) IN (SELECT * FROM UNNEST($2::text[], $3::int[]))
-              ORDER BY m.doc_id, m.chunk_index
-                FOR UPDATE",
-        )
-        .bind(&target.name)
-        .bind(&docs)
-        .bind(&idxs)
-        .execute(&mut *tx)
-        .await?;
+        lock_manifest_keys(&mut tx, &target.name, &docs, &idxs).await?;
         let deleted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "WITH k AS (SELECT * FROM UNNEST($2::text[], $3::int[]) AS k(doc_id, chunk_index)
              ), gone AS (
@@ -435,6 +424,146 @@ pub(crate) async fn bad_vectors(
         }
     }
     Ok(run)
+}
+
+/// Vectors of `target` superseded by parked content: the chunk's manifest row holds newer
+/// content that is parked or exhausted (its DLQ row holds that content), while the vector is
+/// of another content, its previous text. Under [`OnNewerParked::Withdraw`] a park deletes
+/// that vector in its own transaction, so one left behind was made under `keep`, by an older
+/// release or by hand; the caller decides what a finding means under `keep`.
+///
+/// Over every DLQ row of the table ([`Scope::All`]: cost follows the DLQ, like `stale_dlq`),
+/// or over the changed chunks. Repair (`repair`) withdraws the vectors like a park does
+/// (deleted, one `withdrawn` event each, `by: reconcile`), `page` vectors a transaction, each
+/// locking the chunks' manifest rows first and checking the condition again under the lock.
+///
+/// [`OnNewerParked::Withdraw`]: super::OnNewerParked::Withdraw
+pub(crate) async fn superseded_vectors(
+    pool: &PgPool,
+    target: &TargetTable,
+    scope: Scope,
+    examples: usize,
+    page: usize,
+    repair: bool,
+) -> Result<CheckRun, StoreError> {
+    let t = target.sql_name();
+    let lit = sql_literal(&target.name);
+    let rows = match scope {
+        Scope::All => format!(
+            "embedding_dlq d
+               JOIN ingest_manifest m
+                 ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
+               JOIN {t} e ON e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+              WHERE d.target_table = {lit} AND m.content_hash = d.content_hash
+                AND m.status IN ('parked', 'exhausted') AND e.content_hash <> m.content_hash"
+        ),
+        Scope::Since(_) => format!(
+            "ingest_manifest m
+               JOIN embedding_dlq d
+                 ON d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index
+                AND d.content_hash = m.content_hash
+               JOIN {t} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+              WHERE m.target_table = {lit}{} AND m.status IN ('parked', 'exhausted')
+                AND e.content_hash <> m.content_hash",
+            scope.clause()
+        ),
+    };
+    let mut run = findings(pool, "e", &rows, scope, examples).await?;
+    if !(repair && run.found > 0) {
+        return Ok(run);
+    }
+    // Under the manifest locks, the keys are taken again from what the manifest and the DLQ
+    // hold now: a chunk stored or re-parked meanwhile is left alone.
+    let withdraw = super::ingest::withdraw_sql(
+        t,
+        "SELECT m.doc_id, m.chunk_index, m.content_hash
+           FROM ingest_manifest m
+           JOIN UNNEST($2::text[], $3::int[]) AS u(doc_id, chunk_index)
+             ON m.doc_id = u.doc_id AND m.chunk_index = u.chunk_index
+          WHERE m.target_table = $1::text AND m.status IN ('parked', 'exhausted')
+            AND EXISTS (SELECT 1 FROM embedding_dlq d
+                         WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
+                           AND d.chunk_index = m.chunk_index AND d.content_hash = m.content_hash)",
+        "reconcile",
+    );
+    let mut after: Option<(String, i32)> = None;
+    loop {
+        let mut tx = pool.begin().await?;
+        let keys: Vec<(String, i32)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT e.doc_id, e.chunk_index FROM {rows}
+                AND ($2::text IS NULL OR (e.doc_id, e.chunk_index) > ($2::text, $3::int))
+              ORDER BY e.doc_id, e.chunk_index LIMIT $4"
+        )))
+        .bind(scope.since())
+        .bind(after.as_ref().map(|k| k.0.as_str()))
+        .bind(after.as_ref().map_or(0, |k| k.1))
+        .bind(page as i64)
+        .persistent(false)
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(last) = keys.last().cloned() else { break };
+        let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
+        lock_manifest_keys(&mut tx, &target.name, &docs, &idxs).await?;
+        let withdrawn: i64 = sqlx::query_scalar(AssertSqlSafe(withdraw.as_str()))
+            .bind(&target.name)
+            .bind(&docs)
+            .bind(&idxs)
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        run.repaired += withdrawn as u64;
+        let full_page = keys.len() == page;
+        after = Some(last);
+        if !full_page {
+            break;
+        }
+    }
+    Ok(run)
+}
+
+/// Locks the manifest rows of `table`'s chunks (`docs`, `idxs`) in key order: what every
+/// writer of a chunk does first.
+async fn lock_manifest_keys(
+    tx: &mut sqlx::PgConnection,
+    table: &str,
+    docs: &[&str],
+    idxs: &[i32],
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "SELECT 1 FROM ingest_manifest m
+          WHERE m.target_table = $1
+            AND (m.doc_id, m.chunk_index) IN (SELECT * FROM UNNEST($2::text[], $3::int[]))
+          ORDER BY m.doc_id, m.chunk_index
+            FOR UPDATE",
+    )
+    .bind(table)
+    .bind(docs)
+    .bind(idxs)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Vectors of `target` with no manifest row at all: what a `dlq purge` of a chunk whose
+/// previous text's vector was kept leaves behind, but also every vector written by another
+/// writer than this tool (a table filled before it was adopted). The two cannot be told
+/// apart, so this is counted for the report's note and never repaired. One anti-join of the
+/// whole vector table against the manifest: run in full and deep sweeps only.
+pub(crate) async fn vectors_without_manifest(
+    pool: &PgPool,
+    target: &TargetTable,
+    examples: usize,
+) -> Result<CheckRun, StoreError> {
+    let t = target.sql_name();
+    let lit = sql_literal(&target.name);
+    let select = format!(
+        "SELECT e.doc_id || '#' || e.chunk_index FROM {t} e
+          WHERE NOT EXISTS (SELECT 1 FROM ingest_manifest m
+                             WHERE m.target_table = {lit} AND m.doc_id = e.doc_id
+                               AND m.chunk_index = e.chunk_index)"
+    );
+    run_check(pool, &select, None, examples).await
 }
 
 /// Whether `table` (canonical name) has a valid unique index on exactly (doc_id, chunk_index),

@@ -24,5 +24,6 @@ mod runtime;
 mod seasons;
 mod shards;
 mod streams;
+mod superseded;
 mod support;
 mod sweeps;
