@@ -694,6 +694,21 @@ impl Reconciler {
         Ok(vec![missing, lost, orphans])
     }
 
+    /// Republishes the events Redis lost (a `FLUSHALL`, a restart without persistence, a
+    /// cluster master restarted empty): the missing-events check with repair, alone, under
+    /// the reconcile lock (so it never races a reconcile run's own republish), recording no
+    /// run. `serve` calls it when a replayer finds a stream's consumer group gone, so lost
+    /// events come back within seconds instead of at the next `reconcile --repair`. Returns
+    /// the events marked for the relay to publish again (`None` without Redis).
+    pub async fn republish_lost_events(&self) -> Result<Option<u64>, ReconcileError> {
+        let Some(mut redis) = self.redis.clone() else { return Ok(None) };
+        // Held until it is dropped at the end: rolled back, so nothing is recorded.
+        let _lock = sql::RunLock::begin(self.store.pool()).await?;
+        crate::streams::check_shards(&mut redis, &self.keys).await?;
+        let missing = self.missing_events_check(&mut redis, true).await?;
+        Ok(Some(missing.repaired))
+    }
+
     async fn outbox_check(&self) -> Result<Finding, ReconcileError> {
         let outbox::Backlog { unpublished: backlog, stuck, oldest_secs: oldest } =
             outbox::backlog(self.store.pool(), self.config.outbox_stuck_after).await?;

@@ -95,6 +95,10 @@ pub struct ReplayConfig {
     pub schedule_every: Duration,
     /// How long a replayer pauses after the provider refused the run (bad key, no quota).
     pub systemic_pause: Duration,
+    /// Told when this replayer finds a replay stream's consumer group missing (the stream is
+    /// new, or Redis lost its data): `serve` then republishes the lost events at once
+    /// ([`crate::reconcile::Reconciler::republish_lost_events`]). `None`: nobody listens.
+    pub data_lost: Option<std::sync::Arc<tokio::sync::Notify>>,
     /// The stream shards a replayer reads (each `XREADGROUP` reads one: a read across
     /// shards would cross slots); empty means every shard of its keys. `serve` hands each
     /// replayer its share ([`shares`]).
@@ -119,6 +123,7 @@ impl Default for ReplayConfig {
             outstanding_max: DEFAULT_OUTSTANDING_MAX,
             schedule_every: Duration::from_secs(1),
             systemic_pause: Duration::from_secs(60),
+            data_lost: None,
             shards: Vec::new(),
         }
     }
@@ -872,6 +877,9 @@ impl Replayer {
     async fn ensure_groups(&mut self) -> Result<(), ReplayError> {
         for shard in self.shards() {
             if ensure_group_of(&mut self.redis, &self.keys.replay_of(shard)).await? {
+                if let Some(lost) = &self.config.data_lost {
+                    lost.notify_one();
+                }
                 let released = release_lost_leases(&self.store, &self.keys, shard).await?;
                 if released > 0 {
                     metrics::counter!(crate::metrics::REPLAY_LEASES_RELEASED).increment(released);

@@ -1,5 +1,5 @@
-//! `serve`: relay, scheduler, N replayers, the gauge sampler and (with `--console-addr`) the
-//! operator console under one stop token and one `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
+//! `serve`: relay, scheduler, N replayers, the republisher of events Redis lost, the gauge
+//! sampler and (with `--console-addr`) the operator console under one stop token and one `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
 //! and finishes the batch in hand; after the grace period in-flight retry waits are cut
 //! short (attempted items are re-parked, unattempted ones stay pending and are reclaimed by
 //! any live replayer after `min_idle`).
@@ -153,6 +153,20 @@ pub async fn serve_with_console(
     tasks.spawn_until("relay", stop.clone(), relay.run(stop.clone()));
     let scheduler = Scheduler { store: store.clone(), config: config.replay.clone() };
     tasks.spawn_until("scheduler", stop.clone(), scheduler.run(stop.clone()));
+    // Replayers that find a stream's consumer group gone (Redis lost its data) wake the
+    // republisher, which puts the lost events back on the events stream.
+    let data_lost = std::sync::Arc::new(tokio::sync::Notify::new());
+    let republisher = Reconciler {
+        store: store.clone(),
+        redis: Some(manager.clone()),
+        keys: config.keys.clone(),
+        config: ReconcileConfig { events_maxlen: config.relay.events_maxlen, ..Default::default() },
+    };
+    tasks.spawn_until(
+        "republisher",
+        stop.clone(),
+        republish_on_loss(republisher, data_lost.clone(), stop.clone()),
+    );
     // Every shard is read by some replayer of this process, however few there are.
     for (n, shards) in crate::replay::shares(config.replayers, config.keys.shards()).into_iter().enumerate() {
         let replayer = Replayer {
@@ -162,7 +176,11 @@ pub async fn serve_with_console(
             client: client.clone(),
             redis: manager.clone(),
             keys: config.keys.clone(),
-            config: crate::replay::ReplayConfig { shards, ..config.replay.clone() },
+            config: crate::replay::ReplayConfig {
+                shards,
+                data_lost: Some(data_lost.clone()),
+                ..config.replay.clone()
+            },
             paused_until: None,
         };
         let name = format!("replayer {}", replayer.name);
@@ -206,6 +224,44 @@ pub async fn serve_with_console(
     match tasks.failures().into_iter().next() {
         Some(f) => Err(ServeError::Task(f)),
         None => Ok(()),
+    }
+}
+
+/// How long the republisher waits after the first sign of lost Redis data before it looks:
+/// the other shards' replayers notice within a read or two, and one pass covers them all.
+const REPUBLISH_SETTLE: Duration = Duration::from_secs(2);
+
+/// Waits for word that Redis lost data ([`ReplayConfig::data_lost`]), then republishes the
+/// lost events ([`Reconciler::republish_lost_events`]); a failed pass is retried with capped
+/// backoff until it succeeds or `stop`.
+async fn republish_on_loss(
+    reconciler: Reconciler,
+    data_lost: std::sync::Arc<tokio::sync::Notify>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = data_lost.notified() => {}
+        }
+        crate::relay::sleep_or_cancel(REPUBLISH_SETTLE, &stop).await;
+        let mut backoff = Duration::from_secs(1);
+        while !stop.is_cancelled() {
+            match reconciler.republish_lost_events().await {
+                Ok(n) => {
+                    let n = n.unwrap_or(0);
+                    if n > 0 {
+                        tracing::warn!(events = n, "republishing events Redis lost");
+                    }
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "republishing lost events failed; retrying");
+                    crate::relay::sleep_or_cancel(backoff, &stop).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(60));
+                }
+            }
+        }
     }
 }
 

@@ -362,3 +362,78 @@ fn replay_resumes_after_a_cluster_master_loses_its_data() {
         .await;
     });
 }
+
+/// The `event_id`s on the events stream (every shard) of the Redis at `conn`.
+async fn event_ids_on_stream(
+    conn: &mut embed_dlq::streams::RedisConn,
+    keys: &StreamKeys,
+) -> std::collections::HashSet<String> {
+    let mut ids = std::collections::HashSet::new();
+    for shard in keys.shard_ids() {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(keys.events_of(shard))
+            .arg("-")
+            .arg("+")
+            .query_async(conn)
+            .await
+            .unwrap();
+        ids.extend(reply.ids.iter().filter_map(|e| embed_dlq::streams::field(&e.map, "event_id")));
+    }
+    ids
+}
+
+/// Every event the outbox recorded as published (plain SQL on the outbox).
+async fn published_event_ids(db: &TestDb) -> std::collections::HashSet<String> {
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT event_id::text FROM dlq_outbox WHERE stream = 'events' AND published_at IS NOT NULL",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    ids.into_iter().collect()
+}
+
+#[test]
+fn serve_republishes_the_events_a_flushall_lost() {
+    run_on(Backend::SingleNode, async {
+        const ROWS: usize = 40;
+        let redis = PrivateRedis::start().await;
+        let db = TestDb::new().await;
+        let keys = fresh_keys();
+        park_due(&db, ROWS, "gone").await;
+        // The provider refuses replay, so the rows stay parked and their events stay the
+        // only ones: what the stream must hold again after the loss is exactly known.
+        let mock = start_mock(MockConfig::default()).await;
+        mock.control.set_quota_exhausted(true);
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+        child
+            .arg("serve")
+            .args(["--database-url", &db.url, "--redis-url", &redis.url, "--base-url", &mock.base_url()])
+            .args(["--model", "mock", "--stream-prefix", &prefix_of(&keys), "--relay-poll-ms", "100"])
+            .args(["--replayers", "1"])
+            .env_remove("EMBED_DLQ_FAILPOINT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        let mut child = child.spawn().unwrap();
+        let mut conn = redis.manager().await;
+        wait_for("the parks on the events stream", Duration::from_secs(60), async || {
+            let published = published_event_ids(&db).await;
+            published.len() >= ROWS && published.is_subset(&event_ids_on_stream(&mut conn, &keys).await)
+        })
+        .await;
+        let before = published_event_ids(&db).await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        assert!(event_ids_on_stream(&mut conn, &keys).await.is_empty());
+        wait_for("the lost events back on the stream", Duration::from_secs(60), async || {
+            before.is_subset(&event_ids_on_stream(&mut conn, &keys).await)
+        })
+        .await;
+        let _ = child.kill().await;
+        let on_stream = event_ids_on_stream(&mut conn, &keys).await;
+        let mut conn2 = redis.manager().await;
+        let entries: usize = redis::cmd("XLEN").arg(keys.events()).query_async(&mut conn2).await.unwrap();
+        assert_eq!(entries, on_stream.len(), "each event once on the stream");
+    });
+}
