@@ -250,6 +250,17 @@ fn corpus(prefix: &str, chunks: usize) -> Vec<u8> {
     out
 }
 
+/// Replay and relay settings that let a round's `chunks` parked chunks be outstanding at
+/// once (the default cap would hand them out only as they are settled).
+fn whole_round_outstanding(chunks: usize) -> (ReplayConfig, RelayConfig) {
+    let replay = ReplayConfig {
+        outstanding_max: chunks.max(ReplayConfig::default().outstanding_max),
+        ..Default::default()
+    };
+    let relay = RelayConfig { replay_maxlen: replay.outstanding_max, ..Default::default() };
+    (replay, relay)
+}
+
 /// Parks `chunks` chunks: the provider in an outage, one attempt each, the breaker never
 /// opening (so every chunk is tried and parked, as in benches/ingest.rs).
 async fn park(parking: &Pipeline, mock: &MockProcess, prefix: &str, chunks: usize) -> u64 {
@@ -317,12 +328,14 @@ async fn run() {
         if round == 0 {
             sizes = row_sizes(&pool, &["embedding_dlq", "dlq_outbox", "ingest_manifest"]).await;
         }
-        let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+        // Every parked chunk outstanding at once, so each phase is measured on its own.
+        let (replay, relay_config) = whole_round_outstanding(chunks);
+        let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), relay_config);
         let (_, c) = probes.measure(&mut nodes, n, relay_all(&mut relay)).await;
         costs[1].push(c);
         sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&pool).await.unwrap();
         embed_dlq::replay::ensure_group(&mut redis.clone(), &keys).await.unwrap();
-        let scheduler = Scheduler { store: pipeline.store.clone(), config: ReplayConfig::default() };
+        let scheduler = Scheduler { store: pipeline.store.clone(), config: replay };
         let (scheduled, c) = probes.measure(&mut nodes, n, scheduler.run_once()).await;
         assert_eq!(scheduled.unwrap(), n);
         costs[2].push(c);
@@ -574,8 +587,9 @@ async fn shard_check(
         sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&pool).await.unwrap();
         embed_dlq::replay::ensure_group(&mut redis.clone(), &keys).await.unwrap();
         let n = chunks as u64;
-        let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
-        let scheduler = Scheduler { store: pipeline.store.clone(), config: ReplayConfig::default() };
+        let (replay, relay_config) = whole_round_outstanding(chunks);
+        let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), relay_config);
+        let scheduler = Scheduler { store: pipeline.store.clone(), config: replay };
         let ((), c) = probes
             .measure(&mut nodes, n, async {
                 relay_all(&mut relay).await;

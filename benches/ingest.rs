@@ -747,10 +747,15 @@ async fn replay_bench(
         request_chars: pipeline.options.batch_max_chars,
         requests_in_flight: env_usize("BENCH_REPLAY_IN_FLIGHT", pipeline.options.concurrency),
         block: Duration::from_millis(100),
+        // The whole round outstanding at once, so the schedule and relay phases are timed
+        // apart as before the cap (with the default cap the scheduler issues work only as
+        // it is settled, which `BENCH_REPLAY_OVERLAP=1` measures).
+        outstanding_max: rows.max(defaults.outstanding_max),
         ..defaults
     };
     embed_dlq::replay::ensure_group(redis, keys).await.unwrap();
-    let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    let relay_config = RelayConfig { replay_maxlen: config.outstanding_max, ..RelayConfig::default() };
+    let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), relay_config);
     let (mut ingest_rates, mut replay_rates, mut ratios) = (vec![], vec![], vec![]);
     for round in 0..rounds {
         // Baseline: the ingest pipeline over `rows` fresh chunks.
