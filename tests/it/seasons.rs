@@ -24,6 +24,8 @@ async fn park_due(db: &TestDb, n: usize, doc: &str) {
     down.control.set_outage(true);
     let mut s = settings(db, &down);
     s.retry.max_attempts = 1;
+    // Past the breaker's threshold the rest is parked without a call (large corpora).
+    s.options.on_outage = embed_dlq::embed::gate::OnOutage::Park;
     let p = pipeline(&s).await;
     let corpus: String = (0..n).map(|i| line(doc, i as i32, &format!("{doc} chunk {i}"))).collect();
     let r = p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
