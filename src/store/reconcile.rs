@@ -969,7 +969,10 @@ impl WorkAudit {
     ) -> Result<Vec<(i64, String)>, StoreError> {
         let rows = sqlx::query(
             "SELECT d.id, d.doc_id || '#' || d.chunk_index AS key
-               FROM replay_lease l JOIN embedding_dlq d ON d.id = l.dlq_id AND d.generation = l.generation
+               FROM replay_lease l
+               -- By id, lease by lease (a join may hash the whole DLQ).
+               CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d
+                                    WHERE d.id = l.dlq_id AND d.generation = l.generation OFFSET 0) d
               WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
                 AND l.leased_until > now()
                 AND l.leased_at < now() - make_interval(secs => $1)

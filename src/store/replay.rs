@@ -187,7 +187,10 @@ impl Store {
     ) -> Result<Vec<(i64, String, String, i32)>, StoreError> {
         let rows = sqlx::query(
             "SELECT l.dlq_id, d.target_table, d.doc_id, d.chunk_index
-               FROM replay_lease l JOIN embedding_dlq d ON d.id = l.dlq_id AND d.generation = l.generation
+               FROM replay_lease l
+               -- By id, lease by lease (a join may hash the whole DLQ).
+               CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d
+                                    WHERE d.id = l.dlq_id AND d.generation = l.generation OFFSET 0) d
               WHERE l.leased_until > now() AND l.dlq_id > $1
                 AND NOT EXISTS (SELECT 1 FROM dlq_outbox o
                                  WHERE o.doc_id = d.doc_id AND o.chunk_index = d.chunk_index
@@ -514,18 +517,23 @@ fn replayed_sql(table: &str) -> String {
 /// pass holds the lock. `due`: oldest due first, in the order of `embedding_dlq_ready_idx`,
 /// skipping rows whose current generation holds a live lease (at most the cap of them).
 /// `leased`: a new lease per row (an expired lease of the same generation keeps its
-/// `loads`: the poison-pill count survives a lost item); `work`: one work item per lease.
+/// `loads`: the poison-pill count survives a lost item); `work`: one work item per lease,
+/// built from the rows `due` already read (joining the DLQ again made the planner hash the
+/// whole table once per statement).
 const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
          SELECT CASE WHEN pg_try_advisory_xact_lock(embed_dlq_schedule_lock_key())
                      THEN GREATEST(LEAST($1::bigint, $3::bigint - (
                               SELECT count(*) FROM replay_lease l
                                WHERE l.leased_until > now()
-                                 AND EXISTS (SELECT 1 FROM embedding_dlq d
-                                              WHERE d.id = l.dlq_id AND d.generation = l.generation
-                                                AND d.exhausted_at IS NULL))), 0)
+                                 -- Looked up by id, lease by lease: as a join the planner
+                                 -- hashed the whole DLQ.
+                                 AND (SELECT d.generation FROM embedding_dlq d
+                                       WHERE d.id = l.dlq_id AND d.exhausted_at IS NULL) = l.generation)), 0)
                      ELSE 0 END AS n
      ), due AS (
-         SELECT d.id, d.generation FROM embedding_dlq d
+         SELECT d.id, d.generation, d.target_table, d.doc_id, d.chunk_index, d.content_hash,
+                d.attempts
+           FROM embedding_dlq d
           WHERE d.next_retry_at <= now() AND d.error_class = 'transient' AND d.exhausted_at IS NULL
             AND NOT EXISTS (SELECT 1 FROM replay_lease l
                              WHERE l.dlq_id = d.id AND l.generation = d.generation
@@ -548,7 +556,7 @@ const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
                                    'content_hash', upd.content_hash, 'table', upd.target_table,
                                    'doc_id', upd.doc_id, 'chunk_index', upd.chunk_index,
                                    'attempts', upd.attempts, 'lease', leased.lease_no)
-           FROM leased JOIN embedding_dlq upd ON upd.id = leased.dlq_id
+           FROM leased JOIN due upd ON upd.id = leased.dlq_id
           ORDER BY upd.id
          RETURNING 1
      )
@@ -564,8 +572,11 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
          SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[]) AS t(id, generation, lease_no)
      ), current AS (
          SELECT DISTINCT ON (i.id) i.id, i.generation, i.lease_no
-           FROM input i JOIN embedding_dlq d ON d.id = i.id AND d.generation = i.generation
-          WHERE d.exhausted_at IS NULL AND d.error_class = 'transient'
+           FROM input i
+          -- By id, item by item (a join may hash the whole DLQ).
+          WHERE (SELECT d.generation FROM embedding_dlq d
+                  WHERE d.id = i.id AND d.exhausted_at IS NULL AND d.error_class = 'transient')
+                = i.generation
           ORDER BY i.id, i.lease_no DESC
      ), charged AS (
          INSERT INTO replay_lease AS l (dlq_id, generation, lease_no, leased_until, loads)

@@ -176,6 +176,21 @@ async fn used_memory() -> u64 {
     info.lines().find_map(|l| l.strip_prefix("used_memory:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
 
+/// Bytes `key` takes in the test Redis (`MEMORY USAGE ... SAMPLES 0`: every element counted).
+async fn memory_of(key: &str) -> u64 {
+    let mut r = redis().await;
+    redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .arg("SAMPLES")
+        .arg(0)
+        .query_async::<Option<u64>>(&mut r)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}
+
 /// Entries in the replay stream (every shard).
 async fn replay_len(keys: &StreamKeys) -> usize {
     let mut r = redis().await;
@@ -217,7 +232,7 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     let scheduler = tokio::spawn(Scheduler { store: p.store.clone(), config: config.clone() }.run(stop.clone()));
     let relay_config = RelayConfig { replay_maxlen: cap, poll: Duration::from_millis(100), ..Default::default() };
     let relay = tokio::spawn(Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config).run(stop.clone()));
-    let mut memory_peak = memory_before;
+    let (mut memory_peak, mut replay_memory_peak) = (memory_before, 0);
     let refused = CancellationToken::new();
     let slow = replayer(&db, &refusing, &keys, "refused", config.clone()).await;
     let slow = tokio::spawn(slow.run(refused.clone(), refused.clone()));
@@ -226,6 +241,7 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     while tokio::time::Instant::now() < until {
         peak = peak.max(replay_len(&keys).await);
         memory_peak = memory_peak.max(used_memory().await);
+        replay_memory_peak = replay_memory_peak.max(memory_of(&keys.replay()).await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     refused.cancel();
@@ -248,6 +264,7 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
         assert!(tokio::time::Instant::now() < deadline, "the backlog did not drain");
         peak = peak.max(replay_len(&keys).await);
         memory_peak = memory_peak.max(used_memory().await);
+        replay_memory_peak = replay_memory_peak.max(memory_of(&keys.replay()).await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     recovered.cancel();
@@ -258,9 +275,11 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     scheduler.await.unwrap().unwrap();
     relay.await.unwrap().unwrap();
     eprintln!(
-        "backlog: {rows} rows, cap {cap}, {issued} work items issued while refused; replay stream peak {peak}; \
-         Redis used_memory before {memory_before}, peak {memory_peak}, after {}",
-        used_memory().await
+        "backlog: {rows} rows, cap {cap}, {issued} work items issued while refused; replay stream peak {peak} \
+         entries, {replay_memory_peak} bytes; Redis used_memory before {memory_before}, peak {memory_peak}, \
+         after {} (events stream {} bytes)",
+        used_memory().await,
+        memory_of(&keys.events()).await
     );
     assert!(peak <= cap, "the replay stream held {peak} entries, over the cap of {cap}");
     assert_eq!(healthy.control.stats().inputs, rows as u64, "each row embedded exactly once after recovery");
