@@ -213,6 +213,9 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     let db = TestDb::new().await;
     let keys = fresh_keys();
     park_due(&db, rows, "backlog").await;
+    // The parks' events are published first, as they would be long before a backlog this
+    // old: the refusing phase then times the replay work alone.
+    relay_all(&db, &keys).await;
     let memory_before = used_memory().await;
     let refusing = start_mock(MockConfig::default()).await;
     refusing.control.set_quota_exhausted(true);
@@ -220,7 +223,10 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     let config = ReplayConfig {
         batch: 16,
         block: Duration::from_millis(200),
-        min_idle: Duration::from_secs(1),
+        // Long enough that no live replayer's batch is ever reclaimed, even on a loaded
+        // machine (a reclaim of a batch in flight embeds it twice, fenced at commit, and this
+        // test counts embeddings).
+        min_idle: Duration::from_secs(30),
         lease,
         outstanding_max: cap,
         systemic_pause: Duration::from_millis(500),
@@ -247,6 +253,13 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     refused.cancel();
     slow.await.unwrap().unwrap();
     let issued = db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replay'").await;
+    eprintln!(
+        "backlog: refusing phase: {issued} items issued, {} published, {} leases, {} loads, {} provider requests",
+        db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replay' AND published_at IS NOT NULL").await,
+        db.count("SELECT count(*) FROM replay_lease").await,
+        db.count("SELECT coalesce(sum(loads), 0)::bigint FROM replay_lease").await,
+        refusing.control.stats().requests
+    );
     assert!(issued > 2 * cap as i64, "the refusing phase issued work again as leases ran out ({issued} items)");
     assert!(refusing.control.stats().requests > 0, "the provider was asked and refused");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 0);
