@@ -8,6 +8,7 @@ mod console;
 mod dashboard;
 mod economy;
 mod from_rust;
+mod gauges;
 mod history;
 mod identity;
 mod ingest;
