@@ -5,10 +5,10 @@
 mod cluster;
 mod config;
 mod console;
+mod costs;
 mod dashboard;
 mod economy;
 mod from_rust;
-mod gauges;
 mod history;
 mod identity;
 mod ingest;

@@ -1,5 +1,6 @@
-//! The DLQ gauges `serve` samples every 5 s (issue 19, item 6): equal to plain counts of the
-//! table after every kind of write, and read at a cost that does not grow with the DLQ.
+//! Costs that do not grow with the DLQ (issue 19, item 6): the DLQ gauges `serve` samples
+//! every 5 s equal plain counts of the table after every kind of write and read a bounded
+//! number of rows; the reconciler's events check reads the stream in batches.
 
 use std::time::Duration;
 
@@ -284,4 +285,73 @@ async fn dlq_schedule_counts_stop_at_the_cap_and_derive_the_other_side_exactly()
     fill(&db, "waiting", cap + 10, "transient", 0, cap + 10, 0).await;
     let s = gauges(&db).await.schedule;
     assert_eq!((s.ready, s.backing_off, s.capped), (cap, cap, true));
+}
+
+/// `XRANGE` calls Redis served since the last `CONFIG RESETSTAT`.
+async fn xrange_calls(redis: &mut embed_dlq::streams::RedisConn) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(redis).await.unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_xrange:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_events_check_reads_each_page_of_events_in_one_range_and_still_tells_deleted_from_trimmed() {
+    use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler};
+    use embed_dlq::relay::{Relay, RelayConfig};
+    let db = TestDb::new().await;
+    // A Redis of its own: the command counts are this test's alone.
+    let private = PrivateRedis::start().await;
+    let keys = fresh_keys();
+    park_transient(&db, "ev", 300, "event").await;
+    let mut relay =
+        Relay::new(db.pool.clone(), private.manager().await, keys.clone(), RelayConfig::default());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    let mut redis = private.manager().await;
+    let entries: redis::streams::StreamRangeReply =
+        redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut redis).await.unwrap();
+    assert_eq!(entries.ids.len(), 300);
+    // Two deleted (findings), then the oldest 20 trimmed by the length cap (policy).
+    let _: i64 = redis::cmd("XDEL")
+        .arg(keys.events())
+        .arg(&entries.ids[100].id)
+        .arg(&entries.ids[201].id)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let _: i64 =
+        redis::cmd("XTRIM").arg(keys.events()).arg("MAXLEN").arg(278).query_async(&mut redis).await.unwrap();
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let config = ReconcileConfig { events_maxlen: 278, page: 1000, ..immediate() };
+    let mut r = Reconciler { store, redis: Some(private.manager().await), keys: keys.clone(), config };
+    let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
+    let report = r.run_once(Mode::Check).await.unwrap();
+    let calls = xrange_calls(&mut redis).await;
+    let missing = report.get(Check::MissingEvents);
+    assert_eq!(missing.found, 2, "{report:#?}");
+    assert_eq!(missing.note.as_deref(), Some("20 trimmed by the stream's length cap"));
+    // One range and one head read for the page of 300 events, and the replay stream checks'
+    // own pages: never one command per event.
+    assert!(calls <= 6, "{calls} XRANGE calls to check 300 events");
+    // Small pages, then the two events republished at the end of the stream: the pages that
+    // hold them span most of the stream, their ranges are cut at the COUNT, and the ids past
+    // the cut are looked up one by one, with the same answers.
+    r.config.page = 7;
+    let report = r.run_once(Mode::Repair).await.unwrap();
+    assert_eq!(report.get(Check::MissingEvents).found, 2, "{report:#?}");
+    assert_eq!(report.get(Check::MissingEvents).repaired, 2);
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    let clean = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(clean.get(Check::MissingEvents).found, 0, "{clean:#?}");
+    assert_eq!(
+        clean.get(Check::MissingEvents).note.as_deref(),
+        Some("20 trimmed by the stream's length cap")
+    );
+    let _: i64 = redis::cmd("XDEL")
+        .arg(keys.events())
+        .arg(&entries.ids[150].id)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::MissingEvents).found, 1);
 }
