@@ -237,7 +237,7 @@ pub(crate) fn parked(class: ErrorClass, n: u64) {
     counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
 }
 
-/// The DLQ gauges as [`sample`] exports them, read on `conn`: counters kept by triggers, an
+/// The DLQ gauges as `serve` exports them every 5 s, read on `conn`: counters kept by triggers, an
 /// index range scan of at most [`SCHEDULE_COUNT_CAP`] rows and two index first entries, so
 /// the cost is the same over 10,000 rows as over 1,000,000 (see BENCHMARKS.md).
 pub async fn dlq_gauges(conn: &mut sqlx::PgConnection) -> Result<DlqGauges, MetricsError> {

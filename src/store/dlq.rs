@@ -467,7 +467,8 @@ pub(crate) async fn purge_batch(
 /// [`Schedule::capped`] says so). What bounds a sample's cost, whatever the DLQ holds.
 pub const SCHEDULE_COUNT_CAP: i64 = 10_000;
 
-/// The DLQ gauges of one sample, read in one statement (one snapshot); see [`gauges`].
+/// The DLQ gauges of one sample, read in one statement (one snapshot), with what it costs:
+/// [`crate::metrics::dlq_gauges`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct DlqGauges {
     /// Rows per class, every class listed (0 for a class with no row).
