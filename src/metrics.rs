@@ -12,6 +12,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 use crate::model::ErrorClass;
 use crate::store::Store;
+pub use crate::store::dlq::{DlqGauges, SCHEDULE_COUNT_CAP, Schedule};
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 
 pub(crate) const CHUNKS_STORED: &str = "embed_dlq_chunks_stored_total";
@@ -236,19 +237,26 @@ pub(crate) fn parked(class: ErrorClass, n: u64) {
     counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
 }
 
-/// Samples the DLQ, outbox and stream gauges (a few cheap aggregate queries).
+/// The DLQ gauges as `serve` exports them every 5 s, read on `conn`: counters kept by triggers, an
+/// index range scan of at most [`SCHEDULE_COUNT_CAP`] rows and two index first entries, so
+/// the cost is the same over 10,000 rows as over 1,000,000 (see BENCHMARKS.md).
+pub async fn dlq_gauges(conn: &mut sqlx::PgConnection) -> Result<DlqGauges, MetricsError> {
+    Ok(crate::store::dlq::gauges(conn).await?)
+}
+
+/// Samples the DLQ, outbox and stream gauges (statements whose cost does not grow with the
+/// DLQ; the outbox's follows its unpublished backlog).
 pub(crate) async fn sample(
     store: &Store,
     redis: Option<&mut RedisConn>,
     keys: &StreamKeys,
 ) -> Result<(), MetricsError> {
     let pool = store.pool();
-    let by_class = crate::store::dlq::depth_by_class(pool).await?;
-    for class in ErrorClass::ALL {
-        let n = by_class.iter().find(|(c, _)| *c == class).map(|(_, n)| *n).unwrap_or(0);
-        gauge!(DLQ_DEPTH, "error_class" => class.as_str()).set(n as f64);
+    let g = dlq_gauges(&mut *pool.acquire().await.map_err(crate::store::StoreError::from)?).await?;
+    for (class, n) in &g.depth {
+        gauge!(DLQ_DEPTH, "error_class" => class.as_str()).set(*n as f64);
     }
-    let r = crate::store::dlq::schedule(pool).await?;
+    let r = g.schedule;
     gauge!(DLQ_READY).set(r.ready as f64);
     gauge!(DLQ_BACKING_OFF).set(r.backing_off as f64);
     gauge!(DLQ_EXHAUSTED).set(r.exhausted as f64);

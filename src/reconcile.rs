@@ -726,7 +726,8 @@ impl Reconciler {
 
     /// Events marked published must be on the events stream: pages through the published
     /// `events` rows of the outbox (by id, [`ReconcileConfig::page`] at a time) and looks up
-    /// the entry id each one recorded at publish time (one pipelined `XRANGE id id` per row).
+    /// the entry id each one recorded at publish time (per shard and page, one `XRANGE` over
+    /// the page's entry ids: [`entries_present`]).
     /// An entry older than the stream's first one, while the stream is at its length cap, was
     /// trimmed by policy and is not a finding. Repair deletes the event's dedup marker (or
     /// the relay would take the republish for a duplicate) and marks the row unpublished: the
@@ -793,11 +794,11 @@ impl Reconciler {
         rows: Vec<&'r outbox::PublishedEvent>,
     ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
         let stream = self.keys.events_of(shard);
-        let mut pipe = redis::pipe();
-        for r in &rows {
-            pipe.cmd("XRANGE").arg(&stream).arg(&r.entry_id).arg(&r.entry_id).arg("COUNT").arg(1);
-        }
-        let present: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
+        let mut wanted: Vec<(u64, u64)> =
+            rows.iter().map(|r| crate::streams::parse_entry_id(&r.entry_id)).collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let present = entries_present(redis, &stream, &wanted).await?;
         // The stream's head after the lookups: trimming only moves it forward, so an entry
         // missing above is either below this head (trimmed) or deleted.
         let (len, head): (usize, redis::streams::StreamRangeReply) = redis::pipe()
@@ -815,11 +816,11 @@ impl Reconciler {
         let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
         let mut missing = Vec::new();
         let mut trimmed = 0u64;
-        for (r, hit) in rows.into_iter().zip(&present) {
-            if !hit.is_empty() {
+        for r in rows {
+            let entry = crate::streams::parse_entry_id(&r.entry_id);
+            if present.contains(&entry) {
                 continue;
             }
-            let entry = crate::streams::parse_entry_id(&r.entry_id);
             if capped && head.is_some_and(|h| entry < h) {
                 trimmed += 1;
             } else {
@@ -986,6 +987,57 @@ impl Reconciler {
         }
         Ok(lost)
     }
+}
+
+/// Most stream entries one batched lookup of [`entries_present`] reads per entry id it looks
+/// for: the events of one page of the outbox lie close together on their shard's stream (the
+/// relay publishes in outbox order), so a range over them holds little else.
+const LOOKUP_SPAN_FACTOR: usize = 2;
+
+/// Which of `wanted` (sorted, distinct entry ids) are on `stream`, in one `XRANGE` from the
+/// first to the last of them, cut at [`LOOKUP_SPAN_FACTOR`] entries per id: every entry in
+/// `first..=last` comes back unless the reply is cut, so an id the reply covers and does not
+/// hold is not on the stream. Ids past a cut reply (a range that holds many other entries:
+/// events of rows published out of order, or of other pages) are looked up one by one, in one
+/// pipeline, as before this batching: each reply is bounded by its `COUNT`, and a page costs
+/// one round trip where it cost one command per event.
+async fn entries_present(
+    redis: &mut RedisConn,
+    stream: &str,
+    wanted: &[(u64, u64)],
+) -> Result<HashSet<(u64, u64)>, ReconcileError> {
+    let (Some(first), Some(last)) = (wanted.first(), wanted.last()) else {
+        return Ok(HashSet::new());
+    };
+    let id = |(ms, seq): (u64, u64)| format!("{ms}-{seq}");
+    let count = wanted.len().saturating_mul(LOOKUP_SPAN_FACTOR);
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg(id(*first))
+        .arg(id(*last))
+        .arg("COUNT")
+        .arg(count)
+        .query_async(redis)
+        .await?;
+    let on_stream: HashSet<(u64, u64)> =
+        reply.ids.iter().map(|e| crate::streams::parse_entry_id(&e.id)).collect();
+    // Everything up to the last entry returned is covered; with a reply shorter than COUNT,
+    // everything is.
+    let covered = match reply.ids.last() {
+        Some(e) if reply.ids.len() >= count => crate::streams::parse_entry_id(&e.id),
+        _ => *last,
+    };
+    let mut present: HashSet<(u64, u64)> = wanted.iter().copied().filter(|w| on_stream.contains(w)).collect();
+    let rest: Vec<(u64, u64)> = wanted.iter().copied().filter(|w| *w > covered).collect();
+    if !rest.is_empty() {
+        let mut pipe = redis::pipe();
+        for w in &rest {
+            pipe.cmd("XRANGE").arg(stream).arg(id(*w)).arg(id(*w)).arg("COUNT").arg(1);
+        }
+        let hits: Vec<Vec<redis::Value>> = pipe.query_async(redis).await?;
+        present.extend(rest.iter().zip(&hits).filter(|(_, hit)| !hit.is_empty()).map(|(w, _)| *w));
+    }
+    Ok(present)
 }
 
 /// The ids of the group's pending entries of `stream` between `first` and `last`

@@ -9,7 +9,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::postgres::{PgRow, PgTypeInfo, PgValueRef};
-use sqlx::{PgPool, Postgres, QueryBuilder, Row};
+use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, Row};
 
 use super::StoreError;
 use super::replay::LOCK_MANIFEST_SQL;
@@ -460,50 +460,142 @@ pub(crate) async fn purge_batch(
     Ok(PurgedBatch { selected: ids.len() as u64, purged: purged as u64, last_id: ids.last().copied() })
 }
 
-/// Rows per class, for the depth gauge (classes with no row are absent).
-pub(crate) async fn depth_by_class(pool: &PgPool) -> Result<Vec<(ErrorClass, i64)>, StoreError> {
-    let rows = sqlx::query("SELECT error_class, count(*) AS n FROM embedding_dlq GROUP BY 1")
-        .fetch_all(pool)
-        .await?;
-    rows.iter()
-        .map(|r| Ok((r.try_get("error_class")?, r.try_get("n")?)))
-        .collect::<Result<_, sqlx::Error>>()
-        .map_err(StoreError::from)
+/// Most rows the ready and backing-off gauges count by index range scan in one sample. With
+/// fewer than this many rows due, `ready` is counted and `backing_off` is the exact number of
+/// scheduled rows minus it; otherwise `backing_off` is counted the same way and `ready`
+/// derived; only when both reach the cap do both read the cap (a lower bound, and
+/// [`Schedule::capped`] says so). What bounds a sample's cost, whatever the DLQ holds.
+pub const SCHEDULE_COUNT_CAP: i64 = 10_000;
+
+/// The DLQ gauges of one sample, read in one statement (one snapshot), with what it costs:
+/// [`crate::metrics::dlq_gauges`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct DlqGauges {
+    /// Rows per class, every class listed (0 for a class with no row).
+    pub depth: Vec<(ErrorClass, i64)>,
+    /// The schedule gauges.
+    pub schedule: Schedule,
 }
 
 /// The DLQ's schedule as the gauges show it, ages measured by the database's clock.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct Schedule {
-    /// Transient rows due now.
+pub struct Schedule {
+    /// Transient rows replay has not given up on that are due now.
     pub ready: i64,
-    /// Transient rows waiting for their next pass.
+    /// Transient rows replay has not given up on that wait for their next pass.
     pub backing_off: i64,
+    /// Rows replay gave up on.
     pub exhausted: i64,
     /// Seconds since the oldest row first failed (0 with an empty DLQ).
     pub oldest_secs: f64,
     /// Seconds until the next row is due (0 if one is due already, or none is scheduled).
     pub next_due_secs: f64,
+    /// Both `ready` and `backing_off` reached [`SCHEDULE_COUNT_CAP`]: each reads the cap.
+    pub capped: bool,
 }
 
-/// One aggregate over the DLQ for the schedule gauges.
-pub async fn schedule(pool: &PgPool) -> Result<Schedule, StoreError> {
-    let r = sqlx::query(
-        "SELECT count(*) FILTER (WHERE next_retry_at <= now() AND error_class = 'transient'
-                                   AND exhausted_at IS NULL) AS ready,
-                count(*) FILTER (WHERE next_retry_at > now() AND error_class = 'transient'
-                                   AND exhausted_at IS NULL) AS backing_off,
-                count(*) FILTER (WHERE exhausted_at IS NOT NULL) AS exhausted,
-                COALESCE(extract(epoch FROM now() - min(first_failed_at)), 0)::float8 AS oldest,
-                COALESCE(greatest(extract(epoch FROM min(next_retry_at) - now()), 0), 0)::float8 AS next_due
-           FROM embedding_dlq",
+/// Folds the count deltas the triggers of migration 0016 appended into the base counts, in
+/// one statement. One folder at a time: the statement tries a transaction-level advisory lock
+/// and folds nothing without it (the folder holding it takes those deltas). Keeps
+/// `embedding_dlq_count_delta` at the deltas of the statements since the last fold.
+pub(crate) async fn fold_counts(conn: &mut PgConnection) -> Result<u64, StoreError> {
+    let folded = sqlx::query(
+        "WITH lock AS MATERIALIZED (
+             SELECT pg_try_advisory_xact_lock(embed_dlq_count_fold_lock_key()) AS held
+         ), taken AS (
+             DELETE FROM embedding_dlq_count_delta WHERE (SELECT held FROM lock)
+             RETURNING error_class, exhausted, scheduled, n
+         )
+         INSERT INTO embedding_dlq_counts AS c (error_class, exhausted, scheduled, n)
+         SELECT error_class, exhausted, scheduled, sum(n) FROM taken
+          GROUP BY 1, 2, 3 HAVING sum(n) <> 0
+         ON CONFLICT (error_class, exhausted, scheduled) DO UPDATE SET n = c.n + EXCLUDED.n",
     )
-    .fetch_one(pool)
+    .execute(&mut *conn)
     .await?;
-    Ok(Schedule {
-        ready: r.try_get("ready")?,
-        backing_off: r.try_get("backing_off")?,
-        exhausted: r.try_get("exhausted")?,
-        oldest_secs: r.try_get("oldest")?,
-        next_due_secs: r.try_get("next_due")?,
+    Ok(folded.rows_affected())
+}
+
+/// The gauges' statement. The counts are the base plus the deltas not yet folded; `ready`
+/// (and, when it reaches the cap, `backing_off`) an index range scan of
+/// `embedding_dlq_ready_idx` stopped at `$1` rows (`ORDER BY` its key, so the scan is an
+/// ordered one that stops at the limit, never a bitmap that reads every match first); the
+/// oldest row the first entry of `embedding_dlq_first_failed_idx`, the next due row the first
+/// entry of `embedding_dlq_ready_idx`. That index holds exactly the rows the filters below
+/// select (migration 0016), so they reject no entry.
+const GAUGES_SQL: &str = "WITH c AS (
+         SELECT error_class, exhausted, scheduled, sum(n)::bigint AS n
+           FROM (SELECT error_class, exhausted, scheduled, n FROM embedding_dlq_counts
+                 UNION ALL
+                 SELECT error_class, exhausted, scheduled, n FROM embedding_dlq_count_delta) u
+          GROUP BY 1, 2, 3
+     ), ready AS MATERIALIZED (
+         SELECT count(*) AS n FROM (
+             SELECT 1 FROM embedding_dlq
+              WHERE next_retry_at <= now() AND error_class = 'transient' AND exhausted_at IS NULL
+              ORDER BY next_retry_at LIMIT $1) r
+     )
+     SELECT ARRAY(SELECT error_class FROM c GROUP BY 1 ORDER BY 1) AS classes,
+            ARRAY(SELECT sum(n)::bigint FROM c GROUP BY error_class ORDER BY error_class) AS depths,
+            COALESCE((SELECT sum(n) FROM c WHERE exhausted), 0)::bigint AS exhausted,
+            COALESCE((SELECT sum(n) FROM c WHERE scheduled), 0)::bigint AS scheduled,
+            (SELECT n FROM ready) AS ready,
+            CASE WHEN (SELECT n FROM ready) < $1 THEN NULL ELSE (
+                SELECT count(*) FROM (
+                    SELECT 1 FROM embedding_dlq
+                     WHERE next_retry_at > now() AND error_class = 'transient' AND exhausted_at IS NULL
+                     ORDER BY next_retry_at LIMIT $1) b)
+            END AS backing_off,
+            COALESCE(extract(epoch FROM now() - (SELECT min(first_failed_at) FROM embedding_dlq)), 0)::float8
+                AS oldest,
+            COALESCE(greatest(extract(epoch FROM (
+                SELECT min(next_retry_at) FROM embedding_dlq
+                 WHERE error_class = 'transient' AND exhausted_at IS NULL) - now()), 0), 0)::float8
+                AS next_due";
+
+/// The DLQ gauges, at a cost that does not grow with the DLQ: exact counts by class and
+/// exhausted from the counters the triggers of migration 0016 keep (deltas folded first, see
+/// [`fold_counts`]), the schedule split by an index range scan of at most
+/// [`SCHEDULE_COUNT_CAP`] rows, and two index first entries. Replaces two aggregates over
+/// every row, which `serve` ran every 5 s.
+pub async fn gauges(conn: &mut PgConnection) -> Result<DlqGauges, StoreError> {
+    fold_counts(conn).await?;
+    let r = sqlx::query(GAUGES_SQL).bind(SCHEDULE_COUNT_CAP).fetch_one(&mut *conn).await?;
+    let classes: Vec<String> = r.try_get("classes")?;
+    let depths: Vec<i64> = r.try_get("depths")?;
+    let mut depth: Vec<(ErrorClass, i64)> = ErrorClass::ALL.iter().map(|c| (*c, 0)).collect();
+    for (class, n) in classes.iter().zip(depths) {
+        // A class this build does not know (a newer schema) has no gauge: skipped, as the
+        // aggregate's decode would have refused it.
+        if let Ok(class) = class.parse::<ErrorClass>()
+            && let Some(slot) = depth.iter_mut().find(|(c, _)| *c == class)
+        {
+            slot.1 = n;
+        }
+    }
+    let scheduled: i64 = r.try_get("scheduled")?;
+    let ready: i64 = r.try_get("ready")?;
+    let counted_backing_off: Option<i64> = r.try_get("backing_off")?;
+    let (ready, backing_off, capped) = match counted_backing_off {
+        None => (ready, (scheduled - ready).max(0), false),
+        Some(b) if b < SCHEDULE_COUNT_CAP => ((scheduled - b).max(0), b, false),
+        Some(_) => (SCHEDULE_COUNT_CAP, SCHEDULE_COUNT_CAP, true),
+    };
+    Ok(DlqGauges {
+        depth,
+        schedule: Schedule {
+            ready,
+            backing_off,
+            exhausted: r.try_get("exhausted")?,
+            oldest_secs: r.try_get("oldest")?,
+            next_due_secs: r.try_get("next_due")?,
+            capped,
+        },
     })
+}
+
+/// The schedule gauges alone (the console's overview), as [`gauges`] reads them.
+pub async fn schedule(pool: &PgPool) -> Result<Schedule, StoreError> {
+    let mut conn = pool.acquire().await?;
+    Ok(gauges(&mut conn).await?.schedule)
 }
