@@ -20,6 +20,18 @@
 //! `EMBED_DLQ_HISTORY_KEYS`, `EMBED_DLQ_HISTORY_OPS`, `EMBED_DLQ_HISTORY_MINUTES` (run ops until
 //! then instead of counting them), `EMBED_DLQ_HISTORY_MIN_KILLS`, `EMBED_DLQ_HISTORY_REPORT`
 //! (also write the report to this file).
+//!
+//! Faults of time (see `Timing`): `db_outage` (the `serve` processes' Postgres cut behind a
+//! `TcpProxy` for longer than `delivery_cap × min_idle`), `provider_refusing` (429
+//! `insufficient_quota` for several leases), `redis_loss_in_flight` (lost Redis data under
+//! 15-minute leases) and `events_trim` (a tailer's checkpoint trimmed past), each with replay
+//! in flight; a sampler records peak replay stream length, peak Redis memory, rows exhausted
+//! unfairly and how long each fault's work took to settle. Their settings:
+//! `EMBED_DLQ_HISTORY_MIN_IDLE_MS`, `_DELIVERY_CAP`, `_REPLAY_LEASE_SECS`, `_OUTSTANDING_MAX`,
+//! `_DB_OUTAGE_SECS`, `_REFUSAL_SECS`, `_REDIS_RECOVERY_SECS`, `_REDIS_MEMORY_MB`,
+//! `_FAULT_SHARE`, `_RECOVERY_WAIT_SECS` (all `EMBED_DLQ_HISTORY_*`; `scripts/soak.sh` sets
+//! production's), and `EMBED_DLQ_HISTORY_PRE_LEASE` (omit the serve flags the code before
+//! replay leases lacks). CI's default run shares the four faults among its three seeds.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
