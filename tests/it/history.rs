@@ -1365,10 +1365,10 @@ impl History {
         }
         // The outbox keeps every exhaustion event (a day's retention): a row exhausted and
         // requeued between two samples is still seen.
-        let announced: Vec<(i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        let announced: Vec<(i64, String)> = sqlx::query_as(
             "SELECT dlq_id, body::text FROM dlq_outbox WHERE event = 'exhausted'
-                AND (body::text ILIKE '%delivery cap%' OR body::text ILIKE '%without an outcome%')"
-        )))
+                AND (body::text ILIKE '%delivery cap%' OR body::text ILIKE '%without an outcome%')",
+        )
         .fetch_all(&self.db.pool)
         .await
         .unwrap();
