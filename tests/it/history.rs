@@ -48,6 +48,9 @@ use crate::support::*;
 const TABLES: [&str; 2] = ["doc_embeddings", "hist_b"];
 const DIMS: usize = 768;
 const MODEL: &str = "mock";
+/// Replayers per `serve` and entries per replay batch.
+const REPLAYERS: usize = 2;
+const REPLAY_BATCH: usize = 16;
 
 /// How big a history is, and the time settings its `serve` processes and faults run with.
 #[derive(Debug, Clone)]
@@ -241,9 +244,12 @@ impl Drop for HistoryRedis {
 const FAULT_KINDS: [&str; 4] = ["db_outage", "provider_refusing", "events_trim", "redis_loss_in_flight"];
 
 /// The work a fault caught in flight: the DLQ rows due (leased or waiting for a lease) when it
-/// began, by (id, generation). It has settled when each of them is replayed (gone), re-parked
-/// (a new generation) or exhausted; a row postponed by a refusal keeps its generation and
-/// has not settled.
+/// began, by (id, generation). A row has settled when it is replayed (gone), re-parked (a new
+/// generation) or exhausted; a row postponed by a refusal keeps its generation and has not.
+/// Replay has *resumed* once more of them settled after the fault than the replayers held in
+/// hand when it ended (`in_hand`): those may finish on their own, work taken up again may not
+/// (after lost Redis data, the items of the lost stream). The time to resume is what is
+/// bounded; the time to drain a large backlog is the provider's pace, not recovery.
 #[derive(Debug, Clone)]
 struct InFlight {
     kind: &'static str,
@@ -252,6 +258,10 @@ struct InFlight {
     /// When the fault ended (the database restored, the provider healthy, Redis emptied).
     healed: Instant,
     bound: Duration,
+    /// Rows of `ids` not settled when the fault ended.
+    unsettled_at_heal: i64,
+    /// Rows the running replayers can hold at once (replayers × batch per `serve`).
+    in_hand: i64,
 }
 
 /// What the sampler saw over the whole history.
@@ -267,7 +277,7 @@ struct Samples {
     exhausted_unfairly: BTreeMap<i64, String>,
     /// Faults whose work has not settled yet.
     pending: Vec<InFlight>,
-    /// Time from the end of each fault until its work settled, per kind.
+    /// Time from the end of each fault until replay resumed on its work, per kind.
     recovered: BTreeMap<&'static str, Vec<Duration>>,
 }
 
@@ -280,7 +290,7 @@ const UNFAIR_EXHAUSTION: &str =
 
 /// Samples the deployment a few times a second on its own connections (never through the
 /// proxy the faults cut): replay stream lengths, Redis memory, rows exhausted unfairly, and
-/// whether the work of past faults has settled.
+/// whether replay has resumed on the work of past faults.
 struct Sampler {
     samples: std::sync::Arc<std::sync::Mutex<Samples>>,
     stop: tokio_util::sync::CancellationToken,
@@ -354,7 +364,8 @@ impl Sampler {
         let pending = s.lock().unwrap().pending.clone();
         let mut settled = Vec::new();
         for (i, p) in pending.iter().enumerate() {
-            if unsettled(pool, p).await? == 0 {
+            let left = unsettled(pool, p).await?;
+            if left == 0 || left + p.in_hand < p.unsettled_at_heal {
                 settled.push((i, p.kind, p.healed.elapsed()));
             }
         }
@@ -367,8 +378,12 @@ impl Sampler {
         Ok(())
     }
 
-    /// Starts watching the work `in_flight` caught until it settles.
-    fn watch(&self, in_flight: InFlight) {
+    /// Starts watching the work `in_flight` caught until replay has resumed on it; the fault
+    /// ended just now, with `serves` serve processes running.
+    async fn watch(&self, pool: &sqlx::PgPool, mut in_flight: InFlight, serves: usize) {
+        in_flight.healed = Instant::now();
+        in_flight.unsettled_at_heal = unsettled(pool, &in_flight).await.unwrap();
+        in_flight.in_hand = (serves.max(1) * REPLAYERS * REPLAY_BATCH) as i64;
         self.samples.lock().unwrap().pending.push(in_flight);
     }
 
@@ -666,7 +681,8 @@ impl History {
         c.arg("serve");
         self.common_flags(&mut c, base_url, &through(&self.db, self.proxy.addr));
         let t = &self.timing;
-        c.args(["--stream-prefix", &self.prefix, "--replayers", "2", "--replay-batch", "16"])
+        c.args(["--stream-prefix", &self.prefix])
+            .args(["--replayers", &REPLAYERS.to_string(), "--replay-batch", &REPLAY_BATCH.to_string()])
             .args(["--min-idle-ms", &t.min_idle.as_millis().to_string()])
             .args(["--delivery-cap", &t.delivery_cap.to_string()])
             .args(["--relay-poll-ms", "100", "--grace-ms", "2000"]);
@@ -915,7 +931,15 @@ impl History {
             corpus.version,
             ids.len()
         ));
-        InFlight { kind, ids, generations, healed: Instant::now(), bound: self.timing.settle_bound() }
+        InFlight {
+            kind,
+            ids,
+            generations,
+            healed: Instant::now(),
+            bound: self.timing.settle_bound(),
+            unsettled_at_heal: 0,
+            in_hand: 0,
+        }
     }
 
     /// Postgres unreachable for the `serve` processes (and only them) for longer than
@@ -929,7 +953,6 @@ impl History {
         tokio::time::sleep(self.timing.db_outage).await;
         self.proxy.control.restore();
         let tried = self.proxy.control.refused() - refused_before;
-        work.healed = Instant::now();
         // A serve that gave up during the outage is restarted, as its supervisor would.
         let mut exited = Vec::new();
         for s in &mut self.serves {
@@ -943,11 +966,12 @@ impl History {
         }
         let rows = work.ids.len();
         let bound = work.bound;
-        self.sampler.watch(work);
+        self.sampler.watch(&self.db.pool, work, self.serves.len()).await;
         let settled = self.sampler.wait_settled("db_outage", bound).await;
         if !settled {
-            self.fault_problems
-                .push(format!("db_outage: {rows} rows in flight not settled {bound:?} after the restore"));
+            self.fault_problems.push(format!(
+                "db_outage: replay of {rows} rows in flight not resumed {bound:?} after the restore"
+            ));
         }
         self.note(
             "db_outage",
@@ -968,10 +992,9 @@ impl History {
         self.providers.scene.control.set_quota_exhausted(true);
         tokio::time::sleep(self.timing.refusal).await;
         self.providers.scene.control.set_quota_exhausted(false);
-        work.healed = Instant::now();
         let refused = self.providers.scene.control.stats().requests - asked;
         let rows = work.ids.len();
-        self.sampler.watch(work);
+        self.sampler.watch(&self.db.pool, work, self.serves.len()).await;
         self.note(
             "provider_refusing",
             format!("{:?}, {rows} rows in flight, {refused} requests meanwhile", self.timing.refusal),
@@ -994,15 +1017,14 @@ impl History {
             self.redis.restart().await;
             "restart, data lost"
         };
-        work.healed = Instant::now();
         work.bound = self.timing.redis_recovery_bound;
         let rows = work.ids.len();
-        self.sampler.watch(work);
+        self.sampler.watch(&self.db.pool, work, self.serves.len()).await;
         let settled =
             self.sampler.wait_settled("redis_loss_in_flight", self.timing.redis_recovery_bound).await;
         if !settled {
             self.fault_problems.push(format!(
-                "redis_loss_in_flight ({how}): {rows} rows in flight not settled within {:?}",
+                "redis_loss_in_flight ({how}): replay of {rows} rows in flight not resumed within {:?}",
                 self.timing.redis_recovery_bound
             ));
         }
@@ -1402,7 +1424,7 @@ impl History {
             .iter()
             .filter(|p| p.healed.elapsed() > p.bound)
             .map(|p| {
-                format!("{}: not settled {:.0}s after it ended", p.kind, p.healed.elapsed().as_secs_f64())
+                format!("{}: not resumed {:.0}s after it ended", p.kind, p.healed.elapsed().as_secs_f64())
             })
             .collect();
         late.extend(self.fault_problems.iter().filter(|p| !p.starts_with("events_trim")).cloned());
@@ -1414,7 +1436,7 @@ impl History {
                 format!("{kind}: {}", took.join(" "))
             })
             .chain(s.pending.iter().map(|p| {
-                format!("{}: still settling {:.0}s after it ended", p.kind, p.healed.elapsed().as_secs_f64())
+                format!("{}: not resumed {:.0}s after it ended", p.kind, p.healed.elapsed().as_secs_f64())
             }))
             .collect::<Vec<_>>()
             .join("; ");
