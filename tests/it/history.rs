@@ -1306,6 +1306,13 @@ impl History {
                     (_, Some((class, payload))) if payload["text"].as_str() == Some(text.as_str()) => {
                         if vectors.get(&key).is_some_and(|(h, _)| *h == hash) {
                             wrong.push(format!("{key:?}: DLQ row ({class}) beside its stored vector"));
+                        } else if vectors.contains_key(&key) {
+                            // `on_newer_parked = withdraw` (the default): the park of the
+                            // newest text removed the older text's vector.
+                            tally.stale += 1;
+                            wrong.push(format!(
+                                "{key:?}: an older text's vector beside its parked newest text"
+                            ));
                         } else if class == "transient" {
                             wrong.push(format!("{key:?}: still transient"));
                         } else if !text.contains(mock_provider::POISON_400) {
