@@ -316,10 +316,12 @@ async fn run() {
     let mut costs: Vec<Vec<Cost>> = vec![Vec::new(); PHASES.len()];
     let mut sizes = String::new();
     for round in 0..rounds {
-        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox; CHECKPOINT")
-            .execute(&pool)
-            .await
-            .unwrap();
+        sqlx::raw_sql(
+            "TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox; CHECKPOINT",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
         let keys = StreamKeys::new(&format!("cap-{pid}-{round}"));
         let n = chunks as u64;
         let (_, c) =
@@ -578,10 +580,12 @@ async fn shard_check(
     );
     let mut table = Vec::new();
     for &shards in &shard_counts {
-        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox; CHECKPOINT")
-            .execute(&pool)
-            .await
-            .unwrap();
+        sqlx::raw_sql(
+            "TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox; CHECKPOINT",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
         let keys = StreamKeys::with_shards(&format!("cap-{pid}-shards{shards}"), shards);
         park(parking, probes.mock, &format!("k{shards}-"), chunks).await;
         sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&pool).await.unwrap();

@@ -128,7 +128,7 @@ async fn run() {
         let mut raw_by_connections = Vec::new();
         for &connections in &order {
             sqlx::raw_sql(
-                "TRUNCATE raw_embeddings, doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox; CHECKPOINT",
+                "TRUNCATE raw_embeddings, doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox; CHECKPOINT",
             )
             .execute(&pool)
             .await
@@ -224,10 +224,12 @@ async fn run() {
 
     if let Ok(sizes) = std::env::var("BENCH_MEMORY_CHUNKS") {
         for size in sizes.split(',').filter_map(|s| s.trim().parse::<usize>().ok()) {
-            sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
-                .execute(&pool)
-                .await
-                .unwrap();
+            sqlx::raw_sql(
+                "TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
             let (rss_kb, secs) = memory_run(&url, &mock.base_url(), size).await;
             println!(
                 "memory: {size:>8} chunks  peak RSS {:>6.1} MB  ({:.0} chunks/s, release binary)",
@@ -633,7 +635,7 @@ async fn streams_bench(
     use embed_dlq::relay::{Relay, RelayConfig};
     use embed_dlq::streams::{self, StreamKeys};
 
-    sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
+    sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox")
         .execute(pool)
         .await
         .unwrap();
@@ -759,10 +761,12 @@ async fn replay_bench(
     let (mut ingest_rates, mut replay_rates, mut ratios) = (vec![], vec![], vec![]);
     for round in 0..rounds {
         // Baseline: the ingest pipeline over `rows` fresh chunks.
-        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox; CHECKPOINT")
-            .execute(pool)
-            .await
-            .unwrap();
+        sqlx::raw_sql(
+            "TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox; CHECKPOINT",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
         let mut corpus = Vec::new();
         let spec = CorpusSpec { doc_prefix: format!("ib{round}"), chunks: rows, ..CorpusSpec::default() };
         write_corpus(&mut corpus, &spec, 100_000).unwrap();
@@ -787,7 +791,7 @@ async fn replay_bench(
         assert_eq!(summary.stored as usize, rows, "{summary:?}");
 
         // `rows` parked chunks, their `parked` events relayed, all due now.
-        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, dlq_outbox")
+        sqlx::raw_sql("TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox")
             .execute(pool)
             .await
             .unwrap();

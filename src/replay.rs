@@ -248,7 +248,7 @@ impl Scheduler {
 const SCHEDULE_STATEMENT_ROWS: usize = 5_000;
 
 /// How often the scheduler deletes leases left by rows that moved on.
-const LEASE_SWEEP_EVERY: Duration = Duration::from_secs(60);
+const LEASE_SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 /// Which shards each of `replayers` replayers reads, so that every shard is read even with
 /// fewer replayers than shards: replayer `r` reads shards `r`, `r + replayers`, ... (cycling

@@ -160,6 +160,9 @@ impl Store {
             .bind(limit as i64)
             .bind(lease.as_secs_f64())
             .bind(outstanding_max as i64)
+            // Planned with the tables as they are now: a plan cached while the DLQ was small
+            // took 5 s instead of 0.8 for 20,000 due rows (the replay bench, same run).
+            .persistent(false)
             .fetch_one(self.pool())
             .await?;
         Ok(n as u64)
@@ -215,14 +218,14 @@ impl Store {
             .map_err(StoreError::from)
     }
 
-    /// Deletes leases that expired and no longer stand for a row's current generation (the
-    /// row was resolved, re-parked, purged or changed by an ingest since). Leases of current
-    /// rows are kept while expired: their `loads` is the poison-pill count of the next item.
+    /// Deletes leases that no longer stand for a row's current generation (the row was
+    /// resolved, re-parked, purged or changed by an ingest since): their items are void, and
+    /// every scheduling statement walks the live leases. Leases of current rows are kept
+    /// even when expired: their `loads` is the poison-pill count of the next item.
     pub(crate) async fn sweep_stale_leases(&self) -> Result<u64, StoreError> {
         let done = sqlx::query(
             "DELETE FROM replay_lease l
-              WHERE l.leased_until < now()
-                AND NOT EXISTS (SELECT 1 FROM embedding_dlq d
+              WHERE NOT EXISTS (SELECT 1 FROM embedding_dlq d
                                  WHERE d.id = l.dlq_id AND d.generation = l.generation
                                    AND d.exhausted_at IS NULL AND d.error_class = 'transient')",
         )
