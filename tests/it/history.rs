@@ -952,7 +952,7 @@ impl History {
     /// that time is a Redis delivery no replay could use, so none may count against a row.
     async fn db_outage(&mut self) {
         let via = self.providers.scene.base_url();
-        let mut work = self.replay_in_flight("db_outage", &via, self.timing.replay_lease).await;
+        let work = self.replay_in_flight("db_outage", &via, self.timing.replay_lease).await;
         let refused_before = self.proxy.control.refused();
         self.proxy.control.cut();
         tokio::time::sleep(self.timing.db_outage).await;
@@ -992,7 +992,7 @@ impl History {
     /// replayer pauses a minute, longer than a CI history lasts after it.
     async fn provider_refusing(&mut self) {
         let via = self.providers.scene.base_url();
-        let mut work = self.replay_in_flight("provider_refusing", &via, self.timing.replay_lease).await;
+        let work = self.replay_in_flight("provider_refusing", &via, self.timing.replay_lease).await;
         let asked = self.providers.scene.control.stats().requests;
         self.providers.scene.control.set_quota_exhausted(true);
         tokio::time::sleep(self.timing.refusal).await;
