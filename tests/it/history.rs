@@ -243,8 +243,8 @@ impl Drop for HistoryRedis {
 /// The timed faults a history runs; each kind runs at least once per history.
 const FAULT_KINDS: [&str; 4] = ["db_outage", "provider_refusing", "events_trim", "redis_loss_in_flight"];
 
-/// The work a fault caught in flight: the DLQ rows due (leased or waiting for a lease) when it
-/// began, by (id, generation). A row has settled when it is replayed (gone), re-parked (a new
+/// The work a fault caught in flight: the DLQ rows under a live replay lease when it began,
+/// by (id, generation). A row has settled when it is replayed (gone), re-parked (a new
 /// generation) or exhausted; a row postponed by a refusal keeps its generation and has not.
 /// Replay has *resumed* once more of them settled after the fault than the replayers held in
 /// hand when it ended (`in_hand`): those may finish on their own, work taken up again may not
@@ -917,9 +917,14 @@ impl History {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // In flight: the rows under a live lease (issued as work items, in a replayer's hands
+        // or waiting in the stream). Due rows beyond the outstanding cap are left out: they
+        // are issued as leases end, so they would show progress even if the lost items of a
+        // Redis data loss were never issued again.
         let (ids, generations): (Vec<i64>, Vec<i64>) = sqlx::query_as::<_, (i64, i64)>(
-            "SELECT id, generation FROM embedding_dlq
-              WHERE error_class = 'transient' AND exhausted_at IS NULL AND next_retry_at <= now()",
+            "SELECT d.id, d.generation FROM embedding_dlq d
+               JOIN replay_lease l ON l.dlq_id = d.id AND l.generation = d.generation
+              WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL AND l.leased_until > now()",
         )
         .fetch_all(&self.db.pool)
         .await
