@@ -59,21 +59,7 @@ async fn schedule_and_relay(db: &TestDb, store: &Store, keys: &StreamKeys) -> u6
 }
 
 async fn replayer(db: &TestDb, mock: &MockProvider, keys: &StreamKeys, name: &str) -> Replayer {
-    let mut s = settings(db, mock);
-    s.client.timeout = Duration::from_secs(10);
-    let p = pipeline(&s).await;
-    let mut redis = redis().await;
-    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
-    Replayer {
-        name: name.into(),
-        store: p.store,
-        embedder: p.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
-        redis,
-        keys: keys.clone(),
-        config: replay_config(),
-        paused_until: None,
-    }
+    replayer_for(db, mock, keys, name, replay_config(), Duration::from_secs(10)).await
 }
 
 /// A pipeline whose provider is down: everything it ingests parks as transient.

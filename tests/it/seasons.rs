@@ -153,19 +153,7 @@ async fn replayer(
     name: &str,
     config: ReplayConfig,
 ) -> Replayer {
-    let p = pipeline(&settings(db, mock)).await;
-    let mut redis = redis().await;
-    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
-    Replayer {
-        name: name.into(),
-        store: p.store,
-        embedder: p.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
-        redis,
-        keys: keys.clone(),
-        config,
-        paused_until: None,
-    }
+    replayer_for(db, mock, keys, name, config, Duration::from_millis(400)).await
 }
 
 /// The test Redis's `used_memory` in bytes (0 where `INFO` does not answer one node's text,

@@ -59,21 +59,7 @@ async fn replayer_with_timeout(
     config: ReplayConfig,
     timeout: Duration,
 ) -> Replayer {
-    let mut s = settings(db, mock);
-    s.client.timeout = timeout;
-    let p = pipeline(&s).await;
-    let mut redis = redis().await;
-    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
-    Replayer {
-        name: name.into(),
-        store: p.store,
-        embedder: p.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
-        redis,
-        keys: keys.clone(),
-        config,
-        paused_until: None,
-    }
+    replayer_for(db, mock, keys, name, config, timeout).await
 }
 
 /// Schedules every due row and relays it into the replay stream.

@@ -556,3 +556,30 @@ macro_rules! on_single_and_cluster {
     )+};
 }
 pub(crate) use on_single_and_cluster;
+
+/// A replayer of the `replayers` group over `keys`, embedding through `mock` with a request
+/// timeout of `timeout`: the one way the tests build one.
+pub async fn replayer_for(
+    db: &TestDb,
+    mock: &MockProvider,
+    keys: &embed_dlq::streams::StreamKeys,
+    name: &str,
+    config: embed_dlq::replay::ReplayConfig,
+    timeout: std::time::Duration,
+) -> embed_dlq::replay::Replayer {
+    let mut s = settings(db, mock);
+    s.client.timeout = timeout;
+    let p = pipeline(&s).await;
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
+    embed_dlq::replay::Replayer {
+        name: name.into(),
+        store: p.store,
+        embedder: p.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    }
+}
