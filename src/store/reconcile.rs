@@ -380,21 +380,9 @@ pub(crate) async fn bad_vectors(
     let mut after: Option<(String, i32)> = None;
     loop {
         let mut tx = pool.begin().await?;
-        let keys: Vec<(String, i32)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT e.doc_id, e.chunk_index FROM {rows}
-                AND ($2::text IS NULL OR (e.doc_id, e.chunk_index) > ($2::text, $3::int))
-              ORDER BY e.doc_id, e.chunk_index LIMIT $4"
-        )))
-        .bind(scope.since())
-        .bind(after.as_ref().map(|k| k.0.as_str()))
-        .bind(after.as_ref().map_or(0, |k| k.1))
-        .bind(page as i64)
-        .persistent(false)
-        .fetch_all(&mut *tx)
-        .await?;
+        let keys = lock_next_keys(&mut tx, &rows, &scope, after.as_ref(), page, &target.name).await?;
         let Some(last) = keys.last().cloned() else { break };
         let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        lock_manifest_keys(&mut tx, &target.name, &docs, &idxs).await?;
         let deleted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "WITH k AS (SELECT * FROM UNNEST($2::text[], $3::int[]) AS k(doc_id, chunk_index)
              ), gone AS (
@@ -489,21 +477,9 @@ pub(crate) async fn superseded_vectors(
     let mut after: Option<(String, i32)> = None;
     loop {
         let mut tx = pool.begin().await?;
-        let keys: Vec<(String, i32)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT e.doc_id, e.chunk_index FROM {rows}
-                AND ($2::text IS NULL OR (e.doc_id, e.chunk_index) > ($2::text, $3::int))
-              ORDER BY e.doc_id, e.chunk_index LIMIT $4"
-        )))
-        .bind(scope.since())
-        .bind(after.as_ref().map(|k| k.0.as_str()))
-        .bind(after.as_ref().map_or(0, |k| k.1))
-        .bind(page as i64)
-        .persistent(false)
-        .fetch_all(&mut *tx)
-        .await?;
+        let keys = lock_next_keys(&mut tx, &rows, &scope, after.as_ref(), page, &target.name).await?;
         let Some(last) = keys.last().cloned() else { break };
         let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        lock_manifest_keys(&mut tx, &target.name, &docs, &idxs).await?;
         let withdrawn: i64 = sqlx::query_scalar(AssertSqlSafe(withdraw.as_str()))
             .bind(&target.name)
             .bind(&docs)
@@ -524,6 +500,34 @@ pub(crate) async fn superseded_vectors(
 
 /// Locks the manifest rows of `table`'s chunks (`docs`, `idxs`) in key order: what every
 /// writer of a chunk does first.
+/// The next page of at most `page` keys of `rows` (a `FROM ... WHERE` over the vector table
+/// `e`, binding `$1` to the scope's start) after `after`, in key order, with their manifest
+/// rows locked in `tx` (as every writer locks them) before a repair touches them.
+async fn lock_next_keys(
+    tx: &mut sqlx::PgConnection,
+    rows: &str,
+    scope: &Scope,
+    after: Option<&(String, i32)>,
+    page: usize,
+    table: &str,
+) -> Result<Vec<(String, i32)>, StoreError> {
+    let keys: Vec<(String, i32)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT e.doc_id, e.chunk_index FROM {rows}
+            AND ($2::text IS NULL OR (e.doc_id, e.chunk_index) > ($2::text, $3::int))
+          ORDER BY e.doc_id, e.chunk_index LIMIT $4"
+    )))
+    .bind(scope.since())
+    .bind(after.map(|k| k.0.as_str()))
+    .bind(after.map_or(0, |k| k.1))
+    .bind(page as i64)
+    .persistent(false)
+    .fetch_all(&mut *tx)
+    .await?;
+    let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
+    lock_manifest_keys(tx, table, &docs, &idxs).await?;
+    Ok(keys)
+}
+
 async fn lock_manifest_keys(
     tx: &mut sqlx::PgConnection,
     table: &str,
