@@ -377,14 +377,8 @@ pub(crate) async fn bad_vectors(
     if !(repair && run.found > 0) {
         return Ok(run);
     }
-    let mut after: Option<(String, i32)> = None;
-    loop {
-        let mut tx = pool.begin().await?;
-        let keys = lock_next_keys(&mut tx, &rows, &scope, after.as_ref(), page, &target.name).await?;
-        let Some(last) = keys.last().cloned() else { break };
-        let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        let deleted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "WITH k AS (SELECT * FROM UNNEST($2::text[], $3::int[]) AS k(doc_id, chunk_index)
+    let repair_sql = format!(
+        "WITH k AS (SELECT * FROM UNNEST($2::text[], $3::int[]) AS k(doc_id, chunk_index)
              ), gone AS (
                  DELETE FROM {t} e USING k
                   WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index AND {bad}
@@ -396,21 +390,8 @@ pub(crate) async fn bad_vectors(
                  RETURNING 1
              )
              SELECT count(*) FROM gone"
-        )))
-        .bind(&target.name)
-        .bind(&docs)
-        .bind(&idxs)
-        .persistent(false)
-        .fetch_one(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        run.repaired += deleted as u64;
-        let full_page = keys.len() == page;
-        after = Some(last);
-        if !full_page {
-            break;
-        }
-    }
+    );
+    run.repaired += repair_in_locked_pages(pool, target, &rows, &scope, page, &repair_sql).await?;
     Ok(run)
 }
 
@@ -474,13 +455,31 @@ pub(crate) async fn superseded_vectors(
                            AND d.chunk_index = m.chunk_index AND d.content_hash = m.content_hash)",
         "reconcile",
     );
+    run.repaired += repair_in_locked_pages(pool, target, &rows, &scope, page, &withdraw).await?;
+    Ok(run)
+}
+
+/// Locks the manifest rows of `table`'s chunks (`docs`, `idxs`) in key order: what every
+/// writer of a chunk does first.
+/// Runs `repair` (binding `$1` the table's name and `$2`, `$3` a page's doc ids and chunk
+/// indexes; returning one count) over the keys of `rows`, `page` keys a transaction, each
+/// page's manifest rows locked first ([`lock_next_keys`]). Returns the sum of the counts.
+async fn repair_in_locked_pages(
+    pool: &PgPool,
+    target: &TargetTable,
+    rows: &str,
+    scope: &Scope,
+    page: usize,
+    repair: &str,
+) -> Result<u64, StoreError> {
+    let mut repaired = 0u64;
     let mut after: Option<(String, i32)> = None;
     loop {
         let mut tx = pool.begin().await?;
-        let keys = lock_next_keys(&mut tx, &rows, &scope, after.as_ref(), page, &target.name).await?;
+        let keys = lock_next_keys(&mut tx, rows, scope, after.as_ref(), page, &target.name).await?;
         let Some(last) = keys.last().cloned() else { break };
         let (docs, idxs): (Vec<&str>, Vec<i32>) = keys.iter().map(|(d, i)| (d.as_str(), *i)).unzip();
-        let withdrawn: i64 = sqlx::query_scalar(AssertSqlSafe(withdraw.as_str()))
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(repair))
             .bind(&target.name)
             .bind(&docs)
             .bind(&idxs)
@@ -488,18 +487,15 @@ pub(crate) async fn superseded_vectors(
             .fetch_one(&mut *tx)
             .await?;
         tx.commit().await?;
-        run.repaired += withdrawn as u64;
-        let full_page = keys.len() == page;
-        after = Some(last);
-        if !full_page {
+        repaired += n as u64;
+        if keys.len() < page {
             break;
         }
+        after = Some(last);
     }
-    Ok(run)
+    Ok(repaired)
 }
 
-/// Locks the manifest rows of `table`'s chunks (`docs`, `idxs`) in key order: what every
-/// writer of a chunk does first.
 /// The next page of at most `page` keys of `rows` (a `FROM ... WHERE` over the vector table
 /// `e`, binding `$1` to the scope's start) after `after`, in key order, with their manifest
 /// rows locked in `tx` (as every writer locks them) before a repair touches them.
