@@ -25,6 +25,13 @@
 //!   `XRANGE first last COUNT 2000`) and the way it did before (1,000 pipelined
 //!   `XRANGE id id COUNT 1`).
 //!
+//! - a database of its own per size with N published events in the outbox (an hour old, each
+//!   with its entry on the events stream of the Redis above) and, per round, 100 more published
+//!   now: a whole **incremental reconcile run** (the events check reads the events since the
+//!   previous run and a page of witnesses before it) and a whole **full run** (every retained
+//!   event), alternating, side by side. Nothing else is in that database, so the runs are the
+//!   events check and the fixed cost of the other checks on empty tables.
+//!
 //! Times are wall-clock medians per round.
 
 use std::time::{Duration, Instant};
@@ -93,6 +100,8 @@ struct Row {
     replay: (f64, f64),
     batched_ms: f64,
     per_id_ms: f64,
+    incremental_ms: f64,
+    full_ms: f64,
 }
 
 async fn run() {
@@ -129,12 +138,24 @@ async fn run() {
         let (gauges_ms, old_ms) = gauges(&pool, rounds).await;
         let (park, repark, replay) = triggers(&pool, rounds).await;
         let (batched_ms, per_id_ms) = events(&redis, size, rounds).await;
-        table.push(Row { size, gauges_ms, old_ms, park, repark, replay, batched_ms, per_id_ms });
         pool.close().await;
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db_name}\" WITH (FORCE)")))
             .execute(&mut admin_conn)
             .await
             .unwrap();
+        let (incremental_ms, full_ms) = reconcile_runs(&admin, &redis, size, rounds).await;
+        table.push(Row {
+            size,
+            gauges_ms,
+            old_ms,
+            park,
+            repark,
+            replay,
+            batched_ms,
+            per_id_ms,
+            incremental_ms,
+            full_ms,
+        });
     }
     println!();
     println!(
@@ -146,6 +167,12 @@ async fn run() {
             "| {} | {:.2} ms | {:.0} ms | {:.2} ms | {:.2} ms |",
             r.size, r.gauges_ms, r.old_ms, r.batched_ms, r.per_id_ms
         );
+    }
+    println!();
+    println!("| events retained | incremental reconcile run | full reconcile run |");
+    println!("| --- | --- | --- |");
+    for r in &table {
+        println!("| {} | {:.1} ms | {:.0} ms |", r.size, r.incremental_ms, r.full_ms);
     }
     println!();
     println!("| DLQ rows | park 500 (triggers / none) | re-park 500 | replay-delete 500 |");
@@ -249,6 +276,83 @@ async fn events(redis: &PrivateRedis, size: usize, rounds: usize) -> (f64, f64) 
     }
     let _: i64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
     (median(batched), median(per_id))
+}
+
+/// N published events an hour old, outbox rows in the tool's shape with their stream entries.
+const OLD_EVENTS: &str = "INSERT INTO dlq_outbox (event, doc_id, chunk_index, body, stream, target_table,
+                                 created_at, published_at, entry_id)
+     SELECT 'parked', 'doc-' || ((i + $2) / 100), (i + $2) % 100, '{}', 'events', 'public.doc_embeddings',
+            now() - interval '1 hour', now() - interval '1 hour', e
+       FROM unnest($1::text[]) WITH ORDINALITY AS u(e, i)";
+/// The events of one round: published now.
+const NEW_EVENTS: &str = "INSERT INTO dlq_outbox (event, doc_id, chunk_index, body, stream, target_table,
+                                 published_at, entry_id)
+     SELECT 'parked', 'new-' || $2, i, '{}', 'events', 'public.doc_embeddings', now(), e
+       FROM unnest($1::text[]) WITH ORDINALITY AS u(e, i)";
+
+/// Adds `n` entries to `stream`; returns their ids.
+async fn add_entries(conn: &mut redis::aio::MultiplexedConnection, stream: &str, n: usize) -> Vec<String> {
+    let mut ids = Vec::with_capacity(n);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.cmd("XADD").arg(stream).arg("*").arg("seq").arg(*i).arg("body").arg("x".repeat(300));
+        }
+        let added: Vec<String> = pipe.query_async(conn).await.unwrap();
+        ids.extend(added);
+    }
+    ids
+}
+
+/// Whole reconcile runs over a database whose outbox retains `size` published events:
+/// (incremental, full) medians.
+async fn reconcile_runs(admin: &str, redis: &PrivateRedis, size: usize, rounds: usize) -> (f64, f64) {
+    use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Sweep};
+    let db_name = format!("bench_rec_{}_{size}", std::process::id());
+    let mut admin_conn = PgConnection::connect(admin).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{db_name}\"")))
+        .execute(&mut admin_conn)
+        .await
+        .unwrap();
+    let pool = embed_dlq::store::connect(&with_database(admin, &db_name), 4).await.unwrap();
+    embed_dlq::store::migrate(&pool).await.unwrap();
+    let keys = embed_dlq::streams::StreamKeys::new(&format!("bench-rec-{size}"));
+    let client = redis::Client::open(redis.url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let started = Instant::now();
+    let ids = add_entries(&mut conn, &keys.events(), size).await;
+    for (n, chunk) in ids.chunks(50_000).enumerate() {
+        sqlx::query(OLD_EVENTS).bind(chunk).bind((n * 50_000) as i64).execute(&pool).await.unwrap();
+    }
+    sqlx::query("VACUUM ANALYZE dlq_outbox").execute(&pool).await.unwrap();
+    println!("{size} published events loaded in {:.0}s", started.elapsed().as_secs_f64());
+    let store = embed_dlq::store::Store::open(pool.clone(), "doc_embeddings").await.unwrap();
+    let managed =
+        embed_dlq::streams::managed(&embed_dlq::streams::client(&redis.url).unwrap()).await.unwrap();
+    let config = ReconcileConfig { events_maxlen: 0, ..ReconcileConfig::default() };
+    let mut reconciler = Reconciler { store, redis: Some(managed), keys: keys.clone(), config };
+    let mut run = async |sweep: Sweep| {
+        let t = Instant::now();
+        let report = reconciler.run_sweep(Mode::Check, Some(sweep)).await.unwrap();
+        let elapsed = ms(t.elapsed());
+        assert_eq!(report.get(Check::MissingEvents).found, 0, "{report:#?}");
+        elapsed
+    };
+    run(Sweep::Full).await;
+    let (mut incremental, mut full) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let new = add_entries(&mut conn, &keys.events(), 100).await;
+        sqlx::query(NEW_EVENTS).bind(&new).bind(round as i64).execute(&pool).await.unwrap();
+        incremental.push(run(Sweep::Incremental).await);
+        full.push(run(Sweep::Full).await);
+    }
+    let _: i64 = redis::cmd("DEL").arg(keys.events()).query_async(&mut conn).await.unwrap();
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db_name}\" WITH (FORCE)")))
+        .execute(&mut admin_conn)
+        .await
+        .unwrap();
+    (median(incremental), median(full))
 }
 
 fn ms(d: Duration) -> f64 {

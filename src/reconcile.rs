@@ -465,6 +465,15 @@ impl Plan {
     }
 }
 
+/// The stream findings of a run, and where the events check's next window starts.
+struct StreamFindings {
+    findings: Vec<Finding>,
+    /// Whether the events check ran (it needs Redis).
+    events_checked: bool,
+    /// The publish time of the oldest missing event left unrepaired.
+    events_unrepaired: Option<DateTime<Utc>>,
+}
+
 /// The table findings of a run, and per windowed check the earliest change among findings
 /// left unrepaired.
 struct TableFindings {
@@ -507,18 +516,33 @@ impl Reconciler {
         let tables = self.table_findings(repair, &plan).await?;
         findings.extend(tables.findings);
         findings.push(self.outbox_check().await?);
-        findings.extend(self.stream_findings(repair).await?);
+        // The events check's window: where the previous run left off, in an incremental run.
+        let events_window = match sweep {
+            Sweep::Incremental => lock.previous.resume.get(Check::MissingEvents.name()).copied(),
+            Sweep::Full | Sweep::Deep => None,
+        };
+        let streams = self.stream_findings(repair, events_window).await?;
+        findings.extend(streams.findings);
         let stalled = sql::replay_stalled(pool, self.config.replay_stall_after, self.config.examples).await?;
         findings.push(finding(Check::ReplayStalled, stalled));
         // Where the next incremental run starts, per check: this run's horizon, or the oldest
         // finding it left unrepaired (so that finding is reported again until repaired).
-        let resume = WINDOWED
+        let mut resume: HashMap<String, DateTime<Utc>> = WINDOWED
             .iter()
             .map(|c| {
                 let at = tables.unrepaired.get(c).map_or(lock.horizon, |t| (*t).min(lock.horizon));
                 (c.name().to_string(), at)
             })
             .collect();
+        // The events check resumes the same way; a run without Redis keeps the previous
+        // window (it looked at no event).
+        let events_resume = match streams.events_checked {
+            true => Some(streams.events_unrepaired.map_or(lock.horizon, |t| t.min(lock.horizon))),
+            false => lock.previous.resume.get(Check::MissingEvents.name()).copied(),
+        };
+        if let Some(at) = events_resume {
+            resume.insert(Check::MissingEvents.name().to_string(), at);
+        }
         let since = (sweep == Sweep::Incremental).then(|| plan.since()).flatten();
         let report = Report {
             findings,
@@ -673,7 +697,13 @@ impl Reconciler {
     }
 
     /// The three stream checks, or (without Redis) three findings saying they were skipped.
-    async fn stream_findings(&self, repair: bool) -> Result<Vec<Finding>, ReconcileError> {
+    /// `events_window`: the events check looks at the events published since then (`None`:
+    /// every retained event).
+    async fn stream_findings(
+        &self,
+        repair: bool,
+        events_window: Option<DateTime<Utc>>,
+    ) -> Result<StreamFindings, ReconcileError> {
         let Some(mut redis) = self.redis.clone() else {
             let skipped =
                 [Check::MissingEvents, Check::LostReplayWork, Check::OrphanStreamEntries].map(|check| {
@@ -685,13 +715,18 @@ impl Reconciler {
                         note: Some("skipped: no Redis configured".into()),
                     }
                 });
-            return Ok(skipped.into());
+            return Ok(StreamFindings {
+                findings: skipped.into(),
+                events_checked: false,
+                events_unrepaired: None,
+            });
         };
         crate::streams::check_shards(&mut redis, &self.keys).await?;
         crate::store::prefix::check(self.store.pool(), self.keys.prefix()).await?;
-        let missing = self.missing_events_check(&mut redis, repair).await?;
+        let (missing, events_unrepaired) =
+            self.missing_events_check(&mut redis, repair, events_window).await?;
         let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
-        Ok(vec![missing, lost, orphans])
+        Ok(StreamFindings { findings: vec![missing, lost, orphans], events_checked: true, events_unrepaired })
     }
 
     /// Republishes the events Redis lost (a `FLUSHALL`, a restart without persistence, a
@@ -705,7 +740,7 @@ impl Reconciler {
         // Held until it is dropped at the end: rolled back, so nothing is recorded.
         let _lock = sql::RunLock::begin(self.store.pool()).await?;
         crate::streams::check_shards(&mut redis, &self.keys).await?;
-        let missing = self.missing_events_check(&mut redis, true).await?;
+        let (missing, _) = self.missing_events_check(&mut redis, true, None).await?;
         Ok(Some(missing.repaired))
     }
 
@@ -724,42 +759,77 @@ impl Reconciler {
         })
     }
 
-    /// Events marked published must be on the events stream: pages through the published
-    /// `events` rows of the outbox (by id, [`ReconcileConfig::page`] at a time) and looks up
-    /// the entry id each one recorded at publish time (per shard and page, one `XRANGE` over
-    /// the page's entry ids: [`entries_present`]).
+    /// Events marked published must be on the events stream: pages through published
+    /// `events` rows of the outbox ([`ReconcileConfig::page`] at a time) and looks up the entry
+    /// id each one recorded at publish time (per shard and page, one `XRANGE` over the page's
+    /// entry ids: [`entries_present`]).
+    ///
+    /// With a `window` (an incremental run), only the events published since then, and the
+    /// page of events published just before it: the witnesses that what the previous runs
+    /// checked is still there. A stream only ever loses its newest entries together with the
+    /// older ones (a `FLUSHALL`, a restart without persistence or from an older snapshot, a
+    /// failover to a replica that lagged), so a witness missing sends the check through every
+    /// retained event; an entry deleted by hand from the middle of a stream is found by the
+    /// next full sweep. Without a window, every retained event.
+    ///
     /// An entry older than the stream's first one, while the stream is at its length cap, was
     /// trimmed by policy and is not a finding. Repair deletes the event's dedup marker (or
     /// the relay would take the republish for a duplicate) and marks the row unpublished: the
     /// relay publishes it again with the same `event_id`. Rows published before migration
     /// 0005 have no entry id and are skipped; rows past the outbox retention are gone.
+    /// Returns the finding and the publish time of the oldest event it left missing.
     async fn missing_events_check(
         &self,
         redis: &mut RedisConn,
         repair: bool,
-    ) -> Result<Finding, ReconcileError> {
+        window: Option<DateTime<Utc>>,
+    ) -> Result<(Finding, Option<DateTime<Utc>>), ReconcileError> {
+        use outbox::EventsPage;
+        let pool = self.store.pool();
         let page = self.config.page();
-        let mut after = 0i64;
-        let mut trimmed = 0u64;
         let mut out =
             Finding { check: Check::MissingEvents, found: 0, examples: vec![], repaired: 0, note: None };
+        let mut cursor = EventsPage::After(0);
+        let mut lost_before_window = false;
+        if let Some(since) = window {
+            let witnesses = outbox::published_events(pool, EventsPage::PublishedBefore(since), page).await?;
+            let (missing, _) = self.events_missing_from_stream(redis, &witnesses).await?;
+            lost_before_window = !missing.is_empty();
+            if !lost_before_window {
+                cursor = EventsPage::PublishedFrom(since, 0);
+            }
+        }
+        let mut trimmed = 0u64;
+        let mut unrepaired: Option<DateTime<Utc>> = None;
         loop {
-            let rows = outbox::published_events(self.store.pool(), after, page).await?;
+            let rows = outbox::published_events(pool, cursor, page).await?;
             let Some(last) = rows.last() else { break };
-            after = last.id;
+            cursor = match cursor {
+                EventsPage::PublishedFrom(..) => EventsPage::PublishedFrom(last.published_at, last.id),
+                _ => EventsPage::After(last.id),
+            };
             let (missing, page_trimmed) = self.events_missing_from_stream(redis, &rows).await?;
             trimmed += page_trimmed;
             out.found += missing.len() as u64;
             out.add_examples(missing.iter().map(|r| r.key.clone()), self.config.examples);
             if repair && !missing.is_empty() {
                 out.repaired += self.republish_events(redis, &missing).await?;
+            } else if let Some(oldest) = missing.iter().map(|r| r.published_at).min() {
+                unrepaired = Some(unrepaired.map_or(oldest, |u| u.min(oldest)));
             }
             if rows.len() < page {
                 break;
             }
         }
-        out.note = (trimmed > 0).then(|| format!("{trimmed} trimmed by the stream's length cap"));
-        Ok(out)
+        let mut notes = Vec::new();
+        if lost_before_window {
+            notes.push("events published before the previous run are gone from the stream: checked every retained event".to_string());
+        }
+        if trimmed > 0 {
+            notes.push(format!("{trimmed} trimmed by the stream's length cap"));
+        }
+        out.note = (!notes.is_empty()).then(|| notes.join("; "));
+        Ok((out, unrepaired))
     }
 
     /// Which of `rows` are not on their shard's events stream, and how many more were

@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use super::StoreError;
@@ -212,27 +213,58 @@ pub(crate) struct PublishedEvent {
     pub identity: Identity,
     /// Which dedup hash records the event ([`OutboxRow::dedup_hour`]).
     pub dedup_hour: String,
+    /// When the relay marked it published (where an incremental walk resumes).
+    pub published_at: DateTime<Utc>,
 }
 
-/// Up to `limit` published `events` rows after `after_id`, by id, that recorded their entry id
-/// (rows published before migration 0005 did not).
+/// Which published `events` rows a page of [`published_events`] holds: the reconciler's
+/// walks over the outbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EventsPage {
+    /// Every retained row, by id, after this id (a full walk: the primary key).
+    After(i64),
+    /// The rows published at or after a time, by `(published_at, id)` after this cursor (an
+    /// incremental walk: the `published_at` index, so its cost follows the window, not what
+    /// the outbox retains).
+    PublishedFrom(DateTime<Utc>, i64),
+    /// The latest rows published before a time, newest first (the witnesses that the events
+    /// before an incremental window are still on the stream).
+    PublishedBefore(DateTime<Utc>),
+}
+
+/// Up to `limit` published `events` rows of `page` that recorded their entry id (rows
+/// published before migration 0005 did not).
 pub(crate) async fn published_events(
     pool: &PgPool,
-    after_id: i64,
+    page: EventsPage,
     limit: usize,
 ) -> Result<Vec<PublishedEvent>, StoreError> {
-    let rows = sqlx::query(
+    const COLUMNS: &str =
         "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key,
                 COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,
-                embed_dlq_dedup_hour(created_at) AS dedup_hour
+                embed_dlq_dedup_hour(created_at) AS dedup_hour, published_at
            FROM dlq_outbox
-          WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL AND id > $1
-          ORDER BY id LIMIT $2",
-    )
-    .bind(after_id)
-    .bind(limit as i64)
-    .fetch_all(pool)
-    .await?;
+          WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL";
+    let (condition, at, after) = match page {
+        EventsPage::After(id) => ("AND id > $2 ORDER BY id", None, id),
+        // `published_at >= $1` is what the index scan starts at; the row comparison breaks
+        // the ties of one relay batch (one `now()`) by id.
+        EventsPage::PublishedFrom(at, id) => (
+            "AND published_at >= $1 AND (published_at, id) > ($1, $2) ORDER BY published_at, id",
+            Some(at),
+            id,
+        ),
+        EventsPage::PublishedBefore(at) => {
+            ("AND published_at < $1 ORDER BY published_at DESC, id DESC", Some(at), 0)
+        }
+    };
+    // Only the constant strings above are spliced in.
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!("{COLUMNS} {condition} LIMIT $3")))
+        .bind(at)
+        .bind(after)
+        .bind(limit as i64)
+        .fetch_all(pool)
+        .await?;
     rows.iter()
         .map(|r| {
             Ok(PublishedEvent {
@@ -242,6 +274,7 @@ pub(crate) async fn published_events(
                 key: r.try_get("key")?,
                 identity: Identity::read(r)?,
                 dedup_hour: r.try_get("dedup_hour")?,
+                published_at: r.try_get("published_at")?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()

@@ -297,7 +297,7 @@ async fn xrange_calls(redis: &mut embed_dlq::streams::RedisConn) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_events_check_reads_each_page_of_events_in_one_range_and_still_tells_deleted_from_trimmed() {
-    use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler};
+    use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Sweep};
     use embed_dlq::relay::{Relay, RelayConfig};
     let db = TestDb::new().await;
     // A Redis of its own: the command counts are this test's alone.
@@ -337,11 +337,11 @@ async fn the_events_check_reads_each_page_of_events_in_one_range_and_still_tells
     // hold them span most of the stream, their ranges are cut at the COUNT, and the ids past
     // the cut are looked up one by one, with the same answers.
     r.config.page = 7;
-    let report = r.run_once(Mode::Repair).await.unwrap();
+    let report = r.run_sweep(Mode::Repair, Some(Sweep::Full)).await.unwrap();
     assert_eq!(report.get(Check::MissingEvents).found, 2, "{report:#?}");
     assert_eq!(report.get(Check::MissingEvents).repaired, 2);
     while relay.run_once().await.unwrap().claimed > 0 {}
-    let clean = r.run_once(Mode::Check).await.unwrap();
+    let clean = r.run_sweep(Mode::Check, Some(Sweep::Full)).await.unwrap();
     assert_eq!(clean.get(Check::MissingEvents).found, 0, "{clean:#?}");
     assert_eq!(
         clean.get(Check::MissingEvents).note.as_deref(),
@@ -353,5 +353,75 @@ async fn the_events_check_reads_each_page_of_events_in_one_range_and_still_tells
         .query_async(&mut redis)
         .await
         .unwrap();
-    assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::MissingEvents).found, 1);
+    let full = r.run_sweep(Mode::Check, Some(Sweep::Full)).await.unwrap();
+    assert_eq!(full.get(Check::MissingEvents).found, 1);
+}
+
+/// Publishes every unpublished outbox row through `relay`.
+async fn relay_all(relay: &mut embed_dlq::relay::Relay) {
+    while relay.run_once().await.unwrap().claimed > 0 {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet_finds_a_stream_that_lost_its_data()
+ {
+    use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Sweep};
+    use embed_dlq::relay::{Relay, RelayConfig};
+    let db = TestDb::new().await;
+    let private = PrivateRedis::start().await;
+    let keys = fresh_keys();
+    let mut redis = private.manager().await;
+    let mut relay =
+        Relay::new(db.pool.clone(), private.manager().await, keys.clone(), RelayConfig::default());
+    park_transient(&db, "old", 300, "event").await;
+    relay_all(&mut relay).await;
+    let old: redis::streams::StreamRangeReply =
+        redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut redis).await.unwrap();
+    assert_eq!(old.ids.len(), 300);
+    // Published an hour ago: well before any window of the runs below.
+    sqlx::query("UPDATE dlq_outbox SET published_at = published_at - interval '1 hour' WHERE doc_id = 'old'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let config = ReconcileConfig { page: 10, ..immediate() };
+    let mut r = Reconciler { store, redis: Some(private.manager().await), keys: keys.clone(), config };
+    let first = r.run_sweep(Mode::Check, Some(Sweep::Full)).await.unwrap();
+    assert_eq!(first.get(Check::MissingEvents).found, 0, "{first:#?}");
+
+    park_transient(&db, "new", 5, "event").await;
+    relay_all(&mut relay).await;
+    let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
+    let report = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();
+    let calls = xrange_calls(&mut redis).await;
+    assert_eq!(report.get(Check::MissingEvents).found, 0, "{report:#?}");
+    // The page of witnesses and the five new events (a range and a head read each), and the
+    // replay stream checks' own pages: not the 31 pages of every retained event.
+    assert!(calls <= 8, "{calls} XRANGE calls for 5 events published since the previous run");
+
+    // An entry deleted by hand from the middle of the stream: only a full sweep finds it.
+    let _: i64 =
+        redis::cmd("XDEL").arg(keys.events()).arg(&old.ids[150].id).query_async(&mut redis).await.unwrap();
+    let incremental = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();
+    assert_eq!(incremental.get(Check::MissingEvents).found, 0, "{incremental:#?}");
+    let full = r.run_sweep(Mode::Repair, Some(Sweep::Full)).await.unwrap();
+    assert_eq!(
+        (full.get(Check::MissingEvents).found, full.get(Check::MissingEvents).repaired),
+        (1, 1),
+        "{full:#?}"
+    );
+    relay_all(&mut relay).await;
+
+    // The stream loses its data: the witnesses are gone, and the incremental run checks and
+    // repairs every retained event.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut redis).await.unwrap();
+    let lost = r.run_sweep(Mode::Repair, Some(Sweep::Incremental)).await.unwrap();
+    let missing = lost.get(Check::MissingEvents);
+    assert_eq!((missing.found, missing.repaired), (305, 305), "{lost:#?}");
+    assert!(missing.note.as_deref().is_some_and(|n| n.contains("before the previous run")), "{missing:#?}");
+    relay_all(&mut relay).await;
+    let len: usize = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await.unwrap();
+    assert_eq!(len, 305, "every retained event is on the stream again");
+    let clean = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();
+    assert_eq!(clean.get(Check::MissingEvents).found, 0, "{clean:#?}");
 }
