@@ -227,8 +227,8 @@ pub(crate) enum EventsPage {
     /// incremental walk: the `published_at` index, so its cost follows the window, not what
     /// the outbox retains).
     PublishedFrom(DateTime<Utc>, i64),
-    /// The latest rows published before a time, newest first (the witnesses that the events
-    /// before an incremental window are still on the stream).
+    /// The rows with the highest ids among those published before a time (the witnesses that
+    /// the events before an incremental window are still on the stream).
     PublishedBefore(DateTime<Utc>),
 }
 
@@ -254,9 +254,12 @@ pub(crate) async fn published_events(
             Some(at),
             id,
         ),
-        EventsPage::PublishedBefore(at) => {
-            ("AND published_at < $1 ORDER BY published_at DESC, id DESC", Some(at), 0)
-        }
+        // The highest ids before the window: the primary key walked down from the top skips
+        // the window's rows and stops at the limit, and the rows are neighbours on the stream
+        // (one range read). By `published_at` the rows of one timestamp (a relay batch, or
+        // many) came in any order, spread over the stream, and with `id` as a tie-break all
+        // of that timestamp's rows were sorted first.
+        EventsPage::PublishedBefore(at) => ("AND published_at < $1 ORDER BY id DESC", Some(at), 0),
     };
     // Only the constant strings above are spliced in.
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!("{COLUMNS} {condition} LIMIT $3")))
