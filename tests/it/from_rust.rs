@@ -85,7 +85,11 @@ async fn chunks_from_rust_are_stored_parked_or_rejected_like_lines_and_unchanged
     );
     assert_eq!(revised_hash(&db).await, revised);
     assert_eq!(db.leaks().await, 0);
-    assert_eq!(db.duplicates().await, 0);
+    // Every chunk once, the two rejected ones (an over-long doc id, a negative index) nowhere.
+    let mut expected: std::collections::BTreeSet<(String, i32)> =
+        (0..40).map(|i| ("rust-doc".to_string(), i)).collect();
+    expected.extend(["poison", "empty", "nul", "meta"].map(|d| (d.to_string(), 0)));
+    assert_corpus_accounted(&db, &expected).await;
     assert_eq!(db.manifest_disagreements().await, 0);
 
     // Rerun: nothing parked again. The one key that occurs twice is
@@ -189,7 +193,8 @@ async fn the_embed_from_rust_example_retries_parks_and_reruns_against_the_mock()
         "{report}"
     );
     assert_eq!(db.leaks().await, 0);
-    assert_eq!(db.duplicates().await, 0);
+    let expected = chunks.iter().map(|c| (c.doc_id.clone(), c.chunk_index)).collect();
+    assert_corpus_accounted(&db, &expected).await;
     assert_eq!(db.manifest_disagreements().await, 0);
 
     // The same chunks again: whatever was stored or parked is skipped.

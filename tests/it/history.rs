@@ -16,7 +16,7 @@
 //! reconcile after one repair.
 //!
 //! Scale and seeds come from the environment (`scripts/chaos.sh` sets them for long runs):
-//! `EMBED_DLQ_HISTORY_SEEDS` (comma-separated; default a fixed list plus one random seed),
+//! `EMBED_DLQ_HISTORY_SEEDS` (comma-separated; default three fixed seeds, `CI_SEEDS`),
 //! `EMBED_DLQ_HISTORY_KEYS`, `EMBED_DLQ_HISTORY_OPS`, `EMBED_DLQ_HISTORY_MINUTES` (run ops until
 //! then instead of counting them), `EMBED_DLQ_HISTORY_MIN_KILLS`, `EMBED_DLQ_HISTORY_REPORT`
 //! (also write the report to this file).
@@ -1670,7 +1670,8 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
     }
     let _ = writeln!(r, "final: {}", h.counts().await);
     for (name, ok, detail) in &checks {
-        let detail = if detail.len() > 600 { &detail[..600] } else { detail.as_str() };
+        // Cut on a character boundary: a detail may quote chunk text.
+        let detail = &detail[..detail.floor_char_boundary(600)];
         let _ = writeln!(r, "  [{}] {name}: {detail}", if *ok { "pass" } else { "FAIL" });
     }
     if !all_ok {
@@ -1683,14 +1684,16 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
     (r, all_ok)
 }
 
-/// Fixed seeds for CI, plus one random seed printed with the report (rerun it with
-/// `EMBED_DLQ_HISTORY_SEEDS=<seed>`).
+/// Fixed seeds for CI, so a red run names a history that can be run again; random seeds
+/// belong to `scripts/chaos.sh` (which prints its seed), or `EMBED_DLQ_HISTORY_SEEDS`.
+const CI_SEEDS: [u64; 3] = [7, 1009, 20_261_201];
+
 fn seeds() -> Vec<u64> {
     match std::env::var("EMBED_DLQ_HISTORY_SEEDS") {
         Ok(s) if !s.trim().is_empty() => {
             s.split(',').map(|x| x.trim().parse().expect("numeric seed")).collect()
         }
-        _ => vec![7, 1009, rand::random::<u32>() as u64],
+        _ => CI_SEEDS.to_vec(),
     }
 }
 

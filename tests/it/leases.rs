@@ -68,7 +68,7 @@ async fn concurrent_ingests_share_the_work(runs: usize) {
     assert!(summaries.iter().any(|s| s.leased_elsewhere > 0), "the runs met: {summaries:#?}");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, CHUNKS as i64);
     assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'stored'").await, CHUNKS as i64);
-    assert_eq!(db.duplicates().await, 0);
+    assert_corpus_accounted(&db, &corpus_keys(&corpus(CHUNKS))).await;
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
     assert_eq!(
@@ -167,7 +167,7 @@ async fn a_killed_runs_leases_are_taken_over_by_a_rerun() {
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, CHUNKS);
     assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, CHUNKS);
     assert_eq!(db.count("SELECT count(*) FROM ingest_lease WHERE finished_at IS NULL").await, 0);
-    assert_eq!(db.duplicates().await, 0);
+    assert_corpus_accounted(&db, &corpus_keys(&corpus(CHUNKS as usize))).await;
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
     other.close().await.unwrap();
@@ -283,6 +283,7 @@ async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_c
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let keys = corpus_keys(lines.as_bytes());
     let s = p.run(input(lines.into_bytes()), CancellationToken::new()).await.unwrap();
     assert_eq!((s.unchanged, s.stored, s.leased_elsewhere), (180, 20, 0), "{s:?}");
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 200);
@@ -295,7 +296,7 @@ async fn a_live_holder_keeps_its_lease_until_it_expires_and_never_blocks_newer_c
     .await
     .unwrap();
     assert_eq!(in_flight, 0, "only the gone holders' leases are left, for the expiry sweep");
-    assert_eq!(db.duplicates().await, 0);
+    assert_corpus_accounted(&db, &keys).await;
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 }

@@ -409,8 +409,9 @@ async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
 
 on_single_and_cluster! {
 async fn a_claim_idle_timeout_out_of_bounds_is_clamped_not_sent_to_postgres() {
-    // Zero would switch the timeout off in Postgres, and `Duration::MAX` in milliseconds is
-    // past its integer range (an error on every claim): both are clamped to the bounds.
+    // Zero would switch the timeout off in Postgres (that it is clamped instead is
+    // `a_zero_claim_idle_timeout_still_ends_a_silent_claim`), and `Duration::MAX` in
+    // milliseconds is past its integer range (an error on every claim): both are clamped.
     let db = TestDb::new().await;
     park(&db, "bounds", 3).await;
     for timeout in [Duration::ZERO, Duration::MAX] {
@@ -425,10 +426,22 @@ async fn a_claim_idle_timeout_out_of_bounds_is_clamped_not_sent_to_postgres() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_relay_went_silent_is_released_by_postgres() {
-    // A relay host that freezes (or drops off the network) with a claim open: its rows, and
-    // since the per-chunk order also the later events of their chunks, must not wait for the
-    // host. Here the relay's Redis is frozen, so its publish hangs (until its 10 s reply
-    // timeout) with the claim open; Postgres must end the idle claim first.
+    a_silent_claim_is_released(Duration::from_secs(4)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_claim_idle_timeout_still_ends_a_silent_claim() {
+    // Sent as is, zero would switch Postgres' idle timeout off and the claim would stay open
+    // until the publish gave up: clamped, it ends after the lower bound.
+    a_silent_claim_is_released(Duration::ZERO).await;
+}
+
+/// A relay host that freezes (or drops off the network) with a claim open: its rows, and
+/// since the per-chunk order also the later events of their chunks, must not wait for the
+/// host. Here the relay's Redis is frozen, so its publish hangs (until its 10 s reply
+/// timeout) with the claim open; Postgres must end the idle claim (`claim_idle_timeout`)
+/// first.
+async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
     let db = TestDb::new().await;
     park(&db, "silent", 5).await;
     let private = PrivateRedis::start().await;
@@ -439,7 +452,7 @@ async fn a_claim_whose_relay_went_silent_is_released_by_postgres() {
     // life once, under a loaded CI machine, with a 1 s timeout). The timeout stays well
     // under the 10 s reply timeout that ends the frozen publish.
     let mut watcher = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url).await.unwrap();
-    let config = RelayConfig { claim_idle_timeout: Duration::from_secs(4), ..RelayConfig::default() };
+    let config = RelayConfig { claim_idle_timeout, ..RelayConfig::default() };
     let mut relay = Relay::new(db.pool.clone(), conn, fresh_keys(), config);
     let blocked = tokio::spawn(async move { relay.run_once().await });
     let free =

@@ -12,21 +12,56 @@ use tokio_util::sync::CancellationToken;
 /// come from [`SeedChecks`].
 pub use embed_dlq::testkit::TestDb;
 
-/// The suite's checks on a test database: the seed's leak and duplicate queries and a
-/// stronger manifest agreement check.
+/// The suite's checks on a test database, written in the test crate (never the product's own
+/// statements, so a bug there cannot blind the product and its tests together): the seed
+/// write-up's leak and duplicate queries, literally, adapted only to the table names; a
+/// stronger manifest agreement check; and the corpus oracle ([`SeedChecks::unaccounted`]).
 pub trait SeedChecks {
     /// The seed's reconciliation query (manifest rows with neither a vector nor a DLQ row) for
     /// the default table.
     async fn leaks(&self) -> i64;
-    /// The seed's reconciliation query for one target table, joined on the table identity.
+    /// The seed's reconciliation query for one target table (name as the test created it,
+    /// schema `public` unless qualified), joined on the table identity.
     async fn leaks_in(&self, table: &str) -> i64;
-    /// The seed's duplicate query for the default table.
+    /// The seed's duplicate query for the default table. It cannot fail while the table has
+    /// its unique key (the store refuses a table without one): a test proves "each chunk
+    /// once" with [`SeedChecks::unaccounted`] against its corpus.
     async fn duplicates(&self) -> i64;
-    /// The seed's duplicate query for one target table.
-    async fn duplicates_in(&self, table: &str) -> i64;
     /// Stronger than the seed's queries: every manifest row of the default table agrees with
     /// where the chunk is.
     async fn manifest_disagreements(&self) -> i64;
+    /// The corpus oracle for `table`: every key of `expected` (what the test wrote, see
+    /// [`corpus_keys`]) has one vector or one DLQ row (or both: an older vector beside the
+    /// parked newest text), no key has two of either, and no vector or DLQ row exists for a
+    /// key outside `expected`. Returns the problems (empty: all accounted for).
+    async fn unaccounted(
+        &self,
+        table: &str,
+        expected: &std::collections::BTreeSet<(String, i32)>,
+    ) -> Vec<String>;
+}
+
+/// `table` as the manifest and the DLQ name it (`public.t` for an unqualified `t`).
+fn qualified(table: &str) -> String {
+    if table.contains('.') { table.to_string() } else { format!("public.{table}") }
+}
+
+/// The keys of a JSONL corpus, read by the test crate itself (serde_json, not the product's
+/// reader): each line that is a JSON object (once decoded lossily) with a string `doc_id` and
+/// an integer `chunk_index`. Lines that are not (broken JSON, missing keys) are rejected by
+/// the product, never stored or parked under a key.
+pub fn corpus_keys(corpus: &[u8]) -> std::collections::BTreeSet<(String, i32)> {
+    corpus
+        .split(|b| *b == b'\n')
+        // Invalid UTF-8 in a text does not hide the line's key: the product parks such a
+        // line as `invalid_record` under it.
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(&String::from_utf8_lossy(line)).ok())
+        .filter_map(|v| {
+            let doc = v.get("doc_id")?.as_str()?.to_string();
+            let idx = i32::try_from(v.get("chunk_index")?.as_i64()?).ok()?;
+            Some((doc, idx))
+        })
+        .collect()
 }
 
 impl SeedChecks for TestDb {
@@ -34,18 +69,33 @@ impl SeedChecks for TestDb {
         self.leaks_in("doc_embeddings").await
     }
 
-    /// The seed's reconciliation query for one target table, joined on the table identity.
     async fn leaks_in(&self, table: &str) -> i64 {
-        embed_dlq::store::reconcile::leaks(&self.pool, Some(table)).await.unwrap()
+        // The seed's query; the DLQ and the manifest hold several tables, so both joins and
+        // the manifest are narrowed to this one.
+        let sql = format!(
+            "SELECT count(*) FROM (
+                 SELECT m.doc_id, m.chunk_index
+                 FROM ingest_manifest m
+                 LEFT JOIN {table} e USING (doc_id, chunk_index)
+                 LEFT JOIN embedding_dlq d
+                        ON d.target_table = m.target_table AND d.doc_id = m.doc_id
+                       AND d.chunk_index = m.chunk_index
+                 WHERE e.doc_id IS NULL AND d.doc_id IS NULL
+                   AND m.target_table = '{}') leaks",
+            qualified(table)
+        );
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await.unwrap()
     }
 
     async fn duplicates(&self) -> i64 {
-        self.duplicates_in("doc_embeddings").await
-    }
-
-    /// The seed's duplicate query for one target table.
-    async fn duplicates_in(&self, table: &str) -> i64 {
-        embed_dlq::store::reconcile::duplicates(&self.pool, Some(table)).await.unwrap()
+        self.count(
+            "SELECT count(*) FROM (
+                 SELECT doc_id, chunk_index, count(*)
+                 FROM doc_embeddings
+                 GROUP BY doc_id, chunk_index
+                 HAVING count(*) > 1) dups",
+        )
+        .await
     }
 
     async fn manifest_disagreements(&self) -> i64 {
@@ -61,6 +111,66 @@ impl SeedChecks for TestDb {
         )
         .await
     }
+
+    async fn unaccounted(
+        &self,
+        table: &str,
+        expected: &std::collections::BTreeSet<(String, i32)>,
+    ) -> Vec<String> {
+        use std::collections::BTreeMap;
+        let counts = |sql: String| async move {
+            let rows: Vec<(String, i32, i64)> =
+                sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&self.pool).await.unwrap();
+            rows.into_iter().map(|(d, i, n)| ((d, i), n)).collect::<BTreeMap<(String, i32), i64>>()
+        };
+        let vectors =
+            counts(format!("SELECT doc_id, chunk_index, count(*) FROM {table} GROUP BY 1, 2")).await;
+        let parked = counts(format!(
+            "SELECT doc_id, chunk_index, count(*) FROM embedding_dlq WHERE target_table = '{}' GROUP BY 1, 2",
+            qualified(table)
+        ))
+        .await;
+        let mut problems = Vec::new();
+        for key in expected {
+            let (v, d) = (vectors.get(key).copied().unwrap_or(0), parked.get(key).copied().unwrap_or(0));
+            if v + d == 0 {
+                problems.push(format!("{}#{}: neither a vector nor a DLQ row", key.0, key.1));
+            }
+            if v > 1 || d > 1 {
+                problems.push(format!("{}#{}: {v} vectors, {d} DLQ rows", key.0, key.1));
+            }
+        }
+        for key in vectors.keys().chain(parked.keys()) {
+            if !expected.contains(key) {
+                problems.push(format!("{}#{}: not in the corpus", key.0, key.1));
+            }
+        }
+        problems.sort();
+        problems.dedup();
+        problems
+    }
+}
+
+/// Panics with the first problems unless every chunk of `expected` is accounted for in the
+/// default table ([`SeedChecks::unaccounted`]).
+pub async fn assert_corpus_accounted(db: &TestDb, expected: &std::collections::BTreeSet<(String, i32)>) {
+    assert_corpus_accounted_in(db, "doc_embeddings", expected).await;
+}
+
+/// [`assert_corpus_accounted`] for one target table.
+pub async fn assert_corpus_accounted_in(
+    db: &TestDb,
+    table: &str,
+    expected: &std::collections::BTreeSet<(String, i32)>,
+) {
+    let problems = db.unaccounted(table, expected).await;
+    assert!(
+        problems.is_empty(),
+        "{} of {} corpus keys not accounted for in {table}, e.g. {:?}",
+        problems.len(),
+        expected.len(),
+        &problems[..problems.len().min(10)]
+    );
 }
 
 pub async fn start_mock(config: MockConfig) -> MockProvider {
