@@ -838,10 +838,37 @@ impl RunLock {
         .bind(serde_json::to_value(&run.resume).expect("timestamps serialize"))
         .execute(&mut *self.tx)
         .await?;
+        // The retention, a bounded page per run (a first run after an upgrade meets years of
+        // runs; the next runs take the rest). The latest run of each sweep stays whatever
+        // its age: the schedule and the next window read them.
+        sqlx::query(
+            "DELETE FROM reconcile_runs WHERE id IN (
+                 SELECT id FROM reconcile_runs
+                  WHERE finished_at < clock_timestamp() - make_interval(secs => $1)
+                    -- One index probe per sweep (reconcile_runs_sweep_idx); a sweep
+                    -- never run has none (a NULL would make NOT IN match nothing).
+                    AND id NOT IN (SELECT latest FROM (
+                                       SELECT (SELECT l.id FROM reconcile_runs l WHERE l.sweep = s
+                                                ORDER BY l.finished_at DESC LIMIT 1) AS latest
+                                         FROM unnest(ARRAY['incremental', 'full', 'deep']) s) k
+                                    WHERE latest IS NOT NULL)
+                  ORDER BY finished_at LIMIT $2)",
+        )
+        .bind(RUNS_RETENTION.as_secs_f64())
+        .bind(RUNS_PRUNED_PER_RUN)
+        .execute(&mut *self.tx)
+        .await?;
         self.tx.commit().await?;
         Ok(())
     }
 }
+
+/// How long `reconcile_runs` keeps a run (the console's history, the findings of the past):
+/// 90 days. The latest run of each sweep is kept whatever its age.
+pub const RUNS_RETENTION: Duration = Duration::from_secs(90 * 86_400);
+/// Runs past [`RUNS_RETENTION`] deleted per run, at most: a run's cost stays bounded after
+/// an upgrade that meets years of runs.
+const RUNS_PRUNED_PER_RUN: i64 = 1_000;
 
 /// A finished run as `reconcile_runs` records it.
 pub(crate) struct RunRecord {

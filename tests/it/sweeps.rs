@@ -303,3 +303,36 @@ async fn two_reconcilers_at_once_skip_nothing() {
     );
     assert!(db.count("SELECT count(*) FROM reconcile_runs WHERE sweep = 'incremental'").await >= 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_past_the_retention_are_pruned_a_page_a_run_and_each_sweeps_latest_stays() {
+    let db = TestDb::new().await;
+    ingest(&db, "retention", 5).await;
+    let mut r = reconciler(&db, SweepPolicy::default()).await;
+    // Four years of daily runs past the 90-day retention (the newest of them a deep sweep),
+    // and twenty recent incremental ones; no full sweep ever ran.
+    exec(
+        &db,
+        "INSERT INTO reconcile_runs (started_at, finished_at, repaired, findings, sweep)
+         SELECT now() - make_interval(days => 91 + i), now() - make_interval(days => 91 + i), false, '[]',
+                CASE WHEN i = 0 THEN 'deep' ELSE 'incremental' END
+           FROM generate_series(0, 1499) i",
+    )
+    .await;
+    exec(
+        &db,
+        "INSERT INTO reconcile_runs (started_at, finished_at, repaired, findings, sweep)
+         SELECT now() - make_interval(hours => i), now() - make_interval(hours => i), false, '[]', 'incremental'
+           FROM generate_series(1, 20) i",
+    )
+    .await;
+    let old = "SELECT count(*) FROM reconcile_runs WHERE finished_at < now() - interval '90 days'";
+    // A deep sweep (none within 7 days): the old deep run is no longer the latest of its
+    // sweep. A page of 1,000 goes.
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().sweep, Sweep::Deep);
+    assert_eq!(db.count(old).await, 500);
+    // An incremental run: the rest goes.
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().sweep, Sweep::Incremental);
+    assert_eq!(db.count(old).await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM reconcile_runs").await, 20 + 2, "recent runs are kept");
+}
