@@ -323,14 +323,28 @@ async fn audit_entry(Page { state, ctx }: Page, Path(id): Path<String>) -> Respo
     }
 }
 
-/// `?next=` of the login: a local path only (never another site, never `//host`).
+/// Longest `next` a login returns to.
+const MAX_NEXT: usize = 2048;
+
+/// `next` of the login, where the browser goes once logged in: a path of this console or `/`.
+///
+/// Only a path made of visible ASCII that starts with exactly one `/` and holds no backslash
+/// passes. Browsers strip tabs and line breaks from a `Location` (`/<TAB>/evil.example`
+/// becomes `//evil.example`, another site) and read `\` as `/`; a line break or a NUL
+/// cannot go in a header at all. A real path of the console never needs any of them: links
+/// carry it percent-encoded. Anything else is `/`, decided before the login writes anything.
 fn local_next(next: Option<&str>) -> String {
     match next {
-        Some(n) if n.starts_with('/') && !n.starts_with("//") && !n.contains('\\') && n.len() <= 2048 => {
-            n.to_string()
-        }
+        Some(n) if is_local_path(n) => n.to_string(),
         _ => "/".into(),
     }
+}
+
+fn is_local_path(n: &str) -> bool {
+    n.len() <= MAX_NEXT
+        && n.starts_with('/')
+        && !n.starts_with("//")
+        && n.bytes().all(|b| b.is_ascii_graphic() && b != b'\\')
 }
 
 #[derive(Debug, Deserialize)]
@@ -391,7 +405,9 @@ async fn login(
         return db_error(&ctx, e);
     }
     tracing::info!(actor = %actor, peer = %peer, "console: logged in");
-    let mut resp = Redirect::to(&next).into_response();
+    // `next` is visible ASCII (checked above), so this never falls back.
+    let location = HeaderValue::from_str(&next).unwrap_or_else(|_| HeaderValue::from_static("/"));
+    let mut resp = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
     resp.headers_mut()
         .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::set_cookie(&id)).expect("hex cookie"));
     resp
@@ -533,5 +549,44 @@ mod tests {
             assert_eq!(local_next(Some(bad)), "/", "{bad}");
         }
         assert_eq!(local_next(None), "/");
+    }
+
+    #[test]
+    fn a_login_never_returns_off_origin_nor_with_a_header_breaking_byte() {
+        for ok in ["/", "/dlq?class=transient&after=3", "/dlq/42", "/%09/still-here", "/a/b%0A"] {
+            assert_eq!(local_next(Some(ok)), ok, "{ok:?}");
+        }
+        let long = format!("/{}", "a".repeat(5000));
+        for bad in [
+            "",
+            "/\t/evil.example",
+            "/\n/evil.example",
+            "/\r\n/evil.example",
+            "/\r\nSet-Cookie: x=1",
+            "/\0/evil.example",
+            "/ /evil.example",
+            "/\u{0b}/evil.example",
+            "/\u{0c}/evil.example",
+            "/\u{7f}/evil.example",
+            "/\u{a0}/evil.example",
+            "/\u{2028}/evil.example",
+            "/\u{200b}/evil.example",
+            "/\u{feff}/evil.example",
+            "/é",
+            "\t//evil.example",
+            " /dlq",
+            "//evil.example",
+            "///evil.example",
+            "/\\evil.example",
+            "\\/evil.example",
+            "/dlq\\..\\",
+            "https://evil.example/",
+            "javascript:alert(1)",
+            "evil.example",
+            "dlq",
+            long.as_str(),
+        ] {
+            assert_eq!(local_next(Some(bad)), "/", "{bad:?}");
+        }
     }
 }

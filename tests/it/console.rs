@@ -178,6 +178,31 @@ impl Browser {
         self.wait_text(".who", |t| t.contains("ci-operator")).await;
     }
 
+    /// Logs in through the form after setting its hidden `next` to `raw` (what a page on
+    /// another site could post), and returns the URL the browser lands on.
+    async fn login_with_next(&self, base: &str, raw: &str) -> String {
+        self.goto(&format!("{base}/login")).await;
+        self.wait("#login-name").await.send_keys("ci-operator").await.unwrap();
+        self.wait("#login-token").await.send_keys(TOKEN).await.unwrap();
+        self.c()
+            .execute(
+                "document.querySelector('#login input[name=next]').value = arguments[0];",
+                vec![raw.into()],
+            )
+            .await
+            .unwrap();
+        self.wait("#login-button").await.click().await.unwrap();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let url = self.c().current_url().await.unwrap().to_string();
+            if !url.ends_with("/login") {
+                return url;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the login never left its page ({url})");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     async fn close(mut self) {
         if let Some(c) = self.client.take() {
             let _ = c.close().await;
@@ -195,6 +220,29 @@ impl Drop for Browser {
         let _ = self.driver.wait();
         let _ = std::fs::remove_dir_all(&self.profile);
     }
+}
+
+/// Another origin (`127.0.0.1:<port>`) that answers every request with a small page, for
+/// as long as the test runs: where an open redirect would land.
+async fn other_origin() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = sock.read(&mut buf).await;
+                let body = "<html><head><title>elsewhere</title></head><body>elsewhere</body></html>";
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+            });
+        }
+    });
+    addr.to_string()
 }
 
 fn which(name: &str) -> Option<String> {
@@ -463,8 +511,14 @@ async fn actions_without_the_token_are_refused_and_change_nothing() {
     assert!(refused.contains("log in"), "{refused}");
     b.shot("refused-no-session").await;
 
+    // A login told to return to `/<TAB>/<another origin>/` (Chromium strips the tab and
+    // would go there) stays on this console.
+    let evil = other_origin().await;
+    let landed = b.login_with_next(&base, &format!("/\t/{evil}/")).await;
+    assert_eq!(landed, format!("{base}/"), "the login left the console's origin");
+    b.wait_text(".who", |t| t.contains("ci-operator")).await;
+
     // Logged in, but with a forged CSRF token: refused as well.
-    b.login(&base, "/").await;
     for action in ["/actions/purge", "/actions/requeue", "/reconcile"] {
         b.goto(&format!("{base}/dlq")).await;
         b.wait("#match-count").await;
@@ -794,4 +848,51 @@ async fn console_settings_out_of_their_bounds_are_usage_errors() {
     let (code, err) = run(&[], TOKEN).await;
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("cannot listen"), "{err}");
+}
+
+/// A client that shows redirects instead of following them.
+fn no_redirects() -> reqwest::Client {
+    reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_redirects_only_to_a_path_of_this_console() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let served = serve_console(&db, &keys, false).await;
+    let http = no_redirects();
+    let login = async |next: &str| {
+        let body = format!("token={TOKEN}&name=probe&next={next}");
+        http.post(format!("{}/login", served.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    };
+    // `next` as the form sends it (percent-encoded): a tab that Chromium strips, line
+    // breaks and a NUL that cannot go in a header, a space, `//` and backslashes.
+    for hostile in [
+        "/%09/evil.example",
+        "/%0a/evil.example",
+        "/%0d%0a/evil.example",
+        "/%0d%0aSet-Cookie:%20x=1",
+        "/%00/evil.example",
+        "/%20/evil.example",
+        "%09//evil.example",
+        "//evil.example",
+        "/%5Cevil.example",
+        "https://evil.example/",
+    ] {
+        let r = login(hostile).await;
+        assert_eq!(r.status().as_u16(), 303, "{hostile}");
+        assert_eq!(r.headers()["location"], "/", "{hostile}");
+        assert!(r.headers().get("set-cookie").is_some(), "{hostile}: the login itself worked");
+    }
+    let r = login("/dlq%3Fclass%3Dtransient").await;
+    assert_eq!(r.status().as_u16(), 303);
+    assert_eq!(r.headers()["location"], "/dlq?class=transient");
+    // One session and one audit entry per login, none half-made.
+    assert_eq!(db.count("SELECT count(*) FROM console_audit WHERE action = 'login'").await, 11);
+    served.stop().await;
 }
