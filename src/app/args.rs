@@ -196,6 +196,10 @@ pub struct ServeCommand {
     /// With --console-addr: the console hides and refuses every action.
     #[arg(long, requires = "console_addr")]
     pub console_read_only: bool,
+    /// With --console-addr beyond loopback: serve the pages without a login (see `console
+    /// --public-read`).
+    #[arg(long, requires = "console_addr")]
+    pub console_public_read: bool,
 }
 
 /// The arguments of `console`.
@@ -204,9 +208,14 @@ pub struct ConsoleCommand {
     /// Address to listen on: loopback by default; any other address belongs behind TLS.
     #[arg(long, default_value = embed_dlq::console::DEFAULT_LISTEN)]
     pub listen: SocketAddr,
-    /// Hide and refuse every action (requeue, purge, reconcile runs, login).
+    /// Hide and refuse every action (requeue, purge, reconcile runs; a login only serves
+    /// reading, where reading needs one).
     #[arg(long)]
     pub read_only: bool,
+    /// Beyond loopback, serve every page without a login (by default only the login page
+    /// answers there: rows hold customer text). On loopback pages need no login anyway.
+    #[arg(long)]
+    pub public_read: bool,
     /// Rows a second a console requeue publishes, 1..=100000.
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_REQUEUE_RATE,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]

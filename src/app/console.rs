@@ -28,6 +28,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
     let ConsoleCommand {
         listen,
         read_only,
+        public_read,
         requeue_rate,
         max_event_clients,
         events_scan,
@@ -58,6 +59,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         events_scan: events_scan as usize,
         metrics_urls,
         allowed_hosts,
+        public_read,
     };
     if let Err(e) = config.check() {
         return exit::fail(exit::USAGE, &e.to_string());

@@ -21,6 +21,10 @@
 //! - It listens on `127.0.0.1:8088` by default, and answers only requests whose `Host` is an
 //!   IP address, `localhost` or a name given with `--allow-host` (a DNS-rebinding page on
 //!   another site cannot read it through the victim's browser).
+//! - Beyond loopback every page needs a session (the login form answers 401 instead), since
+//!   rows hold customer text; `public_read` (`--public-read`) lifts that. Listening beyond
+//!   loopback without a token and without `public_read` is a usage error: nobody could read.
+//!   On loopback the pages need no login (actions still do).
 //! - Every mutating route needs a session from the login with `EMBED_DLQ_CONSOLE_TOKEN`
 //!   (an `HttpOnly`, `SameSite=Strict` cookie) and the session's CSRF token in the form. No
 //!   token configured: no action at all. `read_only`: no action forms, every action refused.
@@ -106,6 +110,10 @@ pub struct ConsoleConfig {
     /// Host names besides IP addresses and `localhost` that requests may name (at most
     /// [`MAX_ALLOWED_HOSTS`]), e.g. the name of a reverse proxy in front of it.
     pub allowed_hosts: Vec<String>,
+    /// Serve the pages without a login even beyond loopback (`--public-read`). Without it a
+    /// console that listens beyond loopback shows nothing but its login: every row's text
+    /// and metadata is customer data. On loopback the pages need no login either way.
+    pub public_read: bool,
 }
 
 impl Default for ConsoleConfig {
@@ -119,6 +127,7 @@ impl Default for ConsoleConfig {
             events_scan: DEFAULT_EVENTS_SCAN,
             metrics_urls: Vec::new(),
             allowed_hosts: Vec::new(),
+            public_read: false,
         }
     }
 }
@@ -179,6 +188,17 @@ impl ConsoleConfig {
                     );
                 }
             }
+        }
+        if !self.listen.ip().is_loopback() && self.token.is_none() && !self.public_read {
+            return bad(
+                "--listen",
+                format!(
+                    "{} is beyond loopback, where reading needs a login: set EMBED_DLQ_CONSOLE_TOKEN, \
+                     or pass --public-read (serve: --console-public-read) to show every row to \
+                     anyone who reaches it",
+                    self.listen
+                ),
+            );
         }
         if self.allowed_hosts.len() > MAX_ALLOWED_HOSTS {
             return bad(
@@ -274,12 +294,18 @@ pub async fn serve_on(
     console: Console,
     cancel: CancellationToken,
 ) -> Result<(), ConsoleError> {
-    if !console.config.listen.ip().is_loopback() {
+    // The address actually bound decides (a caller may bind another than `listen`).
+    let bound = listener.local_addr().map(|a| a.ip()).unwrap_or(console.config.listen.ip());
+    let exposed = !bound.is_loopback();
+    if exposed && console.config.public_read {
         tracing::warn!(listen = %console.config.listen,
-            "the console listens beyond loopback: put it behind TLS and set EMBED_DLQ_CONSOLE_TOKEN");
+            "the console listens beyond loopback with --public-read: anyone who reaches it reads every row");
+    } else if exposed {
+        tracing::info!(listen = %console.config.listen,
+            "the console listens beyond loopback: every page needs a login (put it behind TLS)");
     }
     let tasks = TaskTracker::new();
-    let state = routes::State::new(console, cancel.clone(), tasks.clone());
+    let state = routes::State::new(console, cancel.clone(), tasks.clone(), exposed);
     let app = routes::router(state).into_make_service_with_connect_info::<SocketAddr>();
     let stop = cancel.clone();
     let served =

@@ -27,12 +27,20 @@ pub struct Ctx {
     pub token_set: bool,
     /// The request's path and query (where a login returns to).
     pub here: String,
+    /// Reading needs a login here (the console listens beyond loopback without
+    /// `--public-read`): the login form is offered even when actions are disabled.
+    pub login_for_reads: bool,
 }
 
 impl Ctx {
     /// Actions are possible at all (a token is set and the console is not read-only).
     pub fn actions_enabled(&self) -> bool {
         self.token_set && !self.read_only
+    }
+
+    /// The login form is offered: for actions, or for reading where reading needs it.
+    pub fn login_offered(&self) -> bool {
+        self.token_set && (!self.read_only || self.login_for_reads)
     }
 
     fn csrf(&self) -> Option<&str> {
@@ -754,7 +762,7 @@ pub fn login(ctx: &Ctx, next: &str, error: Option<&str>) -> Markup {
         "Log in",
         html! {
             @if let Some(e) = error { p.warn #login-error { (e) } }
-            @if !ctx.actions_enabled() {
+            @if !ctx.login_offered() {
                 p { "Logging in is only needed for actions, and actions are disabled here ("
                     (if ctx.read_only { "read-only console" } else { "no EMBED_DLQ_CONSOLE_TOKEN set" }) ")." }
             } @else {
@@ -779,6 +787,7 @@ mod tests {
             read_only: false,
             token_set: true,
             here: "/".into(),
+            login_for_reads: false,
         }
     }
 

@@ -41,12 +41,17 @@ pub struct State {
     pub action_slots: Arc<Semaphore>,
     /// One reconcile run at a time per console.
     pub reconcile_lock: Arc<tokio::sync::Mutex<()>>,
+    /// Every page but the login needs a session: the console listens beyond loopback and
+    /// `--public-read` was not given (chunk text and metadata are customer data).
+    pub reads_need_login: bool,
     redis: Arc<tokio::sync::Mutex<Option<RedisConn>>>,
 }
 
 impl State {
     /// The state of a console that stops on `cancel` and tracks its tasks in `tasks`.
-    pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker) -> State {
+    ///
+    /// `exposed`: the listener is reachable from beyond loopback.
+    pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker, exposed: bool) -> State {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(3))
             .connect_timeout(Duration::from_secs(2))
@@ -54,6 +59,7 @@ impl State {
             .build()
             .expect("an HTTP client without TLS settings builds");
         State {
+            reads_need_login: exposed && !console.config.public_read,
             event_slots: Arc::new(Semaphore::new(console.config.max_event_clients)),
             action_slots: Arc::new(Semaphore::new(MAX_RUNNING_ACTIONS)),
             console: Arc::new(console),
@@ -97,6 +103,7 @@ impl State {
             read_only,
             token_set: self.console.config.token.is_some(),
             here,
+            login_for_reads: self.reads_need_login,
         }
     }
 }
@@ -140,6 +147,7 @@ pub fn router(state: State) -> Router {
         .route("/static/console.js", get(js))
         .fallback(not_found)
         .layer(middleware::from_fn(time_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), read_gate))
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
         .with_state(state)
@@ -191,6 +199,29 @@ async fn guard(AxumState(state): AxumState<State>, req: Request, next: Next) -> 
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     resp
+}
+
+/// Where a request needs no session even when reads do: the login itself and its style.
+fn open_without_login(path: &str) -> bool {
+    matches!(path, "/login" | "/static/console.css" | "/static/console.js")
+}
+
+/// When reads need a login ([`State::reads_need_login`]), a request without a live session
+/// gets the login form (401), whatever it asked for; it never reaches a handler, so nothing
+/// is read from Postgres or Redis for it.
+async fn read_gate(AxumState(state): AxumState<State>, req: Request, next: Next) -> Response {
+    if !state.reads_need_login
+        || open_without_login(req.uri().path())
+        || state.session(req.headers()).is_some()
+    {
+        return next.run(req).await;
+    }
+    let ctx = state.ctx(req.headers(), here(req.uri()));
+    let back = local_next(Some(&ctx.here));
+    html(
+        StatusCode::UNAUTHORIZED,
+        pages::login(&ctx, &back, Some("Log in to read: this console listens beyond loopback.")),
+    )
 }
 
 /// Every page but the live tail and a reconcile run gets [`PAGE_TIMEOUT`].
@@ -372,8 +403,10 @@ async fn login(
 ) -> Response {
     let ctx = state.ctx(&headers, "/login".into());
     let next = local_next(form.next.as_deref());
+    // A read-only console still logs in when reads need a session (for reading only:
+    // `authorize` refuses every action there).
     let token = match (&state.console.config.token, state.console.config.read_only) {
-        (Some(t), false) => t,
+        (Some(t), read_only) if !read_only || state.reads_need_login => t,
         _ => {
             return html(
                 StatusCode::FORBIDDEN,

@@ -896,3 +896,175 @@ async fn a_login_redirects_only_to_a_path_of_this_console() {
     assert_eq!(db.count("SELECT count(*) FROM console_audit WHERE action = 'login'").await, 11);
     served.stop().await;
 }
+
+/// Serves a console with `config` on `listener` (its `listen` is the listener's address).
+async fn serve_with(
+    db: &TestDb,
+    keys: &StreamKeys,
+    listener: tokio::net::TcpListener,
+    config: ConsoleConfig,
+) -> Served {
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let console = Console {
+        store,
+        redis: Some(redis_client()),
+        keys: keys.clone(),
+        gate: None,
+        config: ConsoleConfig { listen: addr, ..config },
+    };
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    let handle = tokio::spawn(async move {
+        embed_dlq::console::serve_on(listener, console, stop).await.expect("console serves");
+    });
+    // Reached through loopback whatever it listens on.
+    Served { base: format!("http://127.0.0.1:{}", addr.port()), cancel, handle }
+}
+
+/// The session cookie (`name=value`) a login with the token answers with.
+async fn session_cookie(base: &str) -> String {
+    let r = no_redirects()
+        .post(format!("{base}/login"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("token={TOKEN}&name=reader&next=/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 303, "the login works");
+    let set = r.headers()["set-cookie"].to_str().unwrap();
+    set.split(';').next().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_need_a_session_beyond_loopback_unless_public_read() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    const SECRET_TEXT: &str = "customer secret text 7f3a";
+    seed(&db, &keys, MockConfig::default(), &[line("private", 0, &format!("{POISON_400} {SECRET_TEXT}"))])
+        .await;
+    let id = ids_of_class(&db, "permanent_input").await[0];
+    let reads = [
+        "/".to_string(),
+        "/dlq".to_string(),
+        format!("/dlq/{id}"),
+        "/dlq?doc_prefix=priv".to_string(),
+        "/events".to_string(),
+        "/events/stream?from=0".to_string(),
+        "/audit".to_string(),
+        "/audit/1".to_string(),
+        "/reconcile".to_string(),
+        "/actions/requeue?doc_prefix=priv".to_string(),
+    ];
+    let http = no_redirects();
+    let token = Some(ConsoleToken::new(TOKEN.into()).unwrap());
+    let get = async |base: &str, path: &str, cookie: Option<&str>| {
+        let mut req = http.get(format!("{base}{path}"));
+        if let Some(c) = cookie {
+            req = req.header("cookie", c);
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        if path.starts_with("/events/stream") {
+            return (status, String::new()); // a live stream: its status is the answer
+        }
+        (status, r.text().await.unwrap())
+    };
+
+    // Beyond loopback (every interface): no session, no page, nothing of the row.
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let exposed =
+        serve_with(&db, &keys, listener, ConsoleConfig { token: token.clone(), ..Default::default() }).await;
+    for p in &reads {
+        let (status, body) = get(&exposed.base, p, None).await;
+        assert_eq!(status, 401, "{p} without a session");
+        assert!(!body.contains(SECRET_TEXT) && !body.contains("private"), "{p} leaked:\n{body}");
+        if !p.starts_with("/events/stream") {
+            assert!(body.contains("id=\"login\""), "{p} offers the login form");
+        }
+    }
+    // The login page and the style sheet stay reachable.
+    assert_eq!(get(&exposed.base, "/login", None).await.0, 200);
+    assert_eq!(get(&exposed.base, "/static/console.css", None).await.0, 200);
+    // A stale or forged cookie is no session.
+    let forged = format!("embed_dlq_console={}", "ab".repeat(32));
+    assert_eq!(get(&exposed.base, &format!("/dlq/{id}"), Some(&forged)).await.0, 401);
+    // Logged in: every page.
+    let cookie = session_cookie(&exposed.base).await;
+    for p in &reads {
+        let (status, body) = get(&exposed.base, p, Some(&cookie)).await;
+        assert_eq!(status, 200, "{p} with a session");
+        if p == &format!("/dlq/{id}") {
+            assert!(body.contains(SECRET_TEXT), "the row's text, once logged in");
+        }
+    }
+    exposed.stop().await;
+
+    // Beyond loopback, read-only: a login still opens the pages, and no action.
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let ro = serve_with(
+        &db,
+        &keys,
+        listener,
+        ConsoleConfig { token: token.clone(), read_only: true, ..Default::default() },
+    )
+    .await;
+    assert_eq!(get(&ro.base, &format!("/dlq/{id}"), None).await.0, 401);
+    let cookie = session_cookie(&ro.base).await;
+    let (status, body) = get(&ro.base, &format!("/dlq/{id}"), Some(&cookie)).await;
+    assert_eq!(status, 200);
+    assert!(body.contains(SECRET_TEXT));
+    let r = http
+        .post(format!("{}/actions/purge", ro.base))
+        .header("cookie", &cookie)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("max_id=1000000&confirm=purge&csrf=x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403, "read-only refuses actions, logged in or not");
+    ro.stop().await;
+
+    // Beyond loopback with --public-read: readable without a session (the operator's choice).
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let public = serve_with(
+        &db,
+        &keys,
+        listener,
+        ConsoleConfig { token: token.clone(), public_read: true, ..Default::default() },
+    )
+    .await;
+    for p in &reads {
+        assert_eq!(get(&public.base, p, None).await.0, 200, "{p} with --public-read");
+    }
+    public.stop().await;
+
+    // On loopback: readable without a session, as before.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let local = serve_with(&db, &keys, listener, ConsoleConfig { token, ..Default::default() }).await;
+    let (status, body) = get(&local.base, &format!("/dlq/{id}"), None).await;
+    assert_eq!(status, 200);
+    assert!(body.contains(SECRET_TEXT));
+    local.stop().await;
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'purged'").await, 0);
+
+    // Beyond loopback without a token, nobody could ever read: a usage error (exit 2),
+    // unless --public-read says so.
+    let run = async |args: &[&str]| {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+            .arg("console")
+            .args(["--database-url", &db.url, "--listen", "192.0.2.1:8088"])
+            .args(args)
+            .env_remove("EMBED_DLQ_CONSOLE_TOKEN")
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (code, err) = run(&[]).await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--public-read") && err.contains("EMBED_DLQ_CONSOLE_TOKEN"), "{err}");
+    let (code, err) = run(&["--public-read"]).await;
+    assert_eq!(code, Some(1), "past the check, the bind fails: {err}");
+}
