@@ -224,6 +224,11 @@ pub struct ConsoleCommand {
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENT_CLIENTS as u64,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     pub max_event_clients: u64,
+    /// Row pages and text downloads served at once, 1..=64; more are answered 503 with
+    /// Retry-After (a row's payload may be megabytes).
+    #[arg(long, default_value_t = embed_dlq::console::DEFAULT_ROW_VIEWS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub max_row_views: u64,
     /// Newest events scanned for a row's events on its page, 100..=100000.
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENTS_SCAN as u64,
           value_parser = clap::value_parser!(u64).range(100..=100_000))]

@@ -31,6 +31,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         public_read,
         requeue_rate,
         max_event_clients,
+        max_row_views,
         events_scan,
         metrics_urls,
         allowed_hosts,
@@ -60,6 +61,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         metrics_urls,
         allowed_hosts,
         public_read,
+        max_row_views: max_row_views as usize,
     };
     if let Err(e) = config.check() {
         return exit::fail(exit::USAGE, &e.to_string());

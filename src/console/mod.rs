@@ -8,7 +8,8 @@
 //! | --- | --- |
 //! | `GET /` | overview: depth by class and reason, ready / backing off / exhausted, park and replay rates (inline SVG), oldest row, outbox backlog, streams per shard, last reconcile, breaker state |
 //! | `GET /dlq` | the list: filters, sortable columns, keyset pages, the count that matches |
-//! | `GET /dlq/{id}` | one row: payload, metadata, error timeline, next retry, its events, actions |
+//! | `GET /dlq/{id}` | one row: payload (its first 64 Ki characters), metadata, error timeline, next retry, its events, actions |
+//! | `GET /dlq/{id}/text` | the row's whole text, streamed from Postgres piece by piece |
 //! | `GET /actions/{requeue,purge}` | a bulk action's dry run (count and sample) and confirmation form |
 //! | `POST /actions/{requeue,purge}` | the confirmed action, run in the background; redirects to its audit entry |
 //! | `GET /audit`, `GET /audit/{id}` | the audit trail; an action's result page |
@@ -39,7 +40,9 @@
 //!
 //! Every setting of [`ConsoleConfig`] has a documented range ([`ConsoleConfig::check`]);
 //! every request value is bounded before use (filter strings, page sizes, cursors); sessions,
-//! live-tail clients and background actions are capped; every page has a time limit.
+//! live-tail clients and background actions are capped; every page has a time limit. A
+//! row's page reads a bounded excerpt of its payload, its whole text streams in pieces, and
+//! both together are capped (`max_row_views`; beyond it 503 with `Retry-After`).
 
 mod actions;
 mod auth;
@@ -85,6 +88,14 @@ pub const MAX_METRICS_URLS: usize = 8;
 pub const MAX_ALLOWED_HOSTS: usize = 16;
 /// Bulk actions running at once; another one is refused until one ends.
 pub const MAX_RUNNING_ACTIONS: usize = 4;
+/// Default detail pages and text downloads served at once.
+pub const DEFAULT_ROW_VIEWS: usize = 8;
+/// Most detail pages and text downloads served at once, as a setting: each reads up to
+/// [`crate::store::console::DETAIL_TEXT_CHARS`] of three payload parts (a page) or holds one
+/// piece of a text (a download) and a database connection while it reads.
+pub const MAX_ROW_VIEWS: usize = 64;
+/// What a client told to come back (a view beyond the cap) is asked to wait, in seconds.
+pub const BUSY_RETRY_AFTER_SECS: u64 = 2;
 /// Time limit of every page (a slow query shows an error instead of hanging the browser).
 pub const PAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -114,6 +125,10 @@ pub struct ConsoleConfig {
     /// console that listens beyond loopback shows nothing but its login: every row's text
     /// and metadata is customer data. On loopback the pages need no login either way.
     pub public_read: bool,
+    /// Row detail pages and text downloads served at once, 1..=[`MAX_ROW_VIEWS`]; one more
+    /// is answered 503 with `Retry-After` rather than queued (one 8 MB row asked for 200 times
+    /// at once must not hold 200 copies of it).
+    pub max_row_views: usize,
 }
 
 impl Default for ConsoleConfig {
@@ -128,6 +143,7 @@ impl Default for ConsoleConfig {
             metrics_urls: Vec::new(),
             allowed_hosts: Vec::new(),
             public_read: false,
+            max_row_views: DEFAULT_ROW_VIEWS,
         }
     }
 }
@@ -156,6 +172,12 @@ impl ConsoleConfig {
             return bad(
                 "--max-event-clients",
                 format!("{} is out of range: allowed 1..={MAX_EVENT_CLIENTS}", self.max_event_clients),
+            );
+        }
+        if !(1..=MAX_ROW_VIEWS).contains(&self.max_row_views) {
+            return bad(
+                "--max-row-views",
+                format!("{} is out of range: allowed 1..={MAX_ROW_VIEWS}", self.max_row_views),
             );
         }
         if !EVENTS_SCAN_RANGE.contains(&self.events_scan) {

@@ -38,6 +38,8 @@ pub struct State {
     /// Live tails and bulk actions: the console waits for them when it stops.
     pub tasks: TaskTracker,
     pub event_slots: Arc<Semaphore>,
+    /// Detail pages and text downloads being served ([`super::ConsoleConfig::max_row_views`]).
+    pub row_slots: Arc<Semaphore>,
     pub action_slots: Arc<Semaphore>,
     /// One reconcile run at a time per console.
     pub reconcile_lock: Arc<tokio::sync::Mutex<()>>,
@@ -61,6 +63,7 @@ impl State {
         State {
             reads_need_login: exposed && !console.config.public_read,
             event_slots: Arc::new(Semaphore::new(console.config.max_event_clients)),
+            row_slots: Arc::new(Semaphore::new(console.config.max_row_views)),
             action_slots: Arc::new(Semaphore::new(MAX_RUNNING_ACTIONS)),
             console: Arc::new(console),
             sessions: Arc::default(),
@@ -135,6 +138,7 @@ pub fn router(state: State) -> Router {
         .route("/", get(overview_page))
         .route("/dlq", get(list_page))
         .route("/dlq/{id}", get(detail_page))
+        .route("/dlq/{id}/text", get(text_download))
         .route("/actions/{kind}", get(actions::preview).post(actions::confirm))
         .route("/audit", get(audit_list))
         .route("/audit/{id}", get(audit_entry))
@@ -290,11 +294,22 @@ async fn list_page(Page { state, ctx }: Page, Query(raw): Query<RawQuery>) -> Re
     }
 }
 
+/// A row view beyond [`super::ConsoleConfig::max_row_views`]: 503, come back shortly.
+fn busy(ctx: &Ctx) -> Response {
+    let mut resp = html(
+        StatusCode::SERVICE_UNAVAILABLE,
+        pages::message(ctx, "Busy", "Too many row pages and downloads at once: try again in a moment."),
+    );
+    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(super::BUSY_RETRY_AFTER_SECS));
+    resp
+}
+
 async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such DLQ row"));
     };
-    let d = match crate::store::dlq::show(state.console.store.pool(), id).await {
+    let Ok(_slot) = state.row_slots.clone().try_acquire_owned() else { return busy(&ctx) };
+    let d = match sql::row_view(state.console.store.pool(), id).await {
         Ok(Some(d)) => d,
         Ok(None) => {
             return html(
@@ -310,7 +325,7 @@ async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Respo
     };
     let events = match state.redis().await {
         Ok(mut redis) => {
-            let r = &d.row;
+            let r = &d.detail.row;
             events::of_row(
                 &mut redis,
                 &state.console.keys,
@@ -323,6 +338,59 @@ async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Respo
         Err(e) => Err(e),
     };
     html(StatusCode::OK, pages::detail(&ctx, &d, &events))
+}
+
+/// `/dlq/{id}/text`: the row's whole text as a `text/plain` attachment, read from Postgres
+/// [`sql::TEXT_PIECE_CHARS`] characters at a time as the client takes them (one piece in
+/// memory, whatever the text's size). It holds a row-view slot until its body ends. A row
+/// that changes (requeued, parked again) or goes away meanwhile ends the body short of its
+/// `Content-Length`, so the client sees a broken download rather than a mix of two texts.
+async fn text_download(Page { state, ctx }: Page, Path(id): Path<String>) -> Response {
+    let not_found = |ctx: &Ctx| {
+        html(StatusCode::NOT_FOUND, pages::message(ctx, "Not found", "no DLQ row with a text by this id"))
+    };
+    let Ok(id) = id.parse::<i64>() else { return not_found(&ctx) };
+    let Ok(slot) = state.row_slots.clone().try_acquire_owned() else { return busy(&ctx) };
+    let pool = state.console.store.pool().clone();
+    let size = match sql::text_size(&pool, id).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return not_found(&ctx),
+        Err(e) => return db_error(&ctx, e),
+    };
+    let cancel = state.cancel.clone();
+    let broken = |why: String| std::io::Error::other(why);
+    let pieces = futures::stream::unfold(Some((0i64, slot)), move |next| {
+        let (pool, cancel) = (pool.clone(), cancel.clone());
+        async move {
+            let (from, slot) = next?;
+            if cancel.is_cancelled() {
+                return Some((Err(broken("the console is stopping".into())), None));
+            }
+            match sql::text_piece(&pool, id, size.generation, from).await {
+                Ok(Some(piece)) if piece.is_empty() => None,
+                Ok(Some(piece)) => {
+                    let n = piece.chars().count() as i64;
+                    let more = (n == i64::from(sql::TEXT_PIECE_CHARS)).then_some((from + n, slot));
+                    Some((Ok(bytes::Bytes::from(piece)), more))
+                }
+                Ok(None) => Some((Err(broken(format!("DLQ row {id} changed during the download"))), None)),
+                Err(e) => Some((Err(broken(e.to_string())), None)),
+            }
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8")),
+            (header::CONTENT_LENGTH, HeaderValue::from(size.bytes)),
+            (
+                header::CONTENT_DISPOSITION,
+                HeaderValue::from_str(&format!("attachment; filename=\"dlq-{id}.txt\""))
+                    .expect("digits and ASCII"),
+            ),
+        ],
+        axum::body::Body::from_stream(pieces),
+    )
+        .into_response()
 }
 
 async fn events_page(Page { state, ctx }: Page) -> Response {

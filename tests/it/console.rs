@@ -1068,3 +1068,72 @@ async fn reads_need_a_session_beyond_loopback_unless_public_read() {
     let (code, err) = run(&["--public-read"]).await;
     assert_eq!(code, Some(1), "past the check, the bind fails: {err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_row_is_shown_bounded_and_its_views_are_capped() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // A 24 MB text, parked as too long without a request (the payload keeps all of it).
+    let text = format!("HEAD-MARK {} TAIL-MARK", "x".repeat(24 * 1024 * 1024));
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.max_line_bytes = 64 * 1024 * 1024;
+    pipeline(&s)
+        .await
+        .run(input(line("huge", 0, &text).into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    let id = ids_of_class(&db, "permanent_input").await[0];
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let served =
+        serve_with(&db, &keys, listener, ConsoleConfig { max_row_views: 1, ..Default::default() }).await;
+    let http = reqwest::Client::new();
+    let page = format!("{}/dlq/{id}", served.base);
+    let download = format!("{}/dlq/{id}/text", served.base);
+
+    // The page shows the start of the text, says it is cut, and links the whole text.
+    let r = http.get(&page).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let body = r.text().await.unwrap();
+    assert!(body.len() < 256 * 1024, "the page is {} bytes", body.len());
+    assert!(body.contains("HEAD-MARK") && !body.contains("TAIL-MARK"), "the start only");
+    assert!(body.contains("id=\"text-truncated\""), "says it is cut");
+    assert!(body.contains(&format!("href=\"/dlq/{id}/text\"")), "links the whole text");
+
+    // The download is the whole text, exactly.
+    let r = http.get(&download).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert!(r.headers()["content-disposition"].to_str().unwrap().starts_with("attachment"));
+    let whole = r.bytes().await.unwrap();
+    assert!(whole == text.as_bytes(), "the download is the text ({} of {} bytes)", whole.len(), text.len());
+
+    // One view at a time here: while a download is open (and not read on), another view
+    // is told to come back rather than queued or loaded.
+    let mut held = http.get(&download).send().await.unwrap();
+    assert_eq!(held.status().as_u16(), 200);
+    let first = held.chunk().await.unwrap().expect("the download started");
+    assert!(first.starts_with(b"HEAD-MARK"));
+    for url in [&page, &download] {
+        let r = http.get(url).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 503, "{url}");
+        let wait: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=60).contains(&wait), "{wait}");
+    }
+    // The reader leaves: its slot comes back.
+    drop(held);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if http.get(&page).send().await.unwrap().status().as_u16() == 200 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the slot was never freed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A row without such text has no download; an unknown row neither.
+    assert_eq!(
+        http.get(format!("{}/dlq/999999/text", served.base)).send().await.unwrap().status().as_u16(),
+        404
+    );
+    served.stop().await;
+}
