@@ -492,12 +492,16 @@ pub async fn row_view(pool: &PgPool, id: i64) -> Result<Option<RowView>, StoreEr
                        THEN NULLIF(payload - ARRAY['text', 'metadata', 'doc_id', 'chunk_index'], '{{}}'::jsonb)::text
                   END AS rest
              FROM embedding_dlq WHERE id = $1)
-         SELECT p.*, left(text, $2) AS text_head, length(text) AS text_chars,
+         SELECT id, target_table, doc_id, chunk_index, error_class, error_reason, attempts, replays,
+                generation, first_failed_at, last_failed_at, next_retry_at, exhausted, content_hash,
+                model, dimensions, request_dimensions, last_error, last_status, exhausted_reason,
+                error_history, text_is_string,
+                left(text, $2) AS text_head, length(text) AS text_chars,
                 left(metadata, $2) AS metadata_head, length(metadata) AS metadata_chars,
                 left(rest, $2) AS rest_head, length(rest) AS rest_chars
            FROM p"
     );
-    // Only the excerpts are read back: the full parts stay in the CTE.
+    // Only the excerpts are read back (no `p.*`): the full parts stay in the CTE.
     let row =
         sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).bind(DETAIL_TEXT_CHARS).fetch_optional(pool).await;
     let Some(r) = row? else { return Ok(None) };
