@@ -200,6 +200,10 @@ pub struct ServeCommand {
     /// --public-read`).
     #[arg(long, requires = "console_addr")]
     pub console_public_read: bool,
+    /// With --console-addr: whether the session cookie is `Secure` (see `console
+    /// --cookie-secure`).
+    #[arg(long, value_enum, default_value_t, requires = "console_addr")]
+    pub console_cookie_secure: embed_dlq::console::CookieSecure,
 }
 
 /// The arguments of `console`.
@@ -216,6 +220,11 @@ pub struct ConsoleCommand {
     /// answers there: rows hold customer text). On loopback pages need no login anyway.
     #[arg(long)]
     pub public_read: bool,
+    /// Whether the session cookie is `Secure` (sent back over HTTPS only): `auto` beyond
+    /// loopback, where the console belongs behind TLS; `always`; `never` (plain HTTP beyond
+    /// loopback: the token and the session travel in clear).
+    #[arg(long, value_enum, default_value_t)]
+    pub cookie_secure: embed_dlq::console::CookieSecure,
     /// Rows a second a console requeue publishes, 1..=100000.
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_REQUEUE_RATE,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]

@@ -29,6 +29,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         listen,
         read_only,
         public_read,
+        cookie_secure,
         requeue_rate,
         max_event_clients,
         max_row_views,
@@ -62,6 +63,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         allowed_hosts,
         public_read,
         max_row_views: max_row_views as usize,
+        cookie_secure,
     };
     if let Err(e) = config.check() {
         return exit::fail(exit::USAGE, &e.to_string());

@@ -13,8 +13,16 @@ use super::{Resolver, exit};
 
 /// Runs `serve`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: CancellationToken) -> i32 {
-    let ServeCommand { provider, ingest, retry, serve, console_addr, console_read_only, console_public_read } =
-        args;
+    let ServeCommand {
+        provider,
+        ingest,
+        retry,
+        serve,
+        console_addr,
+        console_read_only,
+        console_public_read,
+        console_cookie_secure,
+    } = args;
     let flags =
         FileConfig { provider: *provider, ingest: *ingest, retry: *retry, serve, ..Default::default() };
     let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_client()?, s)));
@@ -32,6 +40,7 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
             listen,
             read_only: console_read_only,
             public_read: console_public_read,
+            cookie_secure: console_cookie_secure,
             token,
             ..Default::default()
         };

@@ -99,6 +99,20 @@ pub const BUSY_RETRY_AFTER_SECS: u64 = 2;
 /// Time limit of every page (a slow query shows an error instead of hanging the browser).
 pub const PAGE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Whether the session cookie carries `Secure` (sent back over HTTPS only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CookieSecure {
+    /// `Secure` when the console listens beyond loopback, where it belongs behind TLS; not on
+    /// loopback, where browsers are reached over plain HTTP.
+    #[default]
+    Auto,
+    /// Always `Secure` (e.g. a loopback console behind a TLS reverse proxy).
+    Always,
+    /// Never `Secure`: beyond loopback over plain HTTP (the token and the session then travel
+    /// in clear).
+    Never,
+}
+
 /// How the console runs; every field has a documented bound ([`ConsoleConfig::check`]).
 #[derive(Debug, Clone)]
 pub struct ConsoleConfig {
@@ -129,6 +143,8 @@ pub struct ConsoleConfig {
     /// is answered 503 with `Retry-After` rather than queued (one 8 MB row asked for 200 times
     /// at once must not hold 200 copies of it).
     pub max_row_views: usize,
+    /// Whether the session cookie is `Secure` (`--cookie-secure`).
+    pub cookie_secure: CookieSecure,
 }
 
 impl Default for ConsoleConfig {
@@ -144,6 +160,7 @@ impl Default for ConsoleConfig {
             allowed_hosts: Vec::new(),
             public_read: false,
             max_row_views: DEFAULT_ROW_VIEWS,
+            cookie_secure: CookieSecure::Auto,
         }
     }
 }

@@ -46,6 +46,8 @@ pub struct State {
     /// Every page but the login needs a session: the console listens beyond loopback and
     /// `--public-read` was not given (chunk text and metadata are customer data).
     pub reads_need_login: bool,
+    /// The session cookie carries `Secure` ([`super::CookieSecure`] for this listener).
+    pub secure_cookie: bool,
     redis: Arc<tokio::sync::Mutex<Option<RedisConn>>>,
 }
 
@@ -62,6 +64,11 @@ impl State {
             .expect("an HTTP client without TLS settings builds");
         State {
             reads_need_login: exposed && !console.config.public_read,
+            secure_cookie: match console.config.cookie_secure {
+                super::CookieSecure::Auto => exposed,
+                super::CookieSecure::Always => true,
+                super::CookieSecure::Never => false,
+            },
             event_slots: Arc::new(Semaphore::new(console.config.max_event_clients)),
             row_slots: Arc::new(Semaphore::new(console.config.max_row_views)),
             action_slots: Arc::new(Semaphore::new(MAX_RUNNING_ACTIONS)),
@@ -509,8 +516,10 @@ async fn login(
     // `next` is visible ASCII (checked above), so this never falls back.
     let location = HeaderValue::from_str(&next).unwrap_or_else(|_| HeaderValue::from_static("/"));
     let mut resp = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
-    resp.headers_mut()
-        .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::set_cookie(&id)).expect("hex cookie"));
+    resp.headers_mut().insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&auth::set_cookie(&id, state.secure_cookie)).expect("hex cookie"),
+    );
     resp
 }
 
@@ -543,8 +552,10 @@ async fn logout(
     )
     .await;
     let mut resp = Redirect::to("/").into_response();
-    resp.headers_mut()
-        .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::clear_cookie()).expect("static cookie"));
+    resp.headers_mut().insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&auth::clear_cookie(state.secure_cookie)).expect("static cookie"),
+    );
     resp
 }
 

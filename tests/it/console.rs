@@ -14,7 +14,8 @@
 //! - `actions_without_the_token_are_refused_and_change_nothing`: without a session the
 //!   confirmation form is not offered, and a forged form is refused; a logged-in browser
 //!   with a wrong CSRF token is refused too; a read-only console shows no action and refuses
-//!   them all; Postgres is unchanged and no action is in the audit trail.
+//!   them all; Postgres is unchanged and no action is in the audit trail. A login whose
+//!   `next` is `/<TAB>/<another origin>/` lands on the console's own `/`.
 //! - `no_injected_script_runs`: a `<script>` in a doc id, a text, metadata and a provider's
 //!   error message is shown as text on every page and never runs (the raw HTML is escaped;
 //!   the browser's `window.__pwned` stays undefined and its title unchanged).
@@ -22,7 +23,11 @@
 //!
 //! Without a browser: the live tail resumes exactly after `Last-Event-ID` and refuses
 //! clients beyond its bound; `serve --console-addr` serves the console with its own breaker
-//! and stops with it; console settings outside their bounds are usage errors (exit 2).
+//! and stops with it; console settings outside their bounds are usage errors (exit 2); a
+//! login's `next` with a tab, a line break, a NUL or `//` returns to `/` (never a 500);
+//! beyond loopback every page needs a session unless `--public-read`; a 24 MB row's page is
+//! bounded and links its streamed download, and views beyond `--max-row-views` get 503; the
+//! session cookie is `Secure` beyond loopback or when asked.
 //!
 //! Screenshots of every page go to `target/test-output/console/`.
 
@@ -1136,4 +1141,33 @@ async fn a_huge_row_is_shown_bounded_and_its_views_are_capped() {
         404
     );
     served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_cookie_is_secure_beyond_loopback_or_when_asked() {
+    use embed_dlq::console::CookieSecure;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let token = Some(ConsoleToken::new(TOKEN.into()).unwrap());
+    for (bind, secure, expected) in [
+        ("127.0.0.1:0", CookieSecure::Auto, false),
+        ("0.0.0.0:0", CookieSecure::Auto, true),
+        ("127.0.0.1:0", CookieSecure::Always, true),
+        ("0.0.0.0:0", CookieSecure::Never, false),
+    ] {
+        let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
+        let config = ConsoleConfig { token: token.clone(), cookie_secure: secure, ..Default::default() };
+        let served = serve_with(&db, &keys, listener, config).await;
+        let r = no_redirects()
+            .post(format!("{}/login", served.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={TOKEN}&name=c&next=/"))
+            .send()
+            .await
+            .unwrap();
+        let set = r.headers()["set-cookie"].to_str().unwrap().to_string();
+        assert!(set.contains("HttpOnly") && set.contains("SameSite=Strict"), "{set}");
+        assert_eq!(set.split(';').any(|a| a.trim() == "Secure"), expected, "{bind} {secure:?}: {set}");
+        served.stop().await;
+    }
 }
