@@ -506,6 +506,11 @@ impl Reconciler {
     /// off.
     pub async fn run_sweep(&mut self, mode: Mode, sweep: Option<Sweep>) -> Result<Report, ReconcileError> {
         let lock = sql::RunLock::begin(self.store.pool()).await?;
+        // With streams, the database's stream prefix before anything else: a run under
+        // another prefix must repair nothing and write nothing, `{prefix}:meta` included.
+        if self.redis.is_some() {
+            crate::store::prefix::check(self.store.pool(), self.keys.prefix()).await?;
+        }
         let started = Instant::now();
         let started_at = chrono::Utc::now();
         let sweep = sweep.unwrap_or_else(|| self.config.sweeps.pick(&lock.previous));
@@ -721,8 +726,8 @@ impl Reconciler {
                 events_unrepaired: None,
             });
         };
+        // The prefix was checked when the run started (`run_sweep`).
         crate::streams::check_shards(&mut redis, &self.keys).await?;
-        crate::store::prefix::check(self.store.pool(), self.keys.prefix()).await?;
         let (missing, events_unrepaired) =
             self.missing_events_check(&mut redis, repair, events_window).await?;
         let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;

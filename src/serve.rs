@@ -134,16 +134,18 @@ pub async fn serve_with_console(
     console: Option<crate::console::MountedConsole>,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
+    // The prefix first: a process with the wrong one must leave nothing behind, and the
+    // shard check records the count under the prefix (`{prefix}:meta`) on first use.
+    match crate::store::prefix::check(store.pool(), config.keys.prefix()).await {
+        Ok(()) => {}
+        Err(crate::store::prefix::PrefixError::Mismatch(m)) => return Err(ServeError::Prefix(m)),
+        Err(crate::store::prefix::PrefixError::Store(e)) => return Err(ServeError::Store(e)),
+    }
     let manager = streams::managed(&client).await.map_err(ServeError::Redis)?;
     match streams::check_shards(&mut manager.clone(), &config.keys).await {
         Ok(()) => {}
         Err(streams::ShardsError::Mismatch(m)) => return Err(ServeError::Shards(m)),
         Err(streams::ShardsError::Redis(e)) => return Err(ServeError::Redis(e)),
-    }
-    match crate::store::prefix::check(store.pool(), config.keys.prefix()).await {
-        Ok(()) => {}
-        Err(crate::store::prefix::PrefixError::Mismatch(m)) => return Err(ServeError::Prefix(m)),
-        Err(crate::store::prefix::PrefixError::Store(e)) => return Err(ServeError::Store(e)),
     }
     // `stop`: the signal, or a failed task. `hard`: the grace period is over.
     let stop = cancel.child_token();

@@ -196,6 +196,14 @@ pub struct ServeCommand {
     /// With --console-addr: the console hides and refuses every action.
     #[arg(long, requires = "console_addr")]
     pub console_read_only: bool,
+    /// With --console-addr beyond loopback: serve the pages without a login (see `console
+    /// --public-read`).
+    #[arg(long, requires = "console_addr")]
+    pub console_public_read: bool,
+    /// With --console-addr: whether the session cookie is `Secure` (see `console
+    /// --cookie-secure`).
+    #[arg(long, value_enum, default_value_t, requires = "console_addr")]
+    pub console_cookie_secure: embed_dlq::console::CookieSecure,
 }
 
 /// The arguments of `console`.
@@ -204,9 +212,19 @@ pub struct ConsoleCommand {
     /// Address to listen on: loopback by default; any other address belongs behind TLS.
     #[arg(long, default_value = embed_dlq::console::DEFAULT_LISTEN)]
     pub listen: SocketAddr,
-    /// Hide and refuse every action (requeue, purge, reconcile runs, login).
+    /// Hide and refuse every action (requeue, purge, reconcile runs; a login only serves
+    /// reading, where reading needs one).
     #[arg(long)]
     pub read_only: bool,
+    /// Beyond loopback, serve every page without a login (by default only the login page
+    /// answers there: rows hold customer text). On loopback pages need no login anyway.
+    #[arg(long)]
+    pub public_read: bool,
+    /// Whether the session cookie is `Secure` (sent back over HTTPS only): `auto` beyond
+    /// loopback, where the console belongs behind TLS; `always`; `never` (plain HTTP beyond
+    /// loopback: the token and the session travel in clear).
+    #[arg(long, value_enum, default_value_t)]
+    pub cookie_secure: embed_dlq::console::CookieSecure,
     /// Rows a second a console requeue publishes, 1..=100000.
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_REQUEUE_RATE,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -215,6 +233,11 @@ pub struct ConsoleCommand {
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENT_CLIENTS as u64,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     pub max_event_clients: u64,
+    /// Row pages and text downloads served at once, 1..=64; more are answered 503 with
+    /// Retry-After (a row's payload may be megabytes).
+    #[arg(long, default_value_t = embed_dlq::console::DEFAULT_ROW_VIEWS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub max_row_views: u64,
     /// Newest events scanned for a row's events on its page, 100..=100000.
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENTS_SCAN as u64,
           value_parser = clap::value_parser!(u64).range(100..=100_000))]

@@ -28,8 +28,11 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
     let ConsoleCommand {
         listen,
         read_only,
+        public_read,
+        cookie_secure,
         requeue_rate,
         max_event_clients,
+        max_row_views,
         events_scan,
         metrics_urls,
         allowed_hosts,
@@ -58,6 +61,9 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         events_scan: events_scan as usize,
         metrics_urls,
         allowed_hosts,
+        public_read,
+        max_row_views: max_row_views as usize,
+        cookie_secure,
     };
     if let Err(e) = config.check() {
         return exit::fail(exit::USAGE, &e.to_string());

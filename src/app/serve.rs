@@ -13,7 +13,16 @@ use super::{Resolver, exit};
 
 /// Runs `serve`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: CancellationToken) -> i32 {
-    let ServeCommand { provider, ingest, retry, serve, console_addr, console_read_only } = args;
+    let ServeCommand {
+        provider,
+        ingest,
+        retry,
+        serve,
+        console_addr,
+        console_read_only,
+        console_public_read,
+        console_cookie_secure,
+    } = args;
     let flags =
         FileConfig { provider: *provider, ingest: *ingest, retry: *retry, serve, ..Default::default() };
     let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_client()?, s)));
@@ -27,7 +36,14 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
             Ok(t) => t,
             Err(e) => return exit::fail(exit::USAGE, &e),
         };
-        let console = ConsoleConfig { listen, read_only: console_read_only, token, ..Default::default() };
+        let console = ConsoleConfig {
+            listen,
+            read_only: console_read_only,
+            public_read: console_public_read,
+            cookie_secure: console_cookie_secure,
+            token,
+            ..Default::default()
+        };
         if let Err(e) = console.check() {
             return exit::fail(exit::USAGE, &e.to_string());
         }

@@ -131,14 +131,17 @@ pub fn session_cookie(headers: &axum::http::HeaderMap) -> Option<String> {
         .filter(|v| v.len() == 64 && v.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
-/// The `Set-Cookie` value that stores a session id.
-pub fn set_cookie(id: &str) -> String {
-    format!("{COOKIE}={id}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}", SESSION_TTL.as_secs())
+/// The `Set-Cookie` value that stores a session id; `secure` adds `Secure` (the browser
+/// sends it back over HTTPS only).
+pub fn set_cookie(id: &str, secure: bool) -> String {
+    let secure = if secure { "; Secure" } else { "" };
+    format!("{COOKIE}={id}; Path=/; HttpOnly; SameSite=Strict{secure}; Max-Age={}", SESSION_TTL.as_secs())
 }
 
-/// The `Set-Cookie` value that clears the session cookie.
-pub fn clear_cookie() -> String {
-    format!("{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0")
+/// The `Set-Cookie` value that clears the session cookie (with the same attributes).
+pub fn clear_cookie(secure: bool) -> String {
+    let secure = if secure { "; Secure" } else { "" };
+    format!("{COOKIE}=; Path=/; HttpOnly; SameSite=Strict{secure}; Max-Age=0")
 }
 
 #[cfg(test)]
@@ -180,6 +183,8 @@ mod tests {
         assert_eq!(session_cookie(&h), Some(id));
         h.insert(axum::http::header::COOKIE, format!("{COOKIE}=<script>").parse().unwrap());
         assert_eq!(session_cookie(&h), None);
-        assert!(set_cookie("x").contains("HttpOnly; SameSite=Strict"));
+        assert!(set_cookie("x", false).contains("HttpOnly; SameSite=Strict"));
+        assert!(!set_cookie("x", false).contains("Secure"));
+        assert!(set_cookie("x", true).contains("; Secure;") && clear_cookie(true).contains("; Secure;"));
     }
 }

@@ -8,7 +8,8 @@
 //! | --- | --- |
 //! | `GET /` | overview: depth by class and reason, ready / backing off / exhausted, park and replay rates (inline SVG), oldest row, outbox backlog, streams per shard, last reconcile, breaker state |
 //! | `GET /dlq` | the list: filters, sortable columns, keyset pages, the count that matches |
-//! | `GET /dlq/{id}` | one row: payload, metadata, error timeline, next retry, its events, actions |
+//! | `GET /dlq/{id}` | one row: payload (its first 64 Ki characters), metadata, error timeline, next retry, its events, actions |
+//! | `GET /dlq/{id}/text` | the row's whole text, streamed from Postgres piece by piece |
 //! | `GET /actions/{requeue,purge}` | a bulk action's dry run (count and sample) and confirmation form |
 //! | `POST /actions/{requeue,purge}` | the confirmed action, run in the background; redirects to its audit entry |
 //! | `GET /audit`, `GET /audit/{id}` | the audit trail; an action's result page |
@@ -21,6 +22,10 @@
 //! - It listens on `127.0.0.1:8088` by default, and answers only requests whose `Host` is an
 //!   IP address, `localhost` or a name given with `--allow-host` (a DNS-rebinding page on
 //!   another site cannot read it through the victim's browser).
+//! - Beyond loopback every page needs a session (the login form answers 401 instead), since
+//!   rows hold customer text; `public_read` (`--public-read`) lifts that. Listening beyond
+//!   loopback without a token and without `public_read` is a usage error: nobody could read.
+//!   On loopback the pages need no login (actions still do).
 //! - Every mutating route needs a session from the login with `EMBED_DLQ_CONSOLE_TOKEN`
 //!   (an `HttpOnly`, `SameSite=Strict` cookie) and the session's CSRF token in the form. No
 //!   token configured: no action at all. `read_only`: no action forms, every action refused.
@@ -35,7 +40,9 @@
 //!
 //! Every setting of [`ConsoleConfig`] has a documented range ([`ConsoleConfig::check`]);
 //! every request value is bounded before use (filter strings, page sizes, cursors); sessions,
-//! live-tail clients and background actions are capped; every page has a time limit.
+//! live-tail clients and background actions are capped; every page has a time limit. A
+//! row's page reads a bounded excerpt of its payload, its whole text streams in pieces, and
+//! both together are capped (`max_row_views`; beyond it 503 with `Retry-After`).
 
 mod actions;
 mod auth;
@@ -81,8 +88,30 @@ pub const MAX_METRICS_URLS: usize = 8;
 pub const MAX_ALLOWED_HOSTS: usize = 16;
 /// Bulk actions running at once; another one is refused until one ends.
 pub const MAX_RUNNING_ACTIONS: usize = 4;
+/// Default detail pages and text downloads served at once.
+pub const DEFAULT_ROW_VIEWS: usize = 8;
+/// Most detail pages and text downloads served at once, as a setting: each reads up to
+/// [`crate::store::console::DETAIL_TEXT_CHARS`] of three payload parts (a page) or holds one
+/// piece of a text (a download) and a database connection while it reads.
+pub const MAX_ROW_VIEWS: usize = 64;
+/// What a client told to come back (a view beyond the cap) is asked to wait, in seconds.
+pub const BUSY_RETRY_AFTER_SECS: u64 = 2;
 /// Time limit of every page (a slow query shows an error instead of hanging the browser).
 pub const PAGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Whether the session cookie carries `Secure` (sent back over HTTPS only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CookieSecure {
+    /// `Secure` when the console listens beyond loopback, where it belongs behind TLS; not on
+    /// loopback, where browsers are reached over plain HTTP.
+    #[default]
+    Auto,
+    /// Always `Secure` (e.g. a loopback console behind a TLS reverse proxy).
+    Always,
+    /// Never `Secure`: beyond loopback over plain HTTP (the token and the session then travel
+    /// in clear).
+    Never,
+}
 
 /// How the console runs; every field has a documented bound ([`ConsoleConfig::check`]).
 #[derive(Debug, Clone)]
@@ -106,6 +135,16 @@ pub struct ConsoleConfig {
     /// Host names besides IP addresses and `localhost` that requests may name (at most
     /// [`MAX_ALLOWED_HOSTS`]), e.g. the name of a reverse proxy in front of it.
     pub allowed_hosts: Vec<String>,
+    /// Serve the pages without a login even beyond loopback (`--public-read`). Without it a
+    /// console that listens beyond loopback shows nothing but its login: every row's text
+    /// and metadata is customer data. On loopback the pages need no login either way.
+    pub public_read: bool,
+    /// Row detail pages and text downloads served at once, 1..=[`MAX_ROW_VIEWS`]; one more
+    /// is answered 503 with `Retry-After` rather than queued (one 8 MB row asked for 200 times
+    /// at once must not hold 200 copies of it).
+    pub max_row_views: usize,
+    /// Whether the session cookie is `Secure` (`--cookie-secure`).
+    pub cookie_secure: CookieSecure,
 }
 
 impl Default for ConsoleConfig {
@@ -119,6 +158,9 @@ impl Default for ConsoleConfig {
             events_scan: DEFAULT_EVENTS_SCAN,
             metrics_urls: Vec::new(),
             allowed_hosts: Vec::new(),
+            public_read: false,
+            max_row_views: DEFAULT_ROW_VIEWS,
+            cookie_secure: CookieSecure::Auto,
         }
     }
 }
@@ -147,6 +189,12 @@ impl ConsoleConfig {
             return bad(
                 "--max-event-clients",
                 format!("{} is out of range: allowed 1..={MAX_EVENT_CLIENTS}", self.max_event_clients),
+            );
+        }
+        if !(1..=MAX_ROW_VIEWS).contains(&self.max_row_views) {
+            return bad(
+                "--max-row-views",
+                format!("{} is out of range: allowed 1..={MAX_ROW_VIEWS}", self.max_row_views),
             );
         }
         if !EVENTS_SCAN_RANGE.contains(&self.events_scan) {
@@ -179,6 +227,17 @@ impl ConsoleConfig {
                     );
                 }
             }
+        }
+        if !self.listen.ip().is_loopback() && self.token.is_none() && !self.public_read {
+            return bad(
+                "--listen",
+                format!(
+                    "{} is beyond loopback, where reading needs a login: set EMBED_DLQ_CONSOLE_TOKEN, \
+                     or pass --public-read (serve: --console-public-read) to show every row to \
+                     anyone who reaches it",
+                    self.listen
+                ),
+            );
         }
         if self.allowed_hosts.len() > MAX_ALLOWED_HOSTS {
             return bad(
@@ -274,12 +333,18 @@ pub async fn serve_on(
     console: Console,
     cancel: CancellationToken,
 ) -> Result<(), ConsoleError> {
-    if !console.config.listen.ip().is_loopback() {
+    // The address actually bound decides (a caller may bind another than `listen`).
+    let bound = listener.local_addr().map(|a| a.ip()).unwrap_or(console.config.listen.ip());
+    let exposed = !bound.is_loopback();
+    if exposed && console.config.public_read {
         tracing::warn!(listen = %console.config.listen,
-            "the console listens beyond loopback: put it behind TLS and set EMBED_DLQ_CONSOLE_TOKEN");
+            "the console listens beyond loopback with --public-read: anyone who reaches it reads every row");
+    } else if exposed {
+        tracing::info!(listen = %console.config.listen,
+            "the console listens beyond loopback: every page needs a login (put it behind TLS)");
     }
     let tasks = TaskTracker::new();
-    let state = routes::State::new(console, cancel.clone(), tasks.clone());
+    let state = routes::State::new(console, cancel.clone(), tasks.clone(), exposed);
     let app = routes::router(state).into_make_service_with_connect_info::<SocketAddr>();
     let stop = cancel.clone();
     let served =

@@ -13,8 +13,8 @@ use super::filter::{AGES, ListFilter, ListQuery, PAGE_SIZES, query_string};
 use super::overview::Overview;
 use crate::model::ErrorClass;
 use crate::reconcile::Report;
-use crate::store::console::{AuditEntry, Page, ReconcileRun, SortKey};
-use crate::store::dlq::{Detail, Listed};
+use crate::store::console::{AuditEntry, Excerpt, Page, ReconcileRun, RowView, SortKey};
+use crate::store::dlq::Listed;
 
 /// What every page needs to know about the request.
 #[derive(Debug, Clone)]
@@ -27,12 +27,20 @@ pub struct Ctx {
     pub token_set: bool,
     /// The request's path and query (where a login returns to).
     pub here: String,
+    /// Reading needs a login here (the console listens beyond loopback without
+    /// `--public-read`): the login form is offered even when actions are disabled.
+    pub login_for_reads: bool,
 }
 
 impl Ctx {
     /// Actions are possible at all (a token is set and the console is not read-only).
     pub fn actions_enabled(&self) -> bool {
         self.token_set && !self.read_only
+    }
+
+    /// The login form is offered: for actions, or for reading where reading needs it.
+    pub fn login_offered(&self) -> bool {
+        self.token_set && (!self.read_only || self.login_for_reads)
     }
 
     fn csrf(&self) -> Option<&str> {
@@ -64,6 +72,15 @@ fn ago(t: DateTime<Utc>) -> String {
 
 fn pretty(v: &serde_json::Value) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default()
+}
+
+/// A payload excerpt as shown: a string as is; whole JSON pretty-printed; cut JSON as its
+/// compact text (it no longer parses).
+fn shown(e: &Excerpt) -> String {
+    if e.is_string || e.truncated() {
+        return e.head.clone();
+    }
+    serde_json::from_str::<serde_json::Value>(&e.head).map(|v| pretty(&v)).unwrap_or_else(|_| e.head.clone())
 }
 
 /// The frame of every page.
@@ -427,20 +444,12 @@ pub fn list(
 }
 
 /// `/dlq/{id}`.
-pub fn detail(ctx: &Ctx, d: &Detail, events: &Result<(Vec<ShownEvent>, usize), String>) -> Markup {
+///
+/// The payload is shown from the excerpts of [`RowView`]: a text cut at
+/// [`crate::store::console::DETAIL_TEXT_CHARS`] says so and links its download.
+pub fn detail(ctx: &Ctx, view: &RowView, events: &Result<(Vec<ShownEvent>, usize), String>) -> Markup {
+    let d = &view.detail;
     let r = &d.row;
-    let text = d.payload.get("text");
-    let metadata = d.payload.get("metadata");
-    let rest: serde_json::Map<String, serde_json::Value> = d
-        .payload
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .filter(|(k, _)| !matches!(k.as_str(), "text" | "metadata" | "doc_id" | "chunk_index"))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
-        })
-        .unwrap_or_default();
     let history = d.error_history.as_array().cloned().unwrap_or_default();
     let one = query_string(&[("id", r.id.to_string())]);
     layout(
@@ -478,16 +487,29 @@ pub fn detail(ctx: &Ctx, d: &Detail, events: &Result<(Vec<ShownEvent>, usize), S
                 }
                 div {
                     h2 { "Payload text" }
-                    @match text {
-                        Some(serde_json::Value::String(t)) => { pre #payload-text.text { (t) } }
-                        Some(v) => { pre #payload-text.text { (pretty(v)) } }
+                    @match &view.text {
+                        Some(t) => {
+                            pre #payload-text.text { (shown(t)) }
+                            @if t.is_string {
+                                p.note {
+                                    @if t.truncated() {
+                                        span #text-truncated { "Showing the first " (t.head.chars().count()) " of " (t.chars) " characters. " }
+                                    }
+                                    a #text-download href=(format!("/dlq/{}/text", r.id)) { "Download the whole text" }
+                                }
+                            }
+                        }
                         None => { p.warn { "The payload has no text: re-ingest the corrected source line." } }
                     }
                     h2 { "Metadata" }
-                    pre #payload-metadata { (metadata.map(pretty).unwrap_or_else(|| "(none)".into())) }
-                    @if !rest.is_empty() {
+                    pre #payload-metadata { (view.metadata.as_ref().map(shown).unwrap_or_else(|| "(none)".into())) }
+                    @if view.metadata.as_ref().is_some_and(Excerpt::truncated) {
+                        p.note #metadata-truncated { "Metadata cut at " (crate::store::console::DETAIL_TEXT_CHARS) " characters (see " code { "dlq show --json" } ")." }
+                    }
+                    @if let Some(rest) = &view.rest {
                         h2 { "Other payload fields" }
-                        pre { (pretty(&serde_json::Value::Object(rest))) }
+                        pre { (shown(rest)) }
+                        @if rest.truncated() { p.note { "Cut at " (crate::store::console::DETAIL_TEXT_CHARS) " characters." } }
                     }
                 }
             }
@@ -754,7 +776,7 @@ pub fn login(ctx: &Ctx, next: &str, error: Option<&str>) -> Markup {
         "Log in",
         html! {
             @if let Some(e) = error { p.warn #login-error { (e) } }
-            @if !ctx.actions_enabled() {
+            @if !ctx.login_offered() {
                 p { "Logging in is only needed for actions, and actions are disabled here ("
                     (if ctx.read_only { "read-only console" } else { "no EMBED_DLQ_CONSOLE_TOKEN set" }) ")." }
             } @else {
@@ -779,6 +801,7 @@ mod tests {
             read_only: false,
             token_set: true,
             here: "/".into(),
+            login_for_reads: false,
         }
     }
 

@@ -38,15 +38,24 @@ pub struct State {
     /// Live tails and bulk actions: the console waits for them when it stops.
     pub tasks: TaskTracker,
     pub event_slots: Arc<Semaphore>,
+    /// Detail pages and text downloads being served ([`super::ConsoleConfig::max_row_views`]).
+    pub row_slots: Arc<Semaphore>,
     pub action_slots: Arc<Semaphore>,
     /// One reconcile run at a time per console.
     pub reconcile_lock: Arc<tokio::sync::Mutex<()>>,
+    /// Every page but the login needs a session: the console listens beyond loopback and
+    /// `--public-read` was not given (chunk text and metadata are customer data).
+    pub reads_need_login: bool,
+    /// The session cookie carries `Secure` ([`super::CookieSecure`] for this listener).
+    pub secure_cookie: bool,
     redis: Arc<tokio::sync::Mutex<Option<RedisConn>>>,
 }
 
 impl State {
     /// The state of a console that stops on `cancel` and tracks its tasks in `tasks`.
-    pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker) -> State {
+    ///
+    /// `exposed`: the listener is reachable from beyond loopback.
+    pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker, exposed: bool) -> State {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(3))
             .connect_timeout(Duration::from_secs(2))
@@ -54,7 +63,14 @@ impl State {
             .build()
             .expect("an HTTP client without TLS settings builds");
         State {
+            reads_need_login: exposed && !console.config.public_read,
+            secure_cookie: match console.config.cookie_secure {
+                super::CookieSecure::Auto => exposed,
+                super::CookieSecure::Always => true,
+                super::CookieSecure::Never => false,
+            },
             event_slots: Arc::new(Semaphore::new(console.config.max_event_clients)),
+            row_slots: Arc::new(Semaphore::new(console.config.max_row_views)),
             action_slots: Arc::new(Semaphore::new(MAX_RUNNING_ACTIONS)),
             console: Arc::new(console),
             sessions: Arc::default(),
@@ -97,6 +113,7 @@ impl State {
             read_only,
             token_set: self.console.config.token.is_some(),
             here,
+            login_for_reads: self.reads_need_login,
         }
     }
 }
@@ -128,6 +145,7 @@ pub fn router(state: State) -> Router {
         .route("/", get(overview_page))
         .route("/dlq", get(list_page))
         .route("/dlq/{id}", get(detail_page))
+        .route("/dlq/{id}/text", get(text_download))
         .route("/actions/{kind}", get(actions::preview).post(actions::confirm))
         .route("/audit", get(audit_list))
         .route("/audit/{id}", get(audit_entry))
@@ -140,6 +158,7 @@ pub fn router(state: State) -> Router {
         .route("/static/console.js", get(js))
         .fallback(not_found)
         .layer(middleware::from_fn(time_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), read_gate))
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
         .with_state(state)
@@ -191,6 +210,29 @@ async fn guard(AxumState(state): AxumState<State>, req: Request, next: Next) -> 
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     resp
+}
+
+/// Where a request needs no session even when reads do: the login itself and its style.
+fn open_without_login(path: &str) -> bool {
+    matches!(path, "/login" | "/static/console.css" | "/static/console.js")
+}
+
+/// When reads need a login ([`State::reads_need_login`]), a request without a live session
+/// gets the login form (401), whatever it asked for; it never reaches a handler, so nothing
+/// is read from Postgres or Redis for it.
+async fn read_gate(AxumState(state): AxumState<State>, req: Request, next: Next) -> Response {
+    if !state.reads_need_login
+        || open_without_login(req.uri().path())
+        || state.session(req.headers()).is_some()
+    {
+        return next.run(req).await;
+    }
+    let ctx = state.ctx(req.headers(), here(req.uri()));
+    let back = local_next(Some(&ctx.here));
+    html(
+        StatusCode::UNAUTHORIZED,
+        pages::login(&ctx, &back, Some("Log in to read: this console listens beyond loopback.")),
+    )
 }
 
 /// Every page but the live tail and a reconcile run gets [`PAGE_TIMEOUT`].
@@ -259,11 +301,22 @@ async fn list_page(Page { state, ctx }: Page, Query(raw): Query<RawQuery>) -> Re
     }
 }
 
+/// A row view beyond [`super::ConsoleConfig::max_row_views`]: 503, come back shortly.
+fn busy(ctx: &Ctx) -> Response {
+    let mut resp = html(
+        StatusCode::SERVICE_UNAVAILABLE,
+        pages::message(ctx, "Busy", "Too many row pages and downloads at once: try again in a moment."),
+    );
+    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(super::BUSY_RETRY_AFTER_SECS));
+    resp
+}
+
 async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return html(StatusCode::NOT_FOUND, pages::message(&ctx, "Not found", "no such DLQ row"));
     };
-    let d = match crate::store::dlq::show(state.console.store.pool(), id).await {
+    let Ok(_slot) = state.row_slots.clone().try_acquire_owned() else { return busy(&ctx) };
+    let d = match sql::row_view(state.console.store.pool(), id).await {
         Ok(Some(d)) => d,
         Ok(None) => {
             return html(
@@ -279,7 +332,7 @@ async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Respo
     };
     let events = match state.redis().await {
         Ok(mut redis) => {
-            let r = &d.row;
+            let r = &d.detail.row;
             events::of_row(
                 &mut redis,
                 &state.console.keys,
@@ -292,6 +345,59 @@ async fn detail_page(Page { state, ctx }: Page, Path(id): Path<String>) -> Respo
         Err(e) => Err(e),
     };
     html(StatusCode::OK, pages::detail(&ctx, &d, &events))
+}
+
+/// `/dlq/{id}/text`: the row's whole text as a `text/plain` attachment, read from Postgres
+/// [`sql::TEXT_PIECE_CHARS`] characters at a time as the client takes them (one piece in
+/// memory, whatever the text's size). It holds a row-view slot until its body ends. A row
+/// that changes (requeued, parked again) or goes away meanwhile ends the body short of its
+/// `Content-Length`, so the client sees a broken download rather than a mix of two texts.
+async fn text_download(Page { state, ctx }: Page, Path(id): Path<String>) -> Response {
+    let not_found = |ctx: &Ctx| {
+        html(StatusCode::NOT_FOUND, pages::message(ctx, "Not found", "no DLQ row with a text by this id"))
+    };
+    let Ok(id) = id.parse::<i64>() else { return not_found(&ctx) };
+    let Ok(slot) = state.row_slots.clone().try_acquire_owned() else { return busy(&ctx) };
+    let pool = state.console.store.pool().clone();
+    let size = match sql::text_size(&pool, id).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return not_found(&ctx),
+        Err(e) => return db_error(&ctx, e),
+    };
+    let cancel = state.cancel.clone();
+    let broken = |why: String| std::io::Error::other(why);
+    let pieces = futures::stream::unfold(Some((0i64, slot)), move |next| {
+        let (pool, cancel) = (pool.clone(), cancel.clone());
+        async move {
+            let (from, slot) = next?;
+            if cancel.is_cancelled() {
+                return Some((Err(broken("the console is stopping".into())), None));
+            }
+            match sql::text_piece(&pool, id, size.generation, from).await {
+                Ok(Some(piece)) if piece.is_empty() => None,
+                Ok(Some(piece)) => {
+                    let n = piece.chars().count() as i64;
+                    let more = (n == i64::from(sql::TEXT_PIECE_CHARS)).then_some((from + n, slot));
+                    Some((Ok(bytes::Bytes::from(piece)), more))
+                }
+                Ok(None) => Some((Err(broken(format!("DLQ row {id} changed during the download"))), None)),
+                Err(e) => Some((Err(broken(e.to_string())), None)),
+            }
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8")),
+            (header::CONTENT_LENGTH, HeaderValue::from(size.bytes)),
+            (
+                header::CONTENT_DISPOSITION,
+                HeaderValue::from_str(&format!("attachment; filename=\"dlq-{id}.txt\""))
+                    .expect("digits and ASCII"),
+            ),
+        ],
+        axum::body::Body::from_stream(pieces),
+    )
+        .into_response()
 }
 
 async fn events_page(Page { state, ctx }: Page) -> Response {
@@ -323,14 +429,28 @@ async fn audit_entry(Page { state, ctx }: Page, Path(id): Path<String>) -> Respo
     }
 }
 
-/// `?next=` of the login: a local path only (never another site, never `//host`).
+/// Longest `next` a login returns to.
+const MAX_NEXT: usize = 2048;
+
+/// `next` of the login, where the browser goes once logged in: a path of this console or `/`.
+///
+/// Only a path made of visible ASCII that starts with exactly one `/` and holds no backslash
+/// passes. Browsers strip tabs and line breaks from a `Location` (`/<TAB>/evil.example`
+/// becomes `//evil.example`, another site) and read `\` as `/`; a line break or a NUL
+/// cannot go in a header at all. A real path of the console never needs any of them: links
+/// carry it percent-encoded. Anything else is `/`, decided before the login writes anything.
 fn local_next(next: Option<&str>) -> String {
     match next {
-        Some(n) if n.starts_with('/') && !n.starts_with("//") && !n.contains('\\') && n.len() <= 2048 => {
-            n.to_string()
-        }
+        Some(n) if is_local_path(n) => n.to_string(),
         _ => "/".into(),
     }
+}
+
+fn is_local_path(n: &str) -> bool {
+    n.len() <= MAX_NEXT
+        && n.starts_with('/')
+        && !n.starts_with("//")
+        && n.bytes().all(|b| b.is_ascii_graphic() && b != b'\\')
 }
 
 #[derive(Debug, Deserialize)]
@@ -358,8 +478,10 @@ async fn login(
 ) -> Response {
     let ctx = state.ctx(&headers, "/login".into());
     let next = local_next(form.next.as_deref());
+    // A read-only console still logs in when reads need a session (for reading only:
+    // `authorize` refuses every action there).
     let token = match (&state.console.config.token, state.console.config.read_only) {
-        (Some(t), false) => t,
+        (Some(t), read_only) if !read_only || state.reads_need_login => t,
         _ => {
             return html(
                 StatusCode::FORBIDDEN,
@@ -391,9 +513,13 @@ async fn login(
         return db_error(&ctx, e);
     }
     tracing::info!(actor = %actor, peer = %peer, "console: logged in");
-    let mut resp = Redirect::to(&next).into_response();
-    resp.headers_mut()
-        .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::set_cookie(&id)).expect("hex cookie"));
+    // `next` is visible ASCII (checked above), so this never falls back.
+    let location = HeaderValue::from_str(&next).unwrap_or_else(|_| HeaderValue::from_static("/"));
+    let mut resp = (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response();
+    resp.headers_mut().insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&auth::set_cookie(&id, state.secure_cookie)).expect("hex cookie"),
+    );
     resp
 }
 
@@ -426,8 +552,10 @@ async fn logout(
     )
     .await;
     let mut resp = Redirect::to("/").into_response();
-    resp.headers_mut()
-        .insert(header::SET_COOKIE, HeaderValue::from_str(&auth::clear_cookie()).expect("static cookie"));
+    resp.headers_mut().insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&auth::clear_cookie(state.secure_cookie)).expect("static cookie"),
+    );
     resp
 }
 
@@ -533,5 +661,44 @@ mod tests {
             assert_eq!(local_next(Some(bad)), "/", "{bad}");
         }
         assert_eq!(local_next(None), "/");
+    }
+
+    #[test]
+    fn a_login_never_returns_off_origin_nor_with_a_header_breaking_byte() {
+        for ok in ["/", "/dlq?class=transient&after=3", "/dlq/42", "/%09/still-here", "/a/b%0A"] {
+            assert_eq!(local_next(Some(ok)), ok, "{ok:?}");
+        }
+        let long = format!("/{}", "a".repeat(5000));
+        for bad in [
+            "",
+            "/\t/evil.example",
+            "/\n/evil.example",
+            "/\r\n/evil.example",
+            "/\r\nSet-Cookie: x=1",
+            "/\0/evil.example",
+            "/ /evil.example",
+            "/\u{0b}/evil.example",
+            "/\u{0c}/evil.example",
+            "/\u{7f}/evil.example",
+            "/\u{a0}/evil.example",
+            "/\u{2028}/evil.example",
+            "/\u{200b}/evil.example",
+            "/\u{feff}/evil.example",
+            "/é",
+            "\t//evil.example",
+            " /dlq",
+            "//evil.example",
+            "///evil.example",
+            "/\\evil.example",
+            "\\/evil.example",
+            "/dlq\\..\\",
+            "https://evil.example/",
+            "javascript:alert(1)",
+            "evil.example",
+            "dlq",
+            long.as_str(),
+        ] {
+            assert_eq!(local_next(Some(bad)), "/", "{bad:?}");
+        }
     }
 }

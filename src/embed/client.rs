@@ -486,21 +486,92 @@ fn same_origin_redirects() -> reqwest::redirect::Policy {
     })
 }
 
+/// Whether `c` is a Unicode format character (general category Cf: zero-width spaces and
+/// joiners, bidi controls, the BOM, the soft hyphen, tags): invisible, so an echo of a secret
+/// with one inserted must still count as an echo, and a stored text keeps none of them.
+pub(crate) fn is_format(c: char) -> bool {
+    matches!(c as u32,
+        0x00AD | 0x0600..=0x0605 | 0x061C | 0x06DD | 0x070F | 0x0890..=0x0891 | 0x08E2 | 0x180E
+        | 0x200B..=0x200F | 0x202A..=0x202E | 0x2060..=0x2064 | 0x2066..=0x206F | 0xFEFF
+        | 0xFFF9..=0xFFFB | 0x110BD | 0x110CD | 0x13430..=0x1343F | 0x1BCA0..=0x1BCA3
+        | 0x1D173..=0x1D17A | 0xE0001 | 0xE0020..=0xE007F)
+}
+
 /// Shortest secret that is redacted: shorter values would blank out ordinary words.
 const MIN_SECRET_LEN: usize = 4;
 /// Shortest base64 fragment of a secret that is redacted.
 const MIN_BASE64_NEEDLE: usize = 4;
+/// Length of the pieces of a secret that count as an echo on their own: any 8 characters of
+/// the key in a row are redacted (a proxy that cut the key, or a byte inserted in it that
+/// this redactor does not see through, leaves at most 7 characters on either side).
+const SECRET_FRAGMENT: usize = 8;
 
-/// Replaces every echo of the configured secrets in a server's text with `[redacted]`: the
-/// plain value ASCII case-insensitively (a proxy may lower-case a header), and its base64
-/// encodings in the standard and URL-safe alphabets at each of the three byte alignments
-/// (so `Basic` credentials and base64 dumps of a header block are caught too).
+/// Replaces every echo of the configured secrets in a server's text with `[redacted]`.
+///
+/// The text is matched in a normalised form: control characters, Unicode format characters
+/// (zero-width spaces, bidi controls, the BOM), white space and the U+FFFD that lossy
+/// decoding leaves for an invalid byte are skipped, and `%XX` escapes of ASCII are decoded,
+/// so one inserted byte cannot hide an echo. In that form the redactor finds the plain value
+/// ASCII case-insensitively (a proxy may lower-case a header), any [`SECRET_FRAGMENT`]
+/// characters of it in a row, and its base64 encodings in the standard and URL-safe
+/// alphabets at each of the three byte alignments (so `Basic` credentials and base64 dumps
+/// of a header block are caught too). Each match is replaced in the original text, from its
+/// first to its last character, with whatever was inserted in between.
 #[derive(Debug, Default)]
 pub(crate) struct Redactor {
     /// Lower-cased plain secrets.
     plain: Vec<String>,
+    /// Every lower-cased [`SECRET_FRAGMENT`]-byte window of the plain secrets.
+    fragments: std::collections::HashSet<Vec<u8>>,
     /// Base64 fragments determined by the secret's bytes alone (case-sensitive).
     encoded: Vec<String>,
+}
+
+/// A text in the form the redactor matches: what is left after skipping the characters an
+/// echo may carry inside it, with where each of its bytes came from in the original.
+struct Normalised {
+    /// The kept characters (`%XX` of ASCII decoded).
+    text: String,
+    /// For each byte of `text`, the byte range of the original character or escape.
+    origin: Vec<(usize, usize)>,
+}
+
+impl Normalised {
+    fn of(original: &str) -> Normalised {
+        let mut n = Normalised { text: String::with_capacity(original.len()), origin: Vec::new() };
+        let bytes = original.as_bytes();
+        let mut chars = original.char_indices().peekable();
+        while let Some((i, c)) = chars.next() {
+            let (c, end) = match c {
+                '%' => match (bytes.get(i + 1), bytes.get(i + 2)) {
+                    (Some(h), Some(l)) if h.is_ascii_hexdigit() && l.is_ascii_hexdigit() => {
+                        let v = u8::from_str_radix(&original[i + 1..i + 3], 16).unwrap_or(0);
+                        if v.is_ascii() {
+                            chars.next();
+                            chars.next();
+                            (v as char, i + 3)
+                        } else {
+                            (c, i + 1)
+                        }
+                    }
+                    _ => (c, i + 1),
+                },
+                _ => (c, i + c.len_utf8()),
+            };
+            if c.is_control() || c.is_whitespace() || is_format(c) || c == char::REPLACEMENT_CHARACTER {
+                continue;
+            }
+            n.text.push(c);
+            n.origin.extend(std::iter::repeat_n((i, end), c.len_utf8()));
+        }
+        n
+    }
+
+    /// The original byte range of `text[start..end]` (from its first character's start to
+    /// its last one's end).
+    fn span(&self, start: usize, end: usize) -> (usize, usize) {
+        (self.origin[start].0, self.origin[end - 1].1)
+    }
 }
 
 impl Redactor {
@@ -509,7 +580,9 @@ impl Redactor {
         use base64::engine::general_purpose::{STANDARD_NO_PAD, URL_SAFE_NO_PAD};
         let mut r = Redactor::default();
         for secret in secrets.iter().filter(|s| s.len() >= MIN_SECRET_LEN) {
-            r.plain.push(secret.to_ascii_lowercase());
+            let lower = secret.to_ascii_lowercase();
+            r.fragments.extend(lower.as_bytes().windows(SECRET_FRAGMENT).map(<[u8]>::to_vec));
+            r.plain.push(lower);
             let n = secret.len();
             for offset in 0..3usize {
                 let mut bytes = vec![0u8; offset];
@@ -533,18 +606,26 @@ impl Redactor {
         r
     }
 
-    /// `text` with every echo of a secret replaced by `[redacted]`.
+    /// `text` with every echo of a secret replaced by `[redacted]` (see [`Redactor`]).
     pub(crate) fn redact(&self, text: &str) -> String {
         if self.plain.is_empty() {
             return text.to_string();
         }
-        let lower = text.to_ascii_lowercase();
+        let norm = Normalised::of(text);
+        let lower = norm.text.to_ascii_lowercase();
         let mut hits: Vec<(usize, usize)> = Vec::new();
         for needle in &self.plain {
-            hits.extend(lower.match_indices(needle.as_str()).map(|(i, m)| (i, i + m.len())));
+            hits.extend(lower.match_indices(needle.as_str()).map(|(i, m)| norm.span(i, i + m.len())));
+        }
+        if !self.fragments.is_empty() {
+            for (i, w) in lower.as_bytes().windows(SECRET_FRAGMENT).enumerate() {
+                if self.fragments.contains(w) {
+                    hits.push(norm.span(i, i + SECRET_FRAGMENT));
+                }
+            }
         }
         for needle in &self.encoded {
-            hits.extend(text.match_indices(needle.as_str()).map(|(i, m)| (i, i + m.len())));
+            hits.extend(norm.text.match_indices(needle.as_str()).map(|(i, m)| norm.span(i, i + m.len())));
         }
         if hits.is_empty() {
             return text.to_string();
@@ -567,14 +648,18 @@ impl Redactor {
     }
 }
 
-/// Cuts an error text to [`MAX_ERROR_EXCERPT`] characters on a char boundary and replaces
-/// control characters, so a DLQ row never stores a provider's full echo of the input.
+/// Cuts an error text to [`MAX_ERROR_EXCERPT`] characters on a char boundary, replaces
+/// control characters and drops format characters ([`is_format`]), so a DLQ row never
+/// stores a provider's full echo of the input.
 pub(crate) fn sanitize_excerpt(s: &str) -> String {
     let mut out = String::with_capacity(s.len().min(MAX_ERROR_EXCERPT + 16));
     for (n, c) in s.chars().enumerate() {
         if n >= MAX_ERROR_EXCERPT {
             out.push_str("…[truncated]");
             break;
+        }
+        if is_format(c) {
+            continue; // invisible, and a bidi control could disguise the text around it
         }
         out.push(if c.is_control() { ' ' } else { c });
     }
@@ -895,6 +980,61 @@ mod tests {
         let text = format!("{}{key}{}", "e".repeat(MAX_ERROR_EXCERPT - 5), "z".repeat(100));
         let out = sanitize_excerpt(&r.redact(&text));
         assert!(!out.contains("sk-Ab"), "{out}");
+    }
+
+    /// Whether any 8-character window of `key` (ASCII case-insensitively) is in `text`.
+    fn fragment_of(text: &str, key: &str) -> Option<String> {
+        let (text, key) = (text.to_ascii_lowercase(), key.to_ascii_lowercase());
+        (0..=key.len() - 8).map(|i| &key[i..i + 8]).find(|w| text.contains(*w)).map(str::to_string)
+    }
+
+    #[test]
+    fn redaction_sees_through_an_inserted_byte_a_format_char_and_percent_encoding() {
+        let key = "sk-AbCdEfGh0123456789";
+        let r = Redactor::new(&[key]);
+        let (head, tail) = key.split_at(11);
+        let zwsp = '\u{200b}';
+        let mut echoes: Vec<Vec<u8>> = Vec::new();
+        // One byte or character inserted in the middle, at the start and near the end.
+        for cut in [3, 11, 18] {
+            let (a, b) = key.split_at(cut);
+            for ins in [
+                "\0", "\x01", "\x1b", "\n", "\r\n", "\t", "\u{7f}", "\u{200b}", "\u{200d}", "\u{feff}",
+                "\u{2060}", "\u{ad}", "\u{202e}", "%2D", "%00", " ", "-", "\\",
+            ] {
+                echoes.push(format!("{a}{ins}{b}").into_bytes());
+            }
+            let mut bad_utf8 = a.as_bytes().to_vec();
+            bad_utf8.push(0xff);
+            bad_utf8.extend_from_slice(b.as_bytes());
+            echoes.push(bad_utf8);
+        }
+        // Every character separated by a zero-width space; the key percent-encoded whole.
+        echoes.push(key.chars().flat_map(|c| [c, zwsp]).collect::<String>().into_bytes());
+        echoes.push(key.bytes().map(|b| format!("%{b:02X}")).collect::<String>().into_bytes());
+        echoes.push(format!("{head}%2d{tail}").into_bytes());
+        echoes.push(key.replace('-', "%2D").into_bytes());
+        // Only a long piece of it (a truncating proxy, a log line cut in the middle).
+        echoes.push(key.as_bytes()[..12].to_vec());
+        echoes.push(key.as_bytes()[9..].to_vec());
+        for echo in echoes {
+            let mut body = b"{\"error\": \"invalid key: ".to_vec();
+            body.extend_from_slice(&echo);
+            body.extend_from_slice(b" was refused\"}");
+            let shown = String::from_utf8_lossy(&echo).escape_debug().to_string();
+            let stored = sanitize_excerpt(&r.redact(&String::from_utf8_lossy(&body)));
+            assert!(fragment_of(&stored, key).is_none(), "{shown}: {stored}");
+            assert!(!stored.to_ascii_lowercase().contains("0123"), "{shown}: {stored}");
+            assert!(stored.contains("[redacted]"), "{shown}: {stored}");
+            assert!(
+                stored.starts_with("{\"error\": \"invalid key: ") && stored.ends_with(" was refused\"}"),
+                "{shown}: {stored}"
+            );
+            assert!(!stored.chars().any(|c| c.is_control() || is_format(c)), "{shown}: {stored:?}");
+        }
+        // Text without the key is left as it was (control and format characters blanked).
+        assert_eq!(sanitize_excerpt(&r.redact("sk-other 0123 key\u{200b}s")), "sk-other 0123 keys");
+        assert_eq!(r.redact("100%2D is 100%"), "100%2D is 100%");
     }
 
     #[test]

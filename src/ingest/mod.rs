@@ -211,7 +211,8 @@ pub struct IngestSummary {
     pub superseded: u64,
     /// Lines without a usable identity: reported, not stored anywhere.
     pub rejected_lines: u64,
-    /// The first rejected lines, for the report (all of them go to the log).
+    /// The first rejected lines, for the report (the log has the first [`LOGGED_BAD_LINES`]
+    /// one by one, then counts).
     pub rejected_examples: Vec<RejectedLine>,
     /// Claimed by the run but left untouched by a shutdown or stop: a rerun does them.
     pub not_attempted: u64,
@@ -615,6 +616,7 @@ impl Pipeline {
         if !halt.is_cancelled() || cancel.is_cancelled() {
             batcher.flush(jobs).await?;
         }
+        batcher.bad.log_totals();
         Ok(())
     }
 }
@@ -720,8 +722,56 @@ impl Feed {
 /// in this run is therefore never skipped as "unchanged" or "already parked" (the manifest
 /// may still hold what an earlier line of this run is about to replace): it is embedded and
 /// written again, and its position decides.
+/// Rejected lines, and invalid records, logged one by one (each kind) before the log only
+/// counts them: a corpus of a million broken lines must not become a million log lines.
+pub const LOGGED_BAD_LINES: u64 = 20;
+/// After the first [`LOGGED_BAD_LINES`] of a kind, one line per this many more, with the
+/// count so far; the totals come when the input ends.
+pub const BAD_LINES_LOG_EVERY: u64 = 10_000;
+
+/// How many rejected lines and invalid records a run met, for its log.
+#[derive(Debug, Default)]
+struct BadLines {
+    rejected: u64,
+    invalid: u64,
+}
+
+impl BadLines {
+    /// Whether the `n`-th line of a kind is logged on its own (else `None`), or `Some(false)`
+    /// for a count line.
+    fn verdict(n: u64) -> Option<bool> {
+        if n <= LOGGED_BAD_LINES {
+            Some(true)
+        } else if (n - LOGGED_BAD_LINES).is_multiple_of(BAD_LINES_LOG_EVERY) {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// The totals, when some were not logged one by one.
+    fn log_totals(&self) {
+        if self.rejected > LOGGED_BAD_LINES {
+            let n = self.rejected;
+            tracing::warn!(
+                total = n,
+                "rejected input lines in total: {n} (the first {LOGGED_BAD_LINES} logged one by one)"
+            );
+        }
+        if self.invalid > LOGGED_BAD_LINES {
+            let n = self.invalid;
+            tracing::warn!(
+                total = n,
+                "invalid records in total: {n} (the first {LOGGED_BAD_LINES} logged one by one)"
+            );
+        }
+    }
+}
+
 struct Batcher<'a> {
     pipeline: &'a Pipeline,
+    /// Broken lines met so far (their log is bounded).
+    bad: BadLines,
     tally: Arc<Mutex<Tally>>,
     run_id: i64,
     chunks: Vec<(Chunk, String, i64)>,
@@ -793,6 +843,7 @@ impl<'a> Batcher<'a> {
     fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>, run_id: i64) -> Self {
         Batcher {
             pipeline,
+            bad: BadLines::default(),
             tally,
             run_id,
             chunks: vec![],
@@ -825,7 +876,15 @@ impl<'a> Batcher<'a> {
     ) -> Result<(), IngestError> {
         match rec {
             Record::Rejected { line, problem } => {
-                tracing::warn!(line, problem = %Escaped(&problem), "rejected input line (no usable identity)");
+                self.bad.rejected += 1;
+                let n = self.bad.rejected;
+                match BadLines::verdict(n) {
+                    Some(true) => {
+                        tracing::warn!(line, problem = %Escaped(&problem), "rejected input line (no usable identity)")
+                    }
+                    Some(false) => tracing::warn!(so_far = n, "rejected input lines so far: {n}"),
+                    None => {}
+                }
                 metrics::counter!(crate::metrics::LINES_REJECTED).increment(1);
                 let mut t = self.tally.lock().unwrap();
                 t.summary.rejected_lines += 1;
@@ -835,8 +894,14 @@ impl<'a> Batcher<'a> {
                 return Ok(());
             }
             Record::Invalid { line, doc_id, chunk_index, problem, payload, raw_hash } => {
-                tracing::warn!(line, doc_id = %Escaped(&doc_id), chunk_index, problem = %Escaped(&problem),
-                    "invalid record (parked unless already in the DLQ)");
+                self.bad.invalid += 1;
+                let n = self.bad.invalid;
+                match BadLines::verdict(n) {
+                    Some(true) => tracing::warn!(line, doc_id = %Escaped(&doc_id), chunk_index,
+                        problem = %Escaped(&problem), "invalid record (parked unless already in the DLQ)"),
+                    Some(false) => tracing::warn!(so_far = n, "invalid records so far: {n}"),
+                    None => {}
+                }
                 self.tally.lock().unwrap().summary.records += 1;
                 self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
                 self.claim_key((doc_id.clone(), chunk_index));

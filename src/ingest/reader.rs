@@ -170,9 +170,16 @@ pub(crate) fn parse_line(raw: &RawLine) -> Option<Record> {
         Ok(found) => found,
         Err(problem) => return Some(Record::Rejected { line, problem }),
     };
-    let fields = match &decoded.utf8_problem {
-        Some(p) => Err(p.clone()),
-        None => fields_of(&mut obj),
+    // serde_json keeps the last of a repeated key without a word: which one the source meant
+    // is unknown, so a repeated identity key rejects the line, any other parks it as invalid.
+    let repeated = duplicate_key(&decoded.text);
+    if let Some((true, key)) = &repeated {
+        return Some(Record::Rejected { line, problem: format!("duplicate key {key:?}") });
+    }
+    let fields = match (&decoded.utf8_problem, repeated) {
+        (Some(p), _) => Err(p.clone()),
+        (None, Some((_, key))) => Err(format!("duplicate key {key:?}")),
+        (None, None) => fields_of(&mut obj),
     };
     Some(match fields {
         Ok((text, metadata)) => Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text, metadata } },
@@ -279,6 +286,96 @@ impl<'a> DecodedLine<'a> {
         };
         Ok((doc_id, chunk_index))
     }
+}
+
+/// Longest path of a repeated key that a problem quotes; longer ones are cut.
+const MAX_KEY_PATH: usize = 200;
+
+/// The first key that an object of `json` (already known to parse) repeats, as a path
+/// (`metadata.tags[2].k`), and whether it is `doc_id` or `chunk_index` of the top object.
+fn duplicate_key(json: &str) -> Option<(bool, String)> {
+    use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use std::fmt;
+
+    /// Walks a value, noting the first repeated key (a walk that reads nothing into memory
+    /// but the keys of the object it is in).
+    struct Walk<'p> {
+        path: &'p str,
+        found: &'p std::cell::RefCell<Option<(bool, String)>>,
+    }
+
+    impl<'de> DeserializeSeed<'de> for Walk<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Walk<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let mut i = 0usize;
+            loop {
+                if self.found.borrow().is_some() {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    return Ok(());
+                }
+                let path = format!("{}[{i}]", self.path);
+                if seq.next_element_seed(Walk { path: &path, found: self.found })?.is_none() {
+                    return Ok(());
+                }
+                i += 1;
+            }
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut keys = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let path = if self.path.is_empty() { key.clone() } else { format!("{}.{key}", self.path) };
+                let repeated = !keys.insert(key);
+                if repeated {
+                    // A repeated identity key outranks any other found before it: the line
+                    // has no identity then.
+                    let identity = self.path.is_empty() && matches!(path.as_str(), "doc_id" | "chunk_index");
+                    let mut found = self.found.borrow_mut();
+                    if found.is_none() || (identity && found.as_ref().is_some_and(|(i, _)| !i)) {
+                        *found = Some((identity, path.chars().take(MAX_KEY_PATH).collect()));
+                    }
+                }
+                if repeated || self.found.borrow().is_some() {
+                    map.next_value::<IgnoredAny>()?; // only the top object's keys still matter
+                } else {
+                    map.next_value_seed(Walk { path: &path, found: self.found })?;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    let found = std::cell::RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_str(json);
+    Walk { path: "", found: &found }.deserialize(&mut de).ok()?;
+    found.into_inner()
 }
 
 /// `text` and `metadata` moved out of a record's object (never cloned: a record's metadata may
@@ -433,6 +530,32 @@ mod tests {
         assert!(invalid(br#"{"doc_id":"d","chunk_index":1,"text":"x","metadata":[1]}"#));
         assert!(invalid(b"{\"doc_id\":\"d\",\"chunk_index\":1,\"text\":\"caf\xe9\"}"));
         assert_eq!(parse(b"   "), None);
+    }
+
+    #[test]
+    fn a_key_given_twice_is_never_resolved_silently() {
+        let problem = |b: &[u8]| match parse(b) {
+            Some(Record::Rejected { problem, .. }) => ("rejected", problem),
+            Some(Record::Invalid { problem, .. }) => ("invalid", problem),
+            other => panic!("{}: {other:?}", String::from_utf8_lossy(b)),
+        };
+        // Two identities in one line: which chunk is it? No identity, so rejected.
+        let (kind, p) = problem(br#"{"doc_id":"a","chunk_index":1,"doc_id":"b","text":"x"}"#);
+        assert_eq!((kind, p.as_str()), ("rejected", "duplicate key \"doc_id\""));
+        let (kind, p) = problem(br#"{"doc_id":"a","chunk_index":1,"text":"x","chunk_index":2}"#);
+        assert_eq!((kind, p.as_str()), ("rejected", "duplicate key \"chunk_index\""));
+        // The identity is clear, the content is not: parked as an invalid record.
+        let (kind, p) = problem(br#"{"doc_id":"a","chunk_index":1,"text":"x","text":"y"}"#);
+        assert_eq!((kind, p.as_str()), ("invalid", "duplicate key \"text\""));
+        let (kind, p) =
+            problem(br#"{"doc_id":"a","chunk_index":1,"text":"x","metadata":{"k":1,"j":[{"k":1,"k":2}]}}"#);
+        assert_eq!((kind, p.as_str()), ("invalid", "duplicate key \"metadata.j[0].k\""));
+        let (kind, p) = problem(br#"{"doc_id":"a","chunk_index":1,"text":"x","extra":1,"extra":1}"#);
+        assert_eq!((kind, p.as_str()), ("invalid", "duplicate key \"extra\""));
+        // The same key in different objects is no duplicate.
+        let r =
+            parse(br#"{"doc_id":"a","chunk_index":1,"text":"x","metadata":{"doc_id":"a","m":{"doc_id":1}}}"#);
+        assert!(matches!(r, Some(Record::Chunk { .. })), "{r:?}");
     }
 
     #[test]

@@ -437,3 +437,148 @@ fn audit_entry(r: &sqlx::postgres::PgRow) -> Result<AuditEntry, sqlx::Error> {
 fn bounded(s: &str) -> String {
     s.chars().take(MAX_AUDIT_DETAIL).collect()
 }
+
+/// Characters of a row's text, of its metadata and of its other payload fields (as JSON
+/// text) that its detail page reads. A row's payload is as big as its source line allowed
+/// (up to 64 MiB): the page reads this much of each part, never the whole payload, so its
+/// memory does not grow with the row.
+pub const DETAIL_TEXT_CHARS: i32 = 64 * 1024;
+
+/// The start of one part of a payload, and how long the whole part is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Excerpt {
+    /// At most [`DETAIL_TEXT_CHARS`] characters: the string itself for a JSON string, else
+    /// the compact JSON text.
+    pub head: String,
+    /// Characters of the whole part.
+    pub chars: i64,
+    /// The part is a JSON string (else `head` is JSON text).
+    pub is_string: bool,
+}
+
+impl Excerpt {
+    /// The part is longer than its `head`.
+    pub fn truncated(&self) -> bool {
+        self.chars > self.head.chars().count() as i64
+    }
+}
+
+/// What a row's detail page shows: the row's columns and excerpts of its payload.
+#[derive(Debug, Clone)]
+pub struct RowView {
+    /// The row's columns; `payload` is `null` here (see the excerpts).
+    pub detail: super::dlq::Detail,
+    /// The payload's `text`, if it has one.
+    pub text: Option<Excerpt>,
+    /// The payload's `metadata`, if it has any.
+    pub metadata: Option<Excerpt>,
+    /// The payload's other fields (besides `text`, `metadata`, `doc_id`, `chunk_index`) as
+    /// a JSON object, if there are any.
+    pub rest: Option<Excerpt>,
+}
+
+/// One row for its detail page, with at most [`DETAIL_TEXT_CHARS`] of each payload part
+/// (cut by Postgres: the rest never leaves the database).
+pub async fn row_view(pool: &PgPool, id: i64) -> Result<Option<RowView>, StoreError> {
+    let sql = format!(
+        "WITH p AS (
+           SELECT {LISTED_COLUMNS}, content_hash, model, dimensions, request_dimensions, last_error,
+                  last_status, exhausted_reason, error_history,
+                  jsonb_typeof(payload -> 'text') = 'string' AS text_is_string,
+                  CASE WHEN jsonb_typeof(payload -> 'text') = 'string' THEN payload ->> 'text'
+                       ELSE (payload -> 'text')::text END AS text,
+                  (payload -> 'metadata')::text AS metadata,
+                  CASE WHEN jsonb_typeof(payload) = 'object'
+                       THEN NULLIF(payload - ARRAY['text', 'metadata', 'doc_id', 'chunk_index'], '{{}}'::jsonb)::text
+                  END AS rest
+             FROM embedding_dlq WHERE id = $1)
+         SELECT id, target_table, doc_id, chunk_index, error_class, error_reason, attempts, replays,
+                generation, first_failed_at, last_failed_at, next_retry_at, exhausted, content_hash,
+                model, dimensions, request_dimensions, last_error, last_status, exhausted_reason,
+                error_history, text_is_string,
+                left(text, $2) AS text_head, length(text) AS text_chars,
+                left(metadata, $2) AS metadata_head, length(metadata) AS metadata_chars,
+                left(rest, $2) AS rest_head, length(rest) AS rest_chars
+           FROM p"
+    );
+    // Only the excerpts are read back (no `p.*`): the full parts stay in the CTE.
+    let row =
+        sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).bind(DETAIL_TEXT_CHARS).fetch_optional(pool).await;
+    let Some(r) = row? else { return Ok(None) };
+    let excerpt = |part: &str, is_string: bool| -> Result<Option<Excerpt>, sqlx::Error> {
+        let head: Option<String> = r.try_get(format!("{part}_head").as_str())?;
+        let chars: Option<i32> = r.try_get(format!("{part}_chars").as_str())?;
+        Ok(head.map(|head| Excerpt { head, chars: chars.unwrap_or(0).into(), is_string }))
+    };
+    let text_is_string: Option<bool> = r.try_get("text_is_string")?;
+    Ok(Some(RowView {
+        text: excerpt("text", text_is_string == Some(true))?,
+        metadata: excerpt("metadata", false)?,
+        rest: excerpt("rest", false)?,
+        detail: super::dlq::Detail {
+            row: listed(&r)?,
+            content_hash: r.try_get("content_hash")?,
+            model: r.try_get("model")?,
+            dimensions: r.try_get("dimensions")?,
+            request_dimensions: r.try_get("request_dimensions")?,
+            last_error: r.try_get("last_error")?,
+            last_status: r.try_get("last_status")?,
+            exhausted_reason: r.try_get("exhausted_reason")?,
+            payload: serde_json::Value::Null,
+            error_history: r.try_get("error_history")?,
+        },
+    }))
+}
+
+/// Characters of a row's text read per statement while it is downloaded (at most 1 MiB of
+/// UTF-8): a download holds one such piece at a time, whatever the text's size.
+pub const TEXT_PIECE_CHARS: i32 = 256 * 1024;
+
+/// What a download of a row's text needs to start: the row's generation (each piece is
+/// read only while it is unchanged) and the text's size in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextSize {
+    /// The row's generation when the download started.
+    pub generation: i64,
+    /// Bytes of the text (UTF-8).
+    pub bytes: i64,
+}
+
+/// The size of a row's text, if the row exists and its payload's `text` is a string.
+pub async fn text_size(pool: &PgPool, id: i64) -> Result<Option<TextSize>, StoreError> {
+    let r = sqlx::query(
+        "SELECT generation, octet_length(payload ->> 'text') AS bytes
+           FROM embedding_dlq WHERE id = $1 AND jsonb_typeof(payload -> 'text') = 'string'",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    match r {
+        Some(r) => Ok(Some(TextSize {
+            generation: r.try_get("generation")?,
+            bytes: r.try_get::<i32, _>("bytes")?.into(),
+        })),
+        None => Ok(None),
+    }
+}
+
+/// Up to [`TEXT_PIECE_CHARS`] characters of a row's text from character `from` (0-based),
+/// if the row still has the `generation` the download started with.
+pub async fn text_piece(
+    pool: &PgPool,
+    id: i64,
+    generation: i64,
+    from: i64,
+) -> Result<Option<String>, StoreError> {
+    let piece = sqlx::query_scalar(
+        "SELECT substr(payload ->> 'text', $3::int + 1, $4)
+           FROM embedding_dlq WHERE id = $1 AND generation = $2",
+    )
+    .bind(id)
+    .bind(generation)
+    .bind(i32::try_from(from).unwrap_or(i32::MAX))
+    .bind(TEXT_PIECE_CHARS)
+    .fetch_optional(pool)
+    .await?;
+    Ok(piece)
+}

@@ -249,6 +249,9 @@ async fn a_second_stream_prefix_over_one_database_is_refused() {
     let mut redis = redis().await;
     let second_events: u64 = redis.xlen(format!("{{{second}}}:events")).await.unwrap();
     assert_eq!(second_events, 0);
+    // Refused before touching Redis: not even the second prefix's `:meta` was written.
+    let second_meta: u64 = redis.exists(format!("{{{second}}}:meta")).await.unwrap();
+    assert_eq!(second_meta, 0, "a refused process wrote {{{second}}}:meta");
     // Moving on purpose: the new prefix is accepted, the old one refused.
     let mut c = bare();
     c.env("DATABASE_URL", &db.url).args(["migrate", "--adopt-stream-prefix", &second]);

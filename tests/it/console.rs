@@ -14,7 +14,8 @@
 //! - `actions_without_the_token_are_refused_and_change_nothing`: without a session the
 //!   confirmation form is not offered, and a forged form is refused; a logged-in browser
 //!   with a wrong CSRF token is refused too; a read-only console shows no action and refuses
-//!   them all; Postgres is unchanged and no action is in the audit trail.
+//!   them all; Postgres is unchanged and no action is in the audit trail. A login whose
+//!   `next` is `/<TAB>/<another origin>/` lands on the console's own `/`.
 //! - `no_injected_script_runs`: a `<script>` in a doc id, a text, metadata and a provider's
 //!   error message is shown as text on every page and never runs (the raw HTML is escaped;
 //!   the browser's `window.__pwned` stays undefined and its title unchanged).
@@ -22,7 +23,11 @@
 //!
 //! Without a browser: the live tail resumes exactly after `Last-Event-ID` and refuses
 //! clients beyond its bound; `serve --console-addr` serves the console with its own breaker
-//! and stops with it; console settings outside their bounds are usage errors (exit 2).
+//! and stops with it; console settings outside their bounds are usage errors (exit 2); a
+//! login's `next` with a tab, a line break, a NUL or `//` returns to `/` (never a 500);
+//! beyond loopback every page needs a session unless `--public-read`; a 24 MB row's page is
+//! bounded and links its streamed download, and views beyond `--max-row-views` get 503; the
+//! session cookie is `Secure` beyond loopback or when asked.
 //!
 //! Screenshots of every page go to `target/test-output/console/`.
 
@@ -178,6 +183,31 @@ impl Browser {
         self.wait_text(".who", |t| t.contains("ci-operator")).await;
     }
 
+    /// Logs in through the form after setting its hidden `next` to `raw` (what a page on
+    /// another site could post), and returns the URL the browser lands on.
+    async fn login_with_next(&self, base: &str, raw: &str) -> String {
+        self.goto(&format!("{base}/login")).await;
+        self.wait("#login-name").await.send_keys("ci-operator").await.unwrap();
+        self.wait("#login-token").await.send_keys(TOKEN).await.unwrap();
+        self.c()
+            .execute(
+                "document.querySelector('#login input[name=next]').value = arguments[0];",
+                vec![raw.into()],
+            )
+            .await
+            .unwrap();
+        self.wait("#login-button").await.click().await.unwrap();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let url = self.c().current_url().await.unwrap().to_string();
+            if !url.ends_with("/login") {
+                return url;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the login never left its page ({url})");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     async fn close(mut self) {
         if let Some(c) = self.client.take() {
             let _ = c.close().await;
@@ -195,6 +225,29 @@ impl Drop for Browser {
         let _ = self.driver.wait();
         let _ = std::fs::remove_dir_all(&self.profile);
     }
+}
+
+/// Another origin (`127.0.0.1:<port>`) that answers every request with a small page, for
+/// as long as the test runs: where an open redirect would land.
+async fn other_origin() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = sock.read(&mut buf).await;
+                let body = "<html><head><title>elsewhere</title></head><body>elsewhere</body></html>";
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+            });
+        }
+    });
+    addr.to_string()
 }
 
 fn which(name: &str) -> Option<String> {
@@ -463,8 +516,14 @@ async fn actions_without_the_token_are_refused_and_change_nothing() {
     assert!(refused.contains("log in"), "{refused}");
     b.shot("refused-no-session").await;
 
+    // A login told to return to `/<TAB>/<another origin>/` (Chromium strips the tab and
+    // would go there) stays on this console.
+    let evil = other_origin().await;
+    let landed = b.login_with_next(&base, &format!("/\t/{evil}/")).await;
+    assert_eq!(landed, format!("{base}/"), "the login left the console's origin");
+    b.wait_text(".who", |t| t.contains("ci-operator")).await;
+
     // Logged in, but with a forged CSRF token: refused as well.
-    b.login(&base, "/").await;
     for action in ["/actions/purge", "/actions/requeue", "/reconcile"] {
         b.goto(&format!("{base}/dlq")).await;
         b.wait("#match-count").await;
@@ -794,4 +853,321 @@ async fn console_settings_out_of_their_bounds_are_usage_errors() {
     let (code, err) = run(&[], TOKEN).await;
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("cannot listen"), "{err}");
+}
+
+/// A client that shows redirects instead of following them.
+fn no_redirects() -> reqwest::Client {
+    reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_redirects_only_to_a_path_of_this_console() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let served = serve_console(&db, &keys, false).await;
+    let http = no_redirects();
+    let login = async |next: &str| {
+        let body = format!("token={TOKEN}&name=probe&next={next}");
+        http.post(format!("{}/login", served.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    };
+    // `next` as the form sends it (percent-encoded): a tab that Chromium strips, line
+    // breaks and a NUL that cannot go in a header, a space, `//` and backslashes.
+    for hostile in [
+        "/%09/evil.example",
+        "/%0a/evil.example",
+        "/%0d%0a/evil.example",
+        "/%0d%0aSet-Cookie:%20x=1",
+        "/%00/evil.example",
+        "/%20/evil.example",
+        "%09//evil.example",
+        "//evil.example",
+        "/%5Cevil.example",
+        "https://evil.example/",
+    ] {
+        let r = login(hostile).await;
+        assert_eq!(r.status().as_u16(), 303, "{hostile}");
+        assert_eq!(r.headers()["location"], "/", "{hostile}");
+        assert!(r.headers().get("set-cookie").is_some(), "{hostile}: the login itself worked");
+    }
+    let r = login("/dlq%3Fclass%3Dtransient").await;
+    assert_eq!(r.status().as_u16(), 303);
+    assert_eq!(r.headers()["location"], "/dlq?class=transient");
+    // One session and one audit entry per login, none half-made.
+    assert_eq!(db.count("SELECT count(*) FROM console_audit WHERE action = 'login'").await, 11);
+    served.stop().await;
+}
+
+/// Serves a console with `config` on `listener` (its `listen` is the listener's address).
+async fn serve_with(
+    db: &TestDb,
+    keys: &StreamKeys,
+    listener: tokio::net::TcpListener,
+    config: ConsoleConfig,
+) -> Served {
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let console = Console {
+        store,
+        redis: Some(redis_client()),
+        keys: keys.clone(),
+        gate: None,
+        config: ConsoleConfig { listen: addr, ..config },
+    };
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    let handle = tokio::spawn(async move {
+        embed_dlq::console::serve_on(listener, console, stop).await.expect("console serves");
+    });
+    // Reached through loopback whatever it listens on.
+    Served { base: format!("http://127.0.0.1:{}", addr.port()), cancel, handle }
+}
+
+/// The session cookie (`name=value`) a login with the token answers with.
+async fn session_cookie(base: &str) -> String {
+    let r = no_redirects()
+        .post(format!("{base}/login"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("token={TOKEN}&name=reader&next=/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 303, "the login works");
+    let set = r.headers()["set-cookie"].to_str().unwrap();
+    set.split(';').next().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_need_a_session_beyond_loopback_unless_public_read() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    const SECRET_TEXT: &str = "customer secret text 7f3a";
+    seed(&db, &keys, MockConfig::default(), &[line("private", 0, &format!("{POISON_400} {SECRET_TEXT}"))])
+        .await;
+    let id = ids_of_class(&db, "permanent_input").await[0];
+    let reads = [
+        "/".to_string(),
+        "/dlq".to_string(),
+        format!("/dlq/{id}"),
+        "/dlq?doc_prefix=priv".to_string(),
+        "/events".to_string(),
+        "/events/stream?from=0".to_string(),
+        "/audit".to_string(),
+        "/audit/1".to_string(),
+        "/reconcile".to_string(),
+        "/actions/requeue?doc_prefix=priv".to_string(),
+    ];
+    let http = no_redirects();
+    let token = Some(ConsoleToken::new(TOKEN.into()).unwrap());
+    let get = async |base: &str, path: &str, cookie: Option<&str>| {
+        let mut req = http.get(format!("{base}{path}"));
+        if let Some(c) = cookie {
+            req = req.header("cookie", c);
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        if path.starts_with("/events/stream") {
+            return (status, String::new()); // a live stream: its status is the answer
+        }
+        (status, r.text().await.unwrap())
+    };
+
+    // Beyond loopback (every interface): no session, no page, nothing of the row.
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let exposed =
+        serve_with(&db, &keys, listener, ConsoleConfig { token: token.clone(), ..Default::default() }).await;
+    for p in &reads {
+        let (status, body) = get(&exposed.base, p, None).await;
+        assert_eq!(status, 401, "{p} without a session");
+        assert!(!body.contains(SECRET_TEXT) && !body.contains("private"), "{p} leaked:\n{body}");
+        if !p.starts_with("/events/stream") {
+            assert!(body.contains("id=\"login\""), "{p} offers the login form");
+        }
+    }
+    // The login page and the style sheet stay reachable.
+    assert_eq!(get(&exposed.base, "/login", None).await.0, 200);
+    assert_eq!(get(&exposed.base, "/static/console.css", None).await.0, 200);
+    // A stale or forged cookie is no session.
+    let forged = format!("embed_dlq_console={}", "ab".repeat(32));
+    assert_eq!(get(&exposed.base, &format!("/dlq/{id}"), Some(&forged)).await.0, 401);
+    // Logged in: every page.
+    let cookie = session_cookie(&exposed.base).await;
+    for p in &reads {
+        let (status, body) = get(&exposed.base, p, Some(&cookie)).await;
+        assert_eq!(status, 200, "{p} with a session");
+        if p == &format!("/dlq/{id}") {
+            assert!(body.contains(SECRET_TEXT), "the row's text, once logged in");
+        }
+    }
+    exposed.stop().await;
+
+    // Beyond loopback, read-only: a login still opens the pages, and no action.
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let ro = serve_with(
+        &db,
+        &keys,
+        listener,
+        ConsoleConfig { token: token.clone(), read_only: true, ..Default::default() },
+    )
+    .await;
+    assert_eq!(get(&ro.base, &format!("/dlq/{id}"), None).await.0, 401);
+    let cookie = session_cookie(&ro.base).await;
+    let (status, body) = get(&ro.base, &format!("/dlq/{id}"), Some(&cookie)).await;
+    assert_eq!(status, 200);
+    assert!(body.contains(SECRET_TEXT));
+    let r = http
+        .post(format!("{}/actions/purge", ro.base))
+        .header("cookie", &cookie)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("max_id=1000000&confirm=purge&csrf=x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403, "read-only refuses actions, logged in or not");
+    ro.stop().await;
+
+    // Beyond loopback with --public-read: readable without a session (the operator's choice).
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let public = serve_with(
+        &db,
+        &keys,
+        listener,
+        ConsoleConfig { token: token.clone(), public_read: true, ..Default::default() },
+    )
+    .await;
+    for p in &reads {
+        assert_eq!(get(&public.base, p, None).await.0, 200, "{p} with --public-read");
+    }
+    public.stop().await;
+
+    // On loopback: readable without a session, as before.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let local = serve_with(&db, &keys, listener, ConsoleConfig { token, ..Default::default() }).await;
+    let (status, body) = get(&local.base, &format!("/dlq/{id}"), None).await;
+    assert_eq!(status, 200);
+    assert!(body.contains(SECRET_TEXT));
+    local.stop().await;
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'purged'").await, 0);
+
+    // Beyond loopback without a token, nobody could ever read: a usage error (exit 2),
+    // unless --public-read says so.
+    let run = async |args: &[&str]| {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+            .arg("console")
+            .args(["--database-url", &db.url, "--listen", "192.0.2.1:8088"])
+            .args(args)
+            .env_remove("EMBED_DLQ_CONSOLE_TOKEN")
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (code, err) = run(&[]).await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--public-read") && err.contains("EMBED_DLQ_CONSOLE_TOKEN"), "{err}");
+    let (code, err) = run(&["--public-read"]).await;
+    assert_eq!(code, Some(1), "past the check, the bind fails: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_row_is_shown_bounded_and_its_views_are_capped() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // A 24 MB text, parked as too long without a request (the payload keeps all of it).
+    let text = format!("HEAD-MARK {} TAIL-MARK", "x".repeat(24 * 1024 * 1024));
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.max_line_bytes = 64 * 1024 * 1024;
+    pipeline(&s)
+        .await
+        .run(input(line("huge", 0, &text).into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    let id = ids_of_class(&db, "permanent_input").await[0];
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let served =
+        serve_with(&db, &keys, listener, ConsoleConfig { max_row_views: 1, ..Default::default() }).await;
+    let http = reqwest::Client::new();
+    let page = format!("{}/dlq/{id}", served.base);
+    let download = format!("{}/dlq/{id}/text", served.base);
+
+    // The page shows the start of the text, says it is cut, and links the whole text.
+    let r = http.get(&page).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let body = r.text().await.unwrap();
+    assert!(body.len() < 256 * 1024, "the page is {} bytes", body.len());
+    assert!(body.contains("HEAD-MARK") && !body.contains("TAIL-MARK"), "the start only");
+    assert!(body.contains("id=\"text-truncated\""), "says it is cut");
+    assert!(body.contains(&format!("href=\"/dlq/{id}/text\"")), "links the whole text");
+
+    // The download is the whole text, exactly.
+    let r = http.get(&download).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert!(r.headers()["content-disposition"].to_str().unwrap().starts_with("attachment"));
+    let whole = r.bytes().await.unwrap();
+    assert!(whole == text.as_bytes(), "the download is the text ({} of {} bytes)", whole.len(), text.len());
+
+    // One view at a time here: while a download is open (and not read on), another view
+    // is told to come back rather than queued or loaded.
+    let mut held = http.get(&download).send().await.unwrap();
+    assert_eq!(held.status().as_u16(), 200);
+    let first = held.chunk().await.unwrap().expect("the download started");
+    assert!(first.starts_with(b"HEAD-MARK"));
+    for url in [&page, &download] {
+        let r = http.get(url).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 503, "{url}");
+        let wait: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=60).contains(&wait), "{wait}");
+    }
+    // The reader leaves: its slot comes back.
+    drop(held);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if http.get(&page).send().await.unwrap().status().as_u16() == 200 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the slot was never freed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A row without such text has no download; an unknown row neither.
+    assert_eq!(
+        http.get(format!("{}/dlq/999999/text", served.base)).send().await.unwrap().status().as_u16(),
+        404
+    );
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_cookie_is_secure_beyond_loopback_or_when_asked() {
+    use embed_dlq::console::CookieSecure;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let token = Some(ConsoleToken::new(TOKEN.into()).unwrap());
+    for (bind, secure, expected) in [
+        ("127.0.0.1:0", CookieSecure::Auto, false),
+        ("0.0.0.0:0", CookieSecure::Auto, true),
+        ("127.0.0.1:0", CookieSecure::Always, true),
+        ("0.0.0.0:0", CookieSecure::Never, false),
+    ] {
+        let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
+        let config = ConsoleConfig { token: token.clone(), cookie_secure: secure, ..Default::default() };
+        let served = serve_with(&db, &keys, listener, config).await;
+        let r = no_redirects()
+            .post(format!("{}/login", served.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={TOKEN}&name=c&next=/"))
+            .send()
+            .await
+            .unwrap();
+        let set = r.headers()["set-cookie"].to_str().unwrap().to_string();
+        assert!(set.contains("HttpOnly") && set.contains("SameSite=Strict"), "{set}");
+        assert_eq!(set.split(';').any(|a| a.trim() == "Secure"), expected, "{bind} {secure:?}: {set}");
+        served.stop().await;
+    }
 }

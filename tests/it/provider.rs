@@ -578,6 +578,65 @@ async fn echoes_of_the_key_are_redacted_before_they_are_truncated() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_echo_of_the_key_with_an_inserted_byte_is_redacted_too() {
+    let db = TestDb::new().await;
+    // The key echoed with one byte or invisible character inserted (a NUL, an invalid UTF-8
+    // byte, a zero-width space, a percent-encoded dash, ...), as a proxy or a logger might.
+    let (a, b) = KEY.split_at(9);
+    let inserts: Vec<&[u8]> = vec![
+        b"\x00",
+        b"\xff",
+        "\u{200b}".as_bytes(),
+        "\u{feff}".as_bytes(),
+        "\u{202e}".as_bytes(),
+        b"%2D",
+        b"%00",
+        b"\x1b[0m",
+        b"\r\n",
+    ];
+    let bodies: Vec<Vec<u8>> = inserts
+        .iter()
+        .map(|ins| [b"unauthorised: key ".as_slice(), a.as_bytes(), ins, b.as_bytes(), b" rejected"].concat())
+        .collect();
+    let n = bodies.len();
+    let server = Hostile::start(Arc::new(move |_, seen: &Seen| {
+        let inputs = seen.inputs();
+        match inputs.iter().find_map(|t| t.strip_prefix("echo ").and_then(|i| i.parse::<usize>().ok())) {
+            Some(i) => response("422 Unprocessable Entity", &[("content-type", "text/plain")], &bodies[i]),
+            None => response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768)),
+        }
+    }))
+    .await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.client.base_url = server.base_url();
+    s.client.api_key = Some(KEY.into());
+    s.options.batch_max_inputs = 1;
+    let mut c = Vec::new();
+    for i in 0..n {
+        c.extend(line("fine", i as i32, "fine text").into_bytes());
+        c.extend(line("leak", i as i32, &format!("echo {i}")).into_bytes());
+    }
+    let r = pipeline(&s).await.run(input(c), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::PermanentInput), Some(&(n as u64)), "{r:?}");
+    let everything = dlq_and_events(&db).await;
+    if let Some(w) = leaks(&everything, KEY) {
+        panic!("a piece of the key ({w}) reached the DLQ or the events:\n{everything}");
+    }
+    let errors: Vec<String> = sqlx::query_scalar("SELECT last_error FROM embedding_dlq ORDER BY chunk_index")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    for e in &errors {
+        assert!(e.contains("[redacted]") && e.contains("rejected"), "{e}");
+        assert!(
+            !e.chars().any(|c| c.is_control() || c == '\u{200b}' || c == '\u{feff}' || c == '\u{202e}'),
+            "{e:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_nan_in_one_float_vector_isolates_that_input() {
     let db = TestDb::new().await;
     let server = Hostile::start(Arc::new(|_, seen: &Seen| {

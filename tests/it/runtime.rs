@@ -107,6 +107,49 @@ async fn a_3kb_doc_id_is_rejected_alone_and_its_neighbours_are_stored_on_every_r
     }
 }
 
+/// A corpus of broken lines must not turn into as many log lines (1M broken lines once gave
+/// 156 MB of stderr): the first few of each kind are logged one by one, then a count now and
+/// then, then the totals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_lines_are_logged_a_few_then_counted() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = TempDir::new();
+    let mut corpus = line("fine", 0, "hello");
+    for i in 0..30_000 {
+        corpus.push_str(&format!("not json {i}\n"));
+    }
+    for i in 0..2_500 {
+        corpus.push_str(&format!("{}\n", serde_json::json!({"doc_id": "no-text", "chunk_index": i})));
+    }
+    let path = dir.write("broken.jsonl", corpus.as_bytes());
+    let out = ingest_cmd(&db, &mock, &path).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    let lines = stderr.lines().count();
+    assert!(
+        lines < 100,
+        "{lines} lines of log for 32,500 broken lines:\n{}",
+        &stderr[..stderr.len().min(4000)]
+    );
+    let one_by_one = stderr.lines().filter(|l| l.contains("rejected input line (")).count();
+    assert_eq!(one_by_one, 20, "the first 20 rejected lines, one by one");
+    let invalid = stderr.lines().filter(|l| l.contains("invalid record (")).count();
+    assert_eq!(invalid, 20, "the first 20 invalid records, one by one");
+    assert!(
+        stderr.lines().any(|l| l.contains("rejected input lines in total") && l.contains("30000")),
+        "the total of rejected lines: {stderr}"
+    );
+    assert!(
+        stderr.lines().any(|l| l.contains("invalid records in total") && l.contains("2500")),
+        "the total of invalid records: {stderr}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'invalid_record'").await,
+        2500
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_doc_ids_are_escaped_in_text_logs() {
     let db = TestDb::new().await;
