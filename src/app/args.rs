@@ -362,6 +362,13 @@ pub struct DemoCommand {
     /// Print the summaries as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+    /// The shell line that sets the services' environment, shown first among the commands to
+    /// try next (`scripts/demo.sh` passes `eval "$(scripts/services.sh up)"`).
+    #[arg(long, hide = true)]
+    pub setup_hint: Option<String>,
 }
 
 #[cfg(test)]

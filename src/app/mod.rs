@@ -108,6 +108,18 @@ impl Resolver {
     }
 }
 
+/// Refuses with `serve`'s message (exit 2) when the database is relayed under another stream
+/// prefix than `prefix`, for the commands that only read the streams (`tail`, `console`): they
+/// would show another deployment's streams, or empty ones. Records nothing. `Err` holds the
+/// exit code; a database error is [`exit::FAILURE`].
+async fn refuse_other_prefix(pool: &sqlx::PgPool, prefix: &str) -> Result<(), i32> {
+    match store::prefix::verify(pool, prefix).await {
+        Ok(()) => Ok(()),
+        Err(store::prefix::PrefixError::Mismatch(m)) => Err(exit::fail(exit::USAGE, &m.to_string())),
+        Err(e) => Err(exit::fail(exit::FAILURE, &e.to_string())),
+    }
+}
+
 /// A migrated store on `table` with a pool of `connections`, for the operator commands.
 async fn open_store(url: &str, connections: u32, table: &str) -> Result<Store, StoreError> {
     let pool = store::connect(url, connections).await?;

@@ -1,0 +1,205 @@
+//! A newcomer's first hour with the real binary (issue 20, items 10-13): every command that
+//! follows or relays the streams refuses a database relayed under another prefix (the one
+//! message `serve` gives), a normal stop is not a warning, `dlq` pages end where the rows
+//! do, refusals share one exit code, output reads as English, and `mock-provider` documents
+//! only its own flags and reports usage like the client estimates it.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::support::*;
+
+fn binary() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.env_remove("EMBED_DLQ_API_KEY")
+        .env_remove("RUST_LOG")
+        .env_remove("EMBED_DLQ_STREAM_PREFIX")
+        .env_remove("EMBED_DLQ_CONFIG")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    c
+}
+
+/// The binary with the test database, the Redis of the test and a stream prefix of its own.
+fn on(db: &TestDb, prefix: &str) -> Command {
+    let mut c = binary();
+    c.env("DATABASE_URL", &db.url).env("REDIS_URL", redis_url()).env("EMBED_DLQ_STREAM_PREFIX", prefix);
+    c
+}
+
+fn fresh_prefix(what: &str) -> String {
+    format!("it-{what}-{}-{}", std::process::id(), rand::random::<u32>())
+}
+
+/// Runs `c` to its end; a command that should refuse at once but runs on fails the test
+/// instead of hanging it (the bound is a hang guard, not a timing assertion).
+async fn output(mut c: Command) -> std::process::Output {
+    tokio::time::timeout(Duration::from_secs(300), c.output())
+        .await
+        .expect("the command ran on instead of ending")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_stream_command_refuses_a_database_relayed_under_another_prefix() {
+    let db = TestDb::new().await;
+    let recorded = fresh_prefix("recorded");
+    embed_dlq::store::prefix::check(&db.pool, &recorded).await.unwrap();
+    let other = fresh_prefix("other");
+    let expected = format!(
+        "this database's outbox is relayed to the streams under prefix {recorded:?} (recorded in \
+         embed_dlq_streams on "
+    );
+    for args in [
+        &["tail", "--from", "0", "--no-follow"][..],
+        &["console", "--listen", "127.0.0.1:0"],
+        &["reconcile"],
+        &["serve", "--replayers", "1"],
+    ] {
+        let out = output({
+            let mut c = on(&db, &other);
+            c.args(args);
+            c
+        })
+        .await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} must refuse with the usage code: {stderr}");
+        assert!(
+            stderr.contains(&expected) && stderr.contains(&format!("stream_prefix = {other:?}")),
+            "{args:?} must give serve's message: {stderr}"
+        );
+    }
+    // With the recorded prefix, tail reads (an empty stream, nothing to refuse).
+    let out = output({
+        let mut c = on(&db, &recorded);
+        c.args(["tail", "--from", "0", "--no-follow"]);
+        c
+    })
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // Reading commands record nothing: a fresh database stays free for the first serve.
+    let fresh = TestDb::new().await;
+    let out = output({
+        let mut c = on(&fresh, &other);
+        c.args(["tail", "--from", "0", "--no-follow"]);
+        c
+    })
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fresh.count("SELECT count(*) FROM embed_dlq_streams").await, 0);
+}
+
+/// Starts `c`, waits for `ready` on stderr (or a first line on stdout with `ready_stdout`),
+/// sends SIGTERM and returns the exit code and what it wrote on stderr from the signal on (and
+/// before it, on stderr not read until then).
+async fn start_then_stop(mut c: Command, ready: &str, ready_stdout: bool) -> (Option<i32>, String) {
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = String::new();
+    let wait = async {
+        if ready_stdout {
+            stdout.next_line().await.unwrap().expect("a line on stdout");
+        } else {
+            while let Some(l) = stderr.next_line().await.unwrap() {
+                seen.push_str(&l);
+                seen.push('\n');
+                if l.contains(ready) {
+                    return;
+                }
+            }
+            panic!("ended before {ready:?}: {seen}");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(300), wait).await.expect("the command never got ready");
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let mut seen = String::new();
+    let drain = async {
+        while let Some(l) = stderr.next_line().await.unwrap() {
+            seen.push_str(&l);
+            seen.push('\n');
+        }
+        while stdout.next_line().await.unwrap().is_some() {}
+        child.wait().await.unwrap()
+    };
+    let status = tokio::time::timeout(Duration::from_secs(300), drain).await.expect("stopped");
+    (status.code(), seen)
+}
+
+/// The demo, then every command of the block it ends with ("== next =="), as printed: in an
+/// environment holding only the services' URLs (what `eval "$(scripts/services.sh up)"` sets)
+/// and what the block itself exports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_every_pass_and_every_command_it_shows_next_works() {
+    let db = TestDb::new().await;
+    let prefix = fresh_prefix("demo");
+    let out = output({
+        let mut c = on(&db, &prefix);
+        c.args(["demo", "--chunks", "300"]);
+        c
+    })
+    .await;
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("provider requests seen by the mock in pass 2: 0"), "{stdout}");
+    assert!(stdout.contains("outage: 300 chunks parked as transient"), "{stdout}");
+    assert!(stdout.contains("total findings: 0"), "{stdout}");
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.duplicates().await, 0);
+
+    let bin = env!("CARGO_BIN_EXE_embed-dlq");
+    let block: Vec<&str> = stdout.lines().skip_while(|l| *l != "== next ==").skip(1).collect();
+    let (mut env, mut commands) = (Vec::new(), Vec::new());
+    for l in &block {
+        let l = l.split(" #").next().unwrap().trim();
+        if let Some(kv) = l.strip_prefix("export ") {
+            let (k, v) = kv.split_once('=').expect(l);
+            env.push((k.to_string(), v.to_string()));
+        } else if let Some(args) = l.strip_prefix(bin) {
+            commands.push(args.split_whitespace().map(str::to_string).collect::<Vec<_>>());
+        }
+    }
+    assert!(
+        env.contains(&("EMBED_DLQ_STREAM_PREFIX".to_string(), prefix.clone())),
+        "a demo on another prefix than the default says so: {block:#?}"
+    );
+    let names: Vec<String> = commands.iter().map(|c| c[..c.len().min(2)].join(" ")).collect();
+    for expected in ["dlq stats", "dlq list", "reconcile", "tail --from", "console", "serve"] {
+        assert!(names.iter().any(|n| n.starts_with(expected)), "no {expected} in {block:#?}");
+    }
+    for args in commands {
+        let mut c = binary();
+        c.env("DATABASE_URL", &db.url).env("REDIS_URL", redis_url()).envs(env.iter().cloned()).args(&args);
+        let what = args.join(" ");
+        match args[0].as_str() {
+            "console" => {
+                // Another process of this machine may hold the console's default port.
+                c.args(["--listen", "127.0.0.1:0"]);
+                let (code, stderr) = start_then_stop(c, "console: serving", false).await;
+                assert_eq!(code, Some(0), "{what}: {stderr}");
+            }
+            "serve" => {
+                let (code, stderr) = start_then_stop(c, "serving: relay", false).await;
+                assert_eq!(code, Some(0), "{what}: {stderr}");
+            }
+            _ => {
+                let out = output(c).await;
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert_eq!(
+                    out.status.code(),
+                    Some(0),
+                    "{what}: {stdout}\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                if args[0] == "tail" {
+                    assert!(stdout.contains(" parked "), "{what} shows the demo's events: {stdout}");
+                }
+            }
+        }
+    }
+}
