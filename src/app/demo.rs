@@ -16,7 +16,7 @@ use embed_dlq::testkit::mock_provider::MockProvider;
 use tokio_util::sync::CancellationToken;
 
 use super::args::DemoCommand;
-use super::render::{print_summary, write_human_summary, write_report};
+use super::render::{count, print_summary, write_human_summary, write_report};
 use super::{Resolver, exit};
 
 /// Runs `demo` on the configured services; returns the exit code.
@@ -355,7 +355,9 @@ async fn outage_and_drain(
     let parked_now = dlq::count(&pipeline.store, &this_pass).await?;
     if !json {
         println!(
-            "outage: {parked_now} chunks parked as transient ({provider_calls} provider calls answered 503); the outage ends now"
+            "outage: {} parked as transient ({} answered 503); the outage ends now",
+            count(parked_now, "chunk", "chunks"),
+            count(provider_calls, "provider call", "provider calls")
         );
         println!("serve: relay + scheduler + 2 replayers (DLQ schedule base 1s)");
     }
@@ -382,9 +384,10 @@ async fn outage_and_drain(
     let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut conn).await?;
     if !json {
         println!(
-            "drained {} parked chunks in {:.1}s; {events} events on {}",
-            parked_now - left,
+            "drained {} in {:.1}s; {} on {}",
+            count(parked_now - left, "parked chunk", "parked chunks"),
             started.elapsed().as_secs_f64(),
+            count(events, "event", "events"),
             keys.events(),
         );
     }

@@ -6,6 +6,20 @@ use std::io::Write;
 use embed_dlq::ingest::IngestSummary;
 use embed_dlq::reconcile::{Mode, Report, Sweep};
 
+/// `n` and the noun that goes with it: "1 row", "0 rows", "2 rows".
+pub fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// A reconcile mode in words, as the flags name it.
+pub fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Check => "check",
+        Mode::DryRun => "dry run",
+        Mode::Repair => "repair",
+    }
+}
+
 /// Prints a summary: human lines, or one JSON object.
 pub fn print_summary(s: &IngestSummary, json: bool) {
     let mut out = std::io::stdout().lock();
@@ -24,7 +38,12 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
         "records read        {:>10}  ({} lines, {:.1}s, {:.0} records/s)",
         s.records, s.lines_read, s.elapsed_secs, rate
     )?;
-    writeln!(out, "stored              {:>10}  ({} vector rows written)", s.stored, s.vectors_written)?;
+    writeln!(
+        out,
+        "stored              {:>10}  ({} written)",
+        s.stored,
+        count(s.vectors_written, "vector row", "vector rows")
+    )?;
     writeln!(out, "skipped unchanged   {:>10}", s.unchanged)?;
     writeln!(out, "skipped, in DLQ     {:>10}", s.already_parked)?;
     writeln!(out, "parked              {:>10}", s.parked_total())?;
@@ -129,7 +148,13 @@ pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result
         }
         writeln!(out, "{:<24}{:>10}{:>10}  {notes}", f.check.name(), f.found, repaired)?;
     }
-    writeln!(out, "total findings: {} ({:.2}s, mode {:?})", r.total_found(), r.duration_secs, r.mode)?;
+    writeln!(
+        out,
+        "total findings: {} ({:.2}s, mode {})",
+        r.total_found(),
+        r.duration_secs,
+        mode_name(r.mode)
+    )?;
     let scope = match (r.sweep, r.since) {
         (Sweep::Incremental, Some(t)) => format!("incremental: chunks changed since {}", t.to_rfc3339()),
         (Sweep::Incremental, None) => "incremental: every chunk (no earlier run to resume from)".into(),

@@ -7,8 +7,10 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use embed_dlq::testkit::mock_provider::{self, MockConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
 
@@ -202,4 +204,90 @@ async fn the_demo_runs_every_pass_and_every_command_it_shows_next_works() {
             }
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_normal_stop_of_tail_console_and_serve_is_not_a_warning() {
+    let db = TestDb::new().await;
+    let prefix = fresh_prefix("stop");
+    let keys = embed_dlq::streams::StreamKeys::new(&prefix);
+    let mut conn = redis().await;
+    let _: String = redis::cmd("XADD")
+        .arg(keys.events())
+        .arg("*")
+        .arg("event")
+        .arg("parked")
+        .arg("body")
+        .arg(r#"{"doc_id":"d","chunk_index":0}"#)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let runs = [
+        (vec!["tail", "--from", "0"], "", true),
+        (vec!["console", "--listen", "127.0.0.1:0"], "console: serving", false),
+        (vec!["serve", "--replayers", "1"], "serving: relay, scheduler, replayers", false),
+    ];
+    for (args, ready, on_stdout) in runs {
+        let mut c = on(&db, &prefix);
+        c.args(&args);
+        let (code, stderr) = start_then_stop(c, ready, on_stdout).await;
+        assert_eq!(code, Some(0), "{args:?}: {stderr}");
+        assert!(!stderr.contains(" WARN "), "a normal stop of {args:?} logged a warning: {stderr}");
+        assert!(stderr.contains(" INFO "), "the stop is logged: {stderr}");
+    }
+}
+
+/// Parks `n` poison inputs of doc `doc` in `db`'s DLQ.
+async fn park(db: &TestDb, doc: &str, n: i32) {
+    let mock = start_mock(MockConfig::default()).await;
+    let corpus: String =
+        (0..n).map(|i| line(doc, i, &format!("text {i} {}", mock_provider::POISON_400))).collect();
+    let summary =
+        pipeline(&settings(db, &mock)).await.run(input(corpus.into_bytes()), CancellationToken::new()).await;
+    assert_eq!(summary.unwrap().parked_total(), n as u64);
+    mock.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_pages_end_with_the_rows_refusals_agree_and_counts_read_as_english() {
+    let db = TestDb::new().await;
+    park(&db, "three", 3).await;
+    park(&db, "one", 1).await;
+    let prefix = fresh_prefix("dlq");
+    let run = |args: &[&str]| {
+        let mut c = on(&db, &prefix);
+        c.args(args);
+        output(c)
+    };
+
+    // A page that is not the last one says how to get the next; the last one does not.
+    let out = run(&["dlq", "list", "--limit", "3"]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let next = stdout.lines().find_map(|l| l.strip_prefix("next page: --after-id ")).expect(&stdout);
+    let out = run(&["dlq", "list", "--limit", "3", "--after-id", next]).await;
+    let last_page = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(last_page.lines().count(), 1, "the fourth row, alone: {last_page}");
+    assert!(!last_page.contains("next page"), "{last_page}");
+    let out = run(&["dlq", "list", "--limit", "4"]).await;
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("next page"));
+
+    // The same refusal (no terminal to confirm on, no --yes/--all) has the same code: usage.
+    let purge = run(&["dlq", "purge", "--doc", "one"]).await;
+    assert_eq!(purge.status.code(), Some(2), "{}", String::from_utf8_lossy(&purge.stderr));
+    let requeue = run(&["dlq", "requeue"]).await;
+    assert_eq!(requeue.status.code(), Some(2), "{}", String::from_utf8_lossy(&requeue.stderr));
+
+    // One row is a row.
+    let out = run(&["dlq", "purge", "--doc", "one", "--dry-run"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "would purge 1 row");
+    let out = run(&["dlq", "requeue", "--doc", "one", "--dry-run"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "would requeue 1 row");
+    let out = run(&["dlq", "purge", "--doc", "three", "--dry-run"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "would purge 3 rows");
+
+    // The reconcile report names its mode in words.
+    let out = run(&["reconcile"]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains(", mode check)"), "{stdout}");
 }
