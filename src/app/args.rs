@@ -56,7 +56,26 @@ impl Cli {
             }
             cmd
         }
-        annotate(Cli::command(), &embed_dlq::config::help_defaults())
+        let cmd = annotate(Cli::command(), &embed_dlq::config::help_defaults());
+        // The global flags reach every subcommand when it is built, unless it has an argument
+        // of the same id: the mock provider uses none of the database, Redis and config-file
+        // ones, so it gets hidden copies of them and its help shows only its own flags.
+        let hidden: Vec<clap::Arg> = cmd
+            .get_arguments()
+            .filter(|a| {
+                ["config", "database_url", "redis_url", "redis_cluster"].contains(&a.get_id().as_str())
+            })
+            .map(|a| a.clone().hide(true))
+            .collect();
+        let keys = embed_dlq::testkit::mock_provider::MockConfig::keys().join(", ");
+        cmd.mut_subcommand("mock-provider", |sc| {
+            sc.args(hidden).mut_arg("settings", |a| {
+                a.long_help(format!(
+                    "Faults and account limits as one JSON object, e.g. '{{\"rate_429\":0.05,\"rate_5xx\":0.05}}'; \
+                     every key is optional: {keys}"
+                ))
+            })
+        })
     }
 
     /// Builds the command from parsed matches, remembering where each value came from.
@@ -331,9 +350,10 @@ pub struct DlqCommand {
 /// The arguments of `mock-provider`.
 #[derive(clap::Args, Debug)]
 pub struct MockProviderCommand {
+    /// Address to listen on.
     #[arg(long, default_value = embed_dlq::config::DEFAULT_MOCK_ADDR)]
     pub listen: SocketAddr,
-    /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
+    /// Faults and account limits as JSON, e.g. '{"rate_429":0.05}' (--help lists the keys).
     #[arg(long, default_value = "{}")]
     pub settings: String,
     /// Requests per minute of the mock account (beyond it: 429 with Retry-After and

@@ -291,3 +291,38 @@ async fn dlq_pages_end_with_the_rows_refusals_agree_and_counts_read_as_english()
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains(", mode check)"), "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mock_provider_help_shows_only_its_own_flags() {
+    let out = output({
+        let mut c = binary();
+        c.args(["mock-provider", "--help"]);
+        c
+    })
+    .await;
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{help}");
+    for foreign in ["--database-url", "--redis-url", "--redis-cluster", "--config", "MockConfig"] {
+        assert!(!help.contains(foreign), "mock-provider --help shows {foreign}: {help}");
+    }
+    for own in ["--listen", "--settings", "--rpm-limit", "--tpm-limit", "rate_429"] {
+        assert!(help.contains(own), "mock-provider --help misses {own}: {help}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_reports_usage_like_the_clients_estimate() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let texts: Vec<String> = (0..40).map(|i| format!("chunk {i} {}", "lorem ipsum ".repeat(i))).collect();
+    let corpus: String = texts.iter().enumerate().map(|(i, t)| line("u", i as i32, t)).collect();
+    let summary =
+        pipeline(&settings(&db, &mock)).await.run(input(corpus.into_bytes()), CancellationToken::new()).await;
+    let summary = summary.unwrap();
+    assert_eq!(summary.stored, 40);
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let estimate = embed_dlq::embed::limit::estimate_tokens(&refs);
+    assert_eq!(summary.reported_tokens, estimate, "{summary:?}");
+    assert_eq!(summary.tokens_stored, estimate, "{summary:?}");
+    mock.shutdown().await;
+}
