@@ -157,6 +157,22 @@ pub enum Command {
     MockProvider(MockProviderCommand),
     /// End-to-end demo on the local services with the built-in fault-injecting provider.
     Demo(DemoCommand),
+    /// Print a reference page of docs/reference/ as the code defines it (markdown).
+    #[command(hide = true)]
+    Reference {
+        /// Which page.
+        #[arg(value_enum)]
+        page: ReferencePage,
+    },
+}
+
+/// The generated pages of `docs/reference/`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ReferencePage {
+    /// Every setting: key, flag, environment variable, default, bound.
+    Configuration,
+    /// Every metric: type, unit, labels, meaning.
+    Metrics,
 }
 
 /// The arguments of `migrate`.

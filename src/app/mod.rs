@@ -78,6 +78,14 @@ async fn dispatch(cli: Cli, cancel: CancellationToken) -> i32 {
         Command::Console(args) => console::command(&resolver, args, cancel).await,
         Command::MockProvider(args) => mock::command(args, cancel).await,
         Command::Demo(args) => demo::command(&resolver, args, cancel).await,
+        Command::Reference { page } => {
+            let text = match page {
+                args::ReferencePage::Configuration => embed_dlq::reference::configuration(),
+                args::ReferencePage::Metrics => embed_dlq::reference::metrics(),
+            };
+            print!("{text}");
+            exit::OK
+        }
     }
 }
 
