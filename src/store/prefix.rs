@@ -18,7 +18,7 @@ use super::StoreError;
      {configured:?}. Two prefixes over one database would split every event between them: use \
      {recorded:?}, or a database of its own. To move this database to new streams for good, stop \
      every serve, run `embed-dlq migrate --adopt-stream-prefix {configured}`, then \
-     `embed-dlq reconcile --repair` (see README, \"One database, one set of streams\")"
+     `embed-dlq reconcile --repair` (see docs/SCALING.md, \"One database, one set of streams\")"
 )]
 pub struct PrefixMismatch {
     /// The prefix the database is relayed under.
