@@ -207,6 +207,9 @@ async fn list(
             if r.exhausted { " EXHAUSTED" } else { "" }
         );
     }
+    if rows.is_empty() {
+        let _ = writeln!(out, "no DLQ rows match");
+    }
     if let Some(last) = rows.last().filter(|_| more) {
         let _ = writeln!(out, "next page: --after-id {}", last.id);
     }

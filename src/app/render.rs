@@ -81,8 +81,10 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
     }
     writeln!(
         out,
-        "provider calls      {:>10}  ({} inputs, {} batch splits)",
-        s.provider_calls, s.provider_inputs, s.batch_splits
+        "provider calls      {:>10}  ({}, {})",
+        s.provider_calls,
+        count(s.provider_inputs, "input", "inputs"),
+        count(s.batch_splits, "batch split", "batch splits")
     )?;
     writeln!(out, "tokens (reported)   {:>10}", s.reported_tokens)?;
     let tokens = s.tokens_stored + s.tokens_wasted;
@@ -166,4 +168,20 @@ pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result
         writeln!(out, "note: {note}")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_counts_in_english() {
+        let one =
+            IngestSummary { provider_calls: 1, provider_inputs: 1, batch_splits: 1, ..Default::default() };
+        let mut out = Vec::new();
+        write_human_summary(&mut out, &one).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("(1 input, 1 batch split)"), "{text}");
+        assert!(text.contains("(0 vector rows written)"), "{text}");
+    }
 }

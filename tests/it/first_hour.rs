@@ -271,6 +271,8 @@ async fn dlq_pages_end_with_the_rows_refusals_agree_and_counts_read_as_english()
     assert!(!last_page.contains("next page"), "{last_page}");
     let out = run(&["dlq", "list", "--limit", "4"]).await;
     assert!(!String::from_utf8_lossy(&out.stdout).contains("next page"));
+    let out = run(&["dlq", "list", "--doc", "nobody"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "no DLQ rows match", "an empty page says so");
 
     // The same refusal (no terminal to confirm on, no --yes/--all) has the same code: usage.
     let purge = run(&["dlq", "purge", "--doc", "one"]).await;
