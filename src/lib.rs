@@ -45,7 +45,7 @@
 //!   (the same actions, the streams and the reconciler, with an audit trail).
 //! - [`supervise`] names the ways a task of a run can fail; [`shutdown`] turns signals into
 //!   cancellation tokens.
-//! - [`reference`] renders the pages of `docs/reference/` (every setting, every metric) from
+//! - [`mod@reference`] renders the pages of `docs/reference/` (every setting, every metric) from
 //!   the code.
 //! - [`testkit`]: the mock provider, a synthetic corpus and throwaway test databases, for
 //!   the demo, the tests, the benchmark and your own tests (not on the production path).

@@ -1,7 +1,7 @@
 //! The reference pages under `docs/reference/`, rendered from the code so they cannot drift
 //! from it: [`configuration`] from the command-line definition of every config-file section
 //! (flag, environment variable, help text with the documented bound) and the resolved
-//! defaults ([`crate::config::help_defaults`]); [`metrics`] from the metrics' own descriptions
+//! defaults ([`crate::config::help_defaults`]); [`metrics()`] from the metrics' own descriptions
 //! (`describe()`) and the label values they are registered with, captured by a local
 //! recorder. `embed-dlq reference configuration|metrics` prints them; a test fails when a
 //! checked-in page differs from what the code renders.
