@@ -60,6 +60,7 @@ async fn every_stream_command_refuses_a_database_relayed_under_another_prefix() 
         &["console", "--listen", "127.0.0.1:0"],
         &["reconcile"],
         &["serve", "--replayers", "1"],
+        &["demo", "--chunks", "1"],
     ] {
         let out = output({
             let mut c = on(&db, &other);
@@ -82,6 +83,18 @@ async fn every_stream_command_refuses_a_database_relayed_under_another_prefix() 
     })
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The events are in Redis: a database tail cannot reach costs the check, not the tail.
+    let out = output({
+        let mut c = on(&db, &recorded);
+        c.args(["--database-url", "postgres://postgres@127.0.0.1:1/nowhere"]);
+        c.args(["tail", "--from", "0", "--no-follow"]);
+        c
+    })
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("unchecked"), "the tail says it could not check: {stderr}");
 
     // Reading commands record nothing: a fresh database stays free for the first serve.
     let fresh = TestDb::new().await;
