@@ -1,7 +1,7 @@
 //! Measures `on_outage` (wait, park, stop) against the mock provider while it answers 503 to
-//! everything, next to the raw write rate of the same database, for the README's outage
-//! section. Default settings (64 inputs a request, 4 concurrent requests, 5 attempts, the
-//! breaker opening after 20 consecutive failures and probing at 2 s doubling to 60 s).
+//! everything, next to the raw write rate of the same database, for the outage section of
+//! docs/guarantees.md. Default settings (64 inputs a request, 4 concurrent requests, 5
+//! attempts, the breaker opening after 20 consecutive failures and probing at 2 s doubling to 60 s).
 //!
 //! ```sh
 //! eval "$(scripts/services.sh up)"     # sets DATABASE_URL

@@ -340,7 +340,8 @@ pub const DEFAULT_GRACE_MS: u64 = 10_000;
 /// Default periodic reconcile in `serve`: never.
 pub const DEFAULT_RECONCILE_EVERY_SECS: u64 = 0;
 
-/// The documented bound of every numeric setting (also in README's configuration section).
+/// The documented bound of every numeric setting (stated in each flag's help, so also in the
+/// generated docs/reference/configuration.md).
 /// Each keeps a value from exhausting memory, connections or time arithmetic: e.g. a huge
 /// `concurrency` spawned millions of tasks (14.8 GB RSS), and a huge millisecond value
 /// overflowed `Instant + Duration` (a panic).

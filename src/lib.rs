@@ -45,6 +45,8 @@
 //!   (the same actions, the streams and the reconciler, with an audit trail).
 //! - [`supervise`] names the ways a task of a run can fail; [`shutdown`] turns signals into
 //!   cancellation tokens.
+//! - [`mod@reference`] renders the pages of `docs/reference/` (every setting, every metric) from
+//!   the code.
 //! - [`testkit`]: the mock provider, a synthetic corpus and throwaway test databases, for
 //!   the demo, the tests, the benchmark and your own tests (not on the production path).
 //!
@@ -97,6 +99,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod model;
 pub mod reconcile;
+pub mod reference;
 pub mod relay;
 pub mod replay;
 pub mod serve;

@@ -111,11 +111,21 @@ pub(crate) const RETRY_REASONS: [&str; 12] = [
     "http_5xx",
 ];
 
+/// Labels of the gauges that get theirs when sampled, not from [`initialise`] (for the
+/// generated reference, `docs/reference/metrics.md`).
+pub(crate) const SAMPLED_LABELS: &[(&str, &str)] = &[
+    (DLQ_DEPTH, "`error_class`"),
+    (STREAM_LENGTH, "`stream` = events, replay; `shard` = 0..N-1"),
+    (STREAM_PENDING, "`stream` = replay; `shard` = 0..N-1"),
+    (STREAM_LAG, "`stream` = replay; `shard` = 0..N-1"),
+    (RECONCILE_FINDINGS, "`check` (the reconciler's checks, summed over every target table)"),
+];
+
 /// Registers every counter at zero for each of its fixed label values, and the breaker and
 /// limiter gauges at their resting values, so a scrape shows every family from the start:
 /// `rate()` and `increase()` see the first event, dashboards have no gaps, and an alert on
 /// a counter does not depend on its first increment.
-fn initialise() {
+pub(crate) fn initialise() {
     for c in [CHUNKS_STORED, LINES_REJECTED, BREAKER_OPENED, RELAY_PUBLISHED, RELAY_DUPLICATES] {
         counter!(c).increment(0);
     }
@@ -148,7 +158,7 @@ fn initialise() {
     gauge!(LIMITER_FACTOR).set(1.0);
 }
 
-fn describe() {
+pub(crate) fn describe() {
     describe_counter!(CHUNKS_STORED, "Chunks whose vector was stored (ingest and replay).");
     describe_counter!(
         CHUNKS_SKIPPED,

@@ -27,7 +27,7 @@ pub fn on_signal() -> ShutdownSignals {
     let mut signals = Signals::install();
     tokio::spawn(async move {
         signals.next().await;
-        tracing::warn!("shutdown requested: finishing in-flight work (signal again to exit now)");
+        tracing::info!("shutdown requested: finishing in-flight work (signal again to exit now)");
         tokens.graceful.cancel();
         signals.next().await;
         tokens.immediate.cancel();

@@ -56,7 +56,26 @@ impl Cli {
             }
             cmd
         }
-        annotate(Cli::command(), &embed_dlq::config::help_defaults())
+        let cmd = annotate(Cli::command(), &embed_dlq::config::help_defaults());
+        // The global flags reach every subcommand when it is built, unless it has an argument
+        // of the same id: the mock provider uses none of the database, Redis and config-file
+        // ones, so it gets hidden copies of them and its help shows only its own flags.
+        let hidden: Vec<clap::Arg> = cmd
+            .get_arguments()
+            .filter(|a| {
+                ["config", "database_url", "redis_url", "redis_cluster"].contains(&a.get_id().as_str())
+            })
+            .map(|a| a.clone().hide(true))
+            .collect();
+        let keys = embed_dlq::testkit::mock_provider::MockConfig::keys().join(", ");
+        cmd.mut_subcommand("mock-provider", |sc| {
+            sc.args(hidden).mut_arg("settings", |a| {
+                a.long_help(format!(
+                    "Faults and account limits as one JSON object, e.g. '{{\"rate_429\":0.05,\"rate_5xx\":0.05}}'; \
+                     every key is optional: {keys}"
+                ))
+            })
+        })
     }
 
     /// Builds the command from parsed matches, remembering where each value came from.
@@ -138,6 +157,22 @@ pub enum Command {
     MockProvider(MockProviderCommand),
     /// End-to-end demo on the local services with the built-in fault-injecting provider.
     Demo(DemoCommand),
+    /// Print a reference page of docs/reference/ as the code defines it (markdown).
+    #[command(hide = true)]
+    Reference {
+        /// Which page.
+        #[arg(value_enum)]
+        page: ReferencePage,
+    },
+}
+
+/// The generated pages of `docs/reference/`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ReferencePage {
+    /// Every setting: key, flag, environment variable, default, bound.
+    Configuration,
+    /// Every metric: type, unit, labels, meaning.
+    Metrics,
 }
 
 /// The arguments of `migrate`.
@@ -354,9 +389,10 @@ pub struct DlqCommand {
 /// The arguments of `mock-provider`.
 #[derive(clap::Args, Debug)]
 pub struct MockProviderCommand {
+    /// Address to listen on.
     #[arg(long, default_value = embed_dlq::config::DEFAULT_MOCK_ADDR)]
     pub listen: SocketAddr,
-    /// Mock settings as JSON (keys of MockConfig, e.g. '{"rate_429":0.05}').
+    /// Faults and account limits as JSON, e.g. '{"rate_429":0.05}' (--help lists the keys).
     #[arg(long, default_value = "{}")]
     pub settings: String,
     /// Requests per minute of the mock account (beyond it: 429 with Retry-After and
@@ -385,6 +421,13 @@ pub struct DemoCommand {
     /// Print the summaries as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
+    #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
+    pub stream_prefix: Option<String>,
+    /// The shell line that sets the services' environment, shown first among the commands to
+    /// try next (`scripts/demo.sh` passes `eval "$(scripts/services.sh up)"`).
+    #[arg(long, hide = true)]
+    pub setup_hint: Option<String>,
 }
 
 #[cfg(test)]

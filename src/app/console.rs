@@ -76,6 +76,9 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         Ok(s) => s.with_on_newer_parked(settings.options.on_newer_parked),
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
+    if let Err(code) = super::refuse_other_prefix(store.pool(), &settings.stream_prefix).await {
+        return code;
+    }
     let redis = match settings.redis_url.is_some().then(|| settings.redis_client()).transpose() {
         Ok(r) => r,
         Err(e) => return exit::usage(&e),

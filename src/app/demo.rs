@@ -16,22 +16,74 @@ use embed_dlq::testkit::mock_provider::MockProvider;
 use tokio_util::sync::CancellationToken;
 
 use super::args::DemoCommand;
-use super::render::{print_summary, write_human_summary, write_report};
+use super::render::{count, print_summary, write_human_summary, write_report};
 use super::{Resolver, exit};
 
 /// Runs `demo` on the configured services; returns the exit code.
 pub async fn command(resolver: &Resolver, args: DemoCommand, cancel: CancellationToken) -> i32 {
-    let DemoCommand { chunks, concurrency, json } = args;
+    let DemoCommand { chunks, concurrency, json, stream_prefix, setup_hint } = args;
+    let flags = embed_dlq::config::FileConfig {
+        serve: embed_dlq::config::ServeArgs { stream_prefix, ..Default::default() },
+        ..Default::default()
+    };
     let urls = resolver
-        .settings(embed_dlq::config::FileConfig::default())
-        .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_client()?)));
-    let (url, redis) = match urls {
+        .settings(flags)
+        .and_then(|s| Ok((s.database_url()?.to_string(), s.redis_client()?, s.stream_keys())));
+    let (url, redis, keys) = match urls {
         Ok(u) => u,
         Err(e) => return exit::fail(exit::USAGE, &format!("{e} (or run scripts/demo.sh)")),
     };
-    match run(&url, &redis, chunks as usize, concurrency as usize, json, cancel).await {
+    // The demo relays under the configured prefix (`embed-dlq` unless told otherwise), so the
+    // commands it shows next see its streams; a database relayed under another one is refused
+    // up front with `serve`'s message, before anything is ingested.
+    match embed_dlq::store::connect(&url, 1).await {
+        Ok(pool) => {
+            let checked = super::refuse_other_prefix(&pool, keys.prefix()).await;
+            pool.close().await;
+            if let Err(code) = checked {
+                return code;
+            }
+        }
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    }
+    let code = match run(&url, &redis, &keys, chunks as usize, concurrency as usize, json, cancel).await {
         Ok(code) => code,
         Err(e) => exit::fail(exit::FAILURE, &format!("{e:#}")),
+    };
+    if code == exit::OK && !json {
+        print_next(setup_hint.as_deref(), keys.prefix());
+    }
+    code
+}
+
+/// The commands to try next, copy-pasteable into a fresh shell: the line that sets the
+/// services' environment (`scripts/demo.sh` passes it as `--setup-hint`), the stream prefix
+/// when it is not the default, and the binary as it was invoked.
+fn print_next(setup_hint: Option<&str>, prefix: &str) {
+    let bin = std::env::args().next().unwrap_or_else(|| "embed-dlq".into());
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "\n== next ==");
+    let _ = writeln!(out, "In a fresh shell, from the same directory:");
+    match setup_hint {
+        Some(h) => {
+            let _ = writeln!(out, "  {h}");
+        }
+        None => {
+            let _ = writeln!(out, "  # with DATABASE_URL and REDIS_URL set as for this demo");
+        }
+    }
+    if prefix != embed_dlq::config::DEFAULT_STREAM_PREFIX {
+        let _ = writeln!(out, "  export EMBED_DLQ_STREAM_PREFIX={prefix}");
+    }
+    for (args, what) in [
+        ("dlq stats", "the parked rows by error class"),
+        ("dlq list --limit 5", "the oldest parked rows (then: dlq show ID)"),
+        ("reconcile", "manifest, vectors, DLQ, outbox and streams agree: exit 0"),
+        ("tail --from 0 --count 10", "the first events on the stream"),
+        ("console", "the console on http://127.0.0.1:8088 (Ctrl-C stops it)"),
+        ("serve", "relay and replay, as in pass 3 (Ctrl-C stops it)"),
+    ] {
+        let _ = writeln!(out, "  {bin} {args:<26} # {what}");
     }
 }
 
@@ -42,6 +94,7 @@ const DEMO_MAX_INPUT_CHARS: usize = 8_000;
 async fn run(
     database_url: &str,
     redis: &embed_dlq::streams::RedisClient,
+    keys: &embed_dlq::streams::StreamKeys,
     chunks: usize,
     concurrency: usize,
     json: bool,
@@ -70,10 +123,11 @@ async fn run(
         println!("\n== pass 3: provider outage, then replay drains the DLQ ==");
     }
     let drained =
-        outage_and_drain(&pipeline, &mock, redis, &run_id, chunks.min(2_000), json, cancel.clone()).await?;
+        outage_and_drain(&pipeline, &mock, (redis, keys), &run_id, chunks.min(2_000), json, cancel.clone())
+            .await?;
     let (more_leaks, more_duplicates) = seed_checks(&pipeline.store).await?;
     let (leaks, duplicates) = (leaks + more_leaks, duplicates + more_duplicates);
-    let report = reconcile(&pipeline, redis, &run_id).await?;
+    let report = reconcile(&pipeline, redis, keys).await?;
     if !json {
         print_checks(&report, leaks, duplicates, &mock.control.stats())?;
     }
@@ -242,23 +296,16 @@ async fn seed_checks(store: &embed_dlq::store::Store) -> anyhow::Result<(i64, i6
     Ok((leaks, duplicates))
 }
 
-/// The streams' key prefix of the demo: one for every run, so a second demo on the same
-/// database finds the first one's events where the reconciler looks for them (a prefix per
-/// run made every earlier run's events look missing).
-fn demo_stream_prefix(_run_id: &str) -> String {
-    "embed-dlq-demo".to_string()
-}
-
 /// One reconciler run (check only) over the demo's table and streams.
 async fn reconcile(
     pipeline: &embed_dlq::ingest::Pipeline,
     redis: &embed_dlq::streams::RedisClient,
-    run_id: &str,
+    keys: &embed_dlq::streams::StreamKeys,
 ) -> anyhow::Result<embed_dlq::reconcile::Report> {
     let mut reconciler = embed_dlq::reconcile::Reconciler {
         store: pipeline.store.clone(),
         redis: Some(redis.managed().await?),
-        keys: embed_dlq::streams::StreamKeys::new(&demo_stream_prefix(run_id)),
+        keys: keys.clone(),
         config: Default::default(),
     };
     Ok(reconciler.run_once(embed_dlq::reconcile::Mode::Check).await?)
@@ -286,7 +333,6 @@ fn print_checks(
         stats.resets,
         stats.rejected
     );
-    println!("inspect the DLQ: target/release/embed-dlq dlq stats  (then dlq list, dlq show ID)");
     Ok(())
 }
 
@@ -296,7 +342,7 @@ fn print_checks(
 async fn outage_and_drain(
     pipeline: &embed_dlq::ingest::Pipeline,
     mock: &MockProvider,
-    redis: &embed_dlq::streams::RedisClient,
+    (redis, keys): (&embed_dlq::streams::RedisClient, &embed_dlq::streams::StreamKeys),
     run_id: &str,
     chunks: usize,
     json: bool,
@@ -309,11 +355,12 @@ async fn outage_and_drain(
     let parked_now = dlq::count(&pipeline.store, &this_pass).await?;
     if !json {
         println!(
-            "outage: {parked_now} chunks parked as transient ({provider_calls} provider calls answered 503); the outage ends now"
+            "outage: {} parked as transient ({} answered 503); the outage ends now",
+            count(parked_now, "chunk", "chunks"),
+            count(provider_calls, "provider call", "provider calls")
         );
         println!("serve: relay + scheduler + 2 replayers (DLQ schedule base 1s)");
     }
-    let keys = embed_dlq::streams::StreamKeys::new(&demo_stream_prefix(run_id));
     let serve_cancel = cancel.child_token();
     let serve = tokio::spawn(embed_dlq::serve::serve(
         pipeline.store.clone(),
@@ -337,11 +384,11 @@ async fn outage_and_drain(
     let events: u64 = redis::cmd("XLEN").arg(keys.events()).query_async(&mut conn).await?;
     if !json {
         println!(
-            "drained {} parked chunks in {:.1}s; {events} events on {} (embed-dlq tail --from 0 --stream-prefix {})",
-            parked_now - left,
+            "drained {} in {:.1}s; {} on {}",
+            count(parked_now - left, "parked chunk", "parked chunks"),
             started.elapsed().as_secs_f64(),
+            count(events, "event", "events"),
             keys.events(),
-            demo_stream_prefix(run_id)
         );
     }
     // An outage pass that parked nothing showed nothing: that is a failure of the demo too.

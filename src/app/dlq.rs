@@ -50,8 +50,32 @@ async fn run(url: &str, table: &str, action: DlqAction, json: bool) -> i32 {
     };
     match result {
         Ok(()) => exit::OK,
-        Err(e) => exit::fail(exit::FAILURE, &e),
+        Err(Failed::Usage(e)) => exit::fail(exit::USAGE, &e),
+        Err(Failed::Failure(e)) => exit::fail(exit::FAILURE, &e),
     }
+}
+
+/// Why a `dlq` action did not complete, by the exit code it maps to.
+enum Failed {
+    /// Refused as given, nothing done: no terminal to confirm on and no `--yes` (like a
+    /// requeue of every row without `--all`, refused before the database is opened).
+    Usage(String),
+    /// The database failed, the row does not exist, or the operator did not confirm.
+    Failure(String),
+}
+
+fn failure(e: impl std::fmt::Display) -> Failed {
+    Failed::Failure(e.to_string())
+}
+
+/// `n` rows, in English ("1 row", "2 rows").
+fn rows(n: u64) -> String {
+    super::render::count(n, "row", "rows")
+}
+
+/// `n` DLQ rows, in English.
+fn dlq_rows(n: u64) -> String {
+    super::render::count(n, "DLQ row", "DLQ rows")
 }
 
 /// Checks the filter and the requeue flags; returns whether an unfiltered requeue must be
@@ -114,8 +138,8 @@ fn confirmed(question: &str) -> bool {
     answer.trim() == "yes"
 }
 
-async fn stats(store: &Store, json: bool, out: &mut dyn Write) -> Result<(), String> {
-    let s = embed_dlq::dlq::stats(store).await.map_err(|e| e.to_string())?;
+async fn stats(store: &Store, json: bool, out: &mut dyn Write) -> Result<(), Failed> {
+    let s = embed_dlq::dlq::stats(store).await.map_err(failure)?;
     if json {
         let _ = writeln!(out, "{}", serde_json::to_string(&s).unwrap());
         return Ok(());
@@ -157,10 +181,12 @@ async fn list(
     after_id: i64,
     json: bool,
     out: &mut dyn Write,
-) -> Result<(), String> {
-    let rows = embed_dlq::dlq::list(store, filter, limit.clamp(1, 10_000), after_id)
-        .await
-        .map_err(|e| e.to_string())?;
+) -> Result<(), Failed> {
+    let limit = limit.clamp(1, 10_000);
+    // One row more than the page: whether a next page exists, without a count.
+    let mut rows = embed_dlq::dlq::list(store, filter, limit + 1, after_id).await.map_err(failure)?;
+    let more = rows.len() > limit as usize;
+    rows.truncate(limit as usize);
     if json {
         let _ = writeln!(out, "{}", serde_json::to_string(&rows).unwrap());
         return Ok(());
@@ -181,14 +207,17 @@ async fn list(
             if r.exhausted { " EXHAUSTED" } else { "" }
         );
     }
-    if let Some(last) = rows.last() {
+    if rows.is_empty() {
+        let _ = writeln!(out, "no DLQ rows match");
+    }
+    if let Some(last) = rows.last().filter(|_| more) {
         let _ = writeln!(out, "next page: --after-id {}", last.id);
     }
     Ok(())
 }
 
-async fn show(store: &Store, id: i64, json: bool, out: &mut dyn Write) -> Result<(), String> {
-    match embed_dlq::dlq::show(store, id).await.map_err(|e| e.to_string())? {
+async fn show(store: &Store, id: i64, json: bool, out: &mut dyn Write) -> Result<(), Failed> {
+    match embed_dlq::dlq::show(store, id).await.map_err(failure)? {
         Some(d) => {
             let _ = writeln!(
                 out,
@@ -197,7 +226,7 @@ async fn show(store: &Store, id: i64, json: bool, out: &mut dyn Write) -> Result
             );
             Ok(())
         }
-        None => Err(format!("no DLQ row with id {id}")),
+        None => Err(Failed::Failure(format!("no DLQ row with id {id}"))),
     }
 }
 
@@ -209,29 +238,31 @@ async fn requeue(
     confirm_all: bool,
     json: bool,
     out: &mut dyn Write,
-) -> Result<(), String> {
+) -> Result<(), Failed> {
     if confirm_all {
-        let n = embed_dlq::dlq::requeue(store, filter, true, rate).await.map_err(|e| e.to_string())?.requeued;
+        let n = embed_dlq::dlq::requeue(store, filter, true, rate).await.map_err(failure)?.requeued;
         if n == 0 {
             let _ = if json { writeln!(out, "{{\"requeued\":0}}") } else { writeln!(out, "requeued 0 rows") };
             return Ok(());
         }
         if !confirmed(&format!(
-            "requeue all {n} DLQ rows for replay (they will be sent to the provider again)?"
+            "requeue all {} for replay (they will be sent to the provider again)?",
+            dlq_rows(n)
         )) {
-            return Err("not confirmed; nothing requeued".into());
+            return Err(Failed::Failure("not confirmed; nothing requeued".into()));
         }
     }
-    let o = embed_dlq::dlq::requeue(store, filter, dry_run, rate).await.map_err(|e| e.to_string())?;
+    let o = embed_dlq::dlq::requeue(store, filter, dry_run, rate).await.map_err(failure)?;
     let (n, reingest) = (o.requeued, o.needs_reingest);
     let verb = if dry_run { "would requeue" } else { "requeued" };
     let _ = if json {
         writeln!(out, "{{\"{}\":{n},\"needs_reingest\":{reingest}}}", verb.replace(' ', "_"))
     } else {
-        writeln!(out, "{verb} {n} rows")
+        writeln!(out, "{verb} {}", rows(n))
     };
     if reingest > 0 && !json {
-        let _ = writeln!(out, "{reingest} rows need a corrected payload: re-ingest them");
+        let need = if reingest == 1 { "needs" } else { "need" };
+        let _ = writeln!(out, "{} {need} a corrected payload: re-ingest them", rows(reingest));
     }
     Ok(())
 }
@@ -243,25 +274,28 @@ async fn purge(
     yes: bool,
     json: bool,
     out: &mut dyn Write,
-) -> Result<(), String> {
-    let n = embed_dlq::dlq::purge(store, filter, true).await.map_err(|e| e.to_string())?;
+) -> Result<(), Failed> {
+    let n = embed_dlq::dlq::purge(store, filter, true).await.map_err(failure)?;
     if dry_run || n == 0 {
         let _ = if json {
             writeln!(out, "{{\"would_purge\":{n}}}")
         } else {
-            writeln!(out, "would purge {n} rows")
+            writeln!(out, "would purge {}", rows(n))
         };
         return Ok(());
     }
     if !yes {
         if !std::io::stdin().is_terminal() {
-            return Err(format!("refusing to purge {n} rows without --yes (stdin is not a terminal)"));
+            return Err(Failed::Usage(format!(
+                "refusing to purge {} without --yes (stdin is not a terminal)",
+                rows(n)
+            )));
         }
-        if !confirmed(&format!("purge {n} DLQ rows for good?")) {
-            return Err("not confirmed; nothing purged".into());
+        if !confirmed(&format!("purge {} for good?", dlq_rows(n))) {
+            return Err(Failed::Failure("not confirmed; nothing purged".into()));
         }
     }
-    let n = embed_dlq::dlq::purge(store, filter, false).await.map_err(|e| e.to_string())?;
-    let _ = if json { writeln!(out, "{{\"purged\":{n}}}") } else { writeln!(out, "purged {n} rows") };
+    let n = embed_dlq::dlq::purge(store, filter, false).await.map_err(failure)?;
+    let _ = if json { writeln!(out, "{{\"purged\":{n}}}") } else { writeln!(out, "purged {}", rows(n)) };
     Ok(())
 }

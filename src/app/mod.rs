@@ -78,6 +78,14 @@ async fn dispatch(cli: Cli, cancel: CancellationToken) -> i32 {
         Command::Console(args) => console::command(&resolver, args, cancel).await,
         Command::MockProvider(args) => mock::command(args, cancel).await,
         Command::Demo(args) => demo::command(&resolver, args, cancel).await,
+        Command::Reference { page } => {
+            let text = match page {
+                args::ReferencePage::Configuration => embed_dlq::reference::configuration(),
+                args::ReferencePage::Metrics => embed_dlq::reference::metrics(),
+            };
+            print!("{text}");
+            exit::OK
+        }
     }
 }
 
@@ -105,6 +113,18 @@ impl Resolver {
         let settings = self.settings(flags)?;
         let url = settings.database_url()?.to_string();
         Ok((settings, url))
+    }
+}
+
+/// Refuses with `serve`'s message (exit 2) when the database is relayed under another stream
+/// prefix than `prefix`, for the commands that only read the streams (`tail`, `console`): they
+/// would show another deployment's streams, or empty ones. Records nothing. `Err` holds the
+/// exit code; a database error is [`exit::FAILURE`].
+async fn refuse_other_prefix(pool: &sqlx::PgPool, prefix: &str) -> Result<(), i32> {
+    match store::prefix::verify(pool, prefix).await {
+        Ok(()) => Ok(()),
+        Err(store::prefix::PrefixError::Mismatch(m)) => Err(exit::fail(exit::USAGE, &m.to_string())),
+        Err(e) => Err(exit::fail(exit::FAILURE, &e.to_string())),
     }
 }
 

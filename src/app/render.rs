@@ -6,6 +6,20 @@ use std::io::Write;
 use embed_dlq::ingest::IngestSummary;
 use embed_dlq::reconcile::{Mode, Report, Sweep};
 
+/// `n` and the noun that goes with it: "1 row", "0 rows", "2 rows".
+pub fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// A reconcile mode in words, as the flags name it.
+pub fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Check => "check",
+        Mode::DryRun => "dry run",
+        Mode::Repair => "repair",
+    }
+}
+
 /// Prints a summary: human lines, or one JSON object.
 pub fn print_summary(s: &IngestSummary, json: bool) {
     let mut out = std::io::stdout().lock();
@@ -24,7 +38,12 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
         "records read        {:>10}  ({} lines, {:.1}s, {:.0} records/s)",
         s.records, s.lines_read, s.elapsed_secs, rate
     )?;
-    writeln!(out, "stored              {:>10}  ({} vector rows written)", s.stored, s.vectors_written)?;
+    writeln!(
+        out,
+        "stored              {:>10}  ({} written)",
+        s.stored,
+        count(s.vectors_written, "vector row", "vector rows")
+    )?;
     writeln!(out, "skipped unchanged   {:>10}", s.unchanged)?;
     writeln!(out, "skipped, in DLQ     {:>10}", s.already_parked)?;
     writeln!(out, "parked              {:>10}", s.parked_total())?;
@@ -62,8 +81,10 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
     }
     writeln!(
         out,
-        "provider calls      {:>10}  ({} inputs, {} batch splits)",
-        s.provider_calls, s.provider_inputs, s.batch_splits
+        "provider calls      {:>10}  ({}, {})",
+        s.provider_calls,
+        count(s.provider_inputs, "input", "inputs"),
+        count(s.batch_splits, "batch split", "batch splits")
     )?;
     writeln!(out, "tokens (reported)   {:>10}", s.reported_tokens)?;
     let tokens = s.tokens_stored + s.tokens_wasted;
@@ -129,7 +150,13 @@ pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result
         }
         writeln!(out, "{:<24}{:>10}{:>10}  {notes}", f.check.name(), f.found, repaired)?;
     }
-    writeln!(out, "total findings: {} ({:.2}s, mode {:?})", r.total_found(), r.duration_secs, r.mode)?;
+    writeln!(
+        out,
+        "total findings: {} ({:.2}s, mode {})",
+        r.total_found(),
+        r.duration_secs,
+        mode_name(r.mode)
+    )?;
     let scope = match (r.sweep, r.since) {
         (Sweep::Incremental, Some(t)) => format!("incremental: chunks changed since {}", t.to_rfc3339()),
         (Sweep::Incremental, None) => "incremental: every chunk (no earlier run to resume from)".into(),
@@ -141,4 +168,20 @@ pub fn write_report(out: &mut dyn std::io::Write, r: &Report) -> std::io::Result
         writeln!(out, "note: {note}")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_counts_in_english() {
+        let one =
+            IngestSummary { provider_calls: 1, provider_inputs: 1, batch_splits: 1, ..Default::default() };
+        let mut out = Vec::new();
+        write_human_summary(&mut out, &one).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("(1 input, 1 batch split)"), "{text}");
+        assert!(text.contains("(0 vector rows written)"), "{text}");
+    }
 }

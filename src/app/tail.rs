@@ -22,8 +22,37 @@ pub async fn command(resolver: &Resolver, args: TailCommand, cancel: Cancellatio
         Ok(r) => r,
         Err(e) => return exit::usage(&e),
     };
+    let keys = settings.stream_keys();
+    if let Ok(url) = settings.database_url()
+        && let Err(code) = check_prefix(url, keys.prefix()).await
+    {
+        return code;
+    }
     let opts = TailOptions { from, checkpoint, count, no_follow, on_gap };
-    follow(&redis, &settings.stream_keys(), opts, json, cancel).await
+    follow(&redis, &keys, opts, json, cancel).await
+}
+
+/// How long `tail` waits for the database to check the stream prefix.
+const PREFIX_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// With a database configured, `tail` refuses one relayed under another prefix (it would
+/// follow streams nobody writes to). The events are in Redis, so a database that cannot be
+/// reached only costs the check (a warning), not the tail.
+async fn check_prefix(url: &str, prefix: &str) -> Result<(), i32> {
+    let pool = match tokio::time::timeout(PREFIX_CHECK_TIMEOUT, embed_dlq::store::connect(url, 1)).await {
+        Ok(Ok(pool)) => pool,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "tail: cannot check the database's stream prefix; following {prefix:?} unchecked");
+            return Ok(());
+        }
+        Err(_) => {
+            tracing::warn!("tail: the database did not answer; following stream prefix {prefix:?} unchecked");
+            return Ok(());
+        }
+    };
+    let checked = super::refuse_other_prefix(&pool, prefix).await;
+    pool.close().await;
+    checked
 }
 
 /// Follows the events stream of `keys` on stdout.

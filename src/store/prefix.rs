@@ -2,7 +2,8 @@
 //! 0010): one database, one set of streams. Two deployments with different prefixes over one
 //! database would split the outbox between their streams, and each reconciler would publish
 //! the other's events again; so the first `serve` or `reconcile` records its prefix and any
-//! process configured with another one refuses to start.
+//! process configured with another one refuses to start. Processes that only read the
+//! streams (`tail`, `console`) [`verify`] the prefix without recording one.
 
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
@@ -17,7 +18,7 @@ use super::StoreError;
      {configured:?}. Two prefixes over one database would split every event between them: use \
      {recorded:?}, or a database of its own. To move this database to new streams for good, stop \
      every serve, run `embed-dlq migrate --adopt-stream-prefix {configured}`, then \
-     `embed-dlq reconcile --repair` (see README, \"One database, one set of streams\")"
+     `embed-dlq reconcile --repair` (see docs/SCALING.md, \"One database, one set of streams\")"
 )]
 pub struct PrefixMismatch {
     /// The prefix the database is relayed under.
@@ -62,6 +63,31 @@ pub async fn check(pool: &PgPool, prefix: &str) -> Result<(), PrefixError> {
     }
     Ok(())
 }
+
+/// Checks, without recording anything, that the database is not relayed under another prefix
+/// than `prefix`: for processes that only read the streams. A database with no prefix
+/// recorded yet (or not migrated yet) passes.
+pub async fn verify(pool: &PgPool, prefix: &str) -> Result<(), PrefixError> {
+    let recorded: Option<(String, DateTime<Utc>)> =
+        match sqlx::query_as("SELECT stream_prefix, recorded_at FROM embed_dlq_streams")
+            .fetch_optional(pool)
+            .await
+        {
+            Ok(r) => r,
+            // Not migrated yet: nothing recorded.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNDEFINED_TABLE) => None,
+            Err(e) => return Err(StoreError::from(e).into()),
+        };
+    match recorded {
+        Some((recorded, since)) if recorded != prefix => {
+            Err(PrefixMismatch { recorded, since, configured: prefix.to_string() }.into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// SQLSTATE of a statement on a table that does not exist.
+const UNDEFINED_TABLE: &str = "42P01";
 
 /// Records `prefix` as the database's stream prefix, replacing the recorded one: the database
 /// moves to new streams (every `serve` of the old prefix must be stopped first).

@@ -211,7 +211,7 @@ pub fn slot(key: &[u8]) -> u16 {
     "the streams under prefix {prefix:?} were set up with {recorded} shard(s) (recorded in {meta}); \
      this process is configured with stream_shards = {configured}. The shard count cannot change \
      while the streams are in use: keep {recorded}, or switch to a new stream_prefix with the new \
-     count and run `embed-dlq reconcile --repair` once (see README, \"Sharded streams\")"
+     count and run `embed-dlq reconcile --repair` once (see docs/SCALING.md, \"Sharded streams\")"
 )]
 pub struct ShardMismatch {
     /// The stream prefix.

@@ -58,7 +58,7 @@ pub const POISON_NAN: &str = "[[poison:nan]]";
 pub const POISON_EMPTY: &str = "[[poison:empty]]";
 
 /// Behaviour of the mock; every rate is a probability per request in [0, 1].
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MockConfig {
     /// Length of every vector (a `dimensions` request field above it answers 400).
@@ -114,6 +114,19 @@ pub struct MockConfig {
     /// Models the provider no longer serves: a request for one is answered 404
     /// `model_not_found`, like OpenAI after a model is retired (at most 64 names).
     pub retired_models: Vec<String>,
+    /// Report every character as a token in `usage`, like some real servers (infinity-emb),
+    /// instead of what the client estimates (characters / 4, at least 1 per input).
+    pub usage_counts_characters: bool,
+}
+
+impl MockConfig {
+    /// The JSON keys of the settings (what `mock-provider --settings` takes), in order.
+    pub fn keys() -> Vec<String> {
+        match serde_json::to_value(MockConfig::default()) {
+            Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 impl Default for MockConfig {
@@ -141,6 +154,7 @@ impl Default for MockConfig {
             limit_window_ms: 60_000,
             limit_headers: true,
             retired_models: Vec::new(),
+            usage_counts_characters: false,
         }
     }
 }
@@ -483,10 +497,17 @@ async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[St
     }
     shared.counters.ok.fetch_add(1, Ordering::Relaxed);
     let base64 = parsed.encoding_format.as_deref() != Some("float");
+    let usage = if c.usage_counts_characters {
+        inputs.iter().map(|t| t.chars().count() as u64).sum()
+    } else {
+        mock_tokens(inputs)
+    };
     let dimensions =
         parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
-    let mut ok =
-        json(StatusCode::OK, render(inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
+    let mut ok = json(
+        StatusCode::OK,
+        render(inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"), usage),
+    );
     if c.limit_headers {
         add_headers(&mut ok, &limit_headers);
     }
@@ -561,10 +582,11 @@ fn go_duration(d: Duration) -> String {
     }
 }
 
-/// Tokens of `inputs` as the mock counts them for `tpm_limit`: characters / 4 rounded up,
-/// at least one per input.
+/// Tokens of `inputs` as the mock counts them (for `tpm_limit` and in `usage`): the client's
+/// estimate, characters / 4 rounded up, at least one per input.
 fn mock_tokens(inputs: &[String]) -> u64 {
-    inputs.iter().map(|t| t.chars().count().div_ceil(4).max(1) as u64).sum()
+    let inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+    crate::embed::limit::estimate_tokens(&inputs)
 }
 
 /// Charges the request to the account's limits: `Ok` with the headers to send, or a 429 with
@@ -769,13 +791,11 @@ async fn injected_fault(shared: &Shared, echo: &str, inputs: usize) -> Option<An
     }
 }
 
-fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str) -> String {
+fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str, usage: u64) -> String {
     use std::fmt::Write;
     let mut out = String::with_capacity(inputs.len() * (dimensions * 6 + 64) + 128);
     out.push_str("{\"object\":\"list\",\"data\":[");
-    let mut chars = 0usize;
     for (i, text) in inputs.iter().enumerate() {
-        chars += text.chars().count();
         let v = vector_for(text, dimensions);
         if i > 0 {
             out.push(',');
@@ -802,10 +822,9 @@ fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str) -> St
         }
         out.push('}');
     }
-    // Like some real servers, usage counts characters rather than tokens.
     let _ = write!(
         out,
-        "],\"model\":{},\"usage\":{{\"prompt_tokens\":{chars},\"total_tokens\":{chars}}}}}",
+        "],\"model\":{},\"usage\":{{\"prompt_tokens\":{usage},\"total_tokens\":{usage}}}}}",
         serde_json::Value::from(model)
     );
     out

@@ -176,7 +176,7 @@ async fn a_proven_poison_input_is_never_sent_in_a_batch_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_accounted_as_stored_or_wasted_and_priced() {
     let db = TestDb::new().await;
-    let mock = start_mock(MockConfig::default()).await;
+    let mock = start_mock(MockConfig { usage_counts_characters: true, ..MockConfig::default() }).await;
     let mut s = settings(&db, &mock);
     s.options.batch_max_inputs = 8;
     s.options.concurrency = 1;

@@ -1099,7 +1099,8 @@ impl History {
     /// Runs `embed-dlq tail --json --no-follow` with `args`; returns its exit code and stderr.
     async fn tail(&self, args: &[&str]) -> (i32, String) {
         let out = binary()
-            .args(["--redis-url", &self.redis.url(), "tail", "--json", "--no-follow"])
+            .args(["--database-url", &self.db.url, "--redis-url", &self.redis.url()])
+            .args(["tail", "--json", "--no-follow"])
             .args(["--stream-prefix", &self.prefix])
             .args(args)
             .output()

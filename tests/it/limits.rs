@@ -22,7 +22,14 @@ fn corpus(prefix: &str, chunks: usize) -> Vec<u8> {
 /// A mock whose account allows `tpm` tokens a minute, two seconds' worth at once, and
 /// sends no rate-limit headers on successes (so only the client's own budget can help).
 fn token_limited_mock(tpm: u64) -> MockConfig {
-    MockConfig { tpm_limit: Some(tpm), limit_window_ms: 2_000, limit_headers: false, ..MockConfig::default() }
+    MockConfig {
+        tpm_limit: Some(tpm),
+        limit_window_ms: 2_000,
+        limit_headers: false,
+        // Like infinity-emb: the client must not believe it.
+        usage_counts_characters: true,
+        ..MockConfig::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,7 @@ mod console;
 mod costs;
 mod dashboard;
 mod economy;
+mod first_hour;
 mod from_rust;
 mod history;
 mod identity;

@@ -214,22 +214,3 @@ async fn exit_codes_and_clear_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_runs_every_pass_end_to_end() {
-    let db = TestDb::new().await;
-    let out = binary()
-        .args(["demo", "--chunks", "300"])
-        .env("DATABASE_URL", &db.url)
-        .env("REDIS_URL", redis_url())
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("provider requests seen by the mock in pass 2: 0"), "{stdout}");
-    assert!(stdout.contains("outage: 300 chunks parked as transient"), "{stdout}");
-    assert!(stdout.contains("total findings: 0"), "{stdout}");
-    assert_eq!(db.leaks().await, 0);
-    assert_eq!(db.manifest_disagreements().await, 0);
-}

@@ -84,7 +84,7 @@ on_single_and_cluster! {
 /// is the rows' fault. Once the database is back every row is replayed; none is exhausted.
 async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
     // EMBED_DLQ_OUTAGE_{ROWS,SECS,MIN_IDLE_MS,CAP} scale it up to the long outages recorded
-    // in the README (e.g. 3,000 rows, 330 s, min-idle 15 s, cap 5).
+    // in docs/guarantees.md (e.g. 3,000 rows, 330 s, min-idle 15 s, cap 5).
     let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
     let rows = env("EMBED_DLQ_OUTAGE_ROWS", 400) as usize;
     let outage = Duration::from_secs(env("EMBED_DLQ_OUTAGE_SECS", 12));
