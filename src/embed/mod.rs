@@ -348,9 +348,10 @@ impl Embedder {
     }
 
     /// Records a provider answer: a vector or a per-item problem for each input of `range`.
-    /// When every vector has the same wrong length, the model or `dimensions` may not fit the
-    /// column at all: the canary is asked (unless vectors of the right size have been seen
-    /// and this is one input), and without a verdict the problems are parked as transient.
+    /// When every vector has the same wrong length, or every one is unusable alike (NaN,
+    /// zeros, empty), the model or `dimensions` may be broken or not fit the column at all:
+    /// the canary is asked (unless usable vectors have been seen and this is one input), and
+    /// without a verdict the problems are parked as transient.
     async fn settle_response(
         &self,
         resp: client::EmbedResponse,
@@ -362,7 +363,7 @@ impl Embedder {
         let mut items = resp.items;
         if items.iter().any(Result::is_ok) {
             self.gate.canary().record_success(&p.target);
-        } else if let Some((signature, detail)) = uniform_wrong_dimension(&items) {
+        } else if let Some((signature, detail)) = uniform_unusable(&items) {
             let force = items.len() > 1;
             if (force || !self.gate.canary().has_success(&p.target))
                 && let Checked::Inconclusive(why) =
@@ -659,7 +660,8 @@ const CANARY_BREAKER_OPEN: &str = "the circuit breaker opened before the provide
 
 /// The verdict of a canary input the provider answered: a usable vector clears the provider
 /// (the failure was the input's); a vector of the wrong size means the model or `dimensions`
-/// do not fit the table; any other problem gives no verdict (`Err`).
+/// do not fit the table; an invalid one (NaN, zeros, empty) means the model is broken for
+/// every input; a missing one gives no verdict (`Err`).
 fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, String> {
     match resp.items.into_iter().next() {
         Some(Ok(_)) => Ok(CanaryVerdict::InputFault),
@@ -672,6 +674,13 @@ fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, Str
                 ),
             }))
         }
+        Some(Err(p)) if p.class == ErrorClass::InvalidVector => Ok(CanaryVerdict::Systemic(Stop::Systemic {
+            reason: "invalid_vector",
+            detail: format!(
+                "every vector is unusable, a known-good canary input's too ({}: {}); the model is broken or misconfigured, check --model/--dimensions and the server",
+                p.reason, p.detail
+            ),
+        })),
         Some(Err(p)) => Err(format!(
             "the canary input's vector was unusable too ({}), so the provider could not be checked",
             p.reason
@@ -785,17 +794,27 @@ fn fill(outcomes: &mut [Option<ItemOutcome>], range: Range<usize>, outcome: Item
     }
 }
 
-/// Every vector of a response has the same wrong length: the model or the `dimensions`
-/// setting may not fit the target column (configuration, not data); the canary decides.
-fn uniform_wrong_dimension(items: &[Result<Vec<f32>, client::VectorProblem>]) -> Option<(Signature, String)> {
+/// Every vector of a response is unusable the same way: the same wrong length (the model or
+/// the `dimensions` setting may not fit the target column), or the same invalid value (a
+/// broken model answering NaN or zeros for everything). Configuration, not data, until the
+/// canary says otherwise.
+fn uniform_unusable(items: &[Result<Vec<f32>, client::VectorProblem>]) -> Option<(Signature, String)> {
     let first = match items.first()? {
-        Err(p) if p.class == ErrorClass::DimensionMismatch => p,
+        Err(p) if matches!(p.class, ErrorClass::DimensionMismatch | ErrorClass::InvalidVector) => p,
         _ => return None,
     };
-    let uniform = items
-        .iter()
-        .all(|i| matches!(i, Err(p) if p.class == ErrorClass::DimensionMismatch && p.detail == first.detail));
-    uniform.then(|| (Signature::Dimension(first.detail.clone()), first.detail.clone()))
+    let same = |p: &client::VectorProblem| match first.class {
+        ErrorClass::DimensionMismatch => p.class == first.class && p.detail == first.detail,
+        _ => p.class == first.class && p.reason == first.reason,
+    };
+    if !items.iter().all(|i| matches!(i, Err(p) if same(p))) {
+        return None;
+    }
+    let signature = match first.class {
+        ErrorClass::DimensionMismatch => Signature::Dimension(first.detail.clone()),
+        _ => Signature::InvalidVector(first.reason),
+    };
+    Some((signature, first.detail.clone()))
 }
 
 #[cfg(test)]

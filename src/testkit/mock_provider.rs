@@ -114,6 +114,19 @@ pub struct MockConfig {
     /// Models the provider no longer serves: a request for one is answered 404
     /// `model_not_found`, like OpenAI after a model is retired (at most 64 names).
     pub retired_models: Vec<String>,
+    /// A broken model: every vector of every answer (the canary's too) is unusable in this
+    /// way, with status 200. `None`: vectors are fine.
+    pub broken_vectors: Option<BrokenVectors>,
+}
+
+/// How a broken model spoils every vector ([`MockConfig::broken_vectors`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BrokenVectors {
+    /// A NaN in every vector (`null` in float form).
+    Nan,
+    /// Every value zero.
+    Zero,
 }
 
 impl Default for MockConfig {
@@ -141,6 +154,7 @@ impl Default for MockConfig {
             limit_window_ms: 60_000,
             limit_headers: true,
             retired_models: Vec::new(),
+            broken_vectors: None,
         }
     }
 }
@@ -485,8 +499,8 @@ async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[St
     let base64 = parsed.encoding_format.as_deref() != Some("float");
     let dimensions =
         parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
-    let mut ok =
-        json(StatusCode::OK, render(inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock")));
+    let model = parsed.model.as_deref().unwrap_or("mock");
+    let mut ok = json(StatusCode::OK, render(inputs, dimensions, base64, model, c.broken_vectors));
     if c.limit_headers {
         add_headers(&mut ok, &limit_headers);
     }
@@ -769,14 +783,25 @@ async fn injected_fault(shared: &Shared, echo: &str, inputs: usize) -> Option<An
     }
 }
 
-fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str) -> String {
+fn render(
+    inputs: &[String],
+    dimensions: usize,
+    base64: bool,
+    model: &str,
+    broken: Option<BrokenVectors>,
+) -> String {
     use std::fmt::Write;
     let mut out = String::with_capacity(inputs.len() * (dimensions * 6 + 64) + 128);
     out.push_str("{\"object\":\"list\",\"data\":[");
     let mut chars = 0usize;
     for (i, text) in inputs.iter().enumerate() {
         chars += text.chars().count();
-        let v = vector_for(text, dimensions);
+        let mut v = vector_for(text, dimensions);
+        match broken {
+            Some(BrokenVectors::Nan) => v.iter_mut().take(1).for_each(|x| *x = f32::NAN),
+            Some(BrokenVectors::Zero) => v.iter_mut().for_each(|x| *x = 0.0),
+            None => {}
+        }
         if i > 0 {
             out.push(',');
         }

@@ -815,3 +815,60 @@ async fn credentials_in_the_base_url_are_redacted_like_the_key() {
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("gateway-user:{URL_SECRET}"));
     assert!(!everything.contains(&basic[4..basic.len() - 4]), "its Basic encoding was stored");
 }
+
+// ---------------------------------------------------------------------------------------
+// Issue 20, item 4: a model that returns unusable vectors for every input is systemic.
+
+/// A provider that answers NaN (or all-zero) vectors for every input, the canary's too, stops
+/// the run like a wrong dimension does: nothing parked, no manifest row, one canary; the
+/// binary exits 4. An unusable vector among good ones stays the input's fault (see
+/// `json_nan_in_one_float_vector_isolates_that_input`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and_parks_nothing() {
+    use embed_dlq::testkit::mock_provider::BrokenVectors;
+    for broken in [BrokenVectors::Nan, BrokenVectors::Zero] {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig { broken_vectors: Some(broken), ..MockConfig::default() }).await;
+        let s = settings(&db, &mock);
+        let err = pipeline(&s)
+            .await
+            .run(input(corpus("broken", 300, |i| format!("chunk {i}"))), CancellationToken::new())
+            .await
+            .unwrap_err();
+        match &err {
+            IngestError::Provider { stop: Stop::Systemic { reason: "invalid_vector", .. }, summary } => {
+                assert_eq!(summary.parked_total(), 0, "{broken:?}: {summary:?}");
+            }
+            other => panic!("{broken:?}: expected a systemic invalid_vector stop, got {other}"),
+        }
+        assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0, "{broken:?}");
+        assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 0, "{broken:?}");
+        let st = mock.control.stats();
+        assert_eq!(st.canaries, 1, "{broken:?}: one canary for the whole run: {st:?}");
+        assert!(st.requests <= s.options.concurrency as u64 + 2, "{broken:?}: no bisecting: {st:?}");
+        mock.shutdown().await;
+    }
+
+    // The binary: exit 4, nothing parked.
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { broken_vectors: Some(BrokenVectors::Nan), ..MockConfig::default() })
+        .await;
+    let path = std::env::temp_dir().join(format!("embed-dlq-it-nan-{}.jsonl", rand::random::<u64>()));
+    std::fs::write(&path, corpus("bin-nan", 100, |i| format!("chunk {i}"))).unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .env_remove("RUST_LOG")
+        .env_remove("EMBED_DLQ_API_KEY")
+        .arg("ingest")
+        .arg(&path)
+        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+        .args(["--batch-max-inputs", "16", "--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(4), "{all}");
+    assert!(all.contains("invalid_vector"), "{all}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+}
