@@ -851,8 +851,8 @@ async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and
 
     // The binary: exit 4, nothing parked.
     let db = TestDb::new().await;
-    let mock = start_mock(MockConfig { broken_vectors: Some(BrokenVectors::Nan), ..MockConfig::default() })
-        .await;
+    let mock =
+        start_mock(MockConfig { broken_vectors: Some(BrokenVectors::Nan), ..MockConfig::default() }).await;
     let path = std::env::temp_dir().join(format!("embed-dlq-it-nan-{}.jsonl", rand::random::<u64>()));
     std::fs::write(&path, corpus("bin-nan", 100, |i| format!("chunk {i}"))).unwrap();
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
