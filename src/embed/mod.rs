@@ -202,13 +202,31 @@ impl Embedder {
     /// Embeds `texts`, returning one outcome per text (same order) or the reason the whole run
     /// must stop. `cancel` interrupts backoff waits and waits for the limiter's slot (nothing
     /// is sent after it): inputs already attempted are then reported as transient failures
-    /// (to be parked), the rest as not attempted.
+    /// (to be parked), the rest as not attempted. A stop discards what the batch embedded
+    /// before it; [`Embedder::embed_batch_until_stop`] keeps it.
     pub async fn embed_batch(
         &self,
         texts: &[&str],
         cancel: &CancellationToken,
         stats: &mut BatchStats,
     ) -> Result<Vec<ItemOutcome>, Stop> {
+        match self.embed_batch_until_stop(texts, cancel, stats).await {
+            (outcomes, None) => Ok(outcomes),
+            (_, Some(stop)) => Err(stop),
+        }
+    }
+
+    /// Like [`Embedder::embed_batch`], but a stop keeps what was embedded before it: the
+    /// vectors of the pieces the provider had already answered were paid for, and resending
+    /// them on the rerun would pay again. With a stop (`Some`), every outcome but
+    /// [`ItemOutcome::Embedded`] is [`ItemOutcome::NotAttempted`]: a failure met before a
+    /// systemic stop may be the provider's doing, so nothing is charged to its input.
+    pub async fn embed_batch_until_stop(
+        &self,
+        texts: &[&str],
+        cancel: &CancellationToken,
+        stats: &mut BatchStats,
+    ) -> (Vec<ItemOutcome>, Option<Stop>) {
         let mut progress = Progress {
             target: self.target(),
             outcomes: vec![None; texts.len()],
@@ -228,9 +246,19 @@ impl Embedder {
         }
         while let Some(piece) = progress.work.pop() {
             let piece = self.carve(piece, &progress.suspects, &mut progress.work);
-            self.embed_piece(texts, piece, &mut progress).await?;
+            if let Err(stop) = self.embed_piece(texts, piece, &mut progress).await {
+                let kept = progress
+                    .outcomes
+                    .into_iter()
+                    .map(|o| match o {
+                        Some(embedded @ ItemOutcome::Embedded(_)) => embedded,
+                        _ => ItemOutcome::NotAttempted,
+                    })
+                    .collect();
+                return (kept, Some(stop));
+            }
         }
-        Ok(progress.outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect())
+        (progress.outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect(), None)
     }
 
     /// The next request to send from `piece`: a remembered suspect alone first, else the

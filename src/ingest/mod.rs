@@ -1152,25 +1152,31 @@ impl Worker {
         let mut not_attempted: Vec<(String, i32)> = Vec::new();
         if !job.embed.is_empty() {
             let texts: Vec<&str> = job.embed.iter().map(|c| c.chunk.text.as_str()).collect();
-            let outcomes = match self.embedder.embed_batch(&texts, &self.cancel, &mut stats).await {
-                Ok(o) => o,
-                Err(stop) => {
-                    tracing::error!(error = %stop, "provider refused the run; stopping without parking");
-                    let mut t = self.tally.lock().unwrap();
-                    merge_stats(&mut t.summary, &stats);
-                    t.summary.not_attempted += (job.embed.len() + out.park.len()) as u64;
-                    t.summary.note_unfinished(
-                        job.embed.iter().map(|c| (c.chunk.doc_id.as_str(), c.chunk.chunk_index)),
-                    );
-                    t.summary.note_unfinished(out.park.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)));
-                    if t.stop.is_none() {
-                        t.stop = Some(stop);
+            let (outcomes, stop) =
+                self.embedder.embed_batch_until_stop(&texts, &self.cancel, &mut stats).await;
+            if let Some(stop) = stop {
+                // Nothing is parked for a stop; what the provider embedded before it was paid
+                // for and is stored, the rest is left for the rerun.
+                tracing::error!(error = %stop, "provider refused the run; stopping without parking");
+                let (mut store, mut left) = (Vec::new(), Vec::new());
+                for (claimed, outcome) in job.embed.into_iter().zip(outcomes) {
+                    match outcome {
+                        ItemOutcome::Embedded(embedding) => store.push(claimed.stored(embedding)),
+                        _ => left.push((claimed.chunk.doc_id, claimed.chunk.chunk_index)),
                     }
-                    drop(t);
-                    self.halt.cancel();
-                    return None;
                 }
-            };
+                let mut t = self.tally.lock().unwrap();
+                merge_stats(&mut t.summary, &stats);
+                t.summary.not_attempted += (left.len() + out.park.len()) as u64;
+                t.summary.note_unfinished(left.iter().map(|(d, i)| (d.as_str(), *i)));
+                t.summary.note_unfinished(out.park.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)));
+                if t.stop.is_none() {
+                    t.stop = Some(stop);
+                }
+                drop(t);
+                self.halt.cancel();
+                return (!store.is_empty()).then(|| Outcomes { store, park: Vec::new(), charge: out.charge });
+            }
             for (claimed, outcome) in job.embed.into_iter().zip(outcomes) {
                 match outcome {
                     ItemOutcome::Embedded(embedding) => out.store.push(claimed.stored(embedding)),

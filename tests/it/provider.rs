@@ -872,3 +872,49 @@ async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and
     assert!(all.contains("invalid_vector"), "{all}");
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
 }
+
+// ---------------------------------------------------------------------------------------
+// Issue 20, item 8: a stop in the middle of a batch keeps what was already embedded.
+
+/// A batch split to isolate a poison input has embedded two of its inputs when the key is
+/// revoked (401 from then on): the run stops, nothing is parked, and the two vectors the
+/// provider already answered (and billed) are stored instead of being sent again on the
+/// rerun; the rest is not attempted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
+    let db = TestDb::new().await;
+    let server = Hostile::start(Arc::new(|n, seen: &Seen| {
+        let inputs = seen.inputs();
+        if inputs.iter().any(|t| t.contains("poison")) {
+            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
+        } else if n <= 4 {
+            // 1: the canary; 3 and 4: the first two inputs after the poison one, alone.
+            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
+        } else {
+            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
+        }
+    }))
+    .await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.client.base_url = server.base_url();
+    s.options.concurrency = 1;
+    s.options.batch_max_inputs = 8;
+    let c = corpus("midstop", 8, |i| if i == 0 { "poison input".into() } else { format!("fine {i}") });
+    let err = pipeline(&s).await.run(input(c), CancellationToken::new()).await.unwrap_err();
+    match &err {
+        IngestError::Provider { stop: Stop::Systemic { reason: "unauthorized", .. }, summary } => {
+            assert_eq!(summary.parked_total(), 0, "{summary:?}");
+            assert_eq!(summary.stored, 2, "{summary:?}");
+            assert_eq!(summary.not_attempted, 6, "{summary:?}");
+        }
+        other => panic!("expected an unauthorized stop, got {other}"),
+    }
+    let stored: Vec<i32> = sqlx::query_scalar("SELECT chunk_index FROM doc_embeddings ORDER BY chunk_index")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, vec![1, 2]);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.leaks().await, 0);
+}
