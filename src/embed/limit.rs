@@ -281,6 +281,19 @@ impl RateHeaders {
     fn is_empty(&self) -> bool {
         *self == RateHeaders::default()
     }
+
+    /// What a 429 that carries no `Retry-After` should wait, from these headers: the reset
+    /// of the limit that ran out (remaining 0; the longer if both did), else the shorter of
+    /// the resets given (a guess; if it is too short the next 429 says so). `None` without
+    /// a reset header. Clamped like every reset, to [`MAX_PACING_WAIT`].
+    pub fn reset_wait(&self) -> Option<Duration> {
+        let exhausted =
+            [(self.remaining_requests, self.reset_requests), (self.remaining_tokens, self.reset_tokens)]
+                .into_iter()
+                .filter_map(|(remaining, reset)| (remaining == Some(0)).then_some(reset).flatten())
+                .max();
+        exhausted.or_else(|| [self.reset_requests, self.reset_tokens].into_iter().flatten().min())
+    }
 }
 
 /// Parses an OpenAI-style duration (`1s`, `6m0s`, `20ms`, `1h2m3.5s`, `150us`) or a plain

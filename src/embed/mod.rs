@@ -154,6 +154,14 @@ pub fn estimate_tokens(text: &str) -> u64 {
     text.chars().count().div_ceil(limit::CHARS_PER_TOKEN) as u64
 }
 
+/// The 429s one piece has met: how many (they do not count as the policy's attempts) and
+/// since when.
+#[derive(Default)]
+struct RateLimited {
+    attempts: u32,
+    since: Option<tokio::time::Instant>,
+}
+
 /// Why no request may be sent.
 enum Halt {
     Cancelled,
@@ -289,6 +297,9 @@ impl Embedder {
     async fn embed_piece(&self, texts: &[&str], piece: Piece, p: &mut Progress<'_>) -> Result<(), Stop> {
         let cancel = p.cancel;
         let mut attempt: u32 = 0;
+        // Rate limits clear by themselves: 429s do not use up the policy's attempts, they are
+        // bounded by time instead (see `settle_without_retry`).
+        let mut limited = RateLimited::default();
         let mut last: Option<(EmbedError, &'static str)> = None;
         loop {
             let permit = match self.admit(cancel, p.stats).await {
@@ -356,7 +367,11 @@ impl Embedder {
             let suspect = piece.isolating && reason == "http_500";
             let health = if suspect { Health::InputSuspect } else { self.retry_health(reason, retry_after) };
             self.gate.record(permit, health);
-            if self.settle_without_retry(&err, reason, suspect, &piece, attempt, p) {
+            if reason == "rate_limited" {
+                limited.attempts += 1;
+                limited.since.get_or_insert_with(tokio::time::Instant::now);
+            }
+            if self.settle_without_retry(&err, reason, suspect, &piece, (attempt, &limited), p) {
                 return Ok(());
             }
             *p.stats.retries.entry(reason).or_default() += 1;
@@ -471,13 +486,19 @@ impl Embedder {
     /// isolate the input (some servers, e.g. Ollama, answer 500 for one input forever)
     /// instead of parking its neighbours with it, and anything else is parked as transient
     /// (a lone `suspect` input is then remembered as poison: it failed alone every time).
+    ///
+    /// A rate limit is not the piece's failure and clears by itself (a gateway refuses for
+    /// the rest of its minute): 429s do not count towards the policy's attempts, and a piece
+    /// is parked for them only once it has been rate-limited for twice the gate's
+    /// `max_outage` (a run whose every request is refused for `max_outage` stops first, in
+    /// the gate: this bound only ends a piece refused while others get answers).
     fn settle_without_retry(
         &self,
         err: &EmbedError,
         reason: &'static str,
         suspect: bool,
         piece: &Piece,
-        attempt: u32,
+        (attempt, limited): (u32, &RateLimited),
         p: &mut Progress<'_>,
     ) -> bool {
         let several = piece.range.len() > 1;
@@ -486,7 +507,12 @@ impl Embedder {
             split(&mut p.work, &piece.range, true, piece.counted);
             return true;
         }
-        if self.policy.allows_another(attempt) {
+        let may_retry = if reason == "rate_limited" {
+            limited.since.is_none_or(|since| since.elapsed() < self.gate.max_outage().saturating_mul(2))
+        } else {
+            self.policy.allows_another(attempt - limited.attempts)
+        };
+        if may_retry {
             return false;
         }
         if reason == "http_500" && several {
@@ -502,7 +528,7 @@ impl Embedder {
     }
 
     /// What a retryable failure tells the gate: a rate limit (with the server's wait, capped
-    /// by the policy) or a failing provider.
+    /// by the policy; without one the gate pauses adaptively) or a failing provider.
     fn retry_health(&self, reason: &'static str, retry_after: Option<std::time::Duration>) -> Health {
         if reason == "rate_limited" {
             Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))

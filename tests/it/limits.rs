@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use embed_dlq::embed::limit::{LimitConfig, ProviderLimiter, shared_key};
 use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
-use embed_dlq::testkit::mock_provider::{MockConfig, MockStats};
+use embed_dlq::testkit::mock_provider::{LimitMode, MockConfig, MockStats};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
@@ -229,5 +229,49 @@ async fn a_wait_for_the_budget_ends_on_shutdown_and_sends_nothing() {
                 .await
                 .unwrap();
         }
+    }
+}
+
+fn short_corpus(prefix: &str, chunks: usize) -> Vec<u8> {
+    // About 10 estimated tokens a chunk, whatever its number.
+    (0..chunks)
+        .map(|i| line(prefix, i as i32, &format!("pacing test chunk number {i:08} of the corpus")))
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Issue 20, item 15: a LiteLLM-like gateway counts a per-minute limit per fixed window and
+/// answers 429 with no `Retry-After` for the rest of it (only `llm_provider-retry-after`, or
+/// nothing at all). A client not told the limit must pause the whole pool until the window
+/// clears and park nothing: the limit clears by itself. Without the header the pause grows
+/// adaptively; with it the pause follows it. Counted: no chunk parked, and few 429s a window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_429_without_retry_after_pauses_the_pool_and_parks_nothing() {
+    for header in [false, true] {
+        let db = TestDb::new().await;
+        // 10 requests per fixed 2-second window.
+        let mock = start_mock(MockConfig {
+            rpm_limit: Some(300),
+            limit_window_ms: 2_000,
+            limit_mode: LimitMode::Gateway,
+            gateway_retry_header: header,
+            ..MockConfig::default()
+        })
+        .await;
+        let mut s = settings(&db, &mock);
+        s.options.batch_max_inputs = 4;
+        s.options.concurrency = 4;
+        s.retry.max_attempts = 5;
+        s.retry.cap = Duration::from_secs(5);
+        let p = pipeline(&s).await;
+        let summary = p.run(input(short_corpus("gw", 120)), CancellationToken::new()).await.unwrap();
+        let stats = mock.control.stats();
+        eprintln!("header {header}: {stats:?}; retries {:?}", summary.retries);
+        assert_eq!(summary.parked_total(), 0, "header {header}: {summary:?}");
+        assert_eq!(summary.stored, 120, "header {header}: {summary:?}");
+        // 30 requests need 3 windows; each window's end costs a few 429s (the requests in
+        // flight, then one per growing pause), not one per worker per backoff.
+        assert!(stats.over_limit <= 20, "header {header}: {stats:?}");
+        mock.shutdown().await;
     }
 }
