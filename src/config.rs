@@ -119,7 +119,8 @@ pub struct IngestArgs {
     /// Most inputs per provider request, 1..=2048.
     #[arg(long)]
     pub batch_max_inputs: Option<usize>,
-    /// Approximate character budget per request (~4 characters per token), 1..=10000000.
+    /// Most characters (not bytes) of input per request, ingest and replay alike (~4 a token),
+    /// 1..=10000000.
     #[arg(long)]
     pub batch_max_chars: Option<usize>,
     /// Concurrent provider requests, 1..=256.

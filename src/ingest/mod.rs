@@ -67,7 +67,8 @@ use reader::{LineReader, Record, parse_line};
 pub struct IngestOptions {
     /// Most inputs in one provider request.
     pub batch_max_inputs: usize,
-    /// Approximate budget of characters in one request (a token budget proxy: ~4 chars/token).
+    /// Most characters (not bytes) of input in one request, counted the same way by ingest
+    /// and replay: a proxy for a per-request token limit (~4 characters a token).
     pub batch_max_chars: usize,
     /// Concurrent provider requests.
     pub concurrency: usize,
@@ -1051,7 +1052,8 @@ impl<'a> Batcher<'a> {
                 });
                 continue;
             }
-            let len = chunk.text.len();
+            // Characters, as replay counts them (`request_ranges`), not bytes.
+            let len = chunk.text.chars().count();
             if !current.is_empty()
                 && (current.len() >= opts.batch_max_inputs || chars + len > opts.batch_max_chars)
             {
