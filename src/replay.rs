@@ -831,8 +831,11 @@ impl Replayer {
     /// and stops the process).
     pub async fn run(mut self, stop: CancellationToken, hard: CancellationToken) -> Result<(), ReplayError> {
         let mut conn = None;
-        let mut backoff = Duration::from_millis(100);
-        let mut last_reclaim = Instant::now() - Duration::from_secs(3600);
+        let mut backoff =
+            crate::embed::retry::Reconnect::new(Duration::from_millis(100), Duration::from_secs(5));
+        // `None`: never done, due at once (`Instant::now() - 1h` panics early after boot on
+        // platforms whose monotonic clock starts at zero).
+        let mut last_reclaim = Instant::now().checked_sub(Duration::from_secs(3600));
         // Its shards, one per XREADGROUP ([`Replayer::read_next`]).
         let shards = self.shards();
         let mut next = 0;
@@ -848,8 +851,8 @@ impl Replayer {
                 continue;
             }
             let step: Result<ReplayCounts, ReplayError> = async {
-                if last_reclaim.elapsed() >= self.config.min_idle / 2 {
-                    last_reclaim = Instant::now();
+                if last_reclaim.is_none_or(|t| t.elapsed() >= self.config.min_idle / 2) {
+                    last_reclaim = Some(Instant::now());
                     self.ensure_groups().await?;
                     self.reclaim_once(&hard).await?;
                 }
@@ -875,7 +878,7 @@ impl Replayer {
             .await;
             match step {
                 Ok(c) => {
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                     if c != ReplayCounts::default() {
                         tracing::debug!(consumer = %self.name, ?c, "replay batch");
                     }
@@ -884,8 +887,7 @@ impl Replayer {
                 Err(e) => {
                     tracing::warn!(consumer = %self.name, error = %e, "replay step failed; retrying");
                     conn = None;
-                    sleep_or_cancel(backoff, &stop).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    sleep_or_cancel(backoff.next_delay(), &stop).await;
                 }
             }
         }
