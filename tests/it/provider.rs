@@ -920,3 +920,74 @@ async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
     assert_eq!(db.leaks().await, 0);
 }
+
+/// Issue 20, item 8, replay side: a replay request split to isolate a poison row has
+/// embedded two rows when the key is revoked: those two are replayed (vector stored, row
+/// gone), the other six are postponed unchanged, and nothing is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embedded() {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(&db, &down);
+    s.retry.max_attempts = 2;
+    s.options.batch_max_inputs = 8;
+    let p = pipeline(&s).await;
+    let c = corpus("midrep", 8, |i| if i == 0 { "poison row".into() } else { format!("fine row {i}") });
+    let r = p.run(input(c), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&8));
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let config = ReplayConfig {
+        batch: 64,
+        request_inputs: 8,
+        requests_in_flight: 1,
+        block: Duration::from_millis(200),
+        systemic_pause: Duration::from_secs(120),
+        ..Default::default()
+    };
+    Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+
+    let server = Hostile::start(Arc::new(|n, seen: &Seen| {
+        let inputs = seen.inputs();
+        if inputs.iter().any(|t| t.contains("poison")) {
+            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
+        } else if n <= 4 {
+            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
+        } else {
+            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
+        }
+    }))
+    .await;
+    let mut rs = settings(&db, &down);
+    rs.client.base_url = server.base_url();
+    let rp = pipeline(&rs).await;
+    let mut rep = Replayer {
+        name: "midstop".into(),
+        store: rp.store,
+        embedder: rp.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    };
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (2, 6, 0, 0), "{c:?}");
+    let stored: Vec<i32> = sqlx::query_scalar("SELECT chunk_index FROM doc_embeddings ORDER BY chunk_index")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, vec![1, 2]);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 6);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE replays > 0").await, 0, "nothing charged");
+}
