@@ -8,7 +8,9 @@
 -- ARGV[2]  requests per minute, 0 for no request limit
 -- ARGV[3]  tokens per minute, 0 for no token limit
 -- ARGV[4]  estimated tokens of the request (clamped by the caller to one minute's budget)
--- ARGV[5]  burst in ms: how much of the schedule may be spent at once (1 s of budget)
+-- ARGV[5]  burst in ms: how much of the schedule may be spent at once (100 ms of budget;
+--          never less than the request's own cost, so a request after an idle spell goes at
+--          once and the next waits its turn: even pacing)
 -- ARGV[6]  multiplicative decrease on a 429 (e.g. 0.5)
 -- ARGV[7]  lowest factor
 -- ARGV[8]  hold-off in ms: 429s this soon after a decrease are the same congestion (requests
@@ -59,7 +61,7 @@ local function reserve(field, tat, cost_ms)
   local start = math.max(tonumber(tat) or now, now)
   local new_tat = start + cost_ms
   redis.call('HSET', KEYS[1], field, string.format('%.3f', new_tat))
-  go = math.max(go, new_tat - burst)
+  go = math.max(go, new_tat - math.max(burst, cost_ms))
   latest = math.max(latest, new_tat)
 end
 if rpm > 0 then

@@ -119,7 +119,8 @@ pub struct IngestArgs {
     /// Most inputs per provider request, 1..=2048.
     #[arg(long)]
     pub batch_max_inputs: Option<usize>,
-    /// Approximate character budget per request (~4 characters per token), 1..=10000000.
+    /// Most characters (not bytes) of input per request, ingest and replay alike (~4 a token),
+    /// 1..=10000000.
     #[arg(long)]
     pub batch_max_chars: Option<usize>,
     /// Concurrent provider requests, 1..=256.
@@ -648,6 +649,10 @@ pub struct Settings {
     pub stream_shards: u16,
     /// The provider client (its `Debug` hides the key).
     pub client: ClientConfig,
+    /// The environment variable the key was read from (`api_key_env`), so that a command can
+    /// say which one is unset: a gateway may answer a missing key with a plain 500, which
+    /// reads as an outage, not as a missing key.
+    pub api_key_env: String,
     /// Batching, concurrency and memory bounds of an ingest.
     pub options: IngestOptions,
     /// In-process retries before a chunk is parked.
@@ -737,7 +742,7 @@ impl Settings {
         let FileConfig { services, provider, ingest, retry, serve } = flags;
         let (database_url, redis_url, redis_cluster) =
             resolve_services(&r.section("services"), services, &f.services)?;
-        let (client, limits, price_per_million_tokens) =
+        let (client, api_key_env, limits, price_per_million_tokens) =
             resolve_provider(&r.section("provider"), provider, &f.provider)?;
         if limits.shared && redis_url.is_none() {
             return Err(ConfigError::Missing {
@@ -763,12 +768,20 @@ impl Settings {
             stream_prefix,
             stream_shards,
             client,
+            api_key_env,
             options,
             retry,
             breaker,
             serve,
             limits,
         })
+    }
+
+    /// The variable named by `api_key_env` when it is unset or empty: requests then carry no
+    /// key. Right for servers without authentication (the mock, TEI, vLLM or Ollama started
+    /// without a key); a gateway that needs one may answer 401, 400 or a plain-text 500.
+    pub fn missing_api_key(&self) -> Option<&str> {
+        self.client.api_key.is_none().then_some(self.api_key_env.as_str())
     }
 
     /// The Postgres URL, required by every command that touches the database.
@@ -863,13 +876,14 @@ fn resolve_services(
     Ok((database_url, redis_url.map(|(v, _)| v), redis_cluster))
 }
 
-/// `[provider]`: the provider client, with the API key read from the variable it names, and
-/// the provider budgets, and the price of a million tokens (for the summary's cost figures).
+/// `[provider]`: the provider client, with the API key read from the variable it names (and
+/// that name), the provider budgets, and the price of a million tokens (for the summary's
+/// cost figures).
 fn resolve_provider(
     r: &Resolver<'_>,
     flags: ProviderArgs,
     file: &ProviderArgs,
-) -> Result<(ClientConfig, LimitConfig, Option<f64>), ConfigError> {
+) -> Result<(ClientConfig, String, LimitConfig, Option<f64>), ConfigError> {
     let ProviderArgs {
         base_url,
         model,
@@ -935,7 +949,7 @@ fn resolve_provider(
         extra_headers,
         timeout: Duration::from_millis(timeout_ms),
     };
-    Ok((client, limits, price))
+    Ok((client, key_env, limits, price))
 }
 
 /// The `[provider]` budgets: off unless set; shared only with a budget to share.

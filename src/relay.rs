@@ -394,8 +394,11 @@ impl Relay {
     /// ERROR and stops the process: nothing would be published until someone fixes it).
     pub async fn run(mut self, cancel: CancellationToken) -> Result<(), RelayError> {
         let mut listener = None;
-        let mut backoff = Duration::from_millis(100);
-        let mut last_maintenance = Instant::now() - Duration::from_secs(3600);
+        let mut backoff =
+            crate::embed::retry::Reconnect::new(Duration::from_millis(100), Duration::from_secs(5));
+        // `None`: never done, due at once (`Instant::now() - 1h` panics early after boot on
+        // platforms whose monotonic clock starts at zero).
+        let mut last_maintenance = Instant::now().checked_sub(Duration::from_secs(3600));
         while !cancel.is_cancelled() {
             if listener.is_none() {
                 match PgListener::connect_with(&self.pool).await {
@@ -412,7 +415,7 @@ impl Relay {
             let mut busy = false;
             match self.drain(&cancel).await {
                 Ok(c) => {
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                     if c.claimed > 0 {
                         busy = true;
                         tracing::debug!(published = c.published, duplicates = c.duplicates, "relay passes");
@@ -421,13 +424,12 @@ impl Relay {
                 Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
                     tracing::warn!(error = %e, "relay pass failed; retrying");
-                    sleep_or_cancel(backoff, &cancel).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    sleep_or_cancel(backoff.next_delay(), &cancel).await;
                     continue;
                 }
             }
-            if last_maintenance.elapsed() > Duration::from_secs(30) {
-                last_maintenance = Instant::now();
+            if last_maintenance.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+                last_maintenance = Some(Instant::now());
                 match self.prune().await {
                     Err(e) if !e.is_transient() => return Err(e),
                     Err(e) => tracing::warn!(error = %e, "relay: pruning published outbox rows failed"),

@@ -328,9 +328,10 @@ pub(crate) async fn release_lost_leases(
 /// rows record, `dimensions` request parameter).
 type EmbedTarget = (String, Option<String>, Option<i32>);
 
-/// One provider request of a group: how many of its items it covered, and their outcomes or
-/// why the run stopped (`None`: not sent, the provider had already refused the run).
-type Sent = (usize, Option<Result<Vec<ItemOutcome>, Stop>>);
+/// One provider request of a group: how many of its items it covered, their outcomes, and
+/// why the run stopped if it did (then only the embedded outcomes count; `None`: not sent,
+/// the provider had already refused the run).
+type Sent = (usize, Option<(Vec<ItemOutcome>, Option<Stop>)>);
 
 /// One entry of a replay stream shard.
 #[derive(Debug, Clone)]
@@ -648,8 +649,9 @@ impl Replayer {
                         return (range.len(), None);
                     }
                     let mut stats = BatchStats::default();
-                    let r = embedder.embed_batch(&text_refs[range.clone()], cancel, &mut stats).await;
-                    if r.is_err() {
+                    let r =
+                        embedder.embed_batch_until_stop(&text_refs[range.clone()], cancel, &mut stats).await;
+                    if r.1.is_some() {
                         refused.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                     (range.len(), Some(r))
@@ -663,10 +665,21 @@ impl Replayer {
             for (len, result) in sent {
                 let part: Vec<(Entry, DlqRow)> = items.by_ref().take(len).collect();
                 match result {
-                    Some(Ok(outcomes)) => self.settle_outcomes(part, outcomes, batch),
-                    Some(Err(stop)) => {
+                    Some((outcomes, None)) => self.settle_outcomes(part, outcomes, batch),
+                    Some((outcomes, Some(stop))) => {
                         refused.get_or_insert(stop);
-                        postpone.extend(part);
+                        // What the provider embedded before refusing was paid for: replayed.
+                        let (mut embedded, mut vectors) = (Vec::new(), Vec::new());
+                        for (item, outcome) in part.into_iter().zip(outcomes) {
+                            match outcome {
+                                ItemOutcome::Embedded(_) => {
+                                    embedded.push(item);
+                                    vectors.push(outcome);
+                                }
+                                _ => postpone.push(item),
+                            }
+                        }
+                        self.settle_outcomes(embedded, vectors, batch);
                     }
                     None => postpone.extend(part),
                 }
@@ -818,8 +831,11 @@ impl Replayer {
     /// and stops the process).
     pub async fn run(mut self, stop: CancellationToken, hard: CancellationToken) -> Result<(), ReplayError> {
         let mut conn = None;
-        let mut backoff = Duration::from_millis(100);
-        let mut last_reclaim = Instant::now() - Duration::from_secs(3600);
+        let mut backoff =
+            crate::embed::retry::Reconnect::new(Duration::from_millis(100), Duration::from_secs(5));
+        // `None`: never done, due at once (`Instant::now() - 1h` panics early after boot on
+        // platforms whose monotonic clock starts at zero).
+        let mut last_reclaim = Instant::now().checked_sub(Duration::from_secs(3600));
         // Its shards, one per XREADGROUP ([`Replayer::read_next`]).
         let shards = self.shards();
         let mut next = 0;
@@ -835,8 +851,8 @@ impl Replayer {
                 continue;
             }
             let step: Result<ReplayCounts, ReplayError> = async {
-                if last_reclaim.elapsed() >= self.config.min_idle / 2 {
-                    last_reclaim = Instant::now();
+                if last_reclaim.is_none_or(|t| t.elapsed() >= self.config.min_idle / 2) {
+                    last_reclaim = Some(Instant::now());
                     self.ensure_groups().await?;
                     self.reclaim_once(&hard).await?;
                 }
@@ -862,7 +878,7 @@ impl Replayer {
             .await;
             match step {
                 Ok(c) => {
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                     if c != ReplayCounts::default() {
                         tracing::debug!(consumer = %self.name, ?c, "replay batch");
                     }
@@ -871,8 +887,7 @@ impl Replayer {
                 Err(e) => {
                     tracing::warn!(consumer = %self.name, error = %e, "replay step failed; retrying");
                     conn = None;
-                    sleep_or_cancel(backoff, &stop).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    sleep_or_cancel(backoff.next_delay(), &stop).await;
                 }
             }
         }

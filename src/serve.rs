@@ -247,7 +247,8 @@ async fn republish_on_loss(
             _ = data_lost.notified() => {}
         }
         crate::relay::sleep_or_cancel(REPUBLISH_SETTLE, &stop).await;
-        let mut backoff = Duration::from_secs(1);
+        let mut backoff =
+            crate::embed::retry::Reconnect::new(Duration::from_secs(1), Duration::from_secs(60));
         while !stop.is_cancelled() {
             match reconciler.republish_lost_events().await {
                 Ok(n) => {
@@ -259,8 +260,7 @@ async fn republish_on_loss(
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "republishing lost events failed; retrying");
-                    crate::relay::sleep_or_cancel(backoff, &stop).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(60));
+                    crate::relay::sleep_or_cancel(backoff.next_delay(), &stop).await;
                 }
             }
         }

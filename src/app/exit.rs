@@ -3,7 +3,7 @@
 use embed_dlq::config::ConfigError;
 use embed_dlq::ingest::IngestSummary;
 
-/// Finished; every record is stored or parked.
+/// Finished; every record is stored or parked (or was already).
 pub const OK: i32 = 0;
 /// Could not run (database unreachable, bad table, I/O error).
 pub const FAILURE: i32 = 1;
@@ -21,6 +21,11 @@ pub const FINDINGS: i32 = 5;
 /// they were read (the count is on stderr); nothing past the gap was printed and the
 /// checkpoint was not moved.
 pub const TAIL_GAP: i32 = 6;
+/// `ingest` finished its input but left chunks unfinished: not attempted, or left to a
+/// concurrent run's lease. They have no manifest row, so nothing but a rerun of the same
+/// corpus finds them (the summary's "not finished" line names them). Wins over
+/// [`REJECTED_INPUT`]: a script must not take such a run for done.
+pub const UNFINISHED: i32 = 7;
 /// Stopped by SIGINT/SIGTERM after finishing or parking in-flight work; rerun to resume.
 pub const INTERRUPTED: i32 = 130;
 
@@ -28,6 +33,8 @@ pub const INTERRUPTED: i32 = 130;
 pub fn summary_exit_code(summary: &IngestSummary, interrupted: bool) -> i32 {
     if interrupted {
         INTERRUPTED
+    } else if summary.unfinished() > 0 {
+        UNFINISHED
     } else if summary.rejected_lines > 0 {
         REJECTED_INPUT
     } else {

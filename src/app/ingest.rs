@@ -13,7 +13,14 @@ use super::{Resolver, exit};
 pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: CancellationToken) -> i32 {
     let IngestCommand { input, provider, ingest, retry, json, no_progress, metrics_addr } = args;
     let flags = FileConfig { provider: *provider, ingest: *ingest, retry: *retry, ..Default::default() };
-    let settings = match resolver.settings(flags).and_then(|s| s.ingest()) {
+    let settings = match resolver.settings(flags) {
+        Ok(s) => {
+            super::warn_missing_api_key(&s);
+            s
+        }
+        Err(e) => return exit::usage(&e),
+    };
+    let settings = match settings.ingest() {
         Ok(s) => s,
         Err(e) => return exit::usage(&e),
     };

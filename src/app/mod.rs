@@ -128,6 +128,18 @@ async fn refuse_other_prefix(pool: &sqlx::PgPool, prefix: &str) -> Result<(), i3
     }
 }
 
+/// Warns on stderr when the API key's variable is unset: requests go without a key, and a
+/// gateway that needs one may answer with a plain 500 that looks like an outage.
+fn warn_missing_api_key(settings: &Settings) {
+    if let Some(var) = settings.missing_api_key() {
+        eprintln!(
+            "embed-dlq: warning: {var} is not set: requests carry no API key. Fine for a server \
+             without authentication (the mock, TEI, vLLM or Ollama started without a key); a \
+             provider or gateway that needs one answers 401, 400 or even a plain 500 (LiteLLM)"
+        );
+    }
+}
+
 /// A migrated store on `table` with a pool of `connections`, for the operator commands.
 async fn open_store(url: &str, connections: u32, table: &str) -> Result<Store, StoreError> {
     let pool = store::connect(url, connections).await?;

@@ -60,7 +60,7 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
     if s.leased_elsewhere > 0 {
         writeln!(
             out,
-            "leased elsewhere    {:>10}  (a concurrent run holds them and stores them)",
+            "leased elsewhere    {:>10}  (a concurrent run holds their lease; not finished by this run)",
             s.leased_elsewhere
         )?;
     }
@@ -112,8 +112,20 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
             writeln!(out, "  line {}: {}", r.line, r.problem)?;
         }
     }
-    if s.not_attempted > 0 {
-        writeln!(out, "not attempted       {:>10}  (rerun the same corpus to finish them)", s.not_attempted)?;
+    if s.unfinished() > 0 {
+        let examples = if s.unfinished_examples.is_empty() {
+            String::new()
+        } else {
+            let more = if (s.unfinished_examples.len() as u64) < s.unfinished() { ", ..." } else { "" };
+            format!(": {}{more}", s.unfinished_examples.join(", "))
+        };
+        writeln!(
+            out,
+            "not finished        {:>10}  ({} not attempted, {} leased to another run; no manifest row: rerun the same corpus to finish them){examples}",
+            s.unfinished(),
+            s.not_attempted,
+            s.leased_elsewhere
+        )?;
     }
     if let Some(why) = &s.stopped {
         writeln!(out, "stopped early: {why}")?;

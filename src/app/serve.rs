@@ -30,6 +30,7 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
         Ok(r) => r,
         Err(e) => return exit::usage(&e),
     };
+    super::warn_missing_api_key(&settings);
     let mut mounted = None;
     if let Some(listen) = console_addr {
         let token = match super::console::token_from_env() {

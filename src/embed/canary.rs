@@ -1,15 +1,15 @@
 //! Telling "this input is bad" from "the provider rejects everything" with a canary input.
 //!
 //! A provider that rejects every request alike — a `dimensions` value out of range, a gateway
-//! that answers a wrong key with 400, a model that returns vectors of the wrong size — would
-//! otherwise have every batch split down to single inputs and the whole corpus parked as the
-//! inputs' fault. So a rejection is *suspicious* when this run has had no success yet for the
+//! that answers a wrong key with 400, a model that returns vectors of the wrong size, or NaN
+//! or all-zero vectors, for everything — would otherwise have every batch split down to
+//! single inputs and the whole corpus parked as the inputs' fault. So a rejection is *suspicious* when this run has had no success yet for the
 //! target, or after [`SUSPICIOUS_STREAK`] rejections in a row; a suspicious rejection is
 //! checked once with [`CANARY_TEXT`], a short input any model accepts:
 //! - the canary is embedded: the provider is fine, the input really is bad (cached);
-//! - the canary is rejected too (or has the same wrong dimension): the run stops as systemic
-//!   and nothing is parked (cached for [`SYSTEMIC_VERDICT_TTL`], so that a long-lived `serve`
-//!   notices when the provider is fixed);
+//! - the canary is rejected too (or has a wrong dimension, or an invalid vector): the run
+//!   stops as systemic and nothing is parked (cached for [`SYSTEMIC_VERDICT_TTL`], so that a
+//!   long-lived `serve` notices when the provider is fixed);
 //! - the canary cannot get an answer (timeouts, 5xx): inconclusive, the input is parked as
 //!   transient so that a later replay decides.
 //!
@@ -43,13 +43,15 @@ const MAX_TARGETS: usize = 64;
 const MAX_SIGNATURES: usize = 64;
 
 /// What a failure looks like, for "the same error on every input": status and error type
-/// (never the server's message text), a response that does not line up with its inputs, or
-/// our own description of a wrong vector length.
+/// (never the server's message text), a response that does not line up with its inputs, our
+/// own description of a wrong vector length, or the reason code of an invalid vector
+/// (`non_finite`, `zero_vector`, `empty_vector`, `bad_base64`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Signature {
     Status { status: u16, error_type: Option<String> },
     Mismatch,
     Dimension(String),
+    InvalidVector(&'static str),
 }
 
 /// Where vectors go: verdicts for one target say nothing about another.

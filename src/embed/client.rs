@@ -357,7 +357,12 @@ impl EmbedClient {
             self.limiter.on_rate_limited().await;
         }
         if !status.is_success() {
-            let retry_after = parse_retry_after(resp.headers(), std::time::SystemTime::now());
+            let now = std::time::SystemTime::now();
+            let retry_after = if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+                rate_limit_wait(resp.headers(), now)
+            } else {
+                parse_retry_after(resp.headers(), now)
+            };
             let raw = read_capped(resp, MAX_ERROR_BODY_READ).await;
             let error_type = serde_json::from_slice::<WireErrorBody>(&raw)
                 .ok()
@@ -708,9 +713,10 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
     buf
 }
 
-/// Reads `retry-after-ms` (milliseconds, as sent by OpenAI and Azure) or `Retry-After`
-/// (delta-seconds or an HTTP date), clamped to [`MAX_SERVER_WAIT`]; negative or unreadable
-/// values count as absent. `now` is injected so the date form is testable.
+/// Reads `retry-after-ms` (milliseconds, as sent by OpenAI and Azure), else `Retry-After`,
+/// else `llm_provider-retry-after` (LiteLLM's only hint on its 429s; both delta-seconds or an
+/// HTTP date), clamped to [`MAX_SERVER_WAIT`]; negative or unreadable values count as
+/// absent. `now` is injected so the date form is testable.
 pub(crate) fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
     if let Some(ms) = headers
         .get("retry-after-ms")
@@ -720,12 +726,25 @@ pub(crate) fn parse_retry_after(headers: &HeaderMap, now: std::time::SystemTime)
     {
         return Some(ms);
     }
-    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    [reqwest::header::RETRY_AFTER.as_str(), "llm_provider-retry-after"]
+        .into_iter()
+        .find_map(|name| retry_after_value(headers.get(name)?.to_str().ok()?.trim(), now))
+}
+
+/// A `Retry-After` value: delta-seconds or an HTTP date, clamped to [`MAX_SERVER_WAIT`].
+fn retry_after_value(v: &str, now: std::time::SystemTime) -> Option<Duration> {
     if let Ok(secs) = v.parse::<f64>() {
         return server_wait(secs);
     }
     let when = httpdate::parse_http_date(v).ok()?;
     Some(when.duration_since(now).unwrap_or(Duration::ZERO).min(MAX_SERVER_WAIT))
+}
+
+/// The wait a 429 asks for: [`parse_retry_after`], else the `x-ratelimit-reset-*` header of
+/// the limit that ran out ([`super::limit::RateHeaders::reset_wait`]). `None`: the 429 says
+/// nothing usable (the gate then pauses adaptively).
+pub(crate) fn rate_limit_wait(headers: &HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
+    parse_retry_after(headers, now).or_else(|| super::limit::RateHeaders::parse(headers).reset_wait())
 }
 
 /// A server-given number of seconds as a wait: `None` if negative or NaN, at most
@@ -880,6 +899,37 @@ mod tests {
         assert_eq!(parse_retry_after(&hm(&[("retry-after", "soon")]), now), None);
         assert_eq!(parse_retry_after(&hm(&[("retry-after", "-3")]), now), None);
         assert_eq!(parse_retry_after(&hm(&[]), now), None);
+        // LiteLLM: no Retry-After on its 429, only its own header.
+        assert_eq!(
+            parse_retry_after(&hm(&[("llm_provider-retry-after", "60")]), now),
+            Some(Duration::from_secs(60))
+        );
+        assert_eq!(
+            parse_retry_after(&hm(&[("retry-after", "2"), ("llm_provider-retry-after", "60")]), now),
+            Some(Duration::from_secs(2)),
+            "the standard header wins"
+        );
+        assert_eq!(
+            parse_retry_after(&hm(&[("llm_provider-retry-after", "1e30")]), now),
+            Some(MAX_SERVER_WAIT)
+        );
+        // A 429 with only the reset headers: the exhausted limit's reset.
+        let reset = hm(&[
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", "6m0s"),
+            ("x-ratelimit-remaining-tokens", "5000"),
+            ("x-ratelimit-reset-tokens", "20ms"),
+        ]);
+        assert_eq!(rate_limit_wait(&reset, now), Some(super::super::limit::MAX_PACING_WAIT));
+        let tokens = hm(&[("x-ratelimit-remaining-tokens", "0"), ("x-ratelimit-reset-tokens", "1s")]);
+        assert_eq!(rate_limit_wait(&tokens, now), Some(Duration::from_secs(1)));
+        let unknown = hm(&[("x-ratelimit-reset-requests", "20ms"), ("x-ratelimit-reset-tokens", "1s")]);
+        assert_eq!(
+            rate_limit_wait(&unknown, now),
+            Some(Duration::from_millis(20)),
+            "the shortest that may clear"
+        );
+        assert_eq!(rate_limit_wait(&hm(&[]), now), None);
     }
 
     fn wire(items: Vec<(Option<usize>, WireEmbedding)>) -> WireResponse {

@@ -1,7 +1,8 @@
 //! Pool-wide admission to the provider: one shared rate-limit pause and one circuit breaker.
 //!
 //! A 429 with Retry-After pauses *every* worker until the server's time, instead of each
-//! worker hammering the provider on its own schedule. A run of consecutive transient failures
+//! worker hammering the provider on its own schedule; a 429 without a usable wait pauses
+//! them too, adaptively ([`ADAPTIVE_PAUSE_FIRST`] doubling up to [`ADAPTIVE_PAUSE_MAX`]). A run of consecutive transient failures
 //! (an outage) opens the breaker: no new request starts until the cooldown ends, then one
 //! probe goes out; its success closes the breaker, its failure reopens it with a longer
 //! cooldown. An outage longer than `max_outage` ends the run with a clear error instead of
@@ -97,6 +98,9 @@ struct State {
     /// Callers held by the current pause resume at a random point within this long after
     /// it ends (half the wait that set it), not all at its last instant.
     pause_spread: Duration,
+    /// The last pause set for a 429 that said nothing about how long to wait (zero: none
+    /// since the last answer); the next one doubles it, see [`ADAPTIVE_PAUSE_FIRST`].
+    adaptive_pause: Duration,
 }
 
 impl State {
@@ -110,6 +114,17 @@ impl State {
         }
     }
 }
+
+/// The shared pause after a 429 that carries no usable wait (no `Retry-After`,
+/// `retry-after-ms`, `llm_provider-retry-after` or `x-ratelimit-reset-*`: TEI when
+/// overloaded, LiteLLM behind some proxies): the pool still pauses, first this long, then
+/// twice as long for each such 429 met after the previous pause ended, up to
+/// [`ADAPTIVE_PAUSE_MAX`] (and `max_cooldown`); any answer starts over. Without it, every
+/// worker would spend its retries within seconds while a gateway refuses for the rest of
+/// its minute.
+pub const ADAPTIVE_PAUSE_FIRST: Duration = Duration::from_secs(1);
+/// Longest adaptive pause: a minute, the window of per-minute limits.
+pub const ADAPTIVE_PAUSE_MAX: Duration = Duration::from_secs(60);
 
 /// Two 429s further apart than this (with nothing in between) are two episodes, not one:
 /// idle time between them is not "being rate-limited".
@@ -185,6 +200,7 @@ impl ProviderGate {
                 rate_limited: None,
                 longest_pause: Duration::ZERO,
                 pause_spread: Duration::ZERO,
+                adaptive_pause: Duration::ZERO,
             }),
             canary: CanaryBook::default(),
             open: tokio::sync::watch::Sender::new(false),
@@ -202,6 +218,13 @@ impl ProviderGate {
     /// What the run has learnt about the provider as a whole (successes, canary verdicts).
     pub(crate) fn canary(&self) -> &CanaryBook {
         &self.canary
+    }
+
+    /// How long a run of failures may hold the provider before the run gives up
+    /// ([`BreakerConfig::max_outage`]); also how long one piece may stay rate-limited before
+    /// it is parked.
+    pub(crate) fn max_outage(&self) -> Duration {
+        self.config.max_outage
     }
 
     /// The longest shared rate-limit pause set in this run (bounded by the retry cap the
@@ -323,6 +346,7 @@ impl ProviderGate {
                 st.consecutive_failures = 0;
                 st.breaker = Breaker::Closed;
                 st.rate_limited = None;
+                st.adaptive_pause = Duration::ZERO;
             }
             Health::InputSuspect => {
                 if permit.probe
@@ -339,6 +363,19 @@ impl ProviderGate {
                     }
                     _ => Some((now, now)),
                 };
+                // No usable wait: pause adaptively, unless this 429 answers a request sent
+                // before the current pause (the same congestion: no growth).
+                let wait = wait.or_else(|| {
+                    if st.paused_until.is_some_and(|p| p > now) {
+                        return None;
+                    }
+                    let next = match st.adaptive_pause {
+                        d if d.is_zero() => ADAPTIVE_PAUSE_FIRST,
+                        d => d.saturating_mul(2),
+                    };
+                    st.adaptive_pause = next.min(ADAPTIVE_PAUSE_MAX).min(self.config.max_cooldown);
+                    Some(st.adaptive_pause)
+                });
                 if let Some(wait) = wait {
                     let wait = wait.min(self.config.max_cooldown);
                     st.longest_pause = st.longest_pause.max(wait);
@@ -467,6 +504,37 @@ mod tests {
         assert!(sent.iter().all(|s| *s <= Duration::from_secs(6)), "held longer than the spread: {sent:?}");
         let spread = *sent.iter().max().unwrap() - *sent.iter().min().unwrap();
         assert!(spread >= Duration::from_millis(500), "all sent within {spread:?}: {sent:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_429_without_a_wait_pauses_adaptively_and_an_answer_starts_over() {
+        let gate = ProviderGate::new(BreakerConfig {
+            max_cooldown: Duration::from_secs(60),
+            max_outage: Duration::from_secs(3600),
+            ..cfg()
+        });
+        let cancel = CancellationToken::new();
+        let mut pauses = Vec::new();
+        for _ in 0..9 {
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+            gate.record(p, Health::RateLimited(None));
+            pauses.push(gate.state.lock().unwrap().adaptive_pause.as_secs());
+        }
+        assert_eq!(pauses, [1, 2, 4, 8, 16, 32, 60, 60, 60], "doubling up to a minute");
+        // A 429 answering a request sent before the pause is the same congestion.
+        let echo = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+        gate.record(p, Health::Responsive);
+        let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+        gate.record(p, Health::RateLimited(None));
+        assert_eq!(gate.state.lock().unwrap().adaptive_pause, ADAPTIVE_PAUSE_FIRST, "an answer starts over");
+        gate.record(echo, Health::RateLimited(None));
+        assert_eq!(
+            gate.state.lock().unwrap().adaptive_pause,
+            ADAPTIVE_PAUSE_FIRST,
+            "no growth inside a pause"
+        );
+        assert_eq!(gate.longest_pause(), ADAPTIVE_PAUSE_MAX);
     }
 
     #[tokio::test(start_paused = true)]

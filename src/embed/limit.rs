@@ -6,8 +6,9 @@
 //! whose clones share it). Four mechanisms stack:
 //!
 //! - **Local budget** (`--max-requests-per-minute`, `--max-tokens-per-minute`): two GCRA
-//!   limiters from the `governor` crate. Each lets at most [`BURST`] worth of the budget
-//!   through at once, then paces at the configured rate.
+//!   schedules (virtual scheduling, like the shared one). Each lets at most [`BURST`] worth
+//!   of the budget (and never less than one request) through at once, then paces evenly at
+//!   the configured rate: providers enforce per-minute limits over shorter windows.
 //! - **Shared budget** (`--shared-limits`): the same schedule lives in Redis
 //!   (`redis/limit.lua`, keyed by a hash of base URL + model, never the URL itself). Each
 //!   request reserves its slot in one atomic round trip, so N processes on N hosts together
@@ -28,14 +29,11 @@
 //! ([`USAGE_PLAUSIBLE`]): some servers report characters as tokens, and their reports are
 //! ignored rather than allowed to quadruple the charge.
 
-use std::num::NonZeroU32;
 use std::ops::RangeInclusive;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use governor::clock::{Clock, DefaultClock};
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use reqwest::header::HeaderMap;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
@@ -43,10 +41,13 @@ use tokio::time::Instant;
 /// Characters per token assumed when estimating a request's tokens before it is sent (the
 /// usual figure for English text with OpenAI's tokenizers); corrected by reported usage.
 pub const CHARS_PER_TOKEN: usize = 4;
-/// How much of a budget may be spent at once: one second's worth. Smaller than the
-/// provider's minute, so a limit equal to the account's stays under it even when requests
-/// reach the provider late or out of order.
-pub const BURST: Duration = Duration::from_secs(1);
+/// How much of a budget may be spent at once: a tenth of a second's worth, and never less
+/// than the request itself. Providers enforce a per-minute limit over shorter windows (OpenAI
+/// per second or less): a burst of a second's worth followed by a second's worth of paced
+/// requests put twice the limit's share into one second (a budget of 240/min met 429s from a
+/// provider allowing 5 in any second). With this burst, any window of `w` seconds sees at
+/// most `rate × (w + 0.1 s)` plus one request.
+pub const BURST: Duration = Duration::from_millis(100);
 /// Factor the budget is multiplied by after a 429.
 pub const AIMD_DECREASE: f64 = 0.5;
 /// The budget never shrinks below this share of the configured limit.
@@ -65,9 +66,6 @@ pub const MAX_PACING_WAIT: Duration = Duration::from_secs(60);
 pub const USAGE_PLAUSIBLE: RangeInclusive<f64> = 0.5..=2.0;
 /// Largest count read from a rate-limit header; larger values are clamped to it.
 pub const MAX_HEADER_COUNT: u64 = 1_000_000_000_000;
-/// Sub-request cells: a request is charged `CELLS_PER_REQUEST / factor` cells, so the AIMD
-/// factor can shrink the request budget in fine steps without rebuilding the limiter.
-const CELLS_PER_REQUEST: u32 = 100;
 /// Prefix of the shared budgets' Redis keys.
 pub const SHARED_KEY_PREFIX: &str = "embed-dlq:limit:";
 
@@ -140,55 +138,38 @@ impl Aimd {
     }
 }
 
-/// A local GCRA budget counted in cells (`governor`); `burst` cells may go at once.
+/// A local GCRA schedule (virtual scheduling, the same arithmetic as `redis/limit.lua`): each
+/// request reserves its cost on the schedule and may go once the schedule's theoretical
+/// arrival time, less the tolerance (its own cost or [`BURST`], whichever is longer), has
+/// come. Reservations queue, so concurrent callers are paced evenly, not in bursts.
 struct LocalBudget {
-    limiter: DefaultDirectRateLimiter,
-    clock: DefaultClock,
-    burst: u32,
+    per_minute: f64,
+    /// Theoretical arrival time: when everything reserved so far has been paid for.
+    tat: Mutex<Option<Instant>>,
 }
 
 impl LocalBudget {
-    /// `cells_per_minute` refilled evenly, [`BURST`] of them at once.
-    fn new(cells_per_minute: u64) -> Self {
-        let cells_per_minute = cells_per_minute.clamp(1, u64::from(u32::MAX));
-        let burst = (cells_per_minute as f64 * BURST.as_secs_f64() / 60.0).ceil().max(1.0) as u32;
-        let period = Duration::from_secs_f64(60.0 / cells_per_minute as f64).max(Duration::from_nanos(1));
-        let quota = Quota::with_period(period).expect("period is positive").allow_burst(nonzero(burst));
-        LocalBudget { limiter: RateLimiter::direct(quota), clock: DefaultClock::default(), burst }
+    fn new(per_minute: u32) -> Self {
+        LocalBudget { per_minute: f64::from(per_minute.max(1)), tat: Mutex::new(None) }
     }
 
-    /// Takes `cells` (at most `burst`) now, or says how long until they are there.
-    fn try_take(&self, cells: u32) -> Result<(), Duration> {
-        match self.limiter.check_n(nonzero(cells.min(self.burst))) {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(not_until)) => Err(not_until.wait_time_from(self.clock.now())),
-            // Cannot happen (cells <= burst); waiting a burst's time is a safe answer.
-            Err(_) => Err(BURST),
+    /// Reserves `cost` (requests or tokens) at the AIMD `factor` and returns how long to wait
+    /// before sending. With `only_if_free`, nothing is reserved unless the wait is zero.
+    fn reserve(&self, cost: f64, factor: f64, only_if_free: bool) -> Duration {
+        let now = Instant::now();
+        let interval = Duration::from_secs_f64(
+            (cost * 60.0 / (self.per_minute * factor.max(AIMD_MIN_FACTOR))).min(3600.0),
+        );
+        let mut tat = self.tat.lock().unwrap();
+        let start = tat.map_or(now, |t| t.max(now));
+        let new_tat = start + interval;
+        let go = new_tat.checked_sub(interval.max(BURST)).unwrap_or(now);
+        let wait = go.saturating_duration_since(now);
+        if !only_if_free || wait.is_zero() {
+            *tat = Some(new_tat);
         }
+        wait
     }
-
-    /// Takes `cells`, a burst at a time, waiting as needed; `true` if it had to wait.
-    async fn take(&self, mut cells: u64) -> bool {
-        let mut waited = false;
-        while cells > 0 {
-            let chunk = cells.min(u64::from(self.burst)) as u32;
-            loop {
-                match self.try_take(chunk) {
-                    Ok(()) => break,
-                    Err(wait) => {
-                        waited = true;
-                        tokio::time::sleep(wait.max(Duration::from_millis(1))).await;
-                    }
-                }
-            }
-            cells -= u64::from(chunk);
-        }
-        waited
-    }
-}
-
-fn nonzero(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n.max(1)).expect("at least 1")
 }
 
 /// The budget in Redis (`redis/limit.lua`).
@@ -280,6 +261,19 @@ impl RateHeaders {
 
     fn is_empty(&self) -> bool {
         *self == RateHeaders::default()
+    }
+
+    /// What a 429 that carries no `Retry-After` should wait, from these headers: the reset
+    /// of the limit that ran out (remaining 0; the longer if both did), else the shorter of
+    /// the resets given (a guess; if it is too short the next 429 says so). `None` without
+    /// a reset header. Clamped like every reset, to [`MAX_PACING_WAIT`].
+    pub fn reset_wait(&self) -> Option<Duration> {
+        let exhausted =
+            [(self.remaining_requests, self.reset_requests), (self.remaining_tokens, self.reset_tokens)]
+                .into_iter()
+                .filter_map(|(remaining, reset)| (remaining == Some(0)).then_some(reset).flatten())
+                .max();
+        exhausted.or_else(|| [self.reset_requests, self.reset_tokens].into_iter().flatten().min())
     }
 }
 
@@ -373,10 +367,8 @@ impl ProviderLimiter {
     /// A limiter with local budgets only (and header pacing). `config.shared` is ignored
     /// here: see [`ProviderLimiter::with_redis`].
     pub fn local(config: LimitConfig) -> Self {
-        let requests = config
-            .max_requests_per_minute
-            .map(|rpm| LocalBudget::new(u64::from(rpm) * u64::from(CELLS_PER_REQUEST)));
-        let tokens = config.max_tokens_per_minute.map(|tpm| LocalBudget::new(u64::from(tpm)));
+        let requests = config.max_requests_per_minute.map(LocalBudget::new);
+        let tokens = config.max_tokens_per_minute.map(LocalBudget::new);
         ProviderLimiter {
             config,
             requests,
@@ -505,28 +497,39 @@ impl ProviderLimiter {
         }
     }
 
-    /// Takes from the local budgets; `true` if it had to wait.
+    /// Reserves the request's slot on the local schedules and waits for it; `true` if it had
+    /// to wait. A wait given up (shutdown) leaves its reservation behind: the budget only
+    /// runs slower for it, never faster.
     async fn acquire_local(&self, tokens: u64) -> bool {
         let factor = self.aimd.lock().unwrap().current(Instant::now());
-        let mut waited = false;
+        let mut wait = Duration::ZERO;
         if let Some(requests) = &self.requests {
-            waited |= requests.take((f64::from(CELLS_PER_REQUEST) / factor).ceil() as u64).await;
+            wait = wait.max(requests.reserve(1.0, factor, false));
         }
         if let (Some(budget), true) = (&self.tokens, tokens > 0) {
-            waited |= budget.take(((tokens as f64) / factor).ceil() as u64).await;
+            wait = wait.max(budget.reserve(tokens as f64, factor, false));
         }
-        waited
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        !wait.is_zero()
     }
 
-    /// Takes from the local budget without waiting: `Err` is how long until it could. For
-    /// tests of the pacing arithmetic.
+    /// Takes from the local budget only if it needs no wait: `Err` is how long until it
+    /// could. For tests of the pacing arithmetic.
     pub fn try_acquire_local(&self, tokens: u64) -> Result<(), Duration> {
         let factor = self.aimd.lock().unwrap().current(Instant::now());
         if let Some(requests) = &self.requests {
-            requests.try_take((f64::from(CELLS_PER_REQUEST) / factor).ceil() as u32)?;
+            let wait = requests.reserve(1.0, factor, true);
+            if !wait.is_zero() {
+                return Err(wait);
+            }
         }
         if let (Some(budget), true) = (&self.tokens, tokens > 0) {
-            budget.try_take(((tokens as f64) / factor).ceil() as u32)?;
+            let wait = budget.reserve(tokens as f64, factor, true);
+            if !wait.is_zero() {
+                return Err(wait);
+            }
         }
         Ok(())
     }
@@ -713,20 +716,48 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_429_shrinks_the_local_budget() {
-        // 600 requests a minute: a burst of 10, then one every 100 ms.
-        let limiter =
-            ProviderLimiter::local(LimitConfig { max_requests_per_minute: Some(600), ..Default::default() });
+        // 6000 requests a minute: a burst of 100 ms worth (10), then one every 10 ms.
+        let limiter = ProviderLimiter::local(LimitConfig {
+            max_requests_per_minute: Some(6_000),
+            ..Default::default()
+        });
         for _ in 0..10 {
             assert_eq!(limiter.try_acquire_local(0), Ok(()));
         }
-        let wait = limiter.try_acquire_local(0).unwrap_err();
-        assert!(wait <= Duration::from_millis(100), "{wait:?}");
+        assert_eq!(limiter.try_acquire_local(0), Err(Duration::from_millis(10)));
         limiter.on_rate_limited().await;
         assert_eq!(limiter.stats().decreases, 1);
         assert_eq!(limiter.factor(), 0.5);
-        // Each request now costs two of the old slots: the next wait is about 200 ms.
-        let wait = limiter.try_acquire_local(0).unwrap_err();
-        assert!(wait > Duration::from_millis(150), "{wait:?}");
+        // Each request now costs 20 ms: after a pause, a burst of 5, then 20 ms apart.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for _ in 0..5 {
+            assert_eq!(limiter.try_acquire_local(0), Ok(()));
+        }
+        assert_eq!(limiter.try_acquire_local(0), Err(Duration::from_millis(20)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn budgets_pace_evenly_with_a_burst_of_at_least_one_request() {
+        // 240 a minute (4 a second): one at once, then one every 250 ms, so any one second
+        // sees at most 5 (a provider allowing 5 in any second gives no 429).
+        let limiter =
+            ProviderLimiter::local(LimitConfig { max_requests_per_minute: Some(240), ..Default::default() });
+        let start = Instant::now();
+        let mut sent = Vec::new();
+        for _ in 0..12 {
+            drop(limiter.acquire(1).await);
+            sent.push(Instant::now() - start);
+        }
+        let most_in_a_second = sent
+            .iter()
+            .map(|a| sent.iter().filter(|b| **b >= *a && **b <= *a + Duration::from_secs(1)).count())
+            .max();
+        assert_eq!(most_in_a_second, Some(5), "{sent:?}");
+        // Tokens: 600 a minute (10 a second), requests of 5 tokens: a burst of one request.
+        let limiter =
+            ProviderLimiter::local(LimitConfig { max_tokens_per_minute: Some(600), ..Default::default() });
+        assert_eq!(limiter.try_acquire_local(5), Ok(()));
+        assert_eq!(limiter.try_acquire_local(5), Err(Duration::from_millis(500)));
     }
 
     #[tokio::test(start_paused = true)]

@@ -154,6 +154,14 @@ pub fn estimate_tokens(text: &str) -> u64 {
     text.chars().count().div_ceil(limit::CHARS_PER_TOKEN) as u64
 }
 
+/// The 429s one piece has met: how many (they do not count as the policy's attempts) and
+/// since when.
+#[derive(Default)]
+struct RateLimited {
+    attempts: u32,
+    since: Option<tokio::time::Instant>,
+}
+
 /// Why no request may be sent.
 enum Halt {
     Cancelled,
@@ -202,13 +210,31 @@ impl Embedder {
     /// Embeds `texts`, returning one outcome per text (same order) or the reason the whole run
     /// must stop. `cancel` interrupts backoff waits and waits for the limiter's slot (nothing
     /// is sent after it): inputs already attempted are then reported as transient failures
-    /// (to be parked), the rest as not attempted.
+    /// (to be parked), the rest as not attempted. A stop discards what the batch embedded
+    /// before it; [`Embedder::embed_batch_until_stop`] keeps it.
     pub async fn embed_batch(
         &self,
         texts: &[&str],
         cancel: &CancellationToken,
         stats: &mut BatchStats,
     ) -> Result<Vec<ItemOutcome>, Stop> {
+        match self.embed_batch_until_stop(texts, cancel, stats).await {
+            (outcomes, None) => Ok(outcomes),
+            (_, Some(stop)) => Err(stop),
+        }
+    }
+
+    /// Like [`Embedder::embed_batch`], but a stop keeps what was embedded before it: the
+    /// vectors of the pieces the provider had already answered were paid for, and resending
+    /// them on the rerun would pay again. With a stop (`Some`), every outcome but
+    /// [`ItemOutcome::Embedded`] is [`ItemOutcome::NotAttempted`]: a failure met before a
+    /// systemic stop may be the provider's doing, so nothing is charged to its input.
+    pub async fn embed_batch_until_stop(
+        &self,
+        texts: &[&str],
+        cancel: &CancellationToken,
+        stats: &mut BatchStats,
+    ) -> (Vec<ItemOutcome>, Option<Stop>) {
         let mut progress = Progress {
             target: self.target(),
             outcomes: vec![None; texts.len()],
@@ -228,9 +254,19 @@ impl Embedder {
         }
         while let Some(piece) = progress.work.pop() {
             let piece = self.carve(piece, &progress.suspects, &mut progress.work);
-            self.embed_piece(texts, piece, &mut progress).await?;
+            if let Err(stop) = self.embed_piece(texts, piece, &mut progress).await {
+                let kept = progress
+                    .outcomes
+                    .into_iter()
+                    .map(|o| match o {
+                        Some(embedded @ ItemOutcome::Embedded(_)) => embedded,
+                        _ => ItemOutcome::NotAttempted,
+                    })
+                    .collect();
+                return (kept, Some(stop));
+            }
         }
-        Ok(progress.outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect())
+        (progress.outcomes.into_iter().map(|o| o.unwrap_or(ItemOutcome::NotAttempted)).collect(), None)
     }
 
     /// The next request to send from `piece`: a remembered suspect alone first, else the
@@ -261,6 +297,9 @@ impl Embedder {
     async fn embed_piece(&self, texts: &[&str], piece: Piece, p: &mut Progress<'_>) -> Result<(), Stop> {
         let cancel = p.cancel;
         let mut attempt: u32 = 0;
+        // Rate limits clear by themselves: 429s do not use up the policy's attempts, they are
+        // bounded by time instead (see `settle_without_retry`).
+        let mut limited = RateLimited::default();
         let mut last: Option<(EmbedError, &'static str)> = None;
         loop {
             let permit = match self.admit(cancel, p.stats).await {
@@ -328,7 +367,11 @@ impl Embedder {
             let suspect = piece.isolating && reason == "http_500";
             let health = if suspect { Health::InputSuspect } else { self.retry_health(reason, retry_after) };
             self.gate.record(permit, health);
-            if self.settle_without_retry(&err, reason, suspect, &piece, attempt, p) {
+            if reason == "rate_limited" {
+                limited.attempts += 1;
+                limited.since.get_or_insert_with(tokio::time::Instant::now);
+            }
+            if self.settle_without_retry(&err, reason, suspect, &piece, (attempt, &limited), p) {
                 return Ok(());
             }
             *p.stats.retries.entry(reason).or_default() += 1;
@@ -348,9 +391,10 @@ impl Embedder {
     }
 
     /// Records a provider answer: a vector or a per-item problem for each input of `range`.
-    /// When every vector has the same wrong length, the model or `dimensions` may not fit the
-    /// column at all: the canary is asked (unless vectors of the right size have been seen
-    /// and this is one input), and without a verdict the problems are parked as transient.
+    /// When every vector has the same wrong length, or every one is unusable alike (NaN,
+    /// zeros, empty), the model or `dimensions` may be broken or not fit the column at all:
+    /// the canary is asked (unless usable vectors have been seen and this is one input), and
+    /// without a verdict the problems are parked as transient.
     async fn settle_response(
         &self,
         resp: client::EmbedResponse,
@@ -362,7 +406,7 @@ impl Embedder {
         let mut items = resp.items;
         if items.iter().any(Result::is_ok) {
             self.gate.canary().record_success(&p.target);
-        } else if let Some((signature, detail)) = uniform_wrong_dimension(&items) {
+        } else if let Some((signature, detail)) = uniform_unusable(&items) {
             let force = items.len() > 1;
             if (force || !self.gate.canary().has_success(&p.target))
                 && let Checked::Inconclusive(why) =
@@ -442,13 +486,19 @@ impl Embedder {
     /// isolate the input (some servers, e.g. Ollama, answer 500 for one input forever)
     /// instead of parking its neighbours with it, and anything else is parked as transient
     /// (a lone `suspect` input is then remembered as poison: it failed alone every time).
+    ///
+    /// A rate limit is not the piece's failure and clears by itself (a gateway refuses for
+    /// the rest of its minute): 429s do not count towards the policy's attempts, and a piece
+    /// is parked for them only once it has been rate-limited for twice the gate's
+    /// `max_outage` (a run whose every request is refused for `max_outage` stops first, in
+    /// the gate: this bound only ends a piece refused while others get answers).
     fn settle_without_retry(
         &self,
         err: &EmbedError,
         reason: &'static str,
         suspect: bool,
         piece: &Piece,
-        attempt: u32,
+        (attempt, limited): (u32, &RateLimited),
         p: &mut Progress<'_>,
     ) -> bool {
         let several = piece.range.len() > 1;
@@ -457,7 +507,12 @@ impl Embedder {
             split(&mut p.work, &piece.range, true, piece.counted);
             return true;
         }
-        if self.policy.allows_another(attempt) {
+        let may_retry = if reason == "rate_limited" {
+            limited.since.is_none_or(|since| since.elapsed() < self.gate.max_outage().saturating_mul(2))
+        } else {
+            self.policy.allows_another(attempt - limited.attempts)
+        };
+        if may_retry {
             return false;
         }
         if reason == "http_500" && several {
@@ -473,7 +528,7 @@ impl Embedder {
     }
 
     /// What a retryable failure tells the gate: a rate limit (with the server's wait, capped
-    /// by the policy) or a failing provider.
+    /// by the policy; without one the gate pauses adaptively) or a failing provider.
     fn retry_health(&self, reason: &'static str, retry_after: Option<std::time::Duration>) -> Health {
         if reason == "rate_limited" {
             Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))
@@ -659,7 +714,8 @@ const CANARY_BREAKER_OPEN: &str = "the circuit breaker opened before the provide
 
 /// The verdict of a canary input the provider answered: a usable vector clears the provider
 /// (the failure was the input's); a vector of the wrong size means the model or `dimensions`
-/// do not fit the table; any other problem gives no verdict (`Err`).
+/// do not fit the table; an invalid one (NaN, zeros, empty) means the model is broken for
+/// every input; a missing one gives no verdict (`Err`).
 fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, String> {
     match resp.items.into_iter().next() {
         Some(Ok(_)) => Ok(CanaryVerdict::InputFault),
@@ -672,6 +728,13 @@ fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, Str
                 ),
             }))
         }
+        Some(Err(p)) if p.class == ErrorClass::InvalidVector => Ok(CanaryVerdict::Systemic(Stop::Systemic {
+            reason: "invalid_vector",
+            detail: format!(
+                "every vector is unusable, a known-good canary input's too ({}: {}); the model is broken or misconfigured, check --model/--dimensions and the server",
+                p.reason, p.detail
+            ),
+        })),
         Some(Err(p)) => Err(format!(
             "the canary input's vector was unusable too ({}), so the provider could not be checked",
             p.reason
@@ -785,17 +848,27 @@ fn fill(outcomes: &mut [Option<ItemOutcome>], range: Range<usize>, outcome: Item
     }
 }
 
-/// Every vector of a response has the same wrong length: the model or the `dimensions`
-/// setting may not fit the target column (configuration, not data); the canary decides.
-fn uniform_wrong_dimension(items: &[Result<Vec<f32>, client::VectorProblem>]) -> Option<(Signature, String)> {
+/// Every vector of a response is unusable the same way: the same wrong length (the model or
+/// the `dimensions` setting may not fit the target column), or the same invalid value (a
+/// broken model answering NaN or zeros for everything). Configuration, not data, until the
+/// canary says otherwise.
+fn uniform_unusable(items: &[Result<Vec<f32>, client::VectorProblem>]) -> Option<(Signature, String)> {
     let first = match items.first()? {
-        Err(p) if p.class == ErrorClass::DimensionMismatch => p,
+        Err(p) if matches!(p.class, ErrorClass::DimensionMismatch | ErrorClass::InvalidVector) => p,
         _ => return None,
     };
-    let uniform = items
-        .iter()
-        .all(|i| matches!(i, Err(p) if p.class == ErrorClass::DimensionMismatch && p.detail == first.detail));
-    uniform.then(|| (Signature::Dimension(first.detail.clone()), first.detail.clone()))
+    let same = |p: &client::VectorProblem| match first.class {
+        ErrorClass::DimensionMismatch => p.class == first.class && p.detail == first.detail,
+        _ => p.class == first.class && p.reason == first.reason,
+    };
+    if !items.iter().all(|i| matches!(i, Err(p) if same(p))) {
+        return None;
+    }
+    let signature = match first.class {
+        ErrorClass::DimensionMismatch => Signature::Dimension(first.detail.clone()),
+        _ => Signature::InvalidVector(first.reason),
+    };
+    Some((signature, first.detail.clone()))
 }
 
 #[cfg(test)]

@@ -107,6 +107,37 @@ fn exp_ceiling(base: Duration, factor: f64, cap: Duration, attempt: u32) -> Dura
     if !secs.is_finite() || secs >= cap.as_secs_f64() { cap } else { Duration::from_secs_f64(secs) }
 }
 
+/// Capped exponential backoff with full jitter for the loops that reconnect to Postgres or
+/// Redis (the relay, the replayers, the republisher of lost events): without jitter every
+/// `serve` host retries a restarted database at the same instants, and they all hit it
+/// together the moment it is back.
+#[derive(Debug, Clone)]
+pub(crate) struct Reconnect {
+    first: Duration,
+    cap: Duration,
+    ceiling: Duration,
+}
+
+impl Reconnect {
+    /// A backoff whose ceiling starts at `first` and doubles up to `cap`.
+    pub(crate) fn new(first: Duration, cap: Duration) -> Self {
+        Reconnect { first, cap, ceiling: first }
+    }
+
+    /// The wait before the next try: uniform in [0, ceiling] (full jitter); the ceiling then
+    /// doubles, up to `cap`.
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        let delay = jitter(self.ceiling);
+        self.ceiling = self.ceiling.saturating_mul(2).min(self.cap);
+        delay
+    }
+
+    /// After a success: the next failure starts from `first` again.
+    pub(crate) fn reset(&mut self) {
+        self.ceiling = self.first;
+    }
+}
+
 /// Uniform in [0, ceiling]: the random part of every wait here and of the gate's pauses.
 pub(crate) fn jitter(ceiling: Duration) -> Duration {
     if ceiling.is_zero() {
@@ -119,6 +150,26 @@ pub(crate) fn jitter(ceiling: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnect_waits_are_jittered_under_a_doubling_capped_ceiling() {
+        let mut r = Reconnect::new(Duration::from_millis(100), Duration::from_secs(5));
+        let ceilings = [100u64, 200, 400, 800, 1600, 3200, 5000, 5000];
+        for c in ceilings {
+            let d = r.next_delay();
+            assert!(d <= Duration::from_millis(c), "{d:?} > {c} ms");
+        }
+        // Two hosts failing together do not come back together.
+        let draws: Vec<Duration> = (0..20)
+            .map(|_| {
+                let mut r = Reconnect::new(Duration::from_secs(5), Duration::from_secs(5));
+                r.next_delay()
+            })
+            .collect();
+        assert!(draws.iter().any(|d| *d != draws[0]), "{draws:?}");
+        r.reset();
+        assert!(r.next_delay() <= Duration::from_millis(100), "reset starts over");
+    }
     use proptest::prelude::*;
 
     proptest! {

@@ -67,7 +67,8 @@ use reader::{LineReader, Record, parse_line};
 pub struct IngestOptions {
     /// Most inputs in one provider request.
     pub batch_max_inputs: usize,
-    /// Approximate budget of characters in one request (a token budget proxy: ~4 chars/token).
+    /// Most characters (not bytes) of input in one request, counted the same way by ingest
+    /// and replay: a proxy for a per-request token limit (~4 characters a token).
     pub batch_max_chars: usize,
     /// Concurrent provider requests.
     pub concurrency: usize,
@@ -245,7 +246,14 @@ pub struct IngestSummary {
     /// Left to another run that holds the chunk's lease (a concurrent ingest of the same
     /// content): that run stores or parks it; if it dies first, a rerun finishes it.
     pub leased_elsewhere: u64,
+    /// The first [`MAX_UNFINISHED_EXAMPLES`] chunks (`doc_id#chunk_index`) counted in
+    /// `not_attempted` or `leased_elsewhere`, so the report can say which ones a rerun must
+    /// finish (they have no manifest row, nothing else will find them).
+    pub unfinished_examples: Vec<String>,
 }
+
+/// Chunks named in [`IngestSummary::unfinished_examples`]; the counts hold the rest.
+pub const MAX_UNFINISHED_EXAMPLES: usize = 10;
 
 impl IngestSummary {
     /// Sets the cost figures from the tokens at `per_million` (left empty without a price).
@@ -258,6 +266,22 @@ impl IngestSummary {
     /// Total parked in this run.
     pub fn parked_total(&self) -> u64 {
         self.parked.values().sum()
+    }
+
+    /// Chunks this run neither stored, skipped nor parked: not attempted, or left to another
+    /// run's lease. Only a rerun finishes them (they have no manifest row).
+    pub fn unfinished(&self) -> u64 {
+        self.not_attempted + self.leased_elsewhere
+    }
+
+    /// Names unfinished chunks for the report, up to [`MAX_UNFINISHED_EXAMPLES`].
+    fn note_unfinished<'a>(&mut self, keys: impl IntoIterator<Item = (&'a str, i32)>) {
+        for (doc_id, chunk_index) in keys {
+            if self.unfinished_examples.len() >= MAX_UNFINISHED_EXAMPLES {
+                return;
+            }
+            self.unfinished_examples.push(format!("{doc_id}#{chunk_index}"));
+        }
     }
 
     /// Where every record went, in one line (for errors that end a run early).
@@ -316,6 +340,29 @@ struct Job {
     park: Vec<ParkedChunk>,
     /// The byte charge of the job's intake window, held until its outcomes are written.
     charge: Arc<Charge>,
+}
+
+impl Claimed {
+    /// The chunk's outcome once the provider gave it `embedding`.
+    fn stored(self, embedding: Vec<f32>) -> StoredChunk {
+        StoredChunk {
+            doc_id: self.chunk.doc_id,
+            chunk_index: self.chunk.chunk_index,
+            content_hash: self.hash,
+            embedding,
+            source_seq: self.seq,
+            leased: self.leased,
+        }
+    }
+}
+
+impl Job {
+    /// Counts (and names) the job's chunks as not attempted: it is dropped unrecorded.
+    fn not_attempted(&self, s: &mut IngestSummary) {
+        s.not_attempted += (self.embed.len() + self.park.len()) as u64;
+        s.note_unfinished(self.embed.iter().map(|c| (c.chunk.doc_id.as_str(), c.chunk.chunk_index)));
+        s.note_unfinished(self.park.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)));
+    }
 }
 
 struct Claimed {
@@ -1002,10 +1049,14 @@ impl<'a> Batcher<'a> {
         let leased: HashSet<(String, i32)> =
             known.iter().filter(|(_, c)| c.leased).map(|(k, _)| k.clone()).collect();
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
+        let mut left: Vec<(String, i32)> = Vec::new();
         let mut seen = |k: (String, i32), hash: &str| {
             let claim = known.get(&k);
             if claim.is_some_and(|c| c.leased_elsewhere) {
                 leased_elsewhere += 1;
+                if left.len() < MAX_UNFINISHED_EXAMPLES {
+                    left.push(k);
+                }
                 return true;
             }
             match claim.and_then(|c| c.manifest.as_ref()) {
@@ -1028,6 +1079,7 @@ impl<'a> Batcher<'a> {
             t.summary.unchanged += unchanged;
             t.summary.already_parked += already_parked;
             t.summary.leased_elsewhere += leased_elsewhere;
+            t.summary.note_unfinished(left.iter().map(|(d, i)| (d.as_str(), *i)));
         }
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
@@ -1065,7 +1117,8 @@ impl<'a> Batcher<'a> {
                 });
                 continue;
             }
-            let len = chunk.text.len();
+            // Characters, as replay counts them (`request_ranges`), not bytes.
+            let len = chunk.text.chars().count();
             if !current.is_empty()
                 && (current.len() >= opts.batch_max_inputs || chars + len > opts.batch_max_chars)
             {
@@ -1104,7 +1157,7 @@ impl<'a> Batcher<'a> {
             // A closed channel means every worker is gone (systemic stop): drop the job
             // unrecorded, a rerun does it.
             if let Err(flume::SendError(job)) = jobs.send_async(job).await {
-                self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
+                job.not_attempted(&mut self.tally.lock().unwrap().summary);
             }
         }
     }
@@ -1147,7 +1200,7 @@ impl Worker {
             // after a shutdown request they still run (they were claimed) but retry waits
             // are cut short.
             if self.halt.is_cancelled() && !self.cancel.is_cancelled() {
-                self.tally.lock().unwrap().summary.not_attempted += (job.embed.len() + job.park.len()) as u64;
+                job.not_attempted(&mut self.tally.lock().unwrap().summary);
                 continue;
             }
             if let Some(out) = self.process(job).await
@@ -1163,34 +1216,37 @@ impl Worker {
         let mut stats = BatchStats::default();
         let mut out =
             Outcomes { store: Vec::with_capacity(job.embed.len()), park: job.park, charge: job.charge };
-        let mut not_attempted = 0u64;
+        let mut not_attempted: Vec<(String, i32)> = Vec::new();
         if !job.embed.is_empty() {
             let texts: Vec<&str> = job.embed.iter().map(|c| c.chunk.text.as_str()).collect();
-            let outcomes = match self.embedder.embed_batch(&texts, &self.cancel, &mut stats).await {
-                Ok(o) => o,
-                Err(stop) => {
-                    tracing::error!(error = %stop, "provider refused the run; stopping without parking");
-                    let mut t = self.tally.lock().unwrap();
-                    merge_stats(&mut t.summary, &stats);
-                    t.summary.not_attempted += (job.embed.len() + out.park.len()) as u64;
-                    if t.stop.is_none() {
-                        t.stop = Some(stop);
+            let (outcomes, stop) =
+                self.embedder.embed_batch_until_stop(&texts, &self.cancel, &mut stats).await;
+            if let Some(stop) = stop {
+                // Nothing is parked for a stop; what the provider embedded before it was paid
+                // for and is stored, the rest is left for the rerun.
+                tracing::error!(error = %stop, "provider refused the run; stopping without parking");
+                let (mut store, mut left) = (Vec::new(), Vec::new());
+                for (claimed, outcome) in job.embed.into_iter().zip(outcomes) {
+                    match outcome {
+                        ItemOutcome::Embedded(embedding) => store.push(claimed.stored(embedding)),
+                        _ => left.push((claimed.chunk.doc_id, claimed.chunk.chunk_index)),
                     }
-                    drop(t);
-                    self.halt.cancel();
-                    return None;
                 }
-            };
+                let mut t = self.tally.lock().unwrap();
+                merge_stats(&mut t.summary, &stats);
+                t.summary.not_attempted += (left.len() + out.park.len()) as u64;
+                t.summary.note_unfinished(left.iter().map(|(d, i)| (d.as_str(), *i)));
+                t.summary.note_unfinished(out.park.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)));
+                if t.stop.is_none() {
+                    t.stop = Some(stop);
+                }
+                drop(t);
+                self.halt.cancel();
+                return (!store.is_empty()).then(|| Outcomes { store, park: Vec::new(), charge: out.charge });
+            }
             for (claimed, outcome) in job.embed.into_iter().zip(outcomes) {
                 match outcome {
-                    ItemOutcome::Embedded(embedding) => out.store.push(StoredChunk {
-                        doc_id: claimed.chunk.doc_id,
-                        chunk_index: claimed.chunk.chunk_index,
-                        content_hash: claimed.hash,
-                        embedding,
-                        source_seq: claimed.seq,
-                        leased: claimed.leased,
-                    }),
+                    ItemOutcome::Embedded(embedding) => out.store.push(claimed.stored(embedding)),
                     ItemOutcome::Failed(f) => out.park.push(ParkedChunk {
                         payload: serde_json::to_value(&claimed.chunk).expect("chunk serializes"),
                         doc_id: claimed.chunk.doc_id,
@@ -1204,13 +1260,16 @@ impl Worker {
                         last_status: f.status,
                         attempts: f.attempts,
                     }),
-                    ItemOutcome::NotAttempted => not_attempted += 1,
+                    ItemOutcome::NotAttempted => {
+                        not_attempted.push((claimed.chunk.doc_id, claimed.chunk.chunk_index));
+                    }
                 }
             }
         }
         let mut t = self.tally.lock().unwrap();
         merge_stats(&mut t.summary, &stats);
-        t.summary.not_attempted += not_attempted;
+        t.summary.not_attempted += not_attempted.len() as u64;
+        t.summary.note_unfinished(not_attempted.iter().map(|(d, i)| (d.as_str(), *i)));
         Some(out)
     }
 }
@@ -1272,7 +1331,10 @@ impl Writer {
             if failed {
                 // The run is stopping after a write failure: what is left stays unwritten and
                 // a rerun does it.
-                self.tally.lock().unwrap().summary.not_attempted += (out.store.len() + out.park.len()) as u64;
+                let mut t = self.tally.lock().unwrap();
+                t.summary.not_attempted += (out.store.len() + out.park.len()) as u64;
+                t.summary.note_unfinished(out.store.iter().map(|c| (c.doc_id.as_str(), c.chunk_index)));
+                t.summary.note_unfinished(out.park.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)));
                 continue;
             }
             let clash = out
@@ -1328,6 +1390,8 @@ impl Writer {
             Err(e) => {
                 tracing::error!(error = %e, "database write failed; stopping the run");
                 t.summary.not_attempted += (to_store.len() + to_park.len()) as u64;
+                t.summary.note_unfinished(to_store.iter().map(|c| (c.doc_id.as_str(), c.chunk_index)));
+                t.summary.note_unfinished(to_park.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)));
                 if t.fatal.is_none() {
                     t.fatal = Some(e);
                 }

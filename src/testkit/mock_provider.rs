@@ -109,14 +109,22 @@ pub struct MockConfig {
     /// providers that enforce per-minute limits per second. 1..=3600000.
     pub limit_window_ms: u64,
     /// Send the `x-ratelimit-*` headers on successes too (on by default, like OpenAI); 429s
-    /// for the limit always carry them.
+    /// for the limit carry them in `bucket` mode.
     pub limit_headers: bool,
+    /// How `rpm_limit`/`tpm_limit` are enforced over `limit_window_ms` (see [`LimitMode`]).
+    pub limit_mode: LimitMode,
+    /// In `gateway` mode, send `llm_provider-retry-after: <seconds left in the window>` with
+    /// a 429, as LiteLLM does (its only wait hint); off: a 429 with no usable header at all.
+    pub gateway_retry_header: bool,
     /// Models the provider no longer serves: a request for one is answered 404
     /// `model_not_found`, like OpenAI after a model is retired (at most 64 names).
     pub retired_models: Vec<String>,
     /// Report every character as a token in `usage`, like some real servers (infinity-emb),
     /// instead of what the client estimates (characters / 4, at least 1 per input).
     pub usage_counts_characters: bool,
+    /// A broken model: every vector of every answer (the canary's too) is unusable in this
+    /// way, with status 200. `None`: vectors are fine.
+    pub broken_vectors: Option<BrokenVectors>,
 }
 
 impl MockConfig {
@@ -127,6 +135,33 @@ impl MockConfig {
             _ => Vec::new(),
         }
     }
+}
+
+/// How the mock's account enforces its per-minute limits over `limit_window_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LimitMode {
+    /// A token bucket holding the window's worth, refilled continuously (an account); 429s
+    /// carry `Retry-After`, `retry-after-ms` and the `x-ratelimit-*` headers.
+    #[default]
+    Bucket,
+    /// At most the window's worth in *any* window of that length (a provider enforcing a
+    /// per-minute limit per second); 429s carry `Retry-After` and `retry-after-ms`.
+    Sliding,
+    /// The window's worth per fixed window from server start (LiteLLM counts per clock
+    /// minute); a 429 carries no `Retry-After` and no `x-ratelimit-*` header, only
+    /// `llm_provider-retry-after` when `gateway_retry_header` is on.
+    Gateway,
+}
+
+/// How a broken model spoils every vector ([`MockConfig::broken_vectors`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BrokenVectors {
+    /// A NaN in every vector (`null` in float form).
+    Nan,
+    /// Every value zero.
+    Zero,
 }
 
 impl Default for MockConfig {
@@ -153,8 +188,11 @@ impl Default for MockConfig {
             tpm_limit: None,
             limit_window_ms: 60_000,
             limit_headers: true,
+            limit_mode: LimitMode::Bucket,
+            gateway_retry_header: true,
             retired_models: Vec::new(),
             usage_counts_characters: false,
+            broken_vectors: None,
         }
     }
 }
@@ -504,10 +542,8 @@ async fn answer_inputs(shared: &Shared, parsed: &EmbeddingsRequest, inputs: &[St
     };
     let dimensions =
         parsed.dimensions.map(|d| d as usize).filter(|d| (1..=16_000).contains(d)).unwrap_or(c.dimensions);
-    let mut ok = json(
-        StatusCode::OK,
-        render(inputs, dimensions, base64, parsed.model.as_deref().unwrap_or("mock"), usage),
-    );
+    let model = parsed.model.as_deref().unwrap_or("mock");
+    let mut ok = json(StatusCode::OK, render(inputs, dimensions, base64, model, usage, c.broken_vectors));
     if c.limit_headers {
         add_headers(&mut ok, &limit_headers);
     }
@@ -558,10 +594,17 @@ impl Bucket {
     }
 }
 
-/// The account's request and token buckets.
+/// The account's request and token buckets, and the log of what it admitted (for the
+/// `sliding` and `gateway` modes).
 struct AccountLimits {
     requests: Option<Bucket>,
     tokens: Option<Bucket>,
+    mode: LimitMode,
+    window: Duration,
+    /// Admitted requests (time, tokens) in the last window: `sliding` mode.
+    log: std::collections::VecDeque<(tokio::time::Instant, f64)>,
+    /// Start of the current fixed window and what it admitted: `gateway` mode.
+    fixed: (tokio::time::Instant, f64, f64),
 }
 
 impl AccountLimits {
@@ -569,6 +612,52 @@ impl AccountLimits {
         AccountLimits {
             requests: c.rpm_limit.filter(|&n| n > 0).map(|n| Bucket::new(n, c.limit_window_ms)),
             tokens: c.tpm_limit.filter(|&n| n > 0).map(|n| Bucket::new(n, c.limit_window_ms)),
+            mode: c.limit_mode,
+            window: Duration::from_millis(c.limit_window_ms.max(1)),
+            log: std::collections::VecDeque::new(),
+            fixed: (tokio::time::Instant::now(), 0.0, 0.0),
+        }
+    }
+
+    /// `sliding` and `gateway` modes: whether a request of `tokens` fits the window now (and
+    /// then it is counted), else how long until it might.
+    fn admit_windowed(&mut self, now: tokio::time::Instant, tokens: f64) -> Result<(), Duration> {
+        let cap_requests = self.requests.map(|b| b.capacity.floor().max(1.0));
+        let cap_tokens = self.tokens.map(|b| b.capacity);
+        let tokens = cap_tokens.map_or(tokens, |c| tokens.min(c));
+        match self.mode {
+            LimitMode::Gateway => {
+                let (start, requests, used) = &mut self.fixed;
+                let windows = now.saturating_duration_since(*start).as_nanos() / self.window.as_nanos();
+                if windows > 0 {
+                    *start += self.window * windows as u32;
+                    (*requests, *used) = (0.0, 0.0);
+                }
+                let full = cap_requests.is_some_and(|c| *requests + 1.0 > c)
+                    || cap_tokens.is_some_and(|c| *used + tokens > c);
+                if full {
+                    return Err((*start + self.window).saturating_duration_since(now));
+                }
+                *requests += 1.0;
+                *used += tokens;
+                Ok(())
+            }
+            _ => {
+                while self.log.front().is_some_and(|(t, _)| now.saturating_duration_since(*t) >= self.window)
+                {
+                    self.log.pop_front();
+                }
+                let requests = self.log.len() as f64;
+                let used: f64 = self.log.iter().map(|(_, t)| t).sum();
+                let full = cap_requests.is_some_and(|c| requests + 1.0 > c)
+                    || cap_tokens.is_some_and(|c| used + tokens > c);
+                if full {
+                    let oldest = self.log.front().map_or(now, |(t, _)| *t);
+                    return Err((oldest + self.window).saturating_duration_since(now));
+                }
+                self.log.push_back((now, tokens));
+                Ok(())
+            }
         }
     }
 }
@@ -598,6 +687,22 @@ fn admit_within_limits(shared: &Shared, inputs: &[String]) -> Result<Vec<(String
     }
     let now = tokio::time::Instant::now();
     let tokens = mock_tokens(inputs) as f64;
+    if limits.mode != LimitMode::Bucket {
+        let Err(wait) = limits.admit_windowed(now, tokens) else { return Ok(Vec::new()) };
+        shared.fault(&shared.counters.rate_limited, inputs.len());
+        shared.counters.over_limit.fetch_add(1, Ordering::Relaxed);
+        let ms = (wait.as_secs_f64() * 1000.0).ceil().max(1.0) as u64;
+        let mut headers = Vec::new();
+        if limits.mode == LimitMode::Sliding {
+            headers.push(("retry-after-ms".to_string(), ms.to_string()));
+            headers.push(("retry-after".to_string(), ms.div_ceil(1000).to_string()));
+        } else if shared.config.gateway_retry_header {
+            headers.push(("llm_provider-retry-after".to_string(), ms.div_ceil(1000).to_string()));
+        }
+        let mut r = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", "Rate limit reached");
+        add_headers(&mut r, &headers);
+        return Err(Box::new(r));
+    }
     let mut wait = Duration::ZERO;
     if let Some(b) = &mut limits.requests {
         b.refill(now);
@@ -791,12 +896,24 @@ async fn injected_fault(shared: &Shared, echo: &str, inputs: usize) -> Option<An
     }
 }
 
-fn render(inputs: &[String], dimensions: usize, base64: bool, model: &str, usage: u64) -> String {
+fn render(
+    inputs: &[String],
+    dimensions: usize,
+    base64: bool,
+    model: &str,
+    usage: u64,
+    broken: Option<BrokenVectors>,
+) -> String {
     use std::fmt::Write;
     let mut out = String::with_capacity(inputs.len() * (dimensions * 6 + 64) + 128);
     out.push_str("{\"object\":\"list\",\"data\":[");
     for (i, text) in inputs.iter().enumerate() {
-        let v = vector_for(text, dimensions);
+        let mut v = vector_for(text, dimensions);
+        match broken {
+            Some(BrokenVectors::Nan) => v.iter_mut().take(1).for_each(|x| *x = f32::NAN),
+            Some(BrokenVectors::Zero) => v.iter_mut().for_each(|x| *x = 0.0),
+            None => {}
+        }
         if i > 0 {
             out.push(',');
         }

@@ -566,3 +566,19 @@ async fn options_out_of_bounds_are_clamped_when_a_run_starts() {
     }
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
 }
+
+/// Issue 20, item 9: `batch_max_chars` counts characters, as replay's requests do, not bytes:
+/// twelve inputs of 10 two-byte characters under a budget of 30 go three to a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_max_chars_counts_characters_not_bytes() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.batch_max_inputs = 64;
+    s.options.batch_max_chars = 30;
+    s.options.concurrency = 1;
+    let corpus: String = (0..12).map(|i| line("chars", i, &format!("{}{i:x}", "é".repeat(9)))).collect();
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.stored, 12, "{r:?}");
+    assert_eq!(mock.control.stats().requests, 4, "3 inputs of 10 characters (19 bytes) a request");
+}

@@ -334,3 +334,65 @@ async fn a_lone_runs_first_windows_leases_are_finished_by_their_outcomes() {
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 }
+
+/// Issue 20, item 7: an ingest that leaves chunks to a live holder's lease (or not attempted)
+/// has not finished them: nothing will find them if the holder dies, since they have no
+/// manifest row. The binary says so on a summary line (how many, why, and that a rerun
+/// finishes them) and exits 7, not 0; the rerun once the holder is gone exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ingest_that_leaves_chunks_unfinished_exits_7_and_says_a_rerun_finishes_them() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let text = |k: i32| format!("unfinished test chunk {k}");
+    let lines: String = (0..20).map(|k| line("unfinished-doc", k, &text(k))).collect();
+    let (holder, live) = another_live_run(&db).await;
+    for k in 0..5 {
+        sqlx::query(
+            "INSERT INTO ingest_lease (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
+             VALUES ('public.doc_embeddings', 'unfinished-doc', $1, $2, ($3::bigint << 32) | $1, $3,
+                     now() + interval '1 hour')",
+        )
+        .bind(k)
+        .bind(content_hash("mock", 768, &text(k)))
+        .bind(live)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let path = std::env::temp_dir().join(format!("embed-dlq-it-unfinished-{}.jsonl", rand::random::<u64>()));
+    std::fs::write(&path, &lines).unwrap();
+    let ingest = || {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+        c.env_remove("EMBED_DLQ_API_KEY").env_remove("RUST_LOG").stdin(Stdio::null());
+        c.arg("ingest")
+            .arg(&path)
+            .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+            .args(["--no-progress"]);
+        c
+    };
+    let out = ingest().output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let all = format!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(7), "{all}");
+    let note = stdout.lines().find(|l| l.starts_with("not finished")).unwrap_or_else(|| panic!("{all}"));
+    assert!(note.contains(" 5 ") && note.contains("rerun"), "{note}");
+    assert!(note.contains("unfinished-doc#0"), "names the chunks: {note}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 15);
+
+    // The holder dies without finishing: a rerun stores the rest and exits 0.
+    holder.close().await.unwrap();
+    let mut code = None;
+    for _ in 0..50 {
+        let out = ingest().output().await.unwrap();
+        code = out.status.code();
+        if code == Some(0) {
+            break;
+        }
+        // The server drops the holder's advisory lock a moment after the close returns.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, Some(0));
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20);
+    assert_eq!(db.leaks().await, 0);
+}

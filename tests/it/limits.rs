@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use embed_dlq::embed::limit::{LimitConfig, ProviderLimiter, shared_key};
 use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
-use embed_dlq::testkit::mock_provider::{MockConfig, MockStats};
+use embed_dlq::testkit::mock_provider::{LimitMode, MockConfig, MockStats};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
@@ -90,11 +90,11 @@ async fn rate_limit_headers_pace_requests_before_the_provider_says_429() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_seen_by_one_process_shrinks_the_shared_budget_for_all() {
     let url = embed_dlq::streams::client(&redis_url()).unwrap();
-    let config = LimitConfig { max_requests_per_minute: Some(600), shared: true, ..LimitConfig::default() };
-    // 600 a minute, one second's worth at once: 10 requests go without waiting.
+    let config = LimitConfig { max_requests_per_minute: Some(1_200), shared: true, ..LimitConfig::default() };
+    // 1200 a minute (one per 50 ms), 100 ms worth at once: 2 requests go without waiting.
     let base = format!("http://aimd-{}.invalid/v1", rand::random::<u64>());
     let control = ProviderLimiter::with_redis(config, &url, &format!("{base}/control"), "m").await.unwrap();
-    for _ in 0..10 {
+    for _ in 0..2 {
         drop(control.acquire(1).await);
     }
     assert_eq!(control.stats().delayed_requests, 0);
@@ -104,14 +104,13 @@ async fn a_429_seen_by_one_process_shrinks_the_shared_budget_for_all() {
     seen_429.on_rate_limited().await;
     assert_eq!(seen_429.stats().decreases, 1);
     assert_eq!(seen_429.factor(), 0.5);
-    // The other process learns the halved factor from Redis, and its burst is halved too.
-    for _ in 0..5 {
-        drop(other.acquire(1).await);
-    }
+    // The other process learns the halved factor from Redis, and its burst is halved too:
+    // one per 100 ms, so the second request waits.
+    drop(other.acquire(1).await);
     assert_eq!(other.factor(), 0.5);
     assert_eq!(other.stats().delayed_requests, 0);
     drop(other.acquire(1).await);
-    assert_eq!(other.stats().delayed_requests, 1, "the sixth request waits at half the rate");
+    assert_eq!(other.stats().delayed_requests, 1, "the second request waits at half the rate");
 
     // The key names neither the URL nor the model.
     let key = shared_key(&base, "m");
@@ -208,12 +207,15 @@ async fn a_wait_for_the_budget_ends_on_shutdown_and_sends_nothing() {
             s.redis_url = Some(redis_url());
         }
         let p = pipeline(&s).await;
+        // The budget lets one request go at once (its burst): spend it, so that the run's
+        // first request waits about a minute.
+        drop(p.embedder.client.limiter().acquire(1).await);
         let cancel = CancellationToken::new();
         let run = tokio::spawn({
             let (p, cancel) = (p.clone(), cancel.clone());
             async move { p.run(input(corpus("held", 40)), cancel).await }
         });
-        // The first request waits ~59 s for its slot; give the workers time to reach it.
+        // The first request waits ~60 s for its slot; give the workers time to reach it.
         tokio::time::sleep(Duration::from_millis(500)).await;
         cancel.cancel();
         // Only a safety net against a hang: a wait that ignored the token would end after
@@ -236,5 +238,86 @@ async fn a_wait_for_the_budget_ends_on_shutdown_and_sends_nothing() {
                 .await
                 .unwrap();
         }
+    }
+}
+
+fn short_corpus(prefix: &str, chunks: usize) -> Vec<u8> {
+    // About 10 estimated tokens a chunk, whatever its number.
+    (0..chunks)
+        .map(|i| line(prefix, i as i32, &format!("pacing test chunk number {i:08} of the corpus")))
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Issue 20, item 14: a budget equal to 80% of a provider's per-minute limit, which the
+/// provider enforces over every one-second window (at most a second's worth in any second),
+/// gets no 429: the budget paces evenly with a small burst instead of letting a second's
+/// worth go at once and then a second's worth more within the same second. For the request
+/// budget and for the token budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_even_budget_gets_no_429_from_a_provider_enforcing_its_limit_per_second() {
+    for tokens in [false, true] {
+        let db = TestDb::new().await;
+        // 20 requests (or 400 tokens: 20 requests of 2 chunks) in any one second.
+        let mock = start_mock(MockConfig {
+            rpm_limit: (!tokens).then_some(1_200),
+            tpm_limit: tokens.then_some(24_000),
+            limit_window_ms: 1_000,
+            limit_mode: LimitMode::Sliding,
+            ..MockConfig::default()
+        })
+        .await;
+        let mut s = settings(&db, &mock);
+        s.options.batch_max_inputs = 2;
+        s.options.concurrency = 8;
+        s.limits = if tokens {
+            LimitConfig { max_tokens_per_minute: Some(19_200), ..LimitConfig::default() }
+        } else {
+            LimitConfig { max_requests_per_minute: Some(960), ..LimitConfig::default() }
+        };
+        let p = pipeline(&s).await;
+        let summary = p.run(input(short_corpus("even", 200)), CancellationToken::new()).await.unwrap();
+        let stats = mock.control.stats();
+        eprintln!("tokens {tokens}: {stats:?}; limiter {:?}", p.embedder.client.limiter().stats());
+        assert_eq!(summary.stored, 200, "tokens {tokens}: {summary:?}");
+        assert!(stats.requests >= 100, "tokens {tokens}: {stats:?}");
+        assert_eq!(stats.over_limit, 0, "tokens {tokens}: {stats:?}");
+        mock.shutdown().await;
+    }
+}
+
+/// Issue 20, item 15: a LiteLLM-like gateway counts a per-minute limit per fixed window and
+/// answers 429 with no `Retry-After` for the rest of it (only `llm_provider-retry-after`, or
+/// nothing at all). A client not told the limit must pause the whole pool until the window
+/// clears and park nothing: the limit clears by itself. Without the header the pause grows
+/// adaptively; with it the pause follows it. Counted: no chunk parked, and few 429s a window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_429_without_retry_after_pauses_the_pool_and_parks_nothing() {
+    for header in [false, true] {
+        let db = TestDb::new().await;
+        // 10 requests per fixed 2-second window.
+        let mock = start_mock(MockConfig {
+            rpm_limit: Some(300),
+            limit_window_ms: 2_000,
+            limit_mode: LimitMode::Gateway,
+            gateway_retry_header: header,
+            ..MockConfig::default()
+        })
+        .await;
+        let mut s = settings(&db, &mock);
+        s.options.batch_max_inputs = 4;
+        s.options.concurrency = 4;
+        s.retry.max_attempts = 5;
+        s.retry.cap = Duration::from_secs(5);
+        let p = pipeline(&s).await;
+        let summary = p.run(input(short_corpus("gw", 120)), CancellationToken::new()).await.unwrap();
+        let stats = mock.control.stats();
+        eprintln!("header {header}: {stats:?}; retries {:?}", summary.retries);
+        assert_eq!(summary.parked_total(), 0, "header {header}: {summary:?}");
+        assert_eq!(summary.stored, 120, "header {header}: {summary:?}");
+        // 30 requests need 3 windows; each window's end costs a few 429s (the requests in
+        // flight, then one per growing pause), not one per worker per backoff.
+        assert!(stats.over_limit <= 20, "header {header}: {stats:?}");
+        mock.shutdown().await;
     }
 }

@@ -214,3 +214,29 @@ async fn exit_codes_and_clear_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
 }
+
+/// Issue 20, item 16: a gateway answers a request without a key with a plain-text 500, which
+/// looks like an outage. So `ingest` (and `serve`) warn at start when the variable the key is
+/// read from is unset or empty, naming it, and say nothing when it is set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unset_api_key_variable_is_warned_about_at_start() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempdir::Dir::new();
+    let path = dir.0.join("c.jsonl");
+    std::fs::write(&path, line("k", 0, "hello")).unwrap();
+
+    let out = ingest_cmd(&db, &mock, &path).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("EMBED_DLQ_API_KEY is not set"), "{stderr}");
+
+    let out = ingest_cmd(&db, &mock, &path).args(["--api-key-env", "MY_GATEWAY_KEY"]).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("MY_GATEWAY_KEY is not set"), "{stderr}");
+
+    let out = ingest_cmd(&db, &mock, &path).env("EMBED_DLQ_API_KEY", "sk-set").output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("not set"), "{stderr}");
+}

@@ -434,8 +434,10 @@ async fn absurd_retry_after_values_neither_panic_nor_stall() {
     let out = e.embed_batch(&["a", "b"], &CancellationToken::new(), &mut stats).await.unwrap();
     assert!(out.iter().all(|o| matches!(o, ItemOutcome::Embedded(_))), "{out:?}");
     assert_eq!(stats.retries.get("rate_limited"), Some(&6));
-    // The shared pause honours the retry cap, whatever the server asked for.
-    assert!(e.gate.longest_pause() <= e.policy.cap, "{:?}", e.gate.longest_pause());
+    // The shared pause honours the retry cap, whatever the server asked for; the two values
+    // that are no wait at all ("-5", "soon") pause adaptively instead: 1 s, then 2 s.
+    let adaptive = embed_dlq::embed::gate::ADAPTIVE_PAUSE_FIRST * 2;
+    assert!(e.gate.longest_pause() <= adaptive.max(e.policy.cap), "{:?}", e.gate.longest_pause());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -873,4 +875,178 @@ async fn credentials_in_the_base_url_are_redacted_like_the_key() {
     }
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("gateway-user:{URL_SECRET}"));
     assert!(!everything.contains(&basic[4..basic.len() - 4]), "its Basic encoding was stored");
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue 20, item 4: a model that returns unusable vectors for every input is systemic.
+
+/// A provider that answers NaN (or all-zero) vectors for every input, the canary's too, stops
+/// the run like a wrong dimension does: nothing parked, no manifest row, one canary; the
+/// binary exits 4. An unusable vector among good ones stays the input's fault (see
+/// `json_nan_in_one_float_vector_isolates_that_input`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and_parks_nothing() {
+    use embed_dlq::testkit::mock_provider::BrokenVectors;
+    for broken in [BrokenVectors::Nan, BrokenVectors::Zero] {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig { broken_vectors: Some(broken), ..MockConfig::default() }).await;
+        let s = settings(&db, &mock);
+        let err = pipeline(&s)
+            .await
+            .run(input(corpus("broken", 300, |i| format!("chunk {i}"))), CancellationToken::new())
+            .await
+            .unwrap_err();
+        match &err {
+            IngestError::Provider { stop: Stop::Systemic { reason: "invalid_vector", .. }, summary } => {
+                assert_eq!(summary.parked_total(), 0, "{broken:?}: {summary:?}");
+            }
+            other => panic!("{broken:?}: expected a systemic invalid_vector stop, got {other}"),
+        }
+        assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0, "{broken:?}");
+        assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 0, "{broken:?}");
+        let st = mock.control.stats();
+        assert_eq!(st.canaries, 1, "{broken:?}: one canary for the whole run: {st:?}");
+        assert!(st.requests <= s.options.concurrency as u64 + 2, "{broken:?}: no bisecting: {st:?}");
+        mock.shutdown().await;
+    }
+
+    // The binary: exit 4, nothing parked.
+    let db = TestDb::new().await;
+    let mock =
+        start_mock(MockConfig { broken_vectors: Some(BrokenVectors::Nan), ..MockConfig::default() }).await;
+    let path = std::env::temp_dir().join(format!("embed-dlq-it-nan-{}.jsonl", rand::random::<u64>()));
+    std::fs::write(&path, corpus("bin-nan", 100, |i| format!("chunk {i}"))).unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .env_remove("RUST_LOG")
+        .env_remove("EMBED_DLQ_API_KEY")
+        .arg("ingest")
+        .arg(&path)
+        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+        .args(["--batch-max-inputs", "16", "--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(4), "{all}");
+    assert!(all.contains("invalid_vector"), "{all}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue 20, item 8: a stop in the middle of a batch keeps what was already embedded.
+
+/// A batch split to isolate a poison input has embedded two of its inputs when the key is
+/// revoked (401 from then on): the run stops, nothing is parked, and the two vectors the
+/// provider already answered (and billed) are stored instead of being sent again on the
+/// rerun; the rest is not attempted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
+    let db = TestDb::new().await;
+    let server = Hostile::start(Arc::new(|n, seen: &Seen| {
+        let inputs = seen.inputs();
+        if inputs.iter().any(|t| t.contains("poison")) {
+            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
+        } else if n <= 4 {
+            // 1: the canary; 3 and 4: the first two inputs after the poison one, alone.
+            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
+        } else {
+            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
+        }
+    }))
+    .await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.client.base_url = server.base_url();
+    s.options.concurrency = 1;
+    s.options.batch_max_inputs = 8;
+    let c = corpus("midstop", 8, |i| if i == 0 { "poison input".into() } else { format!("fine {i}") });
+    let err = pipeline(&s).await.run(input(c), CancellationToken::new()).await.unwrap_err();
+    match &err {
+        IngestError::Provider { stop: Stop::Systemic { reason: "unauthorized", .. }, summary } => {
+            assert_eq!(summary.parked_total(), 0, "{summary:?}");
+            assert_eq!(summary.stored, 2, "{summary:?}");
+            assert_eq!(summary.not_attempted, 6, "{summary:?}");
+        }
+        other => panic!("expected an unauthorized stop, got {other}"),
+    }
+    let stored: Vec<i32> = sqlx::query_scalar("SELECT chunk_index FROM doc_embeddings ORDER BY chunk_index")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, vec![1, 2]);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.leaks().await, 0);
+}
+
+/// Issue 20, item 8, replay side: a replay request split to isolate a poison row has
+/// embedded two rows when the key is revoked: those two are replayed (vector stored, row
+/// gone), the other six are postponed unchanged, and nothing is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embedded() {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(&db, &down);
+    s.retry.max_attempts = 2;
+    s.options.batch_max_inputs = 8;
+    let p = pipeline(&s).await;
+    let c = corpus("midrep", 8, |i| if i == 0 { "poison row".into() } else { format!("fine row {i}") });
+    let r = p.run(input(c), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&8));
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let config = ReplayConfig {
+        batch: 64,
+        request_inputs: 8,
+        requests_in_flight: 1,
+        block: Duration::from_millis(200),
+        systemic_pause: Duration::from_secs(120),
+        ..Default::default()
+    };
+    Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+
+    let server = Hostile::start(Arc::new(|n, seen: &Seen| {
+        let inputs = seen.inputs();
+        if inputs.iter().any(|t| t.contains("poison")) {
+            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
+        } else if n <= 4 {
+            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
+        } else {
+            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
+        }
+    }))
+    .await;
+    let mut rs = settings(&db, &down);
+    rs.client.base_url = server.base_url();
+    let rp = pipeline(&rs).await;
+    let mut rep = Replayer {
+        name: "midstop".into(),
+        store: rp.store,
+        embedder: rp.embedder,
+        client: embed_dlq::streams::client(&redis_url()).unwrap(),
+        redis,
+        keys: keys.clone(),
+        config,
+        paused_until: None,
+    };
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (2, 6, 0, 0), "{c:?}");
+    let stored: Vec<i32> = sqlx::query_scalar("SELECT chunk_index FROM doc_embeddings ORDER BY chunk_index")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, vec![1, 2]);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 6);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE replays > 0").await, 0, "nothing charged");
 }
