@@ -176,11 +176,15 @@ pub async fn confirm(
                 })
                 .await
                 .map(|o| {
-                    let mut note = format!("requeued {} rows: due now and published for replay", o.requeued);
+                    let mut note =
+                        format!("requeued {}: due now and published for replay", rows_of(o.requeued as i64));
                     if o.needs_reingest > 0 {
                         note.push_str(&format!(
-                            "; {} rows need a corrected payload and were left alone: re-ingest them",
-                            o.needs_reingest
+                            "; {} a corrected payload and were left alone: re-ingest them",
+                            match o.needs_reingest {
+                                1 => "1 row needs".to_string(),
+                                n => format!("{n} rows need"),
+                            }
                         ));
                     }
                     (o.requeued as i64, note)
@@ -193,7 +197,10 @@ pub async fn confirm(
                 .map(|n| {
                     (
                         n as i64,
-                        format!("purged {n} rows (and their manifest rows); each was announced as purged"),
+                        format!(
+                            "purged {} (and their manifest rows); each was announced as purged",
+                            rows_of(n as i64)
+                        ),
                     )
                 })
             }
@@ -219,7 +226,8 @@ pub async fn confirm(
             Err(e) => {
                 tracing::warn!(error = %e, audit_id, "console: action failed");
                 let n = *progress.borrow();
-                sql::audit_finish(&pool, audit_id, n, false, &format!("failed after {n} rows: {e}")).await
+                sql::audit_finish(&pool, audit_id, n, false, &format!("failed after {}: {e}", rows_of(n)))
+                    .await
             }
         };
         if let Err(e) = done {
@@ -322,5 +330,13 @@ pub async fn reconcile_run(
     match sql::reconcile_runs(&pool, 20).await {
         Ok(runs) => html(StatusCode::OK, pages::reconcile(&ctx, &runs, Some(&report))),
         Err(e) => db_error(&ctx, e),
+    }
+}
+
+/// `n` rows in English: "1 row", "2 rows".
+fn rows_of(n: i64) -> String {
+    match n {
+        1 => "1 row".to_string(),
+        n => format!("{n} rows"),
     }
 }
