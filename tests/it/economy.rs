@@ -252,7 +252,7 @@ async fn the_summary_prints_tokens_and_cost() {
 /// a lone 500 alone, first, so the row replayed with it does not pay for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replayer_sends_a_row_that_failed_alone_with_500_alone() {
-    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    use embed_dlq::replay::{ReplayConfig, Scheduler};
     let db = TestDb::new().await;
     let keys = fresh_keys();
     let mock = start_mock(MockConfig::default()).await;
@@ -284,20 +284,9 @@ async fn a_replayer_sends_a_row_that_failed_alone_with_500_alone() {
     relay_all(&db, &keys).await;
     // A fresh process: nothing in memory, only the rows.
     let fresh = pipeline(&s).await;
-    let mut replayer = Replayer {
-        name: "r".into(),
-        store: fresh.store,
-        embedder: fresh.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
-        redis,
-        keys: keys.clone(),
-        config,
-        paused_until: None,
-    };
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, std::time::Duration::from_secs(1)).await.unwrap();
+    let mut replayer = replayer_on(fresh, &keys, "r", config).await;
     let before = mock.control.stats();
-    replayer.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    read_once(&mut replayer).await;
     let after = mock.control.stats();
     let attempts = u64::from(s.retry.max_attempts);
     assert_eq!(after.inputs - before.inputs, attempts + 1, "the suspect alone, then its neighbour once");

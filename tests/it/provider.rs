@@ -743,7 +743,7 @@ async fn the_breaker_probes_with_a_canary_not_with_the_batch_that_tripped_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_provider_that_rejects_everything_alike_postpones_instead_of_parking_permanent() {
     use embed_dlq::relay::{Relay, RelayConfig};
-    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    use embed_dlq::replay::{ReplayConfig, Scheduler};
 
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -785,19 +785,8 @@ async fn a_replay_provider_that_rejects_everything_alike_postpones_instead_of_pa
     })
     .await;
     let rp = pipeline(&settings(&db, &gateway)).await;
-    let mut rep = Replayer {
-        name: "uniform".into(),
-        store: rp.store,
-        embedder: rp.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
-        redis,
-        keys: keys.clone(),
-        config,
-        paused_until: None,
-    };
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let mut rep = replayer_on(rp, &keys, "uniform", config).await;
+    let c = read_once(&mut rep).await;
     assert_eq!((c.postponed, c.reparked, c.exhausted), (12, 0, 0), "{c:?}");
     let after: Vec<(i64, i32, i32, String)> =
         sqlx::query_as("SELECT id, replays, attempts, error_class FROM embedding_dlq ORDER BY id")
@@ -986,7 +975,7 @@ async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embedded() {
     use embed_dlq::relay::{Relay, RelayConfig};
-    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    use embed_dlq::replay::{ReplayConfig, Scheduler};
 
     let db = TestDb::new().await;
     let keys = fresh_keys();
@@ -1028,19 +1017,8 @@ async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embed
     let mut rs = settings(&db, &down);
     rs.client.base_url = server.base_url();
     let rp = pipeline(&rs).await;
-    let mut rep = Replayer {
-        name: "midstop".into(),
-        store: rp.store,
-        embedder: rp.embedder,
-        client: embed_dlq::streams::client(&redis_url()).unwrap(),
-        redis,
-        keys: keys.clone(),
-        config,
-        paused_until: None,
-    };
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+    let mut rep = replayer_on(rp, &keys, "midstop", config).await;
+    let c = read_once(&mut rep).await;
     assert_eq!((c.replayed, c.postponed, c.reparked, c.exhausted), (2, 6, 0, 0), "{c:?}");
     let stored: Vec<i32> = sqlx::query_scalar("SELECT chunk_index FROM doc_embeddings ORDER BY chunk_index")
         .fetch_all(&db.pool)

@@ -679,7 +679,17 @@ pub async fn replayer_for(
 ) -> embed_dlq::replay::Replayer {
     let mut s = settings(db, mock);
     s.client.timeout = timeout;
-    let p = pipeline(&s).await;
+    replayer_on(pipeline(&s).await, keys, name, config).await
+}
+
+/// A replayer of the `replayers` group over `keys` with the store and embedder of `p` (a
+/// pipeline of the test's settings, e.g. pointed at a hand-written provider).
+pub async fn replayer_on(
+    p: Pipeline,
+    keys: &embed_dlq::streams::StreamKeys,
+    name: &str,
+    config: embed_dlq::replay::ReplayConfig,
+) -> embed_dlq::replay::Replayer {
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
     embed_dlq::replay::Replayer {
@@ -692,4 +702,11 @@ pub async fn replayer_for(
         config,
         paused_until: None,
     }
+}
+
+/// One read of `rep` (a batch of new entries, or nothing after its block time), processed.
+pub async fn read_once(rep: &mut embed_dlq::replay::Replayer) -> embed_dlq::replay::ReplayCounts {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, std::time::Duration::from_secs(1)).await.unwrap();
+    rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
 }
