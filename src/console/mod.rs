@@ -91,7 +91,7 @@ pub const MAX_RUNNING_ACTIONS: usize = 4;
 /// Default detail pages and text downloads served at once.
 pub const DEFAULT_ROW_VIEWS: usize = 8;
 /// Most detail pages and text downloads served at once, as a setting: each reads up to
-/// [`crate::store::console::DETAIL_TEXT_CHARS`] of three payload parts (a page) or holds one
+/// 65,536 characters (`store::console::DETAIL_TEXT_CHARS`) of three payload parts (a page) or holds one
 /// piece of a text (a download) and a database connection while it reads.
 pub const MAX_ROW_VIEWS: usize = 64;
 /// What a client told to come back (a view beyond the cap) is asked to wait, in seconds.

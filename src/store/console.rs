@@ -515,18 +515,7 @@ pub async fn row_view(pool: &PgPool, id: i64) -> Result<Option<RowView>, StoreEr
         text: excerpt("text", text_is_string == Some(true))?,
         metadata: excerpt("metadata", false)?,
         rest: excerpt("rest", false)?,
-        detail: super::dlq::Detail {
-            row: listed(&r)?,
-            content_hash: r.try_get("content_hash")?,
-            model: r.try_get("model")?,
-            dimensions: r.try_get("dimensions")?,
-            request_dimensions: r.try_get("request_dimensions")?,
-            last_error: r.try_get("last_error")?,
-            last_status: r.try_get("last_status")?,
-            exhausted_reason: r.try_get("exhausted_reason")?,
-            payload: serde_json::Value::Null,
-            error_history: r.try_get("error_history")?,
-        },
+        detail: super::dlq::Detail::read(&r, serde_json::Value::Null)?,
     }))
 }
 

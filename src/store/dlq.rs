@@ -275,18 +275,26 @@ pub async fn show(pool: &PgPool, id: i64) -> Result<Option<Detail>, StoreError> 
     .fetch_optional(pool)
     .await?;
     let Some(r) = row else { return Ok(None) };
-    Ok(Some(Detail {
-        row: listed(&r)?,
-        content_hash: r.try_get("content_hash")?,
-        model: r.try_get("model")?,
-        dimensions: r.try_get("dimensions")?,
-        request_dimensions: r.try_get("request_dimensions")?,
-        last_error: r.try_get("last_error")?,
-        last_status: r.try_get("last_status")?,
-        exhausted_reason: r.try_get("exhausted_reason")?,
-        payload: r.try_get("payload")?,
-        error_history: r.try_get("error_history")?,
-    }))
+    Ok(Some(Detail::read(&r, r.try_get("payload")?)?))
+}
+
+impl Detail {
+    /// The detail of the row `r` (the columns of [`listed`] and the detail's own) with
+    /// `payload`: the whole payload, or nothing where the caller reads bounded excerpts.
+    pub(crate) fn read(r: &sqlx::postgres::PgRow, payload: serde_json::Value) -> Result<Detail, sqlx::Error> {
+        Ok(Detail {
+            row: listed(r)?,
+            content_hash: r.try_get("content_hash")?,
+            model: r.try_get("model")?,
+            dimensions: r.try_get("dimensions")?,
+            request_dimensions: r.try_get("request_dimensions")?,
+            last_error: r.try_get("last_error")?,
+            last_status: r.try_get("last_status")?,
+            exhausted_reason: r.try_get("exhausted_reason")?,
+            payload,
+            error_history: r.try_get("error_history")?,
+        })
+    }
 }
 
 /// Rows `requeue` must not send to the provider: a broken record (`invalid_record`) or a

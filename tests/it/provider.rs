@@ -926,6 +926,21 @@ async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and
 // ---------------------------------------------------------------------------------------
 // Issue 20, item 8: a stop in the middle of a batch keeps what was already embedded.
 
+/// A provider whose key is revoked after its 4th request: a batch holding `poison` is
+/// answered 400, the first 4 requests otherwise embed, every later one is 401.
+fn key_revoked_after_request_4() -> Handler {
+    Arc::new(|n, seen: &Seen| {
+        let inputs = seen.inputs();
+        if inputs.iter().any(|t| t.contains("poison")) {
+            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
+        } else if n <= 4 {
+            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
+        } else {
+            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
+        }
+    })
+}
+
 /// A batch split to isolate a poison input has embedded two of its inputs when the key is
 /// revoked (401 from then on): the run stops, nothing is parked, and the two vectors the
 /// provider already answered (and billed) are stored instead of being sent again on the
@@ -933,18 +948,8 @@ async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
     let db = TestDb::new().await;
-    let server = Hostile::start(Arc::new(|n, seen: &Seen| {
-        let inputs = seen.inputs();
-        if inputs.iter().any(|t| t.contains("poison")) {
-            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
-        } else if n <= 4 {
-            // 1: the canary; 3 and 4: the first two inputs after the poison one, alone.
-            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
-        } else {
-            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
-        }
-    }))
-    .await;
+    // 1: the canary; 3 and 4: the first two inputs after the poison one, alone.
+    let server = Hostile::start(key_revoked_after_request_4()).await;
     let mock = start_mock(MockConfig::default()).await;
     let mut s = settings(&db, &mock);
     s.client.base_url = server.base_url();
@@ -1003,17 +1008,7 @@ async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embed
     let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
     while relay.run_once().await.unwrap().claimed > 0 {}
 
-    let server = Hostile::start(Arc::new(|n, seen: &Seen| {
-        let inputs = seen.inputs();
-        if inputs.iter().any(|t| t.contains("poison")) {
-            response("400 Bad Request", &[], b"{\"error\":{\"type\":\"invalid_request_error\"}}")
-        } else if n <= 4 {
-            response("200 OK", &[("content-type", "application/json")], &ok_body(&inputs, 768))
-        } else {
-            response("401 Unauthorized", &[], b"{\"error\":{\"type\":\"invalid_api_key\"}}")
-        }
-    }))
-    .await;
+    let server = Hostile::start(key_revoked_after_request_4()).await;
     let mut rs = settings(&db, &down);
     rs.client.base_url = server.base_url();
     let rp = pipeline(&rs).await;
