@@ -692,7 +692,13 @@ impl History {
             c.args(["--replay-lease-secs", &lease.as_secs().max(1).to_string()])
                 .args(["--replay-outstanding-max", &t.outstanding_max.to_string()]);
         }
-        c.stdout(Stdio::null()).stderr(Stdio::null());
+        // Every serve's log, appended to one file: a failed history shows its warnings.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("serve.log"))
+            .expect("the history's serve log");
+        c.stdout(Stdio::null()).stderr(log);
         c
     }
 
@@ -1680,6 +1686,17 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
         let _ = writeln!(r, "history (last 40 operations):");
         for l in h.log.iter().rev().take(40).rev() {
             let _ = writeln!(r, "    {l}");
+        }
+        // What the serve processes warned about (their stderr), the last 40 lines.
+        let log = std::fs::read(h.dir.join("serve.log")).unwrap_or_default();
+        let log = String::from_utf8_lossy(&log);
+        let warned: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("error"))
+            .collect();
+        let _ = writeln!(r, "serve warnings and errors (last 40 of {}):", warned.len());
+        for l in warned.iter().rev().take(40).rev() {
+            let _ = writeln!(r, "    {}", &l[..l.floor_char_boundary(300)]);
         }
     }
     let _ = std::fs::remove_dir_all(&h.dir);
