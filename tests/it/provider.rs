@@ -812,20 +812,8 @@ async fn the_binary_exits_4_when_a_gateway_rejects_everything_alike() {
     .await;
     let path = std::env::temp_dir().join(format!("embed-dlq-it-uniform-{}.jsonl", rand::random::<u64>()));
     std::fs::write(&path, corpus("bin", 100, |i| format!("chunk {i}"))).unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
-        .env_remove("RUST_LOG")
-        .env("EMBED_DLQ_API_KEY", KEY)
-        .arg("ingest")
-        .arg(&path)
-        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
-        .args(["--batch-max-inputs", "16", "--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .unwrap();
-    let _ = std::fs::remove_file(&path);
-    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(4), "{all}");
+    let (code, all) = ingest_binary(&db, &mock.base_url(), &path, Some(KEY)).await;
+    assert_eq!(code, Some(4), "{all}");
     assert!(all.contains("uniform_rejection") && all.contains("400"), "{all}");
     assert!(leaks(&all, KEY).is_none(), "{all}");
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
@@ -905,20 +893,8 @@ async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and
         start_mock(MockConfig { broken_vectors: Some(BrokenVectors::Nan), ..MockConfig::default() }).await;
     let path = std::env::temp_dir().join(format!("embed-dlq-it-nan-{}.jsonl", rand::random::<u64>()));
     std::fs::write(&path, corpus("bin-nan", 100, |i| format!("chunk {i}"))).unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
-        .env_remove("RUST_LOG")
-        .env_remove("EMBED_DLQ_API_KEY")
-        .arg("ingest")
-        .arg(&path)
-        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
-        .args(["--batch-max-inputs", "16", "--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .unwrap();
-    let _ = std::fs::remove_file(&path);
-    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(4), "{all}");
+    let (code, all) = ingest_binary(&db, &mock.base_url(), &path, None).await;
+    assert_eq!(code, Some(4), "{all}");
     assert!(all.contains("invalid_vector"), "{all}");
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
 }
@@ -1022,4 +998,35 @@ async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embed
     assert_eq!(stored, vec![1, 2]);
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 6);
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE replays > 0").await, 0, "nothing charged");
+}
+
+/// Runs the binary's `ingest` of `path` (then deleted) against `base_url` with small batches
+/// and fast retries, the API key `key` (`None`: unset); returns its exit code and its stdout
+/// and stderr together.
+async fn ingest_binary(
+    db: &TestDb,
+    base_url: &str,
+    path: &std::path::Path,
+    key: Option<&str>,
+) -> (Option<i32>, String) {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.env_remove("RUST_LOG");
+    match key {
+        Some(k) => c.env("EMBED_DLQ_API_KEY", k),
+        None => c.env_remove("EMBED_DLQ_API_KEY"),
+    };
+    let out = c
+        .arg("ingest")
+        .arg(path)
+        .args(["--database-url", &db.url, "--base-url", base_url, "--model", "mock"])
+        .args(["--batch-max-inputs", "16", "--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(path);
+    (
+        out.status.code(),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
 }
