@@ -742,35 +742,18 @@ async fn the_breaker_probes_with_a_canary_not_with_the_batch_that_tripped_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_provider_that_rejects_everything_alike_postpones_instead_of_parking_permanent() {
-    use embed_dlq::relay::{Relay, RelayConfig};
-    use embed_dlq::replay::{ReplayConfig, Scheduler};
+    use embed_dlq::replay::ReplayConfig;
 
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    // Park 12 chunks as transient during an outage.
-    let down = start_mock(MockConfig::default()).await;
-    down.control.set_outage(true);
-    let mut s = settings(&db, &down);
-    s.retry.max_attempts = 2;
-    let p = pipeline(&s).await;
-    let r = p
-        .run(input(corpus("rep", 12, |i| format!("replay chunk {i}"))), CancellationToken::new())
-        .await
-        .unwrap();
-    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&12));
-    // Make them due and put them on the replay stream.
-    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
-    let mut redis = redis().await;
-    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let config = ReplayConfig {
         batch: 64,
         block: Duration::from_millis(200),
         systemic_pause: Duration::from_secs(120),
         ..Default::default()
     };
-    Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
-    let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
-    while relay.run_once().await.unwrap().claimed > 0 {}
+    let corpus = corpus("rep", 12, |i| format!("replay chunk {i}"));
+    park_on_the_replay_stream(&db, &keys, corpus, 12, None, &config).await;
     let before: Vec<(i64, i32, i32, String)> =
         sqlx::query_as("SELECT id, replays, attempts, error_class FROM embedding_dlq ORDER BY id")
             .fetch_all(&db.pool)
@@ -955,23 +938,10 @@ async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
 /// gone), the other six are postponed unchanged, and nothing is charged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embedded() {
-    use embed_dlq::relay::{Relay, RelayConfig};
-    use embed_dlq::replay::{ReplayConfig, Scheduler};
+    use embed_dlq::replay::ReplayConfig;
 
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    let down = start_mock(MockConfig::default()).await;
-    down.control.set_outage(true);
-    let mut s = settings(&db, &down);
-    s.retry.max_attempts = 2;
-    s.options.batch_max_inputs = 8;
-    let p = pipeline(&s).await;
-    let c = corpus("midrep", 8, |i| if i == 0 { "poison row".into() } else { format!("fine row {i}") });
-    let r = p.run(input(c), CancellationToken::new()).await.unwrap();
-    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&8));
-    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
-    let mut redis = redis().await;
-    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let config = ReplayConfig {
         batch: 64,
         request_inputs: 8,
@@ -980,9 +950,8 @@ async fn a_stop_in_the_middle_of_a_replay_request_replays_what_was_already_embed
         systemic_pause: Duration::from_secs(120),
         ..Default::default()
     };
-    Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
-    let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
-    while relay.run_once().await.unwrap().claimed > 0 {}
+    let c = corpus("midrep", 8, |i| if i == 0 { "poison row".into() } else { format!("fine row {i}") });
+    let down = park_on_the_replay_stream(&db, &keys, c, 8, Some(8), &config).await;
 
     let server = Hostile::start(key_revoked_after_request_4()).await;
     let mut rs = settings(&db, &down);
@@ -1029,4 +998,36 @@ async fn ingest_binary(
         out.status.code(),
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
     )
+}
+
+/// Parks `corpus` (`n` chunks) as transient through a provider in an outage (batches of at
+/// most `batch_max_inputs`), makes the rows due and puts their work items on the replay
+/// stream of `keys`; returns the provider, still down.
+async fn park_on_the_replay_stream(
+    db: &TestDb,
+    keys: &embed_dlq::streams::StreamKeys,
+    corpus: Vec<u8>,
+    n: u64,
+    batch_max_inputs: Option<usize>,
+    config: &embed_dlq::replay::ReplayConfig,
+) -> embed_dlq::testkit::mock_provider::MockProvider {
+    use embed_dlq::relay::{Relay, RelayConfig};
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(db, &down);
+    s.retry.max_attempts = 2;
+    if let Some(b) = batch_max_inputs {
+        s.options.batch_max_inputs = b;
+    }
+    let p = pipeline(&s).await;
+    let r = p.run(input(corpus), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked.get(&ErrorClass::Transient), Some(&n));
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
+    let scheduler = embed_dlq::replay::Scheduler { store: p.store.clone(), config: config.clone() };
+    scheduler.run_once().await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis, keys.clone(), RelayConfig::default());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    down
 }
