@@ -942,8 +942,20 @@ async fn add_events(keys: &StreamKeys, doc: &str, first: usize, n: usize) {
 
 /// Runs `embed-dlq tail --json --no-follow` on `keys` with `args`; returns (exit code,
 /// stdout lines, stderr).
-async fn tail_process(keys: &StreamKeys, args: &[&str]) -> (i32, Vec<serde_json::Value>, String) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+/// Runs `tail` to its end on `keys`' streams. With `db`, tail checks that database's recorded
+/// stream prefix; without, it runs with no database at all (never the environment's
+/// `DATABASE_URL`, which is no test's database and may record another prefix).
+async fn tail_process(
+    db: Option<&TestDb>,
+    keys: &StreamKeys,
+    args: &[&str],
+) -> (i32, Vec<serde_json::Value>, String) {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.env_remove("DATABASE_URL");
+    if let Some(db) = db {
+        c.args(["--database-url", &db.url]);
+    }
+    let out = c
         .args([
             "--redis-url",
             &redis_url(),
@@ -975,7 +987,7 @@ async fn tail_reports_the_events_trimmed_past_its_checkpoint_and_fails_on_reques
     let checkpoint = dir.join("tail.checkpoint");
     let cp = checkpoint.to_str().unwrap();
     add_events(&keys, "gap", 0, 300).await;
-    let (code, lines, stderr) = tail_process(&keys, &["--from", "0", "--checkpoint", cp]).await;
+    let (code, lines, stderr) = tail_process(None, &keys, &["--from", "0", "--checkpoint", cp]).await;
     assert_eq!((code, lines.len()), (0, 300), "{stderr}");
     assert!(stderr.is_empty(), "no gap from the start: {stderr}");
     let saved = std::fs::read_to_string(&checkpoint).unwrap();
@@ -983,20 +995,20 @@ async fn tail_reports_the_events_trimmed_past_its_checkpoint_and_fails_on_reques
     let _: u64 = redis::cmd("XTRIM").arg(keys.events()).arg("MAXLEN").arg(1000).query_async(&mut redis().await).await.unwrap();
 
     // --on-gap fail: nothing delivered, a documented exit code, the checkpoint unmoved.
-    let (code, lines, stderr) = tail_process(&keys, &["--checkpoint", cp, "--on-gap", "fail"]).await;
+    let (code, lines, stderr) = tail_process(None, &keys, &["--checkpoint", cp, "--on-gap", "fail"]).await;
     assert!(stderr.contains("1000 events missed"), "{stderr}");
     assert_eq!((code, lines.len()), (6, 0), "{stderr}");
     assert_eq!(std::fs::read_to_string(&checkpoint).unwrap(), saved, "a failed gap leaves the checkpoint");
 
     // The default (warn): the gap on stderr, then the 1,000 events still held, exit 0.
-    let (code, lines, stderr) = tail_process(&keys, &["--checkpoint", cp]).await;
+    let (code, lines, stderr) = tail_process(None, &keys, &["--checkpoint", cp]).await;
     assert_eq!(code, 0, "{stderr}");
     assert!(stderr.contains("1000 events missed"), "{stderr}");
     let chunks: Vec<i64> = lines.iter().map(|v| v["chunk_index"].as_i64().unwrap()).collect();
     assert_eq!(chunks, (1300..2300).collect::<Vec<i64>>());
     // Past the gap the position is caught up again: the next resume is clean.
     add_events(&keys, "gap", 2300, 5).await;
-    let (code, lines, stderr) = tail_process(&keys, &["--checkpoint", cp, "--on-gap", "fail"]).await;
+    let (code, lines, stderr) = tail_process(None, &keys, &["--checkpoint", cp, "--on-gap", "fail"]).await;
     assert_eq!((code, lines.len(), stderr.as_str()), (0, 5, ""));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -1039,7 +1051,7 @@ async fn a_republished_event_carries_its_chunk_order_and_tail_marks_it_late() {
     r.run_once(embed_dlq::reconcile::Mode::Repair).await.unwrap();
     relay_all(&db, &keys).await;
 
-    let (code, lines, stderr) = tail_process(&keys, &["--from", "0"]).await;
+    let (code, lines, stderr) = tail_process(Some(&db), &keys, &["--from", "0"]).await;
     assert_eq!(code, 0, "{stderr}");
     let chunk0: Vec<&serde_json::Value> = lines.iter().filter(|v| v["chunk_index"] == 0).collect();
     assert_eq!(chunk0.len(), 2, "{lines:?}");
