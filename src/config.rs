@@ -186,7 +186,8 @@ pub struct RetryArgs {
     /// First open period of the breaker, 10..=60000 ms.
     #[arg(long)]
     pub breaker_cooldown_ms: Option<u64>,
-    /// Give up the run when the breaker stays open this long, 1..=604800 s.
+    /// When the breaker stays open this long, ingest gives up (exit 4) and serve puts the
+    /// batch back until the breaker's next probe, 1..=604800 s.
     #[arg(long)]
     pub max_outage_secs: Option<u64>,
 }

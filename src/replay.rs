@@ -50,6 +50,11 @@ use crate::store::replay::{DlqRow, Repark, Replayed};
 use crate::store::{Store, StoreError};
 use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
 
+/// The shortest postponement of rows given up for a provider outage: a probe is due or out,
+/// and its answer takes a request's time; anything shorter would only churn the rows through
+/// the schedule and the stream.
+pub const OUTAGE_POSTPONE_MIN: Duration = Duration::from_secs(1);
+
 /// Replay tuning.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
@@ -767,9 +772,10 @@ impl Replayer {
     /// The provider refused the run (bad key, no quota, long outage, or one model): not the
     /// items' fault, so nothing is charged. Leaving the entries pending would burn their
     /// delivery count on every reclaim until they were exhausted for a problem they did not
-    /// cause, so the rows are postponed by `systemic_pause` (same generation, same
-    /// attempts) and the entries acknowledged; with `pause` (a refusal of the whole batch,
-    /// see [`Replayer::embed_groups`]) this replayer pauses as long.
+    /// cause, so the rows are postponed (same generation, same attempts) and the entries
+    /// acknowledged; with `pause` (a refusal of the whole batch, see
+    /// [`Replayer::embed_groups`]) this replayer pauses as long. How long: see
+    /// [`Replayer::refusal_wait`].
     async fn postpone_refused(
         &mut self,
         stop: &Stop,
@@ -777,17 +783,30 @@ impl Replayer {
         pause: bool,
         batch: &mut Settlement,
     ) -> Result<(), ReplayError> {
+        let wait = self.refusal_wait(stop);
         if pause {
-            tracing::error!(error = %stop, pause_secs = self.config.systemic_pause.as_secs(),
+            tracing::error!(error = %stop, pause_ms = wait.as_millis() as u64,
                 "provider refused replay; postponing the batch and pausing this replayer");
-            self.paused_until = Some(Instant::now() + self.config.systemic_pause);
+            self.paused_until = Some(Instant::now() + wait);
         }
         let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
         let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
-        self.store.postpone(&ids, &gens, self.config.systemic_pause).await?;
+        self.store.postpone(&ids, &gens, wait).await?;
         batch.ack.extend(postpone.into_iter().map(|(e, _)| (e.shard, e.id)));
         batch.counts.postponed += ids.len() as u64;
         Ok(())
+    }
+
+    /// How long refused rows wait: `systemic_pause` for a refusal (key, quota, model) or a
+    /// rate limit that outlasted `max_outage`; for an outage, until the breaker's next probe
+    /// (at least [`OUTAGE_POSTPONE_MIN`], at most `systemic_pause`), so that replay resumes
+    /// at the probe that finds the provider back, not a fixed minute later.
+    fn refusal_wait(&self, stop: &Stop) -> Duration {
+        let pause = self.config.systemic_pause;
+        match (stop, self.embedder.gate.next_probe_in()) {
+            (Stop::Outage(_), Some(probe)) => probe.max(OUTAGE_POSTPONE_MIN).min(pause),
+            _ => pause,
+        }
     }
 
     /// Commits the batch's results in one transaction (a row that changed meanwhile is

@@ -233,6 +233,17 @@ impl ProviderGate {
         self.state.lock().unwrap().longest_pause
     }
 
+    /// How long until the breaker lets its next probe out: `None` when it is closed, zero
+    /// when a probe is due or out. Work given up for an outage need not come back before
+    /// that probe, since nothing can succeed earlier.
+    pub(crate) fn next_probe_in(&self) -> Option<Duration> {
+        match self.state.lock().unwrap().breaker {
+            Breaker::Closed => None,
+            Breaker::Open { until, .. } => Some(until.saturating_duration_since(Instant::now())),
+            Breaker::HalfOpen { .. } => Some(Duration::ZERO),
+        }
+    }
+
     /// Current breaker state.
     pub(crate) fn breaker_state(&self) -> BreakerState {
         match self.state.lock().unwrap().breaker {
@@ -270,9 +281,12 @@ impl ProviderGate {
                     }
                     // Parking never gives up: the rest is parked, not held.
                     (Some(true), OnOutage::Park) => {}
-                    (Some(_), OnOutage::Wait) => match st.breaker {
+                    // Past `max_outage` a waiting caller gives up, unless a probe is due:
+                    // the breaker must keep probing, or a long-lived process (`serve`)
+                    // would never learn that the provider is back.
+                    (Some(probe_due), OnOutage::Wait) => match st.breaker {
                         Breaker::Open { since, .. } | Breaker::HalfOpen { since, .. }
-                            if now.duration_since(since) > self.config.max_outage =>
+                            if !probe_due && now.duration_since(since) > self.config.max_outage =>
                         {
                             return Err(GateError::Outage(self.config.max_outage));
                         }
@@ -474,6 +488,33 @@ mod tests {
             }
         }
         assert_eq!(result, Err(GateError::Outage(Duration::from_secs(30))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_max_outage_a_due_probe_still_goes_out_and_an_answer_closes_the_breaker() {
+        // `serve` outlives any outage: once callers have given up, the breaker must still
+        // probe at its cooldown, or the provider's return would never be noticed.
+        let gate = ProviderGate::new(cfg());
+        let cancel = CancellationToken::new();
+        for _ in 0..3 {
+            let p = gate.admit(&cancel, OnOutage::Wait).await.unwrap();
+            gate.record(p, Health::Failing);
+        }
+        while let Ok(p) = gate.admit(&cancel, OnOutage::Wait).await {
+            gate.record(p, Health::Failing);
+        }
+        let wait = gate.next_probe_in().expect("open");
+        assert!(wait > Duration::ZERO, "the give-up came between probes");
+        assert_eq!(
+            gate.admit(&cancel, OnOutage::Wait).await.err(),
+            Some(GateError::Outage(Duration::from_secs(30)))
+        );
+        tokio::time::sleep(wait).await;
+        let probe = gate.admit(&cancel, OnOutage::Wait).await.expect("the due probe goes out");
+        assert!(probe.is_probe());
+        gate.record(probe, Health::Responsive);
+        assert_eq!(gate.next_probe_in(), None, "closed");
+        assert!(!gate.admit(&cancel, OnOutage::Wait).await.unwrap().is_probe());
     }
 
     #[tokio::test(start_paused = true)]

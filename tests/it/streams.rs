@@ -1061,3 +1061,53 @@ async fn a_republished_event_carries_its_chunk_order_and_tail_marks_it_late() {
     assert!(lines.iter().filter(|v| v["chunk_index"] != 0).all(|v| v["late_after_seq"].is_null()));
 }
 }
+
+on_single_and_cluster! {
+async fn a_replayer_probes_again_after_an_outage_longer_than_max_outage_and_replays_once_the_provider_is_back() {
+    // Issue 19: `serve` lives for months; a provider outage longer than `max_outage_secs` must
+    // postpone the rows it holds (uncharged) and not keep the breaker from ever probing
+    // again: once the provider is back, the next batch replays.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 12, "long-outage").await;
+    let mock = start_mock(MockConfig::default()).await;
+    mock.control.set_outage(true);
+    let mut s = settings(&db, &mock);
+    // Retries enough to outlast `max_outage`: the batch waits on the breaker, then gives up.
+    s.retry.max_attempts = 1_000;
+    s.retry.base = Duration::from_millis(5);
+    s.retry.cap = Duration::from_millis(20);
+    s.breaker = embed_dlq::embed::gate::BreakerConfig {
+        failure_threshold: 1,
+        cooldown: Duration::from_millis(50),
+        max_cooldown: Duration::from_millis(200),
+        max_outage: Duration::from_millis(300),
+    };
+    let config = ReplayConfig { systemic_pause: Duration::from_secs(120), ..replay_config() };
+    let mut rep = replayer_on(pipeline(&s).await, &keys, "outage", config).await;
+    enqueue_due(&db, &p, &keys).await;
+    let c = read_batch(&mut rep).await;
+    assert_eq!((c.postponed, c.replayed, c.exhausted), (12, 0, 0), "the outage outlasted max_outage: {c:?}");
+    let postponed_for: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM max(next_retry_at) - now())::float8 FROM embedding_dlq",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        postponed_for <= 10.0,
+        "an outage's rows wait for the breaker's next probe (200 ms here), not the refusal pause: {postponed_for} s"
+    );
+
+    // The provider is back; the rows come due and are on the stream again.
+    mock.control.set_outage(false);
+    // The replayer paused until the breaker's next probe, as `serve`'s loop would.
+    let paused = rep.paused_until.take().expect("a refusal of the whole batch pauses the replayer");
+    assert!(paused <= std::time::Instant::now() + Duration::from_secs(10), "paused until the next probe");
+    tokio::time::sleep_until(paused.into()).await;
+    enqueue_due(&db, &p, &keys).await;
+    let c = read_batch(&mut rep).await;
+    assert_eq!((c.replayed, c.postponed), (12, 0), "the breaker probed and closed: {c:?}");
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+}
+}
