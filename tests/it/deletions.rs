@@ -317,16 +317,22 @@ async fn explicit_deletes_remove_a_document_or_a_chunk_with_one_event_each() {
     let mut redis = redis().await;
     let reply: redis::streams::StreamRangeReply =
         redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut redis).await.unwrap();
-    let deleted: Vec<String> = reply
+    let entries: Vec<(String, String)> = reply
         .ids
         .iter()
-        .filter(|e| e.get::<String>("event").as_deref() == Some("deleted"))
         .map(|e| {
             let body: serde_json::Value = serde_json::from_str(&e.get::<String>("body").unwrap()).unwrap();
-            format!("{}#{}", body["doc_id"].as_str().unwrap(), body["chunk_index"])
+            let key = format!("{}#{}", body["doc_id"].as_str().unwrap(), body["chunk_index"]);
+            (e.get::<String>("event").unwrap(), key)
         })
         .collect();
+    let mut deleted: Vec<&str> =
+        entries.iter().filter(|(e, _)| e == "deleted").map(|(_, k)| k.as_str()).collect();
+    deleted.sort();
     assert_eq!(deleted, ["back#0", "back#1", "gone#0", "gone#1", "gone#2", "trimmed#1"]);
+    // The parked chunk's events stay in order: parked, then deleted.
+    let gone1: Vec<&str> = entries.iter().filter(|(_, k)| k == "gone#1").map(|(e, _)| e.as_str()).collect();
+    assert_eq!(gone1, ["parked", "deleted"]);
     // The reconciler finds nothing wrong after deletions.
     let mut r = reconciler(&db, &keys, immediate()).await;
     let report = r.run_once(embed_dlq::reconcile::Mode::Check).await.unwrap();
