@@ -13,7 +13,7 @@
 //! wipe the table): `full` is then refused ([`super::IngestError::CleanupRefused`], exit 2),
 //! `incremental` skipped with the reason in the summary. `full` is also refused when it would
 //! delete more than `cleanup_max_fraction` of the table's chunks, unless confirmed (`--yes`).
-//! Deletions go a page of documents per transaction ([`crate::store::delete`]): a run killed
+//! Deletions go a page of documents per transaction (`store::delete`): a run killed
 //! during its cleanup leaves every document either as it was or cleaned, and a rerun of the
 //! same corpus finishes the cleanup.
 

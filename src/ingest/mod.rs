@@ -1677,7 +1677,9 @@ mod tests {
     #[test]
     fn seen_keys_never_forget_a_key_even_past_the_exact_limit() {
         let mut seen = SeenKeys::new();
+        assert!(!seen.contains(key_hash("a", 0)));
         assert!(!seen.insert(key_hash("a", 0)));
+        assert!(seen.contains(key_hash("a", 0)));
         assert!(seen.insert(key_hash("a", 0)));
         assert!(!seen.insert(key_hash("a", 1)));
         for i in 0..(SeenKeys::EXACT_MAX as i32 + 10) {
@@ -1685,6 +1687,8 @@ mod tests {
         }
         assert!(seen.exact.is_none(), "switched to the bounded filter");
         assert!(seen.insert(key_hash("a", 0)) && seen.insert(key_hash("bulk", 7)));
+        // A deleted document's key (index -1) is found again past the limit too.
+        assert!(seen.contains(key_hash("a", 0)) && !seen.contains(key_hash("deleted-doc", -1)));
         let fresh = (0..1000).filter(|i| !seen.insert(key_hash("new", *i))).count();
         assert!(fresh > 990, "false positives stay rare: {fresh} of 1000 new keys recognised as new");
     }

@@ -92,7 +92,7 @@ impl Store {
             .bind(&seqs)
             .fetch_all(&mut *tx)
             .await?;
-        let deleted = self.delete_rows(&mut *tx, &gone, "input").await?;
+        let deleted = self.delete_rows(&mut tx, &gone, "input").await?;
         tx.commit().await?;
         Ok(deleted)
     }
@@ -293,7 +293,7 @@ impl Store {
         .bind(docs)
         .fetch_all(&mut *tx)
         .await?;
-        let deleted = self.delete_rows(&mut *tx, &gone, "cleanup").await?;
+        let deleted = self.delete_rows(&mut tx, &gone, "cleanup").await?;
         crate::failpoint::hit!("cleanup_delete");
         tx.commit().await?;
         Ok(deleted)
