@@ -30,18 +30,21 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct DlqEvent {
     /// `parked`, `resolved`, `replayed`, `reparked`, `exhausted`, `requeued`, `purged`,
-    /// `withdrawn` (a vector of the chunk's previous text deleted; `withdrawn_hash`, `by`).
+    /// `withdrawn` (a vector of the chunk's previous text deleted; `withdrawn_hash`, `by`),
+    /// `deleted` (the chunk deleted by an ingest: `by` `input` or `cleanup`, `content_hash`,
+    /// `had_vector`).
     pub event: String,
-    /// The DLQ row the event is about.
-    pub dlq_id: i64,
+    /// The DLQ row the event is about (none for a `deleted` chunk that had no DLQ row).
+    pub dlq_id: Option<i64>,
     /// The target table (canonical name, e.g. `public.doc_embeddings`).
     pub table: String,
     /// The chunk's document, as given in the input.
     pub doc_id: String,
     /// The chunk's position in its document.
     pub chunk_index: i32,
-    /// The DLQ row's generation: a newer one supersedes what an older event said.
-    pub generation: i64,
+    /// The DLQ row's generation: a newer one supersedes what an older event said (none for a
+    /// `deleted` chunk that had no DLQ row).
+    pub generation: Option<i64>,
     /// Why the chunk is parked (park and re-park events).
     #[serde(default)]
     pub error_class: Option<ErrorClass>,
@@ -207,10 +210,11 @@ pub fn print_event(d: &Delivered) -> bool {
     match &d.body {
         Some(e) => {
             let class = e.error_class.map(|c| format!(" ({c})")).unwrap_or_default();
-            println!(
-                "{} {} {}#{} in {}{class}, dlq row {} generation {}",
-                d.entry.id, e.event, e.doc_id, e.chunk_index, e.table, e.dlq_id, e.generation
-            );
+            let row = match (e.dlq_id, e.generation) {
+                (Some(id), Some(g)) => format!(", dlq row {id} generation {g}"),
+                _ => String::new(),
+            };
+            println!("{} {} {}#{} in {}{class}{row}", d.entry.id, e.event, e.doc_id, e.chunk_index, e.table);
         }
         None => eprintln!("{} {}: body is not an event: {:?}", d.entry.id, d.entry.event, d.entry.body),
     }

@@ -155,6 +155,21 @@ pub struct IngestArgs {
     /// and `console` judge superseded vectors by the same policy.
     #[arg(long, value_enum)]
     pub on_newer_parked: Option<crate::store::OnNewerParked>,
+    /// Once the input is written, delete what the run did not contain: none (default),
+    /// incremental (the chunks of each document in the input that the input no longer has)
+    /// or full (every chunk of the table the input does not have; refused, exit 2, when the
+    /// input was not read to its end). See docs/sources.md.
+    #[arg(long, value_enum)]
+    pub cleanup: Option<crate::ingest::CleanupMode>,
+    /// A full cleanup that would delete more than this share of the table's chunks is
+    /// refused unless --yes, 0..=1 (default 0.2).
+    #[arg(long)]
+    pub cleanup_max_fraction: Option<f64>,
+    /// A cleanup after a run with more rejected input lines than this is refused (full) or
+    /// skipped (incremental): a rejected line's chunk would be deleted, 0..=1000000000
+    /// (default 0).
+    #[arg(long)]
+    pub cleanup_max_rejected_lines: Option<u64>,
 }
 
 /// In-process retries, the DLQ schedule and the circuit breaker.
@@ -1021,6 +1036,9 @@ fn resolve_ingest(
         on_outage,
         lease_secs,
         on_newer_parked,
+        cleanup,
+        cleanup_max_fraction,
+        cleanup_max_rejected_lines,
     } = flags;
     let table = r
         .text("table", table, file.table.clone(), check_table)?
@@ -1072,6 +1090,22 @@ fn resolve_ingest(
     let on_newer_parked = r
         .pick("on_newer_parked", on_newer_parked, file.on_newer_parked)
         .map_or(d.on_newer_parked, |(v, _)| v);
+    // An enum: serde and clap reject anything but none, incremental or full.
+    let cleanup_mode = r.pick("cleanup", cleanup, file.cleanup).map_or(d.cleanup.mode, |(v, _)| v);
+    let max_fraction = r.num(
+        "cleanup_max_fraction",
+        cleanup_max_fraction,
+        file.cleanup_max_fraction,
+        d.cleanup.max_fraction,
+        bounds::CLEANUP_MAX_FRACTION,
+    )?;
+    let max_rejected_lines = r.num(
+        "cleanup_max_rejected_lines",
+        cleanup_max_rejected_lines,
+        file.cleanup_max_rejected_lines,
+        d.cleanup.max_rejected_lines,
+        bounds::CLEANUP_MAX_REJECTED_LINES,
+    )?;
     let options = IngestOptions {
         batch_max_inputs,
         batch_max_chars,
@@ -1083,6 +1117,12 @@ fn resolve_ingest(
         on_outage,
         lease: Duration::from_secs(lease_secs),
         on_newer_parked,
+        cleanup: crate::ingest::CleanupOptions {
+            mode: cleanup_mode,
+            max_fraction,
+            max_rejected_lines,
+            ..d.cleanup.clone()
+        },
         ..d
     };
     Ok((table, options))
@@ -1378,6 +1418,9 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("max_inflight_bytes", o.max_inflight_bytes.to_string()),
         ("on_outage", format!("{:?}", o.on_outage).to_lowercase()),
         ("lease_secs", o.lease.as_secs().to_string()),
+        ("cleanup", o.cleanup.mode.as_str().to_string()),
+        ("cleanup_max_fraction", o.cleanup.max_fraction.to_string()),
+        ("cleanup_max_rejected_lines", o.cleanup.max_rejected_lines.to_string()),
         ("retry_max_attempts", s.retry.max_attempts.to_string()),
         ("retry_base_ms", millis(s.retry.base).to_string()),
         ("retry_cap_ms", millis(s.retry.cap).to_string()),

@@ -18,6 +18,7 @@ use crate::streams::{REPLAY_GROUP, StreamKeys};
 pub(crate) const CHUNKS_STORED: &str = "embed_dlq_chunks_stored_total";
 pub(crate) const CHUNKS_SKIPPED: &str = "embed_dlq_chunks_skipped_total";
 pub(crate) const CHUNKS_PARKED: &str = "embed_dlq_chunks_parked_total";
+pub(crate) const CHUNKS_DELETED: &str = "embed_dlq_chunks_deleted_total";
 pub(crate) const LINES_REJECTED: &str = "embed_dlq_input_lines_rejected_total";
 pub(crate) const RETRIES: &str = "embed_dlq_retries_total";
 pub(crate) const PROVIDER_REQUESTS: &str = "embed_dlq_provider_requests_total";
@@ -138,6 +139,9 @@ pub(crate) fn initialise() {
     for class in ErrorClass::ALL {
         counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(0);
     }
+    for by in ["input", "cleanup"] {
+        counter!(CHUNKS_DELETED, "by" => by).increment(0);
+    }
     for reason in RETRY_REASONS {
         counter!(RETRIES, "reason" => reason).increment(0);
     }
@@ -165,6 +169,10 @@ pub(crate) fn describe() {
         "Chunks skipped because the same content is already stored or parked, or leased to a concurrent run."
     );
     describe_counter!(CHUNKS_PARKED, "Chunks parked in the DLQ, by error class.");
+    describe_counter!(
+        CHUNKS_DELETED,
+        "Chunks deleted by an ingest (vector, manifest row, any DLQ row), by an input delete or the run's cleanup."
+    );
     describe_counter!(LINES_REJECTED, "Input lines without a usable identity (reported, not stored).");
     describe_counter!(RETRIES, "In-process retries of provider requests, by reason.");
     describe_counter!(PROVIDER_REQUESTS, "Provider requests, by outcome (ok, retry, reject, systemic).");

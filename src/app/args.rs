@@ -212,6 +212,13 @@ pub struct IngestCommand {
     /// Serve Prometheus metrics here while ingesting (e.g. 127.0.0.1:9466).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// With --cleanup full: delete even more than --cleanup-max-fraction of the table.
+    #[arg(long)]
+    pub yes: bool,
+    /// Read the input and print what the cleanup and the input's deletes would delete; embed
+    /// nothing, write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// The arguments of `serve`.

@@ -8,7 +8,9 @@ pub const OK: i32 = 0;
 /// Could not run (database unreachable, bad table, I/O error).
 pub const FAILURE: i32 = 1;
 /// Bad flags, environment or config file (unknown key, value out of its documented bound,
-/// a base URL that is not http(s)), or a destructive command that needs `--all`/a terminal.
+/// a base URL that is not http(s)), a destructive command that needs `--all`/a terminal, or an
+/// `ingest --cleanup full` refused (input not read to its end, too many rejected lines, too
+/// large a share of the table without `--yes`): the run's writes are done, nothing deleted.
 pub const USAGE: i32 = 2;
 /// Finished, but some input lines had no usable identity and were only reported.
 pub const REJECTED_INPUT: i32 = 3;

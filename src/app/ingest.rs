@@ -11,7 +11,8 @@ use super::{Resolver, exit};
 
 /// Runs `ingest`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: CancellationToken) -> i32 {
-    let IngestCommand { input, provider, ingest, retry, json, no_progress, metrics_addr } = args;
+    let IngestCommand { input, provider, ingest, retry, json, no_progress, metrics_addr, yes, dry_run } =
+        args;
     let flags = FileConfig { provider: *provider, ingest: *ingest, retry: *retry, ..Default::default() };
     let settings = match resolver.settings(flags) {
         Ok(s) => {
@@ -20,10 +21,12 @@ pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: Cancellat
         }
         Err(e) => return exit::usage(&e),
     };
-    let settings = match settings.ingest() {
+    let mut settings = match settings.ingest() {
         Ok(s) => s,
         Err(e) => return exit::usage(&e),
     };
+    settings.options.cleanup.confirmed = yes;
+    settings.options.cleanup.dry_run = dry_run;
     if let Some(addr) = metrics_addr
         && let Err(e) = embed_dlq::metrics::install(addr)
     {
@@ -42,6 +45,7 @@ async fn run(
 ) -> i32 {
     use std::io::IsTerminal;
     settings.options.progress = progress && !json && std::io::stderr().is_terminal();
+    let dry_run = settings.options.cleanup.dry_run;
     let reader: Box<dyn tokio::io::AsyncBufRead + Unpin + Send> = if input == "-" {
         Box::new(tokio::io::BufReader::with_capacity(256 * 1024, tokio::io::stdin()))
     } else {
@@ -58,9 +62,17 @@ async fn run(
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
     match pipeline.run(reader, cancel.clone()).await {
+        Ok(summary) if dry_run => {
+            print_summary(&summary, json);
+            if cancel.is_cancelled() { exit::INTERRUPTED } else { exit::OK }
+        }
         Ok(summary) => {
             print_summary(&summary, json);
             exit::summary_exit_code(&summary, cancel.is_cancelled())
+        }
+        Err(IngestError::CleanupRefused { reason, summary }) => {
+            print_summary(&summary, json);
+            exit::fail(exit::USAGE, &reason)
         }
         Err(IngestError::Provider { stop, summary }) => {
             print_summary(&summary, json);

@@ -30,6 +30,57 @@ pub fn print_summary(s: &IngestSummary, json: bool) {
     let _ = write_human_summary(&mut out, s);
 }
 
+/// The summary's deletions: the input's deletes and the cleanup (a dry run lists every chunk
+/// up to its bound).
+fn write_deletions(out: &mut dyn Write, s: &IngestSummary) -> std::io::Result<()> {
+    let would = if s.dry_run { "would delete" } else { "deleted" };
+    if s.delete_requests > 0 {
+        writeln!(
+            out,
+            "deletes in input    {:>10}  ({would} {})",
+            s.delete_requests,
+            count(s.chunks_deleted, "chunk", "chunks")
+        )?;
+    }
+    if let Some(c) = &s.cleanup {
+        match &c.skipped {
+            Some(why) if c.deleted == 0 => {
+                writeln!(out, "cleanup ({:<11})  not done: {why}", c.mode.as_str())?;
+            }
+            _ => {
+                writeln!(
+                    out,
+                    "cleanup ({:<11}){:>8}  ({would}; of {})",
+                    c.mode.as_str(),
+                    c.deleted,
+                    count(c.documents, "document", "documents")
+                )?;
+                if let Some(why) = &c.skipped {
+                    writeln!(out, "  not finished: {why}")?;
+                }
+            }
+        }
+        if let Some(note) = &c.note {
+            writeln!(out, "  {note}")?;
+        }
+    }
+    if !s.deleted_examples.is_empty() {
+        let total = s.chunks_deleted + s.cleanup.as_ref().map_or(0, |c| c.deleted);
+        let more = if (s.deleted_examples.len() as u64) < total { ", ..." } else { "" };
+        if s.dry_run {
+            for key in &s.deleted_examples {
+                writeln!(out, "  would delete {key}")?;
+            }
+            if !more.is_empty() {
+                writeln!(out, "  ... and {} more", total - s.deleted_examples.len() as u64)?;
+            }
+        } else {
+            writeln!(out, "  deleted: {}{more}", s.deleted_examples.join(", "))?;
+        }
+    }
+    Ok(())
+}
+
 /// The human form of a summary, written to any writer.
 pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::Result<()> {
     let rate = if s.elapsed_secs > 0.0 { s.records as f64 / s.elapsed_secs } else { 0.0 };
@@ -74,6 +125,7 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
             s.vectors_withdrawn
         )?;
     }
+    write_deletions(out, s)?;
     let retries: u64 = s.retries.values().sum();
     writeln!(out, "retries             {:>10}", retries)?;
     for (reason, n) in &s.retries {

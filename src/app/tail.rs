@@ -168,6 +168,12 @@ mod tests {
     }
 
     #[test]
+    fn a_deleted_event_shows_by_whom() {
+        let body = r#"{"doc_id":"d","chunk_index":2,"content_hash":"h","had_vector":true,"by":"cleanup"}"#;
+        assert_eq!(human_line("1-0", "deleted", body), "1-0 deleted   d#2 by=cleanup");
+    }
+
+    #[test]
     fn a_withdrawn_event_shows_which_text_was_withdrawn_and_by_whom() {
         let body =
             r#"{"doc_id":"d","chunk_index":2,"content_hash":"new","withdrawn_hash":"old","by":"ingest"}"#;

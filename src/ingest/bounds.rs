@@ -31,3 +31,8 @@ pub const INTAKE_WINDOW: RangeInclusive<usize> = 1..=8192;
 pub const WRITE_BATCH_ROWS: RangeInclusive<usize> = 1..=4096;
 /// How long a partly filled batch may wait for more records: 0 to 10 seconds.
 pub const BATCH_LINGER_MS: RangeInclusive<u64> = 0..=10_000;
+/// `cleanup_max_fraction`: the share of the table's chunks a full cleanup may delete without
+/// `--yes`, 0 (any deletion needs it) to 1 (never asks).
+pub const CLEANUP_MAX_FRACTION: RangeInclusive<f64> = 0.0..=1.0;
+/// `cleanup_max_rejected_lines`: rejected input lines a run may have and still clean up.
+pub const CLEANUP_MAX_REJECTED_LINES: RangeInclusive<u64> = 0..=1_000_000_000;

@@ -35,6 +35,7 @@
 
 pub mod bounds;
 pub(crate) mod budget;
+pub mod cleanup;
 pub(crate) mod reader;
 
 use std::collections::{BTreeMap, HashSet};
@@ -53,6 +54,7 @@ use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
+use crate::store::delete::DeleteRequest;
 use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowKey};
 use crate::store::{
     OnNewerParked, ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq,
@@ -60,6 +62,7 @@ use crate::store::{
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
 use budget::{ByteBudget, Charge};
+pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
 use reader::{LineReader, Record, parse_line};
 
 /// Tuning of one ingest run.
@@ -111,6 +114,9 @@ pub struct IngestOptions {
     ///
     /// [`IngestSettings::pipeline`]: crate::config::IngestSettings::pipeline
     pub on_newer_parked: OnNewerParked,
+    /// What the run deletes once it has written its input (`--cleanup`, see [`cleanup`]), and
+    /// the guards of a full cleanup.
+    pub cleanup: CleanupOptions,
 }
 
 impl Default for IngestOptions {
@@ -133,6 +139,7 @@ impl Default for IngestOptions {
             price_per_million_tokens: None,
             lease: Duration::from_secs(120),
             on_newer_parked: OnNewerParked::Withdraw,
+            cleanup: CleanupOptions::default(),
         }
     }
 }
@@ -168,6 +175,19 @@ impl IngestOptions {
             price_per_million_tokens: self
                 .price_per_million_tokens
                 .filter(|p| bounds::PRICE_PER_MILLION_TOKENS.contains(p)),
+            cleanup: CleanupOptions {
+                // Not a number: no share at all (a full cleanup needs --yes).
+                max_fraction: if self.cleanup.max_fraction.is_nan() {
+                    0.0
+                } else {
+                    clamp(self.cleanup.max_fraction, bounds::CLEANUP_MAX_FRACTION)
+                },
+                max_rejected_lines: clamp(
+                    self.cleanup.max_rejected_lines,
+                    bounds::CLEANUP_MAX_REJECTED_LINES,
+                ),
+                ..self.cleanup.clone()
+            },
             ..self.clone()
         }
     }
@@ -250,6 +270,18 @@ pub struct IngestSummary {
     /// `not_attempted` or `leased_elsewhere`, so the report can say which ones a rerun must
     /// finish (they have no manifest row, nothing else will find them).
     pub unfinished_examples: Vec<String>,
+    /// Delete records read (`{"op": "delete"}`): not counted in `records`.
+    pub delete_requests: u64,
+    /// Chunks the input's delete records deleted (vector, manifest row, any DLQ row; a
+    /// `deleted` event each). In a dry run: would delete.
+    pub chunks_deleted: u64,
+    /// The first deleted chunks (`doc_id#chunk_index`), by the input's deletes and the
+    /// cleanup: [`cleanup::DELETED_EXAMPLES`], or in a dry run [`cleanup::DRY_RUN_LISTED`].
+    pub deleted_examples: Vec<String>,
+    /// What the run's cleanup did (none without `--cleanup`).
+    pub cleanup: Option<CleanupReport>,
+    /// A dry run: nothing was embedded or written; the records count as not attempted.
+    pub dry_run: bool,
 }
 
 /// Chunks named in [`IngestSummary::unfinished_examples`]; the counts hold the rest.
@@ -323,6 +355,15 @@ pub enum IngestError {
     /// and a rerun of the same corpus does them.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// A full cleanup was refused (the input was not read to its end, too many rejected lines,
+    /// too large a share of the table): the run's writes are done, nothing was deleted.
+    #[error("{reason}")]
+    CleanupRefused {
+        /// Why, for the operator.
+        reason: String,
+        /// Where every record went.
+        summary: Box<IngestSummary>,
+    },
     /// A task of the run panicked or failed: the run stopped; `summary` accounts for every
     /// record (whatever was neither written nor skipped is "not attempted").
     #[error("{failure}; the run stopped: {}", .summary.accounting())]
@@ -380,6 +421,8 @@ struct Tally {
     summary: IngestSummary,
     stop: Option<Stop>,
     fatal: Option<StoreError>,
+    /// Keys recorded for the run's cleanup (`ingest_seen`).
+    seen_written: u64,
 }
 
 /// Everything a run needs besides its input.
@@ -461,6 +504,7 @@ impl Pipeline {
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
         // Marks the run alive while it holds leases (see `store::lease`); released below.
         let run_lease = with_db_retry(|| self.store.hold_run(run_id)).await?;
+        with_db_retry(|| self.store.sweep_deletion_state(run_id)).await?;
         // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
         // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.
         let run = RunState {
@@ -488,12 +532,12 @@ impl Pipeline {
         drop(rec_rx);
         tasks.wait().await;
         run.progress.finish();
-        run_lease.release().await;
 
         let mut t = std::mem::take(&mut *run.tally.lock().unwrap_or_else(PoisonError::into_inner));
         t.summary.elapsed_secs = started.elapsed().as_secs_f64();
         t.summary.breaker_opened = self.embedder.gate.times_opened();
         t.summary.lines_read = lines_read.load(Ordering::Relaxed);
+        t.summary.dry_run = self.options.cleanup.dry_run;
         t.summary.price(self.options.price_per_million_tokens);
         settle_accounts(&mut t.summary, &run);
         let ending = RunEnding {
@@ -501,6 +545,19 @@ impl Pipeline {
             intake_error,
             input_error: input_error.lock().unwrap_or_else(PoisonError::into_inner).take(),
         };
+        let cleanup_ending = cleanup::Ending {
+            failed: ending.failure.is_some()
+                || ending.intake_error.is_some()
+                || t.fatal.is_some()
+                || t.stop.is_some(),
+            input_error: ending.input_error.as_ref().map(|e| e.to_string()),
+            cancelled: run.cancel.is_cancelled(),
+            seen_written: t.seen_written,
+        };
+        // Under the run's lock: a run starting meanwhile sweeps the keys of runs not alive.
+        let cleaned = self.cleanup(run_id, &mut t.summary, cleanup_ending, &run.cancel).await;
+        run_lease.release().await;
+        cleaned?;
         ending.result(t)
     }
 
@@ -832,6 +889,15 @@ struct Batcher<'a> {
     charge: Charge,
     /// Windows sent on so far (the first ones always claim leases, see `store::lease`).
     windows: u64,
+    /// The window's delete records (their keys are in `keys`: a whole document as index -1).
+    deletes: Vec<DeleteRequest>,
+    /// A whole document was deleted earlier in this run: a later chunk of any document is
+    /// looked up in `seen_in_run` under the document's key too.
+    doc_deletes: bool,
+    /// The run cleans up: every window's keys are recorded (`ingest_seen`).
+    record_seen: bool,
+    /// A dry run: windows are recorded and their deletes listed, nothing else.
+    dry_run: bool,
 }
 
 fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
@@ -855,6 +921,18 @@ impl SeenKeys {
 
     fn new() -> Self {
         SeenKeys { exact: Some(HashSet::new()), bloom: Vec::new() }
+    }
+
+    /// Whether `h` was (or may have been) recorded.
+    fn contains(&self, h: u64) -> bool {
+        if let Some(exact) = &self.exact {
+            return exact.contains(&h);
+        }
+        let (a, b) = (h & 0xffff_ffff, (h >> 32) | 1);
+        (0..4u64).all(|i| {
+            let bit = (a.wrapping_add(i.wrapping_mul(b)) as usize) % Self::BLOOM_BITS;
+            self.bloom[bit / 64] & (1u64 << (bit % 64)) != 0
+        })
     }
 
     /// Records `h`; true if it was (or may have been) recorded before.
@@ -900,19 +978,25 @@ impl<'a> Batcher<'a> {
             repeated: HashSet::new(),
             charge: Charge::default(),
             windows: 0,
+            deletes: vec![],
+            doc_deletes: false,
+            record_seen: pipeline.options.cleanup.mode != CleanupMode::None,
+            dry_run: pipeline.options.cleanup.dry_run,
         }
     }
 
-    /// Adds `key` to the window, remembering whether this run met it before.
+    /// Adds `key` to the window, remembering whether this run met it before (or deleted its
+    /// document earlier: the chunk must then be written again, never skipped as unchanged).
     fn claim_key(&mut self, key: (String, i32)) {
-        if self.seen_in_run.insert(key_hash(&key.0, key.1)) {
+        let seen = self.seen_in_run.insert(key_hash(&key.0, key.1));
+        if seen || (self.doc_deletes && self.seen_in_run.contains(key_hash(&key.0, -1))) {
             self.repeated.insert(key.clone());
         }
         self.keys.insert(key);
     }
 
     fn is_empty(&self) -> bool {
-        self.chunks.is_empty() && self.invalid.is_empty()
+        self.chunks.is_empty() && self.invalid.is_empty() && self.deletes.is_empty()
     }
 
     async fn push(
@@ -966,6 +1050,20 @@ impl<'a> Batcher<'a> {
                     retry_in: None,
                 });
             }
+            Record::Delete { line, doc_id, chunk_index } => {
+                self.tally.lock().unwrap().summary.delete_requests += 1;
+                let key = (doc_id.clone(), chunk_index.unwrap_or(-1));
+                self.make_room(&key, jobs).await?;
+                // A later record of the chunk (of the document) is written again, not skipped.
+                self.seen_in_run.insert(key_hash(&key.0, key.1));
+                self.doc_deletes |= chunk_index.is_none();
+                self.keys.insert(key);
+                self.deletes.push(DeleteRequest {
+                    doc_id,
+                    chunk_index,
+                    source_seq: source_seq(self.run_id, line),
+                });
+            }
             Record::Chunk { chunk, line } => {
                 self.tally.lock().unwrap().summary.records += 1;
                 let key = (chunk.doc_id.clone(), chunk.chunk_index);
@@ -1006,11 +1104,63 @@ impl<'a> Batcher<'a> {
         let mut chunks = std::mem::take(&mut self.chunks);
         let mut invalid = std::mem::take(&mut self.invalid);
         let repeated = std::mem::take(&mut self.repeated);
+        let deletes = std::mem::take(&mut self.deletes);
         self.keys.clear();
+        self.apply_deletes(&deletes).await?;
+        if self.record_seen {
+            self.note_seen(&chunks, &invalid).await?;
+        }
+        if self.dry_run {
+            let mut t = self.tally.lock().unwrap();
+            t.summary.not_attempted += (chunks.len() + invalid.len()) as u64;
+            return Ok(());
+        }
         let leased = self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
         self.windows += 1;
         let (batches, park) = self.provider_batches(chunks, invalid, &leased);
         self.dispatch(batches, park, charge, jobs).await;
+        Ok(())
+    }
+
+    /// Applies the window's delete records (in a dry run, lists what they would delete).
+    /// Their order against the window's other records does not matter: every record's
+    /// position fences every other's (`store::delete`).
+    async fn apply_deletes(&self, deletes: &[DeleteRequest]) -> Result<(), IngestError> {
+        if deletes.is_empty() {
+            return Ok(());
+        }
+        let store = &self.pipeline.store;
+        let gone = if self.dry_run {
+            with_db_retry(|| store.delete_requested_plan(deletes)).await?
+        } else {
+            with_db_retry(|| store.delete_requested(deletes)).await?
+        };
+        if !self.dry_run {
+            metrics::counter!(crate::metrics::CHUNKS_DELETED, "by" => "input").increment(gone.len() as u64);
+        }
+        let listed = if self.dry_run { cleanup::DRY_RUN_LISTED } else { cleanup::DELETED_EXAMPLES };
+        let mut t = self.tally.lock().unwrap();
+        t.summary.chunks_deleted += gone.len() as u64;
+        for c in gone.iter().take(listed.saturating_sub(t.summary.deleted_examples.len())) {
+            t.summary.deleted_examples.push(format!("{}#{}", c.doc_id, c.chunk_index));
+        }
+        Ok(())
+    }
+
+    /// Records the window's keys for the run's cleanup (one statement).
+    async fn note_seen(
+        &self,
+        chunks: &[(Chunk, String, i64)],
+        invalid: &[ParkedChunk],
+    ) -> Result<(), IngestError> {
+        let keys: Vec<(&str, i32)> = chunks
+            .iter()
+            .map(|(c, _, _)| (c.doc_id.as_str(), c.chunk_index))
+            .chain(invalid.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)))
+            .collect();
+        let store = &self.pipeline.store;
+        let n = with_db_retry(|| store.record_seen(self.run_id, &keys)).await?;
+        self.tally.lock().unwrap().seen_written += n;
         Ok(())
     }
 
@@ -1527,7 +1677,9 @@ mod tests {
     #[test]
     fn seen_keys_never_forget_a_key_even_past_the_exact_limit() {
         let mut seen = SeenKeys::new();
+        assert!(!seen.contains(key_hash("a", 0)));
         assert!(!seen.insert(key_hash("a", 0)));
+        assert!(seen.contains(key_hash("a", 0)));
         assert!(seen.insert(key_hash("a", 0)));
         assert!(!seen.insert(key_hash("a", 1)));
         for i in 0..(SeenKeys::EXACT_MAX as i32 + 10) {
@@ -1535,6 +1687,8 @@ mod tests {
         }
         assert!(seen.exact.is_none(), "switched to the bounded filter");
         assert!(seen.insert(key_hash("a", 0)) && seen.insert(key_hash("bulk", 7)));
+        // A deleted document's key (index -1) is found again past the limit too.
+        assert!(seen.contains(key_hash("a", 0)) && !seen.contains(key_hash("deleted-doc", -1)));
         let fresh = (0..1000).filter(|i| !seen.insert(key_hash("new", *i))).count();
         assert!(fresh > 990, "false positives stay rare: {fresh} of 1000 new keys recognised as new");
     }

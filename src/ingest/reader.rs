@@ -1,9 +1,12 @@
 //! Streaming JSONL corpus reader with bounded memory.
 //!
-//! Each line is one record: `{"doc_id": str, "chunk_index": int, "text": str, "metadata"?: obj}`.
-//! Nothing is dropped silently: a line becomes a [`Record::Chunk`], a [`Record::Invalid`]
-//! (broken, but its identity is readable, so it is parked with what could be saved) or a
-//! [`Record::Rejected`] (no usable identity: reported with its line number and counted).
+//! Each line is one record: `{"doc_id": str, "chunk_index": int, "text": str, "metadata"?: obj}`,
+//! or a delete: `{"doc_id": str, "op": "delete"}` (the whole document) or
+//! `{"doc_id": str, "chunk_index": int, "op": "delete"}` (one chunk). `"op": "upsert"` is the
+//! default and may be spelled out. Nothing is dropped silently: a line becomes a
+//! [`Record::Chunk`], a [`Record::Delete`], a [`Record::Invalid`] (broken, but its identity is
+//! readable, so it is parked with what could be saved) or a [`Record::Rejected`] (no usable
+//! identity, or an `op` that is neither: reported with its line number and counted).
 //! Lines longer than the configured cap are skipped through without being held in memory.
 
 use serde_json::{Map, Value};
@@ -31,6 +34,13 @@ pub(crate) enum Record {
         payload: Value,
         raw_hash: String,
     },
+    /// A delete of a whole document (`chunk_index` `None`) or of one chunk, applied at the
+    /// record's position: it removes what older records wrote, never what later ones write.
+    Delete {
+        line: u64,
+        doc_id: String,
+        chunk_index: Option<i32>,
+    },
     /// No identity could be read; only the line number and the reason survive.
     Rejected {
         line: u64,
@@ -51,8 +61,42 @@ impl Record {
             Record::Invalid { doc_id, problem, payload, raw_hash, .. } => {
                 (doc_id.len() + problem.len() + raw_hash.len()) as u64 + value_bytes(payload)
             }
+            Record::Delete { doc_id, .. } => doc_id.len() as u64,
             Record::Rejected { problem, .. } => problem.len() as u64,
         }
+    }
+
+    /// A delete from a source other than a JSONL line (a stream entry, a Rust program): the
+    /// identity checks of a parsed line. `position` (1-based) stands in for the line number.
+    #[allow(dead_code)] // the Redis Stream source feeds deletes through it
+    pub(crate) fn delete(position: u64, doc_id: String, chunk_index: Option<i32>) -> Record {
+        let line = position;
+        let problem = doc_id_problem(&doc_id)
+            .or_else(|| chunk_index.and_then(|i| chunk_index_in_range(&i.into()).err()));
+        match problem {
+            Some(problem) => Record::Rejected { line, problem },
+            None => Record::Delete { line, doc_id, chunk_index },
+        }
+    }
+}
+
+/// What a record asks for: its `op` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Upsert,
+    Delete,
+}
+
+/// The record's `op` (absent: an upsert), or why it is not one.
+fn op_of(obj: &Map<String, Value>) -> Result<Op, String> {
+    match obj.get("op") {
+        None => Ok(Op::Upsert),
+        Some(Value::String(s)) if s == "upsert" => Ok(Op::Upsert),
+        Some(Value::String(s)) if s == "delete" => Ok(Op::Delete),
+        Some(other) => Err(format!(
+            "op {} is not \"upsert\" or \"delete\"",
+            Escaped(&other.to_string().chars().take(64).collect::<String>())
+        )),
     }
 }
 
@@ -162,10 +206,13 @@ pub(crate) fn parse_line(raw: &RawLine) -> Option<Record> {
         return None;
     }
     let decoded = DecodedLine::new(&raw.bytes);
-    let identified = decoded.json_object().and_then(|mut obj| {
-        let identity = decoded.identity(&mut obj)?;
-        Ok((identity, obj))
-    });
+    let obj = match decoded.json_object().and_then(|obj| Ok((op_of(&obj)?, obj))) {
+        Err(problem) => return Some(Record::Rejected { line, problem }),
+        Ok((Op::Delete, obj)) => return Some(decoded.delete(line, obj)),
+        Ok((Op::Upsert, obj)) => obj,
+    };
+    let mut obj = obj;
+    let identified = decoded.identity(&mut obj).map(|identity| (identity, obj));
     let ((doc_id, chunk_index), mut obj) = match identified {
         Ok(found) => found,
         Err(problem) => return Some(Record::Rejected { line, problem }),
@@ -260,8 +307,42 @@ impl<'a> DecodedLine<'a> {
         }
     }
 
+    /// A delete line: its identity (a chunk index is optional), or why it is rejected. A
+    /// delete that carries `text` is rejected: it is not clear whether it meant to write.
+    fn delete(&self, line: u64, mut obj: Map<String, Value>) -> Record {
+        let identity = self.doc_id(&mut obj).and_then(|doc_id| {
+            if obj.contains_key("text") {
+                return Err("a delete carries no text".to_string());
+            }
+            if let Some((true, key)) = duplicate_key(&self.text) {
+                return Err(format!("duplicate key {key:?}"));
+            }
+            let chunk_index = match obj.get("chunk_index") {
+                None | Some(Value::Null) => None,
+                Some(Value::Number(n)) => Some(chunk_index_in_range(n)?),
+                Some(_) => return Err("chunk_index is not a number".into()),
+            };
+            Ok((doc_id, chunk_index))
+        });
+        match identity {
+            Ok((doc_id, chunk_index)) => Record::Delete { line, doc_id, chunk_index },
+            Err(problem) => Record::Rejected { line, problem },
+        }
+    }
+
     /// `(doc_id, chunk_index)`, moved out of `obj`, or why the record has no usable identity.
     fn identity(&self, obj: &mut Map<String, Value>) -> Result<(String, i32), String> {
+        let doc_id = self.doc_id(obj)?;
+        let chunk_index = match obj.get("chunk_index") {
+            Some(Value::Number(n)) => chunk_index_in_range(n)?,
+            Some(_) => return Err("chunk_index is not a number".into()),
+            None => return Err("missing key chunk_index".into()),
+        };
+        Ok((doc_id, chunk_index))
+    }
+
+    /// `doc_id`, moved out of `obj`, or why it is no usable identity.
+    fn doc_id(&self, obj: &mut Map<String, Value>) -> Result<String, String> {
         let doc_id = match obj.remove("doc_id") {
             // The lossy decode maps every invalid sequence to U+FFFD, so two different broken
             // ids would become one key (and one DLQ row would hold whichever came last): an id
@@ -279,12 +360,7 @@ impl<'a> DecodedLine<'a> {
             Some(_) => return Err("doc_id is not a string".into()),
             None => return Err("missing key doc_id".into()),
         };
-        let chunk_index = match obj.get("chunk_index") {
-            Some(Value::Number(n)) => chunk_index_in_range(n)?,
-            Some(_) => return Err("chunk_index is not a number".into()),
-            None => return Err("missing key chunk_index".into()),
-        };
-        Ok((doc_id, chunk_index))
+        Ok(doc_id)
     }
 }
 
@@ -356,7 +432,8 @@ fn duplicate_key(json: &str) -> Option<(bool, String)> {
                 if repeated {
                     // A repeated identity key outranks any other found before it: the line
                     // has no identity then.
-                    let identity = self.path.is_empty() && matches!(path.as_str(), "doc_id" | "chunk_index");
+                    let identity =
+                        self.path.is_empty() && matches!(path.as_str(), "doc_id" | "chunk_index" | "op");
                     let mut found = self.found.borrow_mut();
                     if found.is_none() || (identity && found.as_ref().is_some_and(|(i, _)| !i)) {
                         *found = Some((identity, path.chars().take(MAX_KEY_PATH).collect()));
@@ -559,6 +636,40 @@ mod tests {
     }
 
     #[test]
+    fn a_delete_names_a_document_or_one_chunk() {
+        let del = |b: &[u8]| match parse(b) {
+            Some(Record::Delete { line: 7, doc_id, chunk_index }) => Ok((doc_id, chunk_index)),
+            Some(Record::Rejected { problem, .. }) => Err(problem),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(del(br#"{"doc_id":"d","op":"delete"}"#), Ok(("d".into(), None)));
+        assert_eq!(del(br#"{"doc_id":"d","chunk_index":3,"op":"delete"}"#), Ok(("d".into(), Some(3))));
+        assert_eq!(del(br#"{"doc_id":"d","chunk_index":null,"op":"delete"}"#), Ok(("d".into(), None)));
+        assert!(del(br#"{"op":"delete"}"#).unwrap_err().contains("doc_id"));
+        assert!(
+            del(br#"{"doc_id":"d","chunk_index":-1,"op":"delete"}"#).unwrap_err().contains("chunk_index")
+        );
+        assert!(del(br#"{"doc_id":"d","op":"delete","text":"x"}"#).unwrap_err().contains("no text"));
+        assert_eq!(
+            del(br#"{"doc_id":"d","chunk_index":1,"op":"delete","op":"upsert"}"#).unwrap_err(),
+            "duplicate key \"op\""
+        );
+        assert!(
+            del(br#"{"doc_id":"d","chunk_index":1,"text":"x","op":"remove"}"#).unwrap_err().contains("op")
+        );
+        assert!(del(br#"{"doc_id":"d","chunk_index":1,"text":"x","op":1}"#).unwrap_err().contains("op"));
+        // An upsert may say so.
+        assert!(matches!(
+            parse(br#"{"doc_id":"d","chunk_index":1,"text":"x","op":"upsert"}"#),
+            Some(Record::Chunk { .. })
+        ));
+        // The same checks for a delete from another source.
+        assert!(matches!(Record::delete(3, "d".into(), Some(2)), Record::Delete { line: 3, .. }));
+        assert!(matches!(Record::delete(3, String::new(), None), Record::Rejected { line: 3, .. }));
+        assert!(matches!(Record::delete(3, "d".into(), Some(-4)), Record::Rejected { .. }));
+    }
+
+    #[test]
     fn invalid_utf8_keeps_identity_and_text() {
         let Some(Record::Invalid { doc_id, chunk_index, payload, problem, .. }) =
             parse(b"{\"doc_id\":\"d\",\"chunk_index\":4,\"text\":\"caf\xe9\"}")
@@ -646,6 +757,7 @@ mod identity_tests {
             Record::Chunk { .. } => "chunk",
             Record::Invalid { .. } => "invalid",
             Record::Rejected { .. } => "rejected",
+            Record::Delete { .. } => "delete",
         };
         let cases = [
             chunk("d", 0, "x", None),

@@ -197,6 +197,9 @@ impl Store {
         status: ChunkStatus,
     ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<&'r R>, Vec<usize>), StoreError> {
         let mut tx = self.pool.begin().await?;
+        // Before the claim's snapshot: a deletion of this table in progress finishes first, so
+        // the claim sees its tombstones (`delete.rs`).
+        sqlx::query(super::delete::WRITE_LOCK_SQL).bind(&self.target.name).execute(&mut *tx).await?;
         let leases = rows.iter().any(R::may_hold_lease);
         let accepted = self.claim_manifest(&mut tx, rows.iter().map(R::manifest_key), status, leases).await?;
         let (mut keep, mut superseded) = (Vec::with_capacity(rows.len()), Vec::new());
@@ -362,7 +365,11 @@ macro_rules! manifest_upsert {
     () => {
         r#"INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
 SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq
-  FROM input ORDER BY doc_id, chunk_index
+  FROM input i
+ WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
+                    WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
+                      AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)
+ ORDER BY doc_id, chunk_index
 ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
     status       = CASE WHEN m.content_hash = EXCLUDED.content_hash AND m.status = 'exhausted'
                              AND EXCLUDED.status = 'parked'
@@ -381,7 +388,8 @@ RETURNING m.doc_id, m.chunk_index
 }
 
 /// First statement of a store or park: the manifest upsert, accepted only for a record at
-/// least as new as the one the manifest holds ($6 is the new status). A park of content that
+/// least as new as the one the manifest holds ($6 is the new status) and newer than any
+/// deletion of its chunk or document (`ingest_tombstone`, see `delete.rs`). A park of content that
 /// is already stored is not accepted either. Keys are locked in key order (no deadlock between
 /// writers whose batches overlap). Returns the accepted keys.
 ///

@@ -11,6 +11,8 @@
 //!   record at least as new as the one it holds ([`source_seq`]) and releases the run's leases
 //!   of them, then the writes of the accepted rows (a new snapshot, so they see whatever the
 //!   previous lock holder committed);
+//! - `delete`: deletions (explicit deletes from the input, a run's cleanup), fenced like writes
+//!   by position and by tombstones that the manifest claim honours;
 //! - `replay`: the scheduler's enqueue and the replayers' fenced commits;
 //! - `dlq`: the operator actions; `console`: what the operator console reads beyond them
 //!   (keyset pages in any sort order, activity over time) and its audit trail; `outbox`: the
@@ -25,6 +27,7 @@
 //! tables never share state.
 
 pub(crate) mod console;
+pub(crate) mod delete;
 pub(crate) mod dlq;
 pub(crate) mod ingest;
 pub(crate) mod lease;

@@ -7,6 +7,7 @@ mod config;
 mod console;
 mod costs;
 mod dashboard;
+mod deletions;
 mod economy;
 mod first_hour;
 mod from_rust;
