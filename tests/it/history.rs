@@ -1302,10 +1302,10 @@ impl History {
             return self.fault(kind).await;
         }
         let kills_behind = self.kills < scale.min_kills && done.is_multiple_of(2);
-        let choice = if kills_behind {
-            self.rng.random_range(0..2) * 5
-        } else if done == 2 && !self.ops.contains_key("stream_ingest") {
+        let choice = if done >= 2 && !self.ops.contains_key("stream_ingest") {
             16 // every history runs the stream source at least once
+        } else if kills_behind {
+            self.rng.random_range(0..2) * 5
         } else {
             self.rng.random_range(0..17)
         };
@@ -1807,7 +1807,8 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
             None => done as f64 / scale.ops.max(1) as f64,
         };
         let faults_left = forced.iter().any(|k| !h.faults.contains_key(k));
-        if progress >= 1.0 && h.kills >= scale.min_kills && !faults_left {
+        let source_left = !h.ops.contains_key("stream_ingest");
+        if progress >= 1.0 && h.kills >= scale.min_kills && !faults_left && !source_left {
             break;
         }
         let step_started = Instant::now();
