@@ -341,3 +341,47 @@ on_single_and_cluster! {
         assert_eq!(pending(&stream, "it-ingest").await, 0);
     }
 }
+
+/// `serve` with a source (`--from-stream`, i.e. `[source] streams`) ingests what is published
+/// while it runs, acknowledges it, and says on SIGTERM that it stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_ingests_from_its_source_stream() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let stream = fresh_stream();
+    let prefix = format!("it-serve-src-{}", rand::random::<u32>());
+    let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--model", "mock", "--stream-prefix", &prefix, "--replayers", "1"])
+        .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1"])
+        .env_remove("EMBED_DLQ_API_KEY")
+        .env_remove("EMBED_DLQ_FAILPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let entries: Vec<_> =
+        (0..150).map(|i| chunk_entry(&format!("served-{}", i / 5), i % 5, &format!("t{i}"))).collect();
+    publish(&stream, &entries).await;
+    let mut stored = 0;
+    for _ in 0..300 {
+        stored = db.count("SELECT count(*) FROM doc_embeddings").await;
+        if stored == 150 && pending(&stream, "it-ingest").await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stored, 150, "serve stored what was published");
+    assert_eq!(pending(&stream, "it-ingest").await, 0, "and acknowledged it");
+    let pid = serve.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(30), serve.wait_with_output()).await.unwrap().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("stream source stopped"), "{stderr}");
+    let expected: BTreeSet<(String, i32)> = (0..150).map(|i| (format!("served-{}", i / 5), i % 5)).collect();
+    assert_corpus_accounted(&db, &expected).await;
+}
