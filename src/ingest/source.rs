@@ -7,11 +7,11 @@
 //!   XAUTOCLAIM (idle > min_idle) ──┘         XACK <── acker <── outcome committed / skipped as done
 //! ```
 //!
-//! The source only produces [`Record`]s: batching, the manifest filter, leases, retries,
+//! The source only produces records (`reader::Record`): batching, the manifest filter, leases, retries,
 //! parking, limits and budgets are the pipeline's, as for a corpus line. What it adds:
 //!
 //! - **Acknowledged after commit.** Every entry read is tracked by its position in the run
-//!   ([`Acks`]); the pipeline tells [`Acks::settled`] the records whose store or park
+//!   (`Acks`); the pipeline tells `Acks::settled` the records whose store or park
 //!   transaction returned, or that were skipped because the same content is already stored
 //!   or parked. Only those are acknowledged (`XACK`, batched by the acker task). A record not
 //!   attempted (a stop, a failed write) or left to another run's lease stays pending. A crash
@@ -24,7 +24,7 @@
 //!   kills its consumer) is parked as `invalid_record` (reason `delivery_cap`), raw entry
 //!   in the payload, and acknowledged — never looped on.
 //! - **Malformed entries** are parked as `invalid_record` with the raw entry preserved
-//!   ([`reader::parse_entry`]); one without a usable identity under
+//!   (`reader::parse_entry`); one without a usable identity under
 //!   `source:<stream>/<entry id>`. Then acknowledged like any outcome.
 //! - **Bounded.** At most `max_inflight_entries` entries are read and not yet settled; the
 //!   pipeline's byte budget bounds their size. A slow provider slows the reads, never
