@@ -206,6 +206,7 @@ fn settings(s: &Scenario, db: &TestDb, mock: &MockProvider, serve: bool, prefix:
             ..Default::default()
         },
         serve: ServeArgs { stream_prefix: Some(prefix.into()), ..Default::default() },
+        source: Default::default(),
     };
     Settings::resolve(flags, None, &Origins::default()).expect("valid settings")
 }

@@ -144,6 +144,17 @@ stage("Streams and replay", [
      "targets": [(f"sum(increase(embed_dlq_replay_leases_released_total{{{SEL}}}[{RATE}]))", "released")]},
 ])
 
+stage("Stream source", [
+    {"title": "Source entries / s", "description": "Source stream entries read (new and taken over), acknowledged after their store or park committed, taken over from idle consumers, and parked after the delivery cap (docs/sources.md).",
+     "targets": [(f"sum(rate(embed_dlq_source_entries_read_total{{{SEL}}}[{RATE}]))", "read"),
+                 (f"sum(rate(embed_dlq_source_entries_acked_total{{{SEL}}}[{RATE}]))", "acknowledged"),
+                 (f"sum(rate(embed_dlq_source_entries_reclaimed_total{{{SEL}}}[{RATE}]))", "taken over"),
+                 (f"sum(rate(embed_dlq_source_entries_poison_total{{{SEL}}}[{RATE}]))", "poison")]},
+    {"title": "Source pending and lag", "description": "Per source stream: entries delivered to the ingest group and not acknowledged (pending), and not yet delivered (lag, XINFO GROUPS).",
+     "targets": [(f"max by (stream) (embed_dlq_source_pending{{{SEL}}})", "pending {{stream}}"),
+                 (f"max by (stream) (embed_dlq_source_lag{{{SEL}}})", "lag {{stream}}")]},
+])
+
 stage("Reconcile", [
     {"title": "Reconcile findings", "description": "Findings of the last run, by check. Red from 1: the alert fires when findings stay above 0 for 10 minutes.",
      "alert": ("EmbedDlqReconcileFindings", 1),

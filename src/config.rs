@@ -279,6 +279,41 @@ pub struct ServeArgs {
     pub reconcile_deep_every_secs: Option<u64>,
 }
 
+/// `[source]`: a Redis Stream as the input of `ingest --from-stream` and of `serve`
+/// (docs/sources.md).
+#[derive(Debug, Default, Clone, Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceArgs {
+    /// Source Redis Stream keys, each 1..=512 bytes, at most 64: entries are ingested in a
+    /// consumer group and acknowledged once their store or park has committed (repeat the
+    /// flag for several). Empty: no stream source (`serve` then only relays and replays).
+    #[arg(long = "from-stream", value_name = "KEY")]
+    pub streams: Vec<String>,
+    /// With one stream KEY: read its shards KEY:0 .. KEY:N-1 instead, 1..=64.
+    #[arg(long, value_name = "N")]
+    pub source_shards: Option<u16>,
+    /// Consumer group on the source streams (created at the start of each stream if missing),
+    /// 1..=256 characters.
+    #[arg(long, value_name = "G")]
+    pub group: Option<String>,
+    /// This consumer's name in the group, unique per process [default: hostname-pid];
+    /// 1..=256 characters.
+    #[arg(long, value_name = "NAME")]
+    pub consumer: Option<String>,
+    /// Source entries pending longer than this are taken over from their consumer
+    /// (XAUTOCLAIM), 100..=86400000 ms.
+    #[arg(long)]
+    pub source_min_idle_ms: Option<u64>,
+    /// Deliveries of a source entry without an outcome after which it is parked as
+    /// invalid_record (it kills its consumer), 1..=1000.
+    #[arg(long)]
+    pub source_delivery_cap: Option<u32>,
+    /// Most source entries read and not yet acknowledged per consumer (backpressure),
+    /// 1..=1000000.
+    #[arg(long)]
+    pub source_max_inflight_entries: Option<usize>,
+}
+
 /// One layer of settings: the TOML config file, or what the command line (with the
 /// environment) gave. The same keys as the flags, in sections.
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -299,6 +334,9 @@ pub struct FileConfig {
     /// `[serve]`: replayers, relay, reconcile period, metrics and the stream prefix.
     #[serde(default)]
     pub serve: ServeArgs,
+    /// `[source]`: a Redis Stream as the input.
+    #[serde(default)]
+    pub source: SourceArgs,
 }
 
 /// A loaded config file: its settings and where they came from (for error messages).
@@ -671,6 +709,8 @@ pub struct Settings {
     pub api_key_env: String,
     /// Batching, concurrency and memory bounds of an ingest.
     pub options: IngestOptions,
+    /// The stream source (`[source]`), if any streams are configured.
+    pub source: Option<crate::ingest::source::SourceOptions>,
     /// In-process retries before a chunk is parked.
     pub retry: RetryPolicy,
     /// Circuit breaker and outage limit, shared by every request of a process.
@@ -755,7 +795,7 @@ impl Settings {
         let f = file.map(|f| &f.layer).unwrap_or(&empty);
         // Exhaustive destructuring here and in each section: a new field that is not resolved
         // does not compile (or warns as unused), so no setting can be silently ignored.
-        let FileConfig { services, provider, ingest, retry, serve } = flags;
+        let FileConfig { services, provider, ingest, retry, serve, source } = flags;
         let (database_url, redis_url, redis_cluster) =
             resolve_services(&r.section("services"), services, &f.services)?;
         let (client, api_key_env, limits, price_per_million_tokens) =
@@ -776,7 +816,9 @@ impl Settings {
         serve.replay.request_inputs = options.batch_max_inputs;
         serve.replay.request_chars = options.batch_max_chars;
         serve.replay.requests_in_flight = options.concurrency;
+        let source = resolve_source(&r.section("source"), source, &f.source)?;
         Ok(Settings {
+            source,
             database_url,
             redis_url,
             redis_cluster,
@@ -862,6 +904,83 @@ fn redis_client(url: &str, cluster: bool) -> Result<crate::streams::RedisClient,
         origin: Origin::Default,
         problem: format!("cannot be used: {}", e.category()),
     })
+}
+
+/// `[source]`: the stream source, `None` without streams.
+fn resolve_source(
+    r: &Resolver<'_>,
+    flags: SourceArgs,
+    file: &SourceArgs,
+) -> Result<Option<crate::ingest::source::SourceOptions>, ConfigError> {
+    use crate::ingest::source::{DEFAULT_GROUP, SourceOptions};
+    let SourceArgs {
+        streams,
+        source_shards,
+        group,
+        consumer,
+        source_min_idle_ms,
+        source_delivery_cap,
+        source_max_inflight_entries,
+    } = flags;
+    let d = SourceOptions::default();
+    let streams = r.pick(
+        "streams",
+        Some(streams).filter(|s| !s.is_empty()),
+        Some(file.streams.clone()).filter(|s| !s.is_empty()),
+    );
+    let shards = r.num("source_shards", source_shards, file.source_shards, 1, 1..=64)?;
+    let name = |n: &str| check_len(n, 1..=256).and(no_control(n));
+    let group = r
+        .text("group", group, file.group.clone(), name)?
+        .map_or_else(|| DEFAULT_GROUP.to_string(), |(v, _)| v);
+    let consumer =
+        r.text("consumer", consumer, file.consumer.clone(), name)?.map_or(d.consumer.clone(), |(v, _)| v);
+    let min_idle_ms = r.num(
+        "source_min_idle_ms",
+        source_min_idle_ms,
+        file.source_min_idle_ms,
+        millis(d.min_idle),
+        bounds::MIN_IDLE_MS,
+    )?;
+    let delivery_cap = r.num(
+        "source_delivery_cap",
+        source_delivery_cap,
+        file.source_delivery_cap,
+        d.delivery_cap,
+        bounds::DELIVERY_CAP,
+    )?;
+    let max_inflight = r.num(
+        "source_max_inflight_entries",
+        source_max_inflight_entries,
+        file.source_max_inflight_entries,
+        d.max_inflight_entries,
+        1..=1_000_000,
+    )?;
+    let Some((streams, origin)) = streams else { return Ok(None) };
+    let streams = match shards {
+        1 => streams,
+        n if streams.len() == 1 => (0..n).map(|i| format!("{}:{i}", streams[0])).collect(),
+        _ => {
+            return Err(ConfigError::Invalid {
+                setting: "source_shards",
+                origin,
+                problem: "shards take exactly one stream key".into(),
+            });
+        }
+    };
+    let opts = SourceOptions {
+        streams,
+        group,
+        consumer,
+        min_idle: Duration::from_millis(min_idle_ms),
+        delivery_cap,
+        max_inflight_entries: max_inflight,
+        ..d
+    };
+    if let Some(problem) = opts.problem() {
+        return Err(ConfigError::Invalid { setting: "streams", origin, problem });
+    }
+    Ok(Some(opts))
 }
 
 /// `[services]`: the Postgres and Redis URLs (no defaults: a command that needs one says so)
@@ -1398,6 +1517,7 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         Settings::resolve(FileConfig::default(), None, &Origins::default()).expect("the defaults are valid");
     let o = &s.options;
     let v = &s.serve;
+    let src = crate::ingest::source::SourceOptions::default();
     let SweepPolicy::Scheduled { full_every, deep_every } = v.reconcile_sweeps else {
         unreachable!("settings always schedule sweeps")
     };
@@ -1430,6 +1550,11 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("breaker_failure_threshold", s.breaker.failure_threshold.to_string()),
         ("breaker_cooldown_ms", millis(s.breaker.cooldown).to_string()),
         ("max_outage_secs", s.breaker.max_outage.as_secs().to_string()),
+        ("group", crate::ingest::source::DEFAULT_GROUP.to_string()),
+        ("source_shards", "1".to_string()),
+        ("source_min_idle_ms", millis(src.min_idle).to_string()),
+        ("source_delivery_cap", src.delivery_cap.to_string()),
+        ("source_max_inflight_entries", src.max_inflight_entries.to_string()),
         ("replayers", v.replayers.to_string()),
         ("replay_batch", v.replay.batch.to_string()),
         ("min_idle_ms", millis(v.replay.min_idle).to_string()),
@@ -1499,7 +1624,14 @@ impl IngestSettings {
         retry: RetryArgs,
         file: Option<FileConfig>,
     ) -> Result<Self, ConfigError> {
-        let flags = FileConfig { services, provider, ingest, retry, serve: ServeArgs::default() };
+        let flags = FileConfig {
+            services,
+            provider,
+            ingest,
+            retry,
+            serve: ServeArgs::default(),
+            source: SourceArgs::default(),
+        };
         let file = file.map(|layer| ConfigFile { path: PathBuf::from("<config>"), layer });
         Settings::resolve(flags, file.as_ref(), &Origins::default())?.ingest()
     }

@@ -17,7 +17,9 @@
 //! Points: `relay_after_publish` (stream entries added, outbox rows not yet marked),
 //! `replay_before_embed` (rows loaded and charged, nothing sent), `replay_before_commit` (re-embedded, nothing committed), `replay_after_commit` (committed,
 //! stream entries not yet acknowledged), `ingest_worker` (a worker took a job, no provider
-//! call yet), `ingest_writer` (a writer is about to write gathered outcomes).
+//! call yet), `ingest_writer` (a writer is about to write gathered outcomes),
+//! `source_before_ack` (a stream source's outcomes committed, their entries not yet
+//! acknowledged).
 
 #[cfg(feature = "failpoints")]
 use std::sync::OnceLock;

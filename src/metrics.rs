@@ -48,6 +48,12 @@ pub(crate) const LIMITER_WAIT: &str = "embed_dlq_limiter_wait_seconds";
 pub(crate) const LIMITER_HEADER_PAUSES: &str = "embed_dlq_limiter_header_pauses_total";
 pub(crate) const LIMITER_FACTOR: &str = "embed_dlq_limiter_factor";
 pub(crate) const TOKENS: &str = "embed_dlq_tokens_total";
+pub(crate) const SOURCE_READ: &str = "embed_dlq_source_entries_read_total";
+pub(crate) const SOURCE_ACKED: &str = "embed_dlq_source_entries_acked_total";
+pub(crate) const SOURCE_RECLAIMED: &str = "embed_dlq_source_entries_reclaimed_total";
+pub(crate) const SOURCE_POISON: &str = "embed_dlq_source_entries_poison_total";
+pub(crate) const SOURCE_PENDING: &str = "embed_dlq_source_pending";
+pub(crate) const SOURCE_LAG: &str = "embed_dlq_source_lag";
 
 /// Why the exporter could not start, or a sample could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +126,8 @@ pub(crate) const SAMPLED_LABELS: &[(&str, &str)] = &[
     (STREAM_PENDING, "`stream` = replay; `shard` = 0..N-1"),
     (STREAM_LAG, "`stream` = replay; `shard` = 0..N-1"),
     (RECONCILE_FINDINGS, "`check` (the reconciler's checks, summed over every target table)"),
+    (SOURCE_PENDING, "`stream` = the configured source stream keys (at most 64)"),
+    (SOURCE_LAG, "`stream` = the configured source stream keys (at most 64)"),
 ];
 
 /// Registers every counter at zero for each of its fixed label values, and the breaker and
@@ -152,6 +160,9 @@ pub(crate) fn initialise() {
         counter!(REPLAY_OUTCOMES, "outcome" => outcome).increment(0);
     }
     counter!(REPLAY_LEASES_RELEASED).increment(0);
+    for c in [SOURCE_READ, SOURCE_ACKED, SOURCE_RECLAIMED, SOURCE_POISON] {
+        counter!(c).increment(0);
+    }
     for outcome in ["stored", "wasted"] {
         counter!(TOKENS, "outcome" => outcome).increment(0);
     }
@@ -231,6 +242,24 @@ pub(crate) fn describe() {
     describe_counter!(
         TOKENS,
         "Provider tokens (estimated from characters, or the plausible reported usage), by outcome: stored (a usable vector) or wasted (failed requests, unusable vectors, canaries, re-sent inputs)."
+    );
+    describe_counter!(SOURCE_READ, "Source stream entries read (new, and taken over from idle consumers).");
+    describe_counter!(
+        SOURCE_ACKED,
+        "Source stream entries acknowledged: their store or park committed, or they were skipped as done."
+    );
+    describe_counter!(SOURCE_RECLAIMED, "Source stream entries taken over from idle consumers (XAUTOCLAIM).");
+    describe_counter!(
+        SOURCE_POISON,
+        "Source stream entries parked as invalid_record after the delivery cap (they killed their consumer)."
+    );
+    describe_gauge!(
+        SOURCE_PENDING,
+        "Source stream entries delivered to the ingest group and not yet acknowledged, by stream (XINFO GROUPS)."
+    );
+    describe_gauge!(
+        SOURCE_LAG,
+        "Source stream entries not yet delivered to the ingest group, by stream (XINFO GROUPS lag)."
     );
 }
 

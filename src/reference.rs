@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use clap::Args;
 
-use crate::config::{IngestArgs, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs, help_defaults};
+use crate::config::{IngestArgs, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs, SourceArgs, help_defaults};
 
 /// The command that regenerates `docs/reference/<page>.md`.
 pub fn regenerate_command(page: &str) -> String {
@@ -40,6 +40,9 @@ pub fn configuration() -> String {
         }),
         ("serve", "replay, relay, streams, metrics and the periodic reconcile", {
             ServeArgs::augment_args(clap::Command::new("v"))
+        }),
+        ("source", "a Redis Stream as the input of `serve` and `ingest --from-stream` (docs/sources.md)", {
+            SourceArgs::augment_args(clap::Command::new("o"))
         }),
     ];
     let mut out = String::new();

@@ -1,5 +1,5 @@
 //! `serve`: relay, scheduler, N replayers, the republisher of events Redis lost, the gauge
-//! sampler and (with `--console-addr`) the operator console under one stop token and one `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
+//! sampler, the stream source (with a `[source]`, docs/sources.md) and (with `--console-addr`) the operator console under one stop token and one `Supervisor`. Shutdown is two-phase: on the signal every loop stops claiming new work
 //! and finishes the batch in hand; after the grace period in-flight retry waits are cut
 //! short (attempted items are re-parked, unattempted ones stay pending and are reclaimed by
 //! any live replayer after `min_idle`).
@@ -71,6 +71,11 @@ pub struct ServeConfig {
     pub reconcile_sweeps: SweepPolicy,
     /// Sample the DLQ/outbox/stream gauges (when a metrics endpoint is installed).
     pub metrics: bool,
+    /// Ingest from Redis Stream(s) too (`[source]`), with the ingest options of
+    /// `source_ingest`.
+    pub source: Option<crate::ingest::source::SourceOptions>,
+    /// The ingest options of the stream source's pipeline (`[ingest]`).
+    pub source_ingest: crate::ingest::IngestOptions,
 }
 
 impl ServeConfig {
@@ -88,6 +93,12 @@ impl ServeConfig {
             keys: settings.stream_keys(),
             grace: serve.grace,
             consumer_prefix: serve.consumer_prefix.clone().unwrap_or_else(default_consumer_prefix),
+            source: settings.source.clone(),
+            // A stream has no end to clean up after: `[ingest] cleanup` is a corpus run's.
+            source_ingest: crate::ingest::IngestOptions {
+                cleanup: crate::ingest::CleanupOptions::default(),
+                ..settings.options.clone()
+            },
         }
     }
 
@@ -188,6 +199,14 @@ pub async fn serve_with_console(
         let name = format!("replayer {}", replayer.name);
         tasks.spawn_until(name, stop.clone(), replayer.run(stop.clone(), hard.clone()));
     }
+    if let Some(source) = config.source.clone() {
+        let pipeline = crate::ingest::Pipeline {
+            store: store.clone(),
+            embedder: embedder.clone(),
+            options: config.source_ingest.clone(),
+        };
+        tasks.spawn_until("source", stop.clone(), run_source(pipeline, client.clone(), source, stop.clone()));
+    }
     if config.metrics || config.reconcile_every.is_some() {
         let sampler = sample_and_reconcile(store.clone(), manager.clone(), config.clone(), stop.clone());
         tasks.spawn_until("sampler", stop.clone(), sampler);
@@ -227,6 +246,43 @@ pub async fn serve_with_console(
         Some(f) => Err(ServeError::Task(f)),
         None => Ok(()),
     }
+}
+
+/// The stream source of `serve` until `stop`: a run that fails (the database or Redis away,
+/// the provider refusing the run) leaves its unsettled entries pending and is started again
+/// after a capped backoff; options that cannot work end the task (and so the process).
+async fn run_source(
+    pipeline: crate::ingest::Pipeline,
+    client: crate::streams::RedisClient,
+    opts: crate::ingest::source::SourceOptions,
+    stop: CancellationToken,
+) -> Result<(), crate::ingest::IngestError> {
+    let mut backoff = crate::embed::retry::Reconnect::new(Duration::from_secs(1), Duration::from_secs(60));
+    tracing::info!(streams = ?opts.streams, group = %opts.group, consumer = %opts.consumer, "serving a stream source");
+    while !stop.is_cancelled() {
+        match pipeline.run_source(&client, opts.clone(), stop.clone()).await {
+            Ok(summary) => {
+                let left = summary.source.as_ref().map_or(0, |s| s.left_pending);
+                tracing::info!(
+                    records = summary.records,
+                    stored = summary.stored,
+                    left_pending = left,
+                    "stream source stopped"
+                );
+                if !stop.is_cancelled() {
+                    backoff.reset();
+                }
+            }
+            Err(crate::ingest::IngestError::Source(e)) if opts.problem().is_some() => {
+                return Err(crate::ingest::IngestError::Source(e));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "stream source run failed; its unsettled entries stay pending; restarting");
+                crate::relay::sleep_or_cancel(backoff.next_delay(), &stop).await;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How long the republisher waits after the first sign of lost Redis data before it looks:

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use embed_dlq::config::{IngestArgs, Origins, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs};
+use embed_dlq::config::{IngestArgs, Origins, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs, SourceArgs};
 use embed_dlq::telemetry::LogFormat;
 
 #[derive(Parser, Debug)]
@@ -219,6 +219,12 @@ pub struct IngestCommand {
     /// nothing, write nothing.
     #[arg(long)]
     pub dry_run: bool,
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// With --from-stream: stop once no entry has arrived for this long and the group has
+    /// nothing pending (a batch run over what the stream holds), 0..=86400000 ms.
+    #[arg(long, value_name = "MS")]
+    pub idle_exit_ms: Option<u64>,
 }
 
 /// The arguments of `serve`.
@@ -232,6 +238,9 @@ pub struct ServeCommand {
     pub retry: Box<RetryArgs>,
     #[command(flatten)]
     pub serve: ServeArgs,
+    /// `[source]`: ingest from Redis Stream(s) too (docs/sources.md).
+    #[command(flatten)]
+    pub source: SourceArgs,
     /// Also serve the operator console here (e.g. 127.0.0.1:8088); see `console --help`.
     #[arg(long)]
     pub console_addr: Option<SocketAddr>,

@@ -64,6 +64,8 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         public_read,
         max_row_views: max_row_views as usize,
         cookie_secure,
+        // The config file's `[source]`, if any: its streams on the overview.
+        source: settings.source.as_ref().map(|s| (s.streams.clone(), s.group.clone())),
     };
     if let Err(e) = config.check() {
         return exit::fail(exit::USAGE, &e.to_string());

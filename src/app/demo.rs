@@ -445,6 +445,8 @@ fn demo_serve_config(
         reconcile_every: None,
         reconcile_sweeps: Default::default(),
         metrics: false,
+        source: None,
+        source_ingest: Default::default(),
     }
 }
 

@@ -11,9 +11,35 @@ use super::{Resolver, exit};
 
 /// Runs `ingest`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: CancellationToken) -> i32 {
-    let IngestCommand { input, provider, ingest, retry, json, no_progress, metrics_addr, yes, dry_run } =
-        args;
-    let flags = FileConfig { provider: *provider, ingest: *ingest, retry: *retry, ..Default::default() };
+    let IngestCommand {
+        input,
+        provider,
+        ingest,
+        retry,
+        json,
+        no_progress,
+        metrics_addr,
+        yes,
+        dry_run,
+        source,
+        idle_exit_ms,
+    } = args;
+    // A stream source only with --from-stream: a `[source]` in the config file is `serve`'s.
+    let from_stream = !source.streams.is_empty();
+    if from_stream && input != "-" {
+        return exit::fail(exit::USAGE, "give either an input file or --from-stream, not both");
+    }
+    if from_stream && (dry_run || yes) {
+        return exit::fail(
+            exit::USAGE,
+            "--dry-run and --yes go with a corpus run's cleanup, not --from-stream",
+        );
+    }
+    if !from_stream && idle_exit_ms.is_some() {
+        return exit::fail(exit::USAGE, "--idle-exit-ms goes with --from-stream");
+    }
+    let flags =
+        FileConfig { provider: *provider, ingest: *ingest, retry: *retry, source, ..Default::default() };
     let settings = match resolver.settings(flags) {
         Ok(s) => {
             super::warn_missing_api_key(&s);
@@ -21,6 +47,7 @@ pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: Cancellat
         }
         Err(e) => return exit::usage(&e),
     };
+    let source = settings.source.clone();
     let mut settings = match settings.ingest() {
         Ok(s) => s,
         Err(e) => return exit::usage(&e),
@@ -32,7 +59,62 @@ pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: Cancellat
     {
         return exit::fail(exit::FAILURE, &e.to_string());
     }
+    if let Some(mut opts) = source.filter(|_| from_stream) {
+        if settings.options.cleanup.mode != embed_dlq::ingest::CleanupMode::None {
+            return exit::fail(
+                exit::USAGE,
+                "--cleanup applies to a corpus run: a stream source has no end to clean up after",
+            );
+        }
+        if let Some(ms) = idle_exit_ms {
+            if ms > 86_400_000 {
+                return exit::fail(exit::USAGE, &format!("--idle-exit-ms {ms} is out of range 0..=86400000"));
+            }
+            opts.idle_exit = Some(std::time::Duration::from_millis(ms));
+        }
+        return run_source(settings, opts, json, cancel).await;
+    }
     run(settings, &input, json, !no_progress, cancel).await
+}
+
+/// Ingests from Redis Stream(s) until stopped (or drained, with `--idle-exit-ms`).
+async fn run_source(
+    settings: IngestSettings,
+    opts: embed_dlq::ingest::source::SourceOptions,
+    json: bool,
+    cancel: CancellationToken,
+) -> i32 {
+    let Some(url) = settings.redis_url.as_deref() else {
+        return exit::fail(
+            exit::USAGE,
+            "--from-stream needs Redis: set REDIS_URL, --redis-url or [services] redis_url",
+        );
+    };
+    let client = match embed_dlq::streams::open(url, settings.redis_cluster) {
+        Ok(c) => c,
+        Err(e) => return exit::fail(exit::USAGE, &format!("redis_url cannot be used: {}", e.category())),
+    };
+    let pipeline = match settings.pipeline().await {
+        Ok(p) => p,
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
+    tracing::info!(streams = ?opts.streams, group = %opts.group, consumer = %opts.consumer, "ingesting from a stream source");
+    match pipeline.run_source(&client, opts, cancel.clone()).await {
+        Ok(summary) => {
+            print_summary(&summary, json);
+            // What was left (to a stop, or to another run's lease) stays pending in the
+            // group and is finished by the source, not by a rerun: no exit 7 here.
+            if cancel.is_cancelled() { exit::INTERRUPTED } else { exit::OK }
+        }
+        Err(IngestError::Provider { stop, summary }) => {
+            print_summary(&summary, json);
+            exit::fail(
+                exit::PROVIDER_STOP,
+                &format!("{stop}. Nothing was parked for this; its entries stay pending in the group."),
+            )
+        }
+        Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+    }
 }
 
 /// Ingests `input` (a path, or `-` for stdin).

@@ -18,13 +18,20 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
         ingest,
         retry,
         serve,
+        source,
         console_addr,
         console_read_only,
         console_public_read,
         console_cookie_secure,
     } = args;
-    let flags =
-        FileConfig { provider: *provider, ingest: *ingest, retry: *retry, serve, ..Default::default() };
+    let flags = FileConfig {
+        provider: *provider,
+        ingest: *ingest,
+        retry: *retry,
+        serve,
+        source,
+        ..Default::default()
+    };
     let resolved = resolver.settings(flags).and_then(|s| Ok((s.ingest()?, s.redis_client()?, s)));
     let (ingest, redis, settings) = match resolved {
         Ok(r) => r,
@@ -43,6 +50,7 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
             public_read: console_public_read,
             cookie_secure: console_cookie_secure,
             token,
+            source: settings.source.as_ref().map(|s| (s.streams.clone(), s.group.clone())),
             ..Default::default()
         };
         if let Err(e) = console.check() {

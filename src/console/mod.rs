@@ -145,6 +145,9 @@ pub struct ConsoleConfig {
     pub max_row_views: usize,
     /// Whether the session cookie is `Secure` (`--cookie-secure`).
     pub cookie_secure: CookieSecure,
+    /// The stream source's streams and consumer group (`[source]`), shown on the overview
+    /// with their length, pending count and lag.
+    pub source: Option<(Vec<String>, String)>,
 }
 
 impl Default for ConsoleConfig {
@@ -161,6 +164,7 @@ impl Default for ConsoleConfig {
             public_read: false,
             max_row_views: DEFAULT_ROW_VIEWS,
             cookie_secure: CookieSecure::Auto,
+            source: None,
         }
     }
 }

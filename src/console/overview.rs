@@ -27,6 +27,46 @@ pub struct Overview {
     pub streams: Result<Vec<StreamStats>, String>,
     pub reconcile: Option<ReconcileRun>,
     pub breakers: Vec<BreakerReading>,
+    /// The stream source's streams (none configured: empty), or why they could not be read.
+    pub sources: Result<Vec<SourceStats>, String>,
+}
+
+/// One source stream as its consumer group sees it.
+#[derive(Debug, Clone)]
+pub struct SourceStats {
+    pub stream: String,
+    pub group: String,
+    /// Entries in the stream (`XLEN`), clamped.
+    pub length: u64,
+    /// Delivered and not acknowledged; `None` without the group.
+    pub pending: Option<u64>,
+    /// Not yet delivered; `None` when Redis cannot tell.
+    pub lag: Option<u64>,
+}
+
+/// The configured source streams' numbers.
+async fn sources(state: &State) -> Result<Vec<SourceStats>, String> {
+    let Some((streams, group)) = &state.console.config.source else { return Ok(Vec::new()) };
+    let mut redis = state.redis().await?;
+    let mut out = Vec::new();
+    for stream in streams {
+        let length: i64 = redis::cmd("XLEN")
+            .arg(stream)
+            .query_async(&mut redis)
+            .await
+            .map_err(|e| format!("Redis: {e}"))?;
+        let info = crate::ingest::source::group_info(&mut redis, stream, group)
+            .await
+            .or_else(|e| if e.code() == Some("ERR") { Ok(None) } else { Err(format!("Redis: {e}")) })?;
+        out.push(SourceStats {
+            stream: stream.clone(),
+            group: group.clone(),
+            length: length.clamp(0, 1 << 48) as u64,
+            pending: info.map(|(p, _)| p),
+            lag: info.and_then(|(_, l)| l),
+        });
+    }
+    Ok(out)
 }
 
 /// The breaker state one source reports.
@@ -59,7 +99,8 @@ pub async fn gather(state: &State) -> Result<Overview, StoreError> {
         Err(e) => Err(e),
     };
     let breakers = breakers(state).await;
-    Ok(Overview { stats, reasons, schedule, backlog, hour, day, streams, reconcile, breakers })
+    let sources = sources(state).await;
+    Ok(Overview { stats, reasons, schedule, backlog, hour, day, streams, reconcile, breakers, sources })
 }
 
 fn state_name(v: f64) -> Result<&'static str, String> {

@@ -221,6 +221,28 @@ pub fn overview(ctx: &Ctx, o: &Overview) -> Markup {
                         }
                         Err(e) => { p.warn { "Streams unavailable: " (e) } }
                     }
+                    @match &o.sources {
+                        Ok(sources) if sources.is_empty() => {}
+                        Ok(sources) => {
+                            h2 { "Source streams" }
+                            table #sources {
+                                thead { tr { th { "stream" } th { "group" } th.num { "length" } th.num { "pending" } th.num { "lag" } } }
+                                tbody {
+                                    @for s in sources {
+                                        tr {
+                                            td { code { (s.stream) } }
+                                            td { (s.group) }
+                                            td.num { (s.length) }
+                                            td.num { (s.pending.map(|p| p.to_string()).unwrap_or_else(|| "-".into())) }
+                                            td.num { (s.lag.map(|p| p.to_string()).unwrap_or_else(|| "-".into())) }
+                                        }
+                                    }
+                                }
+                            }
+                            p.note { "Entries are acknowledged once their vector or DLQ row has committed; pending ones are taken over from dead consumers after the min-idle time." }
+                        }
+                        Err(e) => { h2 { "Source streams" } p.warn { "Source streams unavailable: " (e) } }
+                    }
                     h2 { "Provider breaker" }
                     @if o.breakers.is_empty() {
                         p.note { "No source: run the console inside " code { "serve --console-addr" } ", or give " code { "--metrics-url" } " of the ingest and serve processes." }

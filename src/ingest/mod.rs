@@ -37,6 +37,7 @@ pub mod bounds;
 pub(crate) mod budget;
 pub mod cleanup;
 pub(crate) mod reader;
+pub mod source;
 
 use std::collections::{BTreeMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -282,6 +283,10 @@ pub struct IngestSummary {
     pub cleanup: Option<CleanupReport>,
     /// A dry run: nothing was embedded or written; the records count as not attempted.
     pub dry_run: bool,
+    /// What a stream source did with its entries ([`Pipeline::run_source`]); none for a
+    /// corpus.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<source::SourceCounts>,
 }
 
 /// Chunks named in [`IngestSummary::unfinished_examples`]; the counts hold the rest.
@@ -351,6 +356,10 @@ pub enum IngestError {
     /// The input could not be read.
     #[error("reading input failed: {0}")]
     Input(#[from] std::io::Error),
+    /// A source stream could not be read (bad options, a permanent Redis error): the entries
+    /// not yet settled stay pending in its group.
+    #[error("{0}")]
+    Source(#[from] source::SourceError),
     /// Postgres failed in a way retries did not fix: the outcomes not written are not recorded,
     /// and a rerun of the same corpus does them.
     #[error("{0}")]
@@ -485,14 +494,30 @@ impl Pipeline {
         F: FnOnce(Feed) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
+        self.execute_with(cancel, None, read).await
+    }
+
+    /// [`Pipeline::execute`], telling `acks` of every record whose outcome is settled (see
+    /// [`source::Acks`]).
+    async fn execute_with<F, Fut>(
+        &self,
+        cancel: CancellationToken,
+        acks: Option<Arc<source::Acks>>,
+        read: F,
+    ) -> Result<IngestSummary, IngestError>
+    where
+        F: FnOnce(Feed) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let bounded = Pipeline { options: self.options.within_bounds(), ..self.clone() };
-        bounded.execute_bounded(cancel, read).await
+        bounded.execute_bounded(cancel, acks, read).await
     }
 
     /// [`Pipeline::execute`] once the options are within bounds.
     async fn execute_bounded<F, Fut>(
         &self,
         cancel: CancellationToken,
+        acks: Option<Arc<source::Acks>>,
         read: F,
     ) -> Result<IngestSummary, IngestError>
     where
@@ -512,6 +537,7 @@ impl Pipeline {
             halt: cancel.child_token(),
             cancel,
             progress: Progress::new(self.options.progress, self.options.total_bytes),
+            acks,
         };
         // Every task is joined; a panic in any of them halts the run and is reported.
         let mut tasks = Supervisor::new(run.halt.clone());
@@ -575,6 +601,7 @@ impl Pipeline {
                 progress: run.progress.clone(),
                 rows: opts.write_batch_rows,
                 linger: opts.batch_linger,
+                acks: run.acks.clone(),
             };
             tasks.spawn(format!("ingest writer {n}"), writer.run(out_rx.clone()));
         }
@@ -602,9 +629,7 @@ impl Pipeline {
         run: &RunState,
         run_id: i64,
     ) -> (Option<IngestError>, Option<TaskFailure>) {
-        let intake = AssertUnwindSafe(self.intake(records, jobs, &run.tally, &run.halt, &run.cancel, run_id))
-            .catch_unwind()
-            .await;
+        let intake = AssertUnwindSafe(self.intake(records, jobs, run, run_id)).catch_unwind().await;
         match intake {
             Ok(result) => (result.err(), None),
             Err(payload) => {
@@ -626,6 +651,8 @@ struct RunState {
     /// The run is stopping, for whatever reason (a child of `cancel`).
     halt: CancellationToken,
     progress: Progress,
+    /// Told of every record whose outcome is settled (a stream source acknowledges it).
+    acks: Option<Arc<source::Acks>>,
 }
 
 /// Whatever a stopped run neither stored, skipped nor parked (records in a dead task's hands,
@@ -689,12 +716,12 @@ impl Pipeline {
         &self,
         records: &mut mpsc::Receiver<(Record, Charge)>,
         jobs: &flume::Sender<Job>,
-        tally: &Arc<Mutex<Tally>>,
-        halt: &CancellationToken,
-        cancel: &CancellationToken,
+        run: &RunState,
         run_id: i64,
     ) -> Result<(), IngestError> {
-        let mut batcher = Batcher::new(self, tally.clone(), run_id);
+        let (halt, cancel) = (&run.halt, &run.cancel);
+        let mut batcher = Batcher::new(self, run.tally.clone(), run_id);
+        batcher.acks = run.acks.clone();
         loop {
             let next = if batcher.is_empty() {
                 tokio::select! {
@@ -898,6 +925,8 @@ struct Batcher<'a> {
     record_seen: bool,
     /// A dry run: windows are recorded and their deletes listed, nothing else.
     dry_run: bool,
+    /// Told of the records skipped as already stored or parked (settled, never written).
+    acks: Option<Arc<source::Acks>>,
 }
 
 fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
@@ -982,6 +1011,7 @@ impl<'a> Batcher<'a> {
             doc_deletes: false,
             record_seen: pipeline.options.cleanup.mode != CleanupMode::None,
             dry_run: pipeline.options.cleanup.dry_run,
+            acks: None,
         }
     }
 
@@ -1137,6 +1167,10 @@ impl<'a> Batcher<'a> {
         };
         if !self.dry_run {
             metrics::counter!(crate::metrics::CHUNKS_DELETED, "by" => "input").increment(gone.len() as u64);
+            // Committed: a stream source may acknowledge the delete entries.
+            if let Some(acks) = &self.acks {
+                acks.settled(deletes.iter().map(|d| d.source_seq));
+            }
         }
         let listed = if self.dry_run { cleanup::DRY_RUN_LISTED } else { cleanup::DELETED_EXAMPLES };
         let mut t = self.tally.lock().unwrap();
@@ -1200,10 +1234,14 @@ impl<'a> Batcher<'a> {
             known.iter().filter(|(_, c)| c.leased).map(|(k, _)| k.clone()).collect();
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
         let mut left: Vec<(String, i32)> = Vec::new();
-        let mut seen = |k: (String, i32), hash: &str| {
+        // Skipped as done: their outcome is already committed, so a source may acknowledge
+        // them. What is left to a concurrent run is not settled (it may die before its write).
+        let (mut done, mut elsewhere): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
+        let mut seen = |k: (String, i32), hash: &str, seq: i64| {
             let claim = known.get(&k);
             if claim.is_some_and(|c| c.leased_elsewhere) {
                 leased_elsewhere += 1;
+                elsewhere.push(seq);
                 if left.len() < MAX_UNFINISHED_EXAMPLES {
                     left.push(k);
                 }
@@ -1213,17 +1251,23 @@ impl<'a> Batcher<'a> {
                 _ if repeated.contains(&k) => false,
                 Some((h, ChunkStatus::Stored)) if h == hash => {
                     unchanged += 1;
+                    done.push(seq);
                     true
                 }
                 Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
                     already_parked += 1;
+                    done.push(seq);
                     true
                 }
                 _ => false,
             }
         };
-        invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash));
-        chunks.retain(|(chunk, hash, _)| !seen((chunk.doc_id.clone(), chunk.chunk_index), hash));
+        invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash, p.source_seq));
+        chunks.retain(|(chunk, hash, seq)| !seen((chunk.doc_id.clone(), chunk.chunk_index), hash, *seq));
+        if let Some(acks) = &self.acks {
+            acks.settled(done);
+            acks.release(elsewhere);
+        }
         {
             let mut t = self.tally.lock().unwrap();
             t.summary.unchanged += unchanged;
@@ -1434,6 +1478,8 @@ struct Writer {
     progress: Progress,
     rows: usize,
     linger: Duration,
+    /// Told of every outcome once its write committed (a stream source acknowledges it).
+    acks: Option<Arc<source::Acks>>,
 }
 
 /// The longest a finished outcome waits in a writer for its statement to fill up, when a
@@ -1535,6 +1581,14 @@ impl Writer {
         match result {
             Ok((counts, parked)) => {
                 self.count_written(&mut t.summary, to_store.len(), counts, &to_park, &parked);
+                drop(t);
+                // Committed (stored, parked, or superseded by a newer record already written):
+                // only now may a source acknowledge them.
+                if let Some(acks) = &self.acks {
+                    acks.settled(
+                        to_store.iter().map(|c| c.source_seq).chain(to_park.iter().map(|p| p.source_seq)),
+                    );
+                }
                 true
             }
             Err(e) => {

@@ -95,6 +95,8 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
         reconcile_every: None,
         reconcile_sweeps: Default::default(),
         metrics: false,
+        source: None,
+        source_ingest: Default::default(),
     };
     let redis = embed_dlq::streams::client(&cluster.url).unwrap();
     assert!(redis.is_cluster());

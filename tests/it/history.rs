@@ -3,7 +3,10 @@
 //! against a reference model kept by the test.
 //!
 //! Operations: ingests of corpora whose texts change between versions (into two target tables),
-//! concurrent ingests of the same keys, `serve` processes (some SIGKILLed at random moments),
+//! concurrent ingests of the same keys, `stream_ingest` (a corpus produced to a Redis Stream
+//! source while three `ingest --from-stream` consumers of one group are SIGKILLed at random
+//! moments, `EMBED_DLQ_HISTORY_SOURCE_KILLS` times, default 3; checked at once: every entry its
+//! text's vector or a DLQ row, nothing stale, nothing pending), `serve` processes (some SIGKILLed at random moments),
 //! ingests SIGKILLed mid-run, provider faults and outages, a Redis `FLUSHALL` and a Redis restart
 //! that loses everything, `dlq requeue` / `dlq purge`, and `reconcile --repair`.
 //!
@@ -577,6 +580,9 @@ struct History {
     /// The operation noted last, and the wall time spent per operation kind.
     last_op: Option<&'static str>,
     op_secs: BTreeMap<&'static str, f64>,
+    /// What the `stream_ingest` checks found wrong, and what they counted.
+    source_problems: Vec<String>,
+    source_tally: Tally,
 }
 
 fn binary() -> Command {
@@ -627,6 +633,8 @@ impl History {
             gaps: Vec::new(),
             last_op: None,
             op_secs: BTreeMap::new(),
+            source_problems: Vec::new(),
+            source_tally: Tally::default(),
         };
         let out = binary()
             .args(["migrate", "--database-url", &h.db.url, "--table", TABLES[1], "--dimensions", "768"])
@@ -749,6 +757,150 @@ impl History {
             String::from_utf8_lossy(&out.stderr)
         );
         self.note(if bump { "ingest_new_version" } else { "ingest" }, format!("{what}: exit {code:?}"));
+    }
+
+    /// An `ingest --from-stream` consumer of the history's source group.
+    fn source_cmd(&self, table: &str, stream: &str, consumer: &str, base_url: &str) -> Command {
+        let mut c = binary();
+        c.arg("ingest").args(["--from-stream", stream, "--group", "hist-source", "--consumer", consumer]);
+        self.common_flags(&mut c, base_url, &self.db.url);
+        c.args(["--table", table, "--batch-max-inputs", "64", "--concurrency", "4", "--no-progress"])
+            .args(["--source-min-idle-ms", &self.timing.min_idle.as_millis().to_string()])
+            .args(["--idle-exit-ms", "1500"]);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("source.log"))
+            .expect("the history's source log");
+        c.stdout(Stdio::null()).stderr(log);
+        c
+    }
+
+    /// The stream source under fire: the newest corpus (sometimes a new version first)
+    /// produced to a fresh source stream, 250 entries at a time, while three consumers of one
+    /// group read it through a provider picked at random (faults included) and are SIGKILLed
+    /// at random moments (each replaced by a new consumer). Once the group has drained (a
+    /// healthy consumer finishes what the faulty provider stopped): every entry is its text's
+    /// vector or a DLQ row holding its text, nothing stale, no duplicate, nothing pending.
+    async fn stream_ingest(&mut self) {
+        let table = self.pick_table();
+        let bump = self.rng.random_bool(0.5);
+        let corpus = self.corpus_for(table, bump);
+        let n = self.ops.get("stream_ingest").copied().unwrap_or(0);
+        let stream = format!("{}-source-{n}", self.prefix);
+        let (provider, url) = self.providers.pick(&mut self.rng);
+        let kills_wanted: usize = env_num("EMBED_DLQ_HISTORY_SOURCE_KILLS", 3);
+        let total = corpus.texts.len();
+        let mut kill_at: Vec<usize> =
+            (0..kills_wanted).map(|_| self.rng.random_range(0..total.max(1))).collect();
+        kill_at.sort_unstable();
+        let mut consumers: Vec<Child> = (0..3)
+            .map(|i| self.source_cmd(table, &stream, &format!("c{i}"), &url).spawn().unwrap())
+            .collect();
+        let mut named = consumers.len();
+        let (mut kills, mut conn) = (0u64, self.redis.conn().await);
+        for start in (0..total).step_by(250) {
+            let mut pipe = redis::pipe();
+            for k in start..(start + 250).min(total) {
+                let (doc, idx) = key_of(k);
+                pipe.cmd("XADD")
+                    .arg(&stream)
+                    .arg("*")
+                    .arg("doc_id")
+                    .arg(doc)
+                    .arg("chunk_index")
+                    .arg(idx)
+                    .arg("text")
+                    .arg(&corpus.texts[k])
+                    .ignore();
+            }
+            let () = pipe.query_async(&mut conn).await.unwrap();
+            while kill_at.first().is_some_and(|&at| at < start + 250) {
+                kill_at.remove(0);
+                let victim = self.rng.random_range(0..consumers.len());
+                let mut c = consumers.swap_remove(victim);
+                let _ = c.start_kill();
+                let _ = c.wait().await;
+                kills += 1;
+                consumers.push(self.source_cmd(table, &stream, &format!("c{named}"), &url).spawn().unwrap());
+                named += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..30))).await;
+        }
+        let mut codes = Vec::new();
+        for c in consumers {
+            let out = tokio::time::timeout(Duration::from_secs(300), c.wait_with_output()).await;
+            codes.push(out.ok().and_then(|o| o.ok()).and_then(|o| o.status.code()));
+        }
+        // What a stopped provider left pending, a healthy consumer finishes (as an operator
+        // would restart it); the group must then be drained.
+        let healthy = self.providers.healthy.base_url();
+        for _ in 0..3 {
+            if Self::source_pending(&mut conn, &stream).await == 0 {
+                break;
+            }
+            let c = self.source_cmd(table, &stream, &format!("c{named}"), &healthy).spawn().unwrap();
+            named += 1;
+            let _ = tokio::time::timeout(Duration::from_secs(300), c.wait_with_output()).await;
+        }
+        self.kills += kills;
+        let pending = Self::source_pending(&mut conn, &stream).await;
+        if pending != 0 {
+            self.source_problems.push(format!("{stream}: {pending} entries pending after the drain"));
+        }
+        self.check_source(table, &corpus).await;
+        self.note(
+            "stream_ingest",
+            format!("v{} into {table} via {provider}, {total} entries, {kills} SIGKILLs, exits {codes:?}, pending {pending}", corpus.version),
+        );
+    }
+
+    /// Right after a `stream_ingest` of `corpus` into `table`: every key is its text's vector
+    /// (the mock's deterministic vector of that text) or a DLQ row holding the text.
+    async fn check_source(&mut self, table: &str, corpus: &Corpus) {
+        let pool = &self.db.pool;
+        let vectors: HashMap<(String, i32), (String, pgvector::Vector)> =
+            sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
+                "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
+            )))
+            .fetch_all(pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(d, i, h, v)| ((d, i), (h, v)))
+            .collect();
+        let dlq: HashMap<(String, i32), serde_json::Value> = sqlx::query_as::<_, (String, i32, serde_json::Value)>(
+            "SELECT doc_id, chunk_index, payload FROM embedding_dlq WHERE target_table IN ($1, 'public.' || $1)",
+        )
+        .bind(table)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(d, i, p)| ((d, i), p))
+        .collect();
+        for (k, text) in corpus.texts.iter().enumerate() {
+            let key = key_of(k);
+            let hash = embed_dlq::model::content_hash(MODEL, DIMS, text);
+            let stored = vectors.get(&key).filter(|(h, v)| {
+                *h == hash
+                    && v.as_slice()
+                        .iter()
+                        .zip(&mock_provider::vector_for(text, DIMS))
+                        .all(|(a, b)| (a - b).abs() < 1e-5)
+            });
+            let parked = dlq.get(&key).is_some_and(|p| p["text"].as_str() == Some(text.as_str()));
+            if stored.is_none() && !parked {
+                if vectors.contains_key(&key) {
+                    self.source_tally.stale += 1;
+                } else {
+                    self.source_tally.lost += 1;
+                }
+                if self.source_problems.len() < 20 {
+                    self.source_problems.push(format!("{table} {key:?}: not {text:?}"));
+                }
+            }
+        }
     }
 
     /// Two ingests of the same keys at once.
@@ -1150,11 +1302,17 @@ impl History {
             return self.fault(kind).await;
         }
         let kills_behind = self.kills < scale.min_kills && done.is_multiple_of(2);
-        let choice =
-            if kills_behind { self.rng.random_range(0..2) * 5 } else { self.rng.random_range(0..16) };
+        let choice = if done >= 2 && !self.ops.contains_key("stream_ingest") {
+            16 // every history runs the stream source at least once
+        } else if kills_behind {
+            self.rng.random_range(0..2) * 5
+        } else {
+            self.rng.random_range(0..17)
+        };
         match choice {
             0 => self.ingest(true, true).await,
             14 | 15 => self.change_in_flight().await,
+            16 => self.stream_ingest().await,
             1 | 2 => {
                 let bump = self.rng.random_bool(0.6);
                 self.ingest(bump, false).await
@@ -1389,6 +1547,35 @@ impl History {
         (checks, tally)
     }
 
+    /// Entries delivered to the history's source group on `stream` and not acknowledged, plus
+    /// those not yet delivered (0 without the stream or the group: nothing is left to read).
+    async fn source_pending(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> i64 {
+        let reply: redis::RedisResult<redis::Value> =
+            redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(conn).await;
+        let Ok(redis::Value::Array(groups)) = reply else { return 0 };
+        for g in groups {
+            let fields: Vec<redis::Value> = match g {
+                redis::Value::Array(a) => a,
+                redis::Value::Map(m) => m.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+                _ => continue,
+            };
+            let get = |name: &str| {
+                fields.chunks(2).find_map(|kv| match (&kv[0], kv.get(1)) {
+                    (redis::Value::BulkString(k), Some(redis::Value::Int(v))) if k == name.as_bytes() => {
+                        Some(*v)
+                    }
+                    _ => None,
+                })
+            };
+            let named = fields.chunks(2).any(|kv| matches!((&kv[0], kv.get(1)),
+            (redis::Value::BulkString(k), Some(redis::Value::BulkString(v))) if k == b"name" && v == b"hist-source"));
+            if named {
+                return get("pending").unwrap_or(0) + get("lag").unwrap_or(0);
+            }
+        }
+        0
+    }
+
     /// The checks of time: nothing exhausted for a fault that was not its own, the replay
     /// stream within the outstanding cap, Redis memory within its budget, every fault's work
     /// settled in time, every trim past a tailer reported. Read after the faults are over and
@@ -1620,7 +1807,8 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
             None => done as f64 / scale.ops.max(1) as f64,
         };
         let faults_left = forced.iter().any(|k| !h.faults.contains_key(k));
-        if progress >= 1.0 && h.kills >= scale.min_kills && !faults_left {
+        let source_left = !h.ops.contains_key("stream_ingest");
+        if progress >= 1.0 && h.kills >= scale.min_kills && !faults_left && !source_left {
             break;
         }
         let step_started = Instant::now();
@@ -1631,6 +1819,17 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
         done += 1;
     }
     let mut checks = h.check_time().await;
+    checks.push((
+        "stream_ingest: every entry its text's vector or DLQ row, nothing stale or pending".into(),
+        h.source_problems.is_empty(),
+        format!(
+            "{} runs, lost {}, stale {}; {}",
+            h.ops.get("stream_ingest").copied().unwrap_or(0),
+            h.source_tally.lost,
+            h.source_tally.stale,
+            h.source_problems.join("; ")
+        ),
+    ));
     h.sampler.stop().await;
     checks.extend(h.settle().await);
     let (model, tally) = h.check_model().await;

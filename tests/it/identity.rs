@@ -161,6 +161,8 @@ async fn serve_replays_each_table_into_itself_with_its_own_dimensions() {
         reconcile_every: None,
         reconcile_sweeps: Default::default(),
         metrics: false,
+        source: None,
+        source_ingest: Default::default(),
     };
     let cancel = CancellationToken::new();
     let task = tokio::spawn(embed_dlq::serve::serve(

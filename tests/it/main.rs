@@ -26,6 +26,7 @@ mod restart;
 mod runtime;
 mod seasons;
 mod shards;
+mod source;
 mod streams;
 mod superseded;
 mod support;

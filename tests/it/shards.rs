@@ -82,6 +82,8 @@ async fn a_parked_corpus_drains_through_four_shards_with_two_replayers() {
         reconcile_every: None,
         reconcile_sweeps: Default::default(),
         metrics: false,
+        source: None,
+        source_ingest: Default::default(),
     };
     let cancel = CancellationToken::new();
     let serve = tokio::spawn(embed_dlq::serve::serve(
@@ -252,6 +254,8 @@ async fn another_shard_count_is_refused_with_a_clear_message() {
         reconcile_every: None,
         reconcile_sweeps: Default::default(),
         metrics: false,
+        source: None,
+        source_ingest: Default::default(),
     };
     let served = embed_dlq::serve::serve(p.store.clone(), p.embedder.clone(), redis_client(), config, CancellationToken::new()).await;
     assert!(matches!(served, Err(ServeError::Shards(_))), "{served:?}");

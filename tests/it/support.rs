@@ -574,6 +574,8 @@ pub async fn scrape_serve_until(db: &TestDb, ready: impl Fn(&str) -> bool) -> St
         .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
         .args(["--stream-prefix", &prefix, "--replayers", "1", "--reconcile-every-secs", "1"])
         .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        // A stream source too, so that its gauges are in the scrape.
+        .args(["--from-stream", &format!("{prefix}:source")])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

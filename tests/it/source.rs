@@ -1,0 +1,432 @@
+//! A Redis Stream as the ingest source (`ingest --from-stream`): entries become vectors or DLQ
+//! rows, each acknowledged only after its outcome committed; a killed consumer's entries are
+//! taken over; malformed and poison entries are parked, never looped on; reads are bounded.
+//! The oracle is what the test itself published and the suite's own queries.
+
+use std::collections::BTreeSet;
+use std::process::Stdio;
+use std::time::Duration;
+
+use embed_dlq::ingest::source::SourceOptions;
+use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
+use redis::AsyncCommands;
+use sqlx::Row;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// A source stream key of the test's own; on a cluster its hash tag keeps it in one slot.
+fn fresh_stream() -> String {
+    format!("{{it-src-{}-{}}}:chunks", std::process::id(), rand::random::<u32>())
+}
+
+/// Publishes `entries` (field lists) to `stream`, pipelined; returns their ids in order.
+async fn publish(stream: &str, entries: &[Vec<(String, Vec<u8>)>]) -> Vec<String> {
+    let mut redis = redis().await;
+    let mut ids = Vec::with_capacity(entries.len());
+    for batch in entries.chunks(500) {
+        let mut pipe = redis::pipe();
+        for fields in batch {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(stream).arg("*");
+            for (k, v) in fields {
+                cmd.arg(k).arg(v.as_slice());
+            }
+            pipe.add_command(cmd);
+        }
+        let got: Vec<String> = pipe.query_async(&mut redis).await.unwrap();
+        ids.extend(got);
+    }
+    ids
+}
+
+/// The fields of a well-formed chunk entry.
+fn chunk_entry(doc: &str, idx: i32, text: &str) -> Vec<(String, Vec<u8>)> {
+    vec![
+        ("doc_id".into(), doc.as_bytes().to_vec()),
+        ("chunk_index".into(), idx.to_string().into_bytes()),
+        ("text".into(), text.as_bytes().to_vec()),
+        ("metadata".into(), br#"{"source":"it"}"#.to_vec()),
+    ]
+}
+
+/// Entries pending in `group` on `stream`, as the test reads it (`XPENDING` summary); 0 before
+/// the group exists.
+async fn pending(stream: &str, group: &str) -> i64 {
+    let mut redis = redis().await;
+    let reply: redis::Value =
+        match redis::cmd("XPENDING").arg(stream).arg(group).query_async(&mut redis).await {
+            Ok(v) => v,
+            Err(e) if e.code() == Some("NOGROUP") => return 0,
+            Err(e) => panic!("XPENDING: {e}"),
+        };
+    match reply {
+        redis::Value::Array(parts) => match parts.first() {
+            Some(redis::Value::Int(n)) => *n,
+            _ => panic!("unexpected XPENDING reply {parts:?}"),
+        },
+        other => panic!("unexpected XPENDING reply {other:?}"),
+    }
+}
+
+fn source_opts(stream: &str, consumer: &str) -> SourceOptions {
+    SourceOptions {
+        streams: vec![stream.to_string()],
+        group: "it-ingest".into(),
+        consumer: consumer.into(),
+        block: Duration::from_millis(200),
+        min_idle: Duration::from_millis(1_000),
+        idle_exit: Some(Duration::from_millis(800)),
+        ..SourceOptions::default()
+    }
+}
+
+async fn run_source(
+    db: &TestDb,
+    mock: &MockProvider,
+    opts: SourceOptions,
+) -> embed_dlq::ingest::IngestSummary {
+    let s = settings(db, mock);
+    let p = pipeline(&s).await;
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        p.run_source(&redis_client(), opts, CancellationToken::new()),
+    )
+    .await
+    .expect("the source drains and stops")
+    .expect("source run")
+}
+
+on_single_and_cluster! {
+    /// Every entry ends as a vector or a DLQ row, malformed ones parked with the raw entry,
+    /// and the group has nothing pending afterwards; a second pass over the same content
+    /// embeds nothing (skipped as unchanged) and still acknowledges everything.
+    async fn every_entry_ends_stored_or_parked_and_acknowledged() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        let mut entries: Vec<Vec<(String, Vec<u8>)>> =
+            (0..300).map(|i| chunk_entry(&format!("doc-{}", i / 3), i % 3, &format!("text {i}"))).collect();
+        let malformed = vec![
+            // No identity: parked under source:<stream>/<id>.
+            vec![("chunk_index".into(), b"1".to_vec()), ("text".into(), b"x".to_vec())],
+            vec![("doc_id".into(), b"bad-idx".to_vec()), ("chunk_index".into(), b"-4".to_vec()), ("text".into(), b"x".to_vec())],
+            // Identity readable, content broken: parked under it.
+            vec![("doc_id".into(), b"bad-meta".to_vec()), ("chunk_index".into(), b"0".to_vec()),
+                 ("text".into(), b"x".to_vec()), ("metadata".into(), b"{not json".to_vec())],
+            vec![("doc_id".into(), b"bad-utf8".to_vec()), ("chunk_index".into(), b"0".to_vec()),
+                 ("text".into(), b"caf\xe9".to_vec())],
+            vec![("doc_id".into(), b"bad-op".to_vec()), ("chunk_index".into(), b"0".to_vec()),
+                 ("text".into(), b"x".to_vec()), ("op".into(), b"frobnicate".to_vec())],
+        ];
+        entries.extend(malformed);
+        let ids = publish(&stream, &entries).await;
+        let mut expected: BTreeSet<(String, i32)> =
+            (0..300).map(|i| (format!("doc-{}", i / 3), i % 3)).collect();
+        expected.insert((format!("source:{stream}/{}", ids[300]), 0));
+        expected.insert((format!("source:{stream}/{}", ids[301]), 0));
+        for doc in ["bad-meta", "bad-utf8", "bad-op"] {
+            expected.insert((doc.to_string(), 0));
+        }
+
+        let summary = run_source(&db, &mock, source_opts(&stream, "c1")).await;
+        let counts = summary.source.clone().expect("source counts");
+        assert_eq!(counts.entries_read, 305, "{summary:?}");
+        assert_eq!(counts.entries_acked, 305, "{summary:?}");
+        assert_eq!(counts.left_pending, 0);
+        assert_eq!(summary.stored, 300);
+        assert_eq!(pending(&stream, "it-ingest").await, 0, "nothing left pending");
+        assert_corpus_accounted(&db, &expected).await;
+        assert_eq!(db.leaks().await, 0);
+        assert_eq!(db.manifest_disagreements().await, 0);
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 300);
+        assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'invalid_record'").await, 5);
+        // The raw entry is preserved in the payload of a malformed one.
+        let row = sqlx::query("SELECT payload, last_error FROM embedding_dlq WHERE doc_id = 'bad-op'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let payload: serde_json::Value = row.get("payload");
+        let last_error: String = row.get("last_error");
+        assert!(last_error.contains("unknown op"), "{last_error}");
+        assert_eq!(payload["raw_entry"][3], serde_json::json!(["op", "frobnicate"]), "{payload}");
+        assert_eq!(payload["source_stream"], serde_json::json!(stream));
+
+        // The same content again: nothing embedded, everything acknowledged.
+        let inputs = mock.control.stats().inputs;
+        publish(&stream, &entries[..300]).await;
+        let again = run_source(&db, &mock, source_opts(&stream, "c2")).await;
+        assert_eq!(again.unchanged, 300, "{again:?}");
+        assert_eq!(mock.control.stats().inputs, inputs, "unchanged entries are not embedded again");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 300);
+    }
+
+    /// A slow provider never makes the consumer read the stream into memory: what the group
+    /// has delivered and not acknowledged stays within `max_inflight_entries`.
+    async fn a_slow_provider_bounds_what_is_read() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig { latency_ms: 150, ..MockConfig::default() }).await;
+        let stream = fresh_stream();
+        let entries: Vec<_> = (0..1_500).map(|i| chunk_entry(&format!("slow-{i}"), 0, &format!("t{i}"))).collect();
+        publish(&stream, &entries).await;
+        let mut opts = source_opts(&stream, "slow");
+        opts.max_inflight_entries = 64;
+        let s = settings(&db, &mock);
+        let p = pipeline(&s).await;
+        let client = redis_client();
+        let run = tokio::spawn(async move { p.run_source(&client, opts, CancellationToken::new()).await });
+        let mut max_pending = 0;
+        while !run.is_finished() {
+            max_pending = max_pending.max(pending(&stream, "it-ingest").await);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let summary = run.await.unwrap().unwrap();
+        assert_eq!(summary.stored, 1_500);
+        assert!(max_pending > 0, "the test saw work in flight");
+        assert!(max_pending <= 64, "at most max_inflight_entries delivered and unacknowledged: {max_pending}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+    }
+
+    /// An entry delivered past the delivery cap (it kept killing its consumers) is parked as
+    /// an invalid record, raw entry kept, and acknowledged: never taken again.
+    async fn an_entry_past_the_delivery_cap_is_parked_not_looped() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        let ids = publish(&stream, &[chunk_entry("poison", 0, "kills its consumer"), chunk_entry("fine", 0, "ok")]).await;
+        let mut redis = redis().await;
+        let _: () = redis::cmd("XGROUP").arg("CREATE").arg(&stream).arg("it-ingest").arg("0").query_async(&mut redis).await.unwrap();
+        // A consumer took it and died, many times over.
+        let _: redis::Value = redis::cmd("XREADGROUP").arg("GROUP").arg("it-ingest").arg("dead").arg("COUNT").arg(1)
+            .arg("STREAMS").arg(&stream).arg(">").query_async(&mut redis).await.unwrap();
+        let _: redis::Value = redis::cmd("XCLAIM").arg(&stream).arg("it-ingest").arg("dead").arg(0).arg(&ids[0])
+            .arg("RETRYCOUNT").arg(20).query_async(&mut redis).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        let mut opts = source_opts(&stream, "survivor");
+        opts.delivery_cap = 5;
+        let summary = run_source(&db, &mock, opts).await;
+        assert_eq!(summary.source.as_ref().unwrap().entries_poison, 1, "{summary:?}");
+        let (class, last_error): (String, String) =
+            sqlx::query_as("SELECT error_class, last_error FROM embedding_dlq WHERE doc_id = 'poison'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(class, "invalid_record");
+        assert!(last_error.contains("delivery cap"), "{last_error}");
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 1, "the healthy entry is stored");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+        let _: i64 = redis.del(&stream).await.unwrap();
+    }
+
+    /// `ingest --from-stream` killed mid-batch (SIGKILL at a writer, nothing written for the
+    /// batch) leaves its entries pending; a second consumer takes them over after the
+    /// min-idle time; a third run killed after its commit and before its `XACK` leaves
+    /// entries whose redelivery is skipped as unchanged. Nothing lost, nothing stored twice,
+    /// nothing pending at the end.
+    async fn a_killed_consumer_is_taken_over_and_nothing_is_lost_or_doubled() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig { latency_ms: 5, ..MockConfig::default() }).await;
+        let stream = fresh_stream();
+        let entries: Vec<_> = (0..2_000).map(|i| chunk_entry(&format!("k-{}", i / 4), i % 4, &format!("text {i}"))).collect();
+        publish(&stream, &entries).await;
+        let expected: BTreeSet<(String, i32)> = (0..2_000).map(|i| (format!("k-{}", i / 4), i % 4)).collect();
+
+        // Killed before its first write.
+        let out = source_cmd(&db, &mock, &stream, "victim-1")
+            .env("EMBED_DLQ_FAILPOINT", "ingest_writer=abort@2")
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("failpoint ingest_writer reached"), "the failpoint killed it: {stderr}");
+        let stored_after_kill = db.count("SELECT count(*) FROM doc_embeddings").await;
+        let left = pending(&stream, "it-ingest").await;
+        assert!(left > 0, "the killed consumer's entries are pending");
+        assert!(stored_after_kill < 2_000);
+
+        // Killed after a commit, before its acknowledgement.
+        let out = source_cmd(&db, &mock, &stream, "victim-2")
+            .env("EMBED_DLQ_FAILPOINT", "source_before_ack=abort@2")
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("failpoint source_before_ack reached"), "{stderr}");
+        assert!(pending(&stream, "it-ingest").await > 0);
+
+        // A survivor takes everything over.
+        let out = source_cmd(&db, &mock, &stream, "survivor").arg("--json").output().await.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(summary["source"]["entries_reclaimed"].as_u64().unwrap() > 0, "{summary}");
+        assert!(summary["unchanged"].as_u64().unwrap() > 0, "committed but unacknowledged entries are skipped: {summary}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0, "the group's pending count returns to 0");
+        assert_corpus_accounted(&db, &expected).await;
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 2_000);
+        assert_eq!(db.leaks().await, 0);
+        assert_eq!(db.duplicates().await, 0);
+        assert_eq!(db.manifest_disagreements().await, 0);
+    }
+}
+
+/// `ingest --from-stream` as a user runs it, against the test's Redis and database, exiting
+/// when the stream is drained.
+fn source_cmd(db: &TestDb, mock: &MockProvider, stream: &str, consumer: &str) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.env_remove("EMBED_DLQ_API_KEY").env_remove("RUST_LOG").env_remove("EMBED_DLQ_FAILPOINT");
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+    c.arg("ingest")
+        .args(["--from-stream", stream, "--group", "it-ingest", "--consumer", consumer])
+        .args([
+            "--source-min-idle-ms",
+            "1000",
+            "--idle-exit-ms",
+            "1500",
+            "--source-max-inflight-entries",
+            "300",
+        ])
+        .args(["--database-url", &db.url, "--redis-url", &redis_url()])
+        .args(["--base-url", &mock.base_url(), "--model", "mock"])
+        .args(["--batch-max-inputs", "16", "--concurrency", "2", "--request-timeout-ms", "2000"])
+        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--no-progress"]);
+    c
+}
+
+/// The Rust producer example's own code, run against the suite's Redis.
+#[path = "../../examples/produce_chunks.rs"]
+#[allow(dead_code)] // its `main` is the example binary's, not the suite's
+mod produce_chunks;
+
+/// Runs the Python producer example (redis-py) as a user would; a missing `python3` or
+/// redis-py fails the test with the reason, it never skips.
+async fn publish_from_python(stream: &str, count: usize, prefix: &str) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/produce_chunks.py");
+    let out = tokio::process::Command::new("python3")
+        .arg(script)
+        .args(["--redis-url", &redis_url(), "--stream", stream, "--count", &count.to_string()])
+        .args(["--doc-prefix", prefix])
+        .output()
+        .await
+        .expect("python3 must be installed to run the Python producer example");
+    assert!(
+        out.status.success(),
+        "the Python producer failed (redis-py missing? `pip install redis`): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["published"][stream], serde_json::json!(count), "{report}");
+}
+
+on_single_and_cluster! {
+    /// The producer examples, Python (redis-py) and Rust, publish to a source stream; their
+    /// chunks end up as vectors.
+    async fn the_producer_examples_chunks_end_up_as_vectors() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        publish_from_python(&stream, 120, "py").await;
+        let rust_chunks = produce_chunks::sample_chunks("rs", 80);
+        let ids = produce_chunks::publish(&mut redis().await, &stream, &rust_chunks).await.unwrap();
+        assert_eq!(ids.len(), 80);
+        let expected: BTreeSet<(String, i32)> = (0..120)
+            .map(|i| (format!("py-{}", i / 4), i % 4))
+            .chain(rust_chunks.iter().map(|c| (c.doc_id.clone(), c.chunk_index)))
+            .collect();
+        let summary = run_source(&db, &mock, source_opts(&stream, "examples")).await;
+        assert_eq!(summary.stored, 200, "{summary:?}");
+        assert_corpus_accounted(&db, &expected).await;
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 200);
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+    }
+}
+
+/// `serve` with a source (`--from-stream`, i.e. `[source] streams`) ingests what is published
+/// while it runs, acknowledges it, and says on SIGTERM that it stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_ingests_from_its_source_stream() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let stream = fresh_stream();
+    let prefix = format!("it-serve-src-{}", rand::random::<u32>());
+    let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--model", "mock", "--stream-prefix", &prefix, "--replayers", "1"])
+        .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1"])
+        .env_remove("EMBED_DLQ_API_KEY")
+        .env_remove("EMBED_DLQ_FAILPOINT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let entries: Vec<_> =
+        (0..150).map(|i| chunk_entry(&format!("served-{}", i / 5), i % 5, &format!("t{i}"))).collect();
+    publish(&stream, &entries).await;
+    let mut stored = 0;
+    for _ in 0..300 {
+        stored = db.count("SELECT count(*) FROM doc_embeddings").await;
+        if stored == 150 && pending(&stream, "it-ingest").await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stored, 150, "serve stored what was published");
+    assert_eq!(pending(&stream, "it-ingest").await, 0, "and acknowledged it");
+    let pid = serve.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(30), serve.wait_with_output()).await.unwrap().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("stream source stopped"), "{stderr}");
+    let expected: BTreeSet<(String, i32)> = (0..150).map(|i| (format!("served-{}", i / 5), i % 5)).collect();
+    assert_corpus_accounted(&db, &expected).await;
+}
+
+on_single_and_cluster! {
+    /// Issue 21: `op: delete` entries delete a chunk or a whole document, like the JSONL
+    /// deletes, and are acknowledged once the deletion has committed; a delete carrying text
+    /// is parked, not applied.
+    async fn delete_entries_delete_and_are_acknowledged() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        let entries: Vec<Vec<(String, Vec<u8>)>> =
+            (0..12).map(|i| chunk_entry(&format!("doc-{}", i / 4), i % 4, &format!("text {i}"))).collect();
+        publish(&stream, &entries).await;
+        let first = run_source(&db, &mock, source_opts(&stream, "c1")).await;
+        assert_eq!(first.stored, 12, "{first:?}");
+
+        let delete = |doc: &str, idx: Option<i32>| {
+            let mut f = vec![("doc_id".to_string(), doc.as_bytes().to_vec()), ("op".into(), b"delete".to_vec())];
+            if let Some(i) = idx {
+                f.push(("chunk_index".into(), i.to_string().into_bytes()));
+            }
+            f
+        };
+        let mut with_text = delete("doc-2", Some(0));
+        with_text.push(("text".into(), b"not a delete's".to_vec()));
+        publish(&stream, &[delete("doc-0", None), delete("doc-1", Some(3)), with_text]).await;
+        let second = run_source(&db, &mock, source_opts(&stream, "c2")).await;
+        let counts = second.source.clone().expect("source counts");
+        assert_eq!((counts.entries_read, counts.entries_acked), (3, 3), "{second:?}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0, "every delete entry acknowledged");
+        assert_eq!(second.chunks_deleted, 5, "doc-0's four chunks and doc-1#3: {second:?}");
+
+        let mut expected: BTreeSet<(String, i32)> = (4..12)
+            .map(|i| (format!("doc-{}", i / 4), i % 4))
+            .filter(|k| *k != ("doc-1".to_string(), 3))
+            .collect();
+        // The delete with text is parked as an invalid record under its identity.
+        expected.insert(("doc-2".to_string(), 0));
+        assert_corpus_accounted(&db, &expected).await;
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'doc-0'").await, 0);
+        // 12 stored, 5 deleted, and doc-2#0's vector withdrawn by the newer (broken) entry
+        // parked in its place, as for any broken record of a stored key.
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 6);
+        assert_eq!(db.leaks().await, 0);
+    }
+}
