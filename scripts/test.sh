@@ -3,8 +3,8 @@
 # Cluster of 3 masters + 3 replicas (all idempotent; the relay, replay, tail and reconcile
 # tests run against both Redis deployments), drops databases left by earlier test runs, makes
 # sure promtool (metrics, alert-rule and dashboard tests) and Debian's chromium +
-# chromium-driver (the console's browser tests) are installed, then runs every test against
-# them with the `failpoints` feature on (the
+# chromium-driver (the console's browser tests) and redis-py (the Python events consumer
+# example) are installed, then runs every test against them with the `failpoints` feature on (the
 # crash tests need it; a default build has no failpoint code). Afterwards it checks that the
 # run left no test database behind (each `TestDb` drops its own, even when its test panics).
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- fault_mix).
@@ -16,6 +16,11 @@ eval "$(scripts/services.sh cluster up)"
 scripts/services.sh drop-test-dbs
 scripts/ensure-promtool.sh
 scripts/ensure-chromium.sh
+# redis-py, for the Python events consumer example the suite runs (tests/it/contract.rs).
+# From /: the repository's redis/ folder would pass for the package.
+(cd / && python3 -c 'import redis.cluster' 2>/dev/null) ||
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
+    --no-warn-script-location 'redis>=5,<9'
 
 # Tags the names of this run's test databases (it_<pid>_<run>_...), so the check below counts
 # exactly them and not those of another run on the same server.

@@ -448,18 +448,187 @@ impl Drop for PrivateCluster {
     }
 }
 
-/// Relays every unpublished outbox row to `keys`; returns the new stream entries.
+/// Relays every unpublished outbox row to `keys`; returns the new stream entries. Every entry
+/// it added to the events streams is checked against the events contract
+/// ([`assert_events_conform_after`]).
 pub async fn relay_all(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> u64 {
     use embed_dlq::relay::{Relay, RelayConfig};
+    let before = events_heads(keys).await;
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
     let mut published = 0;
     loop {
         let c = relay.run_once().await.unwrap();
         published += c.published;
         if c.claimed == 0 {
-            return published;
+            break;
         }
     }
+    assert_events_conform_after(keys, &before).await;
+    published
+}
+
+/// The events contract, `docs/events.schema.json`, compiled once: what a consumer in any
+/// language is promised about the events streams.
+pub struct EventsContract {
+    /// The schema document.
+    pub schema: serde_json::Value,
+    /// The root: an event body.
+    body: jsonschema::Validator,
+    /// `$defs/entry`: the stream entry around a body.
+    entry: jsonschema::Validator,
+}
+
+/// Path of the contract in the repository.
+pub const EVENTS_SCHEMA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/events.schema.json");
+
+/// The contract (read and compiled on first use), with format checks on (`date-time`, `uuid`):
+/// draft 2020-12 only annotates formats unless asked.
+pub fn events_contract() -> &'static EventsContract {
+    static CONTRACT: std::sync::OnceLock<EventsContract> = std::sync::OnceLock::new();
+    CONTRACT.get_or_init(|| {
+        let text = std::fs::read_to_string(EVENTS_SCHEMA).expect("docs/events.schema.json");
+        let schema: serde_json::Value = serde_json::from_str(&text).expect("the events schema is JSON");
+        let compile = |s: &serde_json::Value| {
+            jsonschema::draft202012::options()
+                .should_validate_formats(true)
+                .build(s)
+                .unwrap_or_else(|e| panic!("docs/events.schema.json does not compile: {e}"))
+        };
+        let mut entry = schema["$defs"]["entry"].clone();
+        entry["$schema"] = schema["$schema"].clone();
+        EventsContract { body: compile(&schema), entry: compile(&entry), schema }
+    })
+}
+
+impl EventsContract {
+    /// Why `body` (an event body) breaks the contract; empty when it conforms.
+    pub fn body_problems(&self, body: &serde_json::Value) -> Vec<String> {
+        self.body.iter_errors(body).map(|e| format!("{} at {}", e, e.instance_path())).collect()
+    }
+
+    /// Why a stream entry (its field/value pairs) breaks the contract, its body included;
+    /// empty when it conforms.
+    pub fn entry_problems(&self, fields: &std::collections::BTreeMap<String, String>) -> Vec<String> {
+        let as_json = serde_json::to_value(fields).unwrap();
+        let mut problems: Vec<String> = self
+            .entry
+            .iter_errors(&as_json)
+            .map(|e| format!("entry: {} at {}", e, e.instance_path()))
+            .collect();
+        match fields.get("body").map(|b| serde_json::from_str::<serde_json::Value>(b)) {
+            Some(Ok(body)) => {
+                problems.extend(self.body_problems(&body));
+                if fields.get("event").map(String::as_str) != body["event"].as_str() {
+                    problems
+                        .push(format!("entry field event {:?} differs from the body's", fields.get("event")));
+                }
+            }
+            Some(Err(e)) => problems.push(format!("body is not JSON: {e}")),
+            None => {}
+        }
+        problems
+    }
+
+    /// Every event kind the contract describes.
+    pub fn kinds(&self) -> std::collections::BTreeSet<String> {
+        self.schema["properties"]["event"]["enum"]
+            .as_array()
+            .expect("the schema lists the event kinds")
+            .iter()
+            .map(|k| k.as_str().unwrap().to_string())
+            .collect()
+    }
+}
+
+/// One entry of an events stream, its fields as strings.
+#[derive(Debug, Clone)]
+pub struct EventEntry {
+    /// The stream (shard) it is on.
+    pub stream: String,
+    /// Its entry id.
+    pub id: String,
+    /// Its field/value pairs.
+    pub fields: std::collections::BTreeMap<String, String>,
+}
+
+/// The last entry id of every shard's events stream of `keys` (`0-0` when empty or missing):
+/// where [`assert_events_conform_after`] starts.
+pub async fn events_heads(keys: &embed_dlq::streams::StreamKeys) -> Vec<String> {
+    let mut r = redis().await;
+    let mut heads = Vec::new();
+    for shard in keys.shard_ids() {
+        let last: redis::streams::StreamRangeReply = redis::cmd("XREVRANGE")
+            .arg(keys.events_of(shard))
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        heads.push(last.ids.first().map_or_else(|| "0-0".to_string(), |e| e.id.clone()));
+    }
+    heads
+}
+
+/// Every entry of the events streams of `keys` after `heads` (one id per shard, from
+/// [`events_heads`]), in stream order per shard.
+pub async fn events_after(keys: &embed_dlq::streams::StreamKeys, heads: &[String]) -> Vec<EventEntry> {
+    let mut r = redis().await;
+    let mut out = Vec::new();
+    for shard in keys.shard_ids() {
+        let stream = keys.events_of(shard);
+        let mut after = heads[usize::from(shard)].clone();
+        loop {
+            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(&stream)
+                .arg(format!("({after}"))
+                .arg("+")
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            let Some(last) = page.ids.last() else { break };
+            after = last.id.clone();
+            for e in &page.ids {
+                let fields = e
+                    .map
+                    .keys()
+                    .map(|k| (k.clone(), embed_dlq::streams::field(&e.map, k).expect("a string field")))
+                    .collect();
+                out.push(EventEntry { stream: stream.clone(), id: e.id.clone(), fields });
+            }
+        }
+    }
+    out
+}
+
+/// Panics unless every entry of the events streams of `keys` after `heads` conforms to the
+/// events contract (`docs/events.schema.json`); returns them.
+pub async fn assert_events_conform_after(
+    keys: &embed_dlq::streams::StreamKeys,
+    heads: &[String],
+) -> Vec<EventEntry> {
+    let contract = events_contract();
+    let entries = events_after(keys, heads).await;
+    for e in &entries {
+        let problems = contract.entry_problems(&e.fields);
+        assert!(
+            problems.is_empty(),
+            "{} {} breaks the events contract (docs/events.schema.json): {problems:#?}\nentry: {:#?}",
+            e.stream,
+            e.id,
+            e.fields
+        );
+    }
+    entries
+}
+
+/// [`assert_events_conform_after`] from the start of every shard's events stream.
+pub async fn assert_events_conform(keys: &embed_dlq::streams::StreamKeys) -> Vec<EventEntry> {
+    let heads = vec!["0-0".to_string(); usize::from(keys.shards())];
+    assert_events_conform_after(keys, &heads).await
 }
 
 /// A reconciler over `db` and the streams under `keys`.
