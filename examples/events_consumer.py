@@ -246,11 +246,12 @@ class Consumer:
                 shard = (shard + 1) % len(self.streams)
                 backoff.reset()
             except redis.exceptions.ResponseError as e:
-                if str(e).startswith("NOGROUP"):
-                    # The stream or the group is gone (Redis lost its data, a FLUSHALL): the
-                    # relay and `reconcile --repair` publish again; read it all.
+                if str(e).startswith(("NOGROUP", "UNBLOCKED")):
+                    # The stream or the group is gone (Redis lost its data, a FLUSHALL; a read
+                    # blocked on a deleted stream is UNBLOCKED): the relay and `reconcile
+                    # --repair` publish again; read it all.
                     log(f"{stream}: {e}; recreating the group from the oldest entry")
-                    self.ensure_group(stream, "0")
+                    start, resumed = "0", False
                     continue
                 raise
             except TRANSIENT as e:
