@@ -44,7 +44,7 @@ pub(crate) async fn kinds_the_outbox_allows(db: &TestDb) -> BTreeSet<String> {
 fn the_contract_is_a_versioned_2020_12_schema() {
     let c = events_contract();
     assert_eq!(c.schema["$schema"], "https://json-schema.org/draft/2020-12/schema");
-    assert!(jsonschema::meta::is_valid(&c.schema), "the schema is valid against its meta-schema");
+    assert_eq!(c.schema_problems(), Vec::<String>::new(), "the schema is valid against its meta-schema");
     let id = c.schema["$id"].as_str().unwrap();
     let version = c.schema["version"].as_str().expect("a version");
     let major = version.split('.').next().unwrap();

@@ -467,66 +467,118 @@ pub async fn relay_all(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> u6
     published
 }
 
-/// The events contract, `docs/events.schema.json`, compiled once: what a consumer in any
-/// language is promised about the events streams.
+/// The events contract, `docs/events.schema.json`: what a consumer in any language is promised
+/// about the events streams. Checked by one long-lived Python process per test binary
+/// (`tests/it/events_checker.py`, Python's `jsonschema` package, draft 2020-12 with formats
+/// asserted), which `scripts/test.sh` installs: no JSON Schema crate in the build.
 pub struct EventsContract {
     /// The schema document.
     pub schema: serde_json::Value,
-    /// The root: an event body.
-    body: jsonschema::Validator,
-    /// `$defs/entry`: the stream entry around a body.
-    entry: jsonschema::Validator,
+    /// The checker process, one request at a time.
+    checker: std::sync::Mutex<SchemaChecker>,
 }
 
 /// Path of the contract in the repository.
 pub const EVENTS_SCHEMA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/events.schema.json");
 
-/// The contract (read and compiled on first use), with format checks on (`date-time`, `uuid`):
-/// draft 2020-12 only annotates formats unless asked.
+/// The checker script.
+const EVENTS_CHECKER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/events_checker.py");
+
+/// What to do when the checker can't run.
+const CHECKER_HELP: &str = "the events contract is checked with python3 and its jsonschema and \
+rfc3339-validator packages: scripts/test.sh installs them (pip install 'jsonschema>=4.18,<5' \
+'rfc3339-validator>=0.1.4,<0.2')";
+
+/// A running `events_checker.py`: one JSON request per line in, one answer per line out.
+struct SchemaChecker {
+    /// The process: it exits with the test binary (its stdin closes).
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl SchemaChecker {
+    /// Starts the checker on `docs/events.schema.json`; panics (never skips) when python3 or the
+    /// packages are missing.
+    fn start() -> Self {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("python3")
+            .arg(EVENTS_CHECKER)
+            .arg(EVENTS_SCHEMA)
+            // Not the repository: its redis/ folder would pass for a package.
+            .current_dir(std::env::temp_dir())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("python3 cannot be run ({e}): {CHECKER_HELP}"));
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        stdout.read_line(&mut first).expect("the events checker's first line");
+        if first.trim_end() != "ready" {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the events checker did not start ({}): {CHECKER_HELP}", first.trim_end());
+        }
+        SchemaChecker { child, stdin, stdout }
+    }
+
+    /// The checker's answer to `request`: empty when it answered `ok`.
+    fn ask(&mut self, request: &serde_json::Value) -> Vec<String> {
+        use std::io::{BufRead, Write};
+        let mut line = serde_json::to_string(request).unwrap();
+        line.push('\n');
+        let mut answer = String::new();
+        let io = self.stdin.write_all(line.as_bytes()).and_then(|()| self.stdin.flush());
+        let read = io.and_then(|()| self.stdout.read_line(&mut answer));
+        match read {
+            Ok(n) if n > 0 => {}
+            outcome => panic!(
+                "the events checker (pid {}) died ({outcome:?}, exit {:?}): {CHECKER_HELP}",
+                self.child.id(),
+                self.child.try_wait()
+            ),
+        }
+        match answer.trim_end() {
+            "ok" => Vec::new(),
+            problems => serde_json::from_str(problems)
+                .unwrap_or_else(|e| panic!("the events checker answered {problems:?} ({e})")),
+        }
+    }
+}
+
+/// The contract (read, and its checker started, on first use).
 pub fn events_contract() -> &'static EventsContract {
     static CONTRACT: std::sync::OnceLock<EventsContract> = std::sync::OnceLock::new();
     CONTRACT.get_or_init(|| {
         let text = std::fs::read_to_string(EVENTS_SCHEMA).expect("docs/events.schema.json");
         let schema: serde_json::Value = serde_json::from_str(&text).expect("the events schema is JSON");
-        let compile = |s: &serde_json::Value| {
-            jsonschema::draft202012::options()
-                .should_validate_formats(true)
-                .build(s)
-                .unwrap_or_else(|e| panic!("docs/events.schema.json does not compile: {e}"))
-        };
-        let mut entry = schema["$defs"]["entry"].clone();
-        entry["$schema"] = schema["$schema"].clone();
-        EventsContract { body: compile(&schema), entry: compile(&entry), schema }
+        EventsContract { schema, checker: std::sync::Mutex::new(SchemaChecker::start()) }
     })
 }
 
 impl EventsContract {
-    /// Why `body` (an event body) breaks the contract; empty when it conforms.
-    pub fn body_problems(&self, body: &serde_json::Value) -> Vec<String> {
-        self.body.iter_errors(body).map(|e| format!("{} at {}", e, e.instance_path())).collect()
+    /// The checker's answer to `request` (one exchange at a time, whichever test asks).
+    fn ask(&self, request: serde_json::Value) -> Vec<String> {
+        self.checker.lock().unwrap_or_else(std::sync::PoisonError::into_inner).ask(&request)
     }
 
-    /// Why a stream entry (its field/value pairs) breaks the contract, its body included;
-    /// empty when it conforms.
+    /// Why the schema is not a valid draft 2020-12 schema (its meta-schema); empty when it is.
+    pub fn schema_problems(&self) -> Vec<String> {
+        self.ask(serde_json::json!({ "schema": null }))
+    }
+
+    /// Why `body` (an event body) breaks the contract; empty when it conforms.
+    pub fn body_problems(&self, body: &serde_json::Value) -> Vec<String> {
+        self.ask(serde_json::json!({ "body": body }))
+    }
+
+    /// Why a stream entry (its field/value pairs) breaks the contract: `$defs/entry`, its body
+    /// (parsed), and its `event` field equal to the body's; empty when it conforms.
     pub fn entry_problems(&self, fields: &std::collections::BTreeMap<String, String>) -> Vec<String> {
-        let as_json = serde_json::to_value(fields).unwrap();
-        let mut problems: Vec<String> = self
-            .entry
-            .iter_errors(&as_json)
-            .map(|e| format!("entry: {} at {}", e, e.instance_path()))
-            .collect();
-        match fields.get("body").map(|b| serde_json::from_str::<serde_json::Value>(b)) {
-            Some(Ok(body)) => {
-                problems.extend(self.body_problems(&body));
-                if fields.get("event").map(String::as_str) != body["event"].as_str() {
-                    problems
-                        .push(format!("entry field event {:?} differs from the body's", fields.get("event")));
-                }
-            }
-            Some(Err(e)) => problems.push(format!("body is not JSON: {e}")),
-            None => {}
-        }
-        problems
+        self.ask(serde_json::json!({ "entry": fields }))
     }
 
     /// Every event kind the contract describes.
