@@ -13,6 +13,9 @@
 //! `EMBED_DLQ_STREAM_SHARDS` its shard count (default 1: the group then covers every shard's
 //! events stream, read in turn). Run
 //! `embed-dlq serve` (it relays the outbox to the stream) and ingest something that parks.
+//!
+//! The events' format and its versioning rule: `docs/events.md` and `docs/events.schema.json`;
+//! the same consumer in Python: `examples/events_consumer.py`.
 
 use std::time::Duration;
 

@@ -3,9 +3,10 @@
 # Cluster of 3 masters + 3 replicas (all idempotent; the relay, replay, tail and reconcile
 # tests run against both Redis deployments), drops databases left by earlier test runs, makes
 # sure promtool (metrics, alert-rule and dashboard tests) and Debian's chromium +
-# chromium-driver (the console's browser tests) are installed, then runs every test against
-# them with the `failpoints` feature on (the
-# crash tests need it; a default build has no failpoint code). Afterwards it checks that the
+# chromium-driver (the console's browser tests), redis-py (the Python events consumer
+# example) and Python's jsonschema (the events contract's checker) are installed, then runs
+# every test against them with the `failpoints` feature on (the crash tests need it; a default
+# build has no failpoint code). Afterwards it checks that the
 # run left no test database behind (each `TestDb` drops its own, even when its test panics).
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- fault_mix).
 set -euo pipefail
@@ -16,6 +17,17 @@ eval "$(scripts/services.sh cluster up)"
 scripts/services.sh drop-test-dbs
 scripts/ensure-promtool.sh
 scripts/ensure-chromium.sh
+# redis-py, for the Python events consumer example the suite runs (tests/it/contract.rs).
+# From /: the repository's redis/ folder would pass for the package.
+(cd / && python3 -c 'import redis.cluster' 2>/dev/null) ||
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
+    --no-warn-script-location 'redis>=5,<9'
+# jsonschema, which checks every event the tests publish against docs/events.schema.json
+# (tests/it/events_checker.py, one process per test binary), and rfc3339-validator, without
+# which it does not check the date-time format. Nothing is fetched when it runs.
+(cd / && python3 -c 'import jsonschema, referencing, rfc3339_validator' 2>/dev/null) ||
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
+    --no-warn-script-location 'jsonschema>=4.18,<5' 'rfc3339-validator>=0.1.4,<0.2'
 
 # Tags the names of this run's test databases (it_<pid>_<run>_...), so the check below counts
 # exactly them and not those of another run on the same server.

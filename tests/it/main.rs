@@ -5,6 +5,7 @@
 mod cluster;
 mod config;
 mod console;
+mod contract;
 mod costs;
 mod dashboard;
 mod deletions;

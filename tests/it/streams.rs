@@ -1111,3 +1111,65 @@ async fn a_replayer_probes_again_after_an_outage_longer_than_max_outage_and_repl
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
 }
 }
+
+/// Runs `corpus` through a pipeline of `settings`.
+async fn ingest_corpus(settings: &embed_dlq::config::IngestSettings, corpus: String) {
+    pipeline(settings).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+}
+
+on_single_and_cluster! {
+/// The events contract end to end: one database records every kind of event the outbox allows
+/// (its CHECK constraint, which `contract::every_event_kind_the_outbox_allows_is_in_the_contract`
+/// compares with the schema) through the real statements, the relay publishes them, and every
+/// entry conforms to `docs/events.schema.json` (`relay_all` checks each entry it adds).
+async fn every_kind_of_event_is_published_as_the_contract_says() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let up = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &up);
+    // parked: three chunks during an outage.
+    let (_down, p) = park_transient(&db, 3, "k").await;
+    // resolved: a later ingest stores one of them with new text.
+    ingest_corpus(&s, line("k", 0, "k chunk 0, edited")).await;
+    // withdrawn (and parked): a stored chunk whose new text the provider rejects.
+    ingest_corpus(&s, line("w", 0, "w zero")).await;
+    ingest_corpus(&s, line("w", 0, &format!("w zero, rewritten {}", mock_provider::POISON_400))).await;
+    relay_all(&db, &keys).await;
+    // reparked, then exhausted: replays that meet an outage, up to a cap of two.
+    let failing = start_mock(MockConfig::default()).await;
+    failing.control.set_outage(true);
+    let capped = ReplayConfig {
+        schedule: embed_dlq::embed::retry::DlqSchedule { max_replays: 2, ..Default::default() },
+        ..replay_config()
+    };
+    let mut rep = replayer(&db, &failing, &keys, "failing", capped).await;
+    assert_eq!(replay_until_settled(&db, &p, &keys, &mut rep).await, 2);
+    // requeued: an operator sends the exhausted rows back.
+    let doc = |d: &str| embed_dlq::dlq::Filter { doc: Some(d.into()), ..Default::default() };
+    assert_eq!(embed_dlq::dlq::requeue(&p.store, &doc("k"), false, 1000).await.unwrap().requeued, 2);
+    // replayed: the provider is back.
+    let mut rep = replayer(&db, &up, &keys, "healthy", replay_config()).await;
+    enqueue_due(&db, &p, &keys).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'k'").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the requeued rows were not replayed");
+        read_batch(&mut rep).await;
+    }
+    // purged: an operator drops the rejected chunk.
+    assert_eq!(embed_dlq::dlq::purge(&p.store, &doc("w"), false).await.unwrap(), 1);
+    // deleted: a delete record of the input removes document k (three chunks).
+    ingest_corpus(&s, "{\"doc_id\": \"k\", \"op\": \"delete\"}\n".to_string()).await;
+    relay_all(&db, &keys).await;
+
+    let published = assert_events_conform(&keys).await;
+    let kinds: std::collections::BTreeSet<String> = published.iter().map(|e| e.fields["event"].clone()).collect();
+    let allowed: std::collections::BTreeSet<String> =
+        crate::contract::kinds_the_outbox_allows(&db).await.into_iter().filter(|k| k != "replay").collect();
+    assert_eq!(
+        kinds, allowed,
+        "every kind of event the outbox allows was published and checked (a new kind needs a step here)"
+    );
+    let outbox_events = db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'events'").await;
+    assert_eq!(published.len() as i64, outbox_events, "every event recorded was published once");
+}
+}

@@ -448,18 +448,239 @@ impl Drop for PrivateCluster {
     }
 }
 
-/// Relays every unpublished outbox row to `keys`; returns the new stream entries.
+/// Relays every unpublished outbox row to `keys`; returns the new stream entries. Every entry
+/// it added to the events streams is checked against the events contract
+/// ([`assert_events_conform_after`]).
 pub async fn relay_all(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> u64 {
     use embed_dlq::relay::{Relay, RelayConfig};
+    let before = events_heads(keys).await;
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
     let mut published = 0;
     loop {
         let c = relay.run_once().await.unwrap();
         published += c.published;
         if c.claimed == 0 {
-            return published;
+            break;
         }
     }
+    assert_events_conform_after(keys, &before).await;
+    published
+}
+
+/// The events contract, `docs/events.schema.json`: what a consumer in any language is promised
+/// about the events streams. Checked by one long-lived Python process per test binary
+/// (`tests/it/events_checker.py`, Python's `jsonschema` package, draft 2020-12 with formats
+/// asserted), which `scripts/test.sh` installs: no JSON Schema crate in the build.
+pub struct EventsContract {
+    /// The schema document.
+    pub schema: serde_json::Value,
+    /// The checker process, one request at a time.
+    checker: std::sync::Mutex<SchemaChecker>,
+}
+
+/// Path of the contract in the repository.
+pub const EVENTS_SCHEMA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/events.schema.json");
+
+/// The checker script.
+const EVENTS_CHECKER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/events_checker.py");
+
+/// What to do when the checker can't run.
+const CHECKER_HELP: &str = "the events contract is checked with python3 and its jsonschema and \
+rfc3339-validator packages: scripts/test.sh installs them (pip install 'jsonschema>=4.18,<5' \
+'rfc3339-validator>=0.1.4,<0.2')";
+
+/// A running `events_checker.py`: one JSON request per line in, one answer per line out.
+struct SchemaChecker {
+    /// The process: it exits with the test binary (its stdin closes).
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl SchemaChecker {
+    /// Starts the checker on `docs/events.schema.json`; panics (never skips) when python3 or the
+    /// packages are missing.
+    fn start() -> Self {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("python3")
+            .arg(EVENTS_CHECKER)
+            .arg(EVENTS_SCHEMA)
+            // Not the repository: its redis/ folder would pass for a package.
+            .current_dir(std::env::temp_dir())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("python3 cannot be run ({e}): {CHECKER_HELP}"));
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        stdout.read_line(&mut first).expect("the events checker's first line");
+        if first.trim_end() != "ready" {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the events checker did not start ({}): {CHECKER_HELP}", first.trim_end());
+        }
+        SchemaChecker { child, stdin, stdout }
+    }
+
+    /// The checker's answer to `request`: empty when it answered `ok`.
+    fn ask(&mut self, request: &serde_json::Value) -> Vec<String> {
+        use std::io::{BufRead, Write};
+        let mut line = serde_json::to_string(request).unwrap();
+        line.push('\n');
+        let mut answer = String::new();
+        let io = self.stdin.write_all(line.as_bytes()).and_then(|()| self.stdin.flush());
+        let read = io.and_then(|()| self.stdout.read_line(&mut answer));
+        match read {
+            Ok(n) if n > 0 => {}
+            outcome => panic!(
+                "the events checker (pid {}) died ({outcome:?}, exit {:?}): {CHECKER_HELP}",
+                self.child.id(),
+                self.child.try_wait()
+            ),
+        }
+        match answer.trim_end() {
+            "ok" => Vec::new(),
+            problems => serde_json::from_str(problems)
+                .unwrap_or_else(|e| panic!("the events checker answered {problems:?} ({e})")),
+        }
+    }
+}
+
+/// The contract (read, and its checker started, on first use).
+pub fn events_contract() -> &'static EventsContract {
+    static CONTRACT: std::sync::OnceLock<EventsContract> = std::sync::OnceLock::new();
+    CONTRACT.get_or_init(|| {
+        let text = std::fs::read_to_string(EVENTS_SCHEMA).expect("docs/events.schema.json");
+        let schema: serde_json::Value = serde_json::from_str(&text).expect("the events schema is JSON");
+        EventsContract { schema, checker: std::sync::Mutex::new(SchemaChecker::start()) }
+    })
+}
+
+impl EventsContract {
+    /// The checker's answer to `request` (one exchange at a time, whichever test asks).
+    fn ask(&self, request: serde_json::Value) -> Vec<String> {
+        self.checker.lock().unwrap_or_else(std::sync::PoisonError::into_inner).ask(&request)
+    }
+
+    /// Why the schema is not a valid draft 2020-12 schema (its meta-schema); empty when it is.
+    pub fn schema_problems(&self) -> Vec<String> {
+        self.ask(serde_json::json!({ "schema": null }))
+    }
+
+    /// Why `body` (an event body) breaks the contract; empty when it conforms.
+    pub fn body_problems(&self, body: &serde_json::Value) -> Vec<String> {
+        self.ask(serde_json::json!({ "body": body }))
+    }
+
+    /// Why a stream entry (its field/value pairs) breaks the contract: `$defs/entry`, its body
+    /// (parsed), and its `event` field equal to the body's; empty when it conforms.
+    pub fn entry_problems(&self, fields: &std::collections::BTreeMap<String, String>) -> Vec<String> {
+        self.ask(serde_json::json!({ "entry": fields }))
+    }
+
+    /// Every event kind the contract describes.
+    pub fn kinds(&self) -> std::collections::BTreeSet<String> {
+        self.schema["properties"]["event"]["enum"]
+            .as_array()
+            .expect("the schema lists the event kinds")
+            .iter()
+            .map(|k| k.as_str().unwrap().to_string())
+            .collect()
+    }
+}
+
+/// One entry of an events stream, its fields as strings.
+#[derive(Debug, Clone)]
+pub struct EventEntry {
+    /// The stream (shard) it is on.
+    pub stream: String,
+    /// Its entry id.
+    pub id: String,
+    /// Its field/value pairs.
+    pub fields: std::collections::BTreeMap<String, String>,
+}
+
+/// The last entry id of every shard's events stream of `keys` (`0-0` when empty or missing):
+/// where [`assert_events_conform_after`] starts.
+pub async fn events_heads(keys: &embed_dlq::streams::StreamKeys) -> Vec<String> {
+    let mut r = redis().await;
+    let mut heads = Vec::new();
+    for shard in keys.shard_ids() {
+        let last: redis::streams::StreamRangeReply = redis::cmd("XREVRANGE")
+            .arg(keys.events_of(shard))
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        heads.push(last.ids.first().map_or_else(|| "0-0".to_string(), |e| e.id.clone()));
+    }
+    heads
+}
+
+/// Every entry of the events streams of `keys` after `heads` (one id per shard, from
+/// [`events_heads`]), in stream order per shard.
+pub async fn events_after(keys: &embed_dlq::streams::StreamKeys, heads: &[String]) -> Vec<EventEntry> {
+    let mut r = redis().await;
+    let mut out = Vec::new();
+    for shard in keys.shard_ids() {
+        let stream = keys.events_of(shard);
+        let mut after = heads[usize::from(shard)].clone();
+        loop {
+            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(&stream)
+                .arg(format!("({after}"))
+                .arg("+")
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            let Some(last) = page.ids.last() else { break };
+            after = last.id.clone();
+            for e in &page.ids {
+                let fields = e
+                    .map
+                    .keys()
+                    .map(|k| (k.clone(), embed_dlq::streams::field(&e.map, k).expect("a string field")))
+                    .collect();
+                out.push(EventEntry { stream: stream.clone(), id: e.id.clone(), fields });
+            }
+        }
+    }
+    out
+}
+
+/// Panics unless every entry of the events streams of `keys` after `heads` conforms to the
+/// events contract (`docs/events.schema.json`); returns them.
+pub async fn assert_events_conform_after(
+    keys: &embed_dlq::streams::StreamKeys,
+    heads: &[String],
+) -> Vec<EventEntry> {
+    let contract = events_contract();
+    let entries = events_after(keys, heads).await;
+    for e in &entries {
+        let problems = contract.entry_problems(&e.fields);
+        assert!(
+            problems.is_empty(),
+            "{} {} breaks the events contract (docs/events.schema.json): {problems:#?}\nentry: {:#?}",
+            e.stream,
+            e.id,
+            e.fields
+        );
+    }
+    entries
+}
+
+/// [`assert_events_conform_after`] from the start of every shard's events stream.
+pub async fn assert_events_conform(keys: &embed_dlq::streams::StreamKeys) -> Vec<EventEntry> {
+    let heads = vec!["0-0".to_string(); usize::from(keys.shards())];
+    assert_events_conform_after(keys, &heads).await
 }
 
 /// A reconciler over `db` and the streams under `keys`.
