@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use embed_dlq::config::IngestSettings;
@@ -406,17 +405,6 @@ async fn an_older_runs_cleanup_never_deletes_a_newer_runs_chunk() {
     let mut expected = keys_of(&v2);
     expected.extend(keys_of(&newer));
     assert_exactly(&db, &expected).await;
-}
-
-/// The binary, as a user runs it.
-fn binary() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
-    c.env_remove("EMBED_DLQ_API_KEY")
-        .env_remove("RUST_LOG")
-        .env_remove("EMBED_DLQ_FAILPOINT")
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    c
 }
 
 fn ingest_cmd(db: &TestDb, mock: &MockProvider, corpus: &Path) -> Command {

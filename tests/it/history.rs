@@ -585,17 +585,6 @@ struct History {
     source_tally: Tally,
 }
 
-fn binary() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
-    c.env_remove("EMBED_DLQ_API_KEY")
-        .env_remove("EMBED_DLQ_CONFIG")
-        .env_remove("EMBED_DLQ_FAILPOINT")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    c
-}
-
 impl History {
     async fn new(seed: u64, scale: &Scale) -> History {
         let mut rng = StdRng::seed_from_u64(seed);

@@ -11,16 +11,6 @@ use tokio::process::Command;
 
 use crate::support::*;
 
-fn binary() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
-    c.env_remove("EMBED_DLQ_API_KEY")
-        .env_remove("RUST_LOG")
-        .env_remove("EMBED_DLQ_FAILPOINT")
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    c
-}
-
 fn ingest_cmd(db: &TestDb, mock: &MockProvider, corpus: &Path) -> Command {
     let mut c = binary();
     c.arg("ingest")

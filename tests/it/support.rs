@@ -933,3 +933,17 @@ pub async fn read_once(rep: &mut embed_dlq::replay::Replayer) -> embed_dlq::repl
     let mut conn = embed_dlq::streams::blocking(&client, std::time::Duration::from_secs(1)).await.unwrap();
     rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
 }
+
+/// The binary as a user runs it, with none of this machine's settings that would change what
+/// a test asks of it (API key, config file, failpoint, log filter), stdin closed, killed with
+/// its handle.
+pub fn binary() -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.env_remove("EMBED_DLQ_API_KEY")
+        .env_remove("EMBED_DLQ_CONFIG")
+        .env_remove("EMBED_DLQ_FAILPOINT")
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    c
+}
