@@ -75,6 +75,8 @@ stage("Ingest", [
      "targets": [(f"sum by (reason) (rate(embed_dlq_chunks_skipped_total{{{SEL}}}[{RATE}]))", "{{reason}}")]},
     {"title": "Chunks parked / s", "description": "The park rate, by error class (a retried attempt is never counted here).",
      "targets": [(f"sum by (error_class) (rate(embed_dlq_chunks_parked_total{{{SEL}}}[{RATE}]))", "{{error_class}}")]},
+    {"title": "Chunks deleted / s", "description": "Chunks deleted (vector, manifest row, any DLQ row), by a delete record of the input or by a corpus run's cleanup.",
+     "targets": [(f"sum by (by) (rate(embed_dlq_chunks_deleted_total{{{SEL}}}[{RATE}]))", "{{by}}")]},
     {"title": "Parked in 5 minutes", "description": "Chunks parked over the last 5 minutes.",
      "alert": ("EmbedDlqParkSpike", 500),
      "targets": [(f"sum(increase(embed_dlq_chunks_parked_total{{{SEL}}}[5m]))", "parked in 5m")]},
