@@ -426,6 +426,22 @@ async fn unsettled(pool: &sqlx::PgPool, p: &InFlight) -> Result<i64, sqlx::Error
     .await
 }
 
+/// Every vector of `table`: its content hash and embedding, by key.
+async fn stored_vectors(
+    pool: &sqlx::PgPool,
+    table: &str,
+) -> HashMap<(String, i32), (String, pgvector::Vector)> {
+    sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
+        "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(d, i, h, v)| ((d, i), (h, v)))
+    .collect()
+}
+
 /// The Postgres server `db` lives on (for the proxy in front of it).
 fn postgres_addr(db: &TestDb) -> std::net::SocketAddr {
     let url = reqwest::Url::parse(&db.url).unwrap();
@@ -848,16 +864,7 @@ impl History {
     /// (the mock's deterministic vector of that text) or a DLQ row holding the text.
     async fn check_source(&mut self, table: &str, corpus: &Corpus) {
         let pool = &self.db.pool;
-        let vectors: HashMap<(String, i32), (String, pgvector::Vector)> =
-            sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
-                "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
-            )))
-            .fetch_all(pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(d, i, h, v)| ((d, i), (h, v)))
-            .collect();
+        let vectors = stored_vectors(pool, table).await;
         let dlq: HashMap<(String, i32), serde_json::Value> = sqlx::query_as::<_, (String, i32, serde_json::Value)>(
             "SELECT doc_id, chunk_index, payload FROM embedding_dlq WHERE target_table IN ($1, 'public.' || $1)",
         )
@@ -1425,16 +1432,7 @@ impl History {
         let pool = &self.db.pool;
         for (table, version) in &self.ingested {
             let corpus = &self.corpora[version];
-            let vectors: HashMap<(String, i32), (String, pgvector::Vector)> =
-                sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
-                    "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
-                )))
-                .fetch_all(pool)
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|(d, i, h, v)| ((d, i), (h, v)))
-                .collect();
+            let vectors = stored_vectors(pool, table).await;
             let dlq: HashMap<(String, i32), (String, serde_json::Value)> =
                 sqlx::query_as::<_, (String, i32, String, serde_json::Value)>(
                     "SELECT d.doc_id, d.chunk_index, d.error_class, d.payload FROM embedding_dlq d
