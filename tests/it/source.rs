@@ -430,3 +430,70 @@ on_single_and_cluster! {
         assert_eq!(db.leaks().await, 0);
     }
 }
+
+/// The vector stored for `(doc, idx)` compared with the mock's deterministic vector of `text`;
+/// `None` without a vector.
+async fn vector_is(db: &TestDb, doc: &str, idx: i32, text: &str) -> Option<bool> {
+    let row: Option<(pgvector::Vector,)> =
+        sqlx::query_as("SELECT embedding FROM doc_embeddings WHERE doc_id = $1 AND chunk_index = $2")
+            .bind(doc)
+            .bind(idx)
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap();
+    let want = embed_dlq::testkit::mock_provider::vector_for(text, 768);
+    row.map(|(v,)| v.as_slice().iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-4))
+}
+
+on_single_and_cluster! {
+    /// Invariant 9 with a stream as the source: a record's position is when it entered (its
+    /// entry id), not when a consumer got round to it. Three entries are taken by a consumer
+    /// that dies; then a newer version of the first chunk and a delete of the second are
+    /// published, and a corpus run writes the third. A survivor reads the new entries first
+    /// and takes the dead consumer's over only after the min-idle time: none of the older
+    /// entries may overwrite, resurrect or replace what came after it.
+    async fn an_older_entry_taken_over_late_never_overwrites_what_came_after_it() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        publish(&stream, &[
+            chunk_entry("ord-1", 0, "version 1"),
+            chunk_entry("ord-2", 0, "version 1"),
+            chunk_entry("ord-3", 0, "version 1"),
+        ]).await;
+        let mut redis = redis().await;
+        let _: () = redis::cmd("XGROUP").arg("CREATE").arg(&stream).arg("it-ingest").arg("0").query_async(&mut redis).await.unwrap();
+        let _: redis::Value = redis::cmd("XREADGROUP").arg("GROUP").arg("it-ingest").arg("dead").arg("COUNT").arg(3)
+            .arg("STREAMS").arg(&stream).arg(">").query_async(&mut redis).await.unwrap();
+        assert_eq!(pending(&stream, "it-ingest").await, 3, "the dead consumer holds the three");
+        // What came after: a newer version, a delete, and a corpus run of the third chunk.
+        publish(&stream, &[
+            chunk_entry("ord-1", 0, "version 2"),
+            vec![("doc_id".into(), b"ord-2".to_vec()), ("op".into(), b"delete".to_vec())],
+        ]).await;
+        let s = settings(&db, &mock);
+        let corpus = line("ord-3", 0, "corpus version");
+        let written = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+        assert_eq!(written.stored, 1);
+
+        let mut opts = source_opts(&stream, "survivor");
+        opts.min_idle = Duration::from_millis(4_000);
+        opts.idle_exit = Some(Duration::from_millis(500));
+        let summary = run_source(&db, &mock, opts).await;
+        let counts = summary.source.clone().expect("source counts");
+        assert_eq!(counts.entries_reclaimed, 3, "the survivor took the dead consumer's entries over: {summary:?}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+
+        assert_eq!(vector_is(&db, "ord-1", 0, "version 2").await, Some(true), "the newer version stays: {summary:?}");
+        assert_eq!(vector_is(&db, "ord-2", 0, "version 1").await, None, "the delete stays applied: {summary:?}");
+        assert_eq!(
+            db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'ord-2'").await
+                + db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'ord-2'").await,
+            0,
+            "nothing of the deleted chunk is back"
+        );
+        assert_eq!(vector_is(&db, "ord-3", 0, "corpus version").await, Some(true), "the corpus run came after: {summary:?}");
+        assert_eq!(db.leaks().await, 0);
+        assert_eq!(db.duplicates().await, 0);
+    }
+}
