@@ -21,7 +21,6 @@ use serde::Serialize;
 
 use super::{IngestError, IngestSummary, Pipeline, with_db_retry};
 use crate::store::delete::CleanupScope;
-use crate::store::source_seq;
 
 /// What a run deletes once it has written its input ([module docs](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum, serde::Deserialize)]
@@ -114,10 +113,12 @@ pub(super) struct Ending {
 
 impl Pipeline {
     /// Runs the cleanup of run `run_id` once its writes are done, recording what it did in
-    /// `summary`. `Err` for a refused `full` cleanup (or a database failure).
+    /// `summary`. It deletes only what was written before the run's first position (a run
+    /// started after it, or a later stream entry, is newer). `Err` for a refused `full` cleanup (or a database failure).
     pub(super) async fn cleanup(
         &self,
         run_id: i64,
+        first_position: i64,
         summary: &mut IngestSummary,
         ending: Ending,
         cancel: &tokio_util::sync::CancellationToken,
@@ -150,7 +151,6 @@ impl Pipeline {
                 )
             })
         };
-        let end_seq = source_seq(run_id, u64::MAX);
         let scope = match opts.mode {
             CleanupMode::Full => CleanupScope::Table,
             _ => CleanupScope::Documents,
@@ -158,7 +158,8 @@ impl Pipeline {
         let refusal = match refusal {
             Some(r) => Some(r),
             None if opts.mode == CleanupMode::Full => {
-                let (total, doomed) = with_db_retry(|| store.cleanup_count(run_id, end_seq, scope)).await?;
+                let (total, doomed) =
+                    with_db_retry(|| store.cleanup_count(run_id, first_position, scope)).await?;
                 let over = total > 0 && doomed as f64 > opts.max_fraction * total as f64;
                 let why = format!(
                     "it would delete {doomed} of the table's {total} chunks, more than \
@@ -196,7 +197,8 @@ impl Pipeline {
             let docs = with_db_retry(|| store.cleanup_page(run_id, scope, &after)).await?;
             let Some(last) = docs.last() else { break };
             after = last.clone();
-            let gone = with_db_retry(|| store.cleanup_docs(run_id, end_seq, &docs, !opts.dry_run)).await?;
+            let gone =
+                with_db_retry(|| store.cleanup_docs(run_id, first_position, &docs, !opts.dry_run)).await?;
             let mut docs_hit = 0u64;
             for (n, c) in gone.iter().enumerate() {
                 if n == 0 || gone[n - 1].doc_id != c.doc_id {

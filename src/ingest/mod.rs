@@ -57,9 +57,8 @@ use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
 use crate::store::delete::DeleteRequest;
 use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowKey};
-use crate::store::{
-    OnNewerParked, ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk, source_seq,
-};
+use crate::store::position::RunPositions;
+use crate::store::{OnNewerParked, ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
 use budget::{ByteBudget, Charge};
@@ -525,10 +524,15 @@ impl Pipeline {
         Fut: Future<Output = ()> + Send + 'static,
     {
         let started = Instant::now();
-        // Every record's position is (run id << 32 | line): later runs beat earlier ones.
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
         // Marks the run alive while it holds leases (see `store::lease`); released below.
         let run_lease = with_db_retry(|| self.store.hold_run(run_id)).await?;
+        // A corpus line's position is when the run read it (`store::position`); a stream
+        // entry brings its own.
+        let positions = RunPositions::new(with_db_retry(|| self.store.reserve_positions()).await?);
+        if acks.is_none() {
+            with_db_retry(|| self.store.record_run_start(run_id, positions.first())).await?;
+        }
         with_db_retry(|| self.store.sweep_deletion_state(run_id)).await?;
         // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
         // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.
@@ -541,7 +545,7 @@ impl Pipeline {
         };
         // Every task is joined; a panic in any of them halts the run and is reported.
         let mut tasks = Supervisor::new(run.halt.clone());
-        let (rec_tx, mut rec_rx) = mpsc::channel::<(Record, Charge)>(4096);
+        let (rec_tx, mut rec_rx) = mpsc::channel::<(Record, Option<i64>, Charge)>(4096);
         let feed = Feed {
             budget: ByteBudget::new(self.options.max_inflight_bytes),
             records: rec_tx,
@@ -553,7 +557,9 @@ impl Pipeline {
         let (lines_read, input_error) = (feed.lines_read.clone(), feed.error.clone());
         tasks.spawn("ingest reader", read(feed));
         let jobs = self.spawn_workers_and_writers(&mut tasks, &run);
-        let (intake_error, batcher_failure) = self.batch_intake(&mut rec_rx, &jobs, &run, run_id).await;
+        let first_position = positions.first();
+        let (intake_error, batcher_failure) =
+            self.batch_intake(&mut rec_rx, &jobs, &run, run_id, positions).await;
         drop(jobs);
         drop(rec_rx);
         tasks.wait().await;
@@ -581,7 +587,7 @@ impl Pipeline {
             seen_written: t.seen_written,
         };
         // Under the run's lock: a run starting meanwhile sweeps the keys of runs not alive.
-        let cleaned = self.cleanup(run_id, &mut t.summary, cleanup_ending, &run.cancel).await;
+        let cleaned = self.cleanup(run_id, first_position, &mut t.summary, cleanup_ending, &run.cancel).await;
         run_lease.release().await;
         cleaned?;
         ending.result(t)
@@ -624,12 +630,14 @@ impl Pipeline {
     /// in it is caught like one in any task and halts the run.
     async fn batch_intake(
         &self,
-        records: &mut mpsc::Receiver<(Record, Charge)>,
+        records: &mut mpsc::Receiver<(Record, Option<i64>, Charge)>,
         jobs: &flume::Sender<Job>,
         run: &RunState,
         run_id: i64,
+        positions: RunPositions,
     ) -> (Option<IngestError>, Option<TaskFailure>) {
-        let intake = AssertUnwindSafe(self.intake(records, jobs, run, run_id)).catch_unwind().await;
+        let intake =
+            AssertUnwindSafe(self.intake(records, jobs, run, run_id, positions)).catch_unwind().await;
         match intake {
             Ok(result) => (result.err(), None),
             Err(payload) => {
@@ -714,13 +722,14 @@ impl Pipeline {
     /// The batcher loop: records in, jobs out, until the input ends or the run halts.
     async fn intake(
         &self,
-        records: &mut mpsc::Receiver<(Record, Charge)>,
+        records: &mut mpsc::Receiver<(Record, Option<i64>, Charge)>,
         jobs: &flume::Sender<Job>,
         run: &RunState,
         run_id: i64,
+        positions: RunPositions,
     ) -> Result<(), IngestError> {
         let (halt, cancel) = (&run.halt, &run.cancel);
-        let mut batcher = Batcher::new(self, run.tally.clone(), run_id);
+        let mut batcher = Batcher::new(self, run.tally.clone(), run_id, positions);
         batcher.acks = run.acks.clone();
         loop {
             let next = if batcher.is_empty() {
@@ -738,8 +747,8 @@ impl Pipeline {
                     }
                 }
             };
-            let Some((rec, charge)) = next else { break };
-            batcher.push(rec, charge, jobs).await?;
+            let Some((rec, at, charge)) = next else { break };
+            batcher.push(rec, at, charge, jobs).await?;
         }
         // End of input: the last window goes out. Shutdown: records already claimed are
         // finished or parked; anything after them is left for a rerun. Any other halt (a
@@ -757,7 +766,7 @@ impl Pipeline {
 /// processed) and is reported when the run ends.
 struct Feed {
     budget: ByteBudget,
-    records: mpsc::Sender<(Record, Charge)>,
+    records: mpsc::Sender<(Record, Option<i64>, Charge)>,
     halt: CancellationToken,
     progress: Progress,
     /// Lines read, or chunks taken.
@@ -835,21 +844,27 @@ impl Feed {
 
     /// Adds the parsed record's size to `charge` (at most up to the whole budget) and hands
     /// the record to the batcher; false once the run halts or the batcher is gone.
-    async fn hand_on(&self, rec: Record, mut charge: Charge) -> bool {
+    async fn hand_on(&self, rec: Record, charge: Charge) -> bool {
+        self.hand_on_at(rec, None, charge).await
+    }
+
+    /// [`Feed::hand_on`] for a record that brings its position (`at`, a stream entry's; see
+    /// `store::position`); without one, the run positions it by its line.
+    async fn hand_on_at(&self, rec: Record, at: Option<i64>, mut charge: Charge) -> bool {
         let parsed = rec.approx_bytes().min(self.budget.capacity().saturating_sub(charge.bytes()));
         if parsed > 0 {
             let Some(more) = self.charge(parsed).await else { return false };
             charge.merge(more);
         }
-        self.records.send((rec, charge)).await.is_ok()
+        self.records.send((rec, at, charge)).await.is_ok()
     }
 }
 
 /// Groups records into intake windows with unique keys, filters each window against the
 /// manifest in one lookup and hands provider-sized batches to the workers.
 ///
-/// Every record carries its position (`run_id << 32 | line`): when one key occurs twice, the
-/// store keeps the later line whatever order the outcomes are written in. A key seen before
+/// Every record carries its position (`store::position`: when it entered): when one key occurs
+/// twice, the store keeps the later line whatever order the outcomes are written in. A key seen before
 /// in this run is therefore never skipped as "unchanged" or "already parked" (the manifest
 /// may still hold what an earlier line of this run is about to replace): it is embedded and
 /// written again, and its position decides.
@@ -905,6 +920,8 @@ struct Batcher<'a> {
     bad: BadLines,
     tally: Arc<Mutex<Tally>>,
     run_id: i64,
+    /// The positions of the run's lines (records without their own).
+    positions: RunPositions,
     chunks: Vec<(Chunk, String, i64)>,
     invalid: Vec<ParkedChunk>,
     keys: HashSet<(String, i32)>,
@@ -994,12 +1011,13 @@ impl SeenKeys {
 }
 
 impl<'a> Batcher<'a> {
-    fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>, run_id: i64) -> Self {
+    fn new(pipeline: &'a Pipeline, tally: Arc<Mutex<Tally>>, run_id: i64, positions: RunPositions) -> Self {
         Batcher {
             pipeline,
             bad: BadLines::default(),
             tally,
             run_id,
+            positions,
             chunks: vec![],
             invalid: vec![],
             keys: HashSet::new(),
@@ -1032,9 +1050,14 @@ impl<'a> Batcher<'a> {
     async fn push(
         &mut self,
         rec: Record,
+        at: Option<i64>,
         charge: Charge,
         jobs: &flume::Sender<Job>,
     ) -> Result<(), IngestError> {
+        let position = match at {
+            Some(p) => p,
+            None => self.position(rec.line()).await?,
+        };
         match rec {
             Record::Rejected { line, problem } => {
                 self.bad.rejected += 1;
@@ -1067,7 +1090,7 @@ impl<'a> Batcher<'a> {
                 self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
                 self.claim_key((doc_id.clone(), chunk_index));
                 self.invalid.push(ParkedChunk {
-                    source_seq: source_seq(self.run_id, line),
+                    source_seq: position,
                     doc_id,
                     chunk_index,
                     content_hash: raw_hash,
@@ -1080,7 +1103,7 @@ impl<'a> Batcher<'a> {
                     retry_in: None,
                 });
             }
-            Record::Delete { line, doc_id, chunk_index } => {
+            Record::Delete { doc_id, chunk_index, .. } => {
                 self.tally.lock().unwrap().summary.delete_requests += 1;
                 let key = (doc_id.clone(), chunk_index.unwrap_or(-1));
                 self.make_room(&key, jobs).await?;
@@ -1088,13 +1111,9 @@ impl<'a> Batcher<'a> {
                 self.seen_in_run.insert(key_hash(&key.0, key.1));
                 self.doc_deletes |= chunk_index.is_none();
                 self.keys.insert(key);
-                self.deletes.push(DeleteRequest {
-                    doc_id,
-                    chunk_index,
-                    source_seq: source_seq(self.run_id, line),
-                });
+                self.deletes.push(DeleteRequest { doc_id, chunk_index, source_seq: position });
             }
-            Record::Chunk { chunk, line } => {
+            Record::Chunk { chunk, .. } => {
                 self.tally.lock().unwrap().summary.records += 1;
                 let key = (chunk.doc_id.clone(), chunk.chunk_index);
                 self.make_room(&key, jobs).await?;
@@ -1104,7 +1123,7 @@ impl<'a> Batcher<'a> {
                     &chunk.text,
                 );
                 self.claim_key(key);
-                self.chunks.push((chunk, hash, source_seq(self.run_id, line)));
+                self.chunks.push((chunk, hash, position));
             }
         }
         self.charge.merge(charge);
@@ -1112,6 +1131,18 @@ impl<'a> Batcher<'a> {
             self.flush(jobs).await?;
         }
         Ok(())
+    }
+
+    /// The position of line `line` of a corpus run, reserving the next block when the line is
+    /// past the last one (one statement per [`crate::store::position::BLOCK`] lines).
+    async fn position(&mut self, line: u64) -> Result<i64, IngestError> {
+        if let Some(p) = self.positions.get(line) {
+            return Ok(p);
+        }
+        let store = &self.pipeline.store;
+        let base = with_db_retry(|| store.reserve_positions()).await?;
+        self.positions.extend(line, base);
+        Ok(self.positions.get(line).expect("the block just reserved holds the line"))
     }
 
     /// Flushes first if `key` is already in the window: a later line for the same chunk must

@@ -49,6 +49,16 @@ pub(crate) enum Record {
 }
 
 impl Record {
+    /// The record's line (its place in the run's input).
+    pub(crate) fn line(&self) -> u64 {
+        match self {
+            Record::Chunk { line, .. }
+            | Record::Invalid { line, .. }
+            | Record::Delete { line, .. }
+            | Record::Rejected { line, .. } => *line,
+        }
+    }
+
     /// Approximate heap bytes the parsed record holds (its strings and metadata tree), which
     /// is what the run's byte budget charges on top of the line. A metadata array of small
     /// numbers takes ~16x its JSON size once parsed, so the line length alone would not do.

@@ -10,8 +10,11 @@
 //! The source only produces records (`reader::Record`): batching, the manifest filter, leases, retries,
 //! parking, limits and budgets are the pipeline's, as for a corpus line. What it adds:
 //!
-//! - **Acknowledged after commit.** Every entry read is tracked by its position in the run
-//!   (`Acks`); the pipeline tells `Acks::settled` the records whose store or park
+//! - **Positioned by its id.** A record's position, which fences its writes and deletes
+//!   (`store::position`), comes from the entry id, not from the moment a consumer read it:
+//!   an older version taken over late loses to a newer one already stored, and to a delete
+//!   or corpus run that came after it.
+//! - **Acknowledged after commit.** Every entry read is tracked by its position (`Acks`); the pipeline tells `Acks::settled` the records whose store or park
 //!   transaction returned, or that were skipped because the same content is already stored
 //!   or parked. Only those are acknowledged (`XACK`, batched by the acker task). A record not
 //!   attempted (a stop, a failed write) or left to another run's lease stays pending. A crash
@@ -29,10 +32,10 @@
 //! - **Bounded.** At most `max_inflight_entries` entries are read and not yet settled; the
 //!   pipeline's byte budget bounds their size. A slow provider slows the reads, never
 //!   buffers the stream.
-//! - **Segments.** The pipeline identifies a record by `run << 32 | position` and remembers
-//!   the keys of its run; a continuous source therefore runs in segments of at most
-//!   `segment_entries` entries or `segment_time`, each one pipeline run, so positions never
-//!   overflow and the unchanged-content skip keeps working for keys published again.
+//! - **Segments.** The pipeline remembers the keys of its run (a key met twice is always
+//!   embedded again); a continuous source therefore runs in segments of at most
+//!   `segment_entries` entries or `segment_time`, each one pipeline run, so that memory stays
+//!   bounded and the unchanged-content skip keeps working for keys published again.
 //! - **Several streams.** `streams` may name several keys (shards: on a cluster, give them
 //!   different hash tags so they live on different masters); each `XREADGROUP` reads one
 //!   (a read across slots would fail on a cluster). Versions of one chunk belong on one
@@ -188,10 +191,21 @@ pub struct SourceCounts {
 /// entry id.
 type EntryKey = (u16, String);
 
+/// What [`Acks::track`] made of an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Track {
+    Tracked,
+    /// In flight here already (taken over from ourselves).
+    AlreadyHere,
+    /// Another entry in flight has the same position: this one stays pending, unclaimed, and
+    /// is taken over after the min-idle time.
+    PositionTaken,
+}
+
 /// The entries of a stream source in flight, and the queue of those to acknowledge.
 ///
-/// The reader tracks every entry it hands on, under the record's position in the current
-/// segment; the pipeline calls [`Acks::settled`] with the `source_seq` of each record once its
+/// The reader tracks every entry it hands on, under the record's position (the entry's own,
+/// `store::position::entry_position`: unique within a consumer); the pipeline calls [`Acks::settled`] with the `source_seq` of each record once its
 /// outcome is committed (or it was skipped as already done); the acker task acknowledges
 /// the queue. An entry never settled stays pending in Redis.
 pub(crate) struct Acks {
@@ -202,8 +216,8 @@ pub(crate) struct Acks {
 
 #[derive(Default)]
 struct AckState {
-    /// Position in the segment → entry.
-    inflight: HashMap<u64, EntryKey>,
+    /// Position → entry.
+    inflight: HashMap<i64, EntryKey>,
     /// The entries in `inflight`, to skip one taken over while this process still has it.
     ids: HashSet<EntryKey>,
     /// Settled, to acknowledge.
@@ -229,8 +243,7 @@ impl Acks {
         let mut s = self.lock();
         let mut any = false;
         for seq in seqs {
-            let position = (seq as u64) & 0xffff_ffff;
-            if let Some(key) = s.inflight.remove(&position) {
+            if let Some(key) = s.inflight.remove(&seq) {
                 s.ids.remove(&key);
                 s.queue.push(key);
                 any = true;
@@ -249,7 +262,7 @@ impl Acks {
         let mut s = self.lock();
         let mut any = false;
         for seq in seqs {
-            if let Some(key) = s.inflight.remove(&((seq as u64) & 0xffff_ffff)) {
+            if let Some(key) = s.inflight.remove(&seq) {
                 s.ids.remove(&key);
                 s.released += 1;
                 any = true;
@@ -261,14 +274,20 @@ impl Acks {
         }
     }
 
-    /// Tracks `key` at `position`; false if this process already has it in flight.
-    fn track(&self, position: u64, key: EntryKey) -> bool {
+    /// Tracks `key` at `position`. `Busy` if this process already has it in flight, or
+    /// another entry at the same position (ids past the scale of positions, which only a
+    /// producer choosing its own ids can make): that one is left pending for now.
+    fn track(&self, position: i64, key: EntryKey) -> Track {
         let mut s = self.lock();
-        if !s.ids.insert(key.clone()) {
-            return false;
+        if s.ids.contains(&key) {
+            return Track::AlreadyHere;
         }
+        if s.inflight.contains_key(&position) {
+            return Track::PositionTaken;
+        }
+        s.ids.insert(key.clone());
         s.inflight.insert(position, key);
-        true
+        Track::Tracked
     }
 
     /// Entries read and not yet acknowledged in Redis: in flight, settled and queued, or
@@ -503,10 +522,18 @@ impl SourceReader {
         fields: Vec<(Vec<u8>, Vec<u8>)>,
         deliveries: Option<u64>,
     ) -> bool {
-        *position += 1;
-        if !self.acks.track(*position, (stream, id.clone())) {
-            return true; // already in flight here (taken over from ourselves)
+        let at = crate::store::position::entry_position(&id, stream);
+        match self.acks.track(at, (stream, id.clone())) {
+            Track::Tracked => {}
+            Track::AlreadyHere => return true, // taken over from ourselves
+            Track::PositionTaken => {
+                tracing::warn!(stream = %self.opts.streams[stream as usize], id = %id,
+                    "source entry at the same position as one in flight (an id past the scale of \
+                     positions): left pending, taken over after the min-idle time");
+                return true;
+            }
         }
+        *position += 1;
         self.counts.entries_read += 1;
         self.last_entry = Instant::now();
         metrics::counter!(crate::metrics::SOURCE_READ).increment(1);
@@ -526,7 +553,7 @@ impl SourceReader {
         drop(fields);
         // The record's own size stands in for the line, like a chunk handed over by Rust.
         let Some(charge) = feed.charge(rec.approx_bytes()).await else { return false };
-        feed.hand_on(rec, charge).await
+        feed.hand_on_at(rec, Some(at), charge).await
     }
 
     /// The next entries of one stream, starting at `self.next`: with several streams, one
@@ -1089,10 +1116,15 @@ mod tests {
     #[tokio::test]
     async fn only_settled_entries_are_queued_for_acknowledgement() {
         let acks = Acks::new();
-        assert!(acks.track(1, (0, "1-0".into())));
-        assert!(acks.track(2, (0, "2-0".into())));
-        assert!(!acks.track(3, (0, "2-0".into())), "an entry already in flight is not taken twice");
-        acks.settled([crate::store::source_seq(7, 2)]);
+        assert_eq!(acks.track(1, (0, "1-0".into())), Track::Tracked);
+        assert_eq!(acks.track(2, (0, "2-0".into())), Track::Tracked);
+        assert_eq!(
+            acks.track(3, (0, "2-0".into())),
+            Track::AlreadyHere,
+            "an entry already in flight is not taken twice"
+        );
+        assert_eq!(acks.track(2, (1, "2-0".into())), Track::PositionTaken, "nor one at a position in flight");
+        acks.settled([2]);
         assert_eq!(acks.take(10), vec![(0, "2-0".to_string())]);
         acks.acked(1, Vec::new());
         assert_eq!(acks.end_segment(Duration::from_millis(10)).await, 1, "1-0 stays pending");

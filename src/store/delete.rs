@@ -5,8 +5,8 @@
 //! in one transaction, which writes one `deleted` event per chunk through the outbox and a
 //! tombstone (`ingest_tombstone`). Deletions are fenced like writes:
 //!
-//! - a delete removes only manifest rows older than its own position ([`super::source_seq`];
-//!   a cleanup's position is its run's last one), so it never deletes what a newer record (a
+//! - a delete removes only manifest rows older than its own position ([`super::position`];
+//!   a cleanup's position is its run's first one), so it never deletes what a newer record (a
 //!   later line, a newer run) wrote;
 //! - its tombstone makes the manifest claim of `ingest.rs` reject any outcome of an older
 //!   record of the chunk or document, so a write or park still in flight in an older run
@@ -49,7 +49,7 @@ pub(crate) const CLEANUP_PAGE_DOCS: i64 = 500;
 pub(crate) struct DeleteRequest {
     pub doc_id: String,
     pub chunk_index: Option<i32>,
-    /// Position of the delete record ([`super::source_seq`]).
+    /// Position of the delete record ([`super::position`]).
     pub source_seq: i64,
 }
 
@@ -160,9 +160,10 @@ impl Store {
         Ok(())
     }
 
-    /// Sweeps what deletions left behind that nothing needs any more: the seen keys of runs
-    /// that are not alive (a run killed before its cleanup ended), and tombstones older than an
-    /// hour that no older run still alive could need. Called at every run start.
+    /// Sweeps what deletions left behind that nothing needs any more: the seen keys and start
+    /// positions of runs that are not alive (a run killed before its cleanup ended), and
+    /// tombstones older than an hour that no corpus run still alive and started before them
+    /// could need. Called at every run start.
     pub(crate) async fn sweep_deletion_state(&self, run_id: i64) -> Result<(), StoreError> {
         sqlx::query(AssertSqlSafe(format!(
             "WITH {LIVE_RUNS}
@@ -174,21 +175,30 @@ impl Store {
         .await?;
         sqlx::query(AssertSqlSafe(format!(
             "WITH {LIVE_RUNS}
+             DELETE FROM ingest_run_start r
+              WHERE r.run_id <> $1 AND NOT EXISTS (SELECT 1 FROM live WHERE live.run_id = r.run_id)"
+        )))
+        .bind(run_id)
+        .execute(&self.pool)
+        .await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "WITH {LIVE_RUNS}
              DELETE FROM ingest_tombstone t
               WHERE t.deleted_at < now() - interval '1 hour'
-                AND NOT EXISTS (SELECT 1 FROM live WHERE live.run_id < (t.source_seq >> 32))"
+                AND NOT EXISTS (SELECT 1 FROM live JOIN ingest_run_start r USING (run_id)
+                                 WHERE r.first_position < t.source_seq)"
         )))
         .execute(&self.pool)
         .await?;
         Ok(())
     }
 
-    /// Manifest rows of the table, and how many of them a cleanup of run `run_id` (position
-    /// `end_seq`) would delete with `scope`.
+    /// Manifest rows of the table, and how many of them a cleanup of run `run_id` (first
+    /// position `first_position`) would delete with `scope`.
     pub(crate) async fn cleanup_count(
         &self,
         run_id: i64,
-        end_seq: i64,
+        first_position: i64,
         scope: CleanupScope,
     ) -> Result<(u64, u64), StoreError> {
         let row = sqlx::query(AssertSqlSafe(format!(
@@ -196,7 +206,7 @@ impl Store {
                     (SELECT count(*) FROM ingest_manifest m WHERE {DOOMED}) AS doomed"
         )))
         .bind(&self.target.name)
-        .bind(end_seq)
+        .bind(first_position)
         .bind(run_id)
         .bind(scope == CleanupScope::Documents)
         .fetch_one(&self.pool)
@@ -240,12 +250,12 @@ impl Store {
     }
 
     /// The chunks of `docs` a cleanup of run `run_id` deletes: not met by the run, written
-    /// before its position `end_seq`. With `apply`, deletes them (one transaction, a `deleted`
-    /// event each); else only lists them.
+    /// before its first position `first_position` (also their tombstones' position). With
+    /// `apply`, deletes them (one transaction, a `deleted` event each); else only lists them.
     pub(crate) async fn cleanup_docs(
         &self,
         run_id: i64,
-        end_seq: i64,
+        first_position: i64,
         docs: &[String],
         apply: bool,
     ) -> Result<Vec<DeletedChunk>, StoreError> {
@@ -257,7 +267,7 @@ impl Store {
               ORDER BY 1, 2"
         )))
         .bind(&self.target.name)
-        .bind(end_seq)
+        .bind(first_position)
         .bind(run_id)
         .bind(false)
         .bind(docs)
@@ -287,7 +297,7 @@ impl Store {
              SELECT doc_id, chunk_index, content_hash FROM gone ORDER BY 1, 2"
         )))
         .bind(&self.target.name)
-        .bind(end_seq)
+        .bind(first_position)
         .bind(run_id)
         .bind(false)
         .bind(docs)
@@ -374,7 +384,7 @@ const LIVE_RUNS: &str = "live AS MATERIALIZED (
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))";
 
 /// The manifest rows (`m`) a cleanup deletes: of the table `$1`, written before the run's
-/// position `$2`, not met by run `$3`; with `$4`, only of documents the run met.
+/// first position `$2`, not met by run `$3`; with `$4`, only of documents the run met.
 const DOOMED: &str = "m.target_table = $1::text AND m.source_seq < $2::bigint
     AND NOT EXISTS (SELECT 1 FROM ingest_seen s
                      WHERE s.run_id = $3::bigint AND s.doc_id = m.doc_id AND s.chunk_index = m.chunk_index)

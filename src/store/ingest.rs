@@ -21,7 +21,7 @@ pub(crate) struct StoredChunk {
     pub chunk_index: i32,
     pub content_hash: String,
     pub embedding: Vec<f32>,
-    /// Position of the record in the ingest history ([`source_seq`]): an outcome for an older
+    /// Position of the record in the ingest history ([`super::position`]): an outcome for an older
     /// position than the manifest holds is rejected as superseded.
     pub source_seq: i64,
     /// The run claimed the chunk's lease (`lease.rs`), so the store marks it finished. A
@@ -89,7 +89,7 @@ pub struct ParkedChunk {
     pub attempts: u32,
     /// Delay before the first replay; `None` for classes that are never replayed automatically.
     pub retry_in: Option<Duration>,
-    /// Position of the record in the ingest history ([`source_seq`]).
+    /// Position of the record in the ingest history ([`super::position`]).
     pub source_seq: i64,
 }
 
@@ -123,13 +123,6 @@ impl OnNewerParked {
     }
 }
 
-/// The position of line `line` of ingest run `run_id`: `(run_id << 32) | line`. Later runs
-/// beat earlier runs; within a run, later lines beat earlier lines. Lines past 2^32 - 1 share
-/// the last position (a corpus that long is split into several runs in practice).
-pub fn source_seq(run_id: i64, line: u64) -> i64 {
-    (run_id << 32) | line.min(u32::MAX as u64) as i64
-}
-
 /// What one [`Store::store_batch`] changed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StoreCounts {
@@ -156,7 +149,7 @@ pub struct ParkCounts {
 }
 
 /// A row an ingest writes, as its manifest claim sees it: (doc_id, chunk_index, content
-/// hash, [`source_seq`]).
+/// hash, position ([`super::position`])).
 trait ManifestRecord {
     fn manifest_key(&self) -> (&str, i32, &str, i64);
     /// Whether the run may hold a lease of the chunk that its outcome must mark finished.
@@ -183,7 +176,8 @@ impl ManifestRecord for ParkedChunk {
 }
 
 impl Store {
-    /// A new ingest run id (from a sequence): the high half of every [`source_seq`] of the run.
+    /// A new ingest run id (from a sequence): what marks the run alive, holds its leases and
+    /// names its seen keys.
     pub(crate) async fn next_run_id(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&self.pool).await?)
     }
@@ -393,8 +387,8 @@ RETURNING m.doc_id, m.chunk_index
 /// is already stored is not accepted either. Keys are locked in key order (no deadlock between
 /// writers whose batches overlap). Returns the accepted keys.
 ///
-/// It also marks finished the leases (`lease.rs`) the record's own run holds for this
-/// content, whether the row is accepted or superseded: the outcome is decided either way.
+/// It also marks finished the leases (`lease.rs`) held for the record (its position and
+/// content), whether the row is accepted or superseded: the outcome is decided either way.
 /// Lease rows are locked in key order, as every lease claim does.
 const MANIFEST_SQL: &str = concat!(
     manifest_input!(),
@@ -404,7 +398,7 @@ const MANIFEST_SQL: &str = concat!(
            SELECT x.target_table, x.doc_id, x.chunk_index
              FROM ingest_lease x
              JOIN input i ON x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index
-                         AND x.content_hash = i.content_hash AND x.run_id = i.source_seq >> 32
+                         AND x.content_hash = i.content_hash AND x.source_seq = i.source_seq
             WHERE x.target_table = $1::text
             ORDER BY x.doc_id, x.chunk_index
               FOR UPDATE OF x)

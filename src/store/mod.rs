@@ -8,7 +8,7 @@
 //!   (DLQ rows with the full payload, manifest parked, one `parked` event per DLQ row whose
 //!   content changed). Each is one transaction of two statements over `UNNEST` arrays: first
 //!   the manifest claim, which locks the chunks' manifest rows in key order, accepts only a
-//!   record at least as new as the one it holds ([`source_seq`]) and releases the run's leases
+//!   record at least as new as the one it holds ([`position`]) and releases the run's leases
 //!   of them, then the writes of the accepted rows (a new snapshot, so they see whatever the
 //!   previous lock holder committed);
 //! - `delete`: deletions (explicit deletes from the input, a run's cleanup), fenced like writes
@@ -32,11 +32,12 @@ pub(crate) mod dlq;
 pub(crate) mod ingest;
 pub(crate) mod lease;
 pub(crate) mod outbox;
+pub mod position;
 pub mod prefix;
 pub mod reconcile;
 pub(crate) mod replay;
 
-pub use ingest::{OnNewerParked, ParkCounts, ParkedChunk, source_seq};
+pub use ingest::{OnNewerParked, ParkCounts, ParkedChunk};
 pub(crate) use ingest::{StoreCounts, StoredChunk};
 
 use std::collections::HashMap;
