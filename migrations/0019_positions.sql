@@ -27,8 +27,9 @@ SELECT GREATEST(
            COALESCE((SELECT max(source_seq) + 1 FROM ingest_lease), 0))
 ON CONFLICT (only_row) DO NOTHING;
 
--- The first position of each corpus run, so the tombstone sweep knows which live run could
--- still write something older than a tombstone (it was `run id < tombstone's run id`).
+-- The oldest position each run may write (a corpus run's first; a stream segment's oldest
+-- entry it could still take over), so the tombstone sweep knows which live run could still
+-- write something older than a tombstone (it was `run id < tombstone's run id`).
 -- Bound: one row per live run; rows of runs no longer alive are swept at each run start.
 CREATE TABLE IF NOT EXISTS ingest_run_start (
     run_id         bigint      PRIMARY KEY,

@@ -530,9 +530,8 @@ impl Pipeline {
         // A corpus line's position is when the run read it (`store::position`); a stream
         // entry brings its own.
         let positions = RunPositions::new(with_db_retry(|| self.store.reserve_positions()).await?);
-        if acks.is_none() {
-            with_db_retry(|| self.store.record_run_start(run_id, positions.first())).await?;
-        }
+        let oldest = acks.as_ref().map_or(positions.first(), |a| a.floor());
+        with_db_retry(|| self.store.record_run_start(run_id, oldest)).await?;
         with_db_retry(|| self.store.sweep_deletion_state(run_id)).await?;
         // `halt` stops intake and queued jobs (shutdown, a systemic stop, a failed task);
         // `cancel` alone (shutdown) also interrupts retry waits so in-flight work parks quickly.

@@ -210,6 +210,8 @@ enum Track {
 /// the queue. An entry never settled stays pending in Redis.
 pub(crate) struct Acks {
     state: Mutex<AckState>,
+    /// The oldest position the current segment may hand on (see [`Acks::floor`]).
+    floor: std::sync::atomic::AtomicI64,
     /// Woken when an entry is settled (room for the reader) or queued (work for the acker).
     changed: tokio::sync::Notify,
 }
@@ -231,7 +233,19 @@ struct AckState {
 
 impl Acks {
     fn new() -> Arc<Acks> {
-        Arc::new(Acks { state: Mutex::default(), changed: tokio::sync::Notify::new() })
+        Arc::new(Acks {
+            state: Mutex::default(),
+            floor: std::sync::atomic::AtomicI64::new(0),
+            changed: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// The oldest position the current segment may hand on: what the group had pending, or
+    /// delivered last, when the segment began (every entry delivered later has a later id).
+    /// Recorded as the run's start, so the tombstone sweep keeps what an older entry taken
+    /// over late still needs.
+    pub(crate) fn floor(&self) -> i64 {
+        self.floor.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, AckState> {
@@ -732,6 +746,23 @@ impl SourceReader {
         }
     }
 
+    /// The oldest position this consumer could still hand on: the group's oldest pending
+    /// entry or the last one it delivered, over every stream; 0 (the oldest of all) when
+    /// Redis cannot tell.
+    async fn oldest_position(&mut self) -> i64 {
+        let mut floor = i64::MAX;
+        for stream in self.opts.streams.clone() {
+            match group_floor(&mut self.redis, &stream, &self.opts.group).await {
+                Ok(p) => floor = floor.min(p),
+                Err(e) => {
+                    tracing::debug!(error = %e, stream = %stream, "could not read the source group's oldest entry");
+                    return 0;
+                }
+            }
+        }
+        floor
+    }
+
     /// Ends the source (`idle_exit`) once nothing has arrived for that long, nothing is in
     /// flight here and no stream's group has anything pending.
     async fn check_idle_exit(&mut self) -> redis::RedisResult<()> {
@@ -773,6 +804,31 @@ pub(crate) async fn group_info(
         return Ok(Some((num("pending").unwrap_or(0), num("lag"))));
     }
     Ok(None)
+}
+
+/// The position of the oldest entry of `stream` that `group` may still hand to a consumer:
+/// its oldest pending entry (`XPENDING`) or, with none pending, its last delivered one
+/// (`XINFO GROUPS`). 0 when the group does not exist yet (everything is still to come).
+async fn group_floor(redis: &mut RedisConn, stream: &str, group: &str) -> redis::RedisResult<i64> {
+    use crate::store::position::entry_position;
+    let reply: Value = redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(redis).await?;
+    let Value::Array(groups) = reply else { return Ok(0) };
+    let mut delivered = None;
+    for g in groups {
+        let fields = pairs(g);
+        let field = |key: &str| fields.iter().find(|(k, _)| k == key).and_then(|(_, v)| text(v));
+        if field("name").as_deref() == Some(group) {
+            delivered = Some(field("last-delivered-id").unwrap_or_default());
+        }
+    }
+    let Some(delivered) = delivered else { return Ok(0) };
+    let summary: Value = redis::cmd("XPENDING").arg(stream).arg(group).query_async(redis).await?;
+    let oldest_pending = match summary {
+        Value::Array(parts) => parts.get(1).and_then(text),
+        _ => None,
+    };
+    let floor = entry_position(&delivered, 0);
+    Ok(oldest_pending.map_or(floor, |id| floor.min(entry_position(&id, 0))))
 }
 
 /// Largest count taken from a server reply: what a stream can hold in practice.
@@ -1025,6 +1081,8 @@ impl Pipeline {
         let mut left_pending = 0;
         let mut failed = None;
         while !cancel.is_cancelled() {
+            let floor = reader.lock().await.oldest_position().await;
+            acks.floor.store(floor, std::sync::atomic::Ordering::Relaxed);
             let r = reader.clone();
             let result = self
                 .execute_with(cancel.clone(), Some(acks.clone()), move |feed| async move {

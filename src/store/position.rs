@@ -67,8 +67,9 @@ impl Store {
         .await?)
     }
 
-    /// Records the first position of corpus run `run_id` (the tombstone sweep keeps what a
-    /// live run older than a tombstone could still need).
+    /// Records the oldest position run `run_id` may write (a corpus run's first; a stream
+    /// segment's oldest entry it could take over): the tombstone sweep keeps what a live run
+    /// older than a tombstone could still need.
     pub(crate) async fn record_run_start(&self, run_id: i64, first: i64) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO ingest_run_start (run_id, first_position) VALUES ($1, $2) ON CONFLICT DO NOTHING",

@@ -497,3 +497,56 @@ on_single_and_cluster! {
         assert_eq!(db.duplicates().await, 0);
     }
 }
+
+on_single_and_cluster! {
+    /// The tombstone sweep keeps what a live stream consumer still needs: an entry of a chunk
+    /// is pending (its consumer died), the chunk is then deleted by a corpus run, and the
+    /// tombstone is old enough to sweep. While a survivor that will take the entry over is
+    /// running, another run starts (and sweeps): the tombstone must stay, so the entry taken
+    /// over afterwards is superseded and does not bring the chunk back.
+    async fn a_tombstone_is_kept_while_a_consumer_may_still_take_over_an_older_entry() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        publish(&stream, &[chunk_entry("swept", 0, "before the delete")]).await;
+        let mut redis = redis().await;
+        let _: () = redis::cmd("XGROUP").arg("CREATE").arg(&stream).arg("it-ingest").arg("0").query_async(&mut redis).await.unwrap();
+        let _: redis::Value = redis::cmd("XREADGROUP").arg("GROUP").arg("it-ingest").arg("dead").arg("COUNT").arg(1)
+            .arg("STREAMS").arg(&stream).arg(">").query_async(&mut redis).await.unwrap();
+        let s = settings(&db, &mock);
+        let delete = format!("{}\n", serde_json::json!({"doc_id": "swept", "op": "delete"}));
+        pipeline(&s).await.run(input(delete.into_bytes()), CancellationToken::new()).await.unwrap();
+        // The delete is two hours old.
+        let aged = sqlx::query("UPDATE ingest_tombstone SET deleted_at = now() - interval '2 hours' WHERE doc_id = 'swept'")
+            .execute(&db.pool).await.unwrap().rows_affected();
+        assert_eq!(aged, 1, "the delete left a tombstone");
+
+        let mut opts = source_opts(&stream, "survivor");
+        opts.min_idle = Duration::from_millis(5_000);
+        opts.idle_exit = Some(Duration::from_millis(500));
+        let survivor = {
+            let p = pipeline(&s).await;
+            let client = redis_client();
+            tokio::spawn(async move { p.run_source(&client, opts, CancellationToken::new()).await })
+        };
+        // The survivor is alive and has not taken the entry over yet; another run sweeps.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert!(!survivor.is_finished());
+        pipeline(&s).await.run(input(line("other", 0, "unrelated").into_bytes()), CancellationToken::new()).await.unwrap();
+        assert_eq!(
+            db.count("SELECT count(*) FROM ingest_tombstone WHERE doc_id = 'swept'").await,
+            1,
+            "the sweep kept the tombstone a live consumer may still need"
+        );
+
+        let summary = tokio::time::timeout(Duration::from_secs(60), survivor).await.unwrap().unwrap().unwrap();
+        assert_eq!(summary.source.as_ref().unwrap().entries_reclaimed, 1, "{summary:?}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+        assert_eq!(vector_is(&db, "swept", 0, "before the delete").await, None, "the deleted chunk stays deleted: {summary:?}");
+        assert_eq!(
+            db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'swept'").await
+                + db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'swept'").await,
+            0
+        );
+    }
+}
