@@ -424,6 +424,17 @@ async fn out_of_range_settings_exit_2_naming_the_setting_never_a_panic() {
         (vec!["--request-timeout-ms", &max], "request_timeout_ms"),
         (vec!["--breaker-cooldown-ms", &max], "breaker_cooldown_ms"),
         (vec!["--dlq-cap-secs", &max], "dlq_cap_secs"),
+        // The settings of the stream source and of deletions (issue 21).
+        (vec!["--source-min-idle-ms", &max], "source_min_idle_ms"),
+        (vec!["--source-min-idle-ms", "0"], "source_min_idle_ms"),
+        (vec!["--source-delivery-cap", "4294967295"], "source_delivery_cap"),
+        (vec!["--source-delivery-cap", "0"], "source_delivery_cap"),
+        (vec!["--source-max-inflight-entries", &max], "source_max_inflight_entries"),
+        (vec!["--source-shards", "65"], "source_shards"),
+        (vec!["--cleanup-max-fraction", "1.5"], "cleanup_max_fraction"),
+        (vec!["--cleanup-max-fraction=-0.1"], "cleanup_max_fraction"),
+        (vec!["--cleanup-max-fraction", "NaN"], "cleanup_max_fraction"),
+        (vec!["--cleanup-max-rejected-lines", &max], "cleanup_max_rejected_lines"),
     ] {
         let (code, out, err) = run(&args, None).await;
         assert_eq!(code, Some(2), "{args:?}: {out}{err}");

@@ -442,23 +442,6 @@ async fn stored_vectors(
     .collect()
 }
 
-/// The Postgres server `db` lives on (for the proxy in front of it).
-fn postgres_addr(db: &TestDb) -> std::net::SocketAddr {
-    let url = reqwest::Url::parse(&db.url).unwrap();
-    let host = url.host_str().unwrap();
-    let ip: std::net::IpAddr =
-        if host == "localhost" { [127, 0, 0, 1].into() } else { host.parse().unwrap() };
-    (ip, url.port().unwrap_or(5432)).into()
-}
-
-/// `db.url` with its host and port replaced by `addr`.
-fn through(db: &TestDb, addr: std::net::SocketAddr) -> String {
-    let mut url = reqwest::Url::parse(&db.url).unwrap();
-    url.set_host(Some(&addr.ip().to_string())).unwrap();
-    url.set_port(Some(addr.port())).unwrap();
-    url.to_string()
-}
-
 /// The texts of every key at one corpus version.
 #[derive(Debug, Clone)]
 struct Corpus {
@@ -782,7 +765,8 @@ impl History {
     }
 
     /// The stream source under fire: the newest corpus (sometimes a new version first)
-    /// produced to a fresh source stream, 250 entries at a time, while three consumers of one
+    /// produced to a fresh source stream, 250 entries at a time (one key in eight also as a
+    /// draft published a batch earlier, which must lose to the final text), while three consumers of one
     /// group read it through a provider picked at random (faults included) and are SIGKILLed
     /// at random moments (each replaced by a new consumer). Once the group has drained (a
     /// healthy consumer finishes what the faulty provider stopped): every entry is its text's
@@ -804,20 +788,37 @@ impl History {
             .collect();
         let mut named = consumers.len();
         let (mut kills, mut conn) = (0u64, self.redis.conn().await);
+        // One key in eight is published twice: a draft one batch ahead of its final text, so
+        // a consumer killed holding the draft leaves it to be taken over after the final
+        // was stored elsewhere. The final must win (invariant 9); a draft's vector is stale.
+        let draft = |k: usize| k % 8 == 5;
+        let xadd = |pipe: &mut redis::Pipeline, k: usize, text: &str| {
+            let (doc, idx) = key_of(k);
+            pipe.cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("doc_id")
+                .arg(doc)
+                .arg("chunk_index")
+                .arg(idx)
+                .arg("text")
+                .arg(text)
+                .ignore();
+        };
+        let mut drafts = 0u64;
         for start in (0..total).step_by(250) {
             let mut pipe = redis::pipe();
+            let ahead = if start == 0 {
+                0..(500).min(total)
+            } else {
+                (start + 250).min(total)..(start + 500).min(total)
+            };
+            for k in ahead.filter(|&k| draft(k)) {
+                xadd(&mut pipe, k, &format!("{} (draft)", corpus.texts[k]));
+                drafts += 1;
+            }
             for k in start..(start + 250).min(total) {
-                let (doc, idx) = key_of(k);
-                pipe.cmd("XADD")
-                    .arg(&stream)
-                    .arg("*")
-                    .arg("doc_id")
-                    .arg(doc)
-                    .arg("chunk_index")
-                    .arg(idx)
-                    .arg("text")
-                    .arg(&corpus.texts[k])
-                    .ignore();
+                xadd(&mut pipe, k, &corpus.texts[k]);
             }
             let () = pipe.query_async(&mut conn).await.unwrap();
             while kill_at.first().is_some_and(|&at| at < start + 250) {
@@ -856,7 +857,10 @@ impl History {
         self.check_source(table, &corpus).await;
         self.note(
             "stream_ingest",
-            format!("v{} into {table} via {provider}, {total} entries, {kills} SIGKILLs, exits {codes:?}, pending {pending}", corpus.version),
+            format!(
+                "v{} into {table} via {provider}, {total} entries and {drafts} drafts ahead of them, {kills} SIGKILLs, exits {codes:?}, pending {pending}",
+                corpus.version
+            ),
         );
     }
 

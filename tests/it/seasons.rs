@@ -33,23 +33,6 @@ async fn park_due(db: &TestDb, n: usize, doc: &str) {
     make_due(db).await;
 }
 
-/// `db.url` with its host and port replaced by `addr` (a proxy in front of the server).
-fn through(db: &TestDb, addr: std::net::SocketAddr) -> String {
-    let mut url = reqwest::Url::parse(&db.url).unwrap();
-    url.set_host(Some(&addr.ip().to_string())).unwrap();
-    url.set_port(Some(addr.port())).unwrap();
-    url.to_string()
-}
-
-/// The Postgres server `db` lives on.
-fn postgres_addr(db: &TestDb) -> std::net::SocketAddr {
-    let url = reqwest::Url::parse(&db.url).unwrap();
-    let host = url.host_str().unwrap();
-    let ip: std::net::IpAddr =
-        if host == "localhost" { [127, 0, 0, 1].into() } else { host.parse().unwrap() };
-    (ip, url.port().unwrap_or(5432)).into()
-}
-
 fn prefix_of(keys: &StreamKeys) -> String {
     keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
 }

@@ -550,3 +550,72 @@ on_single_and_cluster! {
         );
     }
 }
+
+on_single_and_cluster! {
+    /// Invariant 12 for the stream source: Postgres unreachable for several times
+    /// `min_idle × delivery_cap` while `serve` ingests a stream. Its source runs fail and
+    /// restart, and each restart takes the pending entries over again (a Redis delivery each
+    /// time), none of it the entries' fault. Once the database is back every entry is stored;
+    /// none is parked as poison.
+    async fn a_database_outage_longer_than_the_source_delivery_cap_parks_no_entry() {
+        const ENTRIES: usize = 300;
+        let db = TestDb::new().await;
+        // Slow enough that entries are in flight and pending when the database goes.
+        let mock = start_mock(MockConfig { latency_ms: 60, ..MockConfig::default() }).await;
+        let stream = fresh_stream();
+        let proxy = embed_dlq::testkit::proxy::TcpProxy::start(postgres_addr(&db)).await.unwrap();
+        let prefix = format!("it-src-outage-{}", rand::random::<u32>());
+        let (min_idle_ms, cap) = (300u64, 2u64);
+        let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
+            .arg("serve")
+            .args(["--database-url", &through(&db, proxy.addr), "--redis-url", &redis_url()])
+            .args(["--base-url", &mock.base_url(), "--model", "mock", "--stream-prefix", &prefix])
+            .args(["--replayers", "1", "--batch-max-inputs", "8"])
+            .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1"])
+            .args(["--source-min-idle-ms", &min_idle_ms.to_string(), "--source-delivery-cap", &cap.to_string()])
+            .env_remove("EMBED_DLQ_API_KEY")
+            .env_remove("EMBED_DLQ_FAILPOINT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let entries: Vec<_> =
+            (0..ENTRIES).map(|i| chunk_entry(&format!("out-{}", i / 4), (i % 4) as i32, &format!("t{i}"))).collect();
+        publish(&stream, &entries).await;
+        let mut first = 0;
+        for _ in 0..600 {
+            first = db.count("SELECT count(*) FROM doc_embeddings").await;
+            if first >= 16 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(first >= 16 && first < ENTRIES as i64, "the outage starts with work in flight: {first}");
+        proxy.control.cut();
+        let outage = Duration::from_secs(12);
+        assert!(outage > Duration::from_millis(min_idle_ms * cap * 4));
+        tokio::time::sleep(outage).await;
+        assert!(proxy.control.refused() > 0, "serve never tried the database during the outage");
+        proxy.control.restore();
+        let mut done = 0;
+        for _ in 0..1_200 {
+            done = db.count("SELECT count(*) FROM ingest_manifest").await;
+            if done == ENTRIES as i64 && pending(&stream, "it-ingest").await == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = serve.kill().await;
+        let poison: Vec<(String, String)> =
+            sqlx::query_as("SELECT doc_id || '#' || chunk_index, last_error FROM embedding_dlq ORDER BY 1 LIMIT 5")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        assert!(poison.is_empty(), "healthy entries parked by a database outage: {poison:?}");
+        assert_eq!(done, ENTRIES as i64, "every entry has an outcome");
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, ENTRIES as i64);
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+    }
+}

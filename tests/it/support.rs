@@ -947,3 +947,20 @@ pub fn binary() -> tokio::process::Command {
         .kill_on_drop(true);
     c
 }
+
+/// `db.url` with its host and port replaced by `addr` (a proxy in front of the server).
+pub fn through(db: &TestDb, addr: std::net::SocketAddr) -> String {
+    let mut url = reqwest::Url::parse(&db.url).unwrap();
+    url.set_host(Some(&addr.ip().to_string())).unwrap();
+    url.set_port(Some(addr.port())).unwrap();
+    url.to_string()
+}
+
+/// The Postgres server `db` lives on (for a proxy in front of it).
+pub fn postgres_addr(db: &TestDb) -> std::net::SocketAddr {
+    let url = reqwest::Url::parse(&db.url).unwrap();
+    let host = url.host_str().unwrap();
+    let ip: std::net::IpAddr =
+        if host == "localhost" { [127, 0, 0, 1].into() } else { host.parse().unwrap() };
+    (ip, url.port().unwrap_or(5432)).into()
+}
