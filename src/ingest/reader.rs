@@ -427,18 +427,17 @@ pub(crate) fn parse_entry(
     }
 }
 
-/// The record of an entry delivered `deliveries` times without an outcome (past `cap`): it
-/// may kill its consumer, so it is parked as an invalid record (reason `delivery_cap`, raw
-/// entry in the payload) under its identity if it has one, instead of being tried again.
+/// The record of an entry that never got an outcome (`why`: past the delivery cap, then
+/// alone): it kills its consumer, so it is parked as an invalid record (reason
+/// `delivery_cap`, raw entry in the payload) under its identity if it has one, instead of
+/// being tried again.
 pub(crate) fn poison_entry(
     position: u64,
     origin: EntryOrigin<'_>,
     fields: &[(Vec<u8>, Vec<u8>)],
     max_bytes: usize,
-    deliveries: u64,
-    cap: u32,
+    why: String,
 ) -> Record {
-    let why = format!("delivered {deliveries} times without an outcome (delivery cap {cap})");
     match parse_entry(position, origin, fields, max_bytes) {
         Record::Chunk { line, chunk } => Record::Invalid {
             line,
@@ -1139,7 +1138,7 @@ mod entry_tests {
         let origin = EntryOrigin { stream: "src", id: "9-0" };
         let good = fields(&[("doc_id", b"d"), ("chunk_index", b"2"), ("text", b"ok")]);
         let Record::Invalid { doc_id, chunk_index, problem, payload, .. } =
-            poison_entry(1, origin, &good, 1 << 20, 11, 10)
+            poison_entry(1, origin, &good, 1 << 20, "delivered 11 times without an outcome".into())
         else {
             panic!()
         };

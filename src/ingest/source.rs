@@ -55,6 +55,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::reader::{EntryOrigin, MAX_SOURCE_KEY_BYTES, parse_entry, poison_entry};
 use super::{Feed, IngestError, IngestSummary, Pipeline};
+use crate::store::source::EntryRef;
 use crate::streams::{RedisClient, RedisConn};
 
 /// The default consumer group of a source stream.
@@ -190,6 +191,23 @@ pub struct SourceCounts {
 /// One entry of a source stream: the stream's index in [`SourceOptions::streams`] and the
 /// entry id.
 type EntryKey = (u16, String);
+
+/// Attempts alone, each charged in Postgres, that an entry past the Redis delivery cap may
+/// begin without an outcome before it is parked as poison.
+pub const SOLO_ATTEMPTS: u32 = 2;
+
+/// What [`SourceReader::judge_suspect`] decided for an entry past the Redis delivery cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Charged: hand it on, alone.
+    TryAlone,
+    /// Its attempts alone never finished: park it (the attempts charged, this one included).
+    Poison(u32),
+    /// The charge failed (the database is away): not its fault; taken over again later.
+    LeavePending,
+    /// The run halts.
+    Halted,
+}
 
 /// What [`Acks::track`] made of an entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -429,6 +447,8 @@ struct SourceReader {
     client: RedisClient,
     /// Shared connection for claims, pending counts and group info.
     redis: RedisConn,
+    /// Where suspect entries' attempts are charged (`store::source`).
+    store: crate::store::Store,
     /// The blocking-read connection (opened on demand, dropped after an error).
     blocking: Option<RedisConn>,
     acks: Arc<Acks>,
@@ -537,6 +557,17 @@ impl SourceReader {
         deliveries: Option<u64>,
     ) -> bool {
         let at = crate::store::position::entry_position(&id, stream);
+        // Past the Redis delivery cap: a suspect, judged by attempts alone charged in Postgres.
+        let suspect = deliveries.filter(|&n| n > u64::from(self.opts.delivery_cap));
+        let mut poison = None;
+        if suspect.is_some() {
+            match self.judge_suspect(stream, &id, &feed.halt).await {
+                Verdict::TryAlone => {}
+                Verdict::Poison(attempts) => poison = Some(attempts),
+                Verdict::LeavePending => return true,
+                Verdict::Halted => return false,
+            }
+        }
         match self.acks.track(at, (stream, id.clone())) {
             Track::Tracked => {}
             Track::AlreadyHere => return true, // taken over from ourselves
@@ -554,20 +585,78 @@ impl SourceReader {
         feed.lines_read.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let origin = EntryOrigin { stream: &self.opts.streams[stream as usize], id: &id };
         let max_bytes = feed.budget.capacity() as usize;
-        let rec = match deliveries {
-            Some(n) if n > u64::from(self.opts.delivery_cap) => {
+        let rec = match (poison, suspect) {
+            (Some(attempts), Some(n)) => {
                 self.counts.entries_poison += 1;
                 metrics::counter!(crate::metrics::SOURCE_POISON).increment(1);
-                tracing::warn!(stream = %origin.stream, id = %id, deliveries = n,
-                    "source entry delivered past the delivery cap without an outcome: parking it");
-                poison_entry(*position, origin, &fields, max_bytes, n, self.opts.delivery_cap)
+                tracing::warn!(stream = %origin.stream, id = %id, deliveries = n, attempts,
+                    "source entry never finished, alone, {attempts} times past the delivery cap: parking it");
+                let why = format!(
+                    "delivered {n} times without an outcome (delivery cap {}), then {} attempts \
+                     alone that never finished",
+                    self.opts.delivery_cap,
+                    attempts - 1
+                );
+                poison_entry(*position, origin, &fields, max_bytes, why)
             }
             _ => parse_entry(*position, origin, &fields, max_bytes),
         };
         drop(fields);
         // The record's own size stands in for the line, like a chunk handed over by Rust.
         let Some(charge) = feed.charge(rec.approx_bytes()).await else { return false };
-        feed.hand_on_at(rec, Some(at), charge).await
+        if !feed.hand_on_at(rec, Some(at), charge).await {
+            return false;
+        }
+        if suspect.is_some() {
+            // Alone: its outcome comes before anything else is read, so a crash now is its own.
+            let key = (stream, id);
+            if !self.wait_until(&feed.halt, |acks| !acks.lock().ids.contains(&key)).await {
+                return false;
+            }
+            let entry =
+                EntryRef { stream: &self.opts.streams[stream as usize], group: &self.opts.group, id: &key.1 };
+            if let Err(e) = self.store.clear_suspect(entry).await {
+                tracing::debug!(error = %e, "could not clear a suspect entry (swept after a week)");
+            }
+        }
+        true
+    }
+
+    /// Judges an entry delivered past the Redis delivery cap. Redis counts every delivery
+    /// (restarts, takeovers, the deliveries of a database outage), so it is not the entry's
+    /// fault until proven: once nothing else is in flight, one attempt is charged to it in
+    /// Postgres (impossible while the database is away: then it is left pending) and it is
+    /// tried alone. Only when [`SOLO_ATTEMPTS`] such attempts never finished is it poison.
+    async fn judge_suspect(&mut self, stream: u16, id: &str, halt: &CancellationToken) -> Verdict {
+        if !self.wait_until(halt, |acks| acks.inflight() == 0).await {
+            return Verdict::Halted;
+        }
+        let entry = EntryRef { stream: &self.opts.streams[stream as usize], group: &self.opts.group, id };
+        match self.store.charge_suspect(entry).await {
+            Ok(attempts) if attempts > SOLO_ATTEMPTS => Verdict::Poison(attempts),
+            Ok(_) => Verdict::TryAlone,
+            Err(e) => {
+                tracing::warn!(error = %e, stream = %entry.stream, id = %id,
+                    "could not charge an attempt to a source entry past the delivery cap: left pending");
+                Verdict::LeavePending
+            }
+        }
+    }
+
+    /// Waits until `done` holds of the in-flight entries; false if the run halts first.
+    async fn wait_until(&self, halt: &CancellationToken, done: impl Fn(&Acks) -> bool) -> bool {
+        loop {
+            let notified = self.acks.changed.notified();
+            if done(&self.acks) {
+                return true;
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = halt.cancelled() => return false,
+                // `changed` is a wake-up, not a guarantee: look again now and then.
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
     }
 
     /// The next entries of one stream, starting at `self.next`: with several streams, one
@@ -1061,10 +1150,14 @@ impl Pipeline {
             opts.group.clone(),
             stop_acker.clone(),
         ));
+        if let Err(e) = self.store.sweep_suspects().await {
+            tracing::debug!(error = %e, "could not sweep old suspect entries");
+        }
         let reader = Arc::new(tokio::sync::Mutex::new(SourceReader {
             opts: opts.clone(),
             client: client.clone(),
             redis,
+            store: self.store.clone(),
             blocking: None,
             acks: acks.clone(),
             next: 0,

@@ -13,7 +13,9 @@
 //!   previous lock holder committed);
 //! - `delete`: deletions (explicit deletes from the input, a run's cleanup), fenced like writes
 //!   by position and by tombstones that the manifest claim honours;
-//! - `replay`: the scheduler's enqueue and the replayers' fenced commits;
+//! - `replay`: the scheduler's enqueue and the replayers' fenced commits; `source`: the
+//!   attempts charged to a stream source's suspect entries; [`position`]: the one scale of
+//!   positions that fences writes and deletions;
 //! - `dlq`: the operator actions; `console`: what the operator console reads beyond them
 //!   (keyset pages in any sort order, activity over time) and its audit trail; `outbox`: the
 //!   relay's claim and marks; [`prefix`]: the one stream prefix a database is relayed under;
@@ -36,6 +38,7 @@ pub mod position;
 pub mod prefix;
 pub mod reconcile;
 pub(crate) mod replay;
+pub(crate) mod source;
 
 pub use ingest::{OnNewerParked, ParkCounts, ParkedChunk};
 pub(crate) use ingest::{StoreCounts, StoredChunk};

@@ -188,33 +188,47 @@ on_single_and_cluster! {
         assert_eq!(pending(&stream, "it-ingest").await, 0);
     }
 
-    /// An entry delivered past the delivery cap (it kept killing its consumers) is parked as
-    /// an invalid record, raw entry kept, and acknowledged: never taken again.
-    async fn an_entry_past_the_delivery_cap_is_parked_not_looped() {
+    /// Redis's delivery count is not proof: an entry delivered past the delivery cap (restarts,
+    /// takeovers, outages) is tried alone, one attempt charged in Postgres, and stored when it
+    /// is healthy. Only one whose attempts alone never finished (`SOLO_ATTEMPTS` of them, as
+    /// consumers it killed leave them) is parked as an invalid record, raw entry kept, and
+    /// acknowledged: never taken again.
+    async fn an_entry_past_the_delivery_cap_is_tried_alone_and_parked_only_when_it_never_finishes() {
         let db = TestDb::new().await;
         let mock = start_mock(MockConfig::default()).await;
         let stream = fresh_stream();
-        let ids = publish(&stream, &[chunk_entry("poison", 0, "kills its consumer"), chunk_entry("fine", 0, "ok")]).await;
+        let ids = publish(&stream, &[
+            chunk_entry("poison", 0, "kills its consumer"),
+            chunk_entry("unlucky", 0, "was in flight during many restarts"),
+            chunk_entry("fine", 0, "ok"),
+        ]).await;
         let mut redis = redis().await;
         let _: () = redis::cmd("XGROUP").arg("CREATE").arg(&stream).arg("it-ingest").arg("0").query_async(&mut redis).await.unwrap();
-        // A consumer took it and died, many times over.
-        let _: redis::Value = redis::cmd("XREADGROUP").arg("GROUP").arg("it-ingest").arg("dead").arg("COUNT").arg(1)
+        // A consumer took both and died, many times over.
+        let _: redis::Value = redis::cmd("XREADGROUP").arg("GROUP").arg("it-ingest").arg("dead").arg("COUNT").arg(2)
             .arg("STREAMS").arg(&stream).arg(">").query_async(&mut redis).await.unwrap();
-        let _: redis::Value = redis::cmd("XCLAIM").arg(&stream).arg("it-ingest").arg("dead").arg(0).arg(&ids[0])
+        let _: redis::Value = redis::cmd("XCLAIM").arg(&stream).arg("it-ingest").arg("dead").arg(0).arg(&ids[0]).arg(&ids[1])
             .arg("RETRYCOUNT").arg(20).query_async(&mut redis).await.unwrap();
+        // The poison's attempts alone, each charged before the consumer it killed died.
+        let solo = embed_dlq::ingest::source::SOLO_ATTEMPTS as i32;
+        sqlx::query("INSERT INTO source_suspect (target_table, stream, group_name, entry_id, attempts)
+                     VALUES ('public.doc_embeddings', $1, 'it-ingest', $2, $3)")
+            .bind(&stream).bind(&ids[0]).bind(solo).execute(&db.pool).await.unwrap();
         tokio::time::sleep(Duration::from_millis(1_100)).await;
         let mut opts = source_opts(&stream, "survivor");
         opts.delivery_cap = 5;
         let summary = run_source(&db, &mock, opts).await;
         assert_eq!(summary.source.as_ref().unwrap().entries_poison, 1, "{summary:?}");
-        let (class, last_error): (String, String) =
-            sqlx::query_as("SELECT error_class, last_error FROM embedding_dlq WHERE doc_id = 'poison'")
-                .fetch_one(&db.pool)
+        let rows: Vec<(String, String, String)> =
+            sqlx::query_as("SELECT doc_id, error_class, last_error FROM embedding_dlq ORDER BY doc_id")
+                .fetch_all(&db.pool)
                 .await
                 .unwrap();
-        assert_eq!(class, "invalid_record");
-        assert!(last_error.contains("delivery cap"), "{last_error}");
-        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 1, "the healthy entry is stored");
+        assert_eq!(rows.len(), 1, "only the poison is parked: {rows:?}");
+        assert_eq!((rows[0].0.as_str(), rows[0].1.as_str()), ("poison", "invalid_record"));
+        assert!(rows[0].2.contains("delivery cap") && rows[0].2.contains("alone"), "{}", rows[0].2);
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 2, "the unlucky and the healthy entry are stored");
+        assert_eq!(db.count("SELECT count(*) FROM source_suspect").await, 0, "suspects with an outcome are forgotten");
         assert_eq!(pending(&stream, "it-ingest").await, 0);
         let _: i64 = redis.del(&stream).await.unwrap();
     }

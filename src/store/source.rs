@@ -1,0 +1,59 @@
+//! What a stream source keeps in Postgres (migration 0020): the attempts charged to suspect
+//! entries, those delivered past the Redis delivery cap. Redis counts every delivery, a
+//! restart's or an outage's too; only an attempt begun here, alone, and never finished is the
+//! entry's own fault.
+
+use super::{Store, StoreError};
+
+/// One entry of a source stream, as the suspects table names it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EntryRef<'a> {
+    pub stream: &'a str,
+    pub group: &'a str,
+    pub id: &'a str,
+}
+
+impl Store {
+    /// Charges one begun attempt to suspect entry `e`; returns the attempts charged so far
+    /// (this one included).
+    pub(crate) async fn charge_suspect(&self, e: EntryRef<'_>) -> Result<u32, StoreError> {
+        let attempts: i32 = sqlx::query_scalar(
+            "INSERT INTO source_suspect AS s (target_table, stream, group_name, entry_id, attempts)
+             VALUES ($1, $2, $3, $4, 1)
+             ON CONFLICT (target_table, stream, group_name, entry_id)
+             DO UPDATE SET attempts = s.attempts + 1, charged_at = now()
+             RETURNING s.attempts",
+        )
+        .bind(&self.target.name)
+        .bind(e.stream)
+        .bind(e.group)
+        .bind(e.id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(attempts.max(0) as u32)
+    }
+
+    /// Forgets suspect entry `e` once it has an outcome.
+    pub(crate) async fn clear_suspect(&self, e: EntryRef<'_>) -> Result<(), StoreError> {
+        sqlx::query(
+            "DELETE FROM source_suspect
+              WHERE target_table = $1 AND stream = $2 AND group_name = $3 AND entry_id = $4",
+        )
+        .bind(&self.target.name)
+        .bind(e.stream)
+        .bind(e.group)
+        .bind(e.id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Drops suspects untouched for a week (their entries were acknowledged by hand, trimmed,
+    /// or their stream is gone).
+    pub(crate) async fn sweep_suspects(&self) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM source_suspect WHERE charged_at < now() - interval '7 days'")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}
