@@ -304,8 +304,9 @@ pub struct SourceArgs {
     /// (XAUTOCLAIM), 100..=86400000 ms.
     #[arg(long)]
     pub source_min_idle_ms: Option<u64>,
-    /// Deliveries of a source entry without an outcome after which it is parked as
-    /// invalid_record (it kills its consumer), 1..=1000.
+    /// Redis deliveries of a source entry without an outcome after which it is tried alone,
+    /// attempts charged in Postgres, and parked as invalid_record once two such attempts never
+    /// finished (it kills its consumer), 1..=1000.
     #[arg(long)]
     pub source_delivery_cap: Option<u32>,
     /// Most source entries read and not yet acknowledged per consumer (backpressure),

@@ -23,9 +23,11 @@
 //!   after a restart) are taken over with `XAUTOCLAIM` and processed again. While an entry is
 //!   in flight its consumer refreshes its claim (`XCLAIM ... JUSTID`), so a slow provider
 //!   does not make other consumers take live work.
-//! - **Poison.** An entry delivered more than `delivery_cap` times without an outcome (it
-//!   kills its consumer) is parked as `invalid_record` (reason `delivery_cap`), raw entry
-//!   in the payload, and acknowledged — never looped on.
+//! - **Poison.** An entry delivered more than `delivery_cap` times without an outcome is a
+//!   suspect, not yet poison (Redis counts restarts' and outages' deliveries too): it is
+//!   tried alone, one attempt charged in Postgres first (`store::source`), and parked as
+//!   `invalid_record` (reason `delivery_cap`, raw entry in the payload) and acknowledged only
+//!   when [`SOLO_ATTEMPTS`] such attempts never finished — never looped on.
 //! - **Malformed entries** are parked as `invalid_record` with the raw entry preserved
 //!   (`reader::parse_entry`); one without a usable identity under
 //!   `source:<stream>/<entry id>`. Then acknowledged like any outcome.
@@ -81,7 +83,8 @@ pub struct SourceOptions {
     pub block: Duration,
     /// Entries pending longer than this are taken over with `XAUTOCLAIM`.
     pub min_idle: Duration,
-    /// Deliveries without an outcome after which an entry is parked as poison.
+    /// Redis deliveries without an outcome after which an entry is tried alone and judged by
+    /// the attempts charged in Postgres (see [`SOLO_ATTEMPTS`]).
     pub delivery_cap: u32,
     /// Most entries read and not yet settled (backpressure), 1..=1000000.
     pub max_inflight_entries: usize,
