@@ -86,7 +86,9 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         Err(e) => return exit::usage(&e),
     };
     let console = Console { store, redis, keys: settings.stream_keys(), gate: None, config };
-    tracing::info!(listen = %listen, read_only, "console: serving");
+    // Actions need the token: without one the console is read-only whatever the flag says.
+    let actions = !console.config.read_only && console.config.token.is_some();
+    tracing::info!(listen = %listen, actions, "console: serving");
     match embed_dlq::console::serve(console, cancel).await {
         Ok(()) => exit::OK,
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),

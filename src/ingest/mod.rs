@@ -1259,7 +1259,8 @@ impl<'a> Batcher<'a> {
             .collect();
         let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
         let young = self.windows < ALWAYS_LEASED_WINDOWS;
-        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young)).await?;
+        let stream = self.acks.is_some();
+        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young, stream)).await?;
         let leased: HashSet<(String, i32)> =
             known.iter().filter(|(_, c)| c.leased).map(|(k, _)| k.clone()).collect();
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
@@ -1279,6 +1280,9 @@ impl<'a> Batcher<'a> {
             }
             match claim.and_then(|c| c.manifest.as_ref()) {
                 _ if repeated.contains(&k) => false,
+                // Same content, but the manifest's position could not be moved up to this
+                // record's (the row changed meanwhile): written again, its position decides.
+                _ if !claim.is_some_and(|c| c.confirmed) => false,
                 Some((h, ChunkStatus::Stored)) if h == hash => {
                     unchanged += 1;
                     done.push(seq);

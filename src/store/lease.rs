@@ -72,6 +72,12 @@ pub(crate) struct WindowClaim {
     /// finished. Without it (a run alone, past its first windows) the store skips the lease
     /// update altogether.
     pub leased: bool,
+    /// The manifest's record of the chunk is at least as new as this one: it was already, or
+    /// this statement moved its position up to this record's (same content). Only then may the
+    /// record be skipped as unchanged or already parked: a skip that left the manifest at an
+    /// older position would let an older version still in flight (a stream entry a dead
+    /// consumer held, a concurrent older run) overwrite the content this record confirms.
+    pub confirmed: bool,
 }
 
 /// Marks one ingest run alive for as long as it holds its leases: a session advisory lock on
@@ -105,6 +111,7 @@ impl Store {
         run_id: i64,
         lease: Duration,
         always: bool,
+        stream: bool,
     ) -> Result<HashMap<(String, i32), WindowClaim>, StoreError> {
         let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
         let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
@@ -124,6 +131,7 @@ impl Store {
             .bind(lease.as_secs_f64().max(1.0))
             .bind(FINISHED_GRACE.as_secs_f64())
             .bind(always)
+            .bind(stream)
             // Planned for each window with its real keys and the tables as they are now: a
             // plan cached while a table was nearly empty may scan all of it once per key
             // once it has grown (see the manifest claim in `ingest.rs`).
@@ -149,6 +157,7 @@ impl Store {
                     manifest,
                     leased_elsewhere: r.try_get("leased_elsewhere")?,
                     leased: r.try_get("leased")?,
+                    confirmed: r.try_get::<Option<bool>, _>("confirmed")?.unwrap_or(false),
                 },
             );
         }
@@ -180,7 +189,16 @@ impl RunLease {
 
 /// The window's round trip. `$1` table, `$2..$5` keys, hashes and positions, `$6` whether the
 /// key is a chunk to embed, `$7` whether the run met it before, `$8` run id, `$9` lease
-/// seconds, `$10` [`FINISHED_GRACE`] in seconds, `$11` claim even if no other run is alive.
+/// seconds, `$10` [`FINISHED_GRACE`] in seconds, `$11` claim even if no other run is alive,
+/// `$12` the run reads a stream source.
+///
+/// `confirmed`: the keys whose manifest row holds this record's content at an older position
+/// (about to be skipped as unchanged or already parked) get this record's position, locked in
+/// key order like every manifest writer; a row changed meanwhile is left alone (and the record
+/// then is not skipped). Only while something older could still be in flight (`racing`):
+/// another run is alive, or `$12` (a stream source: a dead consumer's pending entries are
+/// older records no live run holds). A corpus run alone moves nothing, so an identical rerun
+/// changes no row.
 ///
 /// `known`: one index probe of the manifest per key (the `OFFSET 0` keeps the planner from
 /// turning the lookup into a hash join over every manifest row of the table: custom plans
@@ -207,10 +225,11 @@ WITH input AS (
         AS t(doc_id, chunk_index, content_hash, source_seq, embeds, repeated)
 ), known AS (
     SELECT i.doc_id, i.chunk_index, i.content_hash, i.source_seq, m.content_hash AS done_hash, m.status,
+           m.source_seq AS done_seq, i.repeated,
            i.embeds AND (i.repeated OR m.content_hash IS DISTINCT FROM i.content_hash) AS wanted
       FROM input i
       LEFT JOIN LATERAL (
-           SELECT m.content_hash, m.status FROM ingest_manifest m
+           SELECT m.content_hash, m.status, m.source_seq FROM ingest_manifest m
             WHERE m.target_table = $1::text AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
            OFFSET 0) m ON true
 ), snap AS MATERIALIZED (
@@ -221,8 +240,12 @@ WITH input AS (
      WHERE locktype = 'advisory' AND granted AND objsubid = 2
        AND classid = embed_dlq_lease_lock_space()::oid
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), others AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
 ), shared AS MATERIALIZED (
-    SELECT $11::bool OR EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
+    SELECT $11::bool OR (SELECT yes FROM others) AS yes
+), racing AS MATERIALIZED (
+    SELECT $12::bool OR (SELECT yes FROM others) AS yes
 ), claimed AS (
     INSERT INTO ingest_lease AS l (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
     SELECT $1::text, doc_id, chunk_index, content_hash, source_seq, $8::bigint,
@@ -248,9 +271,27 @@ WITH input AS (
 ), swept AS (
     DELETE FROM ingest_lease
      WHERE run_id = $8::bigint AND finished_at < now() - make_interval(secs => $10::float8)
+), confirmed AS (
+    UPDATE ingest_manifest m SET source_seq = k.source_seq
+      FROM known k
+     WHERE m.target_table = $1::text AND m.doc_id = k.doc_id AND m.chunk_index = k.chunk_index
+       AND NOT k.repeated AND m.content_hash = k.content_hash AND m.source_seq < k.source_seq
+       AND (SELECT yes FROM racing)
+       AND (m.target_table, m.doc_id, m.chunk_index) IN (
+           SELECT x.target_table, x.doc_id, x.chunk_index
+             FROM ingest_manifest x
+             JOIN known k2 ON x.doc_id = k2.doc_id AND x.chunk_index = k2.chunk_index
+            WHERE x.target_table = $1::text AND NOT k2.repeated
+              AND k2.done_hash = k2.content_hash AND k2.done_seq < k2.source_seq
+            ORDER BY x.doc_id, x.chunk_index
+              FOR UPDATE OF x)
+    RETURNING m.doc_id, m.chunk_index
 )
 SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
        (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere,
-       c.doc_id IS NOT NULL AS leased
-  FROM known k LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
+       c.doc_id IS NOT NULL AS leased,
+       (k.done_seq >= k.source_seq OR f.doc_id IS NOT NULL OR NOT (SELECT yes FROM racing)) AS confirmed
+  FROM known k
+  LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
+  LEFT JOIN confirmed f ON f.doc_id = k.doc_id AND f.chunk_index = k.chunk_index
 "#;

@@ -633,3 +633,33 @@ on_single_and_cluster! {
         assert_eq!(pending(&stream, "it-ingest").await, 0);
     }
 }
+
+on_single_and_cluster! {
+    /// A record skipped as unchanged still counts as the newest word on its chunk. The chunk
+    /// holds "final" (a corpus run); a draft is published and taken by a consumer that dies;
+    /// then "final" is published again. The survivor reads it first and skips it as unchanged,
+    /// then takes the draft over: the draft, older than the "final" entry, must not overwrite it.
+    async fn a_draft_taken_over_after_its_final_text_was_skipped_as_unchanged_loses() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let s = settings(&db, &mock);
+        let stored = pipeline(&s).await.run(input(line("conf", 0, "final").into_bytes()), CancellationToken::new()).await.unwrap();
+        assert_eq!(stored.stored, 1);
+        let stream = fresh_stream();
+        publish(&stream, &[chunk_entry("conf", 0, "draft")]).await;
+        let mut redis = redis().await;
+        let _: () = redis::cmd("XGROUP").arg("CREATE").arg(&stream).arg("it-ingest").arg("0").query_async(&mut redis).await.unwrap();
+        let _: redis::Value = redis::cmd("XREADGROUP").arg("GROUP").arg("it-ingest").arg("dead").arg("COUNT").arg(1)
+            .arg("STREAMS").arg(&stream).arg(">").query_async(&mut redis).await.unwrap();
+        publish(&stream, &[chunk_entry("conf", 0, "final")]).await;
+
+        let mut opts = source_opts(&stream, "survivor");
+        opts.min_idle = Duration::from_millis(3_000);
+        opts.idle_exit = Some(Duration::from_millis(500));
+        let summary = run_source(&db, &mock, opts).await;
+        assert_eq!(summary.unchanged, 1, "the final text was skipped as unchanged: {summary:?}");
+        assert_eq!(summary.source.as_ref().unwrap().entries_reclaimed, 1, "{summary:?}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+        assert_eq!(vector_is(&db, "conf", 0, "final").await, Some(true), "the draft overwrote the final text: {summary:?}");
+    }
+}
