@@ -12,7 +12,7 @@
 //!   millisecond of one stream, which only a producer choosing its own ids can make, carry
 //!   into the next millisecond.)
 //! - a corpus line: the run reserves blocks of [`BLOCK`] positions from Postgres's clock
-//!   ([`Store::reserve_positions`]), never below the clock and never reused; line `n` of a
+//!   (`Store::reserve_positions`), never below the clock and never reused; line `n` of a
 //!   block that begins at line `f` is the block's base plus `n - f`. Later lines beat earlier
 //!   lines, and a run reading a line after a stream entry entered beats it.
 //!

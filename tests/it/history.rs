@@ -1668,7 +1668,11 @@ impl History {
     async fn parked_events_check(&self) -> (String, bool, String) {
         let mut c = self.redis.conn().await;
         let stream = embed_dlq::streams::StreamKeys::new(&self.prefix).events();
+        // Announcements by (row, content); the parks of one (row, content, generation), which
+        // must be one each: a content may come back to a row (a draft, its final text, the
+        // draft again), each time under a new generation.
         let mut seen: HashMap<(i64, String), u64> = HashMap::new();
+        let mut parks: HashMap<(i64, String, i64), u64> = HashMap::new();
         let mut start = "-".to_string();
         loop {
             let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
@@ -1693,6 +1697,8 @@ impl History {
                 };
                 let id = body["dlq_id"].as_i64().unwrap_or(-1);
                 let hash = body["content_hash"].as_str().unwrap_or("?").to_string();
+                let generation = body["generation"].as_i64().unwrap_or(-1);
+                *parks.entry((id, hash.clone(), generation)).or_default() += 1;
                 *seen.entry((id, hash)).or_default() += 1;
             }
             if n < 2000 {
@@ -1735,13 +1741,11 @@ impl History {
             .filter(|k| !trimmed.contains(**k))
             .map(|(id, _)| format!("row {id}: its content was never announced as parked"))
             .collect();
-        bad.extend(
-            seen.iter()
-                .filter(|(_, n)| **n > 1)
-                .map(|((id, h), n)| format!("row {id} content {}: {n} parked events", &h[..h.len().min(12)])),
-        );
+        bad.extend(parks.iter().filter(|(_, n)| **n > 1).map(|((id, h, g), n)| {
+            format!("row {id} content {} generation {g}: {n} parked events", &h[..h.len().min(12)])
+        }));
         (
-            "one parked event per DLQ row and content".into(),
+            "one parked event per DLQ row, content and generation".into(),
             bad.is_empty(),
             format!(
                 "{} rows, {} parked events, {} announced before the stream's length cap trimmed them, {} problems{}",
