@@ -162,19 +162,14 @@ impl Store {
 
     /// Sweeps what deletions left behind that nothing needs any more: the seen keys and start
     /// positions of runs that are not alive (a run killed before its cleanup ended), and
-    /// tombstones older than an hour that no corpus run still alive and started before them
-    /// could need. Called at every run start.
+    /// tombstones older than an hour that no run still alive could need (one whose recorded
+    /// start, `ingest_run_start`, is older than the tombstone). Called at every run start.
     pub(crate) async fn sweep_deletion_state(&self, run_id: i64) -> Result<(), StoreError> {
         sqlx::query(AssertSqlSafe(format!(
-            "WITH {LIVE_RUNS}
-             DELETE FROM ingest_seen s
-              WHERE s.run_id <> $1 AND NOT EXISTS (SELECT 1 FROM live WHERE live.run_id = s.run_id)"
-        )))
-        .bind(run_id)
-        .execute(&self.pool)
-        .await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "WITH {LIVE_RUNS}
+            "WITH {LIVE_RUNS}, seen AS (
+                 DELETE FROM ingest_seen s
+                  WHERE s.run_id <> $1 AND NOT EXISTS (SELECT 1 FROM live WHERE live.run_id = s.run_id)
+             )
              DELETE FROM ingest_run_start r
               WHERE r.run_id <> $1 AND NOT EXISTS (SELECT 1 FROM live WHERE live.run_id = r.run_id)"
         )))
