@@ -563,7 +563,8 @@ impl SourceReader {
         // Past the Redis delivery cap: a suspect, judged by attempts alone charged in Postgres.
         let suspect = deliveries.filter(|&n| n > u64::from(self.opts.delivery_cap));
         let mut poison = None;
-        if suspect.is_some() {
+        // Judged only once: an entry this process already has in flight is not charged again.
+        if suspect.is_some() && !self.acks.lock().ids.contains(&(stream, id.clone())) {
             match self.judge_suspect(stream, &id, &feed.halt).await {
                 Verdict::TryAlone => {}
                 Verdict::Poison(attempts) => poison = Some(attempts),

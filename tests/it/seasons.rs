@@ -33,26 +33,6 @@ async fn park_due(db: &TestDb, n: usize, doc: &str) {
     make_due(db).await;
 }
 
-fn prefix_of(keys: &StreamKeys) -> String {
-    keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
-}
-
-/// `serve` against `database_url`, the test's Redis and `mock`, with short replay periods.
-fn serve(database_url: &str, base_url: &str, keys: &StreamKeys, extra: &[&str]) -> tokio::process::Command {
-    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
-    c.arg("serve")
-        .args(["--database-url", database_url, "--redis-url", &redis_url(), "--base-url", base_url])
-        .args(["--model", "mock", "--stream-prefix", &prefix_of(keys), "--request-timeout-ms", "2000"])
-        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--relay-poll-ms", "100"])
-        .args(extra)
-        .env_remove("EMBED_DLQ_FAILPOINT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true);
-    c
-}
-
 async fn wait_for(what: &str, within: Duration, mut done: impl AsyncFnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + within;
     while !done().await {
@@ -79,7 +59,7 @@ async fn a_database_outage_longer_than_the_delivery_cap_exhausts_no_row() {
     let mock = start_mock(MockConfig { latency_ms: 60, ..Default::default() }).await;
     let proxy = TcpProxy::start(postgres_addr(&db)).await.unwrap();
     let url = through(&db, proxy.addr);
-    let mut child = serve(
+    let mut child = serve_process(
         &url,
         &mock.base_url(),
         &keys,

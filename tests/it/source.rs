@@ -578,23 +578,15 @@ on_single_and_cluster! {
         let mock = start_mock(MockConfig { latency_ms: 60, ..MockConfig::default() }).await;
         let stream = fresh_stream();
         let proxy = embed_dlq::testkit::proxy::TcpProxy::start(postgres_addr(&db)).await.unwrap();
-        let prefix = format!("it-src-outage-{}", rand::random::<u32>());
         let (min_idle_ms, cap) = (300u64, 2u64);
-        let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
-            .arg("serve")
-            .args(["--database-url", &through(&db, proxy.addr), "--redis-url", &redis_url()])
-            .args(["--base-url", &mock.base_url(), "--model", "mock", "--stream-prefix", &prefix])
-            .args(["--replayers", "1", "--batch-max-inputs", "8"])
-            .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1"])
-            .args(["--source-min-idle-ms", &min_idle_ms.to_string(), "--source-delivery-cap", &cap.to_string()])
-            .env_remove("EMBED_DLQ_API_KEY")
-            .env_remove("EMBED_DLQ_FAILPOINT")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
+        let (min_idle, cap_arg) = (min_idle_ms.to_string(), cap.to_string());
+        let mut serve = serve_process(&through(&db, proxy.addr), &mock.base_url(), &fresh_keys(), &[
+            "--replayers", "1", "--batch-max-inputs", "8",
+            "--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1",
+            "--source-min-idle-ms", &min_idle, "--source-delivery-cap", &cap_arg,
+        ])
+        .spawn()
+        .unwrap();
         let entries: Vec<_> =
             (0..ENTRIES).map(|i| chunk_entry(&format!("out-{}", i / 4), (i % 4) as i32, &format!("t{i}"))).collect();
         publish(&stream, &entries).await;

@@ -116,10 +116,6 @@ fn serve_cmd(db: &TestDb, mock: &MockProvider, keys_prefix: &str) -> tokio::proc
     c
 }
 
-fn prefix_of(keys: &StreamKeys) -> String {
-    keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
-}
-
 on_single_and_cluster! {
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {

@@ -964,3 +964,31 @@ pub fn postgres_addr(db: &TestDb) -> std::net::SocketAddr {
         if host == "localhost" { [127, 0, 0, 1].into() } else { host.parse().unwrap() };
     (ip, url.port().unwrap_or(5432)).into()
 }
+
+/// The stream prefix `keys` were made under.
+pub fn prefix_of(keys: &embed_dlq::streams::StreamKeys) -> String {
+    keys.events().trim_start_matches('{').split('}').next().unwrap().to_string()
+}
+
+/// `serve` against `database_url`, the test's Redis and the mock at `base_url`, under `keys`'
+/// prefix, with short replay periods and quick retries; output discarded.
+pub fn serve_process(
+    database_url: &str,
+    base_url: &str,
+    keys: &embed_dlq::streams::StreamKeys,
+    extra: &[&str],
+) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
+    c.arg("serve")
+        .args(["--database-url", database_url, "--redis-url", &redis_url(), "--base-url", base_url])
+        .args(["--model", "mock", "--stream-prefix", &prefix_of(keys), "--request-timeout-ms", "2000"])
+        .args(["--retry-base-ms", "5", "--retry-cap-ms", "50", "--relay-poll-ms", "100"])
+        .args(extra)
+        .env_remove("EMBED_DLQ_FAILPOINT")
+        .env_remove("EMBED_DLQ_API_KEY")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    c
+}
