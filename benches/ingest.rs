@@ -108,6 +108,7 @@ async fn run() {
     let (mut raw_rates, mut pipe_rates, mut single_rates) = (vec![], vec![], vec![]);
     let with_floor = std::env::var("BENCH_INGEST_FLOOR").is_ok();
     let mut floor_rates = vec![];
+    let mut rerun_ratios = vec![];
     // CPU-seconds per tier of each phase: where a chunk's cost goes, beside the rates.
     let cpu = CpuSampler::start(&pool, &db_name).await;
     let per_chunk = |from: CpuSnapshot| {
@@ -174,11 +175,21 @@ async fn run() {
             false => None,
         };
         let (start, before) = (Instant::now(), cpu.snapshot());
-        let summary = pipeline.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
+        let summary =
+            pipeline.run(std::io::Cursor::new(corpus.clone()), CancellationToken::new()).await.unwrap();
         let pipe = start.elapsed();
         cpu_lines.push(format!("pipeline: {}", per_chunk(before)));
         assert_eq!(summary.stored as usize, chunks, "every chunk stored: {summary:?}");
         let pipe_rate = chunks as f64 / pipe.as_secs_f64();
+        // The same corpus again, nothing changed: the periodic run's usual case. Measured
+        // against the fresh run just before it (same corpus, same machine moment).
+        let (start, before) = (Instant::now(), cpu.snapshot());
+        let again = pipeline.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
+        let rerun = start.elapsed();
+        cpu_lines.push(format!("unchanged rerun: {}", per_chunk(before)));
+        assert_eq!(again.unchanged as usize, chunks, "every chunk unchanged: {again:?}");
+        let rerun_rate = chunks as f64 / rerun.as_secs_f64();
+        rerun_ratios.push(rerun_rate / pipe_rate);
         let raws: Vec<String> = raw_by_connections.iter().map(|(c, r)| format!("{c} conn {r:.0}")).collect();
         let floor_line = floor
             .map(|f| {
@@ -189,6 +200,10 @@ async fn run() {
             "round {round}: raw {} rows/s (limit: {best_connections} conn)   pipeline {pipe_rate:>8.0} chunks/s   ratio {:.2}{floor_line}",
             raws.join(", "),
             pipe_rate / raw_rate
+        );
+        println!(
+            "  unchanged rerun {rerun_rate:>8.0} chunks/s, {:.2}x the fresh ingest",
+            rerun_rate / pipe_rate
         );
         floor_rates.extend(floor);
         println!("  CPU per chunk: {}", cpu_lines.join("; "));
@@ -209,6 +224,10 @@ async fn run() {
         println!(
             "median: raw limit {raw_m:.0} rows/s, pipeline {pipe_m:.0} chunks/s, ratio {ratio_m:.2} (median of the per-round ratios){}",
             single_ratio.map(|r| format!("; against one raw connection {r:.2}")).unwrap_or_default()
+        );
+        println!(
+            "unchanged rerun: {:.2}x the fresh ingest rate (median of the per-round ratios)",
+            median(rerun_ratios)
         );
         if let Some(f) = floor_ratio {
             println!(

@@ -95,6 +95,7 @@ pub mod console;
 pub mod dlq;
 pub mod embed;
 pub(crate) mod failpoint;
+pub mod http;
 pub mod ingest;
 pub mod metrics;
 pub mod model;

@@ -450,7 +450,7 @@ impl MockProcess {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let http = reqwest::Client::new();
+        let http = embed_dlq::http::client_builder().build().unwrap();
         for _ in 0..200 {
             if http.get(format!("http://{addr}/healthz")).send().await.is_ok() {
                 return MockProcess { child, addr, http };

@@ -56,7 +56,7 @@ impl State {
     ///
     /// `exposed`: the listener is reachable from beyond loopback.
     pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker, exposed: bool) -> State {
-        let http = reqwest::Client::builder()
+        let http = crate::http::client_builder()
             .timeout(Duration::from_secs(3))
             .connect_timeout(Duration::from_secs(2))
             .redirect(reqwest::redirect::Policy::none())

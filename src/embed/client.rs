@@ -259,7 +259,7 @@ impl EmbedClient {
             v.set_sensitive(true);
             headers.insert(n, v);
         }
-        let http = reqwest::Client::builder()
+        let http = crate::http::client_builder()
             .default_headers(headers)
             .redirect(same_origin_redirects())
             .timeout(config.timeout)

@@ -33,6 +33,7 @@ pub(crate) mod delete;
 pub(crate) mod dlq;
 pub(crate) mod ingest;
 pub(crate) mod lease;
+mod migrations;
 pub(crate) mod outbox;
 pub mod position;
 pub mod prefix;
@@ -50,9 +51,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-/// The embedded migrations (`migrations/`). [`migrate`] applies them all; tests use it to
-/// stop at an older version.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+pub use migrations::MIGRATOR;
 
 /// Store failures, split by what the caller can do about them.
 #[derive(Debug, thiserror::Error)]

@@ -82,7 +82,8 @@ impl Browser {
         let url = format!("http://127.0.0.1:{port}");
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
-            if let Ok(r) = reqwest::get(format!("{url}/status")).await
+            if let Ok(r) =
+                embed_dlq::http::client_builder().build().unwrap().get(format!("{url}/status")).send().await
                 && r.status().is_success()
             {
                 break;
@@ -534,7 +535,7 @@ async fn actions_without_the_token_are_refused_and_change_nothing() {
     b.shot("refused-forged-csrf").await;
 
     // Straight HTTP without a cookie: 401, for every mutating route.
-    let http = reqwest::Client::new();
+    let http = embed_dlq::http::client_builder().build().unwrap();
     for (path, body) in [
         ("/actions/purge", "class=permanent_input&max_id=1000000&confirm=purge&csrf=x"),
         ("/actions/requeue", "class=permanent_input&max_id=1000000&csrf=x"),
@@ -641,7 +642,7 @@ async fn no_injected_script_runs() {
     pages.extend(ids.iter().map(|id| format!("/dlq/{id}")));
 
     // The HTML itself: every hostile string is escaped.
-    let http = reqwest::Client::new();
+    let http = embed_dlq::http::client_builder().build().unwrap();
     for p in &pages {
         let body = http.get(format!("{base}{p}")).send().await.unwrap().text().await.unwrap();
         assert!(!body.contains("<script>window"), "{p} has a raw script:\n{body}");
@@ -733,7 +734,7 @@ async fn the_live_tail_resumes_after_last_event_id_and_is_bounded() {
     let handle =
         tokio::spawn(async move { embed_dlq::console::serve_on(listener, console, stop).await.unwrap() });
     let url = format!("http://{addr}/events/stream");
-    let http = reqwest::Client::new();
+    let http = embed_dlq::http::client_builder().build().unwrap();
 
     // A browser that reconnects after the third event gets exactly the rest, in order.
     let mut resumed = http.get(&url).header("last-event-id", &all[2]).send().await.unwrap();
@@ -791,7 +792,7 @@ async fn serve_mounts_the_console_with_its_own_breaker() {
     let url = format!("http://127.0.0.1:{port}/");
     let deadline = tokio::time::Instant::now() + WAIT;
     let body = loop {
-        if let Ok(r) = reqwest::get(&url).await
+        if let Ok(r) = embed_dlq::http::client_builder().build().unwrap().get(&url).send().await
             && r.status().is_success()
         {
             break r.text().await.unwrap();
@@ -806,7 +807,9 @@ async fn serve_mounts_the_console_with_its_own_breaker() {
         !body.contains(&db.url) && !body.contains(&redis_url()) && !body.contains(TOKEN),
         "no secret rendered"
     );
-    let r = reqwest::Client::new()
+    let r = embed_dlq::http::client_builder()
+        .build()
+        .unwrap()
         .post(format!("http://127.0.0.1:{port}/actions/purge"))
         .header("content-type", "application/x-www-form-urlencoded")
         .body("max_id=1&confirm=purge&csrf=x")
@@ -857,7 +860,7 @@ async fn console_settings_out_of_their_bounds_are_usage_errors() {
 
 /// A client that shows redirects instead of following them.
 fn no_redirects() -> reqwest::Client {
-    reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
+    embed_dlq::http::client_builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1092,7 +1095,7 @@ async fn a_huge_row_is_shown_bounded_and_its_views_are_capped() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let served =
         serve_with(&db, &keys, listener, ConsoleConfig { max_row_views: 1, ..Default::default() }).await;
-    let http = reqwest::Client::new();
+    let http = embed_dlq::http::client_builder().build().unwrap();
     let page = format!("{}/dlq/{id}", served.base);
     let download = format!("{}/dlq/{id}/text", served.base);
 

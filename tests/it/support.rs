@@ -808,7 +808,7 @@ pub async fn scrape_serve_until(db: &TestDb, ready: impl Fn(&str) -> bool) -> St
     // Up to 60 s on a loaded machine; usually well under a second.
     for _ in 0..600 {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        if let Ok(r) = reqwest::get(&url).await
+        if let Ok(r) = embed_dlq::http::client_builder().build().unwrap().get(&url).send().await
             && let Ok(text) = r.text().await
             && ready(&text)
         {
