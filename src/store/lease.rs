@@ -30,6 +30,7 @@
 //! wrong or lost chunk.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sqlx::{Connection, PgConnection, Row};
@@ -119,7 +120,11 @@ impl Store {
         let seqs: Vec<i64> = keys.iter().map(|k| k.source_seq).collect();
         let embeds: Vec<bool> = keys.iter().map(|k| k.embeds).collect();
         let repeated: Vec<bool> = keys.iter().map(|k| k.repeated).collect();
-        let rows = sqlx::query(CLAIM_WINDOW_SQL)
+        // Prepared once per connection and manifest size class (see `plan_class`): planning
+        // this statement cost as much as running it.
+        let size_class = self.claim_plan.load(Ordering::Relaxed);
+        let sql = format!("/* manifest size class {size_class} */{CLAIM_WINDOW_SQL}");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&self.target.name)
             .bind(&docs)
             .bind(&idxs)
@@ -132,12 +137,12 @@ impl Store {
             .bind(FINISHED_GRACE.as_secs_f64())
             .bind(always)
             .bind(stream)
-            // Planned for each window with its real keys and the tables as they are now: a
-            // plan cached while a table was nearly empty may scan all of it once per key
-            // once it has grown (see the manifest claim in `ingest.rs`).
-            .persistent(false)
             .fetch_all(&self.pool)
             .await?;
+        if let Some(r) = rows.first() {
+            let bytes: i64 = r.try_get("manifest_bytes")?;
+            self.claim_plan.store(plan_class(bytes), Ordering::Relaxed);
+        }
         let mut out = HashMap::with_capacity(rows.len());
         for r in rows {
             let hash: Option<String> = r.try_get("done_hash")?;
@@ -163,6 +168,17 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// The size class of a manifest of `bytes` on disk: one more each time it doubles. The claim
+/// statement is prepared under a name of its class, so Postgres plans it again (and caches a
+/// generic plan after a few windows) whenever the manifest has doubled since: a plan cached
+/// while the manifest was nearly empty, where a scan of its one page beats an index probe per
+/// key, is never kept while it grows to millions of rows. Between doublings the cached plan is
+/// planned for at least half the size it meets, and an `ANALYZE` replans it anyway.
+fn plan_class(bytes: i64) -> u32 {
+    const PAGE: i64 = 8192;
+    u64::BITS - ((bytes.max(0) / PAGE) as u64).leading_zeros()
 }
 
 impl RunLease {
@@ -216,6 +232,8 @@ impl RunLease {
 /// if the chunk is still wanted the manifest changed since); or when the manifest already
 /// holds a newer record than the lease's (the holder's outcome is superseded). A lease not
 /// taken over is another run's, in flight or finished unseen: `leased_elsewhere`.
+/// `manifest_bytes`: the manifest's size on disk, which picks the statement's size class for
+/// the next window (`plan_class`).
 /// The statement decides from the lease row as it is when the row lock is granted, so two
 /// runs claiming the same window at once agree on one holder. `swept`: the run's own leases
 /// finished more than the grace ago.
@@ -288,6 +306,7 @@ WITH input AS (
     RETURNING m.doc_id, m.chunk_index
 )
 SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
+       (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
        (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere,
        c.doc_id IS NOT NULL AS leased,
        (k.done_seq >= k.source_seq OR f.doc_id IS NOT NULL OR NOT (SELECT yes FROM racing)) AS confirmed
@@ -295,3 +314,20 @@ SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
   LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
   LEFT JOIN confirmed f ON f.doc_id = k.doc_id AND f.chunk_index = k.chunk_index
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::plan_class;
+
+    #[test]
+    fn the_size_class_grows_by_one_each_time_the_manifest_doubles() {
+        assert_eq!(plan_class(0), 0);
+        assert_eq!(plan_class(-1), 0);
+        assert_eq!(plan_class(8191), 0);
+        assert_eq!(plan_class(8192), 1);
+        assert_eq!(plan_class(2 * 8192 - 1), 1);
+        assert_eq!(plan_class(2 * 8192), 2);
+        assert_eq!(plan_class(1 << 40), 28);
+        assert_eq!(plan_class(i64::MAX), 50);
+    }
+}

@@ -170,6 +170,9 @@ pub struct Store {
     on_newer_parked: OnNewerParked,
     /// Other tables met in DLQ rows (replay) or the manifest (reconcile), by name as asked.
     tables: Arc<Mutex<TargetCache>>,
+    /// The manifest's size class when the last intake window was claimed: names the prepared
+    /// claim statement, so it is planned again each time the manifest doubles (`lease.rs`).
+    claim_plan: Arc<std::sync::atomic::AtomicU32>,
 }
 
 const REQUIRED_COLUMNS: [&str; 5] = ["doc_id", "chunk_index", "content_hash", "embedding", "updated_at"];
@@ -187,6 +190,7 @@ impl Store {
             space: None,
             on_newer_parked: OnNewerParked::default(),
             tables: Arc::new(Mutex::new(cache)),
+            claim_plan: Arc::default(),
         })
     }
 
