@@ -1240,14 +1240,18 @@ impl<'a> Batcher<'a> {
         invalid: &mut Vec<ParkedChunk>,
         repeated: &HashSet<(String, i32)>,
     ) -> Result<HashSet<(String, i32)>, IngestError> {
+        let is_repeated = |doc_id: &str, chunk_index: i32| {
+            !repeated.is_empty() && repeated.contains(&(doc_id.to_owned(), chunk_index))
+        };
         let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
             doc_id: doc_id.to_owned(),
             chunk_index,
             content_hash: hash.to_owned(),
             source_seq: seq,
             embeds,
-            repeated: repeated.contains(&(doc_id.to_owned(), chunk_index)),
+            repeated: is_repeated(doc_id, chunk_index),
         };
+        // Chunks first, then the invalid records: the claims come back in this order.
         let keys: Vec<WindowKey> = chunks
             .iter()
             .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash, *seq, true))
@@ -1260,44 +1264,60 @@ impl<'a> Batcher<'a> {
         let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
         let young = self.windows < ALWAYS_LEASED_WINDOWS;
         let stream = self.acks.is_some();
-        let known = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young, stream)).await?;
-        let leased: HashSet<(String, i32)> =
-            known.iter().filter(|(_, c)| c.leased).map(|(k, _)| k.clone()).collect();
+        let claims = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young, stream)).await?;
+        let leased: HashSet<(String, i32)> = keys
+            .iter()
+            .zip(&claims)
+            .filter(|(_, c)| c.leased)
+            .map(|(k, _)| (k.doc_id.clone(), k.chunk_index))
+            .collect();
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
         let mut left: Vec<(String, i32)> = Vec::new();
         // Skipped as done: their outcome is already committed, so a source may acknowledge
         // them. What is left to a concurrent run is not settled (it may die before its write).
         let (mut done, mut elsewhere): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
-        let mut seen = |k: (String, i32), hash: &str, seq: i64| {
-            let claim = known.get(&k);
-            if claim.is_some_and(|c| c.leased_elsewhere) {
-                leased_elsewhere += 1;
-                elsewhere.push(seq);
-                if left.len() < MAX_UNFINISHED_EXAMPLES {
-                    left.push(k);
+        let skip: Vec<bool> = keys
+            .iter()
+            .zip(&claims)
+            .map(|(key, claim)| {
+                if claim.leased_elsewhere {
+                    leased_elsewhere += 1;
+                    elsewhere.push(key.source_seq);
+                    if left.len() < MAX_UNFINISHED_EXAMPLES {
+                        left.push((key.doc_id.clone(), key.chunk_index));
+                    }
+                    return true;
                 }
-                return true;
-            }
-            match claim.and_then(|c| c.manifest.as_ref()) {
-                _ if repeated.contains(&k) => false,
-                // Same content, but the manifest's position could not be moved up to this
-                // record's (the row changed meanwhile): written again, its position decides.
-                _ if !claim.is_some_and(|c| c.confirmed) => false,
-                Some((h, ChunkStatus::Stored)) if h == hash => {
-                    unchanged += 1;
-                    done.push(seq);
-                    true
+                match claim.manifest {
+                    _ if key.repeated => false,
+                    // Same content, but the manifest's position could not be moved up to this
+                    // record's (the row changed meanwhile): written again, its position decides.
+                    _ if !claim.confirmed => false,
+                    Some((true, ChunkStatus::Stored)) => {
+                        unchanged += 1;
+                        done.push(key.source_seq);
+                        true
+                    }
+                    Some((true, ChunkStatus::Parked | ChunkStatus::Exhausted)) => {
+                        already_parked += 1;
+                        done.push(key.source_seq);
+                        true
+                    }
+                    _ => false,
                 }
-                Some((h, ChunkStatus::Parked | ChunkStatus::Exhausted)) if h == hash => {
-                    already_parked += 1;
-                    done.push(seq);
-                    true
-                }
-                _ => false,
-            }
-        };
-        invalid.retain(|p| !seen((p.doc_id.clone(), p.chunk_index), &p.content_hash, p.source_seq));
-        chunks.retain(|(chunk, hash, seq)| !seen((chunk.doc_id.clone(), chunk.chunk_index), hash, *seq));
+            })
+            .collect();
+        let (chunk_skips, invalid_skips) = skip.split_at(chunks.len());
+        let mut n = 0;
+        chunks.retain(|_| {
+            n += 1;
+            !chunk_skips[n - 1]
+        });
+        let mut n = 0;
+        invalid.retain(|_| {
+            n += 1;
+            !invalid_skips[n - 1]
+        });
         if let Some(acks) = &self.acks {
             acks.settled(done);
             acks.release(elsewhere);

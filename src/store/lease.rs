@@ -29,7 +29,6 @@
 //! hash and `source_seq`, so a lost, stolen or expired lease costs a duplicate call, never a
 //! wrong or lost chunk.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -65,8 +64,9 @@ pub(crate) struct WindowKey {
 /// What the window's round trip found for one key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct WindowClaim {
-    /// Content hash and status of the chunk's last finished ingest, if any.
-    pub manifest: Option<(String, ChunkStatus)>,
+    /// Whether the chunk's last finished ingest had this record's content, and its status;
+    /// `None` when the manifest has no row for the chunk.
+    pub manifest: Option<(bool, ChunkStatus)>,
     /// Another live run holds the chunk's lease: it is left to that run.
     pub leased_elsewhere: bool,
     /// This claim took the chunk's lease for this run: the outcome's transaction marks it
@@ -103,7 +103,8 @@ impl Store {
     }
 
     /// The manifest lookup of an intake window and the leases of the chunks this run will
-    /// embed, in one statement. Keys must be unique within the window. `lease` is clamped to
+    /// embed, in one statement: one claim per key, in the order of `keys`. Keys must be
+    /// unique within the window. `lease` is clamped to
     /// at least a second. Leases are claimed only while another run is alive, or if `always`
     /// (a run's first windows: two runs started together have not seen each other's lock yet).
     pub(crate) async fn claim_window(
@@ -113,7 +114,7 @@ impl Store {
         lease: Duration,
         always: bool,
         stream: bool,
-    ) -> Result<HashMap<(String, i32), WindowClaim>, StoreError> {
+    ) -> Result<Vec<WindowClaim>, StoreError> {
         let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
         let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
         let hashes: Vec<&str> = keys.iter().map(|k| k.content_hash.as_str()).collect();
@@ -140,33 +141,41 @@ impl Store {
             .fetch_all(&self.pool)
             .await?;
         if let Some(r) = rows.first() {
-            let bytes: i64 = r.try_get("manifest_bytes")?;
+            let bytes: i64 = r.try_get(3)?;
             self.claim_plan.store(plan_class(bytes), Ordering::Relaxed);
         }
-        let mut out = HashMap::with_capacity(rows.len());
+        let mut out = vec![None; keys.len()];
+        // By column position, in the order of the statement's last SELECT.
         for r in rows {
-            let hash: Option<String> = r.try_get("done_hash")?;
-            let status: Option<String> = r.try_get("status")?;
-            let manifest = match (hash, status) {
-                (Some(h), Some(s)) => Some((
-                    h,
-                    ChunkStatus::parse(&s).ok_or_else(|| {
+            let n: i64 = r.try_get(0)?;
+            let status: Option<&str> = r.try_get(2)?;
+            let manifest = match status {
+                Some(s) => Some((
+                    r.try_get::<Option<bool>, _>(1)?.unwrap_or(false),
+                    ChunkStatus::parse(s).ok_or_else(|| {
                         StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {s:?}").into()))
                     })?,
                 )),
-                _ => None,
+                None => None,
             };
-            out.insert(
-                (r.try_get("doc_id")?, r.try_get("chunk_index")?),
-                WindowClaim {
-                    manifest,
-                    leased_elsewhere: r.try_get("leased_elsewhere")?,
-                    leased: r.try_get("leased")?,
-                    confirmed: r.try_get::<Option<bool>, _>("confirmed")?.unwrap_or(false),
-                },
-            );
+            let claim = WindowClaim {
+                manifest,
+                leased_elsewhere: r.try_get(4)?,
+                leased: r.try_get(5)?,
+                confirmed: r.try_get::<Option<bool>, _>(6)?.unwrap_or(false),
+            };
+            let slot = usize::try_from(n - 1).ok().and_then(|i| out.get_mut(i));
+            *slot.ok_or_else(|| {
+                StoreError::Db(sqlx::Error::Decode(format!("no key {n} in the window").into()))
+            })? = Some(claim);
         }
-        Ok(out)
+        out.into_iter()
+            .map(|c| {
+                c.ok_or_else(|| {
+                    StoreError::Db(sqlx::Error::Decode("a key of the window got no claim".into()))
+                })
+            })
+            .collect()
     }
 }
 
@@ -233,16 +242,18 @@ impl RunLease {
 /// holds a newer record than the lease's (the holder's outcome is superseded). A lease not
 /// taken over is another run's, in flight or finished unseen: `leased_elsewhere`.
 /// `manifest_bytes`: the manifest's size on disk, which picks the statement's size class for
-/// the next window (`plan_class`).
+/// the next window (`plan_class`). Read by column position: `n` (the key's place in the
+/// window, from 1), `same` (the manifest holds this content), `status`, `manifest_bytes`,
+/// `leased_elsewhere`, `leased`, `confirmed`.
 /// The statement decides from the lease row as it is when the row lock is granted, so two
 /// runs claiming the same window at once agree on one holder. `swept`: the run's own leases
 /// finished more than the grace ago.
 const CLAIM_WINDOW_SQL: &str = r#"
 WITH input AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[], $6::bool[], $7::bool[])
-        AS t(doc_id, chunk_index, content_hash, source_seq, embeds, repeated)
+        WITH ORDINALITY AS t(doc_id, chunk_index, content_hash, source_seq, embeds, repeated, n)
 ), known AS (
-    SELECT i.doc_id, i.chunk_index, i.content_hash, i.source_seq, m.content_hash AS done_hash, m.status,
+    SELECT i.n, i.doc_id, i.chunk_index, i.content_hash, i.source_seq, m.content_hash AS done_hash, m.status,
            m.source_seq AS done_seq, i.repeated,
            i.embeds AND (i.repeated OR m.content_hash IS DISTINCT FROM i.content_hash) AS wanted
       FROM input i
@@ -305,7 +316,7 @@ WITH input AS (
               FOR UPDATE OF x)
     RETURNING m.doc_id, m.chunk_index
 )
-SELECT k.doc_id, k.chunk_index, k.done_hash, k.status,
+SELECT k.n, k.done_hash = k.content_hash AS same, k.status,
        (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
        (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere,
        c.doc_id IS NOT NULL AS leased,
