@@ -56,7 +56,7 @@ use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
 use crate::store::delete::DeleteRequest;
-use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowKey};
+use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
 use crate::store::position::RunPositions;
 use crate::store::{OnNewerParked, ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk};
 use crate::supervise::{Supervisor, TaskFailure};
@@ -731,7 +731,7 @@ impl Pipeline {
         let mut batcher = Batcher::new(self, run.tally.clone(), run_id, positions);
         batcher.acks = run.acks.clone();
         loop {
-            let next = if batcher.is_empty() {
+            let next = if batcher.is_idle() {
                 tokio::select! {
                     r = records.recv() => r,
                     _ = halt.cancelled() => None,
@@ -755,6 +755,9 @@ impl Pipeline {
         if !halt.is_cancelled() || cancel.is_cancelled() {
             batcher.flush(jobs).await?;
         }
+        // The window in flight was claimed before the halt: finished as a flush before it
+        // would have finished it.
+        batcher.finish_pending(jobs).await?;
         batcher.bad.log_totals();
         Ok(())
     }
@@ -943,6 +946,19 @@ struct Batcher<'a> {
     dry_run: bool,
     /// Told of the records skipped as already stored or parked (settled, never written).
     acks: Option<Arc<source::Acks>>,
+    /// The previous window, whose claim statement is in flight while this one fills up: the
+    /// round trip overlaps with reading and hashing the next records. At most one; it is
+    /// finished (skips counted, jobs sent) before the next window touches the database.
+    pending: Option<PendingWindow>,
+}
+
+/// A window sent to [`Store::claim_window`] and not yet finished ([`Batcher::finish_pending`]).
+struct PendingWindow {
+    claim: tokio_util::task::AbortOnDropHandle<Result<Vec<WindowClaim>, StoreError>>,
+    keys: Vec<WindowKey>,
+    chunks: Vec<(Chunk, String, i64)>,
+    invalid: Vec<ParkedChunk>,
+    charge: Arc<Charge>,
 }
 
 fn key_hash(doc_id: &str, chunk_index: i32) -> u64 {
@@ -1029,6 +1045,7 @@ impl<'a> Batcher<'a> {
             record_seen: pipeline.options.cleanup.mode != CleanupMode::None,
             dry_run: pipeline.options.cleanup.dry_run,
             acks: None,
+            pending: None,
         }
     }
 
@@ -1044,6 +1061,11 @@ impl<'a> Batcher<'a> {
 
     fn is_empty(&self) -> bool {
         self.chunks.is_empty() && self.invalid.is_empty() && self.deletes.is_empty()
+    }
+
+    /// Nothing in the window and no window in flight: nothing a linger would flush.
+    fn is_idle(&self) -> bool {
+        self.is_empty() && self.pending.is_none()
     }
 
     async fn push(
@@ -1156,13 +1178,14 @@ impl<'a> Batcher<'a> {
     /// Sends the window on: skips what the manifest already holds, parks what cannot be
     /// embedded and hands the rest to the workers in provider-sized batches.
     async fn flush(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
+        self.finish_pending(jobs).await?;
         if self.is_empty() {
             return Ok(());
         }
         // Released when the last job of this window has been written (or dropped).
         let charge = Arc::new(std::mem::take(&mut self.charge));
-        let mut chunks = std::mem::take(&mut self.chunks);
-        let mut invalid = std::mem::take(&mut self.invalid);
+        let chunks = std::mem::take(&mut self.chunks);
+        let invalid = std::mem::take(&mut self.invalid);
         let repeated = std::mem::take(&mut self.repeated);
         let deletes = std::mem::take(&mut self.deletes);
         self.keys.clear();
@@ -1175,8 +1198,38 @@ impl<'a> Batcher<'a> {
             t.summary.not_attempted += (chunks.len() + invalid.len()) as u64;
             return Ok(());
         }
-        let leased = self.skip_known(&mut chunks, &mut invalid, &repeated).await?;
+        let keys = window_keys(&chunks, &invalid, &repeated);
+        let store = self.pipeline.store.clone();
+        let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
+        let young = self.windows < ALWAYS_LEASED_WINDOWS;
+        let stream = self.acks.is_some();
+        let claim_keys = keys.clone();
+        let claim = tokio::spawn(async move {
+            with_db_retry(|| store.claim_window(&claim_keys, run_id, lease, young, stream)).await
+        });
         self.windows += 1;
+        let claim = tokio_util::task::AbortOnDropHandle::new(claim);
+        self.pending = Some(PendingWindow { claim, keys, chunks, invalid, charge });
+        Ok(())
+    }
+
+    /// Finishes the window whose claim is in flight, if any: waits for its claim, drops what
+    /// the manifest already holds or another run has leased, and sends the rest to the
+    /// workers. A panic of the claim's task is the batcher's own.
+    async fn finish_pending(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
+        let Some(PendingWindow { claim, keys, mut chunks, mut invalid, charge }) = self.pending.take() else {
+            return Ok(());
+        };
+        let claims = match claim.await {
+            Ok(claims) => claims?,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Only dropping the handle aborts the task, and the handle is here.
+            Err(e) => {
+                let gone = format!("the intake window's claim task ended without an answer: {e}");
+                return Err(IngestError::Store(StoreError::Db(sqlx::Error::Protocol(gone))));
+            }
+        };
+        let leased = self.skip_known(&mut chunks, &mut invalid, &keys, &claims);
         let (batches, park) = self.provider_batches(chunks, invalid, &leased);
         self.dispatch(batches, park, charge, jobs).await;
         Ok(())
@@ -1230,44 +1283,20 @@ impl<'a> Batcher<'a> {
 
     /// Drops (and counts) the records whose content the manifest already holds, stored or
     /// parked (replay owns it then), and the chunks another live run holds the lease of (it
-    /// embeds them), in one round trip that also leases the rest to this run
-    /// ([`Store::claim_window`]); keys `repeated` in this run are never skipped as done.
-    /// Returns the keys whose lease this run took (none once a run alone is past its first
-    /// windows).
-    async fn skip_known(
+    /// embeds them), as the window's claim found them (`claims`, one per key of
+    /// [`window_keys`], which also leased the rest to this run); keys `repeated` in this run
+    /// are never skipped as done. Returns the keys whose lease this run took (none once a run
+    /// alone is past its first windows).
+    fn skip_known(
         &self,
         chunks: &mut Vec<(Chunk, String, i64)>,
         invalid: &mut Vec<ParkedChunk>,
-        repeated: &HashSet<(String, i32)>,
-    ) -> Result<HashSet<(String, i32)>, IngestError> {
-        let is_repeated = |doc_id: &str, chunk_index: i32| {
-            !repeated.is_empty() && repeated.contains(&(doc_id.to_owned(), chunk_index))
-        };
-        let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
-            doc_id: doc_id.to_owned(),
-            chunk_index,
-            content_hash: hash.to_owned(),
-            source_seq: seq,
-            embeds,
-            repeated: is_repeated(doc_id, chunk_index),
-        };
-        // Chunks first, then the invalid records: the claims come back in this order.
-        let keys: Vec<WindowKey> = chunks
-            .iter()
-            .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash, *seq, true))
-            .chain(
-                invalid
-                    .iter()
-                    .map(|p| window_key(&p.doc_id, p.chunk_index, &p.content_hash, p.source_seq, false)),
-            )
-            .collect();
-        let (store, lease) = (&self.pipeline.store, self.pipeline.options.lease);
-        let young = self.windows < ALWAYS_LEASED_WINDOWS;
-        let stream = self.acks.is_some();
-        let claims = with_db_retry(|| store.claim_window(&keys, self.run_id, lease, young, stream)).await?;
+        keys: &[WindowKey],
+        claims: &[WindowClaim],
+    ) -> HashSet<(String, i32)> {
         let leased: HashSet<(String, i32)> = keys
             .iter()
-            .zip(&claims)
+            .zip(claims)
             .filter(|(_, c)| c.leased)
             .map(|(k, _)| (k.doc_id.clone(), k.chunk_index))
             .collect();
@@ -1278,7 +1307,7 @@ impl<'a> Batcher<'a> {
         let (mut done, mut elsewhere): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
         let skip: Vec<bool> = keys
             .iter()
-            .zip(&claims)
+            .zip(claims)
             .map(|(key, claim)| {
                 if claim.leased_elsewhere {
                     leased_elsewhere += 1;
@@ -1334,7 +1363,7 @@ impl<'a> Batcher<'a> {
             .increment(already_parked);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "leased_elsewhere")
             .increment(leased_elsewhere);
-        Ok(leased)
+        leased
     }
 
     /// Splits the chunks into provider batches (by count and characters); what fails the
@@ -1409,6 +1438,35 @@ impl<'a> Batcher<'a> {
             }
         }
     }
+}
+
+/// The keys of a window as [`Store::claim_window`] takes them: the chunks first, then the
+/// invalid records (the claims come back in this order).
+fn window_keys(
+    chunks: &[(Chunk, String, i64)],
+    invalid: &[ParkedChunk],
+    repeated: &HashSet<(String, i32)>,
+) -> Vec<WindowKey> {
+    let is_repeated = |doc_id: &str, chunk_index: i32| {
+        !repeated.is_empty() && repeated.contains(&(doc_id.to_owned(), chunk_index))
+    };
+    let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
+        doc_id: doc_id.to_owned(),
+        chunk_index,
+        content_hash: hash.to_owned(),
+        source_seq: seq,
+        embeds,
+        repeated: is_repeated(doc_id, chunk_index),
+    };
+    chunks
+        .iter()
+        .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash, *seq, true))
+        .chain(
+            invalid
+                .iter()
+                .map(|p| window_key(&p.doc_id, p.chunk_index, &p.content_hash, p.source_seq, false)),
+        )
+        .collect()
 }
 
 /// Client-side checks that save a provider call: empty input (some servers answer it with a
