@@ -650,6 +650,9 @@ impl Pipeline {
     }
 }
 
+/// Most records the batcher takes from the reader's channel at once.
+const RECORDS_PER_TAKE: usize = 256;
+
 /// What every task of one run shares.
 struct RunState {
     tally: Arc<Mutex<Tally>>,
@@ -730,24 +733,37 @@ impl Pipeline {
         let (halt, cancel) = (&run.halt, &run.cancel);
         let mut batcher = Batcher::new(self, run.tally.clone(), run_id, positions);
         batcher.acks = run.acks.clone();
-        loop {
-            let next = if batcher.is_idle() {
+        // Records are taken many at a time: taken one by one, each freed slot of the channel
+        // woke the reader for one more line (thread wake-ups were a seventh of an unchanged
+        // rerun's CPU).
+        let mut taken = Vec::with_capacity(RECORDS_PER_TAKE);
+        'intake: loop {
+            let n = if batcher.is_idle() {
                 tokio::select! {
-                    r = records.recv() => r,
-                    _ = halt.cancelled() => None,
+                    n = records.recv_many(&mut taken, RECORDS_PER_TAKE) => n,
+                    _ = halt.cancelled() => 0,
                 }
             } else {
                 tokio::select! {
-                    r = records.recv() => r,
-                    _ = halt.cancelled() => None,
+                    n = records.recv_many(&mut taken, RECORDS_PER_TAKE) => n,
+                    _ = halt.cancelled() => 0,
                     _ = tokio::time::sleep(self.options.batch_linger) => {
                         batcher.flush(jobs).await?;
                         continue;
                     }
                 }
             };
-            let Some((rec, at, charge)) = next else { break };
-            batcher.push(rec, at, charge, jobs).await?;
+            // 0: the input ended (every sender gone) or the run halted.
+            if n == 0 {
+                break;
+            }
+            for (rec, at, charge) in taken.drain(..) {
+                // A halt stops intake at the next record, as if it had not been taken.
+                if halt.is_cancelled() {
+                    break 'intake;
+                }
+                batcher.push(rec, at, charge, jobs).await?;
+            }
         }
         // End of input: the last window goes out. Shutdown: records already claimed are
         // finished or parked; anything after them is left for a rerun. Any other halt (a

@@ -161,7 +161,7 @@ impl<R: AsyncBufRead + Unpin> LineReader<R> {
                 }
                 break;
             }
-            let (take, done) = match memchr(b'\n', available) {
+            let (take, done) = match memchr::memchr(b'\n', available) {
                 Some(pos) => (pos + 1, true),
                 None => (available.len(), false),
             };
@@ -193,10 +193,6 @@ impl<R: AsyncBufRead + Unpin> LineReader<R> {
 
 /// Editors on some platforms start a UTF-8 file with this mark; it is not part of the data.
 const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
-
-fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
-    hay.iter().position(|b| *b == needle)
-}
 
 /// Parses one raw line; `None` for a blank line (allowed, skipped, not counted as a record).
 ///
