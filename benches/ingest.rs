@@ -13,6 +13,8 @@
 //!   pipeline with several writers is not measured against a baseline held to one.
 //! - **pipeline**: `Pipeline::run` over an in-memory JSONL corpus, against the mock provider
 //!   (zero latency, no faults) over real HTTP, default settings.
+//! - **unchanged rerun**: the same corpus again right after, every chunk skipped as unchanged;
+//!   its rate against the fresh run just before it.
 //!
 //! - **floor** (with `BENCH_INGEST_FLOOR` set): the work no ingest can skip, and nothing else:
 //!   the round's corpus texts embedded through the same client and mock provider (same batch
