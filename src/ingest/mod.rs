@@ -968,10 +968,13 @@ struct Batcher<'a> {
     pending: Option<PendingWindow>,
 }
 
+/// A window's keys and what [`Store::claim_window`] answered for them.
+type ClaimedKeys = (Vec<WindowKey>, Result<Vec<WindowClaim>, StoreError>);
+
 /// A window sent to [`Store::claim_window`] and not yet finished ([`Batcher::finish_pending`]).
 struct PendingWindow {
-    claim: tokio_util::task::AbortOnDropHandle<Result<Vec<WindowClaim>, StoreError>>,
-    keys: Vec<WindowKey>,
+    /// The window's keys and, once the task ends, their claims.
+    claim: tokio_util::task::AbortOnDropHandle<ClaimedKeys>,
     chunks: Vec<(Chunk, String, i64)>,
     invalid: Vec<ParkedChunk>,
     charge: Arc<Charge>,
@@ -1219,13 +1222,14 @@ impl<'a> Batcher<'a> {
         let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
         let young = self.windows < ALWAYS_LEASED_WINDOWS;
         let stream = self.acks.is_some();
-        let claim_keys = keys.clone();
+        // The keys travel with the claim and come back with its answer.
         let claim = tokio::spawn(async move {
-            with_db_retry(|| store.claim_window(&claim_keys, run_id, lease, young, stream)).await
+            let claims = with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await;
+            (keys, claims)
         });
         self.windows += 1;
         let claim = tokio_util::task::AbortOnDropHandle::new(claim);
-        self.pending = Some(PendingWindow { claim, keys, chunks, invalid, charge });
+        self.pending = Some(PendingWindow { claim, chunks, invalid, charge });
         Ok(())
     }
 
@@ -1233,11 +1237,11 @@ impl<'a> Batcher<'a> {
     /// the manifest already holds or another run has leased, and sends the rest to the
     /// workers. A panic of the claim's task is the batcher's own.
     async fn finish_pending(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
-        let Some(PendingWindow { claim, keys, mut chunks, mut invalid, charge }) = self.pending.take() else {
+        let Some(PendingWindow { claim, mut chunks, mut invalid, charge }) = self.pending.take() else {
             return Ok(());
         };
-        let claims = match claim.await {
-            Ok(claims) => claims?,
+        let (keys, claims) = match claim.await {
+            Ok((keys, claims)) => (keys, claims?),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // Only dropping the handle aborts the task, and the handle is here.
             Err(e) => {
