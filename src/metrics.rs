@@ -101,23 +101,6 @@ pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
     Ok(())
 }
 
-/// Every reason a retry is counted under (`embed::classify`): a small fixed set, so the
-/// exporter can show each at zero before the first retry.
-pub(crate) const RETRY_REASONS: [&str; 12] = [
-    "timeout",
-    "connect",
-    "transport",
-    "bad_response",
-    "rate_limited",
-    "http_408",
-    "http_425",
-    "http_500",
-    "http_502",
-    "http_503",
-    "http_504",
-    "http_5xx",
-];
-
 /// Labels of the gauges that get theirs when sampled, not from [`initialise`] (for the
 /// generated reference, `docs/reference/metrics.md`).
 pub(crate) const SAMPLED_LABELS: &[(&str, &str)] = &[
@@ -150,8 +133,8 @@ pub(crate) fn initialise() {
     for by in ["input", "cleanup"] {
         counter!(CHUNKS_DELETED, "by" => by).increment(0);
     }
-    for reason in RETRY_REASONS {
-        counter!(RETRIES, "reason" => reason).increment(0);
+    for reason in crate::embed::Reason::RETRIED {
+        counter!(RETRIES, "reason" => reason.as_str()).increment(0);
     }
     for outcome in ["ok", "retry", "reject", "systemic"] {
         counter!(PROVIDER_REQUESTS, "outcome" => outcome).increment(0);
@@ -418,7 +401,6 @@ pub async fn stream_stats(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::embed::classify::{Verdict, classify, classify_status};
 
     #[test]
@@ -443,7 +425,10 @@ mod tests {
             }
         }
         for r in &reasons {
-            assert!(RETRY_REASONS.contains(r), "retry reason {r} is not initialised in RETRY_REASONS");
+            assert!(
+                crate::embed::Reason::RETRIED.contains(r),
+                "retry reason {r} is not initialised in Reason::RETRIED"
+            );
         }
     }
 }

@@ -42,7 +42,7 @@ use redis::streams::{StreamAutoClaimReply, StreamPendingCountReply, StreamReadRe
 use tokio_util::sync::CancellationToken;
 
 use crate::embed::retry::DlqSchedule;
-use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome, Stop};
+use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome, Reason, Stop};
 use crate::failpoint;
 use crate::model::ErrorClass;
 use crate::relay::sleep_or_cancel;
@@ -639,7 +639,7 @@ impl Replayer {
             // A row parked after 500s is normally one that failed alone while its neighbours
             // passed: it is sent alone first, so its batch does not pay for it again.
             for ((_, row), text) in items.iter().zip(&texts) {
-                if row.error_reason == "http_500" {
+                if Reason::from_code(&row.error_reason) == Some(Reason::Http500) {
                     embedder.isolation.suspect(text);
                 }
             }
@@ -1132,9 +1132,9 @@ pub(crate) fn next_state(row: &DlqRow, f: &Failure, config: &ReplayConfig) -> Re
     if f.class != ErrorClass::Transient {
         return r;
     }
-    if f.reason == "http_500" && same >= config.deterministic_failures {
+    if f.reason == Reason::Http500 && same >= config.deterministic_failures {
         r.error_class = ErrorClass::PermanentInput;
-        r.error_reason = "repeated_http_500".into();
+        r.error_reason = Reason::RepeatedHttp500.as_str().into();
         return r;
     }
     if passes as u32 >= config.schedule.max_replays {
@@ -1174,7 +1174,7 @@ mod tests {
         }
     }
 
-    fn failure(reason: &'static str, status: u16, class: ErrorClass) -> Failure {
+    fn failure(reason: Reason, status: u16, class: ErrorClass) -> Failure {
         Failure { class, reason, detail: "x".into(), status: Some(status), attempts: 3 }
     }
 
@@ -1213,7 +1213,7 @@ mod tests {
     #[test]
     fn transient_failure_is_rescheduled_on_the_dlq_schedule() {
         let cfg = ReplayConfig::default();
-        let r = next_state(&row(0, None, 0), &failure("http_503", 503, ErrorClass::Transient), &cfg);
+        let r = next_state(&row(0, None, 0), &failure(Reason::Http503, 503, ErrorClass::Transient), &cfg);
         assert_eq!(r.error_class, ErrorClass::Transient);
         assert!(r.retry_in.unwrap() >= cfg.schedule.base);
         assert_eq!(r.exhausted_reason, None);
@@ -1224,7 +1224,7 @@ mod tests {
     #[test]
     fn repeated_500_becomes_permanent_before_the_cap() {
         let cfg = ReplayConfig::default();
-        let f = failure("http_500", 500, ErrorClass::Transient);
+        let f = failure(Reason::Http500, 500, ErrorClass::Transient);
         let r = next_state(&row(1, Some("http_500:500"), 1), &f, &cfg);
         assert_eq!(r.error_class, ErrorClass::Transient, "two in a row is not yet a pattern");
         let r = next_state(&row(2, Some("http_500:500"), 2), &f, &cfg);
@@ -1237,10 +1237,11 @@ mod tests {
     fn replay_limit_exhausts_and_permanent_classes_are_not_rescheduled() {
         let cfg = ReplayConfig::default();
         let last = cfg.schedule.max_replays as i32 - 1;
-        let r = next_state(&row(last, None, 0), &failure("timeout", 0, ErrorClass::Transient), &cfg);
+        let r = next_state(&row(last, None, 0), &failure(Reason::Timeout, 0, ErrorClass::Transient), &cfg);
         assert!(r.exhausted_reason.is_some());
         assert_eq!(r.retry_in, None);
-        let r = next_state(&row(0, None, 0), &failure("http_400", 400, ErrorClass::PermanentInput), &cfg);
+        let r =
+            next_state(&row(0, None, 0), &failure(Reason::Http400, 400, ErrorClass::PermanentInput), &cfg);
         assert_eq!(r.error_class, ErrorClass::PermanentInput);
         assert_eq!(r.retry_in, None);
         assert_eq!(r.exhausted_reason, None);

@@ -51,7 +51,7 @@ pub(crate) enum Signature {
     Status { status: u16, error_type: Option<String> },
     Mismatch,
     Dimension(String),
-    InvalidVector(&'static str),
+    InvalidVector(super::Reason),
 }
 
 /// Where vectors go: verdicts for one target say nothing about another.
@@ -199,7 +199,7 @@ mod tests {
             matches!(book.consult(&t, &sig(), false), Consult::RunCanary),
             "a streak after a success asks again"
         );
-        let stop = Stop::Systemic { reason: "uniform_rejection", detail: "x".into() };
+        let stop = Stop::Systemic { reason: crate::embed::Reason::UniformRejection, detail: "x".into() };
         book.store(&t, sig(), &CanaryVerdict::Systemic(stop.clone()));
         assert!(matches!(book.consult(&t, &sig(), false), Consult::Stop(s) if s == stop));
         tokio::time::advance(SYSTEMIC_VERDICT_TTL + Duration::from_secs(1)).await;

@@ -174,8 +174,8 @@ pub struct EmbedResponse {
 pub struct VectorProblem {
     /// Where the vector would be parked (e.g. a wrong dimension is the input's fault).
     pub class: ErrorClass,
-    /// Bounded reason code for metrics and the DLQ's `error_reason`.
-    pub reason: &'static str,
+    /// Why, for metrics and the DLQ's `error_reason`.
+    pub reason: super::Reason,
     /// What exactly was wrong (e.g. the length found), for the DLQ row's `last_error`.
     pub detail: String,
 }
@@ -817,14 +817,14 @@ fn decode_vector(e: WireEmbedding, dimensions: usize) -> Result<Vec<f32>, Vector
             let bytes = base64::engine::general_purpose::STANDARD.decode(s.as_bytes()).map_err(|e| {
                 problem(
                     ErrorClass::InvalidVector,
-                    "bad_base64",
+                    crate::embed::Reason::BadBase64,
                     format!("embedding is not valid base64: {e}"),
                 )
             })?;
             if bytes.len() % 4 != 0 {
                 return Err(problem(
                     ErrorClass::InvalidVector,
-                    "bad_base64",
+                    crate::embed::Reason::BadBase64,
                     format!("base64 embedding of {} bytes is not a whole number of f32", bytes.len()),
                 ));
             }
@@ -838,7 +838,7 @@ fn decode_vector(e: WireEmbedding, dimensions: usize) -> Result<Vec<f32>, Vector
                     None => {
                         return Err(problem(
                             ErrorClass::InvalidVector,
-                            "non_finite",
+                            crate::embed::Reason::NonFinite,
                             "embedding contains null".into(),
                         ));
                     }
@@ -848,24 +848,32 @@ fn decode_vector(e: WireEmbedding, dimensions: usize) -> Result<Vec<f32>, Vector
         }
     };
     if v.is_empty() {
-        return Err(problem(ErrorClass::InvalidVector, "empty_vector", "empty embedding".into()));
+        return Err(problem(
+            ErrorClass::InvalidVector,
+            crate::embed::Reason::EmptyVector,
+            "empty embedding".into(),
+        ));
     }
     if v.len() != dimensions {
         return Err(problem(
             ErrorClass::DimensionMismatch,
-            "dimension_mismatch",
+            crate::embed::Reason::DimensionMismatch,
             format!("embedding has {} dimensions, the target column has {dimensions}", v.len()),
         ));
     }
     if let Some(pos) = v.iter().position(|x| !x.is_finite()) {
         return Err(problem(
             ErrorClass::InvalidVector,
-            "non_finite",
+            crate::embed::Reason::NonFinite,
             format!("embedding value {pos} is {}", v[pos]),
         ));
     }
     if v.iter().all(|x| *x == 0.0) {
-        return Err(problem(ErrorClass::InvalidVector, "zero_vector", "embedding is all zeros".into()));
+        return Err(problem(
+            ErrorClass::InvalidVector,
+            crate::embed::Reason::ZeroVector,
+            "embedding is all zeros".into(),
+        ));
     }
     Ok(v)
 }
@@ -963,8 +971,8 @@ mod tests {
         assert_eq!(r.items[2].as_ref().unwrap(), &vec![1.0, 2.0]);
         assert_eq!(r.items[1].as_ref().unwrap_err().class, ErrorClass::InvalidVector);
         assert_eq!(r.items[3].as_ref().unwrap_err().class, ErrorClass::DimensionMismatch);
-        assert_eq!(r.items[4].as_ref().unwrap_err().reason, "empty_vector");
-        assert_eq!(r.items[5].as_ref().unwrap_err().reason, "zero_vector");
+        assert_eq!(r.items[4].as_ref().unwrap_err().reason, crate::embed::Reason::EmptyVector);
+        assert_eq!(r.items[5].as_ref().unwrap_err().reason, crate::embed::Reason::ZeroVector);
     }
 
     #[test]

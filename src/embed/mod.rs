@@ -27,6 +27,7 @@ pub mod client;
 pub mod gate;
 pub mod isolate;
 pub mod limit;
+mod reason;
 pub mod retry;
 
 use std::collections::BTreeMap;
@@ -41,6 +42,7 @@ use classify::{Verdict, classify};
 use client::{EmbedClient, EmbedError};
 use gate::{GateError, Health, OnOutage, Permit, ProviderGate};
 use isolate::Isolation;
+pub use reason::Reason;
 use retry::RetryPolicy;
 
 /// What happened to one input of a batch.
@@ -60,8 +62,8 @@ pub enum ItemOutcome {
 pub struct Failure {
     /// The DLQ class, which decides whether replay may try the input again.
     pub class: ErrorClass,
-    /// Bounded reason code (e.g. `http_503`, `timeout`, `too_long`).
-    pub reason: &'static str,
+    /// Why, as a bounded reason code.
+    pub reason: Reason,
     /// Sanitised, truncated detail.
     pub detail: String,
     /// The last HTTP status, when the failure came from a response.
@@ -77,8 +79,8 @@ pub enum Stop {
     /// wrong URL).
     #[error("provider refused the run ({reason}): {detail}")]
     Systemic {
-        /// Bounded reason code (e.g. `unauthorized`, `insufficient_quota`, `not_found`).
-        reason: &'static str,
+        /// Why (e.g. `unauthorized`, `insufficient_quota`, `not_found`).
+        reason: Reason,
         /// Sanitised detail from the provider's answer.
         detail: String,
     },
@@ -96,9 +98,7 @@ impl Stop {
     /// back the others'.
     pub fn is_provider_wide(&self) -> bool {
         match self {
-            Stop::Systemic { reason, .. } => {
-                matches!(*reason, "unauthorized" | "forbidden" | "insufficient_quota" | "redirect")
-            }
+            Stop::Systemic { reason, .. } => reason.is_provider_wide(),
             Stop::Outage(_) => true,
         }
     }
@@ -117,7 +117,7 @@ pub struct BatchStats {
     /// Times a failing piece was split to find the input at fault.
     pub splits: u64,
     /// Attempts that were followed by another attempt, by reason.
-    pub retries: BTreeMap<&'static str, u64>,
+    pub retries: BTreeMap<Reason, u64>,
     /// Canary requests (breaker probes and systemic checks), included in `provider_calls`.
     pub canary_calls: u64,
     /// Tokens of the inputs whose vector came back usable (estimated, or the provider's
@@ -300,14 +300,14 @@ impl Embedder {
         // Rate limits clear by themselves: 429s do not use up the policy's attempts, they are
         // bounded by time instead (see `settle_without_retry`).
         let mut limited = RateLimited::default();
-        let mut last: Option<(EmbedError, &'static str)> = None;
+        let mut last: Option<(EmbedError, Reason)> = None;
         loop {
             let permit = match self.admit(cancel, p.stats).await {
                 Ok(permit) => permit,
                 Err(Halt::Cancelled) => {
                     let outcome = match &last {
                         None => ItemOutcome::NotAttempted,
-                        Some((err, reason)) => ItemOutcome::Failed(transient(err, reason, attempt)),
+                        Some((err, reason)) => ItemOutcome::Failed(transient(err, *reason, attempt)),
                     };
                     fill(&mut p.outcomes, piece.range.clone(), outcome);
                     return Ok(());
@@ -315,7 +315,7 @@ impl Embedder {
                 Err(Halt::Park) => {
                     let failure = match &last {
                         None => parked_unsent(),
-                        Some((err, reason)) => transient(err, reason, attempt),
+                        Some((err, reason)) => transient(err, *reason, attempt),
                     };
                     fill(&mut p.outcomes, piece.range.clone(), ItemOutcome::Failed(failure));
                     return Ok(());
@@ -330,7 +330,7 @@ impl Embedder {
                 self.gate.record(permit, Health::InputSuspect);
                 let outcome = match &last {
                     None => ItemOutcome::NotAttempted,
-                    Some((err, reason)) => ItemOutcome::Failed(transient(err, reason, attempt)),
+                    Some((err, reason)) => ItemOutcome::Failed(transient(err, *reason, attempt)),
                 };
                 fill(&mut p.outcomes, piece.range.clone(), outcome);
                 return Ok(());
@@ -364,10 +364,10 @@ impl Embedder {
             };
             // Isolating an input that always gets 500: the split that succeeded proved the
             // provider is up, so this says nothing about it.
-            let suspect = piece.isolating && reason == "http_500";
+            let suspect = piece.isolating && reason == Reason::Http500;
             let health = if suspect { Health::InputSuspect } else { self.retry_health(reason, retry_after) };
             self.gate.record(permit, health);
-            if reason == "rate_limited" {
+            if reason == Reason::RateLimited {
                 limited.attempts += 1;
                 limited.since.get_or_insert_with(tokio::time::Instant::now);
             }
@@ -375,7 +375,7 @@ impl Embedder {
                 return Ok(());
             }
             *p.stats.retries.entry(reason).or_default() += 1;
-            metrics::counter!(crate::metrics::RETRIES, "reason" => reason).increment(1);
+            metrics::counter!(crate::metrics::RETRIES, "reason" => reason.as_str()).increment(1);
             let delay = self.policy.delay(attempt, retry_after);
             tokio::select! {
                 _ = cancel.cancelled() => {
@@ -442,7 +442,7 @@ impl Embedder {
         &self,
         err: &EmbedError,
         class: ErrorClass,
-        reason: &'static str,
+        reason: Reason,
         piece: &Piece,
         attempt: u32,
         p: &mut Progress<'_>,
@@ -495,7 +495,7 @@ impl Embedder {
     fn settle_without_retry(
         &self,
         err: &EmbedError,
-        reason: &'static str,
+        reason: Reason,
         suspect: bool,
         piece: &Piece,
         (attempt, limited): (u32, &RateLimited),
@@ -507,7 +507,7 @@ impl Embedder {
             split(&mut p.work, &piece.range, true, piece.counted);
             return true;
         }
-        let may_retry = if reason == "rate_limited" {
+        let may_retry = if reason == Reason::RateLimited {
             limited.since.is_none_or(|since| since.elapsed() < self.gate.max_outage().saturating_mul(2))
         } else {
             self.policy.allows_another(attempt - limited.attempts)
@@ -515,7 +515,7 @@ impl Embedder {
         if may_retry {
             return false;
         }
-        if reason == "http_500" && several {
+        if reason == Reason::Http500 && several {
             p.stats.splits += 1;
             split(&mut p.work, &piece.range, true, piece.counted);
         } else {
@@ -529,8 +529,8 @@ impl Embedder {
 
     /// What a retryable failure tells the gate: a rate limit (with the server's wait, capped
     /// by the policy; without one the gate pauses adaptively) or a failing provider.
-    fn retry_health(&self, reason: &'static str, retry_after: Option<std::time::Duration>) -> Health {
-        if reason == "rate_limited" {
+    fn retry_health(&self, reason: Reason, retry_after: Option<std::time::Duration>) -> Health {
+        if reason == Reason::RateLimited {
             Health::RateLimited(retry_after.map(|d| d.min(self.policy.cap)))
         } else {
             Health::Failing
@@ -681,7 +681,7 @@ impl Embedder {
             let stop = match classify(&e) {
                 Verdict::Systemic { reason } => Stop::Systemic { reason, detail: e.to_string() },
                 Verdict::Reject { .. } => Stop::Systemic {
-                    reason: "uniform_rejection",
+                    reason: Reason::UniformRejection,
                     detail: format!(
                         "the provider rejects every input alike, a known-good canary input too ({e}); first rejection: {detail}. Check the key, --model, --dimensions and the gateway"
                     ),
@@ -721,7 +721,7 @@ fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, Str
         Some(Ok(_)) => Ok(CanaryVerdict::InputFault),
         Some(Err(p)) if p.class == ErrorClass::DimensionMismatch => {
             Ok(CanaryVerdict::Systemic(Stop::Systemic {
-                reason: "dimension_mismatch",
+                reason: Reason::DimensionMismatch,
                 detail: format!(
                     "every vector has the wrong size, a known-good canary input's too: {}; check --model/--dimensions against the target table",
                     p.detail
@@ -729,7 +729,7 @@ fn judge_canary_answer(resp: client::EmbedResponse) -> Result<CanaryVerdict, Str
             }))
         }
         Some(Err(p)) if p.class == ErrorClass::InvalidVector => Ok(CanaryVerdict::Systemic(Stop::Systemic {
-            reason: "invalid_vector",
+            reason: Reason::InvalidVector,
             detail: format!(
                 "every vector is unusable, a known-good canary input's too ({}: {}); the model is broken or misconfigured, check --model/--dimensions and the server",
                 p.reason, p.detail
@@ -813,7 +813,7 @@ fn signature_of(err: &EmbedError) -> Signature {
     }
 }
 
-fn transient(err: &EmbedError, reason: &'static str, attempts: u32) -> Failure {
+fn transient(err: &EmbedError, reason: Reason, attempts: u32) -> Failure {
     Failure {
         class: ErrorClass::Transient,
         reason,
@@ -828,7 +828,7 @@ fn transient(err: &EmbedError, reason: &'static str, attempts: u32) -> Failure {
 fn parked_unsent() -> Failure {
     Failure {
         class: ErrorClass::Transient,
-        reason: "breaker_open",
+        reason: Reason::BreakerOpen,
         detail: "not sent: the provider was failing (circuit breaker open) and on_outage is park".into(),
         status: None,
         attempts: 0,
@@ -878,17 +878,23 @@ mod tests {
     #[test]
     fn refusals_of_the_key_quota_or_url_are_provider_wide_and_of_a_model_are_not() {
         let systemic = |reason| Stop::Systemic { reason, detail: String::new() };
-        for reason in ["unauthorized", "forbidden", "insufficient_quota", "redirect"] {
+        for reason in [Reason::Unauthorized, Reason::Forbidden, Reason::InsufficientQuota, Reason::Redirect] {
             assert!(systemic(reason).is_provider_wide(), "{reason}");
         }
-        for reason in ["not_found", "uniform_rejection", "dimension_mismatch", "unexpected_status"] {
+        for reason in
+            [Reason::NotFound, Reason::UniformRejection, Reason::DimensionMismatch, Reason::UnexpectedStatus]
+        {
             assert!(!systemic(reason).is_provider_wide(), "{reason}");
         }
         assert!(Stop::Outage("breaker open".into()).is_provider_wide());
     }
 
     fn problem() -> client::VectorProblem {
-        client::VectorProblem { class: ErrorClass::InvalidVector, reason: "nan", detail: "NaN".into() }
+        client::VectorProblem {
+            class: ErrorClass::InvalidVector,
+            reason: Reason::NonFinite,
+            detail: "NaN".into(),
+        }
     }
 
     #[test]

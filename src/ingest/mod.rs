@@ -53,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
-use crate::embed::{BatchStats, Embedder, ItemOutcome, Stop};
+use crate::embed::{BatchStats, Embedder, ItemOutcome, Reason, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
 use crate::store::delete::DeleteRequest;
 use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
@@ -1136,7 +1136,7 @@ impl<'a> Batcher<'a> {
                     content_hash: raw_hash,
                     payload,
                     class: ErrorClass::InvalidRecord,
-                    reason: "invalid_record".into(),
+                    reason: Reason::InvalidRecord.as_str().into(),
                     last_error: format!("line {line}: {problem}"),
                     last_status: None,
                     attempts: 0,
@@ -1405,7 +1405,7 @@ impl<'a> Batcher<'a> {
                     content_hash: hash,
                     payload: serde_json::to_value(&chunk).expect("chunk serializes"),
                     class: ErrorClass::PermanentInput,
-                    reason: reason.into(),
+                    reason: reason.as_str().into(),
                     last_error: detail,
                     last_status: None,
                     attempts: 0,
@@ -1491,13 +1491,13 @@ fn window_keys(
 
 /// Client-side checks that save a provider call: empty input (some servers answer it with a
 /// real-looking vector) and inputs beyond the configured length.
-fn preflight(chunk: &Chunk, max_chars: usize) -> Option<(&'static str, String)> {
+fn preflight(chunk: &Chunk, max_chars: usize) -> Option<(Reason, String)> {
     if chunk.text.trim().is_empty() {
-        return Some(("empty_text", "text is empty or whitespace only".into()));
+        return Some((Reason::EmptyText, "text is empty or whitespace only".into()));
     }
     let chars = chunk.text.chars().count();
     if chars > max_chars {
-        return Some(("too_long", format!("text has {chars} characters, the limit is {max_chars}")));
+        return Some((Reason::TooLong, format!("text has {chars} characters, the limit is {max_chars}")));
     }
     None
 }
@@ -1581,7 +1581,7 @@ impl Worker {
                         retry_in: f.class.is_replayable().then(|| self.schedule.delay(0)),
                         source_seq: claimed.seq,
                         class: f.class,
-                        reason: f.reason.into(),
+                        reason: f.reason.as_str().into(),
                         last_error: f.detail,
                         last_status: f.status,
                         attempts: f.attempts,
@@ -1780,7 +1780,7 @@ fn merge_stats(s: &mut IngestSummary, b: &BatchStats) {
     s.tokens_stored += b.tokens_stored;
     s.tokens_wasted += b.tokens_wasted;
     for (reason, n) in &b.retries {
-        *s.retries.entry((*reason).to_string()).or_default() += n;
+        *s.retries.entry(reason.as_str().to_string()).or_default() += n;
     }
 }
 

@@ -195,14 +195,7 @@ pub fn slot(key: &[u8]) -> u16 {
         let close = key[open + 1..].iter().position(|&b| b == b'}')?;
         (close > 0).then(|| &key[open + 1..open + 1 + close])
     });
-    let mut crc: u16 = 0;
-    for &b in tagged.unwrap_or(key) {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
-        }
-    }
-    crc % (CLUSTER_SLOTS as u16)
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(key)) % (CLUSTER_SLOTS as u16)
 }
 
 /// The shard count of `keys` differs from the one its streams were set up with.

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use embed_dlq::embed::Stop;
+use embed_dlq::embed::{Reason, Stop};
 use embed_dlq::ingest::IngestError;
 use embed_dlq::model::ErrorClass;
 use embed_dlq::testkit::corpus::{CorpusSpec, write_corpus};
@@ -325,7 +325,7 @@ async fn unauthorized_and_out_of_quota_stop_the_run_and_park_nothing() {
         .unwrap_err();
     match &err {
         IngestError::Provider { stop: Stop::Systemic { reason, .. }, summary } => {
-            assert_eq!(*reason, "unauthorized");
+            assert_eq!(*reason, Reason::Unauthorized);
             assert_eq!(summary.parked_total(), 0);
         }
         other => panic!("expected a systemic stop, got {other}"),
@@ -345,7 +345,7 @@ async fn unauthorized_and_out_of_quota_stop_the_run_and_park_nothing() {
     assert!(
         matches!(
             &err,
-            IngestError::Provider { stop: Stop::Systemic { reason: "insufficient_quota", .. }, .. }
+            IngestError::Provider { stop: Stop::Systemic { reason: Reason::InsufficientQuota, .. }, .. }
         ),
         "{err}"
     );
@@ -468,7 +468,7 @@ async fn vectors_are_checked_against_the_target_column_dimension() {
     assert!(
         matches!(
             &err,
-            IngestError::Provider { stop: Stop::Systemic { reason: "dimension_mismatch", .. }, .. }
+            IngestError::Provider { stop: Stop::Systemic { reason: Reason::DimensionMismatch, .. }, .. }
         ),
         "{err}"
     );
@@ -509,7 +509,7 @@ async fn rate_limits_are_waited_out_not_parked() {
         corpus.push_str(&line("rl", i, &format!("chunk {i}")));
     }
     let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
-    assert!(r.retries.get("rate_limited").copied().unwrap_or(0) > 0, "{r:?}");
+    assert!(r.retries.get(Reason::RateLimited.as_str()).copied().unwrap_or(0) > 0, "{r:?}");
     assert_eq!(r.stored, 300);
 }
 

@@ -6,8 +6,8 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use embed_dlq::embed::Stop;
 use embed_dlq::embed::gate::{BreakerConfig, OnOutage};
+use embed_dlq::embed::{Reason, Stop};
 use embed_dlq::ingest::{IngestError, IngestSummary};
 use embed_dlq::model::{Chunk, ErrorClass};
 use embed_dlq::testkit::mock_provider::{MockConfig, MockProvider};
@@ -258,7 +258,7 @@ async fn park_never_parks_a_systemic_failure() {
     assert!(
         matches!(
             &err,
-            IngestError::Provider { stop: Stop::Systemic { reason: "uniform_rejection", .. }, .. }
+            IngestError::Provider { stop: Stop::Systemic { reason: Reason::UniformRejection, .. }, .. }
         ),
         "{err:?}"
     );

@@ -11,7 +11,7 @@ use base64::Engine as _;
 use embed_dlq::embed::client::{ClientConfig, EmbedClient, EncodingFormat};
 use embed_dlq::embed::gate::{BreakerConfig, ProviderGate};
 use embed_dlq::embed::retry::RetryPolicy;
-use embed_dlq::embed::{BatchStats, Embedder, ItemOutcome, Stop};
+use embed_dlq::embed::{BatchStats, Embedder, ItemOutcome, Reason, Stop};
 use embed_dlq::ingest::IngestError;
 use embed_dlq::model::ErrorClass;
 use embed_dlq::testkit::mock_provider::{self, MockConfig};
@@ -251,7 +251,7 @@ async fn a_gateway_answering_400_to_everything_stops_the_run_and_parks_nothing()
         pipeline(&s).await.run(input(input_corpus.clone()), CancellationToken::new()).await.unwrap_err();
     match &err {
         IngestError::Provider { stop: Stop::Systemic { reason, .. }, summary } => {
-            assert_eq!(*reason, "uniform_rejection", "{err}");
+            assert_eq!(*reason, Reason::UniformRejection, "{err}");
             assert_eq!(summary.parked_total(), 0);
         }
         other => panic!("expected a systemic stop, got {other}"),
@@ -283,7 +283,7 @@ async fn dimensions_out_of_range_stop_the_run_with_a_bounded_number_of_calls() {
     assert!(
         matches!(
             &err,
-            IngestError::Provider { stop: Stop::Systemic { reason: "uniform_rejection", .. }, .. }
+            IngestError::Provider { stop: Stop::Systemic { reason: Reason::UniformRejection, .. }, .. }
         ),
         "{err}"
     );
@@ -386,7 +386,7 @@ async fn a_wrong_dimension_on_a_single_input_is_systemic_until_a_right_one_is_se
         .await
         .unwrap_err();
     match &err {
-        IngestError::Provider { stop: Stop::Systemic { reason: "dimension_mismatch", .. }, summary } => {
+        IngestError::Provider { stop: Stop::Systemic { reason: Reason::DimensionMismatch, .. }, summary } => {
             assert_eq!(summary.parked_total(), 0)
         }
         other => panic!("expected a systemic dimension stop, got {other}"),
@@ -433,7 +433,7 @@ async fn absurd_retry_after_values_neither_panic_nor_stall() {
     let mut stats = BatchStats::default();
     let out = e.embed_batch(&["a", "b"], &CancellationToken::new(), &mut stats).await.unwrap();
     assert!(out.iter().all(|o| matches!(o, ItemOutcome::Embedded(_))), "{out:?}");
-    assert_eq!(stats.retries.get("rate_limited"), Some(&6));
+    assert_eq!(stats.retries.get(&Reason::RateLimited), Some(&6));
     // The shared pause honours the retry cap, whatever the server asked for; the two values
     // that are no wait at all ("-5", "soon") pause adaptively instead: 1 s, then 2 s.
     let adaptive = embed_dlq::embed::gate::ADAPTIVE_PAUSE_FIRST * 2;
@@ -478,7 +478,7 @@ async fn an_endless_success_body_is_cut_off_at_the_cap() {
     let out = e.embed_batch(&["x"], &CancellationToken::new(), &mut stats).await.unwrap();
     match &out[0] {
         ItemOutcome::Failed(f) => {
-            assert_eq!((f.class, f.reason), (ErrorClass::Transient, "bad_response"), "{f:?}");
+            assert_eq!((f.class, f.reason), (ErrorClass::Transient, Reason::BadResponse), "{f:?}");
             assert!(f.detail.len() < 600, "{}", f.detail.len());
         }
         other => panic!("expected a transient failure, got {other:?}"),
@@ -516,7 +516,7 @@ async fn a_cross_origin_redirect_is_refused_and_credentials_stay_home() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, IngestError::Provider { stop: Stop::Systemic { reason: "redirect", .. }, .. }),
+        matches!(&err, IngestError::Provider { stop: Stop::Systemic { reason: Reason::Redirect, .. }, .. }),
         "{err}"
     );
     assert!(err.to_string().contains("another origin"), "{err}");
@@ -857,7 +857,7 @@ async fn a_provider_returning_unusable_vectors_for_every_input_stops_the_run_and
             .await
             .unwrap_err();
         match &err {
-            IngestError::Provider { stop: Stop::Systemic { reason: "invalid_vector", .. }, summary } => {
+            IngestError::Provider { stop: Stop::Systemic { reason: Reason::InvalidVector, .. }, summary } => {
                 assert_eq!(summary.parked_total(), 0, "{broken:?}: {summary:?}");
             }
             other => panic!("{broken:?}: expected a systemic invalid_vector stop, got {other}"),
@@ -917,7 +917,7 @@ async fn a_stop_in_the_middle_of_a_batch_stores_what_was_already_embedded() {
     let c = corpus("midstop", 8, |i| if i == 0 { "poison input".into() } else { format!("fine {i}") });
     let err = pipeline(&s).await.run(input(c), CancellationToken::new()).await.unwrap_err();
     match &err {
-        IngestError::Provider { stop: Stop::Systemic { reason: "unauthorized", .. }, summary } => {
+        IngestError::Provider { stop: Stop::Systemic { reason: Reason::Unauthorized, .. }, summary } => {
             assert_eq!(summary.parked_total(), 0, "{summary:?}");
             assert_eq!(summary.stored, 2, "{summary:?}");
             assert_eq!(summary.not_attempted, 6, "{summary:?}");
