@@ -289,6 +289,11 @@ pub struct ConsoleCommand {
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_ROW_VIEWS as u64,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     pub max_row_views: u64,
+    /// Time limit of every page but the live tail and a reconcile run (a slow database shows
+    /// a 503 instead of hanging the browser), 1..=600 s.
+    #[arg(long, default_value_t = embed_dlq::console::DEFAULT_PAGE_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(embed_dlq::console::PAGE_TIMEOUT_SECS))]
+    pub page_timeout_secs: u64,
     /// Newest events scanned for a row's events on its page, 100..=100000.
     #[arg(long, default_value_t = embed_dlq::console::DEFAULT_EVENTS_SCAN as u64,
           value_parser = clap::value_parser!(u64).range(100..=100_000))]

@@ -33,6 +33,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         requeue_rate,
         max_event_clients,
         max_row_views,
+        page_timeout_secs,
         events_scan,
         metrics_urls,
         allowed_hosts,
@@ -64,6 +65,7 @@ pub async fn command(resolver: &Resolver, args: ConsoleCommand, cancel: Cancella
         public_read,
         max_row_views: max_row_views as usize,
         cookie_secure,
+        page_timeout: std::time::Duration::from_secs(page_timeout_secs),
         // The config file's `[source]`, if any: its streams on the overview.
         source: settings.source.as_ref().map(|s| (s.streams.clone(), s.group.clone())),
     };

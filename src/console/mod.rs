@@ -96,8 +96,11 @@ pub const DEFAULT_ROW_VIEWS: usize = 8;
 pub const MAX_ROW_VIEWS: usize = 64;
 /// What a client told to come back (a view beyond the cap) is asked to wait, in seconds.
 pub const BUSY_RETRY_AFTER_SECS: u64 = 2;
-/// Time limit of every page (a slow query shows an error instead of hanging the browser).
-pub const PAGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default time limit of every page (a slow query shows an error instead of hanging the
+/// browser).
+pub const DEFAULT_PAGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bounds of the page time limit, in seconds: a second to ten minutes.
+pub const PAGE_TIMEOUT_SECS: std::ops::RangeInclusive<u64> = 1..=600;
 
 /// Whether the session cookie carries `Secure` (sent back over HTTPS only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -145,6 +148,9 @@ pub struct ConsoleConfig {
     pub max_row_views: usize,
     /// Whether the session cookie is `Secure` (`--cookie-secure`).
     pub cookie_secure: CookieSecure,
+    /// Time limit of every page but the live tail and a reconcile run, within
+    /// [`PAGE_TIMEOUT_SECS`]: past it the page is a 503.
+    pub page_timeout: Duration,
     /// The stream source's streams and consumer group (`[source]`), shown on the overview
     /// with their length, pending count and lag.
     pub source: Option<(Vec<String>, String)>,
@@ -164,6 +170,7 @@ impl Default for ConsoleConfig {
             public_read: false,
             max_row_views: DEFAULT_ROW_VIEWS,
             cookie_secure: CookieSecure::Auto,
+            page_timeout: DEFAULT_PAGE_TIMEOUT,
             source: None,
         }
     }
@@ -193,6 +200,17 @@ impl ConsoleConfig {
             return bad(
                 "--max-event-clients",
                 format!("{} is out of range: allowed 1..={MAX_EVENT_CLIENTS}", self.max_event_clients),
+            );
+        }
+        let page_secs = self.page_timeout.as_secs_f64();
+        if !(*PAGE_TIMEOUT_SECS.start() as f64..=*PAGE_TIMEOUT_SECS.end() as f64).contains(&page_secs) {
+            return bad(
+                "--page-timeout-secs",
+                format!(
+                    "{page_secs} s is out of range: allowed {}..={} s",
+                    PAGE_TIMEOUT_SECS.start(),
+                    PAGE_TIMEOUT_SECS.end()
+                ),
             );
         }
         if !(1..=MAX_ROW_VIEWS).contains(&self.max_row_views) {

@@ -1,5 +1,5 @@
-//! The router, the shared state, the request guards (host check, security headers, time
-//! limit) and the read-only pages' handlers. The actions' handlers are in `actions`, the live
+//! The router, the shared state, the request guards (host check, login for reads; the
+//! security headers and the time limit are tower-http layers) and the read-only pages' handlers. The actions' handlers are in `actions`, the live
 //! tail's in `events`.
 
 use std::net::SocketAddr;
@@ -18,11 +18,13 @@ use serde::Deserialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tower_http::set_header::SetResponseHeaderLayer;
+use tower_http::timeout::TimeoutLayer;
 
 use super::auth::{self, Session, Sessions};
 use super::filter::RawQuery;
 use super::pages::{self, Ctx};
-use super::{Console, MAX_RUNNING_ACTIONS, PAGE_TIMEOUT, actions, events, overview};
+use super::{Console, MAX_RUNNING_ACTIONS, actions, events, overview};
 use crate::store::StoreError;
 use crate::store::console as sql;
 
@@ -139,9 +141,12 @@ impl axum::extract::FromRequestParts<State> for Page {
     }
 }
 
-/// Every route of the console.
+/// Every route of the console. Every page but the live tail and a reconcile run gets the
+/// configured time limit (a 503 when the database is too slow to answer); every response, refusals
+/// included, carries the security headers.
 pub fn router(state: State) -> Router {
-    Router::new()
+    let page_timeout = state.console.config.page_timeout;
+    let pages = Router::new()
         .route("/", get(overview_page))
         .route("/dlq", get(list_page))
         .route("/dlq/{id}", get(detail_page))
@@ -150,19 +155,44 @@ pub fn router(state: State) -> Router {
         .route("/audit", get(audit_list))
         .route("/audit/{id}", get(audit_entry))
         .route("/events", get(events_page))
-        .route("/events/stream", get(events::stream))
-        .route("/reconcile", get(actions::reconcile_page).post(actions::reconcile_run))
+        .route("/reconcile", get(actions::reconcile_page))
         .route("/login", get(login_page).post(login))
         .route("/logout", post(logout))
         .route("/static/console.css", get(css))
         .route("/static/console.js", get(js))
         .fallback(not_found)
-        .layer(middleware::from_fn(time_limit))
+        .layer(TimeoutLayer::with_status_code(StatusCode::SERVICE_UNAVAILABLE, page_timeout));
+    let unlimited = Router::new()
+        .route("/events/stream", get(events::stream))
+        .route("/reconcile", post(actions::reconcile_run));
+    pages
+        .merge(unlimited)
         .layer(middleware::from_fn_with_state(state.clone(), read_gate))
-        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .layer(middleware::from_fn_with_state(state.clone(), host_check))
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
+        .layer(SetResponseHeaderLayer::overriding(header::CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY))
+        .layer(SetResponseHeaderLayer::overriding(header::X_CONTENT_TYPE_OPTIONS, NOSNIFF))
+        .layer(SetResponseHeaderLayer::overriding(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")))
+        .layer(SetResponseHeaderLayer::overriding(
+            header::REFERRER_POLICY,
+            HeaderValue::from_static("no-referrer"),
+        ))
+        .layer(SetResponseHeaderLayer::if_not_present(
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("no-store"),
+        ))
         .with_state(state)
 }
+
+/// Scripts, styles, images and connections from the console itself only; no framing, no
+/// form posts elsewhere.
+const CONTENT_SECURITY_POLICY: HeaderValue = HeaderValue::from_static(
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
+     form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+);
+
+/// `X-Content-Type-Options`: a download is never sniffed into a page.
+const NOSNIFF: HeaderValue = HeaderValue::from_static("nosniff");
 
 /// Whether a `Host` header names this console: an IP address, `localhost`, or a name given
 /// with `--allow-host` (with any port). A page on another site that rebinds its name to
@@ -183,8 +213,8 @@ fn host_allowed(host: &str, allowed: &[String]) -> bool {
         || allowed.iter().any(|a| a.eq_ignore_ascii_case(name))
 }
 
-/// The host check and the security headers of every response.
-async fn guard(AxumState(state): AxumState<State>, req: Request, next: Next) -> Response {
+/// Refuses a request for a host name that is not this console's (DNS rebinding).
+async fn host_check(AxumState(state): AxumState<State>, req: Request, next: Next) -> Response {
     let host = req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
     if !host_allowed(host, &state.console.config.allowed_hosts) {
         tracing::warn!("console: refused a request for another host name (DNS rebinding?); see --allow-host");
@@ -194,22 +224,7 @@ async fn guard(AxumState(state): AxumState<State>, req: Request, next: Next) -> 
         )
             .into_response();
     }
-    let mut resp = next.run(req).await;
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(
-            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
-             form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-        ),
-    );
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
-    if !h.contains_key(header::CACHE_CONTROL) {
-        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    }
-    resp
+    next.run(req).await
 }
 
 /// Where a request needs no session even when reads do: the login itself and its style.
@@ -233,20 +248,6 @@ async fn read_gate(AxumState(state): AxumState<State>, req: Request, next: Next)
         StatusCode::UNAUTHORIZED,
         pages::login(&ctx, &back, Some("Log in to read: this console listens beyond loopback.")),
     )
-}
-
-/// Every page but the live tail and a reconcile run gets [`PAGE_TIMEOUT`].
-async fn time_limit(req: Request, next: Next) -> Response {
-    let unlimited = req.uri().path() == "/events/stream"
-        || (req.uri().path() == "/reconcile" && req.method() == axum::http::Method::POST);
-    if unlimited {
-        return next.run(req).await;
-    }
-    match tokio::time::timeout(PAGE_TIMEOUT, next.run(req)).await {
-        Ok(r) => r,
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the page took too long (is the database overloaded?)")
-            .into_response(),
-    }
 }
 
 /// An HTML response.

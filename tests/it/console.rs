@@ -1174,3 +1174,55 @@ async fn the_session_cookie_is_secure_beyond_loopback_or_when_asked() {
         served.stop().await;
     }
 }
+
+/// The security headers every response carries, checked on pages, assets, refusals and a
+/// page past its time limit.
+fn assert_security_headers(r: &reqwest::Response, what: &str) {
+    let h = r.headers();
+    let csp = h.get("content-security-policy").map(|v| v.to_str().unwrap()).unwrap_or_default();
+    assert!(csp.contains("default-src 'none'") && csp.contains("frame-ancestors 'none'"), "{what}: {csp:?}");
+    assert_eq!(h.get("x-content-type-options").map(|v| v.to_str().unwrap()), Some("nosniff"), "{what}");
+    assert_eq!(h.get("x-frame-options").map(|v| v.to_str().unwrap()), Some("DENY"), "{what}");
+    assert_eq!(h.get("referrer-policy").map(|v| v.to_str().unwrap()), Some("no-referrer"), "{what}");
+    assert!(h.get("cache-control").is_some(), "{what}: no cache-control");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_is_guarded_and_a_stuck_page_ends_at_its_time_limit() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = ConsoleConfig { page_timeout: Duration::from_secs(1), ..Default::default() };
+    let served = serve_with(&db, &keys, listener, config).await;
+    let http = no_redirects();
+
+    let page = http.get(format!("{}/dlq", served.base)).send().await.unwrap();
+    assert_eq!(page.status().as_u16(), 200);
+    assert_security_headers(&page, "a page");
+    assert_eq!(page.headers()["cache-control"], "no-store", "pages hold customer data");
+    let css = http.get(format!("{}/static/console.css", served.base)).send().await.unwrap();
+    assert_security_headers(&css, "an asset");
+    assert_eq!(css.headers()["cache-control"], "max-age=300", "an asset keeps its own caching");
+    let rebound =
+        http.get(format!("{}/dlq", served.base)).header("host", "evil.example").send().await.unwrap();
+    assert_eq!(rebound.status().as_u16(), 421, "another site's name is refused");
+    assert_security_headers(&rebound, "a refusal");
+
+    // A page whose query cannot run (the DLQ table locked by another session) ends at the
+    // limit with a 503, and the console answers again once the lock is gone.
+    let mut locker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE embedding_dlq IN ACCESS EXCLUSIVE MODE").execute(&mut *locker).await.unwrap();
+    let started = std::time::Instant::now();
+    let stuck =
+        tokio::time::timeout(Duration::from_secs(20), http.get(format!("{}/dlq", served.base)).send())
+            .await
+            .expect("the time limit ends the page, not the client")
+            .unwrap();
+    assert_eq!(stuck.status().as_u16(), 503);
+    assert!(started.elapsed() >= Duration::from_secs(1), "not before the limit");
+    assert_security_headers(&stuck, "a page past its limit");
+    locker.rollback().await.unwrap();
+    let again = http.get(format!("{}/dlq", served.base)).send().await.unwrap();
+    assert_eq!(again.status().as_u16(), 200);
+    served.stop().await;
+}
