@@ -72,7 +72,7 @@ pub struct ProviderArgs {
     /// Model name sent with every request (part of the content hash).
     #[arg(long, env = "EMBED_DLQ_MODEL")]
     pub model: Option<String>,
-    /// Ask the model for this many dimensions (the `dimensions` request field), 1..=16000.
+    /// Ask the model for this many dimensions (the `dimensions` request field).
     #[arg(long)]
     pub request_dimensions: Option<usize>,
     /// Wire format of vectors: base64 (default, fast) or float.
@@ -88,22 +88,21 @@ pub struct ProviderArgs {
     #[arg(long = "header", value_name = "NAME: VALUE")]
     #[serde(default)]
     pub headers: Vec<String>,
-    /// Per-request timeout, 100..=600000 ms.
+    /// Per-request timeout, in milliseconds.
     #[arg(long)]
     pub request_timeout_ms: Option<u64>,
-    /// Requests per minute sent to the provider, paced before sending, 1..=10000000 (off by
-    /// default).
+    /// Requests per minute sent to the provider, paced before sending (off by default).
     #[arg(long)]
     pub max_requests_per_minute: Option<u32>,
-    /// Estimated tokens per minute (4 characters a token) sent to the provider,
-    /// 1..=2000000000 (off by default).
+    /// Estimated tokens per minute (4 characters a token) sent to the provider
+    /// (off by default).
     #[arg(long)]
     pub max_tokens_per_minute: Option<u32>,
     /// Keep the per-minute budgets in Redis, shared by every process using the same provider
     /// base URL and model (needs a Redis URL).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub shared_limits: Option<bool>,
-    /// Price of a million tokens (any currency), 0..=1000: the ingest summary then shows the
+    /// Price of a million tokens (any currency): the ingest summary then shows the
     /// estimated cost and the cost of waste.
     #[arg(long)]
     pub price_per_million_tokens: Option<f64>,
@@ -116,26 +115,25 @@ pub struct IngestArgs {
     /// Target vector table (`table` or `schema.table`).
     #[arg(long)]
     pub table: Option<String>,
-    /// Most inputs per provider request, 1..=2048.
+    /// Most inputs per provider request.
     #[arg(long)]
     pub batch_max_inputs: Option<usize>,
-    /// Most characters (not bytes) of input per request, ingest and replay alike (~4 a token),
-    /// 1..=10000000.
+    /// Most characters (not bytes) of input per request, ingest and replay alike (~4 a token).
     #[arg(long)]
     pub batch_max_chars: Option<usize>,
-    /// Concurrent provider requests, 1..=256.
+    /// Concurrent provider requests.
     #[arg(long)]
     pub concurrency: Option<usize>,
-    /// Concurrent database writers (each one connection, 512-row statements), 1..=32.
+    /// Concurrent database writers (each one connection, 512-row statements).
     #[arg(long)]
     pub writers: Option<usize>,
-    /// Longer inputs are parked as permanent_input/too_long without a provider call, 1..=1000000.
+    /// Longer inputs are parked as permanent_input/too_long without a provider call.
     #[arg(long)]
     pub max_input_chars: Option<usize>,
-    /// Longer JSONL lines are rejected without being buffered, 64..=67108864.
+    /// Longer JSONL lines are rejected without being buffered.
     #[arg(long)]
     pub max_line_bytes: Option<usize>,
-    /// Bytes of input held in flight (read, not yet written), 1048576..=4294967295: bounds
+    /// Bytes of input held in flight (read, not yet written): bounds
     /// memory whatever the size of the records.
     #[arg(long)]
     pub max_inflight_bytes: Option<u64>,
@@ -144,7 +142,7 @@ pub struct IngestArgs {
     /// replay) or stop (exit 4 at once).
     #[arg(long, value_enum)]
     pub on_outage: Option<OnOutage>,
-    /// How long a chunk claimed for embedding stays leased to this run, 1..=3600 s: another
+    /// How long a chunk claimed for embedding stays leased to this run, in seconds: another
     /// run of the same content leaves it alone meanwhile (a killed run's leases are taken
     /// over at once, a hung one's after this).
     #[arg(long)]
@@ -162,12 +160,11 @@ pub struct IngestArgs {
     #[arg(long, value_enum)]
     pub cleanup: Option<crate::ingest::CleanupMode>,
     /// A full cleanup that would delete more than this share of the table's chunks is
-    /// refused unless --yes, 0..=1 (default 0.2).
+    /// refused unless --yes.
     #[arg(long)]
     pub cleanup_max_fraction: Option<f64>,
     /// A cleanup after a run with more rejected input lines than this is refused (full) or
-    /// skipped (incremental): a rejected line's chunk would be deleted, 0..=1000000000
-    /// (default 0).
+    /// skipped (incremental): a rejected line's chunk would be deleted.
     #[arg(long)]
     pub cleanup_max_rejected_lines: Option<u64>,
 }
@@ -176,33 +173,33 @@ pub struct IngestArgs {
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryArgs {
-    /// Attempts per request before parking (the first included), 1..=20.
+    /// Attempts per request before parking (the first included).
     #[arg(long)]
     pub retry_max_attempts: Option<u32>,
-    /// First in-process backoff ceiling, 1..=60000 ms.
+    /// First in-process backoff ceiling, in milliseconds.
     #[arg(long)]
     pub retry_base_ms: Option<u64>,
     /// Longest in-process backoff and longest honoured server-given wait (which gets up to
-    /// one backoff of jitter on top), retry_base_ms..=600000 ms.
+    /// one backoff of jitter on top), in milliseconds.
     #[arg(long)]
     pub retry_cap_ms: Option<u64>,
-    /// First delay of the DLQ replay schedule, 1..=86400 s.
+    /// First delay of the DLQ replay schedule, in seconds.
     #[arg(long)]
     pub dlq_base_secs: Option<u64>,
-    /// Longest delay of the DLQ replay schedule, dlq_base_secs..=2592000 s.
+    /// Longest delay of the DLQ replay schedule, in seconds.
     #[arg(long)]
     pub dlq_cap_secs: Option<u64>,
-    /// Replay passes before a DLQ row is marked exhausted, 1..=1000.
+    /// Replay passes before a DLQ row is marked exhausted.
     #[arg(long)]
     pub dlq_max_replays: Option<u32>,
-    /// Consecutive failed requests that open the circuit breaker, 1..=10000.
+    /// Consecutive failed requests that open the circuit breaker.
     #[arg(long)]
     pub breaker_failure_threshold: Option<u32>,
-    /// First open period of the breaker, 10..=60000 ms.
+    /// First open period of the breaker, in milliseconds.
     #[arg(long)]
     pub breaker_cooldown_ms: Option<u64>,
     /// When the breaker stays open this long, ingest gives up (exit 4) and serve puts the
-    /// batch back until the breaker's next probe, 1..=604800 s.
+    /// batch back until the breaker's next probe (seconds).
     #[arg(long)]
     pub max_outage_secs: Option<u64>,
 }
@@ -211,54 +208,53 @@ pub struct RetryArgs {
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServeArgs {
-    /// Replayer tasks in this process (0 runs only the relay and the scheduler), 0..=64.
+    /// Replayer tasks in this process (0 runs only the relay and the scheduler).
     #[arg(long)]
     pub replayers: Option<usize>,
-    /// Entries per replay batch (one read, one load, one commit transaction), 1..=2048;
+    /// Entries per replay batch (one read, one load, one commit transaction);
     /// provider requests are cut from it by `batch_max_inputs` and `batch_max_chars`.
     #[arg(long)]
     pub replay_batch: Option<usize>,
-    /// Entries idle this long are taken over by another replayer, 100..=86400000 ms.
+    /// Entries idle this long are taken over by another replayer, in milliseconds.
     #[arg(long)]
     pub min_idle_ms: Option<u64>,
     /// Replays of one work item begun without an outcome (its replayer died or lost the
-    /// database mid-batch) before the row is exhausted, 1..=1000; Redis deliveries do not count.
+    /// database mid-batch) before the row is exhausted; Redis deliveries do not count.
     #[arg(long)]
     pub delivery_cap: Option<u32>,
-    /// How long a row handed out as replay work stays leased, 1..=86400 s (default 900): no
+    /// How long a row handed out as replay work stays leased, in seconds: no
     /// other work item is issued for it meanwhile, and a lost item is issued again after it.
     #[arg(long)]
     pub replay_lease_secs: Option<u64>,
     /// Most replay work items outstanding at once (leased rows; each replay stream shard is
-    /// trimmed to this many entries), 1..=1000000 (default 10000).
+    /// trimmed to this many entries).
     #[arg(long)]
     pub replay_outstanding_max: Option<usize>,
-    /// Time to finish in-flight work after SIGTERM, 0..=600000 ms.
+    /// Time to finish in-flight work after SIGTERM, in milliseconds.
     #[arg(long)]
     pub grace_ms: Option<u64>,
-    /// Key prefix of the streams, wrapped in a hash tag (1..=128 characters, no braces).
+    /// Key prefix of the streams, wrapped in a hash tag (no braces).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
     /// Replay and events streams split into this many shards, each in its own hash slot
-    /// (spread over a Redis Cluster's masters), 1..=256; fixed once the streams exist.
+    /// (spread over a Redis Cluster's masters); fixed once the streams exist.
     #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
     pub stream_shards: Option<u16>,
     /// Prefix of this process's consumer names [default: hostname-pid].
     #[arg(long)]
     pub consumer_name: Option<String>,
-    /// Outbox rows per relay pass, 1..=10000.
+    /// Outbox rows per relay pass.
     #[arg(long)]
     pub relay_batch: Option<usize>,
-    /// Relay poll interval when no notification arrives, 10..=60000 ms.
+    /// Relay poll interval when no notification arrives, in milliseconds.
     #[arg(long)]
     pub relay_poll_ms: Option<u64>,
-    /// How long a published event's dedup record stays in Redis, 3600..=2592000 s (default 7
-    /// days): it must outlive any outage between a publish and its mark; shorter saves Redis
+    /// How long a published event's dedup record stays in Redis, in seconds: it must outlive any outage between a publish and its mark; shorter saves Redis
     /// memory (about 115 bytes per event).
     #[arg(long)]
     pub relay_marker_ttl_secs: Option<u64>,
-    /// Approximate cap on each events stream shard's length (`XADD ... MAXLEN ~`),
-    /// 1000..=1000000000 (default 1,000,000): a tail that stays away longer than this many
+    /// Approximate cap on each events stream shard's length (`XADD ... MAXLEN ~`):
+    /// a tail that stays away longer than this many
     /// events finds its position trimmed and is told the gap; the reconciler counts older
     /// entries as trimmed by policy. About 300-500 bytes of Redis memory an entry.
     #[arg(long)]
@@ -266,15 +262,15 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
-    /// Also run the reconciler (check only) every this many seconds; 0 = never, 0..=604800.
+    /// Also run the reconciler (check only) every this many seconds; 0 = never.
     #[arg(long)]
     pub reconcile_every_secs: Option<u64>,
     /// A periodic reconcile run is a full sweep when none finished within this many seconds
-    /// (else incremental); 0 = every run is full, 0..=2592000.
+    /// (else incremental); 0 = every run is full.
     #[arg(long)]
     pub reconcile_full_every_secs: Option<u64>,
     /// A periodic reconcile run is a deep sweep (reads every vector) when none finished
-    /// within this many seconds; 0 = never, 0..=31536000.
+    /// within this many seconds; 0 = never.
     #[arg(long)]
     pub reconcile_deep_every_secs: Option<u64>,
 }
@@ -284,33 +280,30 @@ pub struct ServeArgs {
 #[derive(Debug, Default, Clone, Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceArgs {
-    /// Source Redis Stream keys, each 1..=512 bytes, at most 64: entries are ingested in a
+    /// Source Redis Stream keys: entries are ingested in a
     /// consumer group and acknowledged once their store or park has committed (repeat the
     /// flag for several). Empty: no stream source (`serve` then only relays and replays).
     #[arg(long = "from-stream", value_name = "KEY")]
     pub streams: Vec<String>,
-    /// With one stream KEY: read its shards KEY:0 .. KEY:N-1 instead, 1..=64.
+    /// With one stream KEY: read its shards KEY:0 .. KEY:N-1 instead.
     #[arg(long, value_name = "N")]
     pub source_shards: Option<u16>,
-    /// Consumer group on the source streams (created at the start of each stream if missing),
-    /// 1..=256 characters.
+    /// Consumer group on the source streams (created at the start of each stream if missing).
     #[arg(long, value_name = "G")]
     pub group: Option<String>,
-    /// This consumer's name in the group, unique per process [default: hostname-pid];
-    /// 1..=256 characters.
+    /// This consumer's name in the group, unique per process [default: hostname-pid].
     #[arg(long, value_name = "NAME")]
     pub consumer: Option<String>,
     /// Source entries pending longer than this are taken over from their consumer
-    /// (XAUTOCLAIM), 100..=86400000 ms.
+    /// (XAUTOCLAIM), in milliseconds.
     #[arg(long)]
     pub source_min_idle_ms: Option<u64>,
     /// Redis deliveries of a source entry without an outcome after which it is tried alone,
     /// attempts charged in Postgres, and parked as invalid_record once two such attempts never
-    /// finished (it kills its consumer), 1..=1000.
+    /// finished (it kills its consumer).
     #[arg(long)]
     pub source_delivery_cap: Option<u32>,
-    /// Most source entries read and not yet acknowledged per consumer (backpressure),
-    /// 1..=1000000.
+    /// Most source entries read and not yet acknowledged per consumer (backpressure).
     #[arg(long)]
     pub source_max_inflight_entries: Option<usize>,
 }
@@ -467,6 +460,8 @@ pub mod bounds {
     pub const RECONCILE_DEEP_EVERY_SECS: RangeInclusive<u64> = 0..=31_536_000;
     /// Characters of a stream prefix or consumer name.
     pub const NAME_CHARS: RangeInclusive<usize> = 1..=128;
+    /// Characters of a source's consumer group or consumer name.
+    pub const SOURCE_NAME_CHARS: RangeInclusive<usize> = 1..=256;
     /// Characters of a model name.
     pub const MODEL_CHARS: RangeInclusive<usize> = 1..=256;
     /// `max_requests_per_minute`: up to ten million requests a minute.
@@ -610,9 +605,19 @@ struct Resolver<'a> {
     file_path: Option<&'a Path>,
     /// The file section of the keys being resolved, e.g. `retry` (named in file origins).
     section: &'static str,
+    /// Where the bound each key is checked against is written down, when asked
+    /// ([`help_bounds`]): the help and the reference show the very bound that is enforced.
+    noted: Option<&'a std::cell::RefCell<Vec<(&'static str, String)>>>,
 }
 
 impl Resolver<'_> {
+    /// Writes down `key`'s bound (a later note of the same key wins).
+    fn note(&self, key: &'static str, bound: impl FnOnce() -> String) {
+        if let Some(noted) = self.noted {
+            noted.borrow_mut().push((key, bound()));
+        }
+    }
+
     /// The same layers, resolving the keys of file section `section`.
     fn section(self, section: &'static str) -> Self {
         Resolver { section, ..self }
@@ -636,6 +641,7 @@ impl Resolver<'_> {
         default: T,
         range: RangeInclusive<T>,
     ) -> Result<T, ConfigError> {
+        self.note(key, || format!("{}..={}", range.start(), range.end()));
         match self.pick(key, flag, file) {
             None => Ok(default),
             Some((v, _)) if range.contains(&v) => Ok(v),
@@ -656,6 +662,7 @@ impl Resolver<'_> {
         file: Option<T>,
         range: RangeInclusive<T>,
     ) -> Result<Option<T>, ConfigError> {
+        self.note(key, || format!("{}..={}", range.start(), range.end()));
         match self.pick(key, flag, file) {
             None => Ok(None),
             Some((v, _)) if range.contains(&v) => Ok(Some(v)),
@@ -791,7 +798,17 @@ impl Settings {
         file: Option<&ConfigFile>,
         origins: &Origins,
     ) -> Result<Self, ConfigError> {
-        let r = Resolver { origins, file_path: file.map(|f| f.path.as_path()), section: "" };
+        Settings::resolve_noting(flags, file, origins, None)
+    }
+
+    /// [`Settings::resolve`], writing down every key's bound in `noted` if given.
+    fn resolve_noting(
+        flags: FileConfig,
+        file: Option<&ConfigFile>,
+        origins: &Origins,
+        noted: Option<&std::cell::RefCell<Vec<(&'static str, String)>>>,
+    ) -> Result<Self, ConfigError> {
+        let r = Resolver { origins, file_path: file.map(|f| f.path.as_path()), section: "", noted };
         let empty = FileConfig::default();
         let f = file.map(|f| &f.layer).unwrap_or(&empty);
         // Exhaustive destructuring here and in each section: a new field that is not resolved
@@ -924,13 +941,19 @@ fn resolve_source(
         source_max_inflight_entries,
     } = flags;
     let d = SourceOptions::default();
+    r.note("streams", || {
+        use crate::ingest::{reader::MAX_SOURCE_KEY_BYTES, source::MAX_SOURCE_STREAMS};
+        format!("at most {MAX_SOURCE_STREAMS} keys of 1..={MAX_SOURCE_KEY_BYTES} bytes")
+    });
     let streams = r.pick(
         "streams",
         Some(streams).filter(|s| !s.is_empty()),
         Some(file.streams.clone()).filter(|s| !s.is_empty()),
     );
     let shards = r.num("source_shards", source_shards, file.source_shards, 1, 1..=64)?;
-    let name = |n: &str| check_len(n, 1..=256).and(no_control(n));
+    let name = |n: &str| check_len(n, bounds::SOURCE_NAME_CHARS).and(no_control(n));
+    r.note("group", || chars(bounds::SOURCE_NAME_CHARS));
+    r.note("consumer", || chars(bounds::SOURCE_NAME_CHARS));
     let group = r
         .text("group", group, file.group.clone(), name)?
         .map_or_else(|| DEFAULT_GROUP.to_string(), |(v, _)| v);
@@ -1037,6 +1060,7 @@ fn resolve_provider(
     let base_url = r
         .text("base_url", base_url, file.base_url.clone(), check_base_url)?
         .map_or_else(|| DEFAULT_BASE_URL.to_string(), |(v, _)| v);
+    r.note("model", || chars(bounds::MODEL_CHARS));
     let model = r
         .text("model", model, file.model.clone(), |m| check_len(m, bounds::MODEL_CHARS).and(no_control(m)))?
         .map_or_else(|| DEFAULT_MODEL.to_string(), |(v, _)| v);
@@ -1300,6 +1324,7 @@ fn resolve_retry_policy(
         millis(rp.cap),
         retry_base_ms..=*bounds::RETRY_CAP_MS.end(),
     )?;
+    r.note("retry_cap_ms", || format!("retry_base_ms..={}", bounds::RETRY_CAP_MS.end()));
     Ok(RetryPolicy {
         max_attempts: retry_max_attempts,
         base: Duration::from_millis(retry_base_ms),
@@ -1326,6 +1351,7 @@ fn resolve_dlq_schedule(
         ds.cap.as_secs(),
         dlq_base_secs..=*bounds::DLQ_CAP_SECS.end(),
     )?;
+    r.note("dlq_cap_secs", || format!("dlq_base_secs..={}", bounds::DLQ_CAP_SECS.end()));
     let dlq_max_replays = r.num(
         "dlq_max_replays",
         dlq_max_replays,
@@ -1419,6 +1445,8 @@ fn resolve_serve(
         DEFAULT_STREAM_SHARDS,
         bounds::STREAM_SHARDS,
     )?;
+    r.note("consumer_name", || chars(bounds::NAME_CHARS));
+    r.note("stream_prefix", || chars(bounds::NAME_CHARS));
     let consumer_prefix = r
         .text("consumer_name", consumer_name, file.consumer_name.clone(), |n| {
             check_len(n, bounds::NAME_CHARS).and(no_control(n))
@@ -1574,6 +1602,21 @@ pub fn help_defaults() -> Vec<(&'static str, String)> {
         ("reconcile_deep_every_secs", deep_every.map_or(0, |d| d.as_secs()).to_string()),
         ("price_per_million_tokens", o.price_per_million_tokens.map_or("none".into(), |p| p.to_string())),
     ]
+}
+
+/// Every setting's bound as shown in `--help` and the reference, by key: written down by the
+/// resolver as it checks the defaults, so the documented bound is the enforced one.
+pub fn help_bounds() -> Vec<(&'static str, String)> {
+    let noted = std::cell::RefCell::new(Vec::new());
+    Settings::resolve_noting(FileConfig::default(), None, &Origins::default(), Some(&noted))
+        .expect("the defaults are valid");
+    let last: std::collections::BTreeMap<&'static str, String> = noted.into_inner().into_iter().collect();
+    last.into_iter().collect()
+}
+
+/// A length bound in characters, as the help shows it.
+fn chars(range: RangeInclusive<usize>) -> String {
+    format!("{}..={} characters", range.start(), range.end())
 }
 
 /// Validated runtime settings of an ingest. Its `Debug` hides the database password.
@@ -1901,6 +1944,109 @@ mod tests {
         assert!(bounds::RELAY_MARKER_TTL_SECS.contains(&RelayConfig::default().marker_ttl.as_secs()));
         assert!(bounds::BREAKER_COOLDOWN_MS.contains(&millis(BreakerConfig::default().cooldown)));
         assert!(bounds::DLQ_CAP_SECS.contains(&DlqSchedule::default().cap.as_secs()));
+    }
+
+    /// Each config-file key with its section, from the command-line definition.
+    fn keys_by_section() -> Vec<(&'static str, String, clap::Arg)> {
+        use clap::Command;
+        let sections = [
+            ("services", ServiceArgs::augment_args(Command::new("s"))),
+            ("provider", ProviderArgs::augment_args(Command::new("p"))),
+            ("ingest", IngestArgs::augment_args(Command::new("i"))),
+            ("retry", RetryArgs::augment_args(Command::new("r"))),
+            ("serve", ServeArgs::augment_args(Command::new("v"))),
+            ("source", SourceArgs::augment_args(Command::new("o"))),
+        ];
+        let mut keys = Vec::new();
+        for (section, cmd) in sections {
+            for arg in cmd.get_arguments() {
+                keys.push((section, arg.get_id().to_string(), arg.clone()));
+            }
+        }
+        keys
+    }
+
+    /// The bound the help and the reference show is the one a value is checked against:
+    /// each end passes, one step beyond it is refused naming the key and that end, and no
+    /// help text restates a bound of its own (one place defines it).
+    #[test]
+    fn the_documented_bound_is_the_enforced_one() {
+        let bounds: HashMap<&str, String> = help_bounds().into_iter().collect();
+        let defaults: HashMap<&str, String> = help_defaults().into_iter().collect();
+        let optional_numbers = [
+            "request_dimensions",
+            "max_requests_per_minute",
+            "max_tokens_per_minute",
+            "price_per_million_tokens",
+        ];
+        let mut checked = 0;
+        for (section, key, arg) in keys_by_section() {
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            assert!(!help.contains("..="), "{key}: its help restates a bound: {help}");
+            let numeric = defaults.get(key.as_str()).is_some_and(|d| d.parse::<f64>().is_ok())
+                || optional_numbers.contains(&key.as_str());
+            let Some(bound) = bounds.get(key.as_str()) else {
+                assert!(!numeric, "{key}: a number without a documented bound");
+                continue;
+            };
+            let set = |value: String| {
+                // A `[source]` section names its streams.
+                let streams =
+                    if section == "source" && key != "streams" { "streams = [\"s\"]\n" } else { "" };
+                let text = format!("[{section}]\n{streams}{key} = {value}\n");
+                resolve(FileConfig::default(), Some(&file(&text)))
+            };
+            let refused_naming = |r: Result<Settings, ConfigError>, end: &str| match r {
+                Err(ConfigError::OutOfRange { setting, allowed, .. }) => {
+                    setting == key && allowed.ends_with(end)
+                }
+                Err(ConfigError::Invalid { setting, .. }) => setting == key,
+                _ => false,
+            };
+            if key == "streams" {
+                let list = |n: usize, bytes: usize| {
+                    let keys: Vec<String> = (0..n).map(|i| format!("\"{i:0>bytes$}\"")).collect();
+                    format!("[{}]", keys.join(", "))
+                };
+                assert_eq!(bound, "at most 64 keys of 1..=512 bytes");
+                assert!(set(list(64, 512)).is_ok(), "64 keys of 512 bytes");
+                assert!(refused_naming(set(list(65, 8)), ""), "65 keys");
+                assert!(refused_naming(set(list(1, 513)), ""), "a key of 513 bytes");
+                checked += 1;
+                continue;
+            }
+            if let Some(chars) = bound.strip_suffix(" characters") {
+                let (_, end) = chars.split_once("..=").unwrap();
+                let end: usize = end.parse().unwrap();
+                assert!(set(format!("\"{}\"", "x".repeat(end))).is_ok(), "{key}: {end} characters");
+                assert!(refused_naming(set(format!("\"{}\"", "x".repeat(end + 1))), ""), "{key}: {end} + 1");
+                checked += 1;
+                continue;
+            }
+            let (start, end) = bound.split_once("..=").unwrap_or_else(|| panic!("{key}: {bound}"));
+            let float =
+                end.contains('.') || key == "cleanup_max_fraction" || key == "price_per_million_tokens";
+            let beyond = |v: &str, step: i128| -> String {
+                if float {
+                    (v.parse::<f64>().unwrap() + step as f64).to_string()
+                } else {
+                    (v.parse::<i128>().unwrap() + step).to_string()
+                }
+            };
+            let end_value =
+                if float { format!("{:?}", end.parse::<f64>().unwrap()) } else { end.to_string() };
+            assert!(set(end_value).is_ok(), "{key}: its upper end {end} is refused");
+            assert!(refused_naming(set(beyond(end, 1)), end), "{key}: above {end} is not refused");
+            if let Ok(lower) = start.parse::<f64>()
+                && lower >= 1.0
+            {
+                let lower_value = if float { format!("{lower:?}") } else { start.to_string() };
+                assert!(set(lower_value).is_ok(), "{key}: its lower end {start} is refused");
+                assert!(refused_naming(set(beyond(start, -1)), end), "{key}: below {start} is not refused");
+            }
+            checked += 1;
+        }
+        assert!(checked >= 45, "only {checked} bounds checked");
     }
 
     #[test]

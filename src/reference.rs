@@ -1,7 +1,8 @@
 //! The reference pages under `docs/reference/`, rendered from the code so they cannot drift
 //! from it: [`configuration`] from the command-line definition of every config-file section
-//! (flag, environment variable, help text with the documented bound) and the resolved
-//! defaults ([`crate::config::help_defaults`]); [`metrics()`] from the metrics' own descriptions
+//! (flag, environment variable, help text) with the bound the resolver checks
+//! ([`crate::config::help_bounds`]) and the resolved defaults
+//! ([`crate::config::help_defaults`]); [`metrics()`] from the metrics' own descriptions
 //! (`describe()`) and the label values they are registered with, captured by a local
 //! recorder. `embed-dlq reference configuration|metrics` prints them; a test fails when a
 //! checked-in page differs from what the code renders.
@@ -12,7 +13,9 @@ use std::sync::{Arc, Mutex};
 
 use clap::Args;
 
-use crate::config::{IngestArgs, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs, SourceArgs, help_defaults};
+use crate::config::{
+    IngestArgs, ProviderArgs, RetryArgs, ServeArgs, ServiceArgs, SourceArgs, help_bounds, help_defaults,
+};
 
 /// The command that regenerates `docs/reference/<page>.md`.
 pub fn regenerate_command(page: &str) -> String {
@@ -27,6 +30,7 @@ fn cell(text: &str) -> String {
 /// `docs/reference/configuration.md`: every key of every config-file section.
 pub fn configuration() -> String {
     let defaults: HashMap<&str, String> = help_defaults().into_iter().collect();
+    let bounds: HashMap<&str, String> = help_bounds().into_iter().collect();
     let sections = [
         ("services", "where Postgres and Redis are", ServiceArgs::augment_args(clap::Command::new("s"))),
         ("provider", "the embeddings endpoint, model, key and request shape", {
@@ -59,15 +63,15 @@ pub fn configuration() -> String {
         "Every setting resolves the same way in every command: flag > environment variable > config \
          file (`--config FILE` or `EMBED_DLQ_CONFIG`) > default. The file has one TOML section per \
          table below and the keys of the first column; unknown keys are errors. A value outside its \
-         bound (in its description) is a usage error (exit 2) naming the setting and where it came \
+         bound is a usage error (exit 2) naming the setting and where it came \
          from. How the settings fit together: [the operations guide](../operations.md#configuration)."
     );
     for (name, what, cmd) in sections {
         let _ = writeln!(out);
         let _ = writeln!(out, "## `[{name}]`: {what}");
         let _ = writeln!(out);
-        let _ = writeln!(out, "| key | flag | environment | default | meaning and bound |");
-        let _ = writeln!(out, "| --- | --- | --- | --- | --- |");
+        let _ = writeln!(out, "| key | flag | environment | default | bound | meaning |");
+        let _ = writeln!(out, "| --- | --- | --- | --- | --- | --- |");
         for arg in cmd.get_arguments() {
             let key = arg.get_id().as_str();
             let flag = arg.get_long().map_or(String::new(), |l| format!("`--{l}`"));
@@ -75,7 +79,14 @@ pub fn configuration() -> String {
             let default =
                 defaults.get(key).filter(|d| *d != "none").map_or("none".to_string(), |d| format!("`{d}`"));
             let help = arg.get_long_help().or(arg.get_help()).map(|h| h.to_string()).unwrap_or_default();
-            let _ = writeln!(out, "| `{key}` | {flag} | {env} | {} | {} |", cell(&default), cell(&help));
+            let bound = bounds.get(key).map_or(String::new(), |b| format!("`{b}`"));
+            let _ = writeln!(
+                out,
+                "| `{key}` | {flag} | {env} | {} | {} | {} |",
+                cell(&default),
+                cell(&bound),
+                cell(&help)
+            );
         }
     }
     out

@@ -2,6 +2,7 @@
 //! a config file may also give carry no clap default (it would shadow the file): their
 //! defaults come from [`embed_dlq::config::help_defaults`] and are shown in the help.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -32,31 +33,43 @@ pub struct Cli {
 }
 
 impl Cli {
-    /// The command line definition, with every setting's default appended to its help
-    /// (read from [`embed_dlq::config::help_defaults`]; clap itself holds no defaults, which would
-    /// shadow the config file).
+    /// The command line definition, with every setting's bound and default appended to its
+    /// help (read from [`embed_dlq::config::help_bounds`] and
+    /// [`embed_dlq::config::help_defaults`]: the resolver's own; clap itself holds no defaults,
+    /// which would shadow the config file).
     pub fn command_with_defaults() -> clap::Command {
         use clap::CommandFactory;
-        fn annotate(mut cmd: clap::Command, defaults: &[(&'static str, String)]) -> clap::Command {
-            for (key, value) in defaults {
+        type Notes = HashMap<&'static str, String>;
+        fn annotate(mut cmd: clap::Command, bounds: &Notes, defaults: &Notes) -> clap::Command {
+            let keys: std::collections::BTreeSet<&'static str> =
+                bounds.keys().chain(defaults.keys()).copied().collect();
+            for key in keys {
                 // Only options without a clap default of their own (command-only flags keep theirs).
                 let Some(help) = cmd
                     .get_arguments()
-                    .find(|a| a.get_id() == *key && a.get_default_values().is_empty())
+                    .find(|a| a.get_id() == key && a.get_default_values().is_empty())
                     .and_then(|a| a.get_help())
                 else {
                     continue;
                 };
-                let help = format!("{help} [default: {value}]");
-                cmd = cmd.mut_arg(*key, |a| a.help(help));
+                let mut help = help.to_string();
+                if let Some(bound) = bounds.get(key) {
+                    help.push_str(&format!(" [range: {bound}]"));
+                }
+                if let Some(value) = defaults.get(key) {
+                    help.push_str(&format!(" [default: {value}]"));
+                }
+                cmd = cmd.mut_arg(key, |a| a.help(help));
             }
             let names: Vec<String> = cmd.get_subcommands().map(|c| c.get_name().to_string()).collect();
             for name in names {
-                cmd = cmd.mut_subcommand(name, |sc| annotate(sc, defaults));
+                cmd = cmd.mut_subcommand(name, |sc| annotate(sc, bounds, defaults));
             }
             cmd
         }
-        let cmd = annotate(Cli::command(), &embed_dlq::config::help_defaults());
+        let bounds: Notes = embed_dlq::config::help_bounds().into_iter().collect();
+        let defaults: Notes = embed_dlq::config::help_defaults().into_iter().collect();
+        let cmd = annotate(Cli::command(), &bounds, &defaults);
         // The global flags reach every subcommand when it is built, unless it has an argument
         // of the same id: the mock provider uses none of the database, Redis and config-file
         // ones, so it gets hidden copies of them and its help shows only its own flags.
