@@ -54,7 +54,7 @@ pub fn configuration() -> String {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "<!-- Generated from the code (src/config.rs); do not edit. Regenerate: {} -->",
+        "<!-- Generated from the code (src/config/); do not edit. Regenerate: {} -->",
         regenerate_command("configuration")
     );
     let _ = writeln!(out);

@@ -1,0 +1,133 @@
+//! The settings of an ingest, and the pipeline built from them.
+
+use super::*;
+
+/// Validated runtime settings of an ingest. Its `Debug` hides the database password.
+#[derive(Clone)]
+pub struct IngestSettings {
+    /// Postgres URL (may hold a password).
+    pub database_url: String,
+    /// Target vector table; [`IngestSettings::pipeline`] checks that it exists and fits.
+    pub table: String,
+    /// How to reach the provider.
+    pub client: ClientConfig,
+    /// Batching, concurrency and memory bounds.
+    pub options: IngestOptions,
+    /// In-process retries before a chunk is parked.
+    pub retry: RetryPolicy,
+    /// Circuit breaker and outage limit.
+    pub breaker: BreakerConfig,
+    /// Provider budgets; [`IngestSettings::pipeline`] puts one limiter in front of the client.
+    pub limits: LimitConfig,
+    /// Redis URL (may hold a password), needed only by shared limits.
+    pub redis_url: Option<String>,
+    /// Redis Cluster mode (see [`Settings::redis_cluster`]).
+    pub redis_cluster: bool,
+}
+
+impl fmt::Debug for IngestSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IngestSettings")
+            .field("database_url", &redact_password(&self.database_url))
+            .field("table", &self.table)
+            .field("client", &self.client)
+            .field("options", &self.options)
+            .field("retry", &self.retry)
+            .field("breaker", &self.breaker)
+            .field("limits", &self.limits)
+            .field("redis_url", &self.redis_url.as_deref().map(redact_password))
+            .field("redis_cluster", &self.redis_cluster)
+            .finish()
+    }
+}
+
+impl IngestSettings {
+    /// For library callers (tests, demo, benchmarks): the given groups over `file` over the
+    /// defaults, validated like the command line.
+    pub fn resolve(
+        services: ServiceArgs,
+        provider: ProviderArgs,
+        ingest: IngestArgs,
+        retry: RetryArgs,
+        file: Option<FileConfig>,
+    ) -> Result<Self, ConfigError> {
+        let flags = FileConfig {
+            services,
+            provider,
+            ingest,
+            retry,
+            serve: ServeArgs::default(),
+            source: SourceArgs::default(),
+        };
+        let file = file.map(|layer| ConfigFile { path: PathBuf::from("<config>"), layer });
+        Settings::resolve(flags, file.as_ref(), &Origins::default())?.ingest()
+    }
+}
+
+/// Why a pipeline could not be built from valid settings: the services or the target table,
+/// never the settings themselves (those are checked by [`Settings::resolve`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PipelineError {
+    /// Postgres did not accept a connection.
+    #[error("cannot connect to Postgres: {0}")]
+    Connect(#[source] crate::store::StoreError),
+    /// The migrations failed, or the target table is missing or does not fit.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// The provider client could not be built (e.g. its TLS stack).
+    #[error("{0}")]
+    Client(String),
+}
+
+impl IngestSettings {
+    /// The pipeline these settings describe: a pool sized for the workers and writers, the
+    /// migrated store bound to its table and model, the provider client, one shared gate.
+    /// Every ingest (the command, `serve`, the demo, the tests, the benchmark) starts here,
+    /// so they all run the same wiring.
+    pub async fn pipeline(&self) -> Result<crate::ingest::Pipeline, PipelineError> {
+        use crate::store;
+        let options = self.options.within_bounds();
+        let connections = (options.concurrency + options.writers) as u32 + 2;
+        let pool = store::connect(&self.database_url, connections).await.map_err(PipelineError::Connect)?;
+        store::migrate(&pool).await?;
+        let store = store::Store::open(pool, &self.table)
+            .await?
+            .with_model(&self.client.model, self.client.request_dimensions)
+            .with_on_newer_parked(options.on_newer_parked);
+        let client = crate::embed::client::EmbedClient::new(self.client.clone())
+            .map_err(PipelineError::Client)?
+            .with_limiter(std::sync::Arc::new(self.limiter().await?));
+        let embedder = crate::embed::Embedder {
+            client,
+            gate: std::sync::Arc::new(crate::embed::gate::ProviderGate::new(self.breaker)),
+            policy: self.retry,
+            dimensions: store.target().dimensions,
+            // Replay waits out an outage; an ingest's workers apply `options.on_outage`.
+            on_outage: crate::embed::gate::OnOutage::Wait,
+            isolation: Default::default(),
+        };
+        Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
+    }
+}
+
+impl IngestSettings {
+    /// The provider limiter of this pipeline: shared through Redis with `shared_limits`, else
+    /// local to the process.
+    async fn limiter(&self) -> Result<crate::embed::limit::ProviderLimiter, PipelineError> {
+        use crate::embed::limit::ProviderLimiter;
+        match (&self.redis_url, self.limits.shared) {
+            (Some(url), true) => {
+                let redis = redis_client(url, self.redis_cluster).map_err(|e| {
+                    PipelineError::Client(format!("cannot set up the shared rate limit: {e}"))
+                })?;
+                ProviderLimiter::with_redis(self.limits, &redis, &self.client.base_url, &self.client.model)
+                    .await
+                    .map_err(|e| {
+                        PipelineError::Client(format!("cannot set up the shared rate limit in Redis: {e}"))
+                    })
+            }
+            _ => Ok(ProviderLimiter::local(self.limits)),
+        }
+    }
+}
