@@ -99,6 +99,7 @@ pub mod http;
 pub mod ingest;
 pub mod metrics;
 pub mod model;
+pub mod park;
 pub mod reconcile;
 pub mod reference;
 pub mod relay;

@@ -293,10 +293,10 @@ pub(crate) async fn sample(
     gauge!(DLQ_OLDEST_AGE).set(r.oldest_secs);
     gauge!(DLQ_NEXT_DUE).set(r.next_due_secs);
     // Only the count and the age are exported; what counts as stuck is the reconciler's call.
-    let o = crate::store::outbox::backlog(pool, std::time::Duration::ZERO).await?;
+    let o = crate::relay::sql::backlog(pool, std::time::Duration::ZERO).await?;
     gauge!(OUTBOX_BACKLOG).set(o.unpublished as f64);
     gauge!(OUTBOX_OLDEST_AGE).set(o.oldest_secs);
-    let last = crate::store::reconcile::last_run_finished(pool).await?;
+    let last = crate::reconcile::sql::last_run_finished(pool).await?;
     if let Some(t) = last {
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }

@@ -171,7 +171,7 @@ fn hex(bytes: &[u8]) -> String {
 /// One due DLQ row, as the replay stream carries it: the row (`dlq_id`), the row's
 /// `generation` and `content_hash` when it was scheduled, and its target table. A replay
 /// result for it commits only while the row still has that generation and that content
-/// (`crate::store::replay`). Written by the scheduler's statement (`crate::store::replay`),
+/// (`crate::replay::sql`). Written by the scheduler's statement (`crate::replay::sql`),
 /// read from stream entries by [`crate::streams::work::from_entry`]; [`WorkItem::parse_body`]
 /// is the one parser of its JSON body.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

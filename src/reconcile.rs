@@ -57,11 +57,15 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 
-use crate::store::reconcile::{self as sql, CheckRun, MAX_TABLES, Scope, WorkAudit};
-use crate::store::{OnNewerParked, Store, StoreError, TargetTable, outbox};
+pub mod sql;
+
+use crate::park::OnNewerParked;
+use crate::relay::sql as outbox;
+use crate::store::{Store, StoreError, TargetTable};
 use crate::streams::RedisConn;
 use crate::streams::{REPLAY_GROUP, StreamKeys};
 use serde::Serialize;
+use sql::{CheckRun, MAX_TABLES, Scope, WorkAudit};
 
 /// The checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

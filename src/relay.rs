@@ -39,8 +39,11 @@ use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::failpoint;
-use crate::store::{StoreError, outbox};
+pub(crate) mod sql;
+
+use crate::store::StoreError;
 use crate::streams::{StreamKeys, publish_script};
+use sql as outbox;
 
 /// Relay tuning.
 #[derive(Debug, Clone)]

@@ -4,14 +4,14 @@
 //! - [`Scheduler`]: due DLQ rows → replay work items (outbox → relay → replay stream).
 //! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
 //!   A result commits only if the DLQ row still has the generation and content hash the
-//!   work item ([`WorkItem`]) carried (`crate::store::replay`), so a redelivered entry whose
+//!   work item ([`WorkItem`]) carried (`sql`), so a redelivered entry whose
 //!   row is gone, already replayed, or superseded by newer content is acknowledged and
 //!   skipped, and a replay in flight for older content never stores its vector.
 //! - One `serve` replays rows of every target table: a batch is embedded in groups of
 //!   (table, model, request dimensions), each with the model the row records, checked
 //!   against that table's dimension and committed into that table.
 //! - Outstanding work is bounded: the scheduler hands a row out under a lease (a narrow
-//!   `replay_lease` row, `crate::store::replay`), at most one live lease per row and at
+//!   `replay_lease` row, `sql`), at most one live lease per row and at
 //!   most `outstanding_max` in all, and the relay trims each replay stream shard to that
 //!   many entries. A work item names its lease; an older item of the same row is skipped.
 //! - Stuck work: entries idle longer than `min_idle` are taken over with `XAUTOCLAIM`.
@@ -46,9 +46,11 @@ use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome, Reason, Stop};
 use crate::failpoint;
 use crate::model::ErrorClass;
 use crate::relay::sleep_or_cancel;
-use crate::store::replay::{DlqRow, Repark, Replayed};
+pub(crate) mod sql;
+
 use crate::store::{Store, StoreError};
 use crate::streams::{REPLAY_GROUP, StreamKeys, WorkItem};
+use sql::{DlqRow, Repark, Replayed};
 
 /// The shortest postponement of rows given up for a provider outage: a probe is due or out,
 /// and its answer takes a request's time; anything shorter would only churn the rows through

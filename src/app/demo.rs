@@ -291,8 +291,8 @@ async fn limits_pass(
 /// The seed's leak and duplicate counts over the demo's table (both must be zero).
 async fn seed_checks(store: &embed_dlq::store::Store) -> anyhow::Result<(i64, i64)> {
     let table = Some(store.table_name());
-    let leaks = embed_dlq::store::reconcile::leaks(store.pool(), table).await?;
-    let duplicates = embed_dlq::store::reconcile::duplicates(store.pool(), table).await?;
+    let leaks = embed_dlq::reconcile::sql::leaks(store.pool(), table).await?;
+    let duplicates = embed_dlq::reconcile::sql::duplicates(store.pool(), table).await?;
     Ok((leaks, duplicates))
 }
 

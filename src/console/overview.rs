@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use crate::metrics::StreamStats;
+use crate::relay::sql::Backlog;
 use crate::store::StoreError;
 use crate::store::console::{self as sql, Bucket, ReasonDepth, ReconcileRun};
 use crate::store::dlq::{Schedule, Stats};
-use crate::store::outbox::Backlog;
 
 use super::routes::State;
 
@@ -87,7 +87,7 @@ pub async fn gather(state: &State) -> Result<Overview, StoreError> {
     let stats = crate::store::dlq::stats(pool, None).await?;
     let reasons = sql::depth_by_reason(pool).await?;
     let schedule = crate::store::dlq::schedule(pool).await?;
-    let backlog = crate::store::outbox::backlog(pool, Duration::ZERO).await?;
+    let backlog = crate::relay::sql::backlog(pool, Duration::ZERO).await?;
     let hour = sql::activity(pool, 300, 12).await?;
     let day = sql::activity(pool, 3600, 24).await?;
     let reconcile = sql::reconcile_runs(pool, 1).await?.into_iter().next();

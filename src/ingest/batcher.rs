@@ -74,7 +74,7 @@ pub(super) struct Batcher<'a> {
     pub(super) repeated: HashSet<(String, i32)>,
     /// The byte charges of the records in the window; shared by the window's jobs.
     pub(super) charge: Charge,
-    /// Windows sent on so far (the first ones always claim leases, see `store::lease`).
+    /// Windows sent on so far (the first ones always claim leases, see `lease`).
     pub(super) windows: u64,
     /// The window's delete records (their keys are in `keys`: a whole document as index -1).
     pub(super) deletes: Vec<DeleteRequest>,

@@ -44,9 +44,11 @@ pub mod bounds;
 pub(crate) mod budget;
 pub mod cleanup;
 mod feed;
+pub(crate) mod lease;
 pub(crate) mod reader;
 mod seen;
 pub mod source;
+pub(crate) mod sql;
 mod worker;
 mod writer;
 
@@ -66,10 +68,10 @@ use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Reason, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
+use crate::park::{OnNewerParked, ParkCounts, ParkedChunk};
 use crate::store::delete::DeleteRequest;
-use crate::store::lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
 use crate::store::position::RunPositions;
-use crate::store::{OnNewerParked, ParkCounts, ParkedChunk, Store, StoreCounts, StoreError, StoredChunk};
+use crate::store::{Store, StoreCounts, StoreError, StoredChunk};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
 use batcher::*;
@@ -77,6 +79,7 @@ pub use batcher::{BAD_LINES_LOG_EVERY, LOGGED_BAD_LINES};
 use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
 use feed::*;
+use lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
 use reader::{LineReader, Record, parse_line};
 use worker::*;
 use writer::*;
@@ -436,7 +439,7 @@ struct Claimed {
     /// Position of the record ([`crate::store::source_seq`]).
     seq: i64,
     /// The window's claim took the chunk's lease for this run
-    /// ([`crate::store::lease::WindowClaim::leased`]).
+    /// ([`lease::WindowClaim::leased`]).
     leased: bool,
 }
 
@@ -541,7 +544,7 @@ impl Pipeline {
     {
         let started = Instant::now();
         let run_id = with_db_retry(|| self.store.next_run_id()).await?;
-        // Marks the run alive while it holds leases (see `store::lease`); released below.
+        // Marks the run alive while it holds leases (see `lease`); released below.
         let run_lease = with_db_retry(|| self.store.hold_run(run_id)).await?;
         // A corpus line's position is when the run read it (`store::position`); a stream
         // entry brings its own.

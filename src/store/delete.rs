@@ -32,7 +32,7 @@ use super::{Store, StoreError};
 
 /// Taken by every store and park transaction before its manifest claim: waits for a deletion
 /// of the table in progress (`$1`: the table's canonical name).
-pub(super) const WRITE_LOCK_SQL: &str =
+pub(crate) const WRITE_LOCK_SQL: &str =
     "SELECT pg_advisory_xact_lock_shared(embed_dlq_delete_lock_space(), hashtext($1::text))";
 
 /// Taken by every deletion transaction: no store or park of the table is between its claim
@@ -371,7 +371,7 @@ fn deleted_chunk(r: &sqlx::postgres::PgRow) -> Result<DeletedChunk, StoreError> 
     Ok(DeletedChunk { doc_id: r.try_get("doc_id")?, chunk_index: r.try_get("chunk_index")? })
 }
 
-/// Ingest runs alive now (holding their advisory lock, see `lease.rs`), as a CTE `live`.
+/// Ingest runs alive now (holding their advisory lock, see `ingest/lease.rs`), as a CTE `live`.
 const LIVE_RUNS: &str = "live AS MATERIALIZED (
     SELECT objid::bigint AS run_id FROM pg_locks
      WHERE locktype = 'advisory' AND granted AND objsubid = 2

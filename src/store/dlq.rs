@@ -12,8 +12,8 @@ use sqlx::postgres::{PgRow, PgTypeInfo, PgValueRef};
 use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, Row};
 
 use super::StoreError;
-use super::replay::LOCK_MANIFEST_SQL;
 use crate::model::ErrorClass;
+use crate::replay::sql::LOCK_MANIFEST_SQL;
 
 /// `error_class` columns decode straight into [`ErrorClass`]: a spelling the enum does not
 /// know (a newer schema, a hand-written row) is a decode error for that query, never a panic

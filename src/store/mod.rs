@@ -1,28 +1,23 @@
-//! Postgres: the system of record, and every SQL statement of the library, by concern:
+//! Postgres: the system of record. Each stage's statements sit with the stage that runs them
+//! (`ingest/lease.rs`: the intake window's one round trip; `ingest/sql.rs`: the manifest claim
+//! and the store of vectors; [`crate::park`]: the park transaction; `relay/sql.rs`: the
+//! outbox's claim and marks; `replay/sql.rs`: the scheduler's enqueue and the replayers'
+//! fenced commits; [`crate::reconcile::sql`]: the checks and repairs, and the seed's leak and
+//! duplicate queries). Every write of a chunk is one transaction that starts with the manifest
+//! claim, which locks the chunks' manifest rows in key order, accepts only a record at least as
+//! new as the one it holds ([`position`]) and releases the run's leases of them.
 //!
-//! - `lease`: the intake window's one round trip (the manifest lookup and the leases that
-//!   let concurrent runs share the work) and the advisory lock that marks a run alive;
-//! - `ingest`: the only two ways an ingest outcome is written: `Store::store_batch` (vectors
-//!   upserted — a no-op for unchanged content, so `updated_at` does not move — manifest
-//!   stored, superseded DLQ rows resolved with a `resolved` event) and [`Store::park_batch`]
-//!   (DLQ rows with the full payload, manifest parked, one `parked` event per DLQ row whose
-//!   content changed). Each is one transaction of two statements over `UNNEST` arrays: first
-//!   the manifest claim, which locks the chunks' manifest rows in key order, accepts only a
-//!   record at least as new as the one it holds ([`position`]) and releases the run's leases
-//!   of them, then the writes of the accepted rows (a new snapshot, so they see whatever the
-//!   previous lock holder committed);
+//! What stays here is shared by the stages or belongs to none:
+//!
+//! - this module: [`Store`] (the pool and the target table, inspected in the catalog and
+//!   cached), connections, migrations;
 //! - `delete`: deletions (explicit deletes from the input, a run's cleanup), fenced like writes
 //!   by position and by tombstones that the manifest claim honours;
-//! - `replay`: the scheduler's enqueue and the replayers' fenced commits; `source`: the
-//!   attempts charged to a stream source's suspect entries; [`position`]: the one scale of
-//!   positions that fences writes and deletions;
+//! - `source`: the attempts charged to a stream source's suspect entries; [`position`]: the
+//!   one scale of positions that fences writes and deletions; [`prefix`]: the one stream prefix
+//!   a database is relayed under;
 //! - `dlq`: the operator actions; `console`: what the operator console reads beyond them
-//!   (keyset pages in any sort order, activity over time) and its audit trail; `outbox`: the
-//!   relay's claim and marks; [`prefix`]: the one stream prefix a database is relayed under;
-//!   [`reconcile`]: the reconciler's checks and repairs, and the seed's leak and duplicate
-//!   queries;
-//! - this module: connections, migrations, and the target tables (inspected in the catalog,
-//!   cached).
+//!   (keyset pages in any sort order, activity over time) and its audit trail.
 //!
 //! A chunk's identity is (target table, doc_id, chunk_index); the table is recorded by its
 //! canonical catalog name (`public.doc_embeddings`), so two spellings are one identity and two
@@ -31,18 +26,13 @@
 pub(crate) mod console;
 pub(crate) mod delete;
 pub(crate) mod dlq;
-pub(crate) mod ingest;
-pub(crate) mod lease;
 mod migrations;
-pub(crate) mod outbox;
 pub mod position;
 pub mod prefix;
-pub mod reconcile;
-pub(crate) mod replay;
 pub(crate) mod source;
 
-pub use ingest::{OnNewerParked, ParkCounts, ParkedChunk};
-pub(crate) use ingest::{StoreCounts, StoredChunk};
+pub(crate) use crate::ingest::sql::{StoreCounts, StoredChunk};
+use crate::park::OnNewerParked;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -123,9 +113,9 @@ pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
 /// The model and request parameters this store's ingests embed with, recorded on every DLQ
 /// row so replay can embed it the same way whatever `serve` is configured with.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct EmbeddingSpace {
-    model: String,
-    request_dimensions: Option<i32>,
+pub(crate) struct EmbeddingSpace {
+    pub(crate) model: String,
+    pub(crate) request_dimensions: Option<i32>,
 }
 
 /// The target vector table: canonical name and dimension as found in the catalog.
@@ -138,9 +128,9 @@ pub(crate) struct TargetTable {
     quoted: String,
     pub dimensions: usize,
     /// The second statement of [`Store::store_batch`] for this table.
-    store_sql: String,
+    pub(crate) store_sql: String,
     /// The withdraw of [`Store::park_batch`] for this table ([`OnNewerParked::Withdraw`]).
-    withdraw_sql: String,
+    pub(crate) withdraw_sql: String,
 }
 
 impl TargetTable {
@@ -162,17 +152,19 @@ type TargetCache = HashMap<String, (std::time::Instant, Arc<TargetTable>)>;
 /// Postgres access for ingest, replay and the reconciler.
 #[derive(Clone)]
 pub struct Store {
-    pool: PgPool,
-    target: Arc<TargetTable>,
-    space: Option<Arc<EmbeddingSpace>>,
+    // Crate-visible: each stage's SQL (ingest/sql.rs, replay/sql.rs, ...) sits with the stage
+    // and writes through the same pool and target.
+    pub(crate) pool: PgPool,
+    pub(crate) target: Arc<TargetTable>,
+    pub(crate) space: Option<Arc<EmbeddingSpace>>,
     /// What a park of a chunk's new text does to its previous text's vector, and so what the
     /// reconciler's `superseded_vectors` check expects.
-    on_newer_parked: OnNewerParked,
+    pub(crate) on_newer_parked: OnNewerParked,
     /// Other tables met in DLQ rows (replay) or the manifest (reconcile), by name as asked.
-    tables: Arc<Mutex<TargetCache>>,
+    pub(crate) tables: Arc<Mutex<TargetCache>>,
     /// The manifest's size class when the last intake window was claimed: names the prepared
-    /// claim statement, so it is planned again each time the manifest doubles (`lease.rs`).
-    claim_plan: Arc<std::sync::atomic::AtomicU32>,
+    /// claim statement, so it is planned again each time the manifest doubles (`ingest/lease.rs`).
+    pub(crate) claim_plan: Arc<std::sync::atomic::AtomicU32>,
 }
 
 const REQUIRED_COLUMNS: [&str; 5] = ["doc_id", "chunk_index", "content_hash", "embedding", "updated_at"];
@@ -329,8 +321,8 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
         ));
     }
     Ok(TargetTable {
-        store_sql: ingest::store_sql(&name),
-        withdraw_sql: ingest::park_withdraw_sql(&name),
+        store_sql: crate::ingest::sql::store_sql(&name),
+        withdraw_sql: crate::park::park_withdraw_sql(&name),
         quoted: name.clone(),
         name,
         dimensions: dims.expect("embedding checked"),

@@ -21,12 +21,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::ingest::VectorRef;
+use crate::ingest::sql::VectorRef;
 use sqlx::{AssertSqlSafe, Row};
 
-use super::{Store, StoreError};
 use crate::model::ErrorClass;
 use crate::model::WorkItem;
+use crate::store::{Store, StoreError};
 
 /// A DLQ row as replay needs it.
 #[derive(Debug, Clone)]
@@ -131,7 +131,7 @@ pub(crate) struct Repark {
 /// `LATERAL ... FOR UPDATE` is never flattened into a join, and the ordered subquery is
 /// never pulled up): as a plain join the planner hashed the whole manifest for a batch of a
 /// few hundred rows.
-pub(super) const LOCK_MANIFEST_SQL: &str = "SELECT 1
+pub(crate) const LOCK_MANIFEST_SQL: &str = "SELECT 1
       FROM (SELECT target_table, doc_id, chunk_index FROM embedding_dlq WHERE id = ANY($1)
              ORDER BY target_table, doc_id, chunk_index) d
      CROSS JOIN LATERAL (SELECT 1 FROM ingest_manifest m

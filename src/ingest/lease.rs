@@ -51,7 +51,7 @@ pub(crate) struct WindowKey {
     pub doc_id: String,
     pub chunk_index: i32,
     pub content_hash: String,
-    /// Position of the record ([`super::position`]).
+    /// Position of the record ([`crate::store::position`]).
     pub source_seq: i64,
     /// True for a chunk the run would send to the provider (not a broken record, which is
     /// parked without a call and needs no lease).

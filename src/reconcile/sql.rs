@@ -22,8 +22,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction};
 
-use super::replay::LOCK_MANIFEST_SQL;
-use super::{StoreError, TargetTable};
+use crate::replay::sql::LOCK_MANIFEST_SQL;
+use crate::store::{StoreError, TargetTable};
 
 /// Most target tables one run (or one "every table" count) looks at: tables named by the
 /// manifest or the DLQ.
@@ -406,7 +406,7 @@ pub(crate) async fn bad_vectors(
 /// (deleted, one `withdrawn` event each, `by: reconcile`), `page` vectors a transaction, each
 /// locking the chunks' manifest rows first and checking the condition again under the lock.
 ///
-/// [`OnNewerParked::Withdraw`]: super::OnNewerParked::Withdraw
+/// [`OnNewerParked::Withdraw`]: crate::park::OnNewerParked::Withdraw
 pub(crate) async fn superseded_vectors(
     pool: &PgPool,
     target: &TargetTable,
@@ -443,7 +443,7 @@ pub(crate) async fn superseded_vectors(
     }
     // Under the manifest locks, the keys are taken again from what the manifest and the DLQ
     // hold now: a chunk stored or re-parked meanwhile is left alone.
-    let withdraw = super::ingest::withdraw_sql(
+    let withdraw = crate::park::withdraw_sql(
         t,
         "SELECT m.doc_id, m.chunk_index, m.content_hash
            FROM ingest_manifest m
@@ -681,7 +681,8 @@ async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<Strin
     let mut out = Vec::with_capacity(names.len());
     for name in names {
         let err = |problem: String| StoreError::Target { table: name.clone(), problem };
-        let lookup = if canonical { name.clone() } else { super::quote_table_name(&name).map_err(err)? };
+        let lookup =
+            if canonical { name.clone() } else { crate::store::quote_table_name(&name).map_err(err)? };
         let found: Option<String> = sqlx::query_scalar("SELECT embed_dlq_table_name(to_regclass($1))")
             .bind(&lookup)
             .fetch_one(pool)

@@ -12,7 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
-use super::StoreError;
+use crate::store::StoreError;
 
 /// The channel the `dlq_outbox_notify` trigger (migrations 0002, 0005) notifies at commit of
 /// a statement that inserted outbox rows: what a relay LISTENs on to wake up.
