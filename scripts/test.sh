@@ -34,6 +34,12 @@ scripts/ensure-chromium.sh
 EMBED_DLQ_TEST_RUN="r$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')"
 export EMBED_DLQ_TEST_RUN
 
+# Six tests at a time on two cores: the integration tests mostly wait (timers longer than a
+# lease or a min-idle, services, child processes), so the suite took 471 s at the harness's
+# default of one test per core and 237 s at six, all green, also with a busy loop beside it
+# (BENCHMARKS.md, "Test time"). RUST_TEST_THREADS overrides it.
+export RUST_TEST_THREADS="${RUST_TEST_THREADS:-6}"
+
 status=0
 cargo test --locked --features failpoints --lib --bins --tests "$@" || status=$?
 
