@@ -16,6 +16,11 @@ export EMBED_DLQ_HISTORY_MINUTES="${1:-10}"
 export EMBED_DLQ_HISTORY_KEYS="${2:-100000}"
 export EMBED_DLQ_HISTORY_MIN_KILLS="${3:-20}"
 export EMBED_DLQ_HISTORY_SEEDS="${4:-$RANDOM$RANDOM}"
+# Redis memory is a budget, not a product bound: the events stream and its dedup hashes grow
+# with activity up to events_maxlen. 64 MB fits the suite's 240 keys; at chaos scale (50,000
+# keys, about 100,000 events) a run used 65.1 MB with every invariant holding, so chaos takes
+# the soak's budget.
+export EMBED_DLQ_HISTORY_REDIS_MEMORY_MB="${EMBED_DLQ_HISTORY_REDIS_MEMORY_MB:-512}"
 export EMBED_DLQ_HISTORY_REPORT="$root/target/chaos-report.txt"
 echo "[chaos] ${EMBED_DLQ_HISTORY_MINUTES} min, ${EMBED_DLQ_HISTORY_KEYS} keys, >= ${EMBED_DLQ_HISTORY_MIN_KILLS} kills, seeds ${EMBED_DLQ_HISTORY_SEEDS}" >&2
 status=0
