@@ -34,11 +34,11 @@ scripts/ensure-chromium.sh
 EMBED_DLQ_TEST_RUN="r$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')"
 export EMBED_DLQ_TEST_RUN
 
-# Six tests at a time on two cores: the integration tests mostly wait (timers longer than a
-# lease or a min-idle, services, child processes), so the suite took 471 s at the harness's
-# default of one test per core and 237 s at six, all green, also with a busy loop beside it
-# (BENCHMARKS.md, "Test time"). RUST_TEST_THREADS overrides it.
-export RUST_TEST_THREADS="${RUST_TEST_THREADS:-6}"
+# One test per core (the harness's default). The tests mostly wait, and six at a time halve
+# the suite's time (RUST_TEST_THREADS=6: 471 s -> 237 s warm, BENCHMARKS.md "Test time"), but
+# one of four such runs failed seasons::serve_republishes_the_events_a_flushall_lost (the lost
+# events not back on the stream within 60 s): a latency the product must lose before the
+# default can go up. Set RUST_TEST_THREADS to try it.
 
 status=0
 cargo test --locked --features failpoints --lib --bins --tests "$@" || status=$?
