@@ -641,7 +641,7 @@ impl Replayer {
             // A row parked after 500s is normally one that failed alone while its neighbours
             // passed: it is sent alone first, so its batch does not pay for it again.
             for ((_, row), text) in items.iter().zip(&texts) {
-                if Reason::from_code(&row.error_reason) == Some(Reason::Http500) {
+                if row.error_reason == Reason::Http500.as_str() {
                     embedder.isolation.suspect(text);
                 }
             }

@@ -852,6 +852,11 @@ async fn console_settings_out_of_their_bounds_are_usage_errors() {
     assert!(err.contains("--metrics-url") && !err.contains("secret"), "{err}");
     let (code, err) = run(&["--allow-host", "evil host"], TOKEN).await;
     assert_eq!(code, Some(2), "{err}");
+    for huge in ["0", "601", "18446744073709551616"] {
+        let (code, err) = run(&["--page-timeout-secs", huge], TOKEN).await;
+        assert_eq!(code, Some(2), "--page-timeout-secs {huge}: {err}");
+        assert!(err.contains("page-timeout-secs"), "{err}");
+    }
     // Valid settings, but an address this host does not have: exit 1.
     let (code, err) = run(&[], TOKEN).await;
     assert_eq!(code, Some(1), "{err}");
