@@ -282,6 +282,43 @@ pub async fn ensure_group(redis: &mut RedisConn, keys: &StreamKeys) -> Result<()
     Ok(())
 }
 
+/// Creates the consumer group of each of `shards` if missing, and returns how many were. A
+/// group found missing means the stream is new or Redis lost its data (a FLUSHALL, a restart
+/// without persistence, a failover to a replica that had not caught up): the leases of the
+/// items that lived only there are released at once ([`release_lost_leases`]), so replay
+/// resumes within a scheduler pass rather than a lease, and `data_lost` is woken (serve's
+/// republisher puts the lost events back). Each shard's events stream shares its replay
+/// stream's slot, so a missing group stands for both.
+pub(crate) async fn recover_lost_groups(
+    store: &Store,
+    redis: &mut RedisConn,
+    keys: &StreamKeys,
+    shards: &[u16],
+    data_lost: Option<&tokio::sync::Notify>,
+) -> Result<usize, ReplayError> {
+    let mut missing = 0;
+    for &shard in shards {
+        if !ensure_group_of(redis, &keys.replay_of(shard)).await? {
+            continue;
+        }
+        missing += 1;
+        if let Some(lost) = data_lost {
+            lost.notify_one();
+        }
+        let released = release_lost_leases(store, keys, shard).await?;
+        if released > 0 {
+            metrics::counter!(crate::metrics::REPLAY_LEASES_RELEASED).increment(released);
+            tracing::warn!(
+                shard,
+                released,
+                "replay stream shard found without its consumer group (Redis lost its data?): \
+                 released the leases of its lost work items; they are issued again"
+            );
+        }
+    }
+    Ok(missing)
+}
+
 /// Creates the consumer group (and the stream) of one replay stream if missing; true when it
 /// was missing (the first start, or Redis lost the stream).
 async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<bool, redis::RedisError> {
@@ -915,25 +952,18 @@ impl Replayer {
         Ok(())
     }
 
-    /// Creates the consumer group of each of its shards if missing. A group found missing
-    /// means the stream is new or lost its data: the leases of items that lived only there
-    /// are released at once ([`release_lost_leases`]), so replay resumes within a scheduler
-    /// pass rather than a lease.
+    /// Creates the consumer group of each of its shards if missing
+    /// ([`recover_lost_groups`]).
     async fn ensure_groups(&mut self) -> Result<(), ReplayError> {
-        for shard in self.shards() {
-            if ensure_group_of(&mut self.redis, &self.keys.replay_of(shard)).await? {
-                if let Some(lost) = &self.config.data_lost {
-                    lost.notify_one();
-                }
-                let released = release_lost_leases(&self.store, &self.keys, shard).await?;
-                if released > 0 {
-                    metrics::counter!(crate::metrics::REPLAY_LEASES_RELEASED).increment(released);
-                    tracing::warn!(consumer = %self.name, shard, released,
-                        "replay stream shard found without its consumer group (Redis lost its data?): \
-                         released the leases of its lost work items; they are issued again");
-                }
-            }
-        }
+        let shards = self.shards();
+        recover_lost_groups(
+            &self.store,
+            &mut self.redis,
+            &self.keys,
+            &shards,
+            self.config.data_lost.as_deref(),
+        )
+        .await?;
         Ok(())
     }
 

@@ -166,8 +166,8 @@ pub async fn serve_with_console(
     tasks.spawn_until("relay", stop.clone(), relay.run(stop.clone()));
     let scheduler = Scheduler { store: store.clone(), config: config.replay.clone() };
     tasks.spawn_until("scheduler", stop.clone(), scheduler.run(stop.clone()));
-    // Replayers that find a stream's consumer group gone (Redis lost its data) wake the
-    // republisher, which puts the lost events back on the events stream.
+    // The republisher puts the events Redis lost back on the events stream: it looks for the
+    // loss itself, and replayers that find a stream's consumer group gone wake it at once.
     let data_lost = std::sync::Arc::new(tokio::sync::Notify::new());
     let republisher = Reconciler {
         store: store.clone(),
@@ -289,18 +289,41 @@ async fn run_source(
 /// the other shards' replayers notice within a read or two, and one pass covers them all.
 const REPUBLISH_SETTLE: Duration = Duration::from_secs(2);
 
-/// Waits for word that Redis lost data ([`ReplayConfig::data_lost`]), then republishes the
-/// lost events ([`Reconciler::republish_lost_events`]); a failed pass is retried with capped
-/// backoff until it succeeds or `stop`.
+/// How often serve looks for lost Redis data by itself: replayers notice it when a read finds
+/// a consumer group gone, but a replayer paused by a refusing provider reads nothing for up
+/// to its pause, and `--replayers 0` has none. One `XGROUP CREATE` per shard.
+const LOSS_CHECK_EVERY: Duration = Duration::from_secs(2);
+
+/// Watches for lost Redis data, then republishes the lost events
+/// ([`Reconciler::republish_lost_events`]): on word from a replayer
+/// ([`ReplayConfig::data_lost`]), or when its own check every [`LOSS_CHECK_EVERY`] finds a
+/// shard's consumer group missing ([`crate::replay::recover_lost_groups`], which also
+/// releases the shard's lost leases). A failed pass is retried with capped backoff until it
+/// succeeds or `stop`; a failed check is tried again at the next tick.
 async fn republish_on_loss(
     reconciler: Reconciler,
     data_lost: std::sync::Arc<tokio::sync::Notify>,
     stop: CancellationToken,
 ) {
+    let Some(mut redis) = reconciler.redis.clone() else { return };
+    let shards: Vec<u16> = reconciler.keys.shard_ids().collect();
     while !stop.is_cancelled() {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = data_lost.notified() => {}
+            _ = tokio::time::sleep(LOSS_CHECK_EVERY) => {
+                match crate::replay::recover_lost_groups(&reconciler.store, &mut redis, &reconciler.keys, &shards, None)
+                    .await
+                {
+                    Ok(0) => continue,
+                    Ok(missing) => tracing::warn!(shards = missing,
+                        "consumer groups missing (Redis lost its data?): recreated; republishing the lost events"),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "looking for lost Redis data failed; trying again");
+                        continue;
+                    }
+                }
+            }
         }
         crate::relay::sleep_or_cancel(REPUBLISH_SETTLE, &stop).await;
         let mut backoff =

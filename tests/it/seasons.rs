@@ -380,7 +380,21 @@ async fn published_event_ids(db: &TestDb) -> std::collections::HashSet<String> {
 
 #[test]
 fn serve_republishes_the_events_a_flushall_lost() {
-    run_on(Backend::SingleNode, async {
+    republishes_after_flushall(1);
+}
+
+/// With no replayer (and with one paused by a refusing provider, above) nothing reads the
+/// replay streams, so no read finds a consumer group gone: serve must notice the loss by
+/// itself.
+#[test]
+fn serve_without_replayers_republishes_the_events_a_flushall_lost() {
+    republishes_after_flushall(0);
+}
+
+/// Parks rows whose replay the provider refuses, lets `serve --replayers {replayers}` publish
+/// their events, flushes Redis and waits for exactly those events to be back on the stream.
+fn republishes_after_flushall(replayers: usize) {
+    run_on(Backend::SingleNode, async move {
         const ROWS: usize = 40;
         let redis = PrivateRedis::start().await;
         let db = TestDb::new().await;
@@ -395,7 +409,7 @@ fn serve_republishes_the_events_a_flushall_lost() {
             .arg("serve")
             .args(["--database-url", &db.url, "--redis-url", &redis.url, "--base-url", &mock.base_url()])
             .args(["--model", "mock", "--stream-prefix", &prefix_of(&keys), "--relay-poll-ms", "100"])
-            .args(["--replayers", "1"])
+            .args(["--replayers", &replayers.to_string()])
             .env_remove("EMBED_DLQ_FAILPOINT")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
