@@ -19,7 +19,8 @@
 //! reconcile after one repair.
 //!
 //! Scale and seeds come from the environment (`scripts/chaos.sh` sets them for long runs):
-//! `EMBED_DLQ_HISTORY_SEEDS` (comma-separated; default three fixed seeds, `CI_SEEDS`),
+//! `EMBED_DLQ_HISTORY_SEEDS` (comma-separated, for the ignored
+//! `randomized_histories_keep_every_promise`; CI runs three fixed seeds, `CI_SEEDS`, one test each),
 //! `EMBED_DLQ_HISTORY_KEYS`, `EMBED_DLQ_HISTORY_OPS`, `EMBED_DLQ_HISTORY_MINUTES` (run ops until
 //! then instead of counting them), `EMBED_DLQ_HISTORY_MIN_KILLS`, `EMBED_DLQ_HISTORY_REPORT`
 //! (also write the report to this file).
@@ -1898,35 +1899,59 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
 }
 
 /// Fixed seeds for CI, so a red run names a history that can be run again; random seeds
-/// belong to `scripts/chaos.sh` (which prints its seed), or `EMBED_DLQ_HISTORY_SEEDS`.
+/// belong to `scripts/chaos.sh` (which prints its seed), or `EMBED_DLQ_HISTORY_SEEDS`. One
+/// test each, so that they run side by side; they share the timed faults out among them.
 const CI_SEEDS: [u64; 3] = [7, 1009, 20_261_201];
 
-fn seeds() -> Vec<u64> {
-    match std::env::var("EMBED_DLQ_HISTORY_SEEDS") {
-        Ok(s) if !s.trim().is_empty() => {
-            s.split(',').map(|x| x.trim().parse().expect("numeric seed")).collect()
-        }
-        _ => CI_SEEDS.to_vec(),
-    }
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_of_seed_7_keeps_every_promise() {
+    ci_history(0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_of_seed_1009_keeps_every_promise() {
+    ci_history(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_of_seed_20261201_keeps_every_promise() {
+    ci_history(2).await;
+}
+
+/// The history of `CI_SEEDS[index]`, with its share of the timed faults (each a few to a few
+/// dozen seconds): together the CI seeds run every kind once.
+async fn ci_history(index: usize) {
+    let forced: Vec<&'static str> = FAULT_KINDS
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| k % CI_SEEDS.len() == index)
+        .map(|(_, kind)| *kind)
+        .collect();
+    check_histories(&[CI_SEEDS[index]], &forced).await;
+}
+
+/// The seeds of `EMBED_DLQ_HISTORY_SEEDS` (comma-separated), each with every kind of timed
+/// fault: what `scripts/chaos.sh` and `scripts/soak.sh` run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the long runs of scripts/chaos.sh and scripts/soak.sh: set EMBED_DLQ_HISTORY_SEEDS"]
 async fn randomized_histories_keep_every_promise() {
+    let seeds: Vec<u64> = std::env::var("EMBED_DLQ_HISTORY_SEEDS")
+        .expect("EMBED_DLQ_HISTORY_SEEDS: the seeds to run, comma-separated")
+        .split(',')
+        .map(|x| x.trim().parse().expect("numeric seed"))
+        .collect();
+    check_histories(&seeds, &FAULT_KINDS).await;
+}
+
+/// Runs the history of each seed with the `forced` timed faults, prints every report (and
+/// writes them to `EMBED_DLQ_HISTORY_REPORT` if set), and fails naming the seeds that broke
+/// a promise.
+async fn check_histories(seeds: &[u64], forced: &[&'static str]) {
     let scale = Scale::from_env();
     let mut failed = Vec::new();
     let mut full = String::new();
-    let seeds = seeds();
-    // CI's default run shares the timed faults out among its seeds (each fault a few to a
-    // few dozen seconds); seeds given explicitly (chaos, soak) each run every kind.
-    let share_faults = std::env::var("EMBED_DLQ_HISTORY_SEEDS").is_err();
-    for (i, seed) in seeds.iter().copied().enumerate() {
-        let forced: Vec<&'static str> = FAULT_KINDS
-            .iter()
-            .enumerate()
-            .filter(|(k, _)| !share_faults || k % seeds.len() == i)
-            .map(|(_, kind)| *kind)
-            .collect();
-        let (report, ok) = run_history(seed, &scale, &forced).await;
+    for &seed in seeds {
+        let (report, ok) = run_history(seed, &scale, forced).await;
         println!("{report}");
         full.push_str(&report);
         if !ok {
