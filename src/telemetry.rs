@@ -1,6 +1,7 @@
 //! Logging setup. Log lines carry ids, classes and reasons — never payload text or secrets.
 
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::prelude::*;
 
 /// How log lines are written on stderr: text for people, JSON for log collectors.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -12,18 +13,34 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the stderr logger; `RUST_LOG` overrides the default `embed_dlq=info`.
+/// What is logged when `RUST_LOG` is unset: warnings from the libraries, our own progress.
+const DEFAULT_FILTER: &str = "warn,embed_dlq=info";
+
+/// Installs the stderr logger; `RUST_LOG` overrides the default (`warn,embed_dlq=info`) with
+/// comma-separated `level` and `target=level` directives (`debug`,
+/// `warn,embed_dlq::replay=trace`). A value that does not parse is ignored with a warning.
+/// Targets rather than `EnvFilter`: its span and field filters need a regex engine in every
+/// build, and nobody filters this tool's logs by span.
 pub fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn,embed_dlq=info"));
+    let default = || DEFAULT_FILTER.parse::<Targets>().expect("the default filter parses");
+    let (filter, refused) = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => match v.parse::<Targets>() {
+            Ok(t) => (t, None),
+            Err(e) => (default(), Some(e.to_string())),
+        },
+        _ => (default(), None),
+    };
     use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let layer = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+    let installed = match format {
+        LogFormat::Text => tracing_subscriber::registry().with(layer.with_filter(filter)).try_init(),
+        LogFormat::Json => tracing_subscriber::registry().with(layer.json().with_filter(filter)).try_init(),
     };
+    if let (Ok(()), Some(e)) = (installed, refused) {
+        tracing::warn!(error = %e, default = DEFAULT_FILTER, "RUST_LOG does not parse; logging with the default");
+    }
 }
 
 /// Displays a user-controlled string (a doc id, a problem quoting the input) safely inside a

@@ -240,3 +240,42 @@ async fn an_unset_api_key_variable_is_warned_about_at_start() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(!stderr.contains("not set"), "{stderr}");
 }
+
+/// `RUST_LOG` picks what is logged, by level and by module; a value that does not parse is
+/// said so, and the default applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_log_chooses_what_is_logged_and_a_bad_value_is_named() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempdir::Dir::new();
+    // Each run its own documents (an unchanged rerun parks nothing), one input of them the
+    // provider rejects: its park is logged at debug by the ingest writer.
+    let stderr_with = async |rust_log: &str| {
+        let path = dir.0.join("c.jsonl");
+        let corpus: String = (0..8)
+            .map(|i| {
+                let text =
+                    if i == 3 { format!("p {}", mock_provider::POISON_400) } else { format!("chunk {i}") };
+                line(&format!("log {rust_log}"), i, &text)
+            })
+            .collect();
+        std::fs::write(&path, corpus).unwrap();
+        let out = ingest_cmd(&db, &mock, &path).env("RUST_LOG", rust_log).output().await.unwrap();
+        assert!(out.status.code().is_some(), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let parks_logged =
+        |log: &str| log.lines().filter(|l| l.contains("DEBUG embed_dlq::ingest::writer: parked")).count();
+
+    let chosen = stderr_with("warn,embed_dlq::ingest=debug").await;
+    assert_eq!(parks_logged(&chosen), 1, "the chosen module's debug lines:\n{chosen}");
+    let bare = stderr_with("debug").await;
+    assert_eq!(parks_logged(&bare), 1, "a bare level:\n{bare}");
+    let other = stderr_with("warn,embed_dlq::replay=debug").await;
+    assert_eq!(parks_logged(&other), 0, "another module's level:\n{other}");
+    let default = stderr_with("").await;
+    assert_eq!(parks_logged(&default), 0, "{default}");
+    let bad = stderr_with("embed_dlq=loudest").await;
+    assert!(bad.contains("RUST_LOG does not parse"), "{bad}");
+    assert_eq!(parks_logged(&bad), 0, "the default applies:\n{bad}");
+}
