@@ -91,10 +91,14 @@ pub(super) struct Batcher<'a> {
     /// round trip overlaps with reading and hashing the next records. At most one; it is
     /// finished (skips counted, jobs sent) before the next window touches the database.
     pub(super) pending: Option<PendingWindow>,
+    /// No other ingest run was alive at the last claim: the next window tries the read-only
+    /// lookup first ([`Store::claim_window`]'s `lookup_first`).
+    pub(super) alone: bool,
 }
 
-/// A window's keys and what [`Store::claim_window`] answered for them.
-pub(super) type ClaimedKeys = (Vec<WindowKey>, Result<Vec<WindowClaim>, StoreError>);
+/// A window's keys and what [`Store::claim_window`] answered for them (and whether another
+/// run was alive).
+pub(super) type ClaimedKeys = (Vec<WindowKey>, Result<(Vec<WindowClaim>, bool), StoreError>);
 
 /// A window sent to [`Store::claim_window`] and not yet finished ([`Batcher::finish_pending`]).
 pub(super) struct PendingWindow {
@@ -131,6 +135,7 @@ impl<'a> Batcher<'a> {
             dry_run: pipeline.options.cleanup.dry_run,
             acks: None,
             pending: None,
+            alone: false,
         }
     }
 
@@ -292,9 +297,11 @@ impl<'a> Batcher<'a> {
         let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
         let young = self.windows < ALWAYS_LEASED_WINDOWS;
         let stream = self.acks.is_some();
+        let alone = self.alone;
         // The keys travel with the claim and come back with its answer.
         let claim = tokio::spawn(async move {
-            let claims = with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await;
+            let claims =
+                with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream, alone)).await;
             (keys, claims)
         });
         self.windows += 1;
@@ -311,7 +318,11 @@ impl<'a> Batcher<'a> {
             return Ok(());
         };
         let (keys, claims) = match claim.await {
-            Ok((keys, claims)) => (keys, claims?),
+            Ok((keys, claims)) => {
+                let (claims, others) = claims?;
+                self.alone = !others;
+                (keys, claims)
+            }
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // Only dropping the handle aborts the task, and the handle is here.
             Err(e) => {

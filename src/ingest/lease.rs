@@ -107,6 +107,11 @@ impl Store {
     /// unique within the window. `lease` is clamped to
     /// at least a second. Leases are claimed only while another run is alive, or if `always`
     /// (a run's first windows: two runs started together have not seen each other's lock yet).
+    ///
+    /// With `lookup_first` (the run found itself alone at its previous window), a run past its
+    /// first windows reading a corpus first tries [`Store::lookup_window`]: alone, the claim
+    /// would take no lease and move no manifest row, so the lookup is the whole answer. Also
+    /// returns whether another run is alive, for the next window's `lookup_first`.
     pub(crate) async fn claim_window(
         &self,
         keys: &[WindowKey],
@@ -114,7 +119,15 @@ impl Store {
         lease: Duration,
         always: bool,
         stream: bool,
-    ) -> Result<Vec<WindowClaim>, StoreError> {
+        lookup_first: bool,
+    ) -> Result<(Vec<WindowClaim>, bool), StoreError> {
+        if lookup_first
+            && !always
+            && !stream
+            && let Some(claims) = self.lookup_window(keys, run_id).await?
+        {
+            return Ok((claims, false));
+        }
         let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
         let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
         let hashes: Vec<&str> = keys.iter().map(|k| k.content_hash.as_str()).collect();
@@ -145,19 +158,16 @@ impl Store {
             self.claim_plan.store(plan_class(bytes), Ordering::Relaxed);
         }
         let mut out = vec![None; keys.len()];
+        let mut others = false;
         // By column position, in the order of the statement's last SELECT.
         for r in rows {
             let n: i64 = r.try_get(0)?;
             let status: Option<&str> = r.try_get(2)?;
             let manifest = match status {
-                Some(s) => Some((
-                    r.try_get::<Option<bool>, _>(1)?.unwrap_or(false),
-                    ChunkStatus::parse(s).ok_or_else(|| {
-                        StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {s:?}").into()))
-                    })?,
-                )),
+                Some(s) => Some((r.try_get::<Option<bool>, _>(1)?.unwrap_or(false), parse_status(s)?)),
                 None => None,
             };
+            others |= r.try_get::<bool, _>(7)?;
             let claim = WindowClaim {
                 manifest,
                 leased_elsewhere: r.try_get(4)?,
@@ -169,14 +179,70 @@ impl Store {
                 StoreError::Db(sqlx::Error::Decode(format!("no key {n} in the window").into()))
             })? = Some(claim);
         }
-        out.into_iter()
-            .map(|c| {
-                c.ok_or_else(|| {
-                    StoreError::Db(sqlx::Error::Decode("a key of the window got no claim".into()))
-                })
-            })
-            .collect()
+        let claims = every_key_answered(out)?;
+        Ok((claims, others))
     }
+
+    /// The manifest lookup of an intake window alone, for a run that no other run can race
+    /// (it reads a corpus, is past its first windows, and no other ingest run is alive): the
+    /// answer [`Store::claim_window`] would give, from a statement that only reads. `None`
+    /// when another run is alive after all: then the window needs the full claim.
+    pub(crate) async fn lookup_window(
+        &self,
+        keys: &[WindowKey],
+        run_id: i64,
+    ) -> Result<Option<Vec<WindowClaim>>, StoreError> {
+        let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
+        let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
+        let hashes: Vec<&str> = keys.iter().map(|k| k.content_hash.as_str()).collect();
+        let size_class = self.claim_plan.load(Ordering::Relaxed);
+        let sql = format!("/* manifest size class {size_class} */{LOOKUP_WINDOW_SQL}");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&self.target.name)
+            .bind(&docs)
+            .bind(&idxs)
+            .bind(&hashes)
+            .bind(run_id)
+            .fetch_all(&self.pool)
+            .await?;
+        let Some(first) = rows.first() else { return Ok(Some(Vec::new())) };
+        if first.try_get::<bool, _>(4)? {
+            return Ok(None);
+        }
+        self.claim_plan.store(plan_class(first.try_get(3)?), Ordering::Relaxed);
+        let mut out = vec![None; keys.len()];
+        for r in rows {
+            let n: i64 = r.try_get(0)?;
+            let status: Option<&str> = r.try_get(2)?;
+            let manifest = match status {
+                Some(s) => Some((r.try_get::<Option<bool>, _>(1)?.unwrap_or(false), parse_status(s)?)),
+                None => None,
+            };
+            // Alone and reading a corpus: no lease to take, and nothing older in flight that
+            // a skip must fence against (the claim's `racing` is false, so it confirms all).
+            let claim = WindowClaim { manifest, leased_elsewhere: false, leased: false, confirmed: true };
+            let slot = usize::try_from(n - 1).ok().and_then(|i| out.get_mut(i));
+            *slot.ok_or_else(|| {
+                StoreError::Db(sqlx::Error::Decode(format!("no key {n} in the window").into()))
+            })? = Some(claim);
+        }
+        every_key_answered(out).map(Some)
+    }
+}
+
+/// A manifest status as the statements return it.
+fn parse_status(s: &str) -> Result<ChunkStatus, StoreError> {
+    ChunkStatus::parse(s)
+        .ok_or_else(|| StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {s:?}").into())))
+}
+
+/// The claims of a window, once every key has one.
+fn every_key_answered(out: Vec<Option<WindowClaim>>) -> Result<Vec<WindowClaim>, StoreError> {
+    out.into_iter()
+        .map(|c| {
+            c.ok_or_else(|| StoreError::Db(sqlx::Error::Decode("a key of the window got no claim".into())))
+        })
+        .collect()
 }
 
 /// The size class of a manifest of `bytes` on disk: one more each time it doubles. The claim
@@ -244,7 +310,7 @@ impl RunLease {
 /// `manifest_bytes`: the manifest's size on disk, which picks the statement's size class for
 /// the next window (`plan_class`). Read by column position: `n` (the key's place in the
 /// window, from 1), `same` (the manifest holds this content), `status`, `manifest_bytes`,
-/// `leased_elsewhere`, `leased`, `confirmed`.
+/// `leased_elsewhere`, `leased`, `confirmed`, `others` (another run is alive).
 /// The statement decides from the lease row as it is when the row lock is granted, so two
 /// runs claiming the same window at once agree on one holder. `swept`: the run's own leases
 /// finished more than the grace ago.
@@ -320,10 +386,37 @@ SELECT k.n, k.done_hash = k.content_hash AS same, k.status,
        (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
        (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere,
        c.doc_id IS NOT NULL AS leased,
-       (k.done_seq >= k.source_seq OR f.doc_id IS NOT NULL OR NOT (SELECT yes FROM racing)) AS confirmed
+       (k.done_seq >= k.source_seq OR f.doc_id IS NOT NULL OR NOT (SELECT yes FROM racing)) AS confirmed,
+       (SELECT yes FROM others) AS others
   FROM known k
   LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
   LEFT JOIN confirmed f ON f.doc_id = k.doc_id AND f.chunk_index = k.chunk_index
+"#;
+
+/// [`Store::lookup_window`]'s statement: `known` of [`CLAIM_WINDOW_SQL`] (one index probe of
+/// the manifest per key, kept from a hash join by the `OFFSET 0`) and its `others`, nothing
+/// written. `$1` table, `$2..$4` keys and hashes, `$5` run id. By column position: `n`,
+/// `same`, `status`, `manifest_bytes`, `others`.
+const LOOKUP_WINDOW_SQL: &str = r#"
+WITH input AS (
+    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[])
+        WITH ORDINALITY AS t(doc_id, chunk_index, content_hash, n)
+), others AS MATERIALIZED (
+    SELECT EXISTS (
+        SELECT 1 FROM pg_locks
+         WHERE locktype = 'advisory' AND granted AND objsubid = 2
+           AND classid = embed_dlq_lease_lock_space()::oid
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND objid::bigint <> $5::bigint) AS yes
+)
+SELECT i.n, m.content_hash = i.content_hash AS same, m.status,
+       (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
+       (SELECT yes FROM others) AS others
+  FROM input i
+  LEFT JOIN LATERAL (
+       SELECT m.content_hash, m.status FROM ingest_manifest m
+        WHERE m.target_table = $1::text AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
+       OFFSET 0) m ON true
 "#;
 
 #[cfg(test)]

@@ -90,6 +90,49 @@ async fn three_concurrent_ingests_send_each_input_about_once() {
     concurrent_ingests_share_the_work(3).await;
 }
 
+/// A run alone past its first windows only reads the manifest (no lease, nothing written); a
+/// second run started beside it makes it claim leases again from its next window, so the two
+/// still send each input about once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_beside_a_lone_one_shares_the_rest() {
+    const CHUNKS: usize = 4_000;
+    const WINDOW: usize = 128;
+    let db = TestDb::new().await;
+    // Slow enough that the first run is far from done when the second starts.
+    let mock = start_mock(MockConfig { latency_ms: 100, ..MockConfig::default() }).await;
+    let bytes = corpus(CHUNKS);
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut s = settings(&db, &mock);
+        s.client.timeout = Duration::from_secs(30);
+        let mut p = pipeline(&s).await;
+        p.options.intake_window = WINDOW;
+        runs.push(p);
+    }
+    let first = runs[0].run(input(bytes.clone()), CancellationToken::new());
+    let second = async {
+        // Past the first run's always-leased windows: it is in its lone, read-only mode.
+        wait_for("the first run past its first windows", Duration::from_secs(60), async || {
+            db.count("SELECT count(*) FROM ingest_manifest").await >= (12 * WINDOW) as i64
+        })
+        .await;
+        runs[1].run(input(bytes.clone()), CancellationToken::new()).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    let (first, second) = (first.expect("first run"), second.expect("second run"));
+    assert!(
+        second.unchanged < CHUNKS as u64,
+        "the second run met the first one's work in flight: {second:?}"
+    );
+    let inputs = mock.control.stats().inputs;
+    assert!(
+        inputs as f64 <= 1.1 * CHUNKS as f64,
+        "{inputs} inputs sent for {CHUNKS} chunks: the lone run did not claim once the other began\n{first:?}\n{second:?}"
+    );
+    assert!(first.leased_elsewhere + second.leased_elsewhere > 0, "{first:?}\n{second:?}");
+    assert_corpus_accounted(&db, &corpus_keys(&corpus(CHUNKS))).await;
+}
+
 /// Holds the advisory lock of a made-up ingest run on a connection of its own, as a
 /// concurrent run would: runs then claim leases (a run alone claims none).
 async fn another_live_run(db: &TestDb) -> (sqlx::PgConnection, i64) {

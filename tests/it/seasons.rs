@@ -33,14 +33,6 @@ async fn park_due(db: &TestDb, n: usize, doc: &str) {
     make_due(db).await;
 }
 
-async fn wait_for(what: &str, within: Duration, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + within;
-    while !done().await {
-        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 on_single_and_cluster! {
 /// Postgres unreachable for several times `delivery_cap × min_idle` while replay is in
 /// flight: every XREADGROUP and XAUTOCLAIM of that time adds a Redis delivery, and none of it

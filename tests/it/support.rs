@@ -992,3 +992,13 @@ pub fn serve_process(
         .kill_on_drop(true);
     c
 }
+
+/// Polls `done` every 100 ms until it holds; fails the test naming `what` if it does not
+/// within `within`.
+pub async fn wait_for(what: &str, within: std::time::Duration, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !done().await {
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
