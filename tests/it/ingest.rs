@@ -582,3 +582,63 @@ async fn batch_max_chars_counts_characters_not_bytes() {
     assert_eq!(r.stored, 12, "{r:?}");
     assert_eq!(mock.control.stats().requests, 4, "3 inputs of 10 characters (19 bytes) a request");
 }
+
+/// Past its first windows a run alone looks its windows up in the manifest by document
+/// ranges, with a statement that only reads. A rerun with some texts changed, chunks added,
+/// the documents in another order and one document's chunks far apart and out of order
+/// re-embeds exactly what changed or is new, skips the rest, and leaves every key holding the
+/// vector of its newest text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_rerun_re_embeds_exactly_what_changed_or_is_new() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let mut p = pipeline(&s).await;
+    // Small windows: most of the run is past its first (always claimed) windows.
+    p.options.intake_window = 16;
+    let text = |doc: &str, i: i32, version: u32| format!("{doc} chunk {i} v{version}");
+    let sparse = [0, 500_000, 3, 1_000_000];
+    let mut first = Vec::new();
+    for d in 0..40 {
+        first.extend((0..10).map(|i| (format!("d{d}"), i, 0)));
+    }
+    first.extend(sparse.iter().map(|&i| ("sparse".to_string(), i, 0)));
+    // The rerun: documents in reverse order, every seventh chunk changed, a chunk added to
+    // each document, and one to the sparse one between its far-apart chunks.
+    let mut second: Vec<(String, i32, u32)> = Vec::new();
+    for d in (0..40).rev() {
+        second.extend((0..11).map(|i| (format!("d{d}"), i, u32::from((d * 10 + i) % 7 == 0))));
+    }
+    second.extend([0, 500_000, 250_000, 3, 1_000_000].map(|i| ("sparse".to_string(), i, u32::from(i == 500_000))));
+    let corpus = |records: &[(String, i32, u32)]| {
+        records.iter().map(|(doc, i, v)| line(doc, *i, &text(doc, *i, *v))).collect::<String>().into_bytes()
+    };
+    let old: std::collections::HashSet<(String, i32)> = first.iter().map(|(d, i, _)| (d.clone(), *i)).collect();
+    let changed = second.iter().filter(|(d, i, v)| *v == 1 && old.contains(&(d.clone(), *i))).count();
+    let added = second.len() - first.len();
+    assert!(changed > 40 && added == 41, "{changed} changed, {added} added");
+
+    let r1 = p.run(input(corpus(&first)), CancellationToken::new()).await.unwrap();
+    assert_eq!(r1.stored as usize, first.len(), "{r1:?}");
+    let sent_before = mock.control.stats().inputs;
+    let r2 = p.run(input(corpus(&second)), CancellationToken::new()).await.unwrap();
+    assert_eq!(mock.control.stats().inputs - sent_before, (changed + added) as u64, "{r2:?}");
+    assert_eq!(
+        (r2.stored as usize, r2.unchanged as usize),
+        (changed + added, second.len() - changed - added),
+        "{r2:?}"
+    );
+    let stored: Vec<(String, i32, Vec<f32>)> =
+        sqlx::query_as("SELECT doc_id, chunk_index, embedding::real[] FROM doc_embeddings")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored.len(), second.len());
+    let newest: HashMap<(String, i32), String> =
+        second.iter().map(|(doc, i, v)| ((doc.clone(), *i), text(doc, *i, *v))).collect();
+    for (doc, i, v) in stored {
+        let want = mock_provider::vector_for(&newest[&(doc.clone(), i)], 768);
+        let off = v.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(v.len() == want.len() && off < 1e-6, "{doc}#{i}: not the vector of its newest text");
+    }
+}
