@@ -609,11 +609,14 @@ async fn a_long_rerun_re_embeds_exactly_what_changed_or_is_new() {
     for d in (0..40).rev() {
         second.extend((0..11).map(|i| (format!("d{d}"), i, u32::from((d * 10 + i) % 7 == 0))));
     }
-    second.extend([0, 500_000, 250_000, 3, 1_000_000].map(|i| ("sparse".to_string(), i, u32::from(i == 500_000))));
+    second.extend(
+        [0, 500_000, 250_000, 3, 1_000_000].map(|i| ("sparse".to_string(), i, u32::from(i == 500_000))),
+    );
     let corpus = |records: &[(String, i32, u32)]| {
         records.iter().map(|(doc, i, v)| line(doc, *i, &text(doc, *i, *v))).collect::<String>().into_bytes()
     };
-    let old: std::collections::HashSet<(String, i32)> = first.iter().map(|(d, i, _)| (d.clone(), *i)).collect();
+    let old: std::collections::HashSet<(String, i32)> =
+        first.iter().map(|(d, i, _)| (d.clone(), *i)).collect();
     let changed = second.iter().filter(|(d, i, v)| *v == 1 && old.contains(&(d.clone(), *i))).count();
     let added = second.len() - first.len();
     assert!(changed > 40 && added == 41, "{changed} changed, {added} added");
