@@ -129,17 +129,11 @@ impl Store {
         {
             return Ok((claims, false));
         }
-        let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
-        let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
-        let hashes: Vec<&str> = keys.iter().map(|k| k.content_hash.as_str()).collect();
+        let KeyColumns { docs, idxs, hashes } = KeyColumns::of(keys);
         let seqs: Vec<i64> = keys.iter().map(|k| k.source_seq).collect();
         let embeds: Vec<bool> = keys.iter().map(|k| k.embeds).collect();
         let repeated: Vec<bool> = keys.iter().map(|k| k.repeated).collect();
-        // Prepared once per connection and manifest size class (see `plan_class`): planning
-        // this statement cost as much as running it.
-        let size_class = self.claim_plan.load(Ordering::Relaxed);
-        let sql = format!("/* manifest size class {size_class} */{CLAIM_WINDOW_SQL}");
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        let rows = sqlx::query(sqlx::AssertSqlSafe(self.sized(CLAIM_WINDOW_SQL)))
             .bind(&self.target.name)
             .bind(&docs)
             .bind(&idxs)
@@ -162,12 +156,7 @@ impl Store {
         let mut others = false;
         // By column position, in the order of the statement's last SELECT.
         for r in rows {
-            let n: i64 = r.try_get(0)?;
-            let status: Option<&str> = r.try_get(2)?;
-            let manifest = match status {
-                Some(s) => Some((r.try_get::<Option<bool>, _>(1)?.unwrap_or(false), parse_status(s)?)),
-                None => None,
-            };
+            let (n, manifest) = key_and_manifest(&r)?;
             others |= r.try_get::<bool, _>(7)?;
             let claim = WindowClaim {
                 manifest,
@@ -175,10 +164,7 @@ impl Store {
                 leased: r.try_get(5)?,
                 confirmed: r.try_get::<Option<bool>, _>(6)?.unwrap_or(false),
             };
-            let slot = usize::try_from(n - 1).ok().and_then(|i| out.get_mut(i));
-            *slot.ok_or_else(|| {
-                StoreError::Db(sqlx::Error::Decode(format!("no key {n} in the window").into()))
-            })? = Some(claim);
+            place(&mut out, n, claim)?;
         }
         let claims = every_key_answered(out)?;
         Ok((claims, others))
@@ -193,15 +179,11 @@ impl Store {
         keys: &[WindowKey],
         run_id: i64,
     ) -> Result<Option<Vec<WindowClaim>>, StoreError> {
-        let docs: Vec<&str> = keys.iter().map(|k| k.doc_id.as_str()).collect();
-        let idxs: Vec<i32> = keys.iter().map(|k| k.chunk_index).collect();
-        let hashes: Vec<&str> = keys.iter().map(|k| k.content_hash.as_str()).collect();
+        let KeyColumns { docs, idxs, hashes } = KeyColumns::of(keys);
         let ranges = manifest_ranges(keys);
         let range_docs: Vec<&str> = ranges.iter().map(|r| r.0).collect();
         let (los, his): (Vec<i32>, Vec<i32>) = ranges.iter().map(|r| (r.1, r.2)).unzip();
-        let size_class = self.claim_plan.load(Ordering::Relaxed);
-        let sql = format!("/* manifest size class {size_class} */{LOOKUP_WINDOW_SQL}");
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        let rows = sqlx::query(sqlx::AssertSqlSafe(self.sized(LOOKUP_WINDOW_SQL)))
             .bind(&self.target.name)
             .bind(&docs)
             .bind(&idxs)
@@ -219,19 +201,11 @@ impl Store {
         self.claim_plan.store(plan_class(first.try_get(3)?), Ordering::Relaxed);
         let mut out = vec![None; keys.len()];
         for r in rows {
-            let n: i64 = r.try_get(0)?;
-            let status: Option<&str> = r.try_get(2)?;
-            let manifest = match status {
-                Some(s) => Some((r.try_get::<Option<bool>, _>(1)?.unwrap_or(false), parse_status(s)?)),
-                None => None,
-            };
+            let (n, manifest) = key_and_manifest(&r)?;
             // Alone and reading a corpus: no lease to take, and nothing older in flight that
             // a skip must fence against (the claim's `racing` is false, so it confirms all).
             let claim = WindowClaim { manifest, leased_elsewhere: false, leased: false, confirmed: true };
-            let slot = usize::try_from(n - 1).ok().and_then(|i| out.get_mut(i));
-            *slot.ok_or_else(|| {
-                StoreError::Db(sqlx::Error::Decode(format!("no key {n} in the window").into()))
-            })? = Some(claim);
+            place(&mut out, n, claim)?;
         }
         every_key_answered(out).map(Some)
     }
@@ -262,10 +236,56 @@ fn manifest_ranges(keys: &[WindowKey]) -> Vec<(&str, i32, i32)> {
     ranges
 }
 
-/// A manifest status as the statements return it.
-fn parse_status(s: &str) -> Result<ChunkStatus, StoreError> {
-    ChunkStatus::parse(s)
-        .ok_or_else(|| StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {s:?}").into())))
+/// The key columns of a window, as the statements bind them.
+struct KeyColumns<'a> {
+    docs: Vec<&'a str>,
+    idxs: Vec<i32>,
+    hashes: Vec<&'a str>,
+}
+
+impl<'a> KeyColumns<'a> {
+    fn of(keys: &'a [WindowKey]) -> Self {
+        KeyColumns {
+            docs: keys.iter().map(|k| k.doc_id.as_str()).collect(),
+            idxs: keys.iter().map(|k| k.chunk_index).collect(),
+            hashes: keys.iter().map(|k| k.content_hash.as_str()).collect(),
+        }
+    }
+}
+
+impl Store {
+    /// `sql` under the name of the manifest's current size class: prepared once per
+    /// connection and class (see [`plan_class`]), since planning the window's statement cost
+    /// as much as running it.
+    fn sized(&self, sql: &str) -> String {
+        let size_class = self.claim_plan.load(Ordering::Relaxed);
+        format!("/* manifest size class {size_class} */{sql}")
+    }
+}
+
+/// Puts the claim of the window's `n`-th key (from 1) in its place.
+fn place(out: &mut [Option<WindowClaim>], n: i64, claim: WindowClaim) -> Result<(), StoreError> {
+    let slot = usize::try_from(n - 1).ok().and_then(|i| out.get_mut(i));
+    *slot.ok_or_else(|| StoreError::Db(sqlx::Error::Decode(format!("no key {n} in the window").into())))? =
+        Some(claim);
+    Ok(())
+}
+
+/// The first three columns both window statements return: the key's place in the window
+/// (`n`, from 1), and whether the manifest holds this content and its status (`same`,
+/// `status`; no status: the manifest has no row for the key).
+fn key_and_manifest(r: &sqlx::postgres::PgRow) -> Result<(i64, Option<(bool, ChunkStatus)>), StoreError> {
+    let n: i64 = r.try_get(0)?;
+    let manifest = match r.try_get::<Option<&str>, _>(2)? {
+        Some(s) => {
+            let status = ChunkStatus::parse(s).ok_or_else(|| {
+                StoreError::Db(sqlx::Error::Decode(format!("unknown manifest status {s:?}").into()))
+            })?;
+            Some((r.try_get::<Option<bool>, _>(1)?.unwrap_or(false), status))
+        }
+        None => None,
+    };
+    Ok((n, manifest))
 }
 
 /// The claims of a window, once every key has one.

@@ -21,6 +21,26 @@ fn corpus(chunks: usize) -> Vec<u8> {
     bytes
 }
 
+/// `runs` pipelines of their own (own pool, own run) with intake windows of `window` keys.
+async fn pipelines_of(
+    db: &TestDb,
+    mock: &embed_dlq::testkit::mock_provider::MockProvider,
+    runs: usize,
+    window: usize,
+) -> Vec<embed_dlq::ingest::Pipeline> {
+    let mut pipelines = Vec::new();
+    for _ in 0..runs {
+        let mut s = settings(db, mock);
+        // Generous: a request timed out on a loaded machine is re-sent, and re-sends are not
+        // what these tests measure.
+        s.client.timeout = Duration::from_secs(30);
+        let mut p = pipeline(&s).await;
+        p.options.intake_window = window;
+        pipelines.push(p);
+    }
+    pipelines
+}
+
 /// `runs` ingests of one corpus started together, each its own pipeline (own pool, own run):
 /// together they send each input about once, and every chunk ends stored exactly once.
 async fn concurrent_ingests_share_the_work(runs: usize) {
@@ -28,18 +48,9 @@ async fn concurrent_ingests_share_the_work(runs: usize) {
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig { latency_ms: 5, ..MockConfig::default() }).await;
     let bytes = corpus(CHUNKS);
-    let mut pipelines = Vec::new();
-    for _ in 0..runs {
-        let mut s = settings(&db, &mock);
-        // Generous: a request timed out on a loaded machine is re-sent, and re-sends are not
-        // what this test measures.
-        s.client.timeout = Duration::from_secs(30);
-        let mut p = pipeline(&s).await;
-        // Small windows: what the runs embed twice before they see each other (a run alone
-        // claims nothing) is a window or two, well within the bound.
-        p.options.intake_window = 128;
-        pipelines.push(p);
-    }
+    // Small windows: what the runs embed twice before they see each other (a run alone
+    // claims nothing) is a window or two, well within the bound.
+    let pipelines = pipelines_of(&db, &mock, runs, 128).await;
     let summaries: Vec<IngestSummary> = futures::future::join_all(
         pipelines.iter().map(|p| p.run(input(bytes.clone()), CancellationToken::new())),
     )
@@ -101,14 +112,7 @@ async fn a_run_started_beside_a_lone_one_shares_the_rest() {
     // Slow enough that the first run is far from done when the second starts.
     let mock = start_mock(MockConfig { latency_ms: 100, ..MockConfig::default() }).await;
     let bytes = corpus(CHUNKS);
-    let mut runs = Vec::new();
-    for _ in 0..2 {
-        let mut s = settings(&db, &mock);
-        s.client.timeout = Duration::from_secs(30);
-        let mut p = pipeline(&s).await;
-        p.options.intake_window = WINDOW;
-        runs.push(p);
-    }
+    let runs = pipelines_of(&db, &mock, 2, WINDOW).await;
     let first = runs[0].run(input(bytes.clone()), CancellationToken::new());
     let second = async {
         // Past the first run's always-leased windows: it is in its lone, read-only mode.
