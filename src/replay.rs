@@ -106,6 +106,11 @@ pub struct ReplayConfig {
     /// new, or Redis lost its data): `serve` then republishes the lost events at once
     /// ([`crate::reconcile::Reconciler::republish_lost_events`]). `None`: nobody listens.
     pub data_lost: Option<std::sync::Arc<tokio::sync::Notify>>,
+    /// Rung by a replayer whose commit settled work (its leases ended), so the scheduler of
+    /// the same configuration issues the next work then, not at its next tick: on ticks alone
+    /// replay would go at most `outstanding_max` rows per `schedule_every`. Clones of a
+    /// configuration share it; replayers of other processes wake their own scheduler.
+    pub room_freed: std::sync::Arc<tokio::sync::Notify>,
     /// The stream shards a replayer reads (each `XREADGROUP` reads one: a read across
     /// shards would cross slots); empty means every shard of its keys. `serve` hands each
     /// replayer its share ([`shares`]).
@@ -131,6 +136,7 @@ impl Default for ReplayConfig {
             schedule_every: Duration::from_secs(1),
             systemic_pause: Duration::from_secs(60),
             data_lost: None,
+            room_freed: Default::default(),
             shards: Vec::new(),
         }
     }
@@ -221,7 +227,8 @@ impl Scheduler {
         }
     }
 
-    /// Runs a pass every `schedule_every` until `cancel`. Transient errors are logged and
+    /// Runs a pass every `schedule_every`, and soon after a replayer settled work
+    /// ([`ReplayConfig::room_freed`]), until `cancel`. Transient errors are logged and
     /// retried on the next tick; a permanent one ends the loop.
     ///
     /// Returns `Ok(())` once cancelled, `Err` on a permanent error (the caller logs it at
@@ -242,7 +249,14 @@ impl Scheduler {
                 }
                 tracing::warn!(error = %e, "scheduler pass failed; retrying");
             }
-            sleep_or_cancel(self.config.schedule_every, &cancel).await;
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = tokio::time::sleep(self.config.schedule_every) => {}
+                _ = self.config.room_freed.notified() => {
+                    // The batches settled meanwhile share the next pass.
+                    sleep_or_cancel(SCHEDULE_WAKE_GAP.min(self.config.schedule_every), &cancel).await;
+                }
+            }
         }
         Ok(())
     }
@@ -253,6 +267,11 @@ impl Scheduler {
 /// that walk to about one per pass; a statement of this many rows runs in well under a
 /// second.
 const SCHEDULE_STATEMENT_ROWS: usize = 5_000;
+
+/// Least time between two passes woken by settled work: every replayer commit rings, and a
+/// pass walks the live leases (up to the outstanding cap), so a burst of commits is served by
+/// one pass rather than one each.
+const SCHEDULE_WAKE_GAP: Duration = Duration::from_millis(50);
 
 /// How often the scheduler deletes leases left by rows that moved on.
 const LEASE_SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -869,6 +888,9 @@ impl Replayer {
             }
         }
         failpoint::hit!("replay_after_commit");
+        if !stored.is_empty() || !applied.is_empty() {
+            self.config.room_freed.notify_one();
+        }
         record_outcomes(&counts);
         for (shard, ids) in by_shard(ack.iter().map(|(s, id)| (*s, id))) {
             let mut cmd = redis::cmd("XACK");

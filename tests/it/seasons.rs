@@ -246,6 +246,65 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
 }
 }
 
+/// A backlog many times the outstanding cap, a scheduler that ticks every 2 s: replay must
+/// go at the replayers' pace, not at one cap's worth of rows per tick. Each settled batch frees
+/// leases, and the next work has to be issued then (the chaos run's settle, 64 outstanding and
+/// a pass a second, left 6,000-11,000 of 25,000 rows undrained after 280 s). At a cap per tick
+/// this backlog takes 300 s; it has 90.
+#[test]
+fn a_backlog_past_the_cap_drains_at_the_replayers_pace_not_a_cap_per_tick() {
+    run_on(Backend::SingleNode, async {
+        const ROWS: usize = 1_200;
+        const CAP: usize = 8;
+        let db = TestDb::new().await;
+        let keys = fresh_keys();
+        park_due(&db, ROWS, "paced").await;
+        relay_all(&db, &keys).await;
+        let mock = start_mock(MockConfig::default()).await;
+        let config = ReplayConfig {
+            batch: 16,
+            block: Duration::from_millis(200),
+            min_idle: Duration::from_secs(30),
+            lease: Duration::from_secs(60),
+            outstanding_max: CAP,
+            schedule_every: Duration::from_secs(2),
+            ..Default::default()
+        };
+        let stop = CancellationToken::new();
+        let p = pipeline(&settings(&db, &mock)).await;
+        let mut tasks = tokio::task::JoinSet::new();
+        let scheduler = Scheduler { store: p.store.clone(), config: config.clone() };
+        let s = stop.clone();
+        tasks.spawn(async move { scheduler.run(s).await.map_err(|e| e.to_string()) });
+        let relay_config =
+            RelayConfig { replay_maxlen: CAP, poll: Duration::from_millis(100), ..Default::default() };
+        let relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config);
+        let s = stop.clone();
+        tasks.spawn(async move { relay.run(s).await.map_err(|e| e.to_string()) });
+        let rep = replayer(&db, &mock, &keys, "paced", config).await;
+        let s = stop.clone();
+        tasks.spawn(async move { rep.run(s.clone(), s).await.map_err(|e| e.to_string()) });
+        let started = tokio::time::Instant::now();
+        wait_for("the backlog to drain", Duration::from_secs(90), async || {
+            db.count("SELECT count(*) FROM embedding_dlq").await == 0
+        })
+        .await;
+        eprintln!("paced replay: {ROWS} rows at a cap of {CAP} drained in {:?}", started.elapsed());
+        stop.cancel();
+        while let Some(r) = tasks.join_next().await {
+            r.unwrap().unwrap();
+        }
+        assert_eq!(mock.control.stats().inputs, ROWS as u64, "each row embedded once");
+        assert_eq!(
+            db.count(
+                "SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings WHERE doc_id = 'paced'"
+            )
+            .await,
+            ROWS as i64
+        );
+    });
+}
+
 /// Replay in flight against the Redis at `url`, with production's 15-minute lease; then
 /// `flush` loses every stream, group and record of the keys' shard. Replay resumes at once
 /// and drains the backlog: it does not wait out the leases of the lost work items.
