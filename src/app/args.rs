@@ -353,7 +353,7 @@ pub struct TailCommand {
     /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
-    /// Shards of the streams (else `[serve] stream_shards` of the config file), 1..=256.
+    /// Shards of the streams (else `[serve] stream_shards` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
     pub stream_shards: Option<u16>,
 }
@@ -378,11 +378,11 @@ pub struct ReconcileCommand {
     #[arg(long)]
     pub deep: bool,
     /// Without --full/--deep, a run is a full sweep when none finished within this many
-    /// seconds; 0 = every run, 0..=2592000.
+    /// seconds; 0 = every run.
     #[arg(long = "full-every-secs", id = "reconcile_full_every_secs")]
     pub full_every_secs: Option<u64>,
     /// Without --full/--deep, a run is a deep sweep when none finished within this many
-    /// seconds; 0 = never, 0..=31536000.
+    /// seconds; 0 = never.
     #[arg(long = "deep-every-secs", id = "reconcile_deep_every_secs")]
     pub deep_every_secs: Option<u64>,
     /// Print the report as JSON.
@@ -402,7 +402,7 @@ pub struct ReconcileCommand {
     /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,
-    /// Shards of the streams (else `[serve] stream_shards` of the config file), 1..=256.
+    /// Shards of the streams (else `[serve] stream_shards` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_SHARDS")]
     pub stream_shards: Option<u16>,
 }
@@ -483,5 +483,28 @@ mod tests {
         Cli::command_with_defaults()
             .try_get_matches_from(["embed-dlq", "ingest", "--concurrency", "3"])
             .unwrap();
+    }
+
+    /// A setting's bound is written once, by the resolver: no flag of any command, however
+    /// deep, says its range in its own words as well (`--full-every-secs` once showed
+    /// "0..=2592000 [range: 0..=2592000]").
+    #[test]
+    fn no_help_restates_the_bound_it_is_given() {
+        fn walk(cmd: &clap::Command, path: &str, restated: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                if let Some((own, _)) = help.split_once(" [range: ")
+                    && own.contains("..=")
+                {
+                    restated.push(format!("{path} --{}: {help}", arg.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), restated);
+            }
+        }
+        let mut restated = Vec::new();
+        walk(&Cli::command_with_defaults(), "embed-dlq", &mut restated);
+        assert!(restated.is_empty(), "{restated:#?}");
     }
 }
