@@ -38,8 +38,9 @@
 //!
 //! A writer stamps `updated_at = now()`, its transaction's start, and may commit long after
 //! a reconcile run went by. So a run does not resume from its own start but from its
-//! *horizon*: the oldest transaction start among the database's other sessions when the run
-//! began (read from `pg_stat_activity` before any check takes a snapshot), less a small
+//! *horizon*: the oldest transaction start among the database's other client sessions when
+//! the run began (read from `pg_stat_activity` before any check takes a snapshot; autovacuum
+//! and other server processes never stamp `updated_at`), less a small
 //! margin (2 s). Whatever this run could not see was written by a transaction running then (which
 //! started no earlier than the horizon) or starting later, so its `updated_at` is at or after
 //! the horizon, and the next run looks at it. Sessions whose transactions cannot be seen
@@ -779,7 +780,9 @@ impl Reconciler {
     /// older ones (a `FLUSHALL`, a restart without persistence or from an older snapshot, a
     /// failover to a replica that lagged), so a witness missing sends the check through every
     /// retained event; an entry deleted by hand from the middle of a stream is found by the
-    /// next full sweep. Without a window, every retained event.
+    /// next full sweep. Without a window, every retained event. Either walk ends at the
+    /// events published before it began: what a relay publishes meanwhile goes to the stream
+    /// as it is now, and the next run's window covers it.
     ///
     /// An entry older than the stream's first one, while the stream is at its length cap, was
     /// trimmed by policy and is not a finding. Repair deletes the event's dedup marker (or
@@ -798,14 +801,15 @@ impl Reconciler {
         let page = self.config.page();
         let mut out =
             Finding { check: Check::MissingEvents, found: 0, examples: vec![], repaired: 0, note: None };
-        let mut cursor = EventsPage::After(0);
+        let until = outbox::clock(pool).await?;
+        let mut cursor = EventsPage::PublishedFrom { at: DateTime::UNIX_EPOCH, after_id: 0, until };
         let mut lost_before_window = false;
         if let Some(since) = window {
             let witnesses = outbox::published_events(pool, EventsPage::PublishedBefore(since), page).await?;
             let (missing, _) = self.events_missing_from_stream(redis, &witnesses).await?;
             lost_before_window = !missing.is_empty();
             if !lost_before_window {
-                cursor = EventsPage::PublishedFrom(since, 0);
+                cursor = EventsPage::PublishedFrom { at: since, after_id: 0, until };
             }
         }
         let mut trimmed = 0u64;
@@ -813,10 +817,7 @@ impl Reconciler {
         loop {
             let rows = outbox::published_events(pool, cursor, page).await?;
             let Some(last) = rows.last() else { break };
-            cursor = match cursor {
-                EventsPage::PublishedFrom(..) => EventsPage::PublishedFrom(last.published_at, last.id),
-                _ => EventsPage::After(last.id),
-            };
+            cursor = EventsPage::PublishedFrom { at: last.published_at, after_id: last.id, until };
             let (missing, page_trimmed) = self.events_missing_from_stream(redis, &rows).await?;
             trimmed += page_trimmed;
             out.found += missing.len() as u64;

@@ -106,11 +106,12 @@ pub struct ReplayConfig {
     /// new, or Redis lost its data): `serve` then republishes the lost events at once
     /// ([`crate::reconcile::Reconciler::republish_lost_events`]). `None`: nobody listens.
     pub data_lost: Option<std::sync::Arc<tokio::sync::Notify>>,
-    /// Rung by a replayer whose commit settled work (its leases ended), so the scheduler of
-    /// the same configuration issues the next work then, not at its next tick: on ticks alone
-    /// replay would go at most `outstanding_max` rows per `schedule_every`. Clones of a
-    /// configuration share it; replayers of other processes wake their own scheduler.
-    pub room_freed: std::sync::Arc<tokio::sync::Notify>,
+    /// Work the replayers settled since the scheduler's last pass: once a quarter of the
+    /// cap is free, the scheduler of the same configuration issues the next work then, not at
+    /// its next tick (on ticks alone replay would go at most `outstanding_max` rows per
+    /// `schedule_every`). Clones of a configuration share it; replayers of other processes
+    /// wake their own scheduler.
+    pub settled: std::sync::Arc<SettledWork>,
     /// The stream shards a replayer reads (each `XREADGROUP` reads one: a read across
     /// shards would cross slots); empty means every shard of its keys. `serve` hands each
     /// replayer its share ([`shares`]).
@@ -136,9 +137,33 @@ impl Default for ReplayConfig {
             schedule_every: Duration::from_secs(1),
             systemic_pause: Duration::from_secs(60),
             data_lost: None,
-            room_freed: Default::default(),
+            settled: Default::default(),
             shards: Vec::new(),
         }
+    }
+}
+
+/// Rows the replayers of one process settled (their leases ended) since the scheduler's last
+/// pass, and the bell that wakes it. A pass walks every live lease (up to the cap), so the
+/// bell rings once a quarter of the cap is free, not for every batch.
+#[derive(Debug, Default)]
+pub struct SettledWork {
+    rows: std::sync::atomic::AtomicUsize,
+    bell: tokio::sync::Notify,
+}
+
+impl SettledWork {
+    /// Counts `rows` settled; rings once a quarter of `outstanding_max` is free.
+    fn add(&self, rows: usize, outstanding_max: usize) {
+        let total = self.rows.fetch_add(rows, std::sync::atomic::Ordering::Relaxed) + rows;
+        if total >= (outstanding_max / 4).max(1) {
+            self.bell.notify_one();
+        }
+    }
+
+    /// A pass starts: what was settled so far is its room.
+    fn reset(&self) {
+        self.rows.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -228,7 +253,7 @@ impl Scheduler {
     }
 
     /// Runs a pass every `schedule_every`, and soon after a replayer settled work
-    /// ([`ReplayConfig::room_freed`]), until `cancel`. Transient errors are logged and
+    /// ([`ReplayConfig::settled`]), until `cancel`. Transient errors are logged and
     /// retried on the next tick; a permanent one ends the loop.
     ///
     /// Returns `Ok(())` once cancelled, `Err` on a permanent error (the caller logs it at
@@ -242,6 +267,7 @@ impl Scheduler {
                     tracing::warn!(error = %e, "sweeping stale replay leases failed; retrying later");
                 }
             }
+            self.config.settled.reset();
             if let Err(e) = self.run_once().await {
                 let e = ReplayError::from(e);
                 if !e.is_transient() {
@@ -252,7 +278,7 @@ impl Scheduler {
             tokio::select! {
                 _ = cancel.cancelled() => {}
                 _ = tokio::time::sleep(self.config.schedule_every) => {}
-                _ = self.config.room_freed.notified() => {
+                _ = self.config.settled.bell.notified() => {
                     // The batches settled meanwhile share the next pass.
                     sleep_or_cancel(SCHEDULE_WAKE_GAP.min(self.config.schedule_every), &cancel).await;
                 }
@@ -268,9 +294,8 @@ impl Scheduler {
 /// second.
 const SCHEDULE_STATEMENT_ROWS: usize = 5_000;
 
-/// Least time between two passes woken by settled work: every replayer commit rings, and a
-/// pass walks the live leases (up to the outstanding cap), so a burst of commits is served by
-/// one pass rather than one each.
+/// Least time between two passes woken by settled work: commits that free the cap's quarter
+/// at once (a small cap, big batches) share one pass.
 const SCHEDULE_WAKE_GAP: Duration = Duration::from_millis(50);
 
 /// How often the scheduler deletes leases left by rows that moved on.
@@ -888,9 +913,7 @@ impl Replayer {
             }
         }
         failpoint::hit!("replay_after_commit");
-        if !stored.is_empty() || !applied.is_empty() {
-            self.config.room_freed.notify_one();
-        }
+        self.config.settled.add(stored.len() + applied.len(), self.config.outstanding_max);
         record_outcomes(&counts);
         for (shard, ids) in by_shard(ack.iter().map(|(s, id)| (*s, id))) {
             let mut cmd = redis::cmd("XACK");

@@ -760,7 +760,8 @@ impl RunLock {
     ///
     /// The horizon: a writer stamps `updated_at = now()`, its transaction's start, and may
     /// commit much later. Read before any check takes a snapshot, the oldest transaction
-    /// start among this database's other sessions bounds every change this run cannot see:
+    /// start among this database's other client sessions (server processes such as
+    /// autovacuum write no rows of ours) bounds every change this run cannot see:
     /// such a change belongs to a transaction running now (started no earlier than that) or
     /// to one starting later (no earlier than the clock now).
     pub(crate) async fn begin(pool: &PgPool) -> Result<RunLock, StoreError> {
@@ -786,7 +787,10 @@ impl RunLock {
                                                             WHERE sweep = 'deep'))::float8 AS deep,
                     (SELECT resume FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS resume
                FROM pg_stat_activity a
-              WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()",
+              WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                -- Only sessions can stamp `updated_at`: an autovacuum of a big table runs
+                -- in one transaction for minutes and would hold every window open to it.
+                AND a.backend_type = 'client backend'",
         )
         .fetch_one(&mut *tx)
         .await?;

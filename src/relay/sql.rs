@@ -221,15 +221,21 @@ pub(crate) struct PublishedEvent {
 /// walks over the outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EventsPage {
-    /// Every retained row, by id, after this id (a full walk: the primary key).
-    After(i64),
-    /// The rows published at or after a time, by `(published_at, id)` after this cursor (an
-    /// incremental walk: the `published_at` index, so its cost follows the window, not what
-    /// the outbox retains).
-    PublishedFrom(DateTime<Utc>, i64),
+    /// The rows published at or after a time (the window of an incremental walk; the epoch
+    /// for a full one) and before the walk began, by `(published_at, id)` after this cursor:
+    /// the `published_at` index, so a page reads its own rows, however many rows wait
+    /// unpublished between them (a relay draining a backlog: walked by id, a page of a
+    /// 1M-row backlog read up to 8 s), and a walk ends even while a relay keeps publishing
+    /// (what it publishes after the walk began goes to the stream as it is now).
+    PublishedFrom { at: DateTime<Utc>, after_id: i64, until: DateTime<Utc> },
     /// The rows with the highest ids among those published before a time (the witnesses that
     /// the events before an incremental window are still on the stream).
     PublishedBefore(DateTime<Utc>),
+}
+
+/// The database's clock now: where a walk over published events stops ([`EventsPage`]).
+pub(crate) async fn clock(pool: &PgPool) -> Result<DateTime<Utc>, StoreError> {
+    Ok(sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await?)
 }
 
 /// Up to `limit` published `events` rows of `page` that recorded their entry id (rows
@@ -245,27 +251,29 @@ pub(crate) async fn published_events(
                 embed_dlq_dedup_hour(created_at) AS dedup_hour, published_at
            FROM dlq_outbox
           WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL";
-    let (condition, at, after) = match page {
-        EventsPage::After(id) => ("AND id > $2 ORDER BY id", None, id),
+    let (condition, at, after, until) = match page {
         // `published_at >= $1` is what the index scan starts at; the row comparison breaks
         // the ties of one relay batch (one `now()`) by id.
-        EventsPage::PublishedFrom(at, id) => (
-            "AND published_at >= $1 AND (published_at, id) > ($1, $2) ORDER BY published_at, id",
+        EventsPage::PublishedFrom { at, after_id, until } => (
+            "AND published_at >= $1 AND (published_at, id) > ($1, $2) AND published_at < $4
+             ORDER BY published_at, id",
             Some(at),
-            id,
+            after_id,
+            Some(until),
         ),
         // The highest ids before the window: the primary key walked down from the top skips
         // the window's rows and stops at the limit, and the rows are neighbours on the stream
         // (one range read). By `published_at` the rows of one timestamp (a relay batch, or
         // many) came in any order, spread over the stream, and with `id` as a tie-break all
         // of that timestamp's rows were sorted first.
-        EventsPage::PublishedBefore(at) => ("AND published_at < $1 ORDER BY id DESC", Some(at), 0),
+        EventsPage::PublishedBefore(at) => ("AND published_at < $1 ORDER BY id DESC", Some(at), 0, None),
     };
     // Only the constant strings above are spliced in.
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!("{COLUMNS} {condition} LIMIT $3")))
         .bind(at)
         .bind(after)
         .bind(limit as i64)
+        .bind(until)
         .fetch_all(pool)
         .await?;
     rows.iter()

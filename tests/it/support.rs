@@ -708,6 +708,22 @@ pub fn immediate() -> embed_dlq::reconcile::ReconcileConfig {
     }
 }
 
+/// Parks `n` transient chunks of document `doc` (the provider is down while they are
+/// ingested) and makes them due now.
+pub async fn park_due(db: &TestDb, n: usize, doc: &str) {
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut s = settings(db, &down);
+    s.retry.max_attempts = 1;
+    // Past the breaker's threshold the rest is parked without a call (large corpora).
+    s.options.on_outage = embed_dlq::embed::gate::OnOutage::Park;
+    let p = pipeline(&s).await;
+    let corpus: String = (0..n).map(|i| line(doc, i as i32, &format!("{doc} chunk {i}"))).collect();
+    let r = p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(r.parked_total(), n as u64);
+    make_due(db).await;
+}
+
 /// Makes every scheduled DLQ row due now (instead of waiting out the DLQ backoff).
 pub async fn make_due(db: &TestDb) {
     sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE next_retry_at IS NOT NULL")
