@@ -14,7 +14,7 @@
 #   SIZES: comma-separated corpus sizes (default 1000000,10000000).
 # Knobs: SCALE_DIMS (vector size, default 256), SCALE_PARKED (default 1000000; 0 skips step 6),
 # SCALE_CHANGED_PERCENT (default 1), SCALE_DIR (work files: corpora, logs; default
-# target/scale), SCALE_KEEP=1 keeps each size's database afterwards.
+# target/scale), SCALE_KEEP=1 keeps each size's database and Redis keys afterwards.
 # Disk: about 2 GB per million chunks at 256 dimensions (vectors, manifest, WAL), plus the
 # corpora (about 150 MB per million lines); 10M needs about 25 GB free.
 set -euo pipefail
@@ -83,8 +83,22 @@ EOF
 
 q() { "$psql" -X -At "$db_url" -c "$1"; }
 
-# Redis's used_memory in bytes.
-redis_used() { redis-cli -u "$REDIS_URL" info memory | tr -d '\r' | awk -F: '/^used_memory:/ {print $2}'; }
+# What the keys of this size's stream prefix hold: each key's bytes (MEMORY USAGE, every
+# element counted) and length, and the sum.
+redis_of_prefix() {
+  local total=0 k bytes len
+  while read -r k; do
+    bytes=$(redis-cli -u "$REDIS_URL" memory usage "$k" samples 0)
+    case $(redis-cli -u "$REDIS_URL" type "$k") in
+      stream) len="$(redis-cli -u "$REDIS_URL" xlen "$k") entries" ;;
+      hash) len="$(redis-cli -u "$REDIS_URL" hlen "$k") fields" ;;
+      *) len="" ;;
+    esac
+    total=$((total + bytes))
+    printf '%s %s MB (%s); ' "$k" "$((bytes / 1048576))" "$len"
+  done < <(redis-cli -u "$REDIS_URL" --scan --pattern "{$prefix}*")
+  printf 'in all %s MB' "$((total / 1048576))"
+}
 
 # `step NAME ITEMS CMD...`: runs CMD under GNU time, appends a report row (wall, items/s, peak RSS).
 # Exit 5 (reconcile: something found) passes: the run measures, the suite checks.
@@ -132,7 +146,6 @@ for size in "${all_sizes[@]}"; do
   db="embed_dlq_scale_$size"
   db_url="$base_db_url/$db"
   prefix="scale-$size-$$"
-  redis_before=$(redis_used)
   "$psql" -X -q "$base_db_url/postgres" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db"
   "$bin" migrate --database-url "$db_url" --table scale_vectors --dimensions "$dims" >/dev/null
   fresh="$work/corpus-$size.jsonl"
@@ -183,7 +196,7 @@ for size in "${all_sizes[@]}"; do
       [[ $(q "SELECT count(*) FROM embedding_dlq") == 0 ]] && break
     done
     drained_at=$(date +%s.%N)
-    redis_mem="$(( ($(redis_used) - redis_before) / 1048576 )) MB more than before this size (streams and dedup records of $prefix)"
+    redis_mem=$(redis_of_prefix)
     # `serve_pid` is GNU time's: the signal goes to serve, and time writes its line.
     pkill -TERM -P "$serve_pid" || true
     wait "$serve_pid" || true
@@ -191,7 +204,7 @@ for size in "${all_sizes[@]}"; do
     row "serve: parked events relayed" "$parked" "$(python3 -c "print(round($relayed_at - $started, 1))")" "$serve_rss"
     row "serve: parked rows drained" "$parked" "$(python3 -c "print(round($drained_at - $started, 1))")" "$serve_rss"
   else
-    redis_mem="$(( ($(redis_used) - redis_before) / 1048576 )) MB more than before this size"
+    redis_mem=$(redis_of_prefix)
   fi
   {
     echo "### $size chunks: sizes"
@@ -204,11 +217,14 @@ for size in "${all_sizes[@]}"; do
         WHERE n.nspname = 'public' AND c.relkind = 'r' AND pg_table_size(c.oid) > 1048576
         ORDER BY pg_total_relation_size(c.oid) DESC"
     echo
-    echo "Database $(q "SELECT pg_size_pretty(pg_database_size(current_database()))"); Redis: $redis_mem."
+    echo "Database $(q "SELECT pg_size_pretty(pg_database_size(current_database()))"). Redis: $redis_mem."
     echo
   } >>"$sizes_report"
   if [[ $keep != 1 ]]; then
     "$psql" -X -q "$base_db_url/postgres" -c "DROP DATABASE $db WITH (FORCE)"
+    redis-cli -u "$REDIS_URL" --scan --pattern "{$prefix}*" | while read -r k; do
+      redis-cli -u "$REDIS_URL" unlink "$k" >/dev/null
+    done
   fi
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   pids=()
