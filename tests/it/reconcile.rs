@@ -216,22 +216,11 @@ async fn the_walk_over_published_events_reads_only_published_rows() {
         keys,
         config: immediate(),
     };
-    let read = async || {
-        db.count(
-            "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables
-              WHERE relid = 'dlq_outbox'::regclass",
-        )
-        .await
-    };
-    // A backend reports what it read when it ends, or within 10 s of going idle
-    // (PGSTAT_IDLE_INTERVAL): by then the setup's reads are all counted.
-    tokio::time::sleep(Duration::from_secs(11)).await;
-    let before = read().await;
+    quiet_statistics().await;
+    let before = rows_read(&db, "dlq_outbox").await;
     assert_eq!(r.republish_lost_events().await.unwrap(), Some(0), "every published event is on the stream");
     pool.close().await;
-    wait_for("the walk's statistics", Duration::from_secs(30), async || read().await > before).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let read = read().await - before;
+    let read = rows_read_since(&db, "dlq_outbox", before).await;
     assert!(
         read <= 2 * published,
         "the walk over {published} published events read {read} outbox rows (of {PARKED})"

@@ -724,6 +724,38 @@ pub async fn park_due(db: &TestDb, n: usize, doc: &str) {
     make_due(db).await;
 }
 
+/// Rows of `table` read so far (sequential and index fetches), as the server's statistics
+/// count them: what a statement read, compared before and after it, whatever its plan. A
+/// backend reports its counts when it ends, or within 10 s of going idle (PGSTAT_IDLE_INTERVAL):
+/// call [`quiet_statistics`] before the first reading, and read with the pool that ran the
+/// statement closed.
+pub async fn rows_read(db: &TestDb, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables
+          WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Waits until every idle backend has reported what it read (see [`rows_read`]).
+pub async fn quiet_statistics() {
+    tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+}
+
+/// Waits until `db`'s statistics show more than `before` rows of `table` read (the closed
+/// pool's backends reported), then a little longer for the rest of their counts.
+pub async fn rows_read_since(db: &TestDb, table: &str, before: i64) -> i64 {
+    wait_for("the statistics of the statement", std::time::Duration::from_secs(30), async || {
+        rows_read(db, table).await > before
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    rows_read(db, table).await - before
+}
+
 /// Makes every scheduled DLQ row due now (instead of waiting out the DLQ backoff).
 pub async fn make_due(db: &TestDb) {
     sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE next_retry_at IS NOT NULL")
