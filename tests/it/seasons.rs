@@ -95,6 +95,21 @@ async fn replayer(
     replayer_for(db, mock, keys, name, config, Duration::from_millis(400)).await
 }
 
+/// Runs a scheduler of `config` over `p`'s store and `relay` in `tasks` until `stop`.
+fn spawn_scheduler_and_relay(
+    tasks: &mut tokio::task::JoinSet<Result<(), String>>,
+    p: &embed_dlq::ingest::Pipeline,
+    config: &ReplayConfig,
+    relay: Relay,
+    stop: &CancellationToken,
+) {
+    let scheduler = Scheduler { store: p.store.clone(), config: config.clone() };
+    let s = stop.clone();
+    tasks.spawn(async move { scheduler.run(s).await.map_err(|e| e.to_string()) });
+    let s = stop.clone();
+    tasks.spawn(async move { relay.run(s).await.map_err(|e| e.to_string()) });
+}
+
 /// The test Redis's `used_memory` in bytes (0 where `INFO` does not answer one node's text,
 /// as on a cluster: the measured run is on a single node).
 async fn used_memory() -> u64 {
@@ -257,14 +272,10 @@ fn a_backlog_past_the_cap_drains_at_the_replayers_pace_not_a_cap_per_tick() {
         let stop = CancellationToken::new();
         let p = pipeline(&settings(&db, &mock)).await;
         let mut tasks = tokio::task::JoinSet::new();
-        let scheduler = Scheduler { store: p.store.clone(), config: config.clone() };
-        let s = stop.clone();
-        tasks.spawn(async move { scheduler.run(s).await.map_err(|e| e.to_string()) });
         let relay_config =
             RelayConfig { replay_maxlen: CAP, poll: Duration::from_millis(100), ..Default::default() };
         let relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config);
-        let s = stop.clone();
-        tasks.spawn(async move { relay.run(s).await.map_err(|e| e.to_string()) });
+        spawn_scheduler_and_relay(&mut tasks, &p, &config, relay, &stop);
         let rep = replayer(&db, &mock, &keys, "paced", config).await;
         let s = stop.clone();
         tasks.spawn(async move { rep.run(s.clone(), s).await.map_err(|e| e.to_string()) });
@@ -309,13 +320,9 @@ async fn replay_resumes_after_redis_loses_its_data(url: &str, flush: impl AsyncF
     let stop = CancellationToken::new();
     let p = pipeline(&settings(&db, &mock)).await;
     let mut tasks = tokio::task::JoinSet::new();
-    let scheduler = Scheduler { store: p.store.clone(), config: config.clone() };
-    let s = stop.clone();
-    tasks.spawn(async move { scheduler.run(s).await.map_err(|e| e.to_string()) });
     let relay_config = RelayConfig { poll: Duration::from_millis(100), ..Default::default() };
     let relay = Relay::new(db.pool.clone(), client.managed().await.unwrap(), keys.clone(), relay_config);
-    let s = stop.clone();
-    tasks.spawn(async move { relay.run(s).await.map_err(|e| e.to_string()) });
+    spawn_scheduler_and_relay(&mut tasks, &p, &config, relay, &stop);
     let mut redis = client.managed().await.unwrap();
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let rep = Replayer {
