@@ -5,7 +5,8 @@
 #   1. ingest the corpus fresh; 2. the same corpus again (unchanged); 3. reconcile (the first
 #   run, which sets the incremental position); 4. the corpus with SCALE_CHANGED_PERCENT of its
 #   chunks changed; 5. reconcile incremental, full and deep, and the seed write-up's bare
-#   anti-join over the same tables (the floor of a full sweep's main question);
+#   anti-join over the same tables (the floor of a full sweep's main question), then full,
+#   deep and the anti-join again once the tables are vacuumed;
 #   6. SCALE_PARKED chunks parked (provider down), then one `serve` relaying and draining them.
 # Each step's wall time and peak RSS (GNU time), then Postgres table and index sizes and Redis
 # memory, go to a report (markdown) printed at the end.
@@ -169,6 +170,17 @@ for size in "${all_sizes[@]}"; do
                         LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
                        WHERE e.doc_id IS NULL AND d.doc_id IS NULL")
   row "seed anti-join (server time)" "$size" "$seed" 0
+  # The same sweeps once the tables are vacuumed, as autovacuum leaves them in time: the
+  # visibility map lets the anti-joins read the unique index instead of every vector's heap.
+  step "VACUUM (ANALYZE) vectors and manifest" "$size" "$psql" -X -q "$db_url" \
+    -c "VACUUM (ANALYZE) scale_vectors" -c "VACUUM (ANALYZE) ingest_manifest"
+  step "reconcile full, vacuumed" "$size" "$bin" reconcile --full "${rc[@]}"
+  step "reconcile deep, vacuumed" "$size" "$bin" reconcile --deep "${rc[@]}"
+  seed=$(sql_seconds "SELECT m.doc_id, m.chunk_index FROM ingest_manifest m
+                        LEFT JOIN scale_vectors e USING (doc_id, chunk_index)
+                        LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+                       WHERE e.doc_id IS NULL AND d.doc_id IS NULL")
+  row "seed anti-join, vacuumed (server time)" "$size" "$seed" 0
   if ((parked > 0)); then
     "$bin" migrate --database-url "$db_url" --table scale_parked --dimensions "$dims" >/dev/null
     parked_corpus="$work/corpus-$parked-parked.jsonl"
