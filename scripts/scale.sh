@@ -130,6 +130,12 @@ sql_seconds() {
     python3 -c 'import json,sys; print(round(json.load(sys.stdin)[0]["Execution Time"] / 1000, 2))'
 }
 
+# The seed write-up's reconciliation query, literally, on this deployment's tables.
+seed_query="SELECT m.doc_id, m.chunk_index FROM ingest_manifest m
+              LEFT JOIN scale_vectors e USING (doc_id, chunk_index)
+              LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
+             WHERE e.doc_id IS NULL AND d.doc_id IS NULL"
+
 base_db_url=${DATABASE_URL%/*}
 {
   echo "# Scale run $(date -u +%F\ %T) UTC"
@@ -164,23 +170,14 @@ for size in "${all_sizes[@]}"; do
   step "reconcile incremental" "$((size * changed_pct / 100))" "$bin" reconcile "${rc[@]}"
   step "reconcile full" "$size" "$bin" reconcile --full "${rc[@]}"
   step "reconcile deep" "$size" "$bin" reconcile --deep "${rc[@]}"
-  # The seed write-up's reconciliation query, literally, on this deployment's tables.
-  seed=$(sql_seconds "SELECT m.doc_id, m.chunk_index FROM ingest_manifest m
-                        LEFT JOIN scale_vectors e USING (doc_id, chunk_index)
-                        LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
-                       WHERE e.doc_id IS NULL AND d.doc_id IS NULL")
-  row "seed anti-join (server time)" "$size" "$seed" 0
+  row "seed anti-join (server time)" "$size" "$(sql_seconds "$seed_query")" 0
   # The same sweeps once the tables are vacuumed, as autovacuum leaves them in time: the
   # visibility map lets the anti-joins read the unique index instead of every vector's heap.
   step "VACUUM (ANALYZE) vectors and manifest" "$size" "$psql" -X -q "$db_url" \
     -c "VACUUM (ANALYZE) scale_vectors" -c "VACUUM (ANALYZE) ingest_manifest"
   step "reconcile full, vacuumed" "$size" "$bin" reconcile --full "${rc[@]}"
   step "reconcile deep, vacuumed" "$size" "$bin" reconcile --deep "${rc[@]}"
-  seed=$(sql_seconds "SELECT m.doc_id, m.chunk_index FROM ingest_manifest m
-                        LEFT JOIN scale_vectors e USING (doc_id, chunk_index)
-                        LEFT JOIN embedding_dlq d USING (doc_id, chunk_index)
-                       WHERE e.doc_id IS NULL AND d.doc_id IS NULL")
-  row "seed anti-join, vacuumed (server time)" "$size" "$seed" 0
+  row "seed anti-join, vacuumed (server time)" "$size" "$(sql_seconds "$seed_query")" 0
   if ((parked > 0)); then
     "$bin" migrate --database-url "$db_url" --table scale_parked --dimensions "$dims" >/dev/null
     parked_corpus="$work/corpus-$parked-parked.jsonl"
