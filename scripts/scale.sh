@@ -49,15 +49,17 @@ trap cleanup EXIT
 # A free local port.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# The built-in provider with `settings` (JSON), in the background; prints its base URL.
+# `start_mock VAR SETTINGS`: the built-in provider with SETTINGS (JSON), in the background
+# (stopped with the size, or on exit), its base URL in VAR. Not in a subshell: its pid must
+# reach `pids`.
 start_mock() {
   local port
   port=$(free_port)
-  "$bin" mock-provider --listen "127.0.0.1:$port" --settings "$1" >"$work/mock-$port.log" 2>&1 &
+  "$bin" mock-provider --listen "127.0.0.1:$port" --settings "$2" >"$work/mock-$port.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-      echo "http://127.0.0.1:$port/v1"
+      printf -v "$1" 'http://127.0.0.1:%s/v1' "$port"
       return
     fi
     sleep 0.1
@@ -160,7 +162,7 @@ for size in "${all_sizes[@]}"; do
   every=$((changed_pct > 0 ? 100 / changed_pct : 0))
   [[ -s $fresh ]] || corpus "$size" 0 "$fresh"
   [[ -s $changed ]] || corpus "$size" "$every" "$changed"
-  healthy=$(start_mock "{\"dimensions\": $dims}")
+  start_mock healthy "{\"dimensions\": $dims}"
   common=(--database-url "$db_url" --base-url "$healthy" --request-dimensions "$dims" --no-progress --json)
   step "ingest fresh" "$size" "$bin" ingest "$fresh" --table scale_vectors "${common[@]}"
   step "ingest unchanged" "$size" "$bin" ingest "$fresh" --table scale_vectors "${common[@]}"
@@ -182,7 +184,7 @@ for size in "${all_sizes[@]}"; do
     "$bin" migrate --database-url "$db_url" --table scale_parked --dimensions "$dims" >/dev/null
     parked_corpus="$work/corpus-$parked-parked.jsonl"
     [[ -s $parked_corpus ]] || corpus "$parked" 0 "$parked_corpus"
-    down=$(start_mock "{\"dimensions\": $dims, \"outage_after_ms\": 0, \"outage_for_ms\": 86400000}")
+    start_mock down "{\"dimensions\": $dims, \"outage_after_ms\": 0, \"outage_for_ms\": 86400000}"
     step "park (provider down)" "$parked" "$bin" ingest "$parked_corpus" --table scale_parked \
       --database-url "$db_url" --base-url "$down" --request-dimensions "$dims" --no-progress --json \
       --on-outage park --retry-max-attempts 1 --dlq-base-secs 1 --dlq-cap-secs 1
