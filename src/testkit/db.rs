@@ -85,9 +85,20 @@ impl TestDb {
     }
 
     /// A fresh, migrated database on the server `server_url` points at (any database of that
-    /// server: only the server part is used).
+    /// server: only the server part is used): a copy of the server's migrated template
+    /// ([`migrated_template`]), checked by migrating it (a no-op on a complete copy).
     pub async fn create(server_url: &str) -> Result<TestDb, TestDbError> {
-        let db = TestDb::create_unmigrated(server_url).await?;
+        let template = migrated_template(server_url).await?;
+        let db = match TestDb::create_from(server_url, Some(&template)).await {
+            Ok(db) => db,
+            // A server restarted on a fresh data dir no longer has the template this process
+            // made on it: made again once.
+            Err(_) => {
+                forget_template(server_url);
+                let template = migrated_template(server_url).await?;
+                TestDb::create_from(server_url, Some(&template)).await?
+            }
+        };
         match crate::store::migrate(&db.pool).await {
             Ok(()) => Ok(db),
             Err(source) => Err(TestDbError::Prepare { name: db.name().unwrap_or_default().into(), source }),
@@ -96,11 +107,19 @@ impl TestDb {
 
     /// A fresh database on the server `server_url` points at, with no migration applied.
     pub async fn create_unmigrated(server_url: &str) -> Result<TestDb, TestDbError> {
+        TestDb::create_from(server_url, None).await
+    }
+
+    /// A fresh database, a copy of `template` (else of the server's default template).
+    async fn create_from(server_url: &str, template: Option<&str>) -> Result<TestDb, TestDbError> {
         let name = fresh_name();
         let create_error = |source| TestDbError::Create { name: name.clone(), source };
         let mut conn = PgConnection::connect(server_url).await.map_err(create_error)?;
-        let created =
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\""))).execute(&mut conn).await;
+        let sql = match template {
+            Some(t) => format!("CREATE DATABASE \"{name}\" TEMPLATE \"{t}\""),
+            None => format!("CREATE DATABASE \"{name}\""),
+        };
+        let created = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await;
         conn.close().await.ok();
         created.map_err(create_error)?;
         // Owned from here on: an error below drops the database again.
@@ -174,6 +193,92 @@ impl Owned {
             Err(_) => tracing::warn!("the thread dropping a test database panicked"),
         }
     }
+}
+
+/// The prefix of the migrated templates test databases are copied from (not matched by
+/// `drop-test-dbs`: a template outlives the runs that use it).
+pub const TEMPLATE_PREFIX: &str = "it_template_";
+
+/// `(server URL, template)` of the templates this process made or found.
+static MADE_TEMPLATES: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+fn forget_template(server_url: &str) {
+    MADE_TEMPLATES.lock().unwrap_or_else(std::sync::PoisonError::into_inner).retain(|(u, _)| u != server_url);
+}
+
+/// The name of the server's copy of the current migrations, made once (by whichever test
+/// process gets there first, under an advisory lock) and then copied by every
+/// [`TestDb::new`]: a copy costs the server a file copy, where running the twenty migrations
+/// again for each of the suite's 300 databases cost it parsing, catalog writes and index
+/// builds (BENCHMARKS.md "Test time"). Named by a digest of the migrations, so a changed
+/// migration gets a template of its own; making one drops the templates of other digests.
+pub async fn migrated_template(server_url: &str) -> Result<String, TestDbError> {
+    use sha2::Digest;
+    let known = |url: &str| {
+        let made = MADE_TEMPLATES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        made.iter().find(|(u, _)| u == url).map(|(_, name)| name.clone())
+    };
+    if let Some(name) = known(server_url) {
+        return Ok(name);
+    }
+    let mut digest = sha2::Sha256::new();
+    for m in crate::store::MIGRATOR.iter() {
+        digest.update(m.version.to_le_bytes());
+        digest.update(&*m.checksum);
+    }
+    let digest = digest.finalize();
+    let name =
+        format!("{TEMPLATE_PREFIX}{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let create_error = |source| TestDbError::Create { name: name.clone(), source };
+    let mut conn = PgConnection::connect(server_url).await.map_err(create_error)?;
+    // One maker at a time across processes; the lock ends with the connection.
+    sqlx::query("SELECT pg_advisory_lock(hashtext('embed-dlq test template'))")
+        .execute(&mut conn)
+        .await
+        .map_err(create_error)?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(&name)
+        .fetch_one(&mut conn)
+        .await
+        .map_err(create_error)?;
+    if !exists {
+        // Made under another name and renamed when complete: a maker killed halfway leaves
+        // no template that looks finished.
+        let building = format!("{name}_building");
+        for sql in [
+            format!("DROP DATABASE IF EXISTS \"{building}\" WITH (FORCE)"),
+            format!("CREATE DATABASE \"{building}\""),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.map_err(create_error)?;
+        }
+        let prepare_error = |source| TestDbError::Prepare { name: building.clone(), source };
+        let pool =
+            crate::store::connect(&with_database(server_url, &building), 1).await.map_err(prepare_error)?;
+        let migrated = crate::store::migrate(&pool).await;
+        pool.close().await;
+        migrated.map_err(prepare_error)?;
+        let sql = format!("ALTER DATABASE \"{building}\" RENAME TO \"{name}\"");
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.map_err(create_error)?;
+        // Templates of other migrations (older checkouts); one still being copied stays.
+        let others: Vec<String> = sqlx::query_scalar(
+            "SELECT datname FROM pg_database WHERE starts_with(datname, $1) AND datname <> $2",
+        )
+        .bind(TEMPLATE_PREFIX)
+        .bind(&name)
+        .fetch_all(&mut conn)
+        .await
+        .map_err(create_error)?;
+        for other in others {
+            let sql = format!("DROP DATABASE IF EXISTS \"{other}\"");
+            sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.ok();
+        }
+    }
+    conn.close().await.ok();
+    MADE_TEMPLATES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((server_url.to_string(), name.clone()));
+    Ok(name)
 }
 
 fn server_url_from_env() -> String {

@@ -1,5 +1,5 @@
 //! The operator console in a real browser: Debian's headless Chromium driven through
-//! chromedriver (WebDriver, `fantoccini`), against a console served in-process over a real
+//! chromedriver (WebDriver, `webdriver.rs`), against a console served in-process over a real
 //! test database and the real Redis (streams under a prefix of the test's own).
 //!
 //! What the browser tests prove:
@@ -39,10 +39,10 @@ use std::time::Duration;
 use embed_dlq::console::{Console, ConsoleConfig, ConsoleToken};
 use embed_dlq::streams::StreamKeys;
 use embed_dlq::testkit::mock_provider::{MockConfig, POISON_400, POISON_DIM};
-use fantoccini::{Client, ClientBuilder, Locator};
 use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
+use crate::webdriver::{Element, Session};
 
 const TOKEN: &str = "test-console-token-0123456789";
 /// Generous: the machine running the suite may be loaded.
@@ -55,7 +55,7 @@ const WAIT: Duration = Duration::from_secs(90);
 /// A headless Chromium behind a chromedriver of its own (its own process group, killed on
 /// drop with everything it started, also when the test panics).
 struct Browser {
-    client: Option<Client>,
+    client: Option<Session>,
     driver: std::process::Child,
     profile: PathBuf,
 }
@@ -91,38 +91,23 @@ impl Browser {
             assert!(tokio::time::Instant::now() < deadline, "chromedriver did not come up");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let mut caps = serde_json::Map::new();
-        caps.insert(
-            "goog:chromeOptions".into(),
-            serde_json::json!({
-                "binary": which("chromium").expect("chromium is missing: scripts/ensure-chromium.sh installs it"),
-                "args": [
-                    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    "--disable-extensions", "--disable-quic", "--no-first-run", "--window-size=1360,1000",
-                    format!("--user-data-dir={}", browser.profile.display()),
-                ],
-            }),
-        );
-        let connector = hyper_util::client::legacy::connect::HttpConnector::new();
-        let client = ClientBuilder::new(connector)
-            .capabilities(caps)
-            .connect(&url)
+        let chrome_options = serde_json::json!({
+            "binary": which("chromium").expect("chromium is missing: scripts/ensure-chromium.sh installs it"),
+            "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-extensions", "--disable-quic", "--no-first-run", "--window-size=1360,1000",
+                format!("--user-data-dir={}", browser.profile.display()),
+            ],
+        });
+        let client = Session::start(&url, chrome_options, Duration::from_secs(60), Duration::from_secs(90))
             .await
-            .expect("a WebDriver session");
-        client
-            .update_timeouts(fantoccini::wd::TimeoutConfiguration::new(
-                Some(Duration::from_secs(60)),
-                Some(Duration::from_secs(90)),
-                Some(Duration::ZERO),
-            ))
-            .await
-            .unwrap();
+            .unwrap_or_else(|e| panic!("a WebDriver session: {e}"));
         browser.client = Some(client);
         browser
     }
 
-    fn c(&self) -> &Client {
+    fn c(&self) -> &Session {
         self.client.as_ref().unwrap()
     }
 
@@ -130,14 +115,15 @@ impl Browser {
         self.c().goto(url).await.unwrap_or_else(|e| panic!("load {url}: {e}"));
     }
 
-    async fn wait(&self, css: &str) -> fantoccini::elements::Element {
-        self.c()
-            .wait()
-            .at_most(WAIT)
-            .every(Duration::from_millis(100))
-            .for_element(Locator::Css(css))
-            .await
-            .unwrap_or_else(|e| panic!("no {css} on the page: {e}"))
+    async fn wait(&self, css: &str) -> Element<'_> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            match self.c().find(css).await {
+                Ok(found) => return found,
+                Err(e) => assert!(tokio::time::Instant::now() < deadline, "no {css} on the page: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     async fn text(&self, css: &str) -> String {
@@ -145,14 +131,14 @@ impl Browser {
     }
 
     async fn exists(&self, css: &str) -> bool {
-        self.c().find(Locator::Css(css)).await.is_ok()
+        self.c().find(css).await.is_ok()
     }
 
     /// Waits until `css`'s text satisfies `ok` (pages that update themselves).
     async fn wait_text(&self, css: &str, ok: impl Fn(&str) -> bool) -> String {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
-            if let Ok(e) = self.c().find(Locator::Css(css)).await
+            if let Ok(e) = self.c().find(css).await
                 && let Ok(t) = e.text().await
                 && ok(&t)
             {
@@ -375,7 +361,7 @@ async fn browse_filter_open_requeue_and_tail() {
     b.wait("#apply").await.click().await.unwrap();
     b.wait_text(".summary", |t| t.contains("class permanent_input")).await;
     assert_eq!(b.text("#match-count").await, permanent.len().to_string());
-    let rows = b.c().find_all(Locator::Css("#rows tbody tr")).await.unwrap();
+    let rows = b.c().find_all("#rows tbody tr").await.unwrap();
     assert_eq!(rows.len(), permanent.len());
     for r in &rows {
         assert!(r.text().await.unwrap().contains("permanent_input"));

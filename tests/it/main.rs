@@ -32,3 +32,4 @@ mod streams;
 mod superseded;
 mod support;
 mod sweeps;
+mod webdriver;
