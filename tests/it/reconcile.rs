@@ -192,7 +192,7 @@ async fn stuck_outbox_is_reported_until_a_relay_runs() {
 /// rows in between (1 to 8 s a page, for seven minutes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_walk_over_published_events_reads_only_published_rows() {
-    const PARKED: usize = 20_000;
+    const PARKED: usize = 4_000;
     let db = TestDb::new().await;
     let keys = fresh_keys();
     park_due(&db, PARKED, "walk").await;

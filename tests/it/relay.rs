@@ -41,7 +41,7 @@ async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {
 /// a claim of 500 behind 700,000 rows; 5-8 s a claim at the start of the 1M scale run).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_after_a_large_park_reads_the_head_of_the_backlog_not_all_of_it() {
-    const PARKED: usize = 20_000;
+    const PARKED: usize = 5_000;
     let db = TestDb::new().await;
     sqlx::query("ALTER TABLE dlq_outbox SET (autovacuum_enabled = false)").execute(&db.pool).await.unwrap();
     park_due(&db, PARKED, "head").await;
