@@ -187,7 +187,8 @@ pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
 /// cluster redirections and failovers (`TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`,
 /// `MOVED`, `ASK`), a busy script (`BUSY`), memory or persistence trouble (`OOM`, `MISCONF`),
 /// missing replicas (`NOREPLICAS`) and a consumer group that vanished with its stream
-/// (`NOGROUP`: the replayer recreates it). Permanent: everything else, e.g. `WRONGTYPE`, a
+/// (`NOGROUP`, and `UNBLOCKED` for a read that was blocked when the stream was deleted: the
+/// replayer recreates the group). Permanent: everything else, e.g. `WRONGTYPE`, a
 /// script error, `NOPERM`, failed authentication, a reply of an unexpected type.
 pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind};
@@ -210,10 +211,20 @@ pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
                 | ServerErrorKind::Ask
         ),
         ErrorKind::Extension => {
-            matches!(e.code(), Some("BUSY" | "OOM" | "MISCONF" | "NOREPLICAS" | "NOGROUP" | "LOADING"))
+            matches!(
+                e.code(),
+                Some("BUSY" | "OOM" | "MISCONF" | "NOREPLICAS" | "NOGROUP" | "UNBLOCKED" | "LOADING")
+            )
         }
         _ => false,
     }
+}
+
+/// Whether `e` says the stream a group read was reading is gone with its consumer group
+/// (`NOGROUP`; `UNBLOCKED` when the read was blocked as the stream was deleted, e.g. by a
+/// `FLUSHALL`): the reader recreates the group and reads on.
+pub(crate) fn is_lost_group(e: &redis::RedisError) -> bool {
+    matches!(e.code(), Some("NOGROUP" | "UNBLOCKED"))
 }
 
 /// One relay; run as many as you like.

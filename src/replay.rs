@@ -971,7 +971,7 @@ impl Replayer {
                     Ok(entries) if entries.is_empty() => Ok(ReplayCounts::default()),
                     Ok(entries) => self.process(entries, &hard).await,
                     Err(e) => {
-                        if e.code() == Some("NOGROUP") {
+                        if crate::relay::is_lost_group(&e) {
                             self.ensure_groups().await?;
                         }
                         Err(e.into())

@@ -484,10 +484,10 @@ impl SourceReader {
             }
             match self.step(&feed, &mut position).await {
                 Ok(()) => self.backoff.reset(),
-                Err(e) if crate::relay::is_transient_redis(&e) || e.code() == Some("NOGROUP") => {
+                Err(e) if crate::relay::is_transient_redis(&e) || crate::relay::is_lost_group(&e) => {
                     tracing::warn!(error = %e, "source stream read failed; retrying");
                     self.blocking = None;
-                    if e.code() == Some("NOGROUP") {
+                    if crate::relay::is_lost_group(&e) {
                         let _ = ensure_groups(&mut self.redis, &self.opts).await;
                     }
                     crate::relay::sleep_or_cancel(self.backoff.next_delay(), &feed.halt).await;

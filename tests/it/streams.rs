@@ -68,6 +68,52 @@ async fn replayer_with_timeout(
 }
 
 /// Schedules every due row and relays it into the replay stream.
+/// A replayer blocked in `XREADGROUP` when its stream is deleted (a `FLUSHALL`, an operator's
+/// `DEL`) gets `UNBLOCKED the stream key no longer exists` from Redis 7: it recreates the
+/// group and carries on, as after a `NOGROUP`. It used to end with that error, and `serve`
+/// with it: under load, where the replayer is more often blocked at that moment, nothing
+/// republished what Redis lost until a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayer_blocked_when_its_stream_is_deleted_recreates_the_group_and_carries_on() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let private = PrivateRedis::start().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut redis = private.manager().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let p = pipeline(&settings(&db, &mock)).await;
+    let rep = Replayer {
+        name: "blocked".into(),
+        store: p.store,
+        embedder: p.embedder,
+        client: embed_dlq::streams::client(&private.url).unwrap(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        config: ReplayConfig { block: Duration::from_secs(30), ..replay_config() },
+        paused_until: None,
+    };
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(rep.run(stop.clone(), CancellationToken::new()));
+    let blocked = async |redis: &mut embed_dlq::streams::RedisConn| {
+        let clients: String = redis::cmd("CLIENT").arg("LIST").query_async(redis).await.unwrap();
+        clients.lines().any(|c| c.contains("cmd=xreadgroup") && c.contains(" flags=b "))
+    };
+    wait_for("the replayer blocked in XREADGROUP", Duration::from_secs(30), async || {
+        blocked(&mut redis).await
+    })
+    .await;
+    let _: () = redis::cmd("DEL").arg(keys.replay()).query_async(&mut redis).await.unwrap();
+    wait_for("the group back and the replayer blocked again", Duration::from_secs(30), async || {
+        let groups: redis::RedisResult<redis::Value> =
+            redis::cmd("XINFO").arg("GROUPS").arg(keys.replay()).query_async(&mut redis).await;
+        groups.is_ok() && blocked(&mut redis).await
+    })
+    .await;
+    assert!(!task.is_finished(), "the replayer ended: {:?}", task.await);
+    stop.cancel();
+    task.await.unwrap().expect("the replayer stops cleanly");
+}
+
 async fn enqueue_due(db: &TestDb, p: &Pipeline, keys: &StreamKeys) -> u64 {
     make_due(db).await;
     let mut r = redis().await;
