@@ -7,7 +7,7 @@
 //! may still hold what an earlier line of this run is about to replace): it is embedded and
 //! written again, and its position decides.
 
-use super::seen::{SeenKeys, key_hash};
+use super::seen::{KeyHashState, SeenKeys, key_hash};
 use super::*;
 
 /// Rejected lines, and invalid records, logged one by one (each kind) before the log only
@@ -67,7 +67,9 @@ pub(super) struct Batcher<'a> {
     pub(super) positions: RunPositions,
     pub(super) chunks: Vec<(Chunk, String, i64)>,
     pub(super) invalid: Vec<ParkedChunk>,
-    pub(super) keys: HashSet<(String, i32)>,
+    /// The window's keys, by [`key_hash`]: a key met twice flushes the window first (two
+    /// keys that share a hash only flush it early).
+    pub(super) keys: HashSet<u64, KeyHashState>,
     /// Every key of this run so far, to recognise a key that occurs twice.
     pub(super) seen_in_run: SeenKeys,
     /// Keys of the current window seen earlier in this run: never skipped.
@@ -124,7 +126,7 @@ impl<'a> Batcher<'a> {
             positions,
             chunks: vec![],
             invalid: vec![],
-            keys: HashSet::new(),
+            keys: HashSet::default(),
             seen_in_run: SeenKeys::new(),
             repeated: HashSet::new(),
             charge: Charge::default(),
@@ -139,14 +141,15 @@ impl<'a> Batcher<'a> {
         }
     }
 
-    /// Adds `key` to the window, remembering whether this run met it before (or deleted its
-    /// document earlier: the chunk must then be written again, never skipped as unchanged).
-    pub(super) fn claim_key(&mut self, key: (String, i32)) {
-        let seen = self.seen_in_run.insert(key_hash(&key.0, key.1));
-        if seen || (self.doc_deletes && self.seen_in_run.contains(key_hash(&key.0, -1))) {
-            self.repeated.insert(key.clone());
+    /// Adds the key `(doc_id, chunk_index)` (its [`key_hash`] is `hash`) to the window,
+    /// remembering whether this run met it before (or deleted its document earlier: the chunk
+    /// must then be written again, never skipped as unchanged).
+    pub(super) fn claim_key(&mut self, hash: u64, doc_id: &str, chunk_index: i32) {
+        let seen = self.seen_in_run.insert(hash);
+        if seen || (self.doc_deletes && self.seen_in_run.contains(key_hash(doc_id, -1))) {
+            self.repeated.insert((doc_id.to_owned(), chunk_index));
         }
-        self.keys.insert(key);
+        self.keys.insert(hash);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -198,8 +201,9 @@ impl<'a> Batcher<'a> {
                     None => {}
                 }
                 self.tally.lock().unwrap().summary.records += 1;
-                self.make_room(&(doc_id.clone(), chunk_index), jobs).await?;
-                self.claim_key((doc_id.clone(), chunk_index));
+                let hash = key_hash(&doc_id, chunk_index);
+                self.make_room(hash, jobs).await?;
+                self.claim_key(hash, &doc_id, chunk_index);
                 self.invalid.push(ParkedChunk {
                     source_seq: position,
                     doc_id,
@@ -216,24 +220,24 @@ impl<'a> Batcher<'a> {
             }
             Record::Delete { doc_id, chunk_index, .. } => {
                 self.tally.lock().unwrap().summary.delete_requests += 1;
-                let key = (doc_id.clone(), chunk_index.unwrap_or(-1));
-                self.make_room(&key, jobs).await?;
+                let hash = key_hash(&doc_id, chunk_index.unwrap_or(-1));
+                self.make_room(hash, jobs).await?;
                 // A later record of the chunk (of the document) is written again, not skipped.
-                self.seen_in_run.insert(key_hash(&key.0, key.1));
+                self.seen_in_run.insert(hash);
                 self.doc_deletes |= chunk_index.is_none();
-                self.keys.insert(key);
+                self.keys.insert(hash);
                 self.deletes.push(DeleteRequest { doc_id, chunk_index, source_seq: position });
             }
             Record::Chunk { chunk, .. } => {
                 self.tally.lock().unwrap().summary.records += 1;
-                let key = (chunk.doc_id.clone(), chunk.chunk_index);
-                self.make_room(&key, jobs).await?;
+                let key = key_hash(&chunk.doc_id, chunk.chunk_index);
+                self.make_room(key, jobs).await?;
                 let hash = content_hash(
                     self.pipeline.embedder.client.model(),
                     self.pipeline.embedder.dimensions,
                     &chunk.text,
                 );
-                self.claim_key(key);
+                self.claim_key(key, &chunk.doc_id, chunk.chunk_index);
                 self.chunks.push((chunk, hash, position));
             }
         }
@@ -256,14 +260,10 @@ impl<'a> Batcher<'a> {
         Ok(self.positions.get(line).expect("the block just reserved holds the line"))
     }
 
-    /// Flushes first if `key` is already in the window: a later line for the same chunk must
-    /// not share a statement with an earlier one.
-    pub(super) async fn make_room(
-        &mut self,
-        key: &(String, i32),
-        jobs: &flume::Sender<Job>,
-    ) -> Result<(), IngestError> {
-        if self.keys.contains(key) {
+    /// Flushes first if the key whose [`key_hash`] is `key` is already in the window: a later
+    /// line for the same chunk must not share a statement with an earlier one.
+    pub(super) async fn make_room(&mut self, key: u64, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
+        if self.keys.contains(&key) {
             self.flush(jobs).await?;
         }
         Ok(())
