@@ -228,17 +228,24 @@ async fn a_late_commit_with_an_old_timestamp_is_not_skipped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_autovacuum_does_not_hold_the_window_open() {
     let db = TestDb::new().await;
-    ingest(&db, "a", 3).await;
     // A table whose autovacuum is due at once and crawls: one cost unit, then 100 ms asleep.
-    exec(
-        &db,
+    // Made before anything else happens in the new database, and its counts sent to the
+    // statistics at once: the launcher's first visit then finds it due. A first visit that
+    // found nothing due put the next one a naptime away (a minute, more on a busy server:
+    // this test took 10 to 170 s).
+    let mut conn = db.pool.acquire().await.unwrap();
+    for sql in [
         "CREATE TABLE crawl (id int) WITH (autovacuum_vacuum_threshold = 0,
              autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_cost_delay = 100,
              autovacuum_vacuum_cost_limit = 1)",
-    )
-    .await;
-    exec(&db, "INSERT INTO crawl SELECT generate_series(1, 100000)").await;
-    exec(&db, "DELETE FROM crawl").await;
+        "INSERT INTO crawl SELECT generate_series(1, 100000)",
+        "DELETE FROM crawl",
+        "SELECT pg_stat_force_next_flush()",
+    ] {
+        sqlx::query(sql).execute(&mut *conn).await.unwrap();
+    }
+    drop(conn);
+    ingest(&db, "a", 3).await;
     let worker = async || -> Option<chrono::DateTime<chrono::Utc>> {
         sqlx::query_scalar(
             "SELECT xact_start FROM pg_stat_activity
