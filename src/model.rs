@@ -157,8 +157,8 @@ pub fn raw_record_hash(raw: &[u8]) -> String {
 }
 
 /// Lowercase hex, two digits a byte (by table: `write!` per byte was a tenth of the CPU time
-/// of an unchanged rerun, which hashes every record).
-fn hex(bytes: &[u8]) -> String {
+/// of an unchanged rerun, which hashes every record). The one hex encoder of the crate.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
     for &b in bytes {

@@ -68,7 +68,7 @@ pub fn same(a: &str, b: &str) -> bool {
 /// 256 random bits as hex.
 fn random_id() -> String {
     let bytes: [u8; 32] = rand::random();
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    crate::model::hex(&bytes)
 }
 
 /// A logged-in operator.

@@ -193,8 +193,7 @@ pub fn shared_key(base_url: &str, model: &str) -> String {
     h.update([0u8]);
     h.update(model.as_bytes());
     let digest = h.finalize();
-    let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    format!("{SHARED_KEY_PREFIX}{hex}")
+    format!("{SHARED_KEY_PREFIX}{}", crate::model::hex(&digest[..16]))
 }
 
 impl SharedBudget {

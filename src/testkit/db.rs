@@ -227,8 +227,7 @@ pub async fn migrated_template(server_url: &str) -> Result<String, TestDbError> 
         digest.update(&*m.checksum);
     }
     let digest = digest.finalize();
-    let name =
-        format!("{TEMPLATE_PREFIX}{}", digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let name = format!("{TEMPLATE_PREFIX}{}", crate::model::hex(&digest[..8]));
     let create_error = |source| TestDbError::Create { name: name.clone(), source };
     let mut conn = PgConnection::connect(server_url).await.map_err(create_error)?;
     // One maker at a time across processes; the lock ends with the connection.
