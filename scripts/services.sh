@@ -10,7 +10,7 @@
 #   clean   down, then delete the data dirs and logs (installed binaries stay).
 #   status  report what is up; exit 0 if both are up, 1 otherwise.
 #   env     print eval-able `export DATABASE_URL=...` / `export REDIS_URL=...`.
-#   drop-test-dbs  drop it_<pid>_* / bench_<pid> databases whose creating
+#   drop-test-dbs  drop it_<pid>_* / bench_<pid> databases (and test Redis keys) whose creating
 #           process has exited (used by scripts/test.sh).
 #   cluster up|down|clean|status|env
 #           the same for a local Redis Cluster of 3 masters + 3 replicas on
@@ -705,6 +705,41 @@ cmd_drop_test_dbs() {
     printf '%s' "$sql" | psql_run postgres -f - >&2
   fi
   log "dropped $dropped leftover test database(s)$( ((kept > 0)) && echo "; kept $kept still in use by running processes")"
+  drop_test_keys
+}
+
+# The Redis keys of test processes that are gone, on our Redis and on every master of our
+# cluster (when they run). A test's keys carry its process id: `{it-<pid>-…}`, `it-<pid>-…`,
+# `{it-<word>-<pid>-…}`, `{cfg-<word>_<pid>_…}`. Left behind, they added 30 MB to Redis with
+# every suite (replicated, and rewritten into every append-only file).
+drop_test_keys() {
+  command -v redis-cli >/dev/null 2>&1 || return 0
+  local port ports=() key pid dropped=0 doomed=() pid_max
+  pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 4194304)
+  redis_ping && ports+=("$REDIS_PORT")
+  for port in $(cluster_ports); do
+    tcp_open "$port" && [[ $(redis-cli -p "$port" role 2>/dev/null | head -1) == master ]] && ports+=("$port")
+  done
+  for port in "${ports[@]}"; do
+    doomed=()
+    while IFS= read -r key; do
+      if [[ $key =~ ^\{?it-([a-z]+-)?([0-9]+)- ]]; then
+        pid=${BASH_REMATCH[2]}
+      elif [[ $key =~ ^\{cfg-[a-z]+_([0-9]+)_ ]]; then
+        pid=${BASH_REMATCH[1]}
+      else
+        continue
+      fi
+      # (a number past pid_max is not a process id: not ours to judge)
+      ((pid <= pid_max)) && ! pid_alive "$pid" && doomed+=("$key")
+    done < <(redis-cli -p "$port" --scan 2>/dev/null)
+    # One UNLINK a key (a cluster refuses one across slots), sent as one pipeline.
+    if ((${#doomed[@]} > 0)); then
+      printf 'UNLINK %s\n' "${doomed[@]}" | redis-cli -p "$port" >/dev/null
+      dropped=$((dropped + ${#doomed[@]}))
+    fi
+  done
+  log "dropped $dropped leftover test key(s) from Redis"
 }
 
 cmd_status() {

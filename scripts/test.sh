@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: brings up the project's own Postgres+pgvector, Redis and a local Redis
 # Cluster of 3 masters + 3 replicas (all idempotent; the relay, replay, tail and reconcile
-# tests run against both Redis deployments), drops databases left by earlier test runs, makes
-# sure promtool (metrics, alert-rule and dashboard tests) and Debian's chromium +
+# tests run against both Redis deployments), drops databases and Redis keys left by earlier
+# test runs, makes sure promtool (metrics, alert-rule and dashboard tests) and Debian's chromium +
 # chromium-driver (the console's browser tests), redis-py (the Python events consumer
 # example) and Python's jsonschema (the events contract's checker) are installed, then runs
 # every test against them with the `failpoints` feature on (the crash tests need it; a default

@@ -135,6 +135,26 @@ impl Supervisor {
         self.spawn_inner(name.into(), fut, None);
     }
 
+    /// [`Supervisor::spawn`] for a task that feeds another through a channel: it runs on a
+    /// blocking-pool thread of its own (driven by `Handle::block_on`), beside the task it
+    /// feeds. On the runtime's workers, tokio runs a task woken by another next on the same
+    /// worker, so a producer and its consumer took turns on one core instead of using two.
+    /// Its panic is the task's, as with `spawn`.
+    pub fn spawn_on_own_thread<F>(&mut self, name: impl Into<String>, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let runtime = tokio::runtime::Handle::current();
+        self.spawn(name, async move {
+            match tokio::task::spawn_blocking(move || runtime.block_on(fut)).await {
+                Ok(()) => {}
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // The runtime is shutting down: nothing is left to feed.
+                Err(_) => {}
+            }
+        });
+    }
+
     /// Spawns a service loop that must run until `until` is cancelled: returning earlier,
     /// even with `Ok`, is a failure.
     pub(crate) fn spawn_until<F>(&mut self, name: impl Into<String>, until: CancellationToken, fut: F)
@@ -250,6 +270,32 @@ mod tests {
         assert_eq!(
             s.failures(),
             vec![TaskFailure::Panicked { task: "worker 3".into(), message: "boom 7".into() }]
+        );
+    }
+
+    /// On the test's one-thread runtime: the task runs on another thread, its timers and
+    /// channels still work (the runtime's driver serves them), and its panic is reported.
+    #[tokio::test]
+    async fn a_task_on_its_own_thread_runs_beside_the_runtime_and_its_panic_is_reported() {
+        let stop = CancellationToken::new();
+        let mut s = Supervisor::new(stop.clone());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        s.spawn_on_own_thread("reader", async move {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            tx.send(std::thread::current().id()).unwrap();
+        });
+        assert_ne!(rx.await.unwrap(), std::thread::current().id());
+        let n = std::hint::black_box(7);
+        s.spawn_on_own_thread("reader 2", async move {
+            if n == 7 {
+                panic!("boom {n}");
+            }
+        });
+        s.wait().await;
+        assert!(stop.is_cancelled());
+        assert_eq!(
+            s.failures(),
+            vec![TaskFailure::Panicked { task: "reader 2".into(), message: "boom 7".into() }]
         );
     }
 

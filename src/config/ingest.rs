@@ -88,7 +88,8 @@ impl IngestSettings {
     pub async fn pipeline(&self) -> Result<crate::ingest::Pipeline, PipelineError> {
         use crate::store;
         let options = self.options.within_bounds();
-        let connections = (options.concurrency + options.writers) as u32 + 2;
+        // The intake: its windows in flight (`WINDOWS_IN_FLIGHT`) and position reservations.
+        let connections = (options.concurrency + options.writers) as u32 + 3;
         let pool = store::connect(&self.database_url, connections).await.map_err(PipelineError::Connect)?;
         store::migrate(&pool).await?;
         let store = store::Store::open(pool, &self.table)

@@ -9,6 +9,7 @@
 
 use super::seen::{KeyHashState, SeenKeys, key_hash};
 use super::*;
+use std::collections::VecDeque;
 
 /// Rejected lines, and invalid records, logged one by one (each kind) before the log only
 /// counts them: a corpus of a million broken lines must not become a million log lines.
@@ -89,18 +90,27 @@ pub(super) struct Batcher<'a> {
     pub(super) dry_run: bool,
     /// Told of the records skipped as already stored or parked (settled, never written).
     pub(super) acks: Option<Arc<source::Acks>>,
-    /// The previous window, whose claim statement is in flight while this one fills up: the
-    /// round trip overlaps with reading and hashing the next records. At most one; it is
-    /// finished (skips counted, jobs sent) before the next window touches the database.
-    pub(super) pending: Option<PendingWindow>,
+    /// Earlier windows whose statements are in flight while this one fills up, oldest first:
+    /// the round trips overlap with reading and hashing the next records, and with each
+    /// other. They are finished (skips counted, jobs sent) in order. Several only while each
+    /// only reads ([`WINDOWS_IN_FLIGHT`]); a window that claims waits for all of them.
+    pub(super) pending: VecDeque<PendingWindow>,
     /// No other ingest run was alive at the last claim: the next window tries the read-only
     /// lookup first ([`Store::claim_window`]'s `lookup_first`).
     pub(super) alone: bool,
 }
 
+/// Most windows in flight at once while the run only reads: a corpus run alone past its
+/// first windows sends [`Store::lookup_window`] alone, which writes nothing, so the lookups
+/// of neighbouring windows may run side by side. With one in flight the reader, the batcher
+/// and Postgres took turns on an unchanged rerun (a third of the two cores idle); the pool
+/// has a connection for each (`IngestSettings::pipeline`).
+pub(super) const WINDOWS_IN_FLIGHT: usize = 2;
+
 /// A window's keys and what [`Store::claim_window`] answered for them (and whether another
-/// run was alive).
-pub(super) type ClaimedKeys = (Vec<WindowKey>, Result<(Vec<WindowClaim>, bool), StoreError>);
+/// run was alive); `None`: the window was sent as a lookup alone, which found another run
+/// alive, so it still needs its claim ([`Batcher::finish_oldest`] sends it).
+pub(super) type ClaimedKeys = (Vec<WindowKey>, Result<Option<(Vec<WindowClaim>, bool)>, StoreError>);
 
 /// A window sent to [`Store::claim_window`] and not yet finished ([`Batcher::finish_pending`]).
 pub(super) struct PendingWindow {
@@ -136,7 +146,7 @@ impl<'a> Batcher<'a> {
             record_seen: pipeline.options.cleanup.mode != CleanupMode::None,
             dry_run: pipeline.options.cleanup.dry_run,
             acks: None,
-            pending: None,
+            pending: VecDeque::new(),
             alone: false,
         }
     }
@@ -158,7 +168,7 @@ impl<'a> Batcher<'a> {
 
     /// Nothing in the window and no window in flight: nothing a linger would flush.
     pub(super) fn is_idle(&self) -> bool {
-        self.is_empty() && self.pending.is_none()
+        self.is_empty() && self.pending.is_empty()
     }
 
     pub(super) async fn push(
@@ -272,7 +282,18 @@ impl<'a> Batcher<'a> {
     /// Sends the window on: skips what the manifest already holds, parks what cannot be
     /// embedded and hands the rest to the workers in provider-sized batches.
     pub(super) async fn flush(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
-        self.finish_pending(jobs).await?;
+        let young = self.windows < ALWAYS_LEASED_WINDOWS;
+        let stream = self.acks.is_some();
+        // Only a window that will read and nothing else goes out beside earlier ones; its
+        // statement checks again that the run is alone (and answers `None` if not). Its
+        // deletes and keys repeated in the run need no more: every write is fenced by its
+        // record's position (`store::position`), whichever window's answer comes first, as
+        // the writes of earlier windows already race this one's deletes.
+        let read_only = self.alone && !young && !stream;
+        let beside = if read_only { WINDOWS_IN_FLIGHT - 1 } else { 0 };
+        while self.pending.len() > beside {
+            self.finish_oldest(jobs).await?;
+        }
         if self.is_empty() {
             return Ok(());
         }
@@ -295,31 +316,52 @@ impl<'a> Batcher<'a> {
         let keys = window_keys(&chunks, &invalid, &repeated);
         let store = self.pipeline.store.clone();
         let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
-        let young = self.windows < ALWAYS_LEASED_WINDOWS;
-        let stream = self.acks.is_some();
         let alone = self.alone;
-        // The keys travel with the claim and come back with its answer.
+        // The keys travel with the statement and come back with its answer.
         let claim = tokio::spawn(async move {
-            let claims =
-                with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream, alone)).await;
+            let claims = match read_only {
+                true => with_db_retry(|| store.lookup_window(&keys, run_id))
+                    .await
+                    .map(|found| found.map(|claims| (claims, false))),
+                false => with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream, alone))
+                    .await
+                    .map(Some),
+            };
             (keys, claims)
         });
         self.windows += 1;
         let claim = tokio_util::task::AbortOnDropHandle::new(claim);
-        self.pending = Some(PendingWindow { claim, chunks, invalid, charge });
+        self.pending.push_back(PendingWindow { claim, chunks, invalid, charge });
         Ok(())
     }
 
-    /// Finishes the window whose claim is in flight, if any: waits for its claim, drops what
-    /// the manifest already holds or another run has leased, and sends the rest to the
-    /// workers. A panic of the claim's task is the batcher's own.
+    /// Finishes every window in flight, oldest first.
     pub(super) async fn finish_pending(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
-        let Some(PendingWindow { claim, mut chunks, mut invalid, charge }) = self.pending.take() else {
+        while !self.pending.is_empty() {
+            self.finish_oldest(jobs).await?;
+        }
+        Ok(())
+    }
+
+    /// Finishes the oldest window in flight, if any: waits for its statement (and sends its
+    /// claim now if it went out as a lookup that found another run alive, after every earlier
+    /// window is finished), drops what the manifest already holds or another run has leased,
+    /// and sends the rest to the workers. A panic of the statement's task is the batcher's own.
+    pub(super) async fn finish_oldest(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
+        let Some(PendingWindow { claim, mut chunks, mut invalid, charge }) = self.pending.pop_front() else {
             return Ok(());
         };
         let (keys, claims) = match claim.await {
-            Ok((keys, claims)) => {
-                let (claims, others) = claims?;
+            Ok((keys, Ok(Some((claims, others))))) => {
+                self.alone = !others;
+                (keys, claims)
+            }
+            Ok((_, Err(e))) => return Err(e.into()),
+            Ok((keys, Ok(None))) => {
+                let store = &self.pipeline.store;
+                let (run_id, lease, stream) = (self.run_id, self.pipeline.options.lease, self.acks.is_some());
+                let (claims, others) =
+                    with_db_retry(|| store.claim_window(&keys, run_id, lease, false, stream, false)).await?;
                 self.alone = !others;
                 (keys, claims)
             }

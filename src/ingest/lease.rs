@@ -183,7 +183,7 @@ impl Store {
         let ranges = manifest_ranges(keys);
         let range_docs: Vec<&str> = ranges.iter().map(|r| r.0).collect();
         let (los, his): (Vec<i32>, Vec<i32>) = ranges.iter().map(|r| (r.1, r.2)).unzip();
-        let rows = sqlx::query(sqlx::AssertSqlSafe(self.sized(LOOKUP_WINDOW_SQL)))
+        let row = sqlx::query(sqlx::AssertSqlSafe(self.sized(LOOKUP_WINDOW_SQL)))
             .bind(&self.target.name)
             .bind(&docs)
             .bind(&idxs)
@@ -192,22 +192,29 @@ impl Store {
             .bind(&range_docs)
             .bind(&los)
             .bind(&his)
-            .fetch_all(&self.pool)
+            .fetch_one(&self.pool)
             .await?;
-        let Some(first) = rows.first() else { return Ok(Some(Vec::new())) };
-        if first.try_get::<bool, _>(4)? {
+        if row.try_get::<bool, _>(2)? {
             return Ok(None);
         }
-        self.claim_plan.store(plan_class(first.try_get(3)?), Ordering::Relaxed);
-        let mut out = vec![None; keys.len()];
-        for r in rows {
-            let (n, manifest) = key_and_manifest(&r)?;
-            // Alone and reading a corpus: no lease to take, and nothing older in flight that
-            // a skip must fence against (the claim's `racing` is false, so it confirms all).
-            let claim = WindowClaim { manifest, leased_elsewhere: false, leased: false, confirmed: true };
-            place(&mut out, n, claim)?;
+        self.claim_plan.store(plan_class(row.try_get(1)?), Ordering::Relaxed);
+        let codes = row.try_get::<Option<&str>, _>(0)?.unwrap_or_default();
+        if codes.len() != keys.len() {
+            return Err(StoreError::Db(sqlx::Error::Decode(
+                format!("the lookup answered {} of the window's {} keys", codes.len(), keys.len()).into(),
+            )));
         }
-        every_key_answered(out).map(Some)
+        codes
+            .bytes()
+            .map(|code| {
+                let manifest = lookup_code(code)?;
+                // Alone and reading a corpus: no lease to take, and nothing older in flight
+                // that a skip must fence against (the claim's `racing` is false, so it
+                // confirms all).
+                Ok(WindowClaim { manifest, leased_elsewhere: false, leased: false, confirmed: true })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()
+            .map(Some)
     }
 }
 
@@ -286,6 +293,23 @@ fn key_and_manifest(r: &sqlx::postgres::PgRow) -> Result<(i64, Option<(bool, Chu
         None => None,
     };
     Ok((n, manifest))
+}
+
+/// A key's manifest row as [`LOOKUP_WINDOW_SQL`] spells it: `-` none, else the status's
+/// letter, upper case when the row holds the key's content.
+fn lookup_code(code: u8) -> Result<Option<(bool, ChunkStatus)>, StoreError> {
+    let status = match code.to_ascii_lowercase() {
+        b'-' => return Ok(None),
+        b's' => ChunkStatus::Stored,
+        b'p' => ChunkStatus::Parked,
+        b'e' => ChunkStatus::Exhausted,
+        b'r' => ChunkStatus::Reingest,
+        _ => {
+            let problem = format!("unknown manifest status code {:?}", char::from(code));
+            return Err(StoreError::Db(sqlx::Error::Decode(problem.into())));
+        }
+    };
+    Ok(Some((code.is_ascii_uppercase(), status)))
 }
 
 /// The claims of a window, once every key has one.
@@ -450,8 +474,10 @@ SELECT k.n, k.done_hash = k.content_hash AS same, k.status,
 /// [`manifest_ranges`]): one index descent per range (the `OFFSET 0` keeps each one an index
 /// scan whatever the manifest's size), where a probe per key cost three times as much (2.9
 /// against 0.9 ms for 512 keys of 64 documents); rows of a range outside the window fall out
-/// of the join. `$1` table, `$2..$4` keys and hashes, `$5` run id. By column position: `n`,
-/// `same`, `status`, `manifest_bytes`, `others`.
+/// of the join. `$1` table, `$2..$4` keys and hashes, `$5` run id. One row, by column
+/// position: `codes`, one letter a key in the window's order ([`lookup_code`]: one row of
+/// text instead of a row a key, whose encoding and decoding, on both sides, was most of an
+/// unchanged rerun's statement), `manifest_bytes`, `others`.
 const LOOKUP_WINDOW_SQL: &str = r#"
 WITH input AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[])
@@ -472,16 +498,39 @@ WITH input AS (
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
            AND objid::bigint <> $5::bigint) AS yes
 )
-SELECT i.n, f.content_hash = i.content_hash AS same, f.status,
+SELECT string_agg(CASE WHEN f.status IS NULL THEN '-'
+                        WHEN f.content_hash = i.content_hash THEN upper(c.code)
+                        ELSE c.code END, '' ORDER BY i.n) AS codes,
        (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
        (SELECT yes FROM others) AS others
   FROM input i
   LEFT JOIN found f ON f.doc_id = i.doc_id AND f.chunk_index = i.chunk_index
+  LEFT JOIN LATERAL (
+       SELECT CASE f.status WHEN 'stored' THEN 's' WHEN 'parked' THEN 'p' WHEN 'exhausted' THEN 'e'
+                            WHEN 'reingest' THEN 'r' ELSE '?' END AS code) c ON true
 "#;
 
 #[cfg(test)]
 mod tests {
-    use super::plan_class;
+    use super::{lookup_code, plan_class};
+    use crate::model::ChunkStatus;
+
+    #[test]
+    fn every_lookup_code_reads_as_its_status_and_whether_the_content_is_the_same() {
+        assert_eq!(lookup_code(b'-').unwrap(), None);
+        for (letter, status) in [
+            (b's', ChunkStatus::Stored),
+            (b'p', ChunkStatus::Parked),
+            (b'e', ChunkStatus::Exhausted),
+            (b'r', ChunkStatus::Reingest),
+        ] {
+            assert_eq!(lookup_code(letter).unwrap(), Some((false, status)));
+            assert_eq!(lookup_code(letter.to_ascii_uppercase()).unwrap(), Some((true, status)));
+        }
+        // The statement's answer for a status it does not know: an error, never a guess.
+        assert!(lookup_code(b'?').is_err());
+        assert!(lookup_code(b'x').is_err());
+    }
 
     fn key(doc: &str, chunk_index: i32) -> super::WindowKey {
         super::WindowKey {

@@ -573,7 +573,8 @@ impl Pipeline {
             error: Arc::default(),
         };
         let (lines_read, input_error) = (feed.lines_read.clone(), feed.error.clone());
-        tasks.spawn("ingest reader", read(feed));
+        // Beside the batcher, not taking turns with it on one worker (see the method).
+        tasks.spawn_on_own_thread("ingest reader", read(feed));
         let jobs = self.spawn_workers_and_writers(&mut tasks, &run);
         let first_position = positions.first();
         let (intake_error, batcher_failure) =

@@ -39,7 +39,9 @@ async fn one_seed_url_with_redis_cluster_discovers_the_other_nodes() {
     // As a plain single-node client, the seed answers MOVED for keys of other masters' slots:
     // what `serve` logged forever before cluster mode.
     let mut plain = embed_dlq::streams::client(&seed).unwrap().managed().await.unwrap();
-    let keys: Vec<String> = (0..16).map(|i| format!("{{it-seed-{}-{i}}}:k", rand::random::<u32>())).collect();
+    let keys: Vec<String> = (0..16)
+        .map(|i| format!("{{it-seed-{}-{}-{i}}}:k", std::process::id(), rand::random::<u32>()))
+        .collect();
     let mut moved = 0;
     for k in &keys {
         if let Err(e) = redis::cmd("SET").arg(k).arg(1).arg("EX").arg(60).query_async::<()>(&mut plain).await
@@ -78,7 +80,7 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
 
     let healthy = start_mock(MockConfig { latency_ms: 30, ..MockConfig::default() }).await;
     let serving = pipeline(&settings(&db, &healthy)).await;
-    let keys = StreamKeys::new(&format!("it-failover-{}", rand::random::<u32>()));
+    let keys = StreamKeys::new(&format!("it-failover-{}-{}", std::process::id(), rand::random::<u32>()));
     let config = ServeConfig {
         replayers: 2,
         relay: RelayConfig { batch: 200, poll: Duration::from_millis(100), ..RelayConfig::default() },

@@ -362,7 +362,7 @@ async fn serve_ingests_from_its_source_stream() {
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig::default()).await;
     let stream = fresh_stream();
-    let prefix = format!("it-serve-src-{}", rand::random::<u32>());
+    let prefix = format!("it-servesrc-{}-{}", std::process::id(), rand::random::<u32>());
     let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"))
         .arg("serve")
         .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
