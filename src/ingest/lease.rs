@@ -179,68 +179,122 @@ impl Store {
         keys: &[WindowKey],
         run_id: i64,
     ) -> Result<Option<Vec<WindowClaim>>, StoreError> {
-        let KeyColumns { docs, idxs, hashes } = KeyColumns::of(keys);
-        let ranges = manifest_ranges(keys);
-        let range_docs: Vec<&str> = ranges.iter().map(|r| r.0).collect();
-        let (los, his): (Vec<i32>, Vec<i32>) = ranges.iter().map(|r| (r.1, r.2)).unzip();
+        let ranges = WindowRanges::of(keys);
         let row = sqlx::query(sqlx::AssertSqlSafe(self.sized(LOOKUP_WINDOW_SQL)))
             .bind(&self.target.name)
-            .bind(&docs)
-            .bind(&idxs)
-            .bind(&hashes)
             .bind(run_id)
-            .bind(&range_docs)
-            .bind(&los)
-            .bind(&his)
+            .bind(&ranges.docs)
+            .bind(&ranges.los)
+            .bind(&ranges.his)
             .fetch_one(&self.pool)
             .await?;
-        if row.try_get::<bool, _>(2)? {
+        if row.try_get::<bool, _>(1)? {
             return Ok(None);
         }
-        self.claim_plan.store(plan_class(row.try_get(1)?), Ordering::Relaxed);
-        let codes = row.try_get::<Option<&str>, _>(0)?.unwrap_or_default();
-        if codes.len() != keys.len() {
+        self.claim_plan.store(plan_class(row.try_get(0)?), Ordering::Relaxed);
+        let in_range = row.try_get::<Option<Vec<i32>>, _>(2)?.unwrap_or_default();
+        let chunks = row.try_get::<Option<Vec<i32>>, _>(3)?.unwrap_or_default();
+        let found = row.try_get::<Option<&str>, _>(4)?.unwrap_or_default();
+        let mut manifest = vec![None; keys.len()];
+        let mut rows = found.split(',').filter(|r| !r.is_empty());
+        for (&range, &chunk) in in_range.iter().zip(&chunks) {
+            let (code, hash) = rows.next().and_then(|r| r.split_at_checked(1)).ok_or_else(|| {
+                StoreError::Db(sqlx::Error::Decode("the lookup answered fewer rows than it found".into()))
+            })?;
+            // A row of the range that is not a key of the window (the range's gaps, or a key
+            // of another range of the same document) answers nothing.
+            if let Some(k) = ranges.key_at(range, chunk) {
+                let status = lookup_code(code.as_bytes()[0])?;
+                manifest[k] = Some((hash == keys[k].content_hash, status));
+            }
+        }
+        if in_range.len() != chunks.len() || rows.next().is_some() {
             return Err(StoreError::Db(sqlx::Error::Decode(
-                format!("the lookup answered {} of the window's {} keys", codes.len(), keys.len()).into(),
+                "the lookup's columns disagree in length".into(),
             )));
         }
-        codes
-            .bytes()
-            .map(|code| {
-                let manifest = lookup_code(code)?;
-                // Alone and reading a corpus: no lease to take, and nothing older in flight
-                // that a skip must fence against (the claim's `racing` is false, so it
-                // confirms all).
-                Ok(WindowClaim { manifest, leased_elsewhere: false, leased: false, confirmed: true })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()
-            .map(Some)
+        // Alone and reading a corpus: no lease to take, and nothing older in flight that a skip
+        // must fence against (the claim's `racing` is false, so it confirms all).
+        let claims = manifest
+            .into_iter()
+            .map(|manifest| WindowClaim { manifest, leased_elsewhere: false, leased: false, confirmed: true })
+            .collect();
+        Ok(Some(claims))
     }
 }
 
-/// The manifest ranges that cover a window's keys, for [`Store::lookup_window`]: one
-/// `(doc_id, first, last)` chunk range per run of keys of one document (the chunks of a
-/// document usually come together), read with one index descent instead of one per key. A
-/// run whose chunks are sparse (its range more than twice its keys, plus a few) gets a range
-/// per key instead, so a window never reads more than about twice its keys' rows: two
-/// chunks a million apart of one document are two probes, not a million rows.
-fn manifest_ranges(keys: &[WindowKey]) -> Vec<(&str, i32, i32)> {
-    let mut ranges = Vec::new();
-    let mut rest = keys;
-    while let Some(first) = rest.first() {
-        let run = rest.iter().take_while(|k| k.doc_id == first.doc_id).count();
-        let (group, after) = rest.split_at(run);
-        let lo = group.iter().map(|k| k.chunk_index).min().unwrap_or(first.chunk_index);
-        let hi = group.iter().map(|k| k.chunk_index).max().unwrap_or(first.chunk_index);
-        let span = i64::from(hi) - i64::from(lo) + 1;
-        if span <= 2 * group.len() as i64 + 8 {
-            ranges.push((first.doc_id.as_str(), lo, hi));
-        } else {
-            ranges.extend(group.iter().map(|k| (k.doc_id.as_str(), k.chunk_index, k.chunk_index)));
+/// The manifest ranges that cover a window's keys, for [`Store::lookup_window`], and which
+/// key each chunk of a range is. One `(doc_id, first, last)` chunk range per run of keys of
+/// one document (the chunks of a document usually come together), read with one index
+/// descent instead of one per key. A run whose chunks are sparse (its range more than twice
+/// its keys, plus a few) gets a range per key instead, so a window never reads more than
+/// about twice its keys' rows: two chunks a million apart of one document are two probes, not
+/// a million rows. Two runs of one document may overlap (chunks 0 and 9, another document,
+/// then 4): a manifest row is then found by both, and answers only the key of its own range.
+struct WindowRanges<'a> {
+    docs: Vec<&'a str>,
+    los: Vec<i32>,
+    his: Vec<i32>,
+    /// Where each range's chunks start in `slots`.
+    base: Vec<usize>,
+    /// For each chunk of each range, first to last: its key's place in the window plus one,
+    /// or 0 where the range has no key.
+    slots: Vec<u32>,
+}
+
+impl<'a> WindowRanges<'a> {
+    fn of(keys: &'a [WindowKey]) -> Self {
+        let mut r = WindowRanges { docs: vec![], los: vec![], his: vec![], base: vec![], slots: vec![] };
+        let mut start = 0;
+        while let Some(first) = keys.get(start) {
+            let run = keys[start..].iter().take_while(|k| k.doc_id == first.doc_id).count();
+            let group = start..start + run;
+            let lo = keys[group.clone()].iter().map(|k| k.chunk_index).min().unwrap_or(first.chunk_index);
+            let hi = keys[group.clone()].iter().map(|k| k.chunk_index).max().unwrap_or(first.chunk_index);
+            let span = i64::from(hi) - i64::from(lo) + 1;
+            if span <= 2 * run as i64 + 8 {
+                r.push(&first.doc_id, lo, hi);
+                for n in group {
+                    let slot = r.base[r.base.len() - 1] + (keys[n].chunk_index - lo) as usize;
+                    r.slots[slot] = n as u32 + 1;
+                }
+            } else {
+                for n in group {
+                    r.push(&keys[n].doc_id, keys[n].chunk_index, keys[n].chunk_index);
+                    *r.slots.last_mut().expect("a range of one chunk") = n as u32 + 1;
+                }
+            }
+            start += run;
         }
-        rest = after;
+        r
     }
-    ranges
+
+    fn push(&mut self, doc: &'a str, lo: i32, hi: i32) {
+        self.docs.push(doc);
+        self.los.push(lo);
+        self.his.push(hi);
+        self.base.push(self.slots.len());
+        self.slots.resize(self.slots.len() + (hi - lo) as usize + 1, 0);
+    }
+
+    /// The key (its place in the window) that chunk `chunk` of range `range` (from 1) is.
+    fn key_at(&self, range: i32, chunk: i32) -> Option<usize> {
+        let r = usize::try_from(range).ok()?.checked_sub(1)?;
+        let (lo, hi) = (*self.los.get(r)?, self.his[r]);
+        if !(lo..=hi).contains(&chunk) {
+            return None;
+        }
+        match self.slots[self.base[r] + (chunk - lo) as usize] {
+            0 => None,
+            key => Some(key as usize - 1),
+        }
+    }
+
+    /// The ranges as `(doc_id, first, last)`.
+    #[cfg(test)]
+    fn triples(&self) -> Vec<(&str, i32, i32)> {
+        (0..self.docs.len()).map(|r| (self.docs[r], self.los[r], self.his[r])).collect()
+    }
 }
 
 /// The key columns of a window, as the statements bind them.
@@ -295,21 +349,18 @@ fn key_and_manifest(r: &sqlx::postgres::PgRow) -> Result<(i64, Option<(bool, Chu
     Ok((n, manifest))
 }
 
-/// A key's manifest row as [`LOOKUP_WINDOW_SQL`] spells it: `-` none, else the status's
-/// letter, upper case when the row holds the key's content.
-fn lookup_code(code: u8) -> Result<Option<(bool, ChunkStatus)>, StoreError> {
-    let status = match code.to_ascii_lowercase() {
-        b'-' => return Ok(None),
-        b's' => ChunkStatus::Stored,
-        b'p' => ChunkStatus::Parked,
-        b'e' => ChunkStatus::Exhausted,
-        b'r' => ChunkStatus::Reingest,
+/// A manifest row's status as [`LOOKUP_WINDOW_SQL`] spells it: one letter.
+fn lookup_code(code: u8) -> Result<ChunkStatus, StoreError> {
+    match code {
+        b's' => Ok(ChunkStatus::Stored),
+        b'p' => Ok(ChunkStatus::Parked),
+        b'e' => Ok(ChunkStatus::Exhausted),
+        b'r' => Ok(ChunkStatus::Reingest),
         _ => {
             let problem = format!("unknown manifest status code {:?}", char::from(code));
-            return Err(StoreError::Db(sqlx::Error::Decode(problem.into())));
+            Err(StoreError::Db(sqlx::Error::Decode(problem.into())))
         }
-    };
-    Ok(Some((code.is_ascii_uppercase(), status)))
+    }
 }
 
 /// The claims of a window, once every key has one.
@@ -470,44 +521,36 @@ SELECT k.n, k.done_hash = k.content_hash AS same, k.status,
 "#;
 
 /// [`Store::lookup_window`]'s statement: what `known` of [`CLAIM_WINDOW_SQL`] finds and its
-/// `others`, nothing written. The manifest is read by chunk ranges (`$6..$8`, from
-/// [`manifest_ranges`]): one index descent per range (the `OFFSET 0` keeps each one an index
-/// scan whatever the manifest's size), where a probe per key cost three times as much (2.9
-/// against 0.9 ms for 512 keys of 64 documents); rows of a range outside the window fall out
-/// of the join. `$1` table, `$2..$4` keys and hashes, `$5` run id. One row, by column
-/// position: `codes`, one letter a key in the window's order ([`lookup_code`]: one row of
-/// text instead of a row a key, whose encoding and decoding, on both sides, was most of an
-/// unchanged rerun's statement), `manifest_bytes`, `others`.
+/// `others`, nothing written, and the comparison of contents left to the caller. The manifest
+/// is read by chunk ranges (`$3..$5`, from [`WindowRanges`]): one index descent per range (the
+/// `OFFSET 0` keeps each one an index scan whatever the manifest's size), where a probe per
+/// key cost three times as much (2.9 against 0.9 ms for 512 keys of 64 documents). One row
+/// comes back, by column position: `manifest_bytes`, `others`, then each manifest row found
+/// as its range (from 1), its chunk and `status letter || content_hash` ([`lookup_code`]),
+/// comma-separated, in one order (the aggregates of one row read their rows in the same
+/// order). Sending the window's keys and hashes to be joined, sorted and answered a row per
+/// key was most of an unchanged rerun's statement, on both sides. `$1` table, `$2` run id.
 const LOOKUP_WINDOW_SQL: &str = r#"
-WITH input AS (
-    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[])
-        WITH ORDINALITY AS t(doc_id, chunk_index, content_hash, n)
-), found AS (
-    SELECT m.doc_id, m.chunk_index, m.content_hash, m.status
-      FROM UNNEST($6::text[], $7::int[], $8::int[]) AS r(doc_id, lo, hi),
-      LATERAL (
-           SELECT m.doc_id, m.chunk_index, m.content_hash, m.status FROM ingest_manifest m
-            WHERE m.target_table = $1::text AND m.doc_id = r.doc_id
-              AND m.chunk_index BETWEEN r.lo AND r.hi
-           OFFSET 0) m
-), others AS MATERIALIZED (
+WITH others AS MATERIALIZED (
     SELECT EXISTS (
         SELECT 1 FROM pg_locks
          WHERE locktype = 'advisory' AND granted AND objsubid = 2
            AND classid = embed_dlq_lease_lock_space()::oid
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-           AND objid::bigint <> $5::bigint) AS yes
+           AND objid::bigint <> $2::bigint) AS yes
 )
-SELECT string_agg(CASE WHEN f.status IS NULL THEN '-'
-                        WHEN f.content_hash = i.content_hash THEN upper(c.code)
-                        ELSE c.code END, '' ORDER BY i.n) AS codes,
-       (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
-       (SELECT yes FROM others) AS others
-  FROM input i
-  LEFT JOIN found f ON f.doc_id = i.doc_id AND f.chunk_index = i.chunk_index
-  LEFT JOIN LATERAL (
-       SELECT CASE f.status WHEN 'stored' THEN 's' WHEN 'parked' THEN 'p' WHEN 'exhausted' THEN 'e'
-                            WHEN 'reingest' THEN 'r' ELSE '?' END AS code) c ON true
+SELECT (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
+       (SELECT yes FROM others) AS others,
+       array_agg(r.n::int) AS in_range,
+       array_agg(m.chunk_index) AS chunks,
+       string_agg(CASE m.status WHEN 'stored' THEN 's' WHEN 'parked' THEN 'p' WHEN 'exhausted' THEN 'e'
+                                WHEN 'reingest' THEN 'r' ELSE '?' END || m.content_hash, ',') AS found
+  FROM UNNEST($3::text[], $4::int[], $5::int[]) WITH ORDINALITY AS r(doc_id, lo, hi, n),
+  LATERAL (
+       SELECT m.chunk_index, m.content_hash, m.status FROM ingest_manifest m
+        WHERE m.target_table = $1::text AND m.doc_id = r.doc_id
+          AND m.chunk_index BETWEEN r.lo AND r.hi
+       OFFSET 0) m
 "#;
 
 #[cfg(test)]
@@ -516,20 +559,15 @@ mod tests {
     use crate::model::ChunkStatus;
 
     #[test]
-    fn every_lookup_code_reads_as_its_status_and_whether_the_content_is_the_same() {
-        assert_eq!(lookup_code(b'-').unwrap(), None);
-        for (letter, status) in [
-            (b's', ChunkStatus::Stored),
-            (b'p', ChunkStatus::Parked),
-            (b'e', ChunkStatus::Exhausted),
-            (b'r', ChunkStatus::Reingest),
-        ] {
-            assert_eq!(lookup_code(letter).unwrap(), Some((false, status)));
-            assert_eq!(lookup_code(letter.to_ascii_uppercase()).unwrap(), Some((true, status)));
+    fn every_lookup_code_reads_as_its_status() {
+        for status in
+            [ChunkStatus::Stored, ChunkStatus::Parked, ChunkStatus::Exhausted, ChunkStatus::Reingest]
+        {
+            assert_eq!(lookup_code(status.as_str().as_bytes()[0]).unwrap(), status);
         }
         // The statement's answer for a status it does not know: an error, never a guess.
         assert!(lookup_code(b'?').is_err());
-        assert!(lookup_code(b'x').is_err());
+        assert!(lookup_code(b'S').is_err());
     }
 
     fn key(doc: &str, chunk_index: i32) -> super::WindowKey {
@@ -554,13 +592,41 @@ mod tests {
             key("c", 5),
             key("c", 1_000_000),
         ];
+        let ranges = super::WindowRanges::of(&keys);
         assert_eq!(
-            super::manifest_ranges(&keys),
+            ranges.triples(),
             vec![("a", 0, 3), ("b", 7, 7), ("a", 9, 9), ("c", 5, 5), ("c", 1_000_000, 1_000_000)]
         );
+        // Each chunk of a range is its key, or none (range 1's chunk 2 is not in the window).
+        let at = |range, chunk| ranges.key_at(range, chunk);
+        assert_eq!([at(1, 0), at(1, 1), at(1, 2), at(1, 3)], [Some(0), Some(1), None, Some(2)]);
+        assert_eq!([at(2, 7), at(3, 9), at(4, 5), at(5, 1_000_000)], [Some(3), Some(4), Some(5), Some(6)]);
+        // Outside any range, or no such range.
+        assert_eq!([at(1, 4), at(2, 6), at(0, 0), at(6, 0), at(-1, 0)], [None; 5]);
         let dense: Vec<_> = (0..512).rev().map(|i| key("d", i * 2)).collect();
-        assert_eq!(super::manifest_ranges(&dense), vec![("d", 0, 1022)]);
-        assert_eq!(super::manifest_ranges(&[]), vec![]);
+        let ranges = super::WindowRanges::of(&dense);
+        assert_eq!(ranges.triples(), vec![("d", 0, 1022)]);
+        assert_eq!(
+            (ranges.key_at(1, 1022), ranges.key_at(1, 0), ranges.key_at(1, 1)),
+            (Some(0), Some(511), None)
+        );
+        assert_eq!(super::WindowRanges::of(&[]).triples(), vec![]);
+    }
+
+    /// One document in two runs whose ranges overlap: each chunk answers the key of its own
+    /// range only.
+    #[test]
+    fn overlapping_ranges_of_one_document_answer_each_key_once() {
+        let keys = [key("x", 0), key("x", 9), key("y", 0), key("x", 4), key("x", 1), key("x", 8)];
+        let ranges = super::WindowRanges::of(&keys);
+        assert_eq!(ranges.triples(), vec![("x", 0, 9), ("y", 0, 0), ("x", 1, 8)]);
+        // Chunks 4 and 8 are found by both ranges of x; each is the key of the third only.
+        let at = |range, chunk| ranges.key_at(range, chunk);
+        assert_eq!([at(1, 4), at(1, 8), at(1, 1)], [None; 3]);
+        assert_eq!(
+            [at(3, 4), at(3, 1), at(3, 8), at(1, 0), at(1, 9)],
+            [Some(3), Some(4), Some(5), Some(0), Some(1)]
+        );
     }
 
     #[test]

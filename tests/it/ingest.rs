@@ -583,6 +583,38 @@ async fn batch_max_chars_counts_characters_not_bytes() {
     assert_eq!(mock.control.stats().requests, 4, "3 inputs of 10 characters (19 bytes) a request");
 }
 
+/// A window that meets one document in two runs of keys whose chunk ranges overlap (chunks 0
+/// and 9, another document's chunk, then chunk 4 again in the first one's range): the lookup
+/// by ranges finds chunk 4's manifest row twice, and must still answer each key once. An
+/// unchanged rerun in that order skips everything and sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_whose_ranges_of_one_document_overlap_is_looked_up_key_by_key() {
+    const WINDOW: usize = 20;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let mut p = pipeline(&s).await;
+    // One pair of documents a window, most of them past the run's first (claimed) windows.
+    p.options.intake_window = WINDOW;
+    let mut keys: Vec<(String, i32)> = Vec::new();
+    for pair in 0..20 {
+        let (x, y) = (format!("x{pair}"), format!("y{pair}"));
+        let head = [(&x, 0), (&x, 9), (&y, 0), (&x, 4)];
+        keys.extend(head.iter().map(|(d, i)| ((*d).clone(), *i)));
+        keys.extend([1, 2, 3, 5, 6, 7, 8].map(|i| (x.clone(), i)));
+        keys.extend((1..10).map(|i| (y.clone(), i)));
+    }
+    assert_eq!(keys.len(), 20 * WINDOW);
+    let corpus = keys.iter().map(|(d, i)| line(d, *i, &format!("{d} chunk {i}"))).collect::<String>();
+
+    let first = p.run(input(corpus.clone().into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!(first.stored as usize, keys.len(), "{first:?}");
+    let sent = mock.control.stats().inputs;
+    let again = p.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    assert_eq!((again.unchanged as usize, again.stored), (keys.len(), 0), "{again:?}");
+    assert_eq!(mock.control.stats().inputs, sent, "the unchanged rerun sent inputs: {again:?}");
+}
+
 /// Past its first windows a run alone looks its windows up in the manifest by document
 /// ranges, with a statement that only reads. A rerun with some texts changed, chunks added,
 /// the documents in another order and one document's chunks far apart and out of order
