@@ -187,12 +187,17 @@ pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
 /// cluster redirections and failovers (`TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`,
 /// `MOVED`, `ASK`), a busy script (`BUSY`), memory or persistence trouble (`OOM`, `MISCONF`),
 /// missing replicas (`NOREPLICAS`) and a consumer group that vanished with its stream
-/// (`NOGROUP`, and `UNBLOCKED` for a read that was blocked when the stream was deleted: the
-/// replayer recreates the group). Permanent: everything else, e.g. `WRONGTYPE`, a
+/// (`NOGROUP`, `UNBLOCKED` for a read that was blocked when the stream was deleted, and `ERR
+/// no such key` from `XINFO` on it: the replayer recreates the group). Permanent: everything else, e.g. `WRONGTYPE`, a
 /// script error, `NOPERM`, failed authentication, a reply of an unexpected type.
 pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind};
-    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || is_lost_group(e)
+    {
         return true;
     }
     match e.kind() {
@@ -222,9 +227,11 @@ pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
 
 /// Whether `e` says the stream a group read was reading is gone with its consumer group
 /// (`NOGROUP`; `UNBLOCKED` when the read was blocked as the stream was deleted, e.g. by a
-/// `FLUSHALL`): the reader recreates the group and reads on.
+/// `FLUSHALL`; `ERR no such key` from `XINFO` on the deleted stream): the reader recreates
+/// the group and reads on.
 pub(crate) fn is_lost_group(e: &redis::RedisError) -> bool {
     matches!(e.code(), Some("NOGROUP" | "UNBLOCKED"))
+        || (e.code() == Some("ERR") && e.detail() == Some("no such key"))
 }
 
 /// One relay; run as many as you like.

@@ -575,13 +575,21 @@ impl Replayer {
         Ok(total)
     }
 
+    /// Deletes the group's consumers that have been idle past `dead_consumer_after` with
+    /// nothing pending. A stream gone meanwhile (Redis lost its data) has none to delete: the
+    /// next read recreates the group.
     async fn remove_dead_consumers(&mut self, stream: &str) -> Result<(), ReplayError> {
-        let info: redis::streams::StreamInfoConsumersReply = redis::cmd("XINFO")
+        let info: redis::streams::StreamInfoConsumersReply = match redis::cmd("XINFO")
             .arg("CONSUMERS")
             .arg(stream)
             .arg(REPLAY_GROUP)
             .query_async(&mut self.redis)
-            .await?;
+            .await
+        {
+            Ok(info) => info,
+            Err(e) if crate::relay::is_lost_group(&e) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
         for c in info.consumers {
             if c.name != self.name
                 && c.pending == 0

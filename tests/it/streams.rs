@@ -1215,3 +1215,52 @@ async fn every_kind_of_event_is_published_as_the_contract_says() {
     assert_eq!(published.len() as i64, outbox_events, "every event recorded was published once");
 }
 }
+
+on_single_and_cluster! {
+/// A replayer's reclaim pass whose stream is deleted while it embeds what it claimed (a
+/// `FLUSHALL` mid-pass) ends the pass as it would after a lost group. Its look at the group's
+/// consumers (`XINFO CONSUMERS`) then got `no such key`, an error no reader recovered from:
+/// it ended the replayer, and `serve` with it, so nothing replayed until a restart (the
+/// history checker's Redis-loss scene, seed 7, waited 65 s).
+async fn a_stream_deleted_during_a_reclaim_pass_does_not_end_the_replayer() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 20, "nk").await;
+    enqueue_due(&db, &p, &keys).await;
+    // Delivered to a consumer that died: pending and soon idle, for the pass to claim.
+    let mut r = redis().await;
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(REPLAY_GROUP)
+        .arg("dead")
+        .arg("COUNT")
+        .arg(100)
+        .arg("STREAMS")
+        .arg(keys.replay())
+        .arg(">")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert_eq!(pending(&keys).await, 20);
+    let mock = start_mock(MockConfig { latency_ms: 1_000, ..MockConfig::default() }).await;
+    let config = replay_config();
+    let mut rep =
+        replayer_with_timeout(&db, &mock, &keys, "survivor", config.clone(), Duration::from_secs(10)).await;
+    tokio::time::sleep(config.min_idle + Duration::from_millis(100)).await;
+    let cancel = CancellationToken::new();
+    let pass = rep.reclaim_once(&cancel);
+    let delete = async {
+        wait_for("the claimed rows at the provider", Duration::from_secs(30), async || {
+            mock.control.stats().requests > 0
+        })
+        .await;
+        let _: () = redis::cmd("DEL").arg(keys.replay()).query_async(&mut r).await.unwrap();
+    };
+    let (pass, ()) = tokio::join!(pass, delete);
+    match pass {
+        Ok(c) => assert_eq!((c.reclaimed, c.replayed), (20, 20), "{c:?}"),
+        Err(e) => panic!("the pass ended with: {e} (transient: {})", e.is_transient()),
+    }
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20);
+}
+}
