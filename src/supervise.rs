@@ -254,23 +254,30 @@ fn record(failures: &Mutex<Vec<TaskFailure>>, on_failure: &CancellationToken, f:
 mod tests {
     use super::*;
 
+    /// A task that panics with "boom 7" (not a constant panic: the compiler cannot see it).
+    fn boom() -> impl Future<Output = ()> + Send + 'static {
+        let n = std::hint::black_box(7);
+        async move {
+            if n == 7 {
+                panic!("boom {n}");
+            }
+        }
+    }
+
+    /// Waits for `s` and checks that its one failure is `task`'s "boom 7" and the run stopped.
+    async fn assert_one_boom(mut s: Supervisor, stop: &CancellationToken, task: &str) {
+        s.wait().await;
+        assert!(stop.is_cancelled());
+        assert_eq!(s.failures(), vec![TaskFailure::Panicked { task: task.into(), message: "boom 7".into() }]);
+    }
+
     #[tokio::test]
     async fn a_panicking_task_is_reported_by_name_and_cancels_the_run() {
         let stop = CancellationToken::new();
         let mut s = Supervisor::new(stop.clone());
         s.spawn("fine", async {});
-        let n = std::hint::black_box(7);
-        s.spawn("worker 3", async move {
-            if n == 7 {
-                panic!("boom {n}");
-            }
-        });
-        s.wait().await;
-        assert!(stop.is_cancelled());
-        assert_eq!(
-            s.failures(),
-            vec![TaskFailure::Panicked { task: "worker 3".into(), message: "boom 7".into() }]
-        );
+        s.spawn("worker 3", boom());
+        assert_one_boom(s, &stop, "worker 3").await;
     }
 
     /// On the test's one-thread runtime: the task runs on another thread, its timers and
@@ -285,18 +292,8 @@ mod tests {
             tx.send(std::thread::current().id()).unwrap();
         });
         assert_ne!(rx.await.unwrap(), std::thread::current().id());
-        let n = std::hint::black_box(7);
-        s.spawn_on_own_thread("reader 2", async move {
-            if n == 7 {
-                panic!("boom {n}");
-            }
-        });
-        s.wait().await;
-        assert!(stop.is_cancelled());
-        assert_eq!(
-            s.failures(),
-            vec![TaskFailure::Panicked { task: "reader 2".into(), message: "boom 7".into() }]
-        );
+        s.spawn_on_own_thread("reader 2", boom());
+        assert_one_boom(s, &stop, "reader 2").await;
     }
 
     #[tokio::test]

@@ -130,6 +130,24 @@ async fn read_batch(rep: &mut Replayer) -> embed_dlq::replay::ReplayCounts {
     rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
 }
 
+/// Delivers every new entry of the replay stream to the consumer `name`, which never
+/// acknowledges them (a consumer that died): they stay pending, soon idle.
+async fn deliver_to_dead_consumer(keys: &StreamKeys, name: &str) {
+    let mut r = redis().await;
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(REPLAY_GROUP)
+        .arg(name)
+        .arg("COUNT")
+        .arg(100)
+        .arg("STREAMS")
+        .arg(keys.replay())
+        .arg(">")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+}
+
 async fn pending(keys: &StreamKeys) -> usize {
     let mut r = redis().await;
     let reply: redis::streams::StreamPendingReply =
@@ -328,19 +346,7 @@ async fn an_input_that_kills_its_replayer_is_exhausted_after_the_cap_not_looped(
     enqueue_due(&db, &p, &keys).await;
     // A consumer that takes the entries and dies without loading them: Redis counts a
     // delivery, Postgres nothing, so it is never charged to the rows.
-    let mut r = redis().await;
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg(REPLAY_GROUP)
-        .arg("ghost")
-        .arg("COUNT")
-        .arg(100)
-        .arg("STREAMS")
-        .arg(keys.replay())
-        .arg(">")
-        .query_async(&mut r)
-        .await
-        .unwrap();
+    deliver_to_dead_consumer(&keys, "ghost").await;
     // Replayers that die every time they begin to replay the batch (after loading its rows,
     // before the provider call), as on an input that crashes the process.
     let mock = start_mock(MockConfig::default()).await;
@@ -1228,19 +1234,8 @@ async fn a_stream_deleted_during_a_reclaim_pass_does_not_end_the_replayer() {
     let (_down, p) = park_transient(&db, 20, "nk").await;
     enqueue_due(&db, &p, &keys).await;
     // Delivered to a consumer that died: pending and soon idle, for the pass to claim.
+    deliver_to_dead_consumer(&keys, "dead").await;
     let mut r = redis().await;
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg(REPLAY_GROUP)
-        .arg("dead")
-        .arg("COUNT")
-        .arg(100)
-        .arg("STREAMS")
-        .arg(keys.replay())
-        .arg(">")
-        .query_async(&mut r)
-        .await
-        .unwrap();
     assert_eq!(pending(&keys).await, 20);
     let mock = start_mock(MockConfig { latency_ms: 1_000, ..MockConfig::default() }).await;
     let config = replay_config();
