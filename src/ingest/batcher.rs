@@ -95,8 +95,8 @@ pub(super) struct Batcher<'a> {
     /// other. They are finished (skips counted, jobs sent) in order. Several only while each
     /// only reads ([`WINDOWS_IN_FLIGHT`]); a window that claims waits for all of them.
     pub(super) pending: VecDeque<PendingWindow>,
-    /// No other ingest run was alive at the last claim: the next window tries the read-only
-    /// lookup first ([`Store::claim_window`]'s `lookup_first`).
+    /// No other ingest run was alive at the last answer: the next window, past the first
+    /// ones and reading a corpus, is sent as the read-only [`Store::lookup_window`].
     pub(super) alone: bool,
 }
 
@@ -316,16 +316,15 @@ impl<'a> Batcher<'a> {
         let keys = window_keys(&chunks, &invalid, &repeated);
         let store = self.pipeline.store.clone();
         let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
-        let alone = self.alone;
         // The keys travel with the statement and come back with its answer.
         let claim = tokio::spawn(async move {
             let claims = match read_only {
                 true => with_db_retry(|| store.lookup_window(&keys, run_id))
                     .await
                     .map(|found| found.map(|claims| (claims, false))),
-                false => with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream, alone))
-                    .await
-                    .map(Some),
+                false => {
+                    with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await.map(Some)
+                }
             };
             (keys, claims)
         });
@@ -361,7 +360,7 @@ impl<'a> Batcher<'a> {
                 let store = &self.pipeline.store;
                 let (run_id, lease, stream) = (self.run_id, self.pipeline.options.lease, self.acks.is_some());
                 let (claims, others) =
-                    with_db_retry(|| store.claim_window(&keys, run_id, lease, false, stream, false)).await?;
+                    with_db_retry(|| store.claim_window(&keys, run_id, lease, false, stream)).await?;
                 self.alone = !others;
                 (keys, claims)
             }

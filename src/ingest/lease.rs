@@ -108,11 +108,9 @@ impl Store {
     /// unique within the window. `lease` is clamped to
     /// at least a second. Leases are claimed only while another run is alive, or if `always`
     /// (a run's first windows: two runs started together have not seen each other's lock yet).
-    ///
-    /// With `lookup_first` (the run found itself alone at its previous window), a run past its
-    /// first windows reading a corpus first tries [`Store::lookup_window`]: alone, the claim
-    /// would take no lease and move no manifest row, so the lookup is the whole answer. Also
-    /// returns whether another run is alive, for the next window's `lookup_first`.
+    /// Also returns whether another run is alive: a run alone past its first windows, reading
+    /// a corpus, sends [`Store::lookup_window`] instead (alone, the claim would take no lease
+    /// and move no manifest row, so the lookup is the whole answer).
     pub(crate) async fn claim_window(
         &self,
         keys: &[WindowKey],
@@ -120,15 +118,7 @@ impl Store {
         lease: Duration,
         always: bool,
         stream: bool,
-        lookup_first: bool,
     ) -> Result<(Vec<WindowClaim>, bool), StoreError> {
-        if lookup_first
-            && !always
-            && !stream
-            && let Some(claims) = self.lookup_window(keys, run_id).await?
-        {
-            return Ok((claims, false));
-        }
         let KeyColumns { docs, idxs, hashes } = KeyColumns::of(keys);
         let seqs: Vec<i64> = keys.iter().map(|k| k.source_seq).collect();
         let embeds: Vec<bool> = keys.iter().map(|k| k.embeds).collect();
@@ -195,12 +185,14 @@ impl Store {
         let in_range = row.try_get::<Option<Vec<i32>>, _>(2)?.unwrap_or_default();
         let chunks = row.try_get::<Option<Vec<i32>>, _>(3)?.unwrap_or_default();
         let found = row.try_get::<Option<&str>, _>(4)?.unwrap_or_default();
+        if in_range.len() != chunks.len() {
+            return Err(lookup_disagrees());
+        }
         let mut manifest = vec![None; keys.len()];
         let mut rows = found.split(',').filter(|r| !r.is_empty());
         for (&range, &chunk) in in_range.iter().zip(&chunks) {
-            let (code, hash) = rows.next().and_then(|r| r.split_at_checked(1)).ok_or_else(|| {
-                StoreError::Db(sqlx::Error::Decode("the lookup answered fewer rows than it found".into()))
-            })?;
+            let (code, hash) =
+                rows.next().and_then(|r| r.split_at_checked(1)).ok_or_else(lookup_disagrees)?;
             // A row of the range that is not a key of the window (the range's gaps, or a key
             // of another range of the same document) answers nothing.
             if let Some(k) = ranges.key_at(range, chunk) {
@@ -208,10 +200,8 @@ impl Store {
                 manifest[k] = Some((hash == keys[k].content_hash, status));
             }
         }
-        if in_range.len() != chunks.len() || rows.next().is_some() {
-            return Err(StoreError::Db(sqlx::Error::Decode(
-                "the lookup's columns disagree in length".into(),
-            )));
+        if rows.next().is_some() {
+            return Err(lookup_disagrees());
         }
         // Alone and reading a corpus: no lease to take, and nothing older in flight that a skip
         // must fence against (the claim's `racing` is false, so it confirms all).
@@ -347,6 +337,11 @@ fn key_and_manifest(r: &sqlx::postgres::PgRow) -> Result<(i64, Option<(bool, Chu
         None => None,
     };
     Ok((n, manifest))
+}
+
+/// The lookup's columns (ranges, chunks, rows found) did not have one entry per row found.
+fn lookup_disagrees() -> StoreError {
+    StoreError::Db(sqlx::Error::Decode("the lookup's columns disagree in length".into()))
 }
 
 /// A manifest row's status as [`LOOKUP_WINDOW_SQL`] spells it: one letter.
