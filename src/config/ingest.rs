@@ -88,14 +88,18 @@ impl IngestSettings {
     pub async fn pipeline(&self) -> Result<crate::ingest::Pipeline, PipelineError> {
         use crate::store;
         let options = self.options.within_bounds();
-        // The intake: its windows in flight (`WINDOWS_IN_FLIGHT`) and position reservations.
-        let connections = (options.concurrency + options.writers) as u32 + 3;
+        // The intake: a window's claim and a position reservation beside it; its read-only
+        // lookups, one for each window in flight, have a pool of their own.
+        let connections = (options.concurrency + options.writers) as u32 + 2;
         let pool = store::connect(&self.database_url, connections).await.map_err(PipelineError::Connect)?;
+        let lookups = store::connect_generic_plans(&self.database_url, crate::ingest::WINDOWS_IN_FLIGHT as u32)
+            .map_err(PipelineError::Connect)?;
         store::migrate(&pool).await?;
         let store = store::Store::open(pool, &self.table)
             .await?
             .with_model(&self.client.model, self.client.request_dimensions)
-            .with_on_newer_parked(options.on_newer_parked);
+            .with_on_newer_parked(options.on_newer_parked)
+            .with_lookup_pool(lookups);
         let client = crate::embed::client::EmbedClient::new(self.client.clone())
             .map_err(PipelineError::Client)?
             .with_limiter(std::sync::Arc::new(self.limiter().await?));

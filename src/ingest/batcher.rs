@@ -105,7 +105,7 @@ pub(super) struct Batcher<'a> {
 /// of neighbouring windows may run side by side. With one in flight the reader, the batcher
 /// and Postgres took turns on an unchanged rerun (a third of the two cores idle); the pool
 /// has a connection for each (`IngestSettings::pipeline`).
-pub(super) const WINDOWS_IN_FLIGHT: usize = 2;
+pub(crate) const WINDOWS_IN_FLIGHT: usize = 2;
 
 /// A window's keys and what [`Store::claim_window`] answered for them (and whether another
 /// run was alive); `None`: the window was sent as a lookup alone, which found another run

@@ -176,7 +176,7 @@ impl Store {
             .bind(&ranges.docs)
             .bind(&ranges.los)
             .bind(&ranges.his)
-            .fetch_one(&self.pool)
+            .fetch_one(self.lookup_pool.as_ref().unwrap_or(&self.pool))
             .await?;
         if row.try_get::<bool, _>(1)? {
             return Ok(None);

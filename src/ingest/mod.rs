@@ -76,6 +76,7 @@ use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
 use batcher::*;
 pub use batcher::{BAD_LINES_LOG_EVERY, LOGGED_BAD_LINES};
+pub(crate) use batcher::WINDOWS_IN_FLIGHT;
 use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
 use feed::*;
