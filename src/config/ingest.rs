@@ -92,8 +92,9 @@ impl IngestSettings {
         // lookups, one for each window in flight, have a pool of their own.
         let connections = (options.concurrency + options.writers) as u32 + 2;
         let pool = store::connect(&self.database_url, connections).await.map_err(PipelineError::Connect)?;
-        let lookups = store::connect_generic_plans(&self.database_url, crate::ingest::WINDOWS_IN_FLIGHT as u32)
-            .map_err(PipelineError::Connect)?;
+        let lookups =
+            store::connect_generic_plans(&self.database_url, crate::ingest::WINDOWS_IN_FLIGHT as u32)
+                .map_err(PipelineError::Connect)?;
         store::migrate(&pool).await?;
         let store = store::Store::open(pool, &self.table)
             .await?

@@ -175,7 +175,6 @@ impl<'a> Batcher<'a> {
         &mut self,
         rec: Record,
         at: Option<i64>,
-        charge: Charge,
         jobs: &flume::Sender<Job>,
     ) -> Result<(), IngestError> {
         let position = match at {
@@ -251,7 +250,6 @@ impl<'a> Batcher<'a> {
                 self.chunks.push((chunk, hash, position));
             }
         }
-        self.charge.merge(charge);
         if self.keys.len() >= self.pipeline.options.intake_window {
             self.flush(jobs).await?;
         }

@@ -60,6 +60,14 @@ impl ByteBudget {
     }
 }
 
+impl ByteBudget {
+    /// Charges `bytes` (at least 1, at most the whole budget) if they are free right now.
+    pub(crate) fn try_charge(&self, bytes: u64) -> Option<Charge> {
+        let n = bytes.clamp(1, u64::from(self.capacity)) as u32;
+        self.permits.clone().try_acquire_many_owned(n).ok().map(|permit| Charge(Some(permit)))
+    }
+}
+
 /// Bytes charged to one or more records; released when dropped.
 #[derive(Debug, Default)]
 pub(crate) struct Charge(Option<OwnedSemaphorePermit>);
@@ -71,6 +79,15 @@ impl Charge {
             (Some(mine), Some(theirs)) => mine.merge(theirs),
             (None, theirs) => self.0 = theirs,
             (Some(_), None) => {}
+        }
+    }
+
+    /// Takes `bytes` of this charge (at most all of it) into a charge of their own.
+    pub(crate) fn split(&mut self, bytes: u64) -> Charge {
+        let n = bytes.min(self.bytes()) as usize;
+        match (&mut self.0, n) {
+            (Some(mine), 1..) => Charge(mine.split(n)),
+            _ => Charge(None),
         }
     }
 
@@ -102,6 +119,21 @@ mod tests {
         let huge = budget.charge(u64::MAX).await;
         assert_eq!(huge.bytes(), ByteBudget::MIN);
         assert_eq!(budget.available(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_charge_taken_without_waiting_splits_into_parts_released_apart() {
+        let budget = ByteBudget::new(ByteBudget::MIN);
+        let mut block = budget.try_charge(ByteBudget::MIN).expect("all of it is free");
+        assert!(budget.try_charge(1).is_none(), "nothing is left");
+        let part = block.split(1024);
+        assert_eq!((part.bytes(), block.bytes()), (1024, ByteBudget::MIN - 1024));
+        assert_eq!(block.split(0).bytes(), 0);
+        drop(part);
+        assert_eq!(budget.available(), 1024);
+        assert_eq!(block.split(u64::MAX).bytes(), ByteBudget::MIN - 1024, "at most all of it");
+        assert_eq!(block.bytes(), 0);
+        assert_eq!(budget.available(), ByteBudget::MIN);
     }
 
     #[test]

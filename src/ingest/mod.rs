@@ -74,9 +74,9 @@ use crate::store::position::RunPositions;
 use crate::store::{Store, StoreCounts, StoreError, StoredChunk};
 use crate::supervise::{Supervisor, TaskFailure};
 use crate::telemetry::Escaped;
+pub(crate) use batcher::WINDOWS_IN_FLIGHT;
 use batcher::*;
 pub use batcher::{BAD_LINES_LOG_EVERY, LOGGED_BAD_LINES};
-pub(crate) use batcher::WINDOWS_IN_FLIGHT;
 use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
 use feed::*;
@@ -564,7 +564,7 @@ impl Pipeline {
         };
         // Every task is joined; a panic in any of them halts the run and is reported.
         let mut tasks = Supervisor::new(run.halt.clone());
-        let (rec_tx, mut rec_rx) = mpsc::channel::<(Record, Option<i64>, Charge)>(4096);
+        let (rec_tx, mut rec_rx) = mpsc::channel::<Handed>(RECORDS_IN_CHANNEL / RECORDS_PER_HANDOFF);
         let feed = Feed {
             budget: ByteBudget::new(self.options.max_inflight_bytes),
             records: rec_tx,
@@ -650,7 +650,7 @@ impl Pipeline {
     /// in it is caught like one in any task and halts the run.
     async fn batch_intake(
         &self,
-        records: &mut mpsc::Receiver<(Record, Option<i64>, Charge)>,
+        records: &mut mpsc::Receiver<Handed>,
         jobs: &flume::Sender<Job>,
         run: &RunState,
         run_id: i64,
@@ -671,8 +671,11 @@ impl Pipeline {
     }
 }
 
-/// Most records the batcher takes from the reader's channel at once.
-const RECORDS_PER_TAKE: usize = 256;
+/// Most handoffs ([`Handed`]) the batcher takes from the reader's channel at once.
+const HANDOFFS_PER_TAKE: usize = 4;
+
+/// Most records waiting in the reader's channel (in handoffs of [`RECORDS_PER_HANDOFF`]).
+const RECORDS_IN_CHANNEL: usize = 4096;
 
 /// What every task of one run shares.
 struct RunState {
@@ -745,7 +748,7 @@ impl Pipeline {
     /// The batcher loop: records in, jobs out, until the input ends or the run halts.
     async fn intake(
         &self,
-        records: &mut mpsc::Receiver<(Record, Option<i64>, Charge)>,
+        records: &mut mpsc::Receiver<Handed>,
         jobs: &flume::Sender<Job>,
         run: &RunState,
         run_id: i64,
@@ -757,16 +760,16 @@ impl Pipeline {
         // Records are taken many at a time: taken one by one, each freed slot of the channel
         // woke the reader for one more line (thread wake-ups were a seventh of an unchanged
         // rerun's CPU).
-        let mut taken = Vec::with_capacity(RECORDS_PER_TAKE);
+        let mut taken = Vec::with_capacity(HANDOFFS_PER_TAKE);
         'intake: loop {
             let n = if batcher.is_idle() {
                 tokio::select! {
-                    n = records.recv_many(&mut taken, RECORDS_PER_TAKE) => n,
+                    n = records.recv_many(&mut taken, HANDOFFS_PER_TAKE) => n,
                     _ = halt.cancelled() => 0,
                 }
             } else {
                 tokio::select! {
-                    n = records.recv_many(&mut taken, RECORDS_PER_TAKE) => n,
+                    n = records.recv_many(&mut taken, HANDOFFS_PER_TAKE) => n,
                     _ = halt.cancelled() => 0,
                     _ = tokio::time::sleep(self.options.batch_linger) => {
                         batcher.flush(jobs).await?;
@@ -778,12 +781,16 @@ impl Pipeline {
             if n == 0 {
                 break;
             }
-            for (rec, at, charge) in taken.drain(..) {
-                // A halt stops intake at the next record, as if it had not been taken.
-                if halt.is_cancelled() {
-                    break 'intake;
+            for Handed { records, charge } in taken.drain(..) {
+                for (rec, at) in records {
+                    // A halt stops intake at the next record, as if it had not been taken.
+                    if halt.is_cancelled() {
+                        break 'intake;
+                    }
+                    batcher.push(rec, at, jobs).await?;
                 }
-                batcher.push(rec, at, charge, jobs).await?;
+                // With the window of the handoff's last record (see `Handed`).
+                batcher.charge.merge(charge);
             }
         }
         // End of input: the last window goes out. Shutdown: records already claimed are
