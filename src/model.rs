@@ -138,14 +138,45 @@ impl std::str::FromStr for ErrorClass {
 /// embedding space (model and dimensions), so a model change re-embeds while a rerun of the
 /// same corpus makes no provider call.
 pub fn content_hash(model: &str, dimensions: usize, text: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(model.as_bytes());
-    h.update([0]);
-    h.update(dimensions.to_string().as_bytes());
-    h.update([0]);
-    h.update(text.as_bytes());
-    hex(&h.finalize())
+    HexHash::of_content(model, dimensions, text).as_str().to_owned()
 }
+
+/// A [`content_hash`] held inline, its 64 hex digits in the value: the batcher keeps one for
+/// every record of its windows, and a `String` each was an allocation (and a free on another
+/// thread) per record of an unchanged rerun.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HexHash([u8; 64]);
+
+impl HexHash {
+    /// [`content_hash`] of `text` embedded by `model` at `dimensions`.
+    pub(crate) fn of_content(model: &str, dimensions: usize, text: &str) -> HexHash {
+        let mut h = Sha256::new();
+        h.update(model.as_bytes());
+        h.update([0]);
+        h.update(dimensions.to_string().as_bytes());
+        h.update([0]);
+        h.update(text.as_bytes());
+        let mut digits = [0u8; 64];
+        for (pair, b) in digits.chunks_exact_mut(2).zip(h.finalize()) {
+            pair[0] = HEX_DIGITS[usize::from(b >> 4)];
+            pair[1] = HEX_DIGITS[usize::from(b & 0xf)];
+        }
+        HexHash(digits)
+    }
+
+    /// The hash as text, as the manifest and the DLQ store it.
+    pub(crate) fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
+    }
+}
+
+impl std::fmt::Debug for HexHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
 
 /// Hash for a record that could not be parsed: it covers the raw line, so rerunning the same
 /// broken corpus does not re-park (and re-announce) the same line.
@@ -159,7 +190,7 @@ pub fn raw_record_hash(raw: &[u8]) -> String {
 /// Lowercase hex, two digits a byte (by table: `write!` per byte was a tenth of the CPU time
 /// of an unchanged rerun, which hashes every record). The one hex encoder of the crate.
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    const DIGITS: &[u8; 16] = HEX_DIGITS;
     let mut s = String::with_capacity(bytes.len() * 2);
     for &b in bytes {
         s.push(DIGITS[usize::from(b >> 4)] as char);
@@ -220,6 +251,9 @@ mod tests {
     #[test]
     fn hash_depends_on_model_dimensions_and_text() {
         let base = content_hash("m", 768, "hello");
+        // The inline form is the same text as the hex encoder's of the same digest.
+        let digest = sha2::Sha256::new().chain_update(b"m\x00768\x00hello").finalize();
+        assert_eq!(base, hex(&digest));
         assert_eq!(base, content_hash("m", 768, "hello"));
         assert_ne!(base, content_hash("m2", 768, "hello"));
         assert_ne!(base, content_hash("m", 512, "hello"));

@@ -66,7 +66,7 @@ pub(super) struct Batcher<'a> {
     pub(super) run_id: i64,
     /// The positions of the run's lines (records without their own).
     pub(super) positions: RunPositions,
-    pub(super) chunks: Vec<(Chunk, String, i64)>,
+    pub(super) chunks: Vec<(Chunk, HexHash, i64)>,
     pub(super) invalid: Vec<ParkedChunk>,
     /// The window's keys, by [`key_hash`]: a key met twice flushes the window first (two
     /// keys that share a hash only flush it early).
@@ -107,18 +107,53 @@ pub(super) struct Batcher<'a> {
 /// has a connection for each (`IngestSettings::pipeline`).
 pub(crate) const WINDOWS_IN_FLIGHT: usize = 2;
 
-/// A window's keys and what [`Store::claim_window`] answered for them (and whether another
-/// run was alive); `None`: the window was sent as a lookup alone, which found another run
-/// alive, so it still needs its claim ([`Batcher::finish_oldest`] sends it).
-pub(super) type ClaimedKeys = (Vec<WindowKey>, Result<Option<(Vec<WindowClaim>, bool)>, StoreError>);
+/// A window's records and what [`Store::claim_window`] answered for their keys (and whether
+/// another run was alive); `None`: the window was sent as a lookup alone, which found another
+/// run alive, so it still needs its claim ([`Batcher::finish_oldest`] sends it).
+pub(super) type ClaimedWindow = (WindowRecords, Result<Option<(Vec<WindowClaim>, bool)>, StoreError>);
 
 /// A window sent to [`Store::claim_window`] and not yet finished ([`Batcher::finish_pending`]).
 pub(super) struct PendingWindow {
-    /// The window's keys and, once the task ends, their claims.
-    pub(super) claim: tokio_util::task::AbortOnDropHandle<ClaimedKeys>,
-    pub(super) chunks: Vec<(Chunk, String, i64)>,
-    pub(super) invalid: Vec<ParkedChunk>,
+    /// The window's records, with its statement, and once the task ends, their claims.
+    pub(super) claim: tokio_util::task::AbortOnDropHandle<ClaimedWindow>,
     pub(super) charge: Arc<Charge>,
+}
+
+/// The records of one window: they travel with its statement, whose keys borrow from them
+/// ([`WindowRecords::keys`]: no key owns a copy of a document id or a hash), and come back
+/// with its answer.
+pub(super) struct WindowRecords {
+    pub(super) chunks: Vec<(Chunk, HexHash, i64)>,
+    pub(super) invalid: Vec<ParkedChunk>,
+    /// Keys of the window met earlier in this run: never skipped.
+    pub(super) repeated: HashSet<(String, i32)>,
+}
+
+impl WindowRecords {
+    /// The keys as [`Store::claim_window`] takes them: the chunks first, then the invalid
+    /// records (the claims come back in this order).
+    pub(super) fn keys(&self) -> Vec<WindowKey<'_>> {
+        let is_repeated = |doc_id: &str, chunk_index: i32| {
+            !self.repeated.is_empty() && self.repeated.contains(&(doc_id.to_owned(), chunk_index))
+        };
+        let window_key = |doc_id, chunk_index, content_hash, source_seq, embeds| WindowKey {
+            doc_id,
+            chunk_index,
+            content_hash,
+            source_seq,
+            embeds,
+            repeated: is_repeated(doc_id, chunk_index),
+        };
+        self.chunks
+            .iter()
+            .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash.as_str(), *seq, true))
+            .chain(
+                self.invalid
+                    .iter()
+                    .map(|p| window_key(&p.doc_id, p.chunk_index, &p.content_hash, p.source_seq, false)),
+            )
+            .collect()
+    }
 }
 
 impl<'a> Batcher<'a> {
@@ -241,7 +276,7 @@ impl<'a> Batcher<'a> {
                 self.tally.lock().unwrap().summary.records += 1;
                 let key = key_hash(&chunk.doc_id, chunk.chunk_index);
                 self.make_room(key, jobs).await?;
-                let hash = content_hash(
+                let hash = HexHash::of_content(
                     self.pipeline.embedder.client.model(),
                     self.pipeline.embedder.dimensions,
                     &chunk.text,
@@ -311,11 +346,12 @@ impl<'a> Batcher<'a> {
             t.summary.not_attempted += (chunks.len() + invalid.len()) as u64;
             return Ok(());
         }
-        let keys = window_keys(&chunks, &invalid, &repeated);
+        let records = WindowRecords { chunks, invalid, repeated };
         let store = self.pipeline.store.clone();
         let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
-        // The keys travel with the statement and come back with its answer.
+        // The records travel with the statement and come back with its answer.
         let claim = tokio::spawn(async move {
+            let keys = records.keys();
             let claims = match read_only {
                 true => with_db_retry(|| store.lookup_window(&keys, run_id))
                     .await
@@ -324,11 +360,12 @@ impl<'a> Batcher<'a> {
                     with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await.map(Some)
                 }
             };
-            (keys, claims)
+            drop(keys);
+            (records, claims)
         });
         self.windows += 1;
         let claim = tokio_util::task::AbortOnDropHandle::new(claim);
-        self.pending.push_back(PendingWindow { claim, chunks, invalid, charge });
+        self.pending.push_back(PendingWindow { claim, charge });
         Ok(())
     }
 
@@ -345,22 +382,24 @@ impl<'a> Batcher<'a> {
     /// window is finished), drops what the manifest already holds or another run has leased,
     /// and sends the rest to the workers. A panic of the statement's task is the batcher's own.
     pub(super) async fn finish_oldest(&mut self, jobs: &flume::Sender<Job>) -> Result<(), IngestError> {
-        let Some(PendingWindow { claim, mut chunks, mut invalid, charge }) = self.pending.pop_front() else {
+        let Some(PendingWindow { claim, charge }) = self.pending.pop_front() else {
             return Ok(());
         };
-        let (keys, claims) = match claim.await {
-            Ok((keys, Ok(Some((claims, others))))) => {
+        let (mut records, claims) = match claim.await {
+            Ok((records, Ok(Some((claims, others))))) => {
                 self.alone = !others;
-                (keys, claims)
+                (records, claims)
             }
             Ok((_, Err(e))) => return Err(e.into()),
-            Ok((keys, Ok(None))) => {
+            Ok((records, Ok(None))) => {
                 let store = &self.pipeline.store;
                 let (run_id, lease, stream) = (self.run_id, self.pipeline.options.lease, self.acks.is_some());
+                let keys = records.keys();
                 let (claims, others) =
                     with_db_retry(|| store.claim_window(&keys, run_id, lease, false, stream)).await?;
+                drop(keys);
                 self.alone = !others;
-                (keys, claims)
+                (records, claims)
             }
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             // Only dropping the handle aborts the task, and the handle is here.
@@ -369,8 +408,8 @@ impl<'a> Batcher<'a> {
                 return Err(IngestError::Store(StoreError::Db(sqlx::Error::Protocol(gone))));
             }
         };
-        let leased = self.skip_known(&mut chunks, &mut invalid, &keys, &claims);
-        let (batches, park) = self.provider_batches(chunks, invalid, &leased);
+        let leased = self.skip_known(&mut records, &claims);
+        let (batches, park) = self.provider_batches(records.chunks, records.invalid, &leased);
         self.dispatch(batches, park, charge, jobs).await;
         Ok(())
     }
@@ -407,7 +446,7 @@ impl<'a> Batcher<'a> {
     /// Records the window's keys for the run's cleanup (one statement).
     pub(super) async fn note_seen(
         &self,
-        chunks: &[(Chunk, String, i64)],
+        chunks: &[(Chunk, HexHash, i64)],
         invalid: &[ParkedChunk],
     ) -> Result<(), IngestError> {
         let keys: Vec<(&str, i32)> = chunks
@@ -424,21 +463,20 @@ impl<'a> Batcher<'a> {
     /// Drops (and counts) the records whose content the manifest already holds, stored or
     /// parked (replay owns it then), and the chunks another live run holds the lease of (it
     /// embeds them), as the window's claim found them (`claims`, one per key of
-    /// [`window_keys`], which also leased the rest to this run); keys `repeated` in this run
+    /// [`WindowRecords::keys`], which also leased the rest to this run); keys `repeated` in this run
     /// are never skipped as done. Returns the keys whose lease this run took (none once a run
     /// alone is past its first windows).
     pub(super) fn skip_known(
         &self,
-        chunks: &mut Vec<(Chunk, String, i64)>,
-        invalid: &mut Vec<ParkedChunk>,
-        keys: &[WindowKey],
+        records: &mut WindowRecords,
         claims: &[WindowClaim],
     ) -> HashSet<(String, i32)> {
+        let keys = records.keys();
         let leased: HashSet<(String, i32)> = keys
             .iter()
             .zip(claims)
             .filter(|(_, c)| c.leased)
-            .map(|(k, _)| (k.doc_id.clone(), k.chunk_index))
+            .map(|(k, _)| (k.doc_id.to_owned(), k.chunk_index))
             .collect();
         let (mut unchanged, mut already_parked, mut leased_elsewhere) = (0u64, 0u64, 0u64);
         let mut left: Vec<(String, i32)> = Vec::new();
@@ -453,7 +491,7 @@ impl<'a> Batcher<'a> {
                     leased_elsewhere += 1;
                     elsewhere.push(key.source_seq);
                     if left.len() < MAX_UNFINISHED_EXAMPLES {
-                        left.push((key.doc_id.clone(), key.chunk_index));
+                        left.push((key.doc_id.to_owned(), key.chunk_index));
                     }
                     return true;
                 }
@@ -476,14 +514,15 @@ impl<'a> Batcher<'a> {
                 }
             })
             .collect();
-        let (chunk_skips, invalid_skips) = skip.split_at(chunks.len());
+        drop(keys);
+        let (chunk_skips, invalid_skips) = skip.split_at(records.chunks.len());
         let mut n = 0;
-        chunks.retain(|_| {
+        records.chunks.retain(|_| {
             n += 1;
             !chunk_skips[n - 1]
         });
         let mut n = 0;
-        invalid.retain(|_| {
+        records.invalid.retain(|_| {
             n += 1;
             !invalid_skips[n - 1]
         });
@@ -510,7 +549,7 @@ impl<'a> Batcher<'a> {
     /// pre-flight checks joins `park` instead.
     pub(super) fn provider_batches(
         &self,
-        chunks: Vec<(Chunk, String, i64)>,
+        chunks: Vec<(Chunk, HexHash, i64)>,
         mut park: Vec<ParkedChunk>,
         leased: &HashSet<(String, i32)>,
     ) -> (Vec<Vec<Claimed>>, Vec<ParkedChunk>) {
@@ -522,7 +561,7 @@ impl<'a> Batcher<'a> {
                 park.push(ParkedChunk {
                     doc_id: chunk.doc_id.clone(),
                     chunk_index: chunk.chunk_index,
-                    content_hash: hash,
+                    content_hash: hash.as_str().to_owned(),
                     payload: serde_json::to_value(&chunk).expect("chunk serializes"),
                     class: ErrorClass::PermanentInput,
                     reason: reason.as_str().into(),
@@ -544,7 +583,7 @@ impl<'a> Batcher<'a> {
             }
             chars += len;
             let leased = !leased.is_empty() && leased.contains(&(chunk.doc_id.clone(), chunk.chunk_index));
-            current.push(Claimed { chunk, hash, seq, leased });
+            current.push(Claimed { chunk, hash: hash.as_str().to_owned(), seq, leased });
         }
         if !current.is_empty() {
             batches.push(current);
@@ -578,35 +617,6 @@ impl<'a> Batcher<'a> {
             }
         }
     }
-}
-
-/// The keys of a window as [`Store::claim_window`] takes them: the chunks first, then the
-/// invalid records (the claims come back in this order).
-pub(super) fn window_keys(
-    chunks: &[(Chunk, String, i64)],
-    invalid: &[ParkedChunk],
-    repeated: &HashSet<(String, i32)>,
-) -> Vec<WindowKey> {
-    let is_repeated = |doc_id: &str, chunk_index: i32| {
-        !repeated.is_empty() && repeated.contains(&(doc_id.to_owned(), chunk_index))
-    };
-    let window_key = |doc_id: &str, chunk_index: i32, hash: &str, seq: i64, embeds: bool| WindowKey {
-        doc_id: doc_id.to_owned(),
-        chunk_index,
-        content_hash: hash.to_owned(),
-        source_seq: seq,
-        embeds,
-        repeated: is_repeated(doc_id, chunk_index),
-    };
-    chunks
-        .iter()
-        .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash, *seq, true))
-        .chain(
-            invalid
-                .iter()
-                .map(|p| window_key(&p.doc_id, p.chunk_index, &p.content_hash, p.source_seq, false)),
-        )
-        .collect()
 }
 
 /// Client-side checks that save a provider call: empty input (some servers answer it with a

@@ -48,10 +48,10 @@ pub(crate) const ALWAYS_LEASED_WINDOWS: u64 = 8;
 
 /// One key of an intake window, as [`Store::claim_window`] takes it.
 #[derive(Debug, Clone)]
-pub(crate) struct WindowKey {
-    pub doc_id: String,
+pub(crate) struct WindowKey<'a> {
+    pub doc_id: &'a str,
     pub chunk_index: i32,
-    pub content_hash: String,
+    pub content_hash: &'a str,
     /// Position of the record ([`crate::store::position`]).
     pub source_seq: i64,
     /// True for a chunk the run would send to the provider (not a broken record, which is
@@ -113,7 +113,7 @@ impl Store {
     /// and move no manifest row, so the lookup is the whole answer).
     pub(crate) async fn claim_window(
         &self,
-        keys: &[WindowKey],
+        keys: &[WindowKey<'_>],
         run_id: i64,
         lease: Duration,
         always: bool,
@@ -166,7 +166,7 @@ impl Store {
     /// when another run is alive after all: then the window needs the full claim.
     pub(crate) async fn lookup_window(
         &self,
-        keys: &[WindowKey],
+        keys: &[WindowKey<'_>],
         run_id: i64,
     ) -> Result<Option<Vec<WindowClaim>>, StoreError> {
         let ranges = WindowRanges::of(keys);
@@ -233,7 +233,7 @@ struct WindowRanges<'a> {
 }
 
 impl<'a> WindowRanges<'a> {
-    fn of(keys: &'a [WindowKey]) -> Self {
+    fn of(keys: &'a [WindowKey<'a>]) -> Self {
         let mut r = WindowRanges { docs: vec![], los: vec![], his: vec![], base: vec![], slots: vec![] };
         let mut start = 0;
         while let Some(first) = keys.get(start) {
@@ -243,14 +243,14 @@ impl<'a> WindowRanges<'a> {
             let hi = keys[group.clone()].iter().map(|k| k.chunk_index).max().unwrap_or(first.chunk_index);
             let span = i64::from(hi) - i64::from(lo) + 1;
             if span <= 2 * run as i64 + 8 {
-                r.push(&first.doc_id, lo, hi);
+                r.push(first.doc_id, lo, hi);
                 for n in group {
                     let slot = r.base[r.base.len() - 1] + (keys[n].chunk_index - lo) as usize;
                     r.slots[slot] = n as u32 + 1;
                 }
             } else {
                 for n in group {
-                    r.push(&keys[n].doc_id, keys[n].chunk_index, keys[n].chunk_index);
+                    r.push(keys[n].doc_id, keys[n].chunk_index, keys[n].chunk_index);
                     *r.slots.last_mut().expect("a range of one chunk") = n as u32 + 1;
                 }
             }
@@ -295,11 +295,11 @@ struct KeyColumns<'a> {
 }
 
 impl<'a> KeyColumns<'a> {
-    fn of(keys: &'a [WindowKey]) -> Self {
+    fn of(keys: &'a [WindowKey<'a>]) -> Self {
         KeyColumns {
-            docs: keys.iter().map(|k| k.doc_id.as_str()).collect(),
+            docs: keys.iter().map(|k| k.doc_id).collect(),
             idxs: keys.iter().map(|k| k.chunk_index).collect(),
-            hashes: keys.iter().map(|k| k.content_hash.as_str()).collect(),
+            hashes: keys.iter().map(|k| k.content_hash).collect(),
         }
     }
 }
@@ -565,11 +565,11 @@ mod tests {
         assert!(lookup_code(b'S').is_err());
     }
 
-    fn key(doc: &str, chunk_index: i32) -> super::WindowKey {
+    fn key(doc: &str, chunk_index: i32) -> super::WindowKey<'_> {
         super::WindowKey {
-            doc_id: doc.into(),
+            doc_id: doc,
             chunk_index,
-            content_hash: String::new(),
+            content_hash: "",
             source_seq: 0,
             embeds: true,
             repeated: false,

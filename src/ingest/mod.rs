@@ -67,7 +67,7 @@ use tokio_util::sync::CancellationToken;
 use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Reason, Stop};
-use crate::model::{Chunk, ChunkStatus, ErrorClass, content_hash};
+use crate::model::{Chunk, ChunkStatus, ErrorClass, HexHash};
 use crate::park::{OnNewerParked, ParkCounts, ParkedChunk};
 use crate::store::delete::DeleteRequest;
 use crate::store::position::RunPositions;
