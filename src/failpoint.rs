@@ -18,6 +18,7 @@
 //! `replay_before_embed` (rows loaded and charged, nothing sent), `replay_before_commit` (re-embedded, nothing committed), `replay_after_commit` (committed,
 //! stream entries not yet acknowledged), `ingest_worker` (a worker took a job, no provider
 //! call yet), `ingest_writer` (a writer is about to write gathered outcomes),
+//! `ingest_claim` (an intake window's claim statement is about to be sent),
 //! `source_before_ack` (a stream source's outcomes committed, their entries not yet
 //! acknowledged).
 

@@ -327,6 +327,12 @@ impl<'a> Batcher<'a> {
         while self.pending.len() > beside {
             self.finish_oldest(jobs).await?;
         }
+        // A run's first windows claim leases whether or not another run is seen, but a lease
+        // is only taken for a chunk the window embeds: one with none to embed (an unchanged
+        // rerun) gets the same answer from the lookup, which a first window of a corpus run
+        // that may be alone (as the window before found) sends first, claiming only if it
+        // finds something to embed.
+        let look_first = young && !stream && (self.alone || self.windows == 0);
         if self.is_empty() {
             return Ok(());
         }
@@ -352,13 +358,21 @@ impl<'a> Batcher<'a> {
         // The records travel with the statement and come back with its answer.
         let claim = tokio::spawn(async move {
             let keys = records.keys();
-            let claims = match read_only {
-                true => with_db_retry(|| store.lookup_window(&keys, run_id))
+            let claim = || async {
+                with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await.map(Some)
+            };
+            let claims = if read_only {
+                with_db_retry(|| store.lookup_window(&keys, run_id))
                     .await
-                    .map(|found| found.map(|claims| (claims, false))),
-                false => {
-                    with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await.map(Some)
+                    .map(|found| found.map(|claims| (claims, false)))
+            } else if look_first {
+                match with_db_retry(|| store.lookup_window(&keys, run_id)).await {
+                    Ok(Some(claims)) if !embeds_any(&keys, &claims) => Ok(Some((claims, false))),
+                    Ok(_) => claim().await,
+                    Err(e) => Err(e),
                 }
+            } else {
+                claim().await
             };
             drop(keys);
             (records, claims)
@@ -617,6 +631,13 @@ impl<'a> Batcher<'a> {
             }
         }
     }
+}
+
+/// Whether the window would embed any of its keys, as [`Store::claim_window`] decides what it
+/// leases (`wanted`): a chunk, not a broken record, met before in this run or whose content
+/// the manifest does not hold.
+pub(super) fn embeds_any(keys: &[WindowKey<'_>], claims: &[WindowClaim]) -> bool {
+    keys.iter().zip(claims).any(|(k, c)| k.embeds && (k.repeated || !matches!(c.manifest, Some((true, _)))))
 }
 
 /// Client-side checks that save a provider call: empty input (some servers answer it with a

@@ -6,7 +6,9 @@
 //!   lease another live run holds is reported `leased_elsewhere`: the holder embeds it.
 //! - Leases are claimed only while another ingest run is alive in the database (its advisory
 //!   lock is held), and in a run's first [`ALWAYS_LEASED_WINDOWS`] windows (runs started
-//!   together may not see each other's lock yet): a run alone writes no lease rows after
+//!   together may not see each other's lock yet; a first window of a corpus run that finds
+//!   nothing to embed with the read-only lookup sends no claim, as it would lease nothing):
+//!   a run alone writes no lease rows after
 //!   that, so a lone ingest pays one lock-table read per window and nothing per chunk (a
 //!   corpus run alone uses [`Store::lookup_window`], which only reads). When a
 //!   run starts beside an older one, the older one starts claiming at its next window; what
@@ -119,6 +121,7 @@ impl Store {
         always: bool,
         stream: bool,
     ) -> Result<(Vec<WindowClaim>, bool), StoreError> {
+        crate::failpoint::hit!("ingest_claim");
         let KeyColumns { docs, idxs, hashes } = KeyColumns::of(keys);
         let seqs: Vec<i64> = keys.iter().map(|k| k.source_seq).collect();
         let embeds: Vec<bool> = keys.iter().map(|k| k.embeds).collect();

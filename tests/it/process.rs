@@ -279,3 +279,46 @@ async fn rust_log_chooses_what_is_logged_and_a_bad_value_is_named() {
     assert!(bad.contains("RUST_LOG does not parse"), "{bad}");
     assert_eq!(parks_logged(&bad), 0, "the default applies:\n{bad}");
 }
+
+/// A run's first windows claim leases even before another run is seen (two runs started
+/// together), but only for what they will embed: an unchanged rerun alone sends no claim at
+/// all (the read-only lookup answers it), while a window with a changed chunk still claims.
+/// The claim statement is made to panic (`ingest_claim`): the unchanged rerun must not reach
+/// it, the changed one must.
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_windows_of_an_unchanged_rerun_alone_claim_nothing() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    // Three windows of 512 keys: all of them among a run's first (always-leased) windows.
+    let spec = CorpusSpec { doc_prefix: "young".into(), chunks: 1_500, ..CorpusSpec::default() };
+    let (_dir, path) = write_temp_corpus(&spec);
+    let first = ingest_cmd(&db, &mock, &path).output().await.unwrap();
+    assert_eq!(first.status.code(), Some(0), "{}", String::from_utf8_lossy(&first.stderr));
+
+    let inputs_before = mock.control.stats().inputs;
+    let rerun = ingest_cmd(&db, &mock, &path)
+        .arg("--json")
+        .env("EMBED_DLQ_FAILPOINT", "ingest_claim=panic")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(rerun.status.code(), Some(0), "{}", String::from_utf8_lossy(&rerun.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&rerun.stdout).unwrap();
+    assert_eq!(summary["unchanged"], 1_500, "{summary}");
+    assert_eq!(mock.control.stats().inputs, inputs_before, "nothing embedded again");
+
+    // One chunk changed: its window wants an embedding, so it claims its lease.
+    let corpus = std::fs::read_to_string(&path).unwrap();
+    let changed = corpus.replacen("\"text\":\"", "\"text\":\"changed ", 1);
+    assert_ne!(changed, corpus);
+    std::fs::write(&path, changed).unwrap();
+    let rerun = ingest_cmd(&db, &mock, &path)
+        .env("EMBED_DLQ_FAILPOINT", "ingest_claim=panic")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&rerun.stderr);
+    assert_ne!(rerun.status.code(), Some(0), "the changed chunk's window claimed nothing: {stderr}");
+    assert!(stderr.contains("ingest_claim"), "{stderr}");
+}
