@@ -66,7 +66,7 @@ pub(super) struct Batcher<'a> {
     pub(super) run_id: i64,
     /// The positions of the run's lines (records without their own).
     pub(super) positions: RunPositions,
-    pub(super) chunks: Vec<(Chunk, HexHash, i64)>,
+    pub(super) chunks: Vec<WindowChunk>,
     pub(super) invalid: Vec<ParkedChunk>,
     /// The window's keys, by [`key_hash`]: a key met twice flushes the window first (two
     /// keys that share a hash only flush it early).
@@ -107,6 +107,15 @@ pub(super) struct Batcher<'a> {
 /// has a connection for each (`IngestSettings::pipeline`).
 pub(crate) const WINDOWS_IN_FLIGHT: usize = 2;
 
+/// A chunk of a window: the record, its content hash and position, and its metadata as read
+/// (a tree only if it is parked: [`RawMetadata`]).
+pub(super) struct WindowChunk {
+    pub(super) chunk: Chunk,
+    pub(super) hash: HexHash,
+    pub(super) seq: i64,
+    pub(super) metadata: Option<RawMetadata>,
+}
+
 /// A window's records and what [`Store::claim_window`] answered for their keys (and whether
 /// another run was alive); `None`: the window was sent as a lookup alone, which found another
 /// run alive, so it still needs its claim ([`Batcher::finish_oldest`] sends it).
@@ -123,7 +132,7 @@ pub(super) struct PendingWindow {
 /// ([`WindowRecords::keys`]: no key owns a copy of a document id or a hash), and come back
 /// with its answer.
 pub(super) struct WindowRecords {
-    pub(super) chunks: Vec<(Chunk, HexHash, i64)>,
+    pub(super) chunks: Vec<WindowChunk>,
     pub(super) invalid: Vec<ParkedChunk>,
     /// Keys of the window met earlier in this run: never skipped.
     pub(super) repeated: HashSet<(String, i32)>,
@@ -146,7 +155,7 @@ impl WindowRecords {
         };
         self.chunks
             .iter()
-            .map(|(c, hash, seq)| window_key(&c.doc_id, c.chunk_index, hash.as_str(), *seq, true))
+            .map(|c| window_key(&c.chunk.doc_id, c.chunk.chunk_index, c.hash.as_str(), c.seq, true))
             .chain(
                 self.invalid
                     .iter()
@@ -272,7 +281,7 @@ impl<'a> Batcher<'a> {
                 self.keys.insert(hash);
                 self.deletes.push(DeleteRequest { doc_id, chunk_index, source_seq: position });
             }
-            Record::Chunk { chunk, .. } => {
+            Record::Chunk { chunk, metadata, .. } => {
                 self.tally.lock().unwrap().summary.records += 1;
                 let key = key_hash(&chunk.doc_id, chunk.chunk_index);
                 self.make_room(key, jobs).await?;
@@ -282,7 +291,7 @@ impl<'a> Batcher<'a> {
                     &chunk.text,
                 );
                 self.claim_key(key, &chunk.doc_id, chunk.chunk_index);
-                self.chunks.push((chunk, hash, position));
+                self.chunks.push(WindowChunk { chunk, hash, seq: position, metadata });
             }
         }
         if self.keys.len() >= self.pipeline.options.intake_window {
@@ -460,12 +469,12 @@ impl<'a> Batcher<'a> {
     /// Records the window's keys for the run's cleanup (one statement).
     pub(super) async fn note_seen(
         &self,
-        chunks: &[(Chunk, HexHash, i64)],
+        chunks: &[WindowChunk],
         invalid: &[ParkedChunk],
     ) -> Result<(), IngestError> {
         let keys: Vec<(&str, i32)> = chunks
             .iter()
-            .map(|(c, _, _)| (c.doc_id.as_str(), c.chunk_index))
+            .map(|c| (c.chunk.doc_id.as_str(), c.chunk.chunk_index))
             .chain(invalid.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)))
             .collect();
         let store = &self.pipeline.store;
@@ -563,20 +572,20 @@ impl<'a> Batcher<'a> {
     /// pre-flight checks joins `park` instead.
     pub(super) fn provider_batches(
         &self,
-        chunks: Vec<(Chunk, HexHash, i64)>,
+        chunks: Vec<WindowChunk>,
         mut park: Vec<ParkedChunk>,
         leased: &HashSet<(String, i32)>,
     ) -> (Vec<Vec<Claimed>>, Vec<ParkedChunk>) {
         let opts = &self.pipeline.options;
         let mut batches: Vec<Vec<Claimed>> = Vec::new();
         let (mut current, mut chars) = (Vec::new(), 0usize);
-        for (chunk, hash, seq) in chunks {
+        for WindowChunk { chunk, hash, seq, metadata } in chunks {
             if let Some((reason, detail)) = preflight(&chunk, opts.max_input_chars) {
                 park.push(ParkedChunk {
                     doc_id: chunk.doc_id.clone(),
                     chunk_index: chunk.chunk_index,
                     content_hash: hash.as_str().to_owned(),
-                    payload: serde_json::to_value(&chunk).expect("chunk serializes"),
+                    payload: RawMetadata::payload(&chunk, metadata),
                     class: ErrorClass::PermanentInput,
                     reason: reason.as_str().into(),
                     last_error: detail,
@@ -597,7 +606,7 @@ impl<'a> Batcher<'a> {
             }
             chars += len;
             let leased = !leased.is_empty() && leased.contains(&(chunk.doc_id.clone(), chunk.chunk_index));
-            current.push(Claimed { chunk, hash: hash.as_str().to_owned(), seq, leased });
+            current.push(Claimed { chunk, hash: hash.as_str().to_owned(), seq, leased, metadata });
         }
         if !current.is_empty() {
             batches.push(current);

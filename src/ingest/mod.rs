@@ -81,7 +81,7 @@ use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
 use feed::*;
 use lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
-use reader::{LineReader, Record, parse_line};
+use reader::{LineReader, RawMetadata, Record, parse_line};
 use worker::*;
 use writer::*;
 
@@ -442,6 +442,8 @@ struct Claimed {
     /// The window's claim took the chunk's lease for this run
     /// ([`lease::WindowClaim::leased`]).
     leased: bool,
+    /// The chunk's metadata as read, for a park's payload ([`RawMetadata::payload`]).
+    metadata: Option<RawMetadata>,
 }
 
 #[derive(Default)]

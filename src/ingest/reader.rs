@@ -24,31 +24,85 @@ pub(crate) enum Record {
     Chunk {
         line: u64,
         chunk: Chunk,
+        /// The line's metadata as read and checked, not yet a tree (`chunk.metadata` is
+        /// `None` then): most chunks of an unchanged rerun are skipped, and building their
+        /// metadata trees was half of the client's work there. Only a parked chunk needs the
+        /// tree ([`RawMetadata::into_value`]).
+        metadata: Option<RawMetadata>,
     },
     /// Broken record with a readable identity; `payload` keeps what could be read.
-    Invalid {
-        line: u64,
-        doc_id: String,
-        chunk_index: i32,
-        problem: String,
-        payload: Value,
-        raw_hash: String,
-    },
+    Invalid { line: u64, doc_id: String, chunk_index: i32, problem: String, payload: Value, raw_hash: String },
     /// A delete of a whole document (`chunk_index` `None`) or of one chunk, applied at the
     /// record's position: it removes what older records wrote, never what later ones write.
-    Delete {
-        line: u64,
-        doc_id: String,
-        chunk_index: Option<i32>,
-    },
+    Delete { line: u64, doc_id: String, chunk_index: Option<i32> },
     /// No identity could be read; only the line number and the reason survive.
-    Rejected {
-        line: u64,
-        problem: String,
-    },
+    Rejected { line: u64, problem: String },
+}
+
+/// A record's metadata as its JSON text, checked as [`parse_line`] checks a metadata tree (an
+/// object, no NUL, no key twice), so that building the tree later cannot fail.
+/// Charged to the byte budget as the tree it becomes (`tree_bytes`, what [`value_bytes`] counts
+/// of that tree), though only a park builds it: the budget bounds the memory of the
+/// records in flight whatever becomes of them.
+#[derive(Debug, Clone)]
+pub(crate) struct RawMetadata {
+    text: Box<serde_json::value::RawValue>,
+    tree_bytes: u64,
+}
+
+impl PartialEq for RawMetadata {
+    fn eq(&self, other: &Self) -> bool {
+        self.text.get() == other.text.get()
+    }
+}
+
+impl RawMetadata {
+    /// `raw` if it is metadata a tree would be accepted as (an object without a key twice,
+    /// parsing within serde_json's limits, no NUL: text that may hold one is refused, the
+    /// general path then decides); `None` otherwise.
+    fn checked(raw: &serde_json::value::RawValue) -> Option<RawMetadata> {
+        let text = raw.get();
+        if !text.starts_with('{') || text.contains("\\u0000") {
+            return None;
+        }
+        let tree_bytes = unique_keys_tree_bytes(text)?;
+        Some(RawMetadata { text: raw.to_owned(), tree_bytes })
+    }
+
+    /// The metadata tree, for a park's payload. The text parsed once already (the same parser,
+    /// the same limits), so the error branch is not expected; if it were ever taken, the
+    /// metadata is kept as its text rather than lost.
+    pub(crate) fn into_value(self) -> Value {
+        serde_json::from_str(self.text.get()).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "metadata that parsed before did not parse again; kept as text");
+            Value::String(self.text.get().to_owned())
+        })
+    }
+
+    /// `chunk` as a park's payload: its JSON form with this metadata.
+    pub(crate) fn payload(chunk: &Chunk, metadata: Option<RawMetadata>) -> Value {
+        let mut payload = serde_json::to_value(chunk).expect("chunk serializes");
+        if let (Some(m), Value::Object(fields)) = (metadata, &mut payload) {
+            fields.insert("metadata".into(), m.into_value());
+        }
+        payload
+    }
 }
 
 impl Record {
+    /// The record with its metadata as a tree in `chunk.metadata`, as a Rust program hands a
+    /// chunk over (for comparisons of the two forms).
+    #[cfg(test)]
+    pub(crate) fn with_metadata_tree(self) -> Record {
+        match self {
+            Record::Chunk { line, mut chunk, metadata: Some(m) } => {
+                chunk.metadata = Some(m.into_value());
+                Record::Chunk { line, chunk, metadata: None }
+            }
+            r => r,
+        }
+    }
+
     /// The record's line (its place in the run's input).
     pub(crate) fn line(&self) -> u64 {
         match self {
@@ -64,9 +118,10 @@ impl Record {
     /// numbers takes ~16x its JSON size once parsed, so the line length alone would not do.
     pub(crate) fn approx_bytes(&self) -> u64 {
         match self {
-            Record::Chunk { chunk, .. } => {
+            Record::Chunk { chunk, metadata, .. } => {
                 (chunk.doc_id.len() + chunk.text.len()) as u64
                     + chunk.metadata.as_ref().map_or(0, value_bytes)
+                    + metadata.as_ref().map_or(0, |m| m.tree_bytes)
             }
             Record::Invalid { doc_id, problem, payload, raw_hash, .. } => {
                 (doc_id.len() + problem.len() + raw_hash.len()) as u64 + value_bytes(payload)
@@ -241,7 +296,9 @@ fn general_record(raw: &RawLine) -> Option<Record> {
         (None, None) => fields_of(&mut obj),
     };
     Some(match fields {
-        Ok((text, metadata)) => Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text, metadata } },
+        Ok((text, metadata)) => {
+            Record::Chunk { line, chunk: Chunk { doc_id, chunk_index, text, metadata }, metadata: None }
+        }
         Err(problem) => Record::Invalid {
             line,
             payload: invalid_payload(&doc_id, chunk_index, line, &decoded.text, decoded.marker),
@@ -279,25 +336,22 @@ fn plain_record(line: u64, bytes: &[u8]) -> Option<Record> {
         return None;
     }
     let chunk_index = chunk_index_in_range(&plain.chunk_index).ok()?;
+    // The checks `fields_problem` makes of a tree, made of the text: an object (or null), no
+    // NUL (which JSON can only hold as the escape `\u0000`; any such text goes the general
+    // way, which decides), no key twice (the walk also proves that the text parses).
     let metadata = match plain.metadata {
         None => None,
-        Some(raw) => {
-            if duplicate_key(raw.get()).is_some() {
-                return None;
-            }
-            match serde_json::from_str::<Value>(raw.get()).ok()? {
-                Value::Null => None,
-                v => Some(v),
-            }
-        }
+        Some(raw) if raw.get() == "null" => None,
+        Some(raw) => Some(RawMetadata::checked(raw)?),
     };
     let text = plain.text.into_owned();
-    if fields_problem(&text, metadata.as_ref()).is_some() {
+    if fields_problem(&text, None).is_some() {
         return None;
     }
     Some(Record::Chunk {
         line,
-        chunk: Chunk { doc_id: plain.doc_id.into_owned(), chunk_index, text, metadata },
+        chunk: Chunk { doc_id: plain.doc_id.into_owned(), chunk_index, text, metadata: None },
+        metadata,
     })
 }
 
@@ -317,7 +371,7 @@ impl Record {
             chunk.metadata = None;
         }
         let Some(problem) = fields_problem(&chunk.text, chunk.metadata.as_ref()) else {
-            return Record::Chunk { line, chunk };
+            return Record::Chunk { line, chunk, metadata: None };
         };
         let json = serde_json::to_string(&chunk).expect("chunk serializes");
         Record::Invalid {
@@ -464,9 +518,11 @@ pub(crate) fn parse_entry(
         Ok((text, metadata))
     })();
     match fields_read {
-        Ok((text, metadata)) => {
-            Record::Chunk { line: position, chunk: Chunk { doc_id, chunk_index, text, metadata } }
-        }
+        Ok((text, metadata)) => Record::Chunk {
+            line: position,
+            chunk: Chunk { doc_id, chunk_index, text, metadata },
+            metadata: None,
+        },
         Err(problem) => Record::Invalid {
             line: position,
             payload: entry_payload(Some((&doc_id, chunk_index)), position, origin, fields, max_bytes),
@@ -490,7 +546,7 @@ pub(crate) fn poison_entry(
     why: String,
 ) -> Record {
     match parse_entry(position, origin, fields, max_bytes) {
-        Record::Chunk { line, chunk } => Record::Invalid {
+        Record::Chunk { line, chunk, .. } => Record::Invalid {
             line,
             payload: entry_payload(
                 Some((&chunk.doc_id, chunk.chunk_index)),
@@ -653,6 +709,100 @@ impl<'a> DecodedLine<'a> {
 
 /// Longest path of a repeated key that a problem quotes; longer ones are cut.
 const MAX_KEY_PATH: usize = 200;
+
+/// What [`value_bytes`] would count of the tree of `json` (a value), if it parses and no object
+/// of it repeats a key; `None` otherwise. One walk that keeps nothing but each object's keys
+/// (borrowed from the text unless escaped): the plain path's check of a line's metadata.
+fn unique_keys_tree_bytes(json: &str) -> Option<u64> {
+    use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use std::borrow::Cow;
+    use std::fmt;
+
+    const NODE: u64 = std::mem::size_of::<Value>() as u64;
+    const ENTRY: u64 = 48;
+
+    /// Adds up one value's tree bytes; an error ends the walk (a repeated key is one).
+    struct Count;
+
+    impl<'de> DeserializeSeed<'de> for Count {
+        type Value = u64;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    /// An object's key, borrowed where the text has no escape in it.
+    struct Key<'de>(Cow<'de, str>);
+
+    impl<'de> serde::Deserialize<'de> for Key<'de> {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct KeyVisitor;
+            impl<'de> Visitor<'de> for KeyVisitor {
+                type Value = Key<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a key")
+                }
+                fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Key<'de>, E> {
+                    Ok(Key(Cow::Borrowed(s)))
+                }
+                fn visit_str<E>(self, s: &str) -> Result<Key<'de>, E> {
+                    Ok(Key(Cow::Owned(s.to_owned())))
+                }
+            }
+            d.deserialize_str(KeyVisitor)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Count {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<u64, E> {
+            Ok(NODE)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<u64, E> {
+            Ok(NODE)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<u64, E> {
+            Ok(NODE)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<u64, E> {
+            Ok(NODE)
+        }
+        fn visit_str<E>(self, s: &str) -> Result<u64, E> {
+            Ok(NODE + s.len() as u64)
+        }
+        fn visit_unit<E>(self) -> Result<u64, E> {
+            Ok(NODE)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+            let mut bytes = NODE;
+            while let Some(b) = seq.next_element_seed(Count)? {
+                bytes += b;
+            }
+            Ok(bytes)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+            let mut keys = std::collections::HashSet::new();
+            let mut bytes = NODE;
+            while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+                bytes += ENTRY + key.len() as u64;
+                if !keys.insert(key) {
+                    map.next_value::<IgnoredAny>()?;
+                    return Err(serde::de::Error::custom("a key twice"));
+                }
+                bytes += map.next_value_seed(Count)?;
+            }
+            Ok(bytes)
+        }
+    }
+
+    let mut de = serde_json::Deserializer::from_str(json);
+    let bytes = Count.deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    Some(bytes)
+}
 
 /// The first key that an object of `json` (already known to parse) repeats, as a path
 /// (`metadata.tags[2].k`), and whether it is `doc_id` or `chunk_index` of the top object.
@@ -870,7 +1020,7 @@ mod tests {
     #[test]
     fn good_record() {
         let r = parse(br#"{"doc_id":"d","chunk_index":3,"text":"hi","metadata":{"k":1}}"#).unwrap();
-        let Record::Chunk { line, chunk } = r else { panic!("{r:?}") };
+        let Record::Chunk { line, chunk, .. } = r.clone().with_metadata_tree() else { panic!("{r:?}") };
         assert_eq!(line, 7);
         assert_eq!(chunk.chunk_index, 3);
         assert_eq!(chunk.metadata, Some(serde_json::json!({"k": 1})));
@@ -969,9 +1119,14 @@ mod tests {
             "{\"doc_id\":\"caf\u{e9}\",\"chunk_index\":2147483647,\"text\":\"\u{1F600}\"}".as_bytes(),
         ];
         for line in plain {
-            let fast = plain_record(7, line);
+            let fast = plain_record(7, line).map(Record::with_metadata_tree);
             assert!(fast.is_some(), "the shortcut reads {}", String::from_utf8_lossy(line));
-            assert_eq!(fast, general_record(&raw(line)), "{}", String::from_utf8_lossy(line));
+            assert_eq!(
+                fast,
+                general_record(&raw(line)).map(Record::with_metadata_tree),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
         }
         let general: &[&[u8]] = &[
             b"{not json",
@@ -1022,7 +1177,7 @@ mod tests {
             let line = format!("{{{}}}", body.join(","));
             let raw = RawLine { number: 7, bytes: line.clone().into_bytes(), oversized: None };
             if let Some(fast) = plain_record(7, line.as_bytes()) {
-                proptest::prop_assert_eq!(Some(fast), general_record(&raw), "{}", line);
+                proptest::prop_assert_eq!(Some(fast.with_metadata_tree()), general_record(&raw), "{}", line);
             }
         }
     }
@@ -1087,6 +1242,29 @@ mod identity_tests {
     }
 
     #[test]
+    fn metadata_read_as_text_parks_as_the_tree_it_would_have_been() {
+        let line =
+            br#"{"doc_id":"d","chunk_index":3,"text":"hi","metadata":{"k":[1,{"j":"x\u00e9"}],"n":null}}"#;
+        let Some(Record::Chunk { chunk, metadata: Some(raw), .. }) = parse(line) else {
+            panic!("the plain path keeps the metadata as text")
+        };
+        assert_eq!(chunk.metadata, None);
+        let tree = serde_json::json!({"k": [1, {"j": "x\u{e9}"}], "n": null});
+        let expected = serde_json::to_value(Chunk { metadata: Some(tree.clone()), ..chunk.clone() }).unwrap();
+        assert_eq!(RawMetadata::payload(&chunk, Some(raw.clone())), expected);
+        // Charged as the tree it becomes.
+        assert_eq!(raw.tree_bytes, value_bytes(&tree));
+        // A key twice, however deep, or text that may hold a NUL: the general path decides.
+        for line in [
+            br#"{"doc_id":"d","chunk_index":3,"text":"hi","metadata":{"k":[{"j":1,"j":2}]}}"#.as_slice(),
+            br#"{"doc_id":"d","chunk_index":3,"text":"hi","metadata":{"k":"a\u0000"}}"#,
+        ] {
+            assert_eq!(plain_record(7, line), None, "{}", String::from_utf8_lossy(line));
+            assert!(matches!(parse(line), Some(Record::Invalid { .. })), "{}", String::from_utf8_lossy(line));
+        }
+    }
+
+    #[test]
     fn the_parsed_size_counts_what_a_record_holds() {
         let numbers = format!(
             r#"{{"doc_id":"d","chunk_index":0,"text":"t","metadata":{{"v":[{}]}}}}"#,
@@ -1132,7 +1310,7 @@ mod identity_tests {
         ];
         for c in cases {
             let line = serde_json::to_string(&c).unwrap();
-            let from_line = parse(line.as_bytes()).unwrap();
+            let from_line = parse(line.as_bytes()).unwrap().with_metadata_tree();
             let from_rust = Record::from_chunk(9, c.clone());
             assert_eq!(kind(&from_rust), kind(&from_line), "{c:?}");
             match (&from_rust, &from_line) {
@@ -1188,7 +1366,7 @@ mod entry_tests {
     fn a_good_entry_is_a_chunk_and_op_upsert_is_the_default() {
         let r =
             parse(&[("doc_id", b"d"), ("chunk_index", b"3"), ("text", b"hi"), ("metadata", br#"{"k":1}"#)]);
-        let Record::Chunk { line, chunk } = r else { panic!("{r:?}") };
+        let Record::Chunk { line, chunk, .. } = r.clone().with_metadata_tree() else { panic!("{r:?}") };
         assert_eq!((line, chunk.doc_id.as_str(), chunk.chunk_index), (5, "d", 3));
         assert_eq!(chunk.metadata, Some(serde_json::json!({"k": 1})));
         let r = parse(&[

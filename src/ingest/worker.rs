@@ -74,7 +74,7 @@ impl Worker {
                 match outcome {
                     ItemOutcome::Embedded(embedding) => out.store.push(claimed.stored(embedding)),
                     ItemOutcome::Failed(f) => out.park.push(ParkedChunk {
-                        payload: serde_json::to_value(&claimed.chunk).expect("chunk serializes"),
+                        payload: RawMetadata::payload(&claimed.chunk, claimed.metadata),
                         doc_id: claimed.chunk.doc_id,
                         chunk_index: claimed.chunk.chunk_index,
                         content_hash: claimed.hash,
