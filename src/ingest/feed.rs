@@ -63,25 +63,7 @@ impl Feed {
         let mut lines = LineReader::new(input, max_line_bytes);
         let mut handoff = Handoff::default();
         loop {
-            let next = {
-                let line = lines.next_line();
-                let mut line = std::pin::pin!(line);
-                match futures::poll!(line.as_mut()) {
-                    Poll::Ready(r) => r,
-                    // Nothing more to read right now: what was read goes on first, then a
-                    // halted run stops reading even if the producer (stdin) has gone quiet.
-                    Poll::Pending => {
-                        if !self.hand_on_all(&mut handoff).await {
-                            break;
-                        }
-                        tokio::select! {
-                            biased;
-                            _ = self.halt.cancelled() => break,
-                            r = line => r,
-                        }
-                    }
-                }
-            };
+            let Some(next) = self.next_or_halt(&mut handoff, lines.next_line()).await else { break };
             let raw = match next {
                 Ok(Some(raw)) => raw,
                 Ok(None) => break,
@@ -119,20 +101,7 @@ impl Feed {
         let mut handoff = Handoff::default();
         let mut position = 0u64;
         loop {
-            let next = match futures::poll!(chunks.next()) {
-                Poll::Ready(c) => c,
-                Poll::Pending => {
-                    if !self.hand_on_all(&mut handoff).await {
-                        break;
-                    }
-                    tokio::select! {
-                        biased;
-                        _ = self.halt.cancelled() => break,
-                        c = chunks.next() => c,
-                    }
-                }
-            };
-            let Some(chunk) = next else { break };
+            let Some(Some(chunk)) = self.next_or_halt(&mut handoff, chunks.next()).await else { break };
             position += 1;
             self.lines_read.fetch_add(1, Ordering::Relaxed);
             let rec = Record::from_chunk(position, chunk);
@@ -145,6 +114,24 @@ impl Feed {
             }
         }
         self.hand_on_all(&mut handoff).await;
+    }
+
+    /// What `next` (the input's next line or chunk) gives: at once if it is ready, else when
+    /// it comes, what was read going on first. `None` once the run halts (a halted run stops
+    /// reading even if the producer, say stdin, has gone quiet) or the batcher is gone.
+    async fn next_or_halt<F: Future>(&self, handoff: &mut Handoff, next: F) -> Option<F::Output> {
+        let mut next = std::pin::pin!(next);
+        if let Poll::Ready(r) = futures::poll!(next.as_mut()) {
+            return Some(r);
+        }
+        if !self.hand_on_all(handoff).await {
+            return None;
+        }
+        tokio::select! {
+            biased;
+            _ = self.halt.cancelled() => None,
+            r = next => Some(r),
+        }
     }
 
     /// Charges the parsed record's size (at most up to the whole budget with its line) and
