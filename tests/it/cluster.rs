@@ -136,7 +136,19 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
     let mut m = cluster.node(master).await.unwrap();
     let _: i64 =
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("replica").query_async(&mut m).await.unwrap();
+    // At least 500 ms, and until the master has taken entries (work items or events) the
+    // replica never got: on a loaded machine the drain could add none in a fixed pause, and
+    // the failover then lost nothing and proved nothing. Never past 1.2 s: the replica stays
+    // frozen for less than the cluster's node timeout (2 s).
+    let cut_at = tokio::time::Instant::now();
+    let added = async |m: &mut redis::aio::MultiplexedConnection| {
+        entries_added(m, &keys.replay()).await + entries_added(m, &keys.events()).await
+    };
+    let added_at_cut = added(&mut m).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
+    while added(&mut m).await <= added_at_cut && cut_at.elapsed() < Duration::from_millis(1_200) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let at_kill = left().await;
     cluster.kill(master).await;
     cluster.signal(&replica_pid, "CONT");
@@ -205,4 +217,14 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
     while relay.run_once().await.unwrap().claimed > 0 {}
     let report = reconciler.run_once(Mode::Check).await.unwrap();
     assert_eq!(report.total_found(), 0, "{report:#?}");
+}
+
+/// Entries ever added to the stream `key` on this node (`XINFO STREAM`'s `entries-added`), 0
+/// if it cannot tell.
+async fn entries_added(node: &mut redis::aio::MultiplexedConnection, key: &str) -> u64 {
+    let info: redis::RedisResult<std::collections::HashMap<String, redis::Value>> =
+        redis::cmd("XINFO").arg("STREAM").arg(key).query_async(node).await;
+    info.ok()
+        .and_then(|i| i.get("entries-added").and_then(|v| redis::from_redis_value_ref::<u64>(v).ok()))
+        .unwrap_or(0)
 }
