@@ -157,10 +157,7 @@ impl HexHash {
         h.update([0]);
         h.update(text.as_bytes());
         let mut digits = [0u8; 64];
-        for (pair, b) in digits.chunks_exact_mut(2).zip(h.finalize()) {
-            pair[0] = HEX_DIGITS[usize::from(b >> 4)];
-            pair[1] = HEX_DIGITS[usize::from(b & 0xf)];
-        }
+        hex_into(&h.finalize(), &mut digits);
         HexHash(digits)
     }
 
@@ -188,15 +185,20 @@ pub fn raw_record_hash(raw: &[u8]) -> String {
 }
 
 /// Lowercase hex, two digits a byte (by table: `write!` per byte was a tenth of the CPU time
-/// of an unchanged rerun, which hashes every record). The one hex encoder of the crate.
+/// of an unchanged rerun, which hashes every record).
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = HEX_DIGITS;
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 0xf)] as char);
+    let mut digits = vec![0u8; bytes.len() * 2];
+    hex_into(bytes, &mut digits);
+    String::from_utf8(digits).expect("hex digits are ASCII")
+}
+
+/// [`hex`] into `out` (twice as long as `bytes`): the one hex encoder of the crate, also for
+/// [`HexHash`], which keeps its digits inline.
+fn hex_into(bytes: &[u8], out: &mut [u8]) {
+    for (pair, &b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = HEX_DIGITS[usize::from(b >> 4)];
+        pair[1] = HEX_DIGITS[usize::from(b & 0xf)];
     }
-    s
 }
 
 /// One due DLQ row, as the replay stream carries it: the row (`dlq_id`), the row's

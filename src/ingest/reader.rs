@@ -164,11 +164,16 @@ fn op_of(obj: &Map<String, Value>) -> Result<Op, String> {
     }
 }
 
+/// What one node of a metadata tree takes ([`value_bytes`], [`unique_keys_tree_bytes`]).
+const TREE_NODE_BYTES: u64 = std::mem::size_of::<Value>() as u64;
+/// What one entry of an object takes beside its key and value.
+const TREE_ENTRY_BYTES: u64 = 48;
+
 /// Heap bytes of a parsed JSON value: a node per value, string contents, and a map entry's
 /// key and bookkeeping.
 fn value_bytes(v: &Value) -> u64 {
-    const NODE: u64 = std::mem::size_of::<Value>() as u64;
-    const ENTRY: u64 = 48;
+    const NODE: u64 = TREE_NODE_BYTES;
+    const ENTRY: u64 = TREE_ENTRY_BYTES;
     match v {
         Value::String(s) => NODE + s.len() as u64,
         Value::Array(a) => NODE + a.iter().map(value_bytes).sum::<u64>(),
@@ -718,8 +723,8 @@ fn unique_keys_tree_bytes(json: &str) -> Option<u64> {
     use std::borrow::Cow;
     use std::fmt;
 
-    const NODE: u64 = std::mem::size_of::<Value>() as u64;
-    const ENTRY: u64 = 48;
+    const NODE: u64 = TREE_NODE_BYTES;
+    const ENTRY: u64 = TREE_ENTRY_BYTES;
 
     /// Adds up one value's tree bytes; an error ends the walk (a repeated key is one).
     struct Count;
