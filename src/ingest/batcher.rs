@@ -431,8 +431,8 @@ impl<'a> Batcher<'a> {
                 return Err(IngestError::Store(StoreError::Db(sqlx::Error::Protocol(gone))));
             }
         };
-        let leased = self.skip_known(&mut records, &claims);
-        let (batches, park) = self.provider_batches(records.chunks, records.invalid, &leased);
+        let (leased, fresh) = self.skip_known(&mut records, &claims);
+        let (batches, park) = self.provider_batches(records.chunks, records.invalid, &leased, &fresh);
         self.dispatch(batches, park, charge, jobs).await;
         Ok(())
     }
@@ -488,12 +488,14 @@ impl<'a> Batcher<'a> {
     /// embeds them), as the window's claim found them (`claims`, one per key of
     /// [`WindowRecords::keys`], which also leased the rest to this run); keys `repeated` in this run
     /// are never skipped as done. Returns the keys whose lease this run took (none once a run
-    /// alone is past its first windows).
+    /// alone is past its first windows), and for each chunk kept whether it is new: the
+    /// manifest had no row for it and it is not repeated in this run, so its store may try
+    /// plain inserts first ([`crate::ingest::sql::StoredChunk::new_chunk`]).
     pub(super) fn skip_known(
         &self,
         records: &mut WindowRecords,
         claims: &[WindowClaim],
-    ) -> HashSet<(String, i32)> {
+    ) -> (HashSet<(String, i32)>, Vec<bool>) {
         let keys = records.keys();
         let leased: HashSet<(String, i32)> = keys
             .iter()
@@ -537,6 +539,13 @@ impl<'a> Batcher<'a> {
                 }
             })
             .collect();
+        let fresh: Vec<bool> = keys[..records.chunks.len()]
+            .iter()
+            .zip(claims)
+            .zip(&skip)
+            .filter(|(_, skipped)| !**skipped)
+            .map(|((key, claim), _)| claim.manifest.is_none() && !key.repeated)
+            .collect();
         drop(keys);
         let (chunk_skips, invalid_skips) = skip.split_at(records.chunks.len());
         let mut n = 0;
@@ -565,21 +574,23 @@ impl<'a> Batcher<'a> {
             .increment(already_parked);
         metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "leased_elsewhere")
             .increment(leased_elsewhere);
-        leased
+        (leased, fresh)
     }
 
     /// Splits the chunks into provider batches (by count and characters); what fails the
-    /// pre-flight checks joins `park` instead.
+    /// pre-flight checks joins `park` instead. `fresh`: per chunk, whether it is new
+    /// ([`Self::skip_known`]).
     pub(super) fn provider_batches(
         &self,
         chunks: Vec<WindowChunk>,
         mut park: Vec<ParkedChunk>,
         leased: &HashSet<(String, i32)>,
+        fresh: &[bool],
     ) -> (Vec<Vec<Claimed>>, Vec<ParkedChunk>) {
         let opts = &self.pipeline.options;
         let mut batches: Vec<Vec<Claimed>> = Vec::new();
         let (mut current, mut chars) = (Vec::new(), 0usize);
-        for WindowChunk { chunk, hash, seq, metadata } in chunks {
+        for (WindowChunk { chunk, hash, seq, metadata }, &new_chunk) in chunks.into_iter().zip(fresh) {
             if let Some((reason, detail)) = preflight(&chunk, opts.max_input_chars) {
                 park.push(ParkedChunk {
                     doc_id: chunk.doc_id.clone(),
@@ -606,7 +617,7 @@ impl<'a> Batcher<'a> {
             }
             chars += len;
             let leased = !leased.is_empty() && leased.contains(&(chunk.doc_id.clone(), chunk.chunk_index));
-            current.push(Claimed { chunk, hash: hash.as_str().to_owned(), seq, leased, metadata });
+            current.push(Claimed { chunk, hash: hash.as_str().to_owned(), seq, leased, new_chunk, metadata });
         }
         if !current.is_empty() {
             batches.push(current);

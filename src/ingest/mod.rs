@@ -421,6 +421,7 @@ impl Claimed {
             embedding,
             source_seq: self.seq,
             leased: self.leased,
+            new_chunk: self.new_chunk,
         }
     }
 }
@@ -442,6 +443,9 @@ struct Claimed {
     /// The window's claim took the chunk's lease for this run
     /// ([`lease::WindowClaim::leased`]).
     leased: bool,
+    /// The manifest had no row for the chunk when its window was looked up
+    /// ([`sql::StoredChunk::new_chunk`]).
+    new_chunk: bool,
     /// The chunk's metadata as read, for a park's payload ([`RawMetadata::payload`]).
     metadata: Option<RawMetadata>,
 }

@@ -3,6 +3,7 @@
 //! other outcome, a park, is `crate::park`; the intake window's lookup is `lease.rs`.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
@@ -26,6 +27,10 @@ pub(crate) struct StoredChunk {
     /// batch where no row holds one skips the lease update (a run alone, past its first
     /// windows); a lease left unmarked would only defer a concurrent run until this run ends.
     pub leased: bool,
+    /// The window's lookup found no manifest row for the chunk (and the run met it only
+    /// once): a batch of such chunks is first written with plain inserts
+    /// ([`Store::store_batch`]), which cost Postgres half of what the upserts do.
+    pub new_chunk: bool,
 }
 
 /// A vector bound as pgvector's binary `vector` straight from the chunk's `f32`s: the wire
@@ -173,9 +178,28 @@ impl Store {
     /// `stored`, vector upsert (a no-op for unchanged content), any DLQ row of the chunk
     /// resolved with a `resolved` event. A row whose chunk already holds a newer record is
     /// not written (counted as superseded). Keys must be unique within the batch.
+    ///
+    /// A batch of new chunks holding no lease ([`StoredChunk::new_chunk`], a fresh corpus)
+    /// is first written by plain inserts ([`Store::store_new`]); where one of its rows turns
+    /// out not to be new (a concurrent writer, a deletion's tombstone, a vector without a
+    /// manifest row) that transaction is rolled back and the upserts below decide, and the
+    /// next [`NEW_CHUNK_PAUSE`] batches go straight to them.
     pub(crate) async fn store_batch(&self, rows: &[StoredChunk]) -> Result<StoreCounts, StoreError> {
         if rows.is_empty() {
             return Ok(StoreCounts::default());
+        }
+        if rows.iter().all(|r| r.new_chunk && !r.leased) && self.new_chunk_inserts_allowed() {
+            match self.store_new(rows).await {
+                Ok(Some(counts)) => return Ok(counts),
+                Ok(None) => {}
+                Err(StoreError::Db(e)) if is_not_new(&e) => {}
+                Err(e) => return Err(e),
+            }
+            self.new_chunk_pause.store(NEW_CHUNK_PAUSE, Ordering::Relaxed);
+            tracing::debug!(
+                rows = rows.len(),
+                "a batch of new chunks met a row that was not new: upserting it"
+            );
         }
         let (mut tx, keep, superseded) = self.begin_claimed(rows, ChunkStatus::Stored).await?;
         let mut counts = StoreCounts { superseded: superseded.len() as u64, ..Default::default() };
@@ -198,6 +222,65 @@ impl Store {
         tx.commit().await?;
         Ok(counts)
     }
+
+    /// Whether this batch may try [`Store::store_new`]: not within [`NEW_CHUNK_PAUSE`]
+    /// batches of one that found a row not new.
+    fn new_chunk_inserts_allowed(&self) -> bool {
+        self.new_chunk_pause
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| left.checked_sub(1))
+            .is_err()
+    }
+
+    /// [`Store::store_batch`] of chunks the manifest had no row for, by plain inserts in one
+    /// statement ([`new_store_sql`]): the manifest rows first (taking their keys in key
+    /// order, as every writer does), then the vectors, the DLQ resolve as usual. `None` (the
+    /// transaction rolled back) when a row was not inserted because a deletion's tombstone is
+    /// newer; an insert that meets an existing row fails with a unique violation
+    /// ([`is_not_new`]). Either way the caller writes the batch again through the upserts.
+    pub(crate) async fn store_new(&self, rows: &[StoredChunk]) -> Result<Option<StoreCounts>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        // As in `begin_claimed`: a deletion in progress finishes first.
+        sqlx::query(crate::store::delete::WRITE_LOCK_SQL).bind(&self.target.name).execute(&mut *tx).await?;
+        let docs: Vec<&str> = rows.iter().map(|r| r.doc_id.as_str()).collect();
+        let idxs: Vec<i32> = rows.iter().map(|r| r.chunk_index).collect();
+        let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
+        let seqs: Vec<i64> = rows.iter().map(|r| r.source_seq).collect();
+        let vectors: Vec<VectorRef<'_>> = rows.iter().map(|r| VectorRef(&r.embedding)).collect();
+        let row = sqlx::query(AssertSqlSafe(self.target.new_store_sql.as_str()))
+            .bind(&self.target.name)
+            .bind(&docs)
+            .bind(&idxs)
+            .bind(&hashes)
+            .bind(&seqs)
+            .bind(&vectors)
+            // Planned with the tombstones as they are now (as the manifest claim is).
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await?;
+        if row.try_get::<i64, _>("claimed")? != rows.len() as i64 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let counts = StoreCounts {
+            vectors_written: row.try_get::<i64, _>("vectors_written")? as u64,
+            dlq_resolved: row.try_get::<i64, _>("dlq_resolved")? as u64,
+            superseded: 0,
+        };
+        tx.commit().await?;
+        Ok(Some(counts))
+    }
+}
+
+/// Batches that go straight to the upserts after a [`Store::store_new`] met a row that was
+/// not new: a corpus that overlaps what the tables hold (or a concurrent run) pays for the
+/// failed attempt once in this many batches, not every time.
+pub(crate) const NEW_CHUNK_PAUSE: u32 = 64;
+
+/// Whether `e` is what a plain insert of [`Store::store_new`] raises for a row that exists
+/// (unique violation), or Postgres's way out of two writers that met (deadlock): the batch
+/// goes to the upserts, which decide.
+fn is_not_new(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c == "23505" || c == "40P01"))
 }
 
 // The parts of the manifest claim shared by its two forms below.
@@ -296,6 +379,53 @@ WITH input AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM vectors) AS vectors_written,
+       (SELECT count(*) FROM resolved) AS dlq_resolved,
+       (SELECT count(*) FROM events) AS events_written
+"#
+    )
+}
+
+/// The one statement of [`Store::store_new`] for one table ($1 is its canonical name): plain
+/// inserts of the manifest rows (status `stored`, none where a deletion's tombstone is newer:
+/// `claimed` counts those written) and, only once all of them are in (the scalar subquery
+/// runs the manifest insert to its end first), of the vectors; then the DLQ resolve and its
+/// events as in [`store_sql`].
+pub(crate) fn new_store_sql(table: &str) -> String {
+    format!(
+        r#"
+WITH input AS (
+    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[], $6::vector[])
+        AS t(doc_id, chunk_index, content_hash, source_seq, embedding)
+), claimed AS (
+    INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+    SELECT $1::text, doc_id, chunk_index, content_hash, 'stored', source_seq
+      FROM input i
+     WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
+                        WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
+                          AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)
+     ORDER BY doc_id, chunk_index
+    RETURNING 1
+), vectors AS (
+    INSERT INTO {table} (doc_id, chunk_index, content_hash, embedding)
+    SELECT doc_id, chunk_index, content_hash, embedding FROM input
+     WHERE (SELECT count(*) FROM claimed) = cardinality($2::text[])
+     ORDER BY doc_id, chunk_index
+    RETURNING 1
+), resolved AS (
+    DELETE FROM embedding_dlq d USING input i
+     WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
+       AND (SELECT count(*) FROM claimed) = cardinality($2::text[])
+    RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
+), events AS (
+    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+    SELECT 'resolved', id, target_table, doc_id, chunk_index,
+           embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
+                           jsonb_build_object('error_class', error_class, 'attempts', attempts, 'at', now()))
+      FROM resolved
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM claimed) AS claimed,
+       (SELECT count(*) FROM vectors) AS vectors_written,
        (SELECT count(*) FROM resolved) AS dlq_resolved,
        (SELECT count(*) FROM events) AS events_written
 "#

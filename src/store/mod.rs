@@ -143,6 +143,8 @@ pub(crate) struct TargetTable {
     pub dimensions: usize,
     /// The second statement of [`Store::store_batch`] for this table.
     pub(crate) store_sql: String,
+    /// The statement of [`Store::store_new`] for this table.
+    pub(crate) new_store_sql: String,
     /// The withdraw of [`Store::park_batch`] for this table ([`OnNewerParked::Withdraw`]).
     pub(crate) withdraw_sql: String,
 }
@@ -182,6 +184,9 @@ pub struct Store {
     /// Where an ingest's read-only manifest lookups go (`ingest/lease.rs`): a pool that plans
     /// them generically ([`connect_generic_plans`]). `None`: the main pool.
     pub(crate) lookup_pool: Option<PgPool>,
+    /// Store batches left that skip the plain inserts of new chunks after one met a row that
+    /// was not new (`ingest/sql.rs`, `NEW_CHUNK_PAUSE`).
+    pub(crate) new_chunk_pause: Arc<std::sync::atomic::AtomicU32>,
 }
 
 const REQUIRED_COLUMNS: [&str; 5] = ["doc_id", "chunk_index", "content_hash", "embedding", "updated_at"];
@@ -201,6 +206,7 @@ impl Store {
             tables: Arc::new(Mutex::new(cache)),
             claim_plan: Arc::default(),
             lookup_pool: None,
+            new_chunk_pause: Arc::default(),
         })
     }
 
@@ -348,6 +354,7 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
     }
     Ok(TargetTable {
         store_sql: crate::ingest::sql::store_sql(&name),
+        new_store_sql: crate::ingest::sql::new_store_sql(&name),
         withdraw_sql: crate::park::park_withdraw_sql(&name),
         quoted: name.clone(),
         name,

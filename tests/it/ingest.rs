@@ -677,3 +677,158 @@ async fn a_long_rerun_re_embeds_exactly_what_changed_or_is_new() {
         assert!(v.len() == want.len() && off < 1e-6, "{doc}#{i}: not the vector of its newest text");
     }
 }
+
+/// Keys of a corpus in file order.
+fn keys_in_order(corpus: &[u8]) -> Vec<(String, i32)> {
+    corpus
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_slice(l).unwrap();
+            (v["doc_id"].as_str().unwrap().to_owned(), v["chunk_index"].as_i64().unwrap() as i32)
+        })
+        .collect()
+}
+
+/// Settings whose run is past its first (always-leased) windows after 128 chunks: what comes
+/// after is written the way a fresh corpus is (plain inserts of new chunks first).
+fn small_windows(mut s: embed_dlq::config::IngestSettings) -> embed_dlq::config::IngestSettings {
+    s.options.intake_window = 16;
+    s.options.write_batch_rows = 16;
+    s
+}
+
+/// A table that already holds vectors the manifest knows nothing of (filled by hand, or
+/// before this tool): a fresh run's plain inserts meet them, and the upserts decide instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_chunks_whose_vectors_the_table_already_holds_are_upserted_not_refused() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let spec = CorpusSpec { doc_prefix: "held".into(), chunks: 600, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    write_corpus(&mut corpus, &spec, 4_000).unwrap();
+    let keys = keys_in_order(&corpus);
+    // Every chunk of the second half (well past the first windows) is already in the table.
+    let held: Vec<&(String, i32)> = keys[300..].iter().collect();
+    sqlx::query(
+        "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT d, i, 'stale', array_fill(0.25::real, ARRAY[768])::vector
+           FROM UNNEST($1::text[], $2::int[]) AS t(d, i)",
+    )
+    .bind(held.iter().map(|k| k.0.as_str()).collect::<Vec<_>>())
+    .bind(held.iter().map(|k| k.1).collect::<Vec<_>>())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let summary = pipeline(&small_windows(settings(&db, &mock)))
+        .await
+        .run(input(corpus.clone()), CancellationToken::new())
+        .await;
+    let summary = summary.expect("the run stores every chunk");
+    assert_eq!((summary.stored, summary.superseded), (600, 0), "{summary:?}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE content_hash = 'stale'").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 600);
+    assert_corpus_accounted(&db, &corpus_keys(&corpus)).await;
+}
+
+/// A newer record of a new chunk committed while this run embedded it (another writer's):
+/// the run's plain insert of the chunk fails, the upsert finds the newer record and the
+/// run's outcome is superseded, not written over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_record_committed_while_a_new_chunk_was_embedded_is_not_overwritten() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { latency_ms: 1_500, ..MockConfig::default() }).await;
+    let mut s = small_windows(settings(&db, &mock));
+    s.client.timeout = std::time::Duration::from_secs(10);
+    let spec = CorpusSpec { doc_prefix: "raced".into(), chunks: 192, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    write_corpus(&mut corpus, &spec, 4_000).unwrap();
+    let keys = keys_in_order(&corpus);
+    let run = pipeline(&s).await;
+    let run = tokio::spawn(async move { run.run(input(corpus), CancellationToken::new()).await });
+    // Every window has been looked up (none had a manifest row) and the provider holds the
+    // first requests.
+    while mock.control.stats().requests <= mock.control.stats().canaries {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // The last 64 chunks (past the run's first windows) get a newer record meanwhile.
+    let newer = &keys[128..];
+    let docs: Vec<&str> = newer.iter().map(|k| k.0.as_str()).collect();
+    let idxs: Vec<i32> = newer.iter().map(|k| k.1).collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+         SELECT 'public.doc_embeddings', d, i, 'newer', 'stored', 4611686018427387904
+           FROM UNNEST($1::text[], $2::int[]) AS t(d, i)",
+    )
+    .bind(&docs)
+    .bind(&idxs)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT d, i, 'newer', array_fill(0.5::real, ARRAY[768])::vector FROM UNNEST($1::text[], $2::int[]) AS t(d, i)",
+    )
+    .bind(&docs)
+    .bind(&idxs)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    let summary = run.await.unwrap().expect("the run ends well");
+    assert_eq!((summary.stored, summary.superseded), (128, 64), "{summary:?}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE content_hash = 'newer'").await, 64);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 192);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE content_hash = 'newer'").await, 64);
+}
+
+/// A deletion newer than a new chunk's record (its tombstone, without a manifest row left):
+/// the run's write of the chunk is superseded, and the rest of its batch is still stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_newer_than_a_new_chunks_record_keeps_it_out() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let spec = CorpusSpec { doc_prefix: "fenced".into(), chunks: 400, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    write_corpus(&mut corpus, &spec, 4_000).unwrap();
+    let keys = keys_in_order(&corpus);
+    // A whole document and one chunk of another, both past the run's first windows.
+    let (whole_doc, one_chunk) = (&keys[200].0, &keys[300]);
+    let whole: Vec<&(String, i32)> = keys.iter().filter(|k| &k.0 == whole_doc).collect();
+    assert!(whole.len() > 1);
+    sqlx::query(
+        "INSERT INTO ingest_tombstone (target_table, doc_id, chunk_index, source_seq)
+         VALUES ('public.doc_embeddings', $1, -1, 4611686018427387904),
+                ('public.doc_embeddings', $2, $3, 4611686018427387904)",
+    )
+    .bind(whole_doc)
+    .bind(&one_chunk.0)
+    .bind(one_chunk.1)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let summary = pipeline(&small_windows(settings(&db, &mock)))
+        .await
+        .run(input(corpus), CancellationToken::new())
+        .await
+        .expect("the run ends well");
+    let fenced = whole.len() as u64 + 1;
+    assert_eq!((summary.stored, summary.superseded), (400 - fenced, fenced), "{summary:?}");
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM doc_embeddings WHERE doc_id = $1 OR (doc_id = $2 AND chunk_index = $3)",
+    )
+    .bind(whole_doc)
+    .bind(&one_chunk.0)
+    .bind(one_chunk.1)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, 0, "a deleted chunk came back");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await as u64, 400 - fenced);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await as u64, 400 - fenced);
+}
