@@ -116,9 +116,10 @@ async fn run() {
     let per_chunk = |from: CpuSnapshot| {
         let d = cpu.snapshot().since(&from);
         format!(
-            "client {:.1} + pg {:.1} us",
+            "client {:.1} + pg {:.1} ({:.1} backends) us",
             d.client * 1e6 / chunks as f64,
-            (d.pg_own + d.pg_background) * 1e6 / chunks as f64
+            (d.pg_own + d.pg_background) * 1e6 / chunks as f64,
+            d.pg_own * 1e6 / chunks as f64
         )
     };
     let mut cpu_lines = vec![];

@@ -261,8 +261,9 @@ impl Store {
             tx.rollback().await?;
             return Ok(None);
         }
+        // Every vector was inserted (a plain insert writes each row or fails the statement).
         let counts = StoreCounts {
-            vectors_written: row.try_get::<i64, _>("vectors_written")? as u64,
+            vectors_written: rows.len() as u64,
             dlq_resolved: row.try_get::<i64, _>("dlq_resolved")? as u64,
             superseded: 0,
         };
@@ -389,17 +390,17 @@ SELECT (SELECT count(*) FROM vectors) AS vectors_written,
 /// inserts of the manifest rows (status `stored`, none where a deletion's tombstone is newer:
 /// `claimed` counts those written) and, only once all of them are in (the scalar subquery
 /// runs the manifest insert to its end first), of the vectors; then the DLQ resolve and its
-/// events as in [`store_sql`].
+/// events as in [`store_sql`]. Each part reads the arrays it needs itself: the vectors are
+/// never copied into a shared row set or sorted (the manifest insert already took the keys in
+/// key order; a writer of any of them meets those rows first).
 pub(crate) fn new_store_sql(table: &str) -> String {
     format!(
         r#"
-WITH input AS (
-    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[], $6::vector[])
-        AS t(doc_id, chunk_index, content_hash, source_seq, embedding)
-), claimed AS (
+WITH claimed AS (
     INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
     SELECT $1::text, doc_id, chunk_index, content_hash, 'stored', source_seq
-      FROM input i
+      FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
+           AS i(doc_id, chunk_index, content_hash, source_seq)
      WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
                         WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
                           AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)
@@ -407,12 +408,10 @@ WITH input AS (
     RETURNING 1
 ), vectors AS (
     INSERT INTO {table} (doc_id, chunk_index, content_hash, embedding)
-    SELECT doc_id, chunk_index, content_hash, embedding FROM input
+    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $6::vector[])
      WHERE (SELECT count(*) FROM claimed) = cardinality($2::text[])
-     ORDER BY doc_id, chunk_index
-    RETURNING 1
 ), resolved AS (
-    DELETE FROM embedding_dlq d USING input i
+    DELETE FROM embedding_dlq d USING UNNEST($2::text[], $3::int[]) AS i(doc_id, chunk_index)
      WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
        AND (SELECT count(*) FROM claimed) = cardinality($2::text[])
     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
@@ -425,7 +424,6 @@ WITH input AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM claimed) AS claimed,
-       (SELECT count(*) FROM vectors) AS vectors_written,
        (SELECT count(*) FROM resolved) AS dlq_resolved,
        (SELECT count(*) FROM events) AS events_written
 "#

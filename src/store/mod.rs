@@ -105,13 +105,19 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, StoreErr
 }
 
 /// Opens a pool whose connections plan every prepared statement once, generically
-/// (`plan_cache_mode = force_generic_plan`), without a connection until one is needed. For a
-/// statement sent hundreds of times a run whose plan does not depend on its parameters'
-/// values: Postgres otherwise keeps planning it again for each call (a custom plan looks
-/// cheaper), which was a third of the statement's time ([`Store::with_lookup_pool`]).
+/// (`plan_cache_mode = force_generic_plan`), and never with a sequential scan
+/// (`enable_seqscan = off`), without a connection until one is needed. For a statement sent
+/// hundreds of times a run that reads by index whatever its parameters and the table's size:
+/// Postgres otherwise keeps planning it again for each call (a custom plan looks cheaper),
+/// which was a third of the statement's time ([`Store::with_lookup_pool`]). The plan is made
+/// once and kept, so it must not depend on the table's size when it is made either: a plan
+/// made while the manifest was empty (just truncated and analyzed) scanned it per document
+/// range once it had grown back, 100 times slower.
 pub fn connect_generic_plans(url: &str, max_connections: u32) -> Result<PgPool, StoreError> {
     let options: PgConnectOptions = url.parse()?;
-    let options = options.application_name("embed-dlq").options([("plan_cache_mode", "force_generic_plan")]);
+    let options = options
+        .application_name("embed-dlq")
+        .options([("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")]);
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(30))
