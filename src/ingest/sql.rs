@@ -296,14 +296,28 @@ WITH input AS (
     };
 }
 
+/// The condition every manifest write of a record (alias `i`, `$1` the table) is under: no
+/// deletion of its chunk or document (`ingest_tombstone`, `store/delete.rs`) newer than it.
+macro_rules! no_newer_tombstone {
+    () => {
+        r#"WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
+                    WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
+                      AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)"#
+    };
+}
+
+/// The `no_newer_tombstone!` condition, for the statements built at run time.
+const NO_NEWER_TOMBSTONE: &str = no_newer_tombstone!();
+
 macro_rules! manifest_upsert {
     () => {
-        r#"INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+        concat!(
+            r#"INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
 SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq
   FROM input i
- WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
-                    WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
-                      AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)
+ "#,
+            no_newer_tombstone!(),
+            r#"
  ORDER BY doc_id, chunk_index
 ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
     status       = CASE WHEN m.content_hash = EXCLUDED.content_hash AND m.status = 'exhausted'
@@ -319,6 +333,7 @@ ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
     AND NOT (EXCLUDED.status = 'parked' AND m.status = 'stored' AND m.content_hash = EXCLUDED.content_hash)
 RETURNING m.doc_id, m.chunk_index
 "#
+        )
     };
 }
 
@@ -352,6 +367,17 @@ const MANIFEST_SQL: &str = concat!(
 /// update, which would look up every key in the lease table for nothing.
 const MANIFEST_NO_LEASE_SQL: &str = concat!(manifest_input!(), manifest_upsert!());
 
+/// The `resolved` event of every DLQ row a store's `resolved` CTE deleted (the outbox rows
+/// the relay publishes), shared by both store statements.
+const RESOLVED_EVENTS: &str = r#"events AS (
+    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+    SELECT 'resolved', id, target_table, doc_id, chunk_index,
+           embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
+                           jsonb_build_object('error_class', error_class, 'attempts', attempts, 'at', now()))
+      FROM resolved
+    RETURNING 1
+)"#;
+
 /// Second statement of a store (rows the manifest accepted) for one table ($1 is its
 /// canonical name): vector upsert, DLQ rows of the chunks resolved, `resolved` events.
 pub(crate) fn store_sql(table: &str) -> String {
@@ -371,14 +397,7 @@ WITH input AS (
     DELETE FROM embedding_dlq d USING input i
      WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
-), events AS (
-    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-    SELECT 'resolved', id, target_table, doc_id, chunk_index,
-           embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
-                           jsonb_build_object('error_class', error_class, 'attempts', attempts, 'at', now()))
-      FROM resolved
-    RETURNING 1
-)
+), {RESOLVED_EVENTS}
 SELECT (SELECT count(*) FROM vectors) AS vectors_written,
        (SELECT count(*) FROM resolved) AS dlq_resolved,
        (SELECT count(*) FROM events) AS events_written
@@ -401,9 +420,7 @@ WITH claimed AS (
     SELECT $1::text, doc_id, chunk_index, content_hash, 'stored', source_seq
       FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
            AS i(doc_id, chunk_index, content_hash, source_seq)
-     WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
-                        WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
-                          AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)
+     {NO_NEWER_TOMBSTONE}
      ORDER BY doc_id, chunk_index
     RETURNING 1
 ), vectors AS (
@@ -415,14 +432,7 @@ WITH claimed AS (
      WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
        AND (SELECT count(*) FROM claimed) = cardinality($2::text[])
     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
-), events AS (
-    INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
-    SELECT 'resolved', id, target_table, doc_id, chunk_index,
-           embed_dlq_event('resolved', id, target_table, doc_id, chunk_index, generation,
-                           jsonb_build_object('error_class', error_class, 'attempts', attempts, 'at', now()))
-      FROM resolved
-    RETURNING 1
-)
+), {RESOLVED_EVENTS}
 SELECT (SELECT count(*) FROM claimed) AS claimed,
        (SELECT count(*) FROM resolved) AS dlq_resolved,
        (SELECT count(*) FROM events) AS events_written
