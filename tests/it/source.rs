@@ -655,3 +655,56 @@ on_single_and_cluster! {
         assert_eq!(vector_is(&db, "conf", 0, "final").await, Some(true), "the draft overwrote the final text: {summary:?}");
     }
 }
+
+on_single_and_cluster! {
+    /// A source blocked in `XREADGROUP` when its stream is deleted (an operator's `DEL`, a
+    /// `FLUSHALL`) gets `UNBLOCKED the stream key no longer exists` from Redis 7 (or, between
+    /// reads, `NOGROUP`): it recreates its group (at `0`, so nothing published meanwhile is
+    /// skipped) and reads on; the run neither stops nor loses what comes after.
+    async fn a_source_whose_stream_is_deleted_while_it_waits_recreates_its_group_and_reads_on() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        let before: Vec<_> = (0..10).map(|i| chunk_entry("before", i, &format!("b{i}"))).collect();
+        publish(&stream, &before).await;
+        let opts = SourceOptions {
+            block: Duration::from_millis(1_000),
+            idle_exit: Some(Duration::from_millis(3_000)),
+            ..source_opts(&stream, "c1")
+        };
+        let run = {
+            let s = settings(&db, &mock);
+            tokio::spawn(async move {
+                let p = pipeline(&s).await;
+                p.run_source(&redis_client(), opts, CancellationToken::new()).await
+            })
+        };
+        let mut stored = 0;
+        for _ in 0..600 {
+            stored = db.count("SELECT count(*) FROM doc_embeddings").await;
+            if stored == 10 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(stored, 10, "the first entries are stored");
+        // Idle now: the source waits in its blocking read most of the time.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut redis = redis().await;
+        let deleted: i64 = redis::cmd("DEL").arg(&stream).query_async(&mut redis).await.unwrap();
+        assert_eq!(deleted, 1);
+        let after: Vec<_> = (0..10).map(|i| chunk_entry("after", i, &format!("a{i}"))).collect();
+        publish(&stream, &after).await;
+
+        let summary = tokio::time::timeout(Duration::from_secs(120), run)
+            .await
+            .expect("the source drains and stops")
+            .unwrap()
+            .expect("the source run ends well");
+        assert_eq!(summary.stored, 20, "{summary:?}");
+        let expected: BTreeSet<(String, i32)> =
+            (0..10).flat_map(|i| [("before".to_string(), i), ("after".to_string(), i)]).collect();
+        assert_corpus_accounted(&db, &expected).await;
+        assert_eq!(pending(&stream, "it-ingest").await, 0, "nothing left pending");
+    }
+}
