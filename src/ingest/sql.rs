@@ -69,6 +69,25 @@ impl sqlx::Encode<'_, Postgres> for VectorRef<'_> {
     }
 }
 
+/// The columns of stored chunks as both store statements bind them.
+struct StoreColumns<'a> {
+    docs: Vec<&'a str>,
+    idxs: Vec<i32>,
+    hashes: Vec<&'a str>,
+    vectors: Vec<VectorRef<'a>>,
+}
+
+impl<'a> StoreColumns<'a> {
+    fn of(rows: impl ExactSizeIterator<Item = &'a StoredChunk> + Clone) -> Self {
+        StoreColumns {
+            docs: rows.clone().map(|r| r.doc_id.as_str()).collect(),
+            idxs: rows.clone().map(|r| r.chunk_index).collect(),
+            hashes: rows.clone().map(|r| r.content_hash.as_str()).collect(),
+            vectors: rows.map(|r| VectorRef(&r.embedding)).collect(),
+        }
+    }
+}
+
 /// What one [`Store::store_batch`] changed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StoreCounts {
@@ -112,10 +131,7 @@ impl Store {
         rows: &'r [R],
         status: ChunkStatus,
     ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<&'r R>, Vec<usize>), StoreError> {
-        let mut tx = self.pool.begin().await?;
-        // Before the claim's snapshot: a deletion of this table in progress finishes first, so
-        // the claim sees its tombstones (`store/delete.rs`).
-        sqlx::query(crate::store::delete::WRITE_LOCK_SQL).bind(&self.target.name).execute(&mut *tx).await?;
+        let mut tx = self.begin_write().await?;
         let leases = rows.iter().any(R::may_hold_lease);
         let accepted = self.claim_manifest(&mut tx, rows.iter().map(R::manifest_key), status, leases).await?;
         let (mut keep, mut superseded) = (Vec::with_capacity(rows.len()), Vec::new());
@@ -127,6 +143,15 @@ impl Store {
             }
         }
         Ok((tx, keep, superseded))
+    }
+
+    /// Opens the transaction of a store or park: before its first statement's snapshot, a
+    /// deletion of this table in progress finishes first, so that statement sees its
+    /// tombstones (`store/delete.rs`).
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(crate::store::delete::WRITE_LOCK_SQL).bind(&self.target.name).execute(&mut *tx).await?;
+        Ok(tx)
     }
 
     /// Upserts the manifest rows of a batch (first statement of a store or park transaction)
@@ -204,16 +229,13 @@ impl Store {
         let (mut tx, keep, superseded) = self.begin_claimed(rows, ChunkStatus::Stored).await?;
         let mut counts = StoreCounts { superseded: superseded.len() as u64, ..Default::default() };
         if !keep.is_empty() {
-            let docs: Vec<&str> = keep.iter().map(|r| r.doc_id.as_str()).collect();
-            let idxs: Vec<i32> = keep.iter().map(|r| r.chunk_index).collect();
-            let hashes: Vec<&str> = keep.iter().map(|r| r.content_hash.as_str()).collect();
-            let vectors: Vec<VectorRef<'_>> = keep.iter().map(|r| VectorRef(&r.embedding)).collect();
+            let c = StoreColumns::of(keep.iter().copied());
             let row = sqlx::query(AssertSqlSafe(self.target.store_sql.as_str()))
                 .bind(&self.target.name)
-                .bind(&docs)
-                .bind(&idxs)
-                .bind(&hashes)
-                .bind(&vectors)
+                .bind(&c.docs)
+                .bind(&c.idxs)
+                .bind(&c.hashes)
+                .bind(&c.vectors)
                 .fetch_one(&mut *tx)
                 .await?;
             counts.vectors_written = row.try_get::<i64, _>("vectors_written")? as u64;
@@ -238,21 +260,16 @@ impl Store {
     /// newer; an insert that meets an existing row fails with a unique violation
     /// ([`is_not_new`]). Either way the caller writes the batch again through the upserts.
     pub(crate) async fn store_new(&self, rows: &[StoredChunk]) -> Result<Option<StoreCounts>, StoreError> {
-        let mut tx = self.pool.begin().await?;
-        // As in `begin_claimed`: a deletion in progress finishes first.
-        sqlx::query(crate::store::delete::WRITE_LOCK_SQL).bind(&self.target.name).execute(&mut *tx).await?;
-        let docs: Vec<&str> = rows.iter().map(|r| r.doc_id.as_str()).collect();
-        let idxs: Vec<i32> = rows.iter().map(|r| r.chunk_index).collect();
-        let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
+        let mut tx = self.begin_write().await?;
+        let c = StoreColumns::of(rows.iter());
         let seqs: Vec<i64> = rows.iter().map(|r| r.source_seq).collect();
-        let vectors: Vec<VectorRef<'_>> = rows.iter().map(|r| VectorRef(&r.embedding)).collect();
         let row = sqlx::query(AssertSqlSafe(self.target.new_store_sql.as_str()))
             .bind(&self.target.name)
-            .bind(&docs)
-            .bind(&idxs)
-            .bind(&hashes)
+            .bind(&c.docs)
+            .bind(&c.idxs)
+            .bind(&c.hashes)
             .bind(&seqs)
-            .bind(&vectors)
+            .bind(&c.vectors)
             // Planned with the tombstones as they are now (as the manifest claim is).
             .persistent(false)
             .fetch_one(&mut *tx)
