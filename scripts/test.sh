@@ -48,6 +48,10 @@ export EMBED_DLQ_TEST_RUN
 # (BENCHMARKS.md "Test time"). RUST_TEST_THREADS overrides it.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-6}"
 
+# A failing test's panic message, not forty lines of backtrace, at the end of the output (where
+# a CI log cut to its tail still shows it). EMBED_DLQ_TEST_BACKTRACE=1 brings backtraces back.
+export RUST_BACKTRACE="${EMBED_DLQ_TEST_BACKTRACE:-0}"
+
 build_status=0
 wait "$build_pid" || build_status=$?
 trap - EXIT

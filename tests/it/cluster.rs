@@ -3,6 +3,7 @@
 //! through `on_single_and_cluster!`; these are the cluster-only ones. Real Postgres, real
 //! Redis Cluster, the mock provider over real HTTP.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use embed_dlq::dlq::Filter;
@@ -62,13 +63,17 @@ async fn one_seed_url_with_redis_cluster_discovers_the_other_nodes() {
     }
 }
 
-/// A master is SIGKILLed while `serve` drains a parked corpus: its replica is promoted, serve
-/// carries on without a restart, the reconciler reschedules from Postgres whatever the
-/// promoted replica had not received, and every chunk ends stored exactly once.
+/// A master is SIGKILLed while `serve` drains a parked corpus, after it took events its
+/// frozen replica never got: the replica is promoted, serve carries on without a restart,
+/// whatever the promoted replica had not received is rescheduled or republished from
+/// Postgres, every chunk ends stored exactly once and every lost event is back on the stream
+/// once (read from the stream itself, not from what the reconciler says it did).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice() {
     const N: usize = 3000;
-    let cluster = PrivateCluster::start().await;
+    // A node timeout long enough to keep the replica frozen (below) while the master takes
+    // events it never gets, on a loaded machine too.
+    let cluster = PrivateCluster::start_with_node_timeout(Duration::from_secs(3)).await;
     let db = TestDb::new().await;
     let corpus = park_due(&db, N, "failover").await;
     // Due over the first 8 seconds, so that work items are still being published when the
@@ -132,27 +137,36 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
     // acknowledgements, deliveries) never reaches the replica and dies with the master.
     let replica_pid = cluster.pid(replica).await;
     cluster.signal(&replica_pid, "STOP");
+    let frozen_at = tokio::time::Instant::now();
     tokio::time::sleep(Duration::from_millis(150)).await;
     let mut m = cluster.node(master).await.unwrap();
-    let _: i64 =
+    let links: i64 =
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("replica").query_async(&mut m).await.unwrap();
-    // At least 500 ms, and until the master has taken entries (work items or events) the
-    // replica never got: on a loaded machine the drain could add none in a fixed pause, and
-    // the failover then lost nothing and proved nothing. Never past 1.2 s: the replica stays
-    // frozen for less than the cluster's node timeout (2 s).
-    let cut_at = tokio::time::Instant::now();
-    let added = async |m: &mut redis::aio::MultiplexedConnection| {
-        entries_added(m, &keys.replay()).await + entries_added(m, &keys.events()).await
-    };
-    let added_at_cut = added(&mut m).await;
+    assert_eq!(links, 1, "the master's replication link was not cut");
+    // At least 500 ms, and until the master has taken events the replica never got. Events,
+    // not work items: nobody consumes the events stream, so an event taken now is certainly
+    // lost with the master, where a work item may be read and replayed before the kill (the
+    // failover then lost nothing and proved nothing). The replica stays frozen for less than
+    // the node timeout, with a margin for a loaded machine.
+    let freeze_limit = cluster.node_timeout.mul_f64(0.8);
+    let last_at_cut = last_generated_id(&mut m, &keys.events()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    while added(&mut m).await <= added_at_cut && cut_at.elapsed() < Duration::from_millis(1_200) {
+    while last_generated_id(&mut m, &keys.events()).await == last_at_cut && frozen_at.elapsed() < freeze_limit
+    {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let at_kill = left().await;
+    // The events the master took after the cut: the replica never got them.
+    let lost = event_ids(&mut m, &keys.events(), &format!("({last_at_cut}")).await;
     cluster.kill(master).await;
     cluster.signal(&replica_pid, "CONT");
+    let frozen_for = frozen_at.elapsed();
     assert!(at_kill > 0, "the drain finished before the kill");
+    assert!(
+        !lost.is_empty(),
+        "the master took no event in the {frozen_for:?} its replica was frozen: the failover \
+         would lose nothing and prove nothing"
+    );
 
     // The replica takes over (after `cluster-node-timeout` and an election); serve keeps
     // running throughout.
@@ -199,10 +213,11 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
     let last = reconciler.run_once(Mode::Repair).await.unwrap();
     republished += last.get(Check::MissingEvents).repaired;
     eprintln!(
-        "killed master {master} with {at_kill} rows left; the reconciler rescheduled {rescheduled} \
-         work items and republished {republished} events lost with it"
+        "killed master {master} with {at_kill} rows left and {} events its replica never got \
+         ({frozen_for:?} frozen); the reconciler rescheduled {rescheduled} work items and \
+         republished {republished} events",
+        lost.len()
     );
-    assert!(rescheduled + republished > 0, "the failover lost nothing: the test proved nothing");
 
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, N as i64);
     assert_eq!(db.leaks().await, 0);
@@ -217,14 +232,54 @@ async fn a_master_killed_during_a_drain_loses_nothing_and_stores_nothing_twice()
     while relay.run_once().await.unwrap().claimed > 0 {}
     let report = reconciler.run_once(Mode::Check).await.unwrap();
     assert_eq!(report.total_found(), 0, "{report:#?}");
+    // Every event lost with the master is back on the promoted replica's stream, once: put
+    // back by the reconciler, or by serve's own republisher where it got there first (the
+    // test counts neither: it reads the stream).
+    let mut new_master = cluster.node(replica).await.unwrap();
+    let mut on_stream: HashMap<String, usize> = HashMap::new();
+    for id in event_ids(&mut new_master, &keys.events(), "-").await {
+        *on_stream.entry(id).or_default() += 1;
+    }
+    let twice: Vec<_> = on_stream.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "events on the stream more than once: {twice:?}");
+    let still_lost: Vec<_> = lost.iter().filter(|id| !on_stream.contains_key(*id)).collect();
+    assert!(
+        still_lost.is_empty(),
+        "{} of {} lost events never came back: {still_lost:?}",
+        still_lost.len(),
+        lost.len()
+    );
 }
 
-/// Entries ever added to the stream `key` on this node (`XINFO STREAM`'s `entries-added`), 0
-/// if it cannot tell.
-async fn entries_added(node: &mut redis::aio::MultiplexedConnection, key: &str) -> u64 {
-    let info: redis::RedisResult<std::collections::HashMap<String, redis::Value>> =
+/// The id of the newest entry ever added to the stream `key` on this node (`XINFO STREAM`'s
+/// `last-generated-id`; `0-0` while there is no stream).
+async fn last_generated_id(node: &mut redis::aio::MultiplexedConnection, key: &str) -> String {
+    let info: redis::RedisResult<HashMap<String, redis::Value>> =
         redis::cmd("XINFO").arg("STREAM").arg(key).query_async(node).await;
     info.ok()
-        .and_then(|i| i.get("entries-added").and_then(|v| redis::from_redis_value_ref::<u64>(v).ok()))
-        .unwrap_or(0)
+        .and_then(|i| i.get("last-generated-id").and_then(|v| redis::from_redis_value_ref::<String>(v).ok()))
+        .unwrap_or_else(|| "0-0".into())
+}
+
+/// The `event_id` fields of the entries of the events stream `key` on this node from `start`
+/// (an XRANGE start: `-`, or `(id` for after `id`) to its end, read a page at a time.
+async fn event_ids(node: &mut redis::aio::MultiplexedConnection, key: &str, start: &str) -> Vec<String> {
+    let mut ids = Vec::new();
+    let mut start = start.to_string();
+    loop {
+        let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(key)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(node)
+            .await
+            .unwrap();
+        let Some(last) = page.ids.last() else { return ids };
+        start = format!("({}", last.id);
+        ids.extend(
+            page.ids.iter().map(|e| e.get::<String>("event_id").expect("an event entry has an event_id")),
+        );
+    }
 }

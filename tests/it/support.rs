@@ -307,20 +307,28 @@ impl Drop for PrivateRedis {
     }
 }
 
-/// A Redis Cluster of this test's own (3 masters + 3 replicas, `cluster-node-timeout` 1 s),
-/// started by `scripts/services.sh cluster up` in a state dir and on ports of its own, so a
-/// test can kill its nodes; removed (`cluster clean`) on drop.
+/// A Redis Cluster of this test's own (3 masters + 3 replicas, `cluster-node-timeout` 1 s
+/// unless chosen), started by `scripts/services.sh cluster up` in a state dir and on ports of
+/// its own, so a test can kill its nodes; removed (`cluster clean`) on drop.
 pub struct PrivateCluster {
     /// The three masters' seed URLs, comma-separated.
     pub url: String,
     /// The six node ports.
     pub ports: Vec<u16>,
+    /// `cluster-node-timeout`: how long a node may be unreachable before it is suspected.
+    pub node_timeout: std::time::Duration,
     dir: std::path::PathBuf,
     base: u16,
 }
 
 impl PrivateCluster {
     pub async fn start() -> PrivateCluster {
+        Self::start_with_node_timeout(std::time::Duration::from_secs(1)).await
+    }
+
+    /// A private cluster whose nodes are suspected after `node_timeout` (a failover takes
+    /// about that long plus an election).
+    pub async fn start_with_node_timeout(node_timeout: std::time::Duration) -> PrivateCluster {
         let dir = std::env::temp_dir().join(format!(
             "embed-dlq-cluster-{}-{}",
             std::process::id(),
@@ -335,6 +343,7 @@ impl PrivateCluster {
         let cluster = PrivateCluster {
             url: (0..3).map(|i| format!("redis://127.0.0.1:{}/", base + i)).collect::<Vec<_>>().join(","),
             ports: (0..6).map(|i| base + i).collect(),
+            node_timeout,
             dir,
             base,
         };
@@ -352,7 +361,7 @@ impl PrivateCluster {
         c.args(["cluster", action])
             .env("EMBED_DLQ_SERVICES_DIR", &self.dir)
             .env("EMBED_DLQ_CLUSTER_PORT", self.base.to_string())
-            .env("EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS", "1000")
+            .env("EMBED_DLQ_CLUSTER_NODE_TIMEOUT_MS", self.node_timeout.as_millis().to_string())
             .stdin(std::process::Stdio::null());
         c
     }
