@@ -298,8 +298,9 @@ const LOSS_CHECK_EVERY: Duration = Duration::from_secs(2);
 /// ([`Reconciler::republish_lost_events`]): on word from a replayer
 /// ([`ReplayConfig::data_lost`]), or when its own check every [`LOSS_CHECK_EVERY`] finds a
 /// shard's consumer group missing ([`crate::replay::recover_lost_groups`], which also
-/// releases the shard's lost leases). A failed pass is retried with capped backoff until it
-/// succeeds or `stop`; a failed check is tried again at the next tick.
+/// releases the shard's lost leases) or another server under a shard than at the check
+/// before ([`ServersSeen`]). A failed pass is retried with capped backoff until it succeeds
+/// or `stop`; a failed check is tried again at the next tick.
 async fn republish_on_loss(
     reconciler: Reconciler,
     data_lost: std::sync::Arc<tokio::sync::Notify>,
@@ -307,15 +308,29 @@ async fn republish_on_loss(
 ) {
     let Some(mut redis) = reconciler.redis.clone() else { return };
     let shards: Vec<u16> = reconciler.keys.shard_ids().collect();
+    // The servers as they are at the start, before anything else: a pass of the loop below
+    // can take as long as an outage, and a change is seen against this.
+    let mut servers = ServersSeen::default();
+    if let Err(e) = servers.replaced(&reconciler, &mut redis).await {
+        tracing::debug!(error = %e, "reading which Redis servers hold the streams failed; trying again");
+    }
     while !stop.is_cancelled() {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = data_lost.notified() => {}
             _ = tokio::time::sleep(LOSS_CHECK_EVERY) => {
+                let replaced = match servers.replaced(&reconciler, &mut redis).await {
+                    Ok(replaced) => replaced,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "looking for replaced Redis servers failed; trying again");
+                        continue;
+                    }
+                };
                 match crate::replay::recover_lost_groups(&reconciler.store, &mut redis, &reconciler.keys, &shards, None)
                     .await
                 {
-                    Ok(0) => continue,
+                    Ok(0) if replaced == 0 => continue,
+                    Ok(0) => {}
                     Ok(missing) => tracing::warn!(shards = missing,
                         "consumer groups missing (Redis lost its data?): recreated; republishing the lost events"),
                     Err(e) => {
@@ -343,6 +358,46 @@ async fn republish_on_loss(
                 }
             }
         }
+    }
+}
+
+/// The server seen under each stream shard at the previous check
+/// ([`crate::streams::shard_servers`]). A failover to a replica that had not caught up keeps
+/// the consumer groups but loses the newest work items and events: nothing reads as missing,
+/// so a replaced server is taken for lost data. Its shard's leases are released (the
+/// scheduler issues the items again at its next pass; those that survived are replayed once
+/// and their second item is skipped) and the lost events are republished, within seconds
+/// instead of a lease. A restart that kept every write costs the same, once.
+#[derive(Default)]
+struct ServersSeen(Vec<Option<String>>);
+
+impl ServersSeen {
+    /// Reads the shards' servers, releases the leases of every shard whose server changed
+    /// since the previous check, and returns how many did (none at the first check).
+    async fn replaced(
+        &mut self,
+        reconciler: &Reconciler,
+        redis: &mut crate::streams::RedisConn,
+    ) -> Result<usize, crate::replay::ReplayError> {
+        let now = crate::streams::shard_servers(redis, &reconciler.keys).await?;
+        let mut replaced = 0;
+        for (shard, (before, after)) in reconciler.keys.shard_ids().zip(self.0.iter().zip(&now)) {
+            if before.is_none() || after.is_none() || before == after {
+                continue;
+            }
+            let released =
+                crate::replay::release_lost_leases(&reconciler.store, &reconciler.keys, shard).await?;
+            metrics::counter!(crate::metrics::REPLAY_LEASES_RELEASED).increment(released);
+            tracing::warn!(
+                shard,
+                released,
+                "another Redis server holds the shard's streams (a failover or a restart): released \
+                 the leases of its work items, which are issued again; republishing the events it lost"
+            );
+            replaced += 1;
+        }
+        self.0 = now;
+        Ok(replaced)
     }
 }
 

@@ -269,6 +269,29 @@ pub async fn check_shards(conn: &mut RedisConn, keys: &StreamKeys) -> Result<(),
     Ok(())
 }
 
+/// Identifies the server holding each shard's streams (`redis/server_id.lua`: the run id of
+/// the server the shard's key routes to), in shard order; `None` where the server gave none.
+/// Another id under a shard than the one seen before means a failover or a restart put
+/// another copy of the data there, possibly older: serve compares them to find lost Redis
+/// data whose consumer groups survived (a replica that had not caught up). One call per
+/// shard.
+pub async fn shard_servers(
+    conn: &mut RedisConn,
+    keys: &StreamKeys,
+) -> redis::RedisResult<Vec<Option<String>>> {
+    let script = server_id_script();
+    let mut ids = Vec::with_capacity(keys.shards() as usize);
+    for shard in keys.shard_ids() {
+        ids.push(script.key(keys.replay_of(shard)).invoke_async(conn).await?);
+    }
+    Ok(ids)
+}
+
+fn server_id_script() -> &'static Script {
+    static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| Script::new(include_str!("../../redis/server_id.lua")))
+}
+
 /// Opens a client for `url`: a single node, or a Redis Cluster when `url` lists several
 /// comma-separated node URLs (use [`open`] to treat one seed URL as a cluster).
 pub fn client(url: &str) -> redis::RedisResult<RedisClient> {

@@ -478,3 +478,84 @@ fn republishes_after_flushall(replayers: usize) {
         assert_eq!(entries, on_stream.len(), "each event once on the stream");
     });
 }
+
+/// Redis killed during a drain and restarted from a snapshot older than its last writes (a
+/// restore, or a restart that lost what came after the last save): the consumer group is in
+/// the snapshot, so no read finds it gone, yet the newest work items and events are lost.
+/// Serve sees another server under the shard and, with no reconciler, has the lost work
+/// issued again within seconds (its lease is 15 minutes) and the lost events published
+/// again; every chunk ends stored once and every event is on the stream once.
+#[test]
+fn a_redis_restored_from_an_older_snapshot_under_serve_gets_its_lost_work_and_events_back() {
+    run_on(Backend::SingleNode, async {
+        const N: usize = 1500;
+        let mut redis = PrivateRedis::start_with_snapshots().await;
+        let db = TestDb::new().await;
+        let corpus = crate::cluster::park_due(&db, N, "restored").await;
+        // Due over the first 6 seconds, so that work is still being issued at the crash.
+        sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() + random() * interval '6 seconds'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let mock = start_mock(MockConfig { latency_ms: 30, ..MockConfig::default() }).await;
+        let serving = pipeline(&settings(&db, &mock)).await;
+        let keys = fresh_keys();
+        let client = embed_dlq::streams::client(&redis.url).unwrap();
+        let cancel = CancellationToken::new();
+        let serve = tokio::spawn(embed_dlq::serve::serve(
+            serving.store.clone(),
+            serving.embedder.clone(),
+            client,
+            crate::cluster::drain_config(&keys, "it-restored"),
+            cancel.clone(),
+        ));
+        let left = async || db.count("SELECT count(*) FROM embedding_dlq").await;
+        wait_for("the drain to start", Duration::from_secs(60), async || left().await < (N as i64) * 4 / 5)
+            .await;
+
+        // The snapshot, then events written after it: those the restart loses for certain
+        // (nobody consumes the events stream).
+        redis.save().await;
+        let mut conn = redis.manager().await;
+        let saved: std::collections::HashSet<String> = event_ids_on_stream(&mut conn, &keys).await;
+        wait_for("events after the snapshot", Duration::from_secs(30), async || {
+            event_ids_on_stream(&mut conn, &keys).await.len() > saved.len()
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let lost: Vec<String> = event_ids_on_stream(&mut conn, &keys)
+            .await
+            .into_iter()
+            .filter(|id| !saved.contains(id))
+            .collect();
+        let at_crash = left().await;
+        redis.crash_and_restart().await;
+        assert!(at_crash > 0, "the drain finished before the crash");
+        let mut conn = redis.manager().await;
+        let restored = event_ids_on_stream(&mut conn, &keys).await;
+        assert!(
+            lost.iter().all(|id| !restored.contains(id)),
+            "the restart kept events written after the save"
+        );
+
+        wait_for("every row replayed and every lost event back", Duration::from_secs(90), async || {
+            assert!(!serve.is_finished(), "serve stopped after the restart");
+            let on_stream = event_ids_on_stream(&mut conn, &keys).await;
+            left().await == 0 && lost.iter().all(|id| on_stream.contains(id))
+        })
+        .await;
+        cancel.cancel();
+        serve.await.unwrap().expect("serve stops cleanly after the restart");
+        eprintln!("crashed with {at_crash} rows left and {} events written after the snapshot", lost.len());
+
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, N as i64);
+        assert_eq!(db.leaks().await, 0);
+        assert_corpus_accounted(&db, &corpus).await;
+        let entries: usize = redis::cmd("XLEN").arg(keys.events()).query_async(&mut conn).await.unwrap();
+        assert_eq!(
+            entries,
+            event_ids_on_stream(&mut conn, &keys).await.len(),
+            "each event once on the stream"
+        );
+    });
+}

@@ -249,34 +249,87 @@ pub async fn redis() -> embed_dlq::streams::RedisConn {
 /// drop.
 pub struct PrivateRedis {
     pub url: String,
+    port: u16,
+    /// Where `SAVE` writes its snapshot and a restart loads it from (none: no persistence).
+    dir: Option<std::path::PathBuf>,
     child: std::process::Child,
 }
 
 impl PrivateRedis {
     pub async fn start() -> PrivateRedis {
+        Self::start_on(None).await
+    }
+
+    /// A private Redis that snapshots only on `SAVE` ([`PrivateRedis::save`]), into a
+    /// directory of its own, and loads that snapshot when it is restarted
+    /// ([`PrivateRedis::crash_and_restart`]): a restore from an older snapshot.
+    pub async fn start_with_snapshots() -> PrivateRedis {
+        let dir = std::env::temp_dir().join(format!(
+            "embed-dlq-redis-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self::start_on(Some(dir)).await
+    }
+
+    async fn start_on(dir: Option<std::path::PathBuf>) -> PrivateRedis {
         let port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()
         };
-        let mut child = std::process::Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        let child = Self::spawn(port, dir.as_deref()).await;
+        PrivateRedis { url: format!("redis://127.0.0.1:{port}/"), port, dir, child }
+    }
+
+    /// Starts redis-server on `port` and waits until it answers (after loading the snapshot
+    /// in `dir`, if there is one).
+    async fn spawn(port: u16, dir: Option<&std::path::Path>) -> std::process::Child {
+        let mut command = std::process::Command::new("redis-server");
+        command.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        if let Some(dir) = dir {
+            command.arg("--dir").arg(dir);
+        }
+        let mut child = command
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("redis-server (scripts/services.sh installs it)");
-        let url = format!("redis://127.0.0.1:{port}/");
-        let client = redis::Client::open(url.as_str()).unwrap();
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
         for _ in 0..100 {
             if let Ok(mut c) = client.get_multiplexed_async_connection().await
                 && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
             {
-                return PrivateRedis { url, child };
+                return child;
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         let _ = child.kill();
         let _ = child.wait();
         panic!("private redis-server did not come up on {port}");
+    }
+
+    /// Writes a snapshot now (`SAVE`): what a restart comes back with.
+    pub async fn save(&self) {
+        let mut c = self.manager().await;
+        let _: () = redis::cmd("SAVE").query_async(&mut c).await.unwrap();
+    }
+
+    /// Kills the server (`SIGKILL`: nothing saved) and starts it again on the same port, from
+    /// the last [`PrivateRedis::save`] (or empty, without snapshots).
+    pub async fn crash_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.port, self.dir.as_deref()).await;
     }
 
     pub async fn manager(&self) -> embed_dlq::streams::RedisConn {
@@ -304,6 +357,9 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
