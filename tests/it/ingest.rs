@@ -858,6 +858,78 @@ async fn manifest_rows_scanned(db: &TestDb) -> i64 {
     .unwrap()
 }
 
+/// Rows read from `table` (sequential scans plus index entries read, every index), once the
+/// pipeline's connections are gone (a backend reports its counts when idle or at exit).
+async fn rows_read(db: &TestDb, table: &str) -> i64 {
+    for _ in 0..500 {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'embed-dlq'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *conn).await.unwrap();
+    sqlx::query_scalar(
+        "SELECT coalesce((SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = $1), 0)
+              + coalesce((SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relname = $1), 0)::bigint",
+    )
+    .bind(table)
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap()
+}
+
+/// New chunks are written by a statement planned once per connection and kept. Planned while
+/// the DLQ and the deletions' tombstones were empty, it still reads only the batch's keys of
+/// them once they hold 40,000 rows each: a join made then (all of the table's tombstones
+/// materialized, the DLQ walked by table) would read them all for every batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_chunks_planned_on_empty_tables_read_only_their_keys_of_a_large_dlq_and_tombstones() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&small_windows(settings(&db, &mock))).await;
+    let mut first = Vec::new();
+    write_corpus(
+        &mut first,
+        &CorpusSpec { doc_prefix: "early".into(), chunks: 200, ..CorpusSpec::default() },
+        4_000,
+    )
+    .unwrap();
+    assert_eq!(p.run(input(first), CancellationToken::new()).await.unwrap().stored, 200);
+    sqlx::raw_sql(
+        "INSERT INTO ingest_tombstone (target_table, doc_id, chunk_index, source_seq)
+         SELECT 'public.doc_embeddings', 'gone-' || n, -1, 1 FROM generate_series(1, 40000) n;
+         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
+                                    error_reason, attempts)
+         SELECT 'public.doc_embeddings', 'parked-' || n, 0, 'h', '{}', 'permanent_input', 'test', 1
+           FROM generate_series(1, 40000) n;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut later = Vec::new();
+    write_corpus(
+        &mut later,
+        &CorpusSpec { doc_prefix: "later".into(), chunks: 800, ..CorpusSpec::default() },
+        4_000,
+    )
+    .unwrap();
+    assert_eq!(p.run(input(later), CancellationToken::new()).await.unwrap().stored, 800);
+    drop(p);
+    // 1,000 chunks in 63 batches: a probe each is about 1,000 rows read per table; a scan per
+    // batch of either table reads 2.5 million.
+    for table in ["ingest_tombstone", "embedding_dlq"] {
+        let read = rows_read(&db, table).await;
+        assert!(read < 20_000, "the writes read {read} rows of {table}");
+    }
+}
+
 /// A long-lived pipeline (a stream source's, `serve`'s) whose manifest was emptied (a reset,
 /// a mass deletion) and fills again: its window lookups stay index probes. A lookup planned
 /// once on the empty table and kept (its plan cached under the size class of the manifest as
