@@ -149,17 +149,8 @@ impl Store {
     /// deletion of this table in progress finishes first, so that statement sees its
     /// tombstones (`store/delete.rs`).
     async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        self.begin_write_with(crate::store::delete::WRITE_LOCK_SQL).await
-    }
-
-    /// [`Store::begin_write`] with `lock_sql`, a statement that takes the same lock (and may
-    /// set up the transaction further).
-    async fn begin_write_with(
-        &self,
-        lock_sql: &'static str,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query(lock_sql).bind(&self.target.name).execute(&mut *tx).await?;
+        sqlx::query(crate::store::delete::WRITE_LOCK_SQL).bind(&self.target.name).execute(&mut *tx).await?;
         Ok(tx)
     }
 
@@ -269,7 +260,7 @@ impl Store {
     /// newer; an insert that meets an existing row fails with a unique violation
     /// ([`is_not_new`]). Either way the caller writes the batch again through the upserts.
     pub(crate) async fn store_new(&self, rows: &[StoredChunk]) -> Result<Option<StoreCounts>, StoreError> {
-        let mut tx = self.begin_write_with(NEW_STORE_LOCK_SQL).await?;
+        let mut tx = self.begin_write().await?;
         let c = StoreColumns::of(rows.iter());
         let seqs: Vec<i64> = rows.iter().map(|r| r.source_seq).collect();
         let row = sqlx::query(AssertSqlSafe(self.target.new_store_sql.as_str()))
@@ -279,7 +270,8 @@ impl Store {
             .bind(&c.hashes)
             .bind(&seqs)
             .bind(&c.vectors)
-            // Prepared and planned once per connection (NEW_STORE_LOCK_SQL).
+            // Planned with the tombstones as they are now (as the manifest claim is).
+            .persistent(false)
             .fetch_one(&mut *tx)
             .await?;
         if row.try_get::<i64, _>("claimed")? != rows.len() as i64 {
@@ -296,20 +288,6 @@ impl Store {
         Ok(Some(counts))
     }
 }
-
-/// The lock statement of [`Store::store_new`]'s transaction ([`crate::store::delete::WRITE_LOCK_SQL`]),
-/// which also fixes how its one statement is planned: once per connection, a generic plan
-/// kept (planning it for every batch cost about a fifth of its time), and made of index
-/// probes driven by the batch's keys only (no sequential scan, hash or merge join), so a plan
-/// made while the DLQ or the tombstones were empty stays right once they are large. Local to
-/// the transaction: the claim and upserts of the other writes are planned per batch.
-const NEW_STORE_LOCK_SQL: &str = concat!(
-    crate::store::delete::write_lock_select!(),
-    ", set_config('plan_cache_mode', 'force_generic_plan', true)",
-    ", set_config('enable_seqscan', 'off', true)",
-    ", set_config('enable_hashjoin', 'off', true)",
-    ", set_config('enable_mergejoin', 'off', true)"
-);
 
 /// Batches that go straight to the upserts after a [`Store::store_new`] met a row that was
 /// not new: a corpus that overlaps what the tables hold (or a concurrent run) pays for the
@@ -337,27 +315,16 @@ WITH input AS (
 
 /// The condition every manifest write of a record (alias `i`, `$1` the table) is under: no
 /// deletion of its chunk or document (`ingest_tombstone`, `store/delete.rs`) newer than it.
-/// With a tail (`" OFFSET 0"`) inside the subquery.
 macro_rules! no_newer_tombstone {
     () => {
-        no_newer_tombstone!("")
-    };
-    ($tail:literal) => {
-        concat!(
-            r#"WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
+        r#"WHERE NOT EXISTS (SELECT 1 FROM ingest_tombstone t
                     WHERE t.target_table = $1::text AND t.doc_id = i.doc_id
-                      AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq"#,
-            $tail,
-            ")"
-        )
+                      AND t.chunk_index IN (i.chunk_index, -1) AND t.source_seq > i.source_seq)"#
     };
 }
 
-/// The `no_newer_tombstone!` condition for [`new_store_sql`], whose plan is generic: one probe
-/// of the tombstones' key per record, never a join (`OFFSET 0` keeps the subquery from being
-/// made one), which a plan made while the table held few tombstones could run over all of
-/// them.
-const NO_NEWER_TOMBSTONE_PROBED: &str = no_newer_tombstone!(" OFFSET 0");
+/// The `no_newer_tombstone!` condition, for the statements built at run time.
+const NO_NEWER_TOMBSTONE: &str = no_newer_tombstone!();
 
 macro_rules! manifest_upsert {
     () => {
@@ -470,7 +437,7 @@ WITH claimed AS (
     SELECT $1::text, doc_id, chunk_index, content_hash, 'stored', source_seq
       FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
            AS i(doc_id, chunk_index, content_hash, source_seq)
-     {NO_NEWER_TOMBSTONE_PROBED}
+     {NO_NEWER_TOMBSTONE}
      ORDER BY doc_id, chunk_index
     RETURNING 1
 ), vectors AS (
@@ -478,15 +445,8 @@ WITH claimed AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $6::vector[])
      WHERE (SELECT count(*) FROM claimed) = cardinality($2::text[])
 ), resolved AS (
-    -- The batch's DLQ rows by one probe of the identity key per chunk, then by id: a join
-    -- could walk every DLQ row of the table (a generic plan does not know the batch is
-    -- small).
-    DELETE FROM embedding_dlq d
-     WHERE d.id = ANY (ARRAY(
-               SELECT x.id FROM UNNEST($2::text[], $3::int[]) AS i(doc_id, chunk_index)
-               CROSS JOIN LATERAL (SELECT x.id FROM embedding_dlq x
-                                    WHERE x.target_table = $1::text AND x.doc_id = i.doc_id
-                                      AND x.chunk_index = i.chunk_index OFFSET 0) x))
+    DELETE FROM embedding_dlq d USING UNNEST($2::text[], $3::int[]) AS i(doc_id, chunk_index)
+     WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
        AND (SELECT count(*) FROM claimed) = cardinality($2::text[])
     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
 ), {RESOLVED_EVENTS}

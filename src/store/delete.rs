@@ -32,15 +32,8 @@ use super::{Store, StoreError};
 
 /// Taken by every store and park transaction before its manifest claim: waits for a deletion
 /// of the table in progress (`$1`: the table's canonical name).
-pub(crate) const WRITE_LOCK_SQL: &str = write_lock_select!();
-
-/// The select of [`WRITE_LOCK_SQL`], for statements that take the lock along with more.
-macro_rules! write_lock_select {
-    () => {
-        "SELECT pg_advisory_xact_lock_shared(embed_dlq_delete_lock_space(), hashtext($1::text))"
-    };
-}
-pub(crate) use write_lock_select;
+pub(crate) const WRITE_LOCK_SQL: &str =
+    "SELECT pg_advisory_xact_lock_shared(embed_dlq_delete_lock_space(), hashtext($1::text))";
 
 /// Taken by every deletion transaction: no store or park of the table is between its claim
 /// and its commit meanwhile.
