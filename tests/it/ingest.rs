@@ -833,23 +833,9 @@ async fn a_deletion_newer_than_a_new_chunks_record_keeps_it_out() {
     assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await as u64, 400 - fenced);
 }
 
-/// Rows Postgres has read from the manifest by sequential scans, once every backend of the
-/// pipelines has ended (a backend reports its counts when it ends at the latest).
+/// Rows Postgres has read from the manifest by sequential scans ([`settled_stats`]).
 async fn manifest_rows_scanned(db: &TestDb) -> i64 {
-    for _ in 0..500 {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'embed-dlq'",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if open == 0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let mut conn = db.pool.acquire().await.unwrap();
-    sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *conn).await.unwrap();
+    let mut conn = settled_stats(db).await;
     sqlx::query_scalar(
         "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = 'ingest_manifest'",
     )
@@ -858,9 +844,10 @@ async fn manifest_rows_scanned(db: &TestDb) -> i64 {
     .unwrap()
 }
 
-/// Rows read from `table` (sequential scans plus index entries read, every index), once the
-/// pipeline's connections are gone (a backend reports its counts when idle or at exit).
-async fn rows_read(db: &TestDb, table: &str) -> i64 {
+/// A connection whose view of the table statistics includes everything the pipeline's
+/// connections did: they are gone (a backend reports its counts when idle or at exit) and
+/// the snapshot is fresh.
+async fn settled_stats(db: &TestDb) -> sqlx::pool::PoolConnection<sqlx::Postgres> {
     for _ in 0..500 {
         let open: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'embed-dlq'",
@@ -875,6 +862,13 @@ async fn rows_read(db: &TestDb, table: &str) -> i64 {
     }
     let mut conn = db.pool.acquire().await.unwrap();
     sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *conn).await.unwrap();
+    conn
+}
+
+/// Rows read from `table` (sequential scans plus index entries read, every index) by every
+/// connection so far ([`settled_stats`]).
+async fn rows_read(db: &TestDb, table: &str) -> i64 {
+    let mut conn = settled_stats(db).await;
     sqlx::query_scalar(
         "SELECT coalesce((SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = $1), 0)
               + coalesce((SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relname = $1), 0)::bigint",
