@@ -325,17 +325,24 @@ async fn republish_on_loss(
                     tracing::debug!(error = %e, "looking for replaced Redis servers failed; trying again");
                     0
                 });
-                match crate::replay::recover_lost_groups(&reconciler.store, &mut redis, &reconciler.keys, &shards, None)
+                let missing = match crate::replay::recover_lost_groups(&reconciler.store, &mut redis, &reconciler.keys, &shards, None)
                     .await
                 {
-                    Ok(0) if replaced == 0 => continue,
-                    Ok(0) => {}
-                    Ok(missing) => tracing::warn!(shards = missing,
-                        "consumer groups missing (Redis lost its data?): recreated; republishing the lost events"),
+                    Ok(0) => 0,
+                    Ok(missing) => {
+                        tracing::warn!(shards = missing,
+                            "consumer groups missing (Redis lost its data?): recreated; republishing the lost events");
+                        missing
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "looking for lost Redis data failed; trying again");
-                        continue;
+                        0
                     }
+                };
+                // A replaced server was seen once (its leases are already released): its
+                // events are republished whatever the group check said.
+                if missing == 0 && replaced == 0 {
+                    continue;
                 }
             }
         }
