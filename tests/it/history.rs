@@ -169,10 +169,7 @@ impl HistoryRedis {
     async fn start() -> HistoryRedis {
         // Below the kernel's ephemeral range, so no client connection can take the port
         // while Redis is down for a restart.
-        let port = (0..100)
-            .map(|_| 29_000 + rand::random::<u16>() % 3_000)
-            .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
-            .expect("a free port for the history's Redis");
+        let port = free_redis_port();
         let mut r = HistoryRedis { port, child: None };
         r.spawn().await;
         r
@@ -183,32 +180,7 @@ impl HistoryRedis {
     }
 
     async fn spawn(&mut self) {
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server (scripts/services.sh installs it)");
-        self.child = Some(child);
-        let client = redis::Client::open(self.url()).unwrap();
-        for _ in 0..200 {
-            if let Ok(mut c) = client.get_multiplexed_async_connection().await
-                && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("history redis did not come up on {}", self.port);
+        self.child = Some(spawn_redis(self.port, None).await);
     }
 
     /// Kills Redis (everything in it is lost: no persistence) and starts it again.

@@ -274,48 +274,9 @@ impl PrivateRedis {
     }
 
     async fn start_on(dir: Option<std::path::PathBuf>) -> PrivateRedis {
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let child = Self::spawn(port, dir.as_deref()).await;
+        let port = free_redis_port();
+        let child = spawn_redis(port, dir.as_deref()).await;
         PrivateRedis { url: format!("redis://127.0.0.1:{port}/"), port, dir, child }
-    }
-
-    /// Starts redis-server on `port` and waits until it answers (after loading the snapshot
-    /// in `dir`, if there is one).
-    async fn spawn(port: u16, dir: Option<&std::path::Path>) -> std::process::Child {
-        let mut command = std::process::Command::new("redis-server");
-        command.args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]);
-        if let Some(dir) = dir {
-            command.arg("--dir").arg(dir);
-        }
-        let mut child = command
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("redis-server (scripts/services.sh installs it)");
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
-        for _ in 0..100 {
-            if let Ok(mut c) = client.get_multiplexed_async_connection().await
-                && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
-            {
-                return child;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("private redis-server did not come up on {port}");
     }
 
     /// Writes a snapshot now (`SAVE`): what a restart comes back with.
@@ -329,7 +290,7 @@ impl PrivateRedis {
     pub async fn crash_and_restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Self::spawn(self.port, self.dir.as_deref()).await;
+        self.child = spawn_redis(self.port, self.dir.as_deref()).await;
     }
 
     pub async fn manager(&self) -> embed_dlq::streams::RedisConn {
@@ -351,6 +312,43 @@ impl PrivateRedis {
         let pid = self.child.id().to_string();
         assert!(std::process::Command::new("kill").args([signal, &pid]).status().unwrap().success());
     }
+}
+
+/// A port for a private Redis: free now, and below the kernel's ephemeral range (32768 and
+/// up) and the private clusters' ports (20000-22705, bus ports 30000-32705), so no client
+/// connection or other test can take it while its Redis is down for a restart.
+pub fn free_redis_port() -> u16 {
+    (0..200)
+        .map(|_| 23_000 + rand::random::<u16>() % 6_000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port for a private Redis")
+}
+
+/// Starts redis-server on `port` (snapshots only on `SAVE`, into `dir` if given, and loaded
+/// from there) and waits until it answers.
+pub async fn spawn_redis(port: u16, dir: Option<&std::path::Path>) -> std::process::Child {
+    let mut command = std::process::Command::new("redis-server");
+    command.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]);
+    if let Some(dir) = dir {
+        command.arg("--dir").arg(dir);
+    }
+    let mut child = command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server (scripts/services.sh installs it)");
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
+    for _ in 0..100 {
+        if let Ok(mut c) = client.get_multiplexed_async_connection().await
+            && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+        {
+            return child;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("private redis-server did not come up on {port}");
 }
 
 impl Drop for PrivateRedis {
