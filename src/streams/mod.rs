@@ -282,10 +282,15 @@ pub async fn shard_servers(
     let script = server_id_script();
     let mut ids = Vec::with_capacity(keys.shards() as usize);
     for shard in keys.shard_ids() {
-        ids.push(script.key(keys.replay_of(shard)).invoke_async(conn).await?);
+        let id: Option<String> = script.key(keys.replay_of(shard)).invoke_async(conn).await?;
+        // A run id is 40 hex characters; whatever a server sends, at most this much is kept.
+        ids.push(id.map(|id| id.chars().take(MAX_SERVER_ID_CHARS).collect()));
     }
     Ok(ids)
 }
+
+/// Longest server id kept from [`shard_servers`] (Redis run ids are 40 characters).
+const MAX_SERVER_ID_CHARS: usize = 64;
 
 fn server_id_script() -> &'static Script {
     static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();

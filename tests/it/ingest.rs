@@ -889,14 +889,17 @@ async fn new_chunks_read_only_their_keys_of_a_large_dlq_and_tombstones() {
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig::default()).await;
     let p = pipeline(&small_windows(settings(&db, &mock))).await;
-    let mut first = Vec::new();
-    write_corpus(
-        &mut first,
-        &CorpusSpec { doc_prefix: "early".into(), chunks: 200, ..CorpusSpec::default() },
-        4_000,
-    )
-    .unwrap();
-    assert_eq!(p.run(input(first), CancellationToken::new()).await.unwrap().stored, 200);
+    let corpus = |doc_prefix: &str, chunks| {
+        let mut out = Vec::new();
+        write_corpus(
+            &mut out,
+            &CorpusSpec { doc_prefix: doc_prefix.into(), chunks, ..CorpusSpec::default() },
+            4_000,
+        )
+        .unwrap();
+        input(out)
+    };
+    assert_eq!(p.run(corpus("early", 200), CancellationToken::new()).await.unwrap().stored, 200);
     sqlx::raw_sql(
         "INSERT INTO ingest_tombstone (target_table, doc_id, chunk_index, source_seq)
          SELECT 'public.doc_embeddings', 'gone-' || n, -1, 1 FROM generate_series(1, 40000) n;
@@ -908,14 +911,7 @@ async fn new_chunks_read_only_their_keys_of_a_large_dlq_and_tombstones() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let mut later = Vec::new();
-    write_corpus(
-        &mut later,
-        &CorpusSpec { doc_prefix: "later".into(), chunks: 800, ..CorpusSpec::default() },
-        4_000,
-    )
-    .unwrap();
-    assert_eq!(p.run(input(later), CancellationToken::new()).await.unwrap().stored, 800);
+    assert_eq!(p.run(corpus("later", 800), CancellationToken::new()).await.unwrap().stored, 800);
     drop(p);
     // 1,000 chunks in 63 batches: a probe each is about 1,000 rows read per table; a scan per
     // batch of either table reads 2.5 million.
