@@ -337,7 +337,7 @@ async fn run() {
         costs[1].push(c);
         sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&pool).await.unwrap();
         embed_dlq::replay::ensure_group(&mut redis.clone(), &keys).await.unwrap();
-        let scheduler = Scheduler { store: pipeline.store.clone(), config: replay };
+        let scheduler = Scheduler::new(pipeline.store.clone(), replay, redis.clone(), keys.clone());
         let (scheduled, c) = probes.measure(&mut nodes, n, scheduler.run_once()).await;
         assert_eq!(scheduled.unwrap(), n);
         costs[2].push(c);
@@ -593,7 +593,7 @@ async fn shard_check(
         let n = chunks as u64;
         let (replay, relay_config) = whole_round_outstanding(chunks);
         let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), relay_config);
-        let scheduler = Scheduler { store: pipeline.store.clone(), config: replay };
+        let scheduler = Scheduler::new(pipeline.store.clone(), replay, redis.clone(), keys.clone());
         let ((), c) = probes
             .measure(&mut nodes, n, async {
                 relay_all(&mut relay).await;

@@ -861,7 +861,7 @@ async fn replay_bench(
                 })
                 .collect::<Vec<_>>()
         };
-        let scheduler = Scheduler { store: pipeline.store.clone(), config: config.clone() };
+        let scheduler = Scheduler::new(pipeline.store.clone(), config.clone(), redis.clone(), keys.clone());
         let for_all = |settled: &AtomicU64| settled.load(Ordering::Relaxed) >= rows as u64;
         let start = Instant::now();
         let (tasks, phases) = if overlap {

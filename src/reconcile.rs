@@ -143,7 +143,7 @@ impl Check {
             Check::BadVectors => Some("delete the vector, mark for re-ingest"),
             Check::SupersededVectors => Some("withdraw the vector (`withdrawn` event)"),
             Check::MissingEvents => Some("re-publish from the outbox"),
-            Check::LostReplayWork => Some("re-publish through the outbox"),
+            Check::LostReplayWork => Some("release the leases: the scheduler issues the work again"),
             Check::OrphanStreamEntries => Some("acknowledge and delete the entries"),
             Check::OutboxBacklog | Check::ReplayStalled => None,
         }

@@ -1,7 +1,8 @@
 //! Replay: parked transient work goes back through the same client, classifier and retry
 //! policy, in parallel, through the `replayers` consumer group on the replay stream.
 //!
-//! - [`Scheduler`]: due DLQ rows → replay work items (outbox → relay → replay stream).
+//! - [`Scheduler`]: due DLQ rows → leases → replay work items, appended to the replay stream
+//!   by the scheduler itself before the leases commit (the lease is the item's record).
 //! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
 //!   A result commits only if the DLQ row still has the generation and content hash the
 //!   work item ([`WorkItem`]) carried (`sql`), so a redelivered entry whose
@@ -94,9 +95,9 @@ pub struct ReplayConfig {
     /// other work item is issued for it meanwhile, and a lost item is issued again when the
     /// lease runs out. A replayer's load extends it by as much.
     pub lease: Duration,
-    /// Most live leases, and so most work items outstanding in the replay streams and the
-    /// outbox together (`[serve] replay_outstanding_max`); each replay stream shard is
-    /// trimmed to this many entries.
+    /// Most live leases, and so most work items outstanding in the replay streams
+    /// (`[serve] replay_outstanding_max`); each replay stream shard is trimmed to this many
+    /// entries.
     pub outstanding_max: usize,
     /// How often the scheduler looks for due rows.
     pub schedule_every: Duration,
@@ -228,28 +229,76 @@ impl ReplayError {
 /// MB of Redis (BENCHMARKS.md).
 pub const DEFAULT_OUTSTANDING_MAX: usize = 10_000;
 
-/// Publishes due rows as replay work.
+/// Issues due rows as replay work: leases them in Postgres and appends their work items to
+/// the replay stream itself, before the leases commit. The lease is the item's record (the
+/// product's flow lets the scheduler skip the outbox for work items): a committed lease
+/// always has its item in the stream, an item lost with Redis data is issued again once its
+/// lease is released (a replayer finding its group gone, `serve` seeing another server) or
+/// runs out, and an item appended by a pass that then failed is harmless (it takes the
+/// lease if it is read first, or is skipped as an older lease's item).
 pub struct Scheduler {
-    /// Where due rows are found and marked as published work.
-    pub store: Store,
-    /// The lease and the scheduling period.
-    pub config: ReplayConfig,
+    store: Store,
+    config: ReplayConfig,
+    redis: RedisConn,
+    keys: StreamKeys,
 }
 
 impl Scheduler {
-    /// One pass: rows made into work items, while the outstanding cap leaves room.
-    pub async fn run_once(&self) -> Result<u64, StoreError> {
+    /// A scheduler leasing rows of `store` under `config` (lease, outstanding cap, period)
+    /// and appending their items to the replay streams of `keys` on `redis`.
+    pub fn new(store: Store, config: ReplayConfig, redis: RedisConn, keys: StreamKeys) -> Self {
+        Scheduler { store, config, redis, keys }
+    }
+
+    /// One pass: rows made into work items, while the outstanding cap leaves room. Each
+    /// statement's items are appended to the stream before its leases commit.
+    pub async fn run_once(&self) -> Result<u64, ReplayError> {
         let mut total = 0;
         loop {
-            let n = self
+            let issue = self
                 .store
-                .schedule_due(SCHEDULE_STATEMENT_ROWS, self.config.lease, self.config.outstanding_max)
+                .lease_due(
+                    SCHEDULE_STATEMENT_ROWS,
+                    self.config.lease,
+                    self.config.outstanding_max,
+                    SCHEDULE_IDLE_TIMEOUT,
+                )
                 .await?;
-            total += n;
-            if n < SCHEDULE_STATEMENT_ROWS as u64 {
+            let n = issue.items.len();
+            if n > 0 {
+                self.publish(&issue.items).await?;
+                failpoint::hit!("schedule_after_publish");
+            }
+            issue.commit().await?;
+            total += n as u64;
+            if n < SCHEDULE_STATEMENT_ROWS {
                 return Ok(total);
             }
         }
+    }
+
+    /// Appends `items` to their shards' replay streams: one pipeline per shard (a pipeline
+    /// stays in one slot of a Redis Cluster), the shards at once. Each stream is capped at
+    /// the outstanding cap exactly (`MAXLEN`), as the relay caps it: the unread items are the
+    /// newest, so what a trim removes is consumed or stale.
+    async fn publish(&self, items: &[sql::IssuedWork]) -> Result<(), redis::RedisError> {
+        let cap = self.config.outstanding_max;
+        let mut by_shard: BTreeMap<u16, redis::Pipeline> = BTreeMap::new();
+        for work in items {
+            let shard = self.keys.shard_of(&work.item.target_table, &work.doc_id, work.chunk_index);
+            let pipe = by_shard.entry(shard).or_insert_with(redis::pipe);
+            let xadd = pipe.cmd("XADD").arg(self.keys.replay_of(shard));
+            if cap > 0 {
+                xadd.arg("MAXLEN").arg(cap);
+            }
+            xadd.arg("*").arg("event").arg("replay").arg("body").arg(work.body()).ignore();
+        }
+        let appends = by_shard.into_values().map(|pipe| {
+            let mut conn = self.redis.clone();
+            async move { pipe.query_async::<()>(&mut conn).await }
+        });
+        futures::future::try_join_all(appends).await?;
+        Ok(())
     }
 
     /// Runs a pass every `schedule_every`, and soon after a replayer settled work
@@ -269,7 +318,6 @@ impl Scheduler {
             }
             self.config.settled.reset();
             if let Err(e) = self.run_once().await {
-                let e = ReplayError::from(e);
                 if !e.is_transient() {
                     return Err(e);
                 }
@@ -293,6 +341,12 @@ impl Scheduler {
 /// that walk to about one per pass; a statement of this many rows runs in well under a
 /// second.
 const SCHEDULE_STATEMENT_ROWS: usize = 5_000;
+
+/// How long a scheduling transaction may sit idle before Postgres ends its session: a live
+/// scheduler holds it open for one pipeline of appends (at most a Redis reply timeout); a
+/// host that froze mid-pass would otherwise hold the scheduling lock, and so all issuing,
+/// until Postgres noticed the dead connection.
+const SCHEDULE_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Least time between two passes woken by settled work: commits that free the cap's quarter
 /// at once (a small cap, big batches) share one pass.
@@ -381,8 +435,8 @@ async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<bool, re
     }
 }
 
-/// Ends the leases of `shard` whose work items lived only in its replay stream (published
-/// from the outbox), after the stream's consumer group was found missing: those items are
+/// Ends the leases of `shard` whose work items lived only in its replay stream (all of them
+/// but items of older releases still waiting in the outbox), after the stream's consumer group was found missing: those items are
 /// gone with it, and the scheduler issues them again at its next pass. Returns the leases
 /// ended. Leases are few (at most the outstanding cap), so they are read page by page and
 /// matched to the shard here.

@@ -164,7 +164,8 @@ pub async fn serve_with_console(
     let mut tasks = Supervisor::new(stop.clone());
     let relay = Relay::new(store.pool().clone(), manager.clone(), config.keys.clone(), config.relay.clone());
     tasks.spawn_until("relay", stop.clone(), relay.run(stop.clone()));
-    let scheduler = Scheduler { store: store.clone(), config: config.replay.clone() };
+    let scheduler =
+        Scheduler::new(store.clone(), config.replay.clone(), manager.clone(), config.keys.clone());
     tasks.spawn_until("scheduler", stop.clone(), scheduler.run(stop.clone()));
     // The republisher puts the events Redis lost back on the events stream: it looks for the
     // loss itself, and replayers that find a stream's consumer group gone wake it at once.

@@ -101,6 +101,52 @@ impl Replayed {
     }
 }
 
+/// Leases taken by one scheduling statement and not committed yet ([`Store::lease_due`]):
+/// their work items are published, then [`Issue::commit`] makes the leases real. Dropped
+/// without a commit, the leases are gone (the transaction rolls back).
+pub(crate) struct Issue {
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    /// One work item per new lease, by row id.
+    pub items: Vec<IssuedWork>,
+}
+
+impl Issue {
+    /// Commits the leases (and releases the scheduling lock).
+    pub(crate) async fn commit(self) -> Result<(), StoreError> {
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// A work item as the scheduler publishes it: the item, and what its entry's body says
+/// besides (the chunk, for the shard and for people reading the stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IssuedWork {
+    pub item: WorkItem,
+    pub doc_id: String,
+    pub chunk_index: i32,
+    /// Provider attempts the row has spent so far.
+    pub attempts: i32,
+}
+
+impl IssuedWork {
+    /// The entry's JSON body: what [`WorkItem::parse_body`] reads, plus the chunk and its
+    /// attempts (the body the outbox's work items carried).
+    pub(crate) fn body(&self) -> String {
+        serde_json::json!({
+            "dlq_id": self.item.dlq_id,
+            "generation": self.item.generation,
+            "content_hash": self.item.content_hash,
+            "table": self.item.target_table,
+            "doc_id": self.doc_id,
+            "chunk_index": self.chunk_index,
+            "attempts": self.attempts,
+            "lease": self.item.lease,
+        })
+        .to_string()
+    }
+}
+
 /// A failed replay pass (or a give-up) for row `id` at generation `generation` with content
 /// `content_hash`.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,32 +186,61 @@ pub(crate) const LOCK_MANIFEST_SQL: &str = "SELECT 1
                             FOR UPDATE) locked";
 
 impl Store {
-    /// Issues replay work for up to `limit` due transient rows, oldest due first, while fewer
-    /// than `outstanding_max` leases are live: each gets a lease of `lease` (a narrow
-    /// `replay_lease` row) and one work item in the outbox (→ relay → replay stream), in one
-    /// statement. A row whose current generation holds a live lease is skipped: its work is
-    /// outstanding. One pass at a time per database (a tried advisory lock: a concurrent pass
-    /// issues nothing), so processes side by side never overshoot the cap.
+    /// Leases up to `limit` due transient rows, oldest due first, while fewer than
+    /// `outstanding_max` leases are live: each gets a lease of `lease` (a narrow
+    /// `replay_lease` row), and its work item comes back to be published. The leases are not
+    /// committed yet: the caller appends the items to the replay stream first and then
+    /// commits ([`Issue::commit`]), so a committed lease always has its item in the stream,
+    /// and a failure before the commit leaves no lease (an item already appended is replayed
+    /// if it is read first, or skipped). A row whose current generation holds a live lease
+    /// is skipped: its work is outstanding. One pass at a time per database (a tried advisory
+    /// lock: a concurrent pass issues nothing), so processes side by side never overshoot
+    /// the cap.
     ///
     /// Live leases are counted against the rows they are for (a lease left by a row that
     /// was resolved, re-parked or purged since does not count), at most `outstanding_max`
-    /// index probes.
-    pub(crate) async fn schedule_due(
+    /// index probes. Postgres ends the transaction's session if it sits idle for
+    /// `idle_timeout` (a scheduler host that froze mid-publish releases the lock and the
+    /// leases).
+    pub(crate) async fn lease_due(
         &self,
         limit: usize,
         lease: Duration,
         outstanding_max: usize,
-    ) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(SCHEDULE_SQL)
+        idle_timeout: Duration,
+    ) -> Result<Issue, StoreError> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+            .bind(idle_timeout.as_millis().to_string())
+            .execute(&mut *tx)
+            .await?;
+        let rows = sqlx::query(SCHEDULE_SQL)
             .bind(limit as i64)
             .bind(lease.as_secs_f64())
             .bind(outstanding_max as i64)
             // Planned with the tables as they are now: a plan cached while the DLQ was small
             // took 5 s instead of 0.8 for 20,000 due rows (the replay bench, same run).
             .persistent(false)
-            .fetch_one(self.pool())
+            .fetch_all(&mut *tx)
             .await?;
-        Ok(n as u64)
+        let items = rows
+            .iter()
+            .map(|r| {
+                Ok(IssuedWork {
+                    item: WorkItem {
+                        dlq_id: r.try_get("id")?,
+                        generation: r.try_get("generation")?,
+                        content_hash: r.try_get("content_hash")?,
+                        target_table: r.try_get("target_table")?,
+                        lease: Some(r.try_get("lease_no")?),
+                    },
+                    doc_id: r.try_get("doc_id")?,
+                    chunk_index: r.try_get("chunk_index")?,
+                    attempts: r.try_get("attempts")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()?;
+        Ok(Issue { tx, items })
     }
 
     /// Ends the leases of `ids`, so the scheduler issues their work again at its next pass
@@ -180,9 +255,10 @@ impl Store {
         Ok(done.rows_affected())
     }
 
-    /// The live leases whose work item has left the outbox (it was published, so it lived
-    /// only in Redis): `(dlq_id, target table, doc_id, chunk_index)`, at most `limit`, by id
-    /// after `after_id`. What a replay stream that lost its data held.
+    /// The live leases whose work item lives only in Redis (every lease the scheduler issued;
+    /// not an item of an older release still waiting in the outbox): `(dlq_id, target table,
+    /// doc_id, chunk_index)`, at most `limit`, by id after `after_id`. What a replay stream
+    /// that lost its data held.
     pub(crate) async fn published_leases(
         &self,
         after_id: i64,
@@ -515,14 +591,13 @@ fn replayed_sql(table: &str) -> String {
     )
 }
 
-/// The scheduler's statement ([`Store::schedule_due`]): `$1` most rows, `$2` lease seconds,
+/// The scheduler's statement ([`Store::lease_due`]): `$1` most rows, `$2` lease seconds,
 /// `$3` most live leases. `room`: how many more leases fit under the cap, 0 while another
 /// pass holds the lock. `due`: oldest due first, in the order of `embedding_dlq_ready_idx`,
 /// skipping rows whose current generation holds a live lease (at most the cap of them).
 /// `leased`: a new lease per row (an expired lease of the same generation keeps its
-/// `loads`: the poison-pill count survives a lost item); `work`: one work item per lease,
-/// built from the rows `due` already read (joining the DLQ again made the planner hash the
-/// whole table once per statement).
+/// `loads`: the poison-pill count survives a lost item); then each lease's work item, read
+/// from its row by id.
 const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
          SELECT CASE WHEN pg_try_advisory_xact_lock(embed_dlq_schedule_lock_key())
                      THEN GREATEST(LEAST($1::bigint, $3::bigint - (
@@ -552,23 +627,16 @@ const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
                 loads = CASE WHEN l.generation = EXCLUDED.generation THEN l.loads ELSE 0 END
           WHERE l.leased_until <= now() OR l.generation <> EXCLUDED.generation
          RETURNING l.dlq_id, l.lease_no
-     ), work AS (
-         INSERT INTO dlq_outbox (event, stream, dlq_id, target_table, doc_id, chunk_index, body)
-         SELECT 'replay', 'replay', upd.id, upd.target_table, upd.doc_id, upd.chunk_index,
-                jsonb_build_object('dlq_id', upd.id, 'generation', upd.generation,
-                                   'content_hash', upd.content_hash, 'table', upd.target_table,
-                                   'doc_id', upd.doc_id, 'chunk_index', upd.chunk_index,
-                                   'attempts', upd.attempts, 'lease', leased.lease_no)
-           FROM leased
-           -- By id, lease by lease: a join of the two CTEs (no statistics) was planned as a
-           -- nested loop, 5,000 x 5,000 comparisons, 2-3 s a statement (the replay bench).
-           CROSS JOIN LATERAL (SELECT d.id, d.generation, d.target_table, d.doc_id, d.chunk_index,
-                                      d.content_hash, d.attempts
-                                 FROM embedding_dlq d WHERE d.id = leased.dlq_id OFFSET 0) upd
-          ORDER BY upd.id
-         RETURNING 1
      )
-     SELECT count(*) FROM work";
+     SELECT upd.id, upd.generation, upd.target_table, upd.doc_id, upd.chunk_index, upd.content_hash,
+            upd.attempts, leased.lease_no
+       FROM leased
+       -- By id, lease by lease: a join of the two CTEs (no statistics) was planned as a
+       -- nested loop, 5,000 x 5,000 comparisons, 2-3 s a statement (the replay bench).
+       CROSS JOIN LATERAL (SELECT d.id, d.generation, d.target_table, d.doc_id, d.chunk_index,
+                                  d.content_hash, d.attempts
+                             FROM embedding_dlq d WHERE d.id = leased.dlq_id OFFSET 0) upd
+      ORDER BY upd.id";
 
 /// The replayer's load ([`Store::load_for_replay`]): `$1..$3` the items' row ids,
 /// generations and lease numbers (-1: an item from before leases were numbered), `$4` lease

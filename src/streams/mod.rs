@@ -13,7 +13,7 @@
 //! | key | type | written by | read by |
 //! | --- | --- | --- | --- |
 //! | `{tag}:events` | stream | relay (every park, resolve, replay, re-park, exhaustion) | `tail`, any consumer |
-//! | `{tag}:replay` | stream | relay (due replay work items) | group [`REPLAY_GROUP`] |
+//! | `{tag}:replay` | stream | the scheduler (due replay work items, fields `event` = `replay` and `body`; the relay for items of older releases left in the outbox) | group [`REPLAY_GROUP`] |
 //! | `{tag}:published:<YYYYMMDDHH>` | hash, TTL | `redis/publish.lua` (dedup records of the events of rows created that hour: `event_id` → entry id) | `redis/publish.lua`, the reconciler (deletes a record to publish again) |
 //! | `{tag}:outbox:<event_id>` | string, TTL | releases before migration 0011 (dedup marker → entry id) | `redis/publish.lua`, for rows created before it |
 //! | `{prefix}:meta` | hash | the first `serve`/`tail`/`reconcile` ([`check_shards`]) | every later one: `stream_shards` |

@@ -400,17 +400,12 @@ async fn browse_filter_open_requeue_and_tail() {
     assert_eq!(due, permanent.len() as i64, "every filtered row is due again as replay work");
     // A serve's scheduler issues their work at its next pass.
     let store = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await.store;
-    let scheduler = embed_dlq::replay::Scheduler { store, config: Default::default() };
+    let scheduler = embed_dlq::replay::Scheduler::new(store, Default::default(), redis().await, keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), permanent.len() as u64);
-    let work: i64 = sqlx::query_scalar(
-        "SELECT count(DISTINCT dlq_id) FROM dlq_outbox WHERE stream = 'replay' AND dlq_id = ANY($1) AND created_at >= $2",
-    )
-    .bind(&permanent)
-    .bind(since)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(work, permanent.len() as i64, "a replay work item per row");
+    let (items, _) = replay_entries(&keys).await;
+    let work: std::collections::BTreeSet<i64> =
+        items.iter().filter_map(|b| b["dlq_id"].as_i64()).filter(|id| permanent.contains(id)).collect();
+    assert_eq!(work.len(), permanent.len(), "a replay work item per row, on the replay stream");
     let untouched: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM embedding_dlq WHERE id = ANY($1) AND error_class = 'dimension_mismatch'",
     )

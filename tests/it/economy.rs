@@ -280,7 +280,13 @@ async fn a_replayer_sends_a_row_that_failed_alone_with_500_alone() {
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let config =
         ReplayConfig { batch: 64, min_idle: std::time::Duration::from_millis(300), ..Default::default() };
-    assert_eq!(Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap(), 2);
+    assert_eq!(
+        Scheduler::new(p.store.clone(), config.clone(), redis.clone(), keys.clone())
+            .run_once()
+            .await
+            .unwrap(),
+        2
+    );
     relay_all(&db, &keys).await;
     // A fresh process: nothing in memory, only the rows.
     let fresh = pipeline(&s).await;

@@ -54,7 +54,7 @@ async fn schedule_and_relay(db: &TestDb, store: &Store, keys: &StreamKeys) -> u6
     make_due(db).await;
     let mut r = redis().await;
     embed_dlq::replay::ensure_group(&mut r, keys).await.unwrap();
-    let n = Scheduler { store: store.clone(), config: replay_config() }.run_once().await.unwrap();
+    let n = Scheduler::new(store.clone(), replay_config(), r.clone(), keys.clone()).run_once().await.unwrap();
     relay_all(db, keys).await;
     n
 }

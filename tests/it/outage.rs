@@ -121,7 +121,7 @@ async fn replay_everything(db: &TestDb, s: &embed_dlq::config::IngestSettings) {
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let config = ReplayConfig { batch: 256, block: Duration::from_millis(200), ..Default::default() };
     let p = pipeline(s).await;
-    Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    Scheduler::new(p.store.clone(), config.clone(), redis.clone(), keys.clone()).run_once().await.unwrap();
     let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
     while relay.run_once().await.unwrap().claimed > 0 {}
     let mut replayer = Replayer {

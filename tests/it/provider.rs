@@ -1025,7 +1025,8 @@ async fn park_on_the_replay_stream(
     sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
-    let scheduler = embed_dlq::replay::Scheduler { store: p.store.clone(), config: config.clone() };
+    let scheduler =
+        embed_dlq::replay::Scheduler::new(p.store.clone(), config.clone(), redis.clone(), keys.clone());
     scheduler.run_once().await.unwrap();
     let mut relay = Relay::new(db.pool.clone(), redis, keys.clone(), RelayConfig::default());
     while relay.run_once().await.unwrap().claimed > 0 {}

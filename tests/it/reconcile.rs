@@ -167,7 +167,10 @@ async fn schedule_and_relay(db: &TestDb, keys: &StreamKeys, r: &Reconciler) {
         .unwrap();
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
-    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone())
+        .run_once()
+        .await
+        .unwrap();
     relay_all(db, keys).await;
 }
 
@@ -245,7 +248,10 @@ async fn redis_flushall_is_repaired_and_replay_drains_to_zero() {
     let mut relay = Relay::new(db.pool.clone(), redis.clone(), keys.clone(), RelayConfig::default());
     sqlx::query("UPDATE embedding_dlq SET next_retry_at = now()").execute(&db.pool).await.unwrap();
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
-    Scheduler { store: p.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    Scheduler::new(p.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone())
+        .run_once()
+        .await
+        .unwrap();
     while relay.run_once().await.unwrap().claimed > 0 {}
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0, "work is in the stream");
 
@@ -253,7 +259,7 @@ async fn redis_flushall_is_repaired_and_replay_drains_to_zero() {
     let _: () = redis::cmd("FLUSHALL").query_async(&mut redis).await.unwrap();
     let report = assert_found_repaired_clean(&mut r, Check::LostReplayWork, 25).await;
     assert_eq!(report.get(Check::LostReplayWork).examples.len(), 5);
-    let scheduler = Scheduler { store: p.store.clone(), config: ReplayConfig::default() };
+    let scheduler = Scheduler::new(p.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 25, "released leases are issued again");
     while relay.run_once().await.unwrap().claimed > 0 {}
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
@@ -346,7 +352,7 @@ async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     assert_eq!(embed_dlq::dlq::requeue(&p.store, &filter, false, 100).await.unwrap().requeued, 6);
-    let scheduler = Scheduler { store: p.store.clone(), config: ReplayConfig::default() };
+    let scheduler = Scheduler::new(p.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 6, "requeued rows are due now");
     relay_all(&db, &keys).await;
     let mut rep = Replayer {

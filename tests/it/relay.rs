@@ -562,7 +562,7 @@ async fn postponed_rows_are_not_lost_replay_work_and_repair_leaves_them_alone() 
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let r = reconciler(&db, &keys, immediate()).await;
-    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone()).run_once().await.unwrap();
     relay_all(&db, &keys).await;
     // The provider refuses the run (wrong key): the replayer postpones the rows uncharged.
     let locked =
@@ -632,7 +632,7 @@ async fn replay_loops_stop_on_permanent_errors() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let scheduler = Scheduler { store: r.store.clone(), config: ReplayConfig::default() };
+    let scheduler = Scheduler::new(r.store.clone(), ReplayConfig::default(), redis().await, keys.clone());
     let ended = tokio::time::timeout(Duration::from_secs(60), scheduler.run(CancellationToken::new())).await;
     let err = ended.expect("the scheduler gave up").expect_err("permanent error");
     assert!(!err.is_transient(), "{err}");
@@ -762,7 +762,7 @@ async fn reconcile_pages_through_the_replay_stream() {
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let mut r = reconciler(&db, &keys, ReconcileConfig { page: 4, ..immediate() }).await;
-    Scheduler { store: r.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone()).run_once().await.unwrap();
     relay_all(&db, &keys).await;
     // Deliver 10 entries to a consumer (pending), leave 13 undelivered.
     let _: redis::Value = redis::cmd("XREADGROUP")
@@ -798,7 +798,7 @@ async fn reconcile_pages_through_the_replay_stream() {
     let repaired = r.run_once(Mode::Repair).await.unwrap();
     assert_eq!(repaired.get(Check::OrphanStreamEntries).repaired, 6);
     assert_eq!(repaired.get(Check::LostReplayWork).repaired, 7, "their leases released");
-    let scheduler = Scheduler { store: r.store.clone(), config: ReplayConfig::default() };
+    let scheduler = Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 7, "and their work issued again");
     relay_all(&db, &keys).await;
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
@@ -861,10 +861,11 @@ async fn requeue_never_sends_a_record_that_needs_a_corrected_payload() {
     assert_eq!((dry.requeued, dry.needs_reingest), (1, 2));
     let done = embed_dlq::dlq::requeue(&p.store, &all, false, 100).await.unwrap();
     assert_eq!((done.requeued, done.needs_reingest), (1, 2));
-    let scheduler = Scheduler { store: p.store.clone(), config: ReplayConfig::default() };
+    let scheduler = Scheduler::new(p.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 1, "the scheduler issues the requeued row's work");
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'requeued'").await, 1);
-    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'replay'").await, 1);
+    let (items, _) = replay_entries(&keys).await;
+    assert_eq!(items.len(), 1, "one work item on the replay stream: {items:?}");
     assert_eq!(
         db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'fix' AND chunk_index = 0 AND error_class = 'transient'")
             .await,

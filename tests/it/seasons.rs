@@ -98,12 +98,10 @@ async fn replayer(
 /// Runs a scheduler of `config` over `p`'s store and `relay` in `tasks` until `stop`.
 fn spawn_scheduler_and_relay(
     tasks: &mut tokio::task::JoinSet<Result<(), String>>,
-    p: &embed_dlq::ingest::Pipeline,
-    config: &ReplayConfig,
+    scheduler: Scheduler,
     relay: Relay,
     stop: &CancellationToken,
 ) {
-    let scheduler = Scheduler { store: p.store.clone(), config: config.clone() };
     let s = stop.clone();
     tasks.spawn(async move { scheduler.run(s).await.map_err(|e| e.to_string()) });
     let s = stop.clone();
@@ -177,7 +175,7 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     };
     let stop = CancellationToken::new();
     let p = pipeline(&settings(&db, &refusing)).await;
-    let scheduler = tokio::spawn(Scheduler { store: p.store.clone(), config: config.clone() }.run(stop.clone()));
+    let scheduler = tokio::spawn(Scheduler::new(p.store.clone(), config.clone(), redis().await, keys.clone()).run(stop.clone()));
     let relay_config = RelayConfig { replay_maxlen: cap, poll: Duration::from_millis(100), ..Default::default() };
     let relay = tokio::spawn(Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config).run(stop.clone()));
     let (mut memory_peak, mut replay_memory_peak) = (memory_before, 0);
@@ -194,10 +192,10 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     }
     refused.cancel();
     slow.await.unwrap().unwrap();
-    let issued = db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replay'").await;
+    // Items issued: appended to the replay stream, whatever was trimmed since.
+    let issued = replay_entries(&keys).await.1 as i64;
     eprintln!(
-        "backlog: refusing phase: {issued} items issued, {} published, {} leases, {} loads, {} provider requests",
-        db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replay' AND published_at IS NOT NULL").await,
+        "backlog: refusing phase: {issued} items issued, {} leases, {} loads, {} provider requests",
         db.count("SELECT count(*) FROM replay_lease").await,
         db.count("SELECT coalesce(sum(loads), 0)::bigint FROM replay_lease").await,
         refusing.control.stats().requests
@@ -275,7 +273,8 @@ fn a_backlog_past_the_cap_drains_at_the_replayers_pace_not_a_cap_per_tick() {
         let relay_config =
             RelayConfig { replay_maxlen: CAP, poll: Duration::from_millis(100), ..Default::default() };
         let relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), relay_config);
-        spawn_scheduler_and_relay(&mut tasks, &p, &config, relay, &stop);
+        let scheduler = Scheduler::new(p.store.clone(), config.clone(), redis().await, keys.clone());
+        spawn_scheduler_and_relay(&mut tasks, scheduler, relay, &stop);
         let rep = replayer(&db, &mock, &keys, "paced", config).await;
         let s = stop.clone();
         tasks.spawn(async move { rep.run(s.clone(), s).await.map_err(|e| e.to_string()) });
@@ -322,7 +321,9 @@ async fn replay_resumes_after_redis_loses_its_data(url: &str, flush: impl AsyncF
     let mut tasks = tokio::task::JoinSet::new();
     let relay_config = RelayConfig { poll: Duration::from_millis(100), ..Default::default() };
     let relay = Relay::new(db.pool.clone(), client.managed().await.unwrap(), keys.clone(), relay_config);
-    spawn_scheduler_and_relay(&mut tasks, &p, &config, relay, &stop);
+    let scheduler =
+        Scheduler::new(p.store.clone(), config.clone(), client.managed().await.unwrap(), keys.clone());
+    spawn_scheduler_and_relay(&mut tasks, scheduler, relay, &stop);
     let mut redis = client.managed().await.unwrap();
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let rep = Replayer {

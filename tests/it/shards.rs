@@ -304,7 +304,7 @@ async fn a_replayer_with_several_shards_takes_work_without_waiting_on_an_empty_o
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let config = ReplayConfig { batch: 64, block: Duration::from_secs(60), ..ReplayConfig::default() };
-    embed_dlq::replay::Scheduler { store: p.store.clone(), config: config.clone() }.run_once().await.unwrap();
+    embed_dlq::replay::Scheduler::new(p.store.clone(), config.clone(), redis.clone(), keys.clone()).run_once().await.unwrap();
     relay_all(&db, &keys).await;
     let (on_0, on_1) = (xlen(&keys.replay_of(0)).await, xlen(&keys.replay_of(1)).await);
     assert!(on_0 > 0 && on_1 > 0, "40 chunks spread over both shards: {on_0} and {on_1}");

@@ -118,7 +118,10 @@ async fn enqueue_due(db: &TestDb, p: &Pipeline, keys: &StreamKeys) -> u64 {
     make_due(db).await;
     let mut r = redis().await;
     embed_dlq::replay::ensure_group(&mut r, keys).await.unwrap();
-    let n = Scheduler { store: p.store.clone(), config: replay_config() }.run_once().await.unwrap();
+    let n = Scheduler::new(p.store.clone(), replay_config(), redis().await, keys.clone())
+        .run_once()
+        .await
+        .unwrap();
     relay_all(db, keys).await;
     n
 }
@@ -229,6 +232,101 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     // Stream order follows outbox order.
     let nums: Vec<i64> = ids.iter().map(|s| s.parse().unwrap()).collect();
     assert!(nums.windows(2).all(|w| w[0] < w[1]));
+}
+}
+
+/// The rows' `(dlq_id, lease_no)` of the leases in Postgres, read here (not through the
+/// product's statements).
+async fn leases(db: &TestDb) -> std::collections::BTreeSet<(i64, i64)> {
+    sqlx::query_as::<_, (i64, i64)>("SELECT dlq_id, lease_no FROM replay_lease")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// The `(dlq_id, lease)` every work item on the replay streams names, parsed here.
+fn items_of(bodies: &[serde_json::Value]) -> Vec<(i64, i64)> {
+    bodies.iter().map(|b| (b["dlq_id"].as_i64().unwrap(), b["lease"].as_i64().unwrap())).collect()
+}
+
+on_single_and_cluster! {
+async fn the_scheduler_appends_work_items_itself_with_no_outbox_row_and_no_relay() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 12, "direct").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let scheduler = Scheduler::new(p.store.clone(), replay_config(), r.clone(), keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), 12);
+    // No relay ran: each leased row's item is on the stream, naming its lease.
+    let (bodies, added) = replay_entries(&keys).await;
+    let items = items_of(&bodies);
+    assert_eq!((items.len(), added), (12, 12), "{bodies:?}");
+    assert_eq!(items.iter().copied().collect::<std::collections::BTreeSet<_>>(), leases(&db).await);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'replay'").await, 0, "no outbox row");
+    // A second pass issues nothing while the leases live.
+    assert_eq!(scheduler.run_once().await.unwrap(), 0);
+    assert_eq!(replay_entries(&keys).await.1, 12);
+    // And the replayers drain them.
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &mock, &keys, "direct", replay_config()).await;
+    drain(&mut rep, &db, 60).await;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 12);
+    assert_eq!(mock.control.stats().inputs, 12, "each row embedded once");
+}
+}
+
+on_single_and_cluster! {
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
+async fn a_scheduler_killed_between_its_appends_and_its_commit_leaves_items_that_replay_each_row_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 40, "sched").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let out = serve_cmd(&db, &mock, &prefix_of(&keys))
+        .args(["--replayers", "0"])
+        .env("EMBED_DLQ_FAILPOINT", "schedule_after_publish")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint aborts the scheduler");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("failpoint schedule_after_publish"));
+    let (orphans, _) = replay_entries(&keys).await;
+    assert_eq!(orphans.len(), 40, "the items were appended before the crash");
+    // The dead scheduler's transaction rolls back once Postgres sees its connection gone.
+    for _ in 0..600 {
+        let held = db
+            .count(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+                  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                    AND l.relation = 'replay_lease'::regclass",
+            )
+            .await;
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(leases(&db).await.is_empty(), "no lease committed without its commit");
+
+    // The next pass issues the rows again; the orphaned items ahead of the new ones in the
+    // stream are of no lease the rows hold, so each row is replayed once, by its new item.
+    let scheduler = Scheduler::new(p.store.clone(), replay_config(), r.clone(), keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), 40);
+    let (bodies, _) = replay_entries(&keys).await;
+    let issued: std::collections::BTreeSet<(i64, i64)> = items_of(&bodies[40..]).into_iter().collect();
+    assert_eq!(issued, leases(&db).await, "the new items are the live leases'");
+    let mut rep = replayer(&db, &mock, &keys, "after-crash", replay_config()).await;
+    drain(&mut rep, &db, 60).await;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 40);
+    assert_eq!(mock.control.stats().inputs, 40, "no row embedded twice");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 40);
 }
 }
 
@@ -384,7 +482,7 @@ async fn an_input_that_kills_its_replayer_is_exhausted_after_the_cap_not_looped(
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'exhausted'").await, 5);
     // The scheduler never picks them up again.
     make_due(&db).await;
-    assert_eq!(Scheduler { store: p.store.clone(), config: replay_config() }.run_once().await.unwrap(), 0);
+    assert_eq!(Scheduler::new(p.store.clone(), replay_config(), redis().await, keys.clone()).run_once().await.unwrap(), 0);
 }
 }
 
@@ -957,7 +1055,7 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
     // committed by key.
     let mut r = redis().await;
     embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let scheduler = Scheduler { store: rep.store.clone(), config: replay_config() };
+    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
     relay_all(&db, &keys).await;
     let c = read_batch(&mut rep).await;

@@ -121,7 +121,10 @@ async fn superseded_then_replayed_a_chunk_stores_its_new_vector() {
     make_due(&db).await;
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
-    Scheduler { store: p.store.clone(), config: ReplayConfig::default() }.run_once().await.unwrap();
+    Scheduler::new(p.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone())
+        .run_once()
+        .await
+        .unwrap();
     relay_all(&db, &keys).await;
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
     let mut rep = Replayer {

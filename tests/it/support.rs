@@ -666,6 +666,31 @@ pub struct EventEntry {
     pub fields: std::collections::BTreeMap<String, String>,
 }
 
+/// The bodies of every entry on the replay streams of `keys`, parsed here as JSON (not by
+/// the product's parser), shard by shard in stream order; with each stream's count of
+/// entries ever added (`XINFO STREAM`'s `entries-added`, trims and deletions included).
+pub async fn replay_entries(keys: &embed_dlq::streams::StreamKeys) -> (Vec<serde_json::Value>, u64) {
+    let mut r = redis().await;
+    let (mut bodies, mut added) = (Vec::new(), 0);
+    for shard in keys.shard_ids() {
+        let stream = keys.replay_of(shard);
+        // A missing stream: nothing was ever added.
+        let info: redis::RedisResult<std::collections::HashMap<String, redis::Value>> =
+            redis::cmd("XINFO").arg("STREAM").arg(&stream).query_async(&mut r).await;
+        added += info
+            .unwrap_or_default()
+            .get("entries-added")
+            .map_or(0, |v| redis::from_redis_value_ref::<u64>(v).expect("entries-added is a count"));
+        let all: redis::streams::StreamRangeReply =
+            redis::cmd("XRANGE").arg(&stream).arg("-").arg("+").query_async(&mut r).await.unwrap();
+        for e in all.ids {
+            let body: String = e.get("body").expect("a work item has a body");
+            bodies.push(serde_json::from_str(&body).expect("a work item's body is JSON"));
+        }
+    }
+    (bodies, added)
+}
+
 /// The last entry id of every shard's events stream of `keys` (`0-0` when empty or missing):
 /// where [`assert_events_conform_after`] starts.
 pub async fn events_heads(keys: &embed_dlq::streams::StreamKeys) -> Vec<String> {
