@@ -764,6 +764,8 @@ async fn replay_bench(
 
     let rounds = env_usize("BENCH_REPLAY_ROUNDS", 3).max(1);
     let overlap = std::env::var("BENCH_REPLAY_OVERLAP").is_ok_and(|v| v == "1");
+    // `serve`'s default (`[serve] replayers`).
+    let replayers = env_usize("BENCH_REPLAYERS", 2).max(1);
     let defaults = ReplayConfig::default();
     let config = ReplayConfig {
         batch: env_usize("BENCH_REPLAY_BATCH", defaults.batch),
@@ -834,7 +836,7 @@ async fn replay_bench(
         let settled = Arc::new(AtomicU64::new(0));
         let done = Arc::new(tokio::sync::Notify::new());
         let spawn_replayers = || {
-            (0..2)
+            (0..replayers)
                 .map(|n| {
                     let mut rep = Replayer {
                         name: format!("bench-{round}-{n}"),
@@ -914,7 +916,7 @@ async fn replay_bench(
         ratios.push(replay_rate / ingest_rate);
     }
     println!(
-        "replay median: {:.0} items/s (schedule + relay + 2 replayers, batch {}{}), ingest pipeline {:.0} chunks/s, ratio {:.2} (median of the per-round ratios)",
+        "replay median: {:.0} items/s (schedule + relay + {replayers} replayers, batch {}{}), ingest pipeline {:.0} chunks/s, ratio {:.2} (median of the per-round ratios)",
         median(replay_rates),
         config.batch,
         if overlap { ", overlapped" } else { "" },

@@ -93,7 +93,7 @@ pub struct ReplayConfig {
     pub schedule: DlqSchedule,
     /// How long a row handed out as work stays leased (`[serve] replay_lease_secs`): no
     /// other work item is issued for it meanwhile, and a lost item is issued again when the
-    /// lease runs out. A replayer's load extends it by as much.
+    /// lease runs out. A replayer's load renews it in full once less than half of it is left.
     pub lease: Duration,
     /// Most live leases, and so most work items outstanding in the replay streams
     /// (`[serve] replay_outstanding_max`); each replay stream shard is trimmed to this many
@@ -722,15 +722,13 @@ impl Replayer {
                 batch.ack.push((e.shard, e.id));
                 continue;
             };
-            let live = rows.get(&work.dlq_id).filter(|r| {
-                r.is_current(work)
-                    && !r.exhausted
-                    && r.error_class == ErrorClass::Transient
-                    && r.loads.is_some()
-            });
+            // Only charged rows were loaded: the item of the row's current lease.
+            let live = rows
+                .get(&work.dlq_id)
+                .filter(|r| r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient);
             match live {
                 Some(row) if seen.insert(work.dlq_id) => {
-                    let loads = row.loads.unwrap_or(0);
+                    let loads = row.loads;
                     if loads > self.config.delivery_cap as i32 {
                         batch.give_up.push(exhaust(
                             row,
@@ -1309,7 +1307,7 @@ mod tests {
             last_error_signature: sig.map(str::to_string),
             same_error_count: same,
             manifest_hash: Some("h".into()),
-            loads: Some(1),
+            loads: 1,
         }
     }
 

@@ -60,10 +60,9 @@ pub(crate) struct DlqRow {
     pub same_error_count: i32,
     /// The manifest's hash for this chunk (None: no manifest row).
     pub manifest_hash: Option<String>,
-    /// Replays of this work item begun without an outcome, this load included; `None` when
-    /// the load did not charge it (the item is not the row's current work: another item of
-    /// the same row holds the lease, or the row moved on).
-    pub loads: Option<i32>,
+    /// Replays of this work item begun without an outcome, this load included (a row is
+    /// loaded only when its item was charged).
+    pub loads: i32,
 }
 
 impl DlqRow {
@@ -341,10 +340,12 @@ impl Store {
 
     /// Loads the DLQ rows of `items` (with their manifest hash) for replay and, in the same
     /// statement, charges each item that is its row's current work: its lease's `loads` goes
-    /// up by one and the lease is extended by `lease` from now (an item whose lease was
+    /// up by one, and once less than half of the lease is left it is extended to `lease`
+    /// from now (an item whose lease was
     /// released, or that was issued before leases were numbered, takes the lease). An item
-    /// of an older lease of the row, or of another generation, is not charged
-    /// ([`DlqRow::loads`] is `None`). Missing rows are simply absent.
+    /// of an older lease of the row, or of another generation, is not charged, and its row is
+    /// not returned (its work is another item's, or the row moved on); missing rows are
+    /// simply absent.
     ///
     /// Nothing is charged when the statement fails: a database that cannot be reached
     /// never counts against a row.
@@ -641,9 +642,11 @@ const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
 /// The replayer's load ([`Store::load_for_replay`]): `$1..$3` the items' row ids,
 /// generations and lease numbers (-1: an item from before leases were numbered), `$4` lease
 /// seconds. `current`: items of their row's current generation. `charged`: the lease of
-/// each such row gets one more load and is extended, when the item is the lease's (same
+/// each such row gets one more load (and a full lease again once less than half of it is
+/// left), when the item is the lease's (same
 /// number), or from before numbered leases, or the lease is gone or stale (the item takes
-/// it over); an item of an older lease of the row is not charged.
+/// it over); an item of an older lease of the row is not charged. Only the rows of charged
+/// items are returned.
 const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
          SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[]) AS t(id, generation, lease_no)
      ), current AS (
@@ -663,7 +666,11 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
                 lease_no = CASE WHEN l.generation = EXCLUDED.generation THEN l.lease_no
                                 ELSE EXCLUDED.lease_no END,
                 generation = EXCLUDED.generation,
-                leased_until = GREATEST(l.leased_until, EXCLUDED.leased_until)
+                -- Extended only when less than half of it is left: otherwise the charge
+                -- changes `loads` alone and is a heap-only update (migration 0021).
+                leased_until = CASE WHEN l.leased_until < now() + make_interval(secs => $4::float8 / 2)
+                                    THEN GREATEST(l.leased_until, EXCLUDED.leased_until)
+                                    ELSE l.leased_until END
           WHERE l.generation <> EXCLUDED.generation OR EXCLUDED.lease_no IN (-1, l.lease_no)
          RETURNING l.dlq_id, l.loads
      )
@@ -677,5 +684,8 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
               WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
                 AND m.chunk_index = d.chunk_index) AS manifest_hash,
             c.loads
-       FROM embedding_dlq d LEFT JOIN charged c ON c.dlq_id = d.id
-      WHERE d.id = ANY($1)";
+       FROM charged c
+       -- Row by row, by id: joined to the DLQ on `d.id = c.dlq_id`, the planner (which
+       -- expects one charged row) compared every row with every charged row, 256 x 256 for
+       -- a full batch, half of the statement's time (EXPLAIN ANALYZE, BENCHMARKS.md).
+       CROSS JOIN LATERAL (SELECT * FROM embedding_dlq d WHERE d.id = c.dlq_id OFFSET 0) d";

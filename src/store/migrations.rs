@@ -39,6 +39,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0018_deletions.sql",
     "0019_positions.sql",
     "0020_source_suspects.sql",
+    "0021_lease_charge_in_place.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

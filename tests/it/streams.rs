@@ -332,6 +332,62 @@ async fn a_scheduler_killed_between_its_appends_and_its_commit_leaves_items_that
 
 on_single_and_cluster! {
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
+async fn a_load_renews_a_lease_only_once_less_than_half_of_it_is_left() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 4, "renew").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let config = ReplayConfig { lease: Duration::from_secs(1000), ..replay_config() };
+    assert_eq!(Scheduler::new(p.store.clone(), config, r.clone(), keys.clone()).run_once().await.unwrap(), 4);
+    // Two leases with a tenth of their time left, two fresh ones.
+    sqlx::query(
+        "UPDATE replay_lease SET leased_until = now() + interval '100 seconds'
+          WHERE dlq_id IN (SELECT dlq_id FROM replay_lease ORDER BY dlq_id LIMIT 2)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let read = || async {
+        sqlx::query_as::<_, (i64, f64, i32)>(
+            "SELECT dlq_id, extract(epoch FROM leased_until)::float8, loads FROM replay_lease ORDER BY dlq_id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = read().await;
+    let hot = || db.count("SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'replay_lease'");
+    let hot_before = hot().await;
+    // A replayer loads (charges) the four items and dies before embedding them.
+    let mock = start_mock(MockConfig::default()).await;
+    let out = serve_cmd(&db, &mock, &prefix_of(&keys))
+        .args(["--replayers", "1", "--replay-lease-secs", "1000"])
+        .env("EMBED_DLQ_FAILPOINT", "replay_before_embed")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint aborts the replayer");
+    let after = read().await;
+    assert_eq!(after.iter().map(|l| l.2).collect::<Vec<_>>(), [1, 1, 1, 1], "each item charged once");
+    for (b, a) in before.iter().zip(&after).take(2) {
+        assert!(a.1 >= b.1 + 800.0, "a lease with a tenth left is renewed in full: {b:?} -> {a:?}");
+    }
+    for (b, a) in before.iter().zip(&after).skip(2) {
+        assert_eq!(a.1, b.1, "a fresh lease is left alone");
+    }
+    // Charging a fresh lease changes no indexed column: Postgres updates it in place.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while hot().await < hot_before + 2 {
+        assert!(tokio::time::Instant::now() < deadline, "no heap-only update of the fresh leases");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+}
+
+on_single_and_cluster! {
+#[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 async fn replayer_killed_after_commit_leaves_a_redelivery_that_is_a_no_op() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
