@@ -736,15 +736,18 @@ async fn streams_bench(
 
 /// Replay rate against the ingest pipeline's, measured side by side: each round ingests
 /// `rows` chunks through the pipeline (the baseline), then parks `rows` chunks during an
-/// outage and times their replay: schedule + relay of the work items + two replayers
-/// draining them (load rows, re-embed via the mock, fenced commit, `XACK`). Sequential by
+/// outage and times their replay: schedule (since 2026-12-03 the scheduler appends the work
+/// items itself: the relay phase has nothing left to move) + relay + `BENCH_REPLAYERS`
+/// replayers (default 2, `serve`'s default) draining them (load rows, re-embed via the mock, fenced commit, `XACK`). Sequential by
 /// default (the phases are timed apart); `BENCH_REPLAY_OVERLAP=1` starts the replayers
 /// first, as `serve` runs them beside the scheduler and the relay. The ratio recorded in
 /// BENCHMARKS.md is the median of the per-round ratios.
 ///
 /// Knobs: `BENCH_REPLAY_ROUNDS` (default 3), `BENCH_REPLAY_BATCH` (entries per read and
 /// commit; default `ReplayConfig`'s), `BENCH_REPLAY_IN_FLIGHT` (provider requests of a batch in
-/// flight; default the pipeline's `concurrency`), `BENCH_REPLAY_OVERLAP`.
+/// flight; default the pipeline's `concurrency`), `BENCH_REPLAY_OVERLAP`, `BENCH_REPLAYERS`,
+/// `BENCH_REPLAY_PIPELINE` (`0`: each replayer commits a batch before reading the next,
+/// instead of preparing the next one during the commit as `serve` does).
 #[allow(clippy::too_many_arguments)]
 async fn replay_bench(
     pool: &sqlx::PgPool,
@@ -758,7 +761,7 @@ async fn replay_bench(
     cpu: &CpuSampler,
 ) {
     use embed_dlq::relay::{Relay, RelayConfig};
-    use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+    use embed_dlq::replay::{InFlight, ReplayConfig, Replayer, Scheduler};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -766,6 +769,8 @@ async fn replay_bench(
     let overlap = std::env::var("BENCH_REPLAY_OVERLAP").is_ok_and(|v| v == "1");
     // `serve`'s default (`[serve] replayers`).
     let replayers = env_usize("BENCH_REPLAYERS", 2).max(1);
+    // `BENCH_REPLAY_PIPELINE=0`: each replayer commits a batch before it reads the next.
+    let pipelined = std::env::var("BENCH_REPLAY_PIPELINE").map_or(true, |v| v != "0");
     let defaults = ReplayConfig::default();
     let config = ReplayConfig {
         batch: env_usize("BENCH_REPLAY_BATCH", defaults.batch),
@@ -852,8 +857,14 @@ async fn replay_bench(
                     tokio::spawn(async move {
                         let mut conn =
                             embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+                        let (never, mut flight) = (CancellationToken::new(), InFlight::default());
                         loop {
-                            let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+                            // As `serve` runs it (a batch prepared while the one before
+                            // commits), or one batch after the other.
+                            let c = match pipelined {
+                                true => rep.step(&mut conn, &never, &never, &mut flight).await.unwrap(),
+                                false => rep.read_once(&mut conn, &never).await.unwrap(),
+                            };
                             let n = c.replayed + c.reparked + c.exhausted + c.skipped + c.postponed;
                             if settled.fetch_add(n, Ordering::Relaxed) + n >= rows as u64 {
                                 done.notify_one();

@@ -233,15 +233,33 @@ impl WorkItem {
     /// written before generations existed: their rows are scheduled again when their lease
     /// runs out).
     pub fn parse_body(body: &str) -> Option<WorkItem> {
-        let v: serde_json::Value = serde_json::from_str(body).ok()?;
-        let content_hash = v["content_hash"].as_str().filter(|s| s.len() <= WORK_ITEM_MAX_FIELD)?;
-        let target_table = v["table"].as_str().filter(|s| !s.is_empty() && s.len() <= WORK_ITEM_MAX_FIELD)?;
+        // Into the fields it needs, not a whole `serde_json::Value` (a map of every field):
+        // a replayer parses one body per entry. A `lease` that is not an integer reads as
+        // none, as an item from before leases were numbered.
+        #[derive(Deserialize)]
+        struct Body<'a> {
+            dlq_id: i64,
+            generation: i64,
+            #[serde(borrow)]
+            content_hash: std::borrow::Cow<'a, str>,
+            #[serde(borrow)]
+            table: std::borrow::Cow<'a, str>,
+            #[serde(default, borrow)]
+            lease: Option<&'a serde_json::value::RawValue>,
+        }
+        let b: Body<'_> = serde_json::from_str(body).ok()?;
+        if b.content_hash.len() > WORK_ITEM_MAX_FIELD
+            || b.table.is_empty()
+            || b.table.len() > WORK_ITEM_MAX_FIELD
+        {
+            return None;
+        }
         Some(WorkItem {
-            dlq_id: v["dlq_id"].as_i64()?,
-            generation: v["generation"].as_i64()?,
-            content_hash: content_hash.to_string(),
-            target_table: target_table.to_string(),
-            lease: v["lease"].as_i64(),
+            dlq_id: b.dlq_id,
+            generation: b.generation,
+            content_hash: b.content_hash.into_owned(),
+            target_table: b.table.into_owned(),
+            lease: b.lease.and_then(|l| l.get().parse::<i64>().ok()),
         })
     }
 }
@@ -306,6 +324,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(leased.lease, Some(9));
+        for odd in ["null", "\"9\"", "9.5", "{}"] {
+            let body =
+                format!(r#"{{"dlq_id":7,"generation":42,"content_hash":"ab","table":"t","lease":{odd}}}"#);
+            assert_eq!(WorkItem::parse_body(&body).unwrap().lease, None, "lease {odd} reads as none");
+        }
+        let quoted = WorkItem::parse_body(
+            r#"{"dlq_id":7,"generation":42,"content_hash":"ab","table":"public.\"odd\u0020name\""}"#,
+        )
+        .unwrap();
+        assert_eq!(quoted.target_table, r#"public."odd name""#, "escapes are decoded");
         assert_eq!(WorkItem::parse_body(r#"{"dlq_id":7,"replays":0}"#), None, "pre-generation item");
         assert_eq!(WorkItem::parse_body("not json"), None);
         let long =

@@ -338,9 +338,10 @@ impl Scheduler {
 
 /// Most rows one scheduling statement hands out. Each statement walks the due index past
 /// the rows already leased (at most the outstanding cap), so fewer, bigger statements keep
-/// that walk to about one per pass; a statement of this many rows runs in well under a
-/// second.
-const SCHEDULE_STATEMENT_ROWS: usize = 5_000;
+/// that walk to about one per pass (with the default cap, exactly one); a statement of this
+/// many rows runs in well under a second (72 ms for 10,000 in EXPLAIN ANALYZE on this
+/// machine), and its items are one pipeline of appends, about 3 MB.
+const SCHEDULE_STATEMENT_ROWS: usize = 10_000;
 
 /// How long a scheduling transaction may sit idle before Postgres ends its session: a live
 /// scheduler holds it open for one pipeline of appends (at most a Redis reply timeout); a
@@ -523,9 +524,10 @@ impl Replayer {
         if own.is_empty() { self.keys.shard_ids().collect() } else { own }
     }
 
-    /// Reads and processes one batch of new entries, starting at its first shard: with
-    /// several shards, one read of each that does not block first (the first with entries
-    /// wins), and a blocking read only when all are empty.
+    /// Reads and processes one batch of new entries, committed before it returns, starting
+    /// at its first shard: with several shards, one read of each that does not block first
+    /// (the first with entries wins), and a blocking read only when all are empty. (`run`
+    /// overlaps consecutive batches instead: [`Replayer::step`].)
     pub async fn read_once(
         &mut self,
         conn: &mut crate::streams::RedisConn,
@@ -554,18 +556,35 @@ impl Replayer {
     ) -> Result<Vec<Entry>, redis::RedisError> {
         let n = shards.len().max(1);
         if shards.len() > 1 {
-            for k in 0..n {
-                let i = (*next + k) % n;
-                let entries = self.read_shard(conn, shards[i], None).await?;
-                if !entries.is_empty() {
-                    *next = (i + 1) % n;
-                    return Ok(entries);
-                }
+            let entries = self.read_now(conn, shards, next).await?;
+            if !entries.is_empty() {
+                return Ok(entries);
             }
         }
         let shard = shards.get(*next % n).copied().unwrap_or(0);
         *next = (*next + 1) % n;
         self.read_shard(conn, shard, Some(self.block_per_read(n))).await
+    }
+
+    /// The next batch of new entries of its `shards` without blocking: one read of each,
+    /// starting at `shards[*next]`, and the first with entries wins (`*next` moves past it);
+    /// empty when none has any.
+    async fn read_now(
+        &self,
+        conn: &mut crate::streams::RedisConn,
+        shards: &[u16],
+        next: &mut usize,
+    ) -> Result<Vec<Entry>, redis::RedisError> {
+        let n = shards.len().max(1);
+        for k in 0..n {
+            let i = (*next + k) % n;
+            let entries = self.read_shard(conn, shards.get(i).copied().unwrap_or(0), None).await?;
+            if !entries.is_empty() {
+                *next = (i + 1) % n;
+                return Ok(entries);
+            }
+        }
+        Ok(Vec::new())
     }
 
     /// Takes over entries idle longer than `min_idle` on each of its shards and processes
@@ -674,7 +693,24 @@ impl Replayer {
         if entries.is_empty() {
             return Ok(ReplayCounts::default());
         }
+        let (batch, pause) = self.prepare(entries, cancel).await?;
+        if pause.is_some() {
+            self.paused_until = pause;
+        }
+        self.commit_and_ack(batch).await
+    }
+
+    /// Everything of a batch but its commit: loads (and charges) its rows, re-embeds them,
+    /// and settles each entry; the rows the provider refused are postponed at once. Returns
+    /// the settled batch and, when the refusal pauses this replayer, until when. Takes
+    /// `&self` so that it can run beside the commit of the batch before it ([`Replayer::step`]).
+    async fn prepare(
+        &self,
+        entries: Vec<Entry>,
+        cancel: &CancellationToken,
+    ) -> Result<(Settlement, Option<Instant>), ReplayError> {
         let mut batch = Settlement::default();
+        let mut pause = None;
         let todo = self.triage(entries, &mut batch).await?;
         let groups = group_by_target(todo);
         if !groups.is_empty() {
@@ -689,10 +725,10 @@ impl Replayer {
                 _ = keepalive => unreachable!("keepalive never ends"),
             };
             if let Some((stop, whole_batch)) = stopped {
-                self.postpone_refused(&stop, postpone, whole_batch, &mut batch).await?;
+                pause = self.postpone_refused(&stop, postpone, whole_batch, &mut batch).await?;
             }
         }
-        self.commit_and_ack(batch).await
+        Ok((batch, pause))
     }
 
     /// Sorts the batch's entries: unreadable, stale or duplicate ones are acknowledged and
@@ -774,10 +810,7 @@ impl Replayer {
                 continue;
             }
             let Some(embedder) = self.embedder_for(&target, &items, batch).await? else { continue };
-            let texts: Vec<String> = items
-                .iter()
-                .map(|(_, r)| r.payload["text"].as_str().unwrap_or_default().to_string())
-                .collect();
+            let texts: Vec<String> = items.iter().map(|(_, r)| r.text.clone()).collect();
             let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
             // A row parked after 500s is normally one that failed alone while its neighbours
             // passed: it is sent alone first, so its batch does not pay for it again.
@@ -920,24 +953,25 @@ impl Replayer {
     /// [`Replayer::embed_groups`]) this replayer pauses as long. How long: see
     /// [`Replayer::refusal_wait`].
     async fn postpone_refused(
-        &mut self,
+        &self,
         stop: &Stop,
         postpone: Vec<(Entry, DlqRow)>,
         pause: bool,
         batch: &mut Settlement,
-    ) -> Result<(), ReplayError> {
+    ) -> Result<Option<Instant>, ReplayError> {
         let wait = self.refusal_wait(stop);
+        let mut paused_until = None;
         if pause {
             tracing::error!(error = %stop, pause_ms = wait.as_millis() as u64,
                 "provider refused replay; postponing the batch and pausing this replayer");
-            self.paused_until = Some(Instant::now() + wait);
+            paused_until = Some(Instant::now() + wait);
         }
         let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
         let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
         self.store.postpone(&ids, &gens, wait).await?;
         batch.ack.extend(postpone.into_iter().map(|(e, _)| (e.shard, e.id)));
         batch.counts.postponed += ids.len() as u64;
-        Ok(())
+        Ok(paused_until)
     }
 
     /// How long refused rows wait: `systemic_pause` for a refusal (key, quota, model) or a
@@ -955,7 +989,7 @@ impl Replayer {
     /// Commits the batch's results in one transaction (a row that changed meanwhile is
     /// skipped), counts them, and only then acknowledges the settled entries: one `XACK` per
     /// shard (a batch comes from one shard's read or claim, so normally one).
-    async fn commit_and_ack(&mut self, batch: Settlement) -> Result<ReplayCounts, ReplayError> {
+    async fn commit_and_ack(&self, batch: Settlement) -> Result<ReplayCounts, ReplayError> {
         let Settlement { ack, replayed, mut reparked, give_up, mut counts } = batch;
         failpoint::hit!("replay_before_commit");
         reparked.extend(give_up);
@@ -975,20 +1009,22 @@ impl Replayer {
         failpoint::hit!("replay_after_commit");
         self.config.settled.add(stored.len() + applied.len(), self.config.outstanding_max);
         record_outcomes(&counts);
+        let mut redis = self.redis.clone();
         for (shard, ids) in by_shard(ack.iter().map(|(s, id)| (*s, id))) {
             let mut cmd = redis::cmd("XACK");
             cmd.arg(self.keys.replay_of(shard)).arg(REPLAY_GROUP);
             for id in ids {
                 cmd.arg(id);
             }
-            let _: i64 = cmd.query_async(&mut self.redis).await?;
+            let _: i64 = cmd.query_async(&mut redis).await?;
         }
         Ok(counts)
     }
 
-    /// Runs until `stop` (stop claiming), finishing the batch in hand; `hard` cuts retry
-    /// waits short when the grace period is over. Transient errors are logged and retried
-    /// with capped backoff; a permanent one ends the loop.
+    /// Runs until `stop` (stop claiming), finishing the batches in hand (one being prepared,
+    /// one waiting for its commit: [`Replayer::step`]); `hard` cuts retry waits short when
+    /// the grace period is over. Transient errors are logged and retried with capped
+    /// backoff; a permanent one ends the loop.
     ///
     /// Returns `Ok(())` once stopped, `Err` on a permanent error (the caller logs it at ERROR
     /// and stops the process).
@@ -999,44 +1035,40 @@ impl Replayer {
         // `None`: never done, due at once (`Instant::now() - 1h` panics early after boot on
         // platforms whose monotonic clock starts at zero).
         let mut last_reclaim = Instant::now().checked_sub(Duration::from_secs(3600));
-        // Its shards, one per XREADGROUP ([`Replayer::read_next`]).
-        let shards = self.shards();
-        let mut next = 0;
         if let Err(e) = self.ensure_groups().await {
             if !e.is_transient() {
                 return Err(e);
             }
             tracing::warn!(error = %e, "cannot create the consumer group yet; will retry");
         }
+        let mut flight = InFlight::default();
         while !stop.is_cancelled() {
             if let Some(until) = self.paused_until.take() {
+                // The batch embedded before the refusal is committed before the pause.
+                match self.finish(&mut flight).await {
+                    Err(e) if !e.is_transient() => return Err(e),
+                    Err(e) => {
+                        tracing::warn!(consumer = %self.name, error = %e, "replay commit failed; its entries stay pending")
+                    }
+                    Ok(_) => {}
+                }
                 sleep_or_cancel(until.saturating_duration_since(Instant::now()), &stop).await;
                 continue;
             }
             let step: Result<ReplayCounts, ReplayError> = async {
+                let mut done = ReplayCounts::default();
                 if last_reclaim.is_none_or(|t| t.elapsed() >= self.config.min_idle / 2) {
                     last_reclaim = Some(Instant::now());
+                    done.add(self.finish(&mut flight).await?);
                     self.ensure_groups().await?;
-                    self.reclaim_once(&hard).await?;
+                    done.add(self.reclaim_once(&hard).await?);
                 }
                 if conn.is_none() {
                     conn = Some(crate::streams::blocking(&self.client, self.config.block).await?);
                 }
                 let c = conn.as_mut().expect("just set");
-                let read = tokio::select! {
-                    _ = stop.cancelled() => return Ok(ReplayCounts::default()),
-                    r = self.read_next(c, &shards, &mut next) => r,
-                };
-                match read {
-                    Ok(entries) if entries.is_empty() => Ok(ReplayCounts::default()),
-                    Ok(entries) => self.process(entries, &hard).await,
-                    Err(e) => {
-                        if crate::relay::is_lost_group(&e) {
-                            self.ensure_groups().await?;
-                        }
-                        Err(e.into())
-                    }
-                }
+                done.add(self.step(c, &stop, &hard, &mut flight).await?);
+                Ok(done)
             }
             .await;
             match step {
@@ -1054,7 +1086,88 @@ impl Replayer {
                 }
             }
         }
-        Ok(())
+        // Stopped: the batch in hand is committed before the replayer ends.
+        match self.finish(&mut flight).await {
+            Err(e) if !e.is_transient() => Err(e),
+            Err(e) => {
+                tracing::warn!(consumer = %self.name, error = %e, "last replay commit failed; its entries stay pending");
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+        }
+    }
+
+    /// One step of the loop [`Replayer::run`] runs: the next batch is read and prepared
+    /// (rows loaded and charged, texts re-embedded) while the batch before it, prepared by
+    /// the previous step, is committed and acknowledged. Commits stay in order, one batch
+    /// behind, so the database and the provider work at once where one batch after the
+    /// other left each idle in turn (BENCHMARKS.md, replay against ingest). With a batch in
+    /// `flight` the read does not block: when nothing new has come, that batch is committed
+    /// alone. Only the blocking read ends early on `stop`; `hard` cuts retry waits short.
+    /// Returns what this step's commit settled. The caller ends with
+    /// [`Replayer::finish`].
+    pub async fn step(
+        &mut self,
+        conn: &mut crate::streams::RedisConn,
+        stop: &CancellationToken,
+        hard: &CancellationToken,
+        flight: &mut InFlight,
+    ) -> Result<ReplayCounts, ReplayError> {
+        let shards = self.shards();
+        let read = if flight.prepared.is_some() {
+            self.read_now(conn, &shards, &mut flight.next).await
+        } else {
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(ReplayCounts::default()),
+                r = self.read_next(conn, &shards, &mut flight.next) => r,
+            }
+        };
+        let entries = match read {
+            Ok(entries) => entries,
+            Err(e) => {
+                if crate::relay::is_lost_group(&e) {
+                    self.ensure_groups().await?;
+                }
+                return Err(e.into());
+            }
+        };
+        if entries.is_empty() {
+            return self.finish(flight).await;
+        }
+        let previous = flight.prepared.take();
+        let (committed, prepared) = tokio::join!(
+            async {
+                match previous {
+                    Some(batch) => self.commit_and_ack(batch).await,
+                    None => Ok(ReplayCounts::default()),
+                }
+            },
+            self.prepare(entries, hard),
+        );
+        match prepared {
+            Ok((batch, pause)) => {
+                // Kept even when the commit before it failed: the next step commits it.
+                flight.prepared = Some(batch);
+                if pause.is_some() {
+                    self.paused_until = pause;
+                }
+            }
+            // Its entries stay pending with this replayer and are reclaimed after `min_idle`.
+            Err(e) => {
+                committed?;
+                return Err(e);
+            }
+        }
+        committed
+    }
+
+    /// Commits and acknowledges the batch `flight` still holds, if any
+    /// ([`Replayer::step`]).
+    pub async fn finish(&self, flight: &mut InFlight) -> Result<ReplayCounts, ReplayError> {
+        match flight.prepared.take() {
+            Some(batch) => self.commit_and_ack(batch).await,
+            None => Ok(ReplayCounts::default()),
+        }
     }
 
     /// Creates the consumer group of each of its shards if missing
@@ -1100,6 +1213,15 @@ impl Replayer {
             .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id })
             .collect())
     }
+}
+
+/// What [`Replayer::step`] carries from one step to the next: the batch prepared and not yet
+/// committed, and which of the replayer's shards to read next. Start with
+/// `InFlight::default()`, end with [`Replayer::finish`].
+#[derive(Default)]
+pub struct InFlight {
+    prepared: Option<Settlement>,
+    next: usize,
 }
 
 /// What one batch has decided so far: the entries to acknowledge and the rows to commit.
@@ -1295,7 +1417,7 @@ mod tests {
             content_hash: "h".into(),
             model: Some("m".into()),
             request_dimensions: None,
-            payload: serde_json::json!({"text": "t"}),
+            text: "t".into(),
             replays,
             generation: 7,
             attempts: 5,

@@ -44,7 +44,9 @@ pub(crate) struct DlqRow {
     pub model: Option<String>,
     /// The `dimensions` request parameter the row was embedded with, if any.
     pub request_dimensions: Option<i32>,
-    pub payload: serde_json::Value,
+    /// The chunk's text (the payload's `text`, read out in Postgres: the rest of the payload
+    /// is not needed to replay it); empty when the payload has none.
+    pub text: String,
     /// Replay passes made (drives the DLQ schedule).
     pub replays: i32,
     /// The fence of every replay commit.
@@ -132,17 +134,28 @@ impl IssuedWork {
     /// The entry's JSON body: what [`WorkItem::parse_body`] reads, plus the chunk and its
     /// attempts (the body the outbox's work items carried).
     pub(crate) fn body(&self) -> String {
-        serde_json::json!({
-            "dlq_id": self.item.dlq_id,
-            "generation": self.item.generation,
-            "content_hash": self.item.content_hash,
-            "table": self.item.target_table,
-            "doc_id": self.doc_id,
-            "chunk_index": self.chunk_index,
-            "attempts": self.attempts,
-            "lease": self.item.lease,
-        })
-        .to_string()
+        #[derive(serde::Serialize)]
+        struct Body<'a> {
+            dlq_id: i64,
+            generation: i64,
+            content_hash: &'a str,
+            table: &'a str,
+            doc_id: &'a str,
+            chunk_index: i32,
+            attempts: i32,
+            lease: Option<i64>,
+        }
+        let body = Body {
+            dlq_id: self.item.dlq_id,
+            generation: self.item.generation,
+            content_hash: &self.item.content_hash,
+            table: &self.item.target_table,
+            doc_id: &self.doc_id,
+            chunk_index: self.chunk_index,
+            attempts: self.attempts,
+            lease: self.item.lease,
+        };
+        serde_json::to_string(&body).expect("a struct of strings and numbers serializes")
     }
 }
 
@@ -375,7 +388,7 @@ impl Store {
                     content_hash: r.try_get("content_hash")?,
                     model: r.try_get("model")?,
                     request_dimensions: r.try_get("request_dimensions")?,
-                    payload: r.try_get("payload")?,
+                    text: r.try_get::<Option<String>, _>("text")?.unwrap_or_default(),
                     replays: r.try_get("replays")?,
                     generation: r.try_get("generation")?,
                     attempts: r.try_get("attempts")?,
@@ -675,7 +688,7 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
          RETURNING l.dlq_id, l.loads
      )
      SELECT d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.model,
-            d.request_dimensions, d.payload, d.replays, d.generation, d.attempts,
+            d.request_dimensions, d.payload->>'text' AS text, d.replays, d.generation, d.attempts,
             d.error_class, d.error_reason, d.last_error, d.last_status,
             d.exhausted_at IS NOT NULL AS exhausted, d.last_error_signature,
             d.same_error_count,
@@ -689,3 +702,31 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
        -- expects one charged row) compared every row with every charged row, 256 x 256 for
        -- a full batch, half of the statement's time (EXPLAIN ANALYZE, BENCHMARKS.md).
        CROSS JOIN LATERAL (SELECT * FROM embedding_dlq d WHERE d.id = c.dlq_id OFFSET 0) d";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_issued_items_body_reads_back_as_the_item() {
+        let work = IssuedWork {
+            item: WorkItem {
+                dlq_id: 7,
+                generation: 42,
+                content_hash: "ab".into(),
+                target_table: r#"public."odd name""#.into(),
+                lease: Some(9),
+            },
+            doc_id: "doc \"quoted\"".into(),
+            chunk_index: 3,
+            attempts: 2,
+        };
+        let body = work.body();
+        assert_eq!(WorkItem::parse_body(&body), Some(work.item.clone()));
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (v["doc_id"].as_str(), v["chunk_index"].as_i64(), v["attempts"].as_i64()),
+            (Some("doc \"quoted\""), Some(3), Some(2))
+        );
+    }
+}

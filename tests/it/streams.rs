@@ -252,6 +252,41 @@ fn items_of(bodies: &[serde_json::Value]) -> Vec<(i64, i64)> {
 }
 
 on_single_and_cluster! {
+async fn a_replayer_prepares_the_next_batch_while_the_one_before_commits() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 128, "pipe").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    assert_eq!(Scheduler::new(p.store.clone(), replay_config(), r.clone(), keys.clone()).run_once().await.unwrap(), 128);
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &mock, &keys, "pipe", replay_config()).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let (never, mut flight) = (CancellationToken::new(), embed_dlq::replay::InFlight::default());
+    let charged = || db.count("SELECT count(*) FROM replay_lease WHERE loads = 1");
+    // Step 1: the first 64 are loaded, charged and embedded; nothing is committed.
+    let c = rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!(c.replayed, 0);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 128);
+    assert_eq!((charged().await, mock.control.stats().inputs), (64, 64));
+    // Step 2: the first batch commits while the second is prepared.
+    let c = rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!(c.replayed, 64);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 64);
+    assert_eq!((charged().await, mock.control.stats().inputs), (64, 128), "the second batch is charged");
+    assert_eq!(pending(&keys).await, 64, "the committed batch is acknowledged, the other not yet");
+    // Step 3: nothing new; the batch in hand commits.
+    let c = rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!(c.replayed, 64);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!((pending(&keys).await, db.count("SELECT count(*) FROM doc_embeddings").await), (0, 128));
+    assert_eq!(rep.finish(&mut flight).await.unwrap(), embed_dlq::replay::ReplayCounts::default());
+}
+}
+
+on_single_and_cluster! {
 async fn the_scheduler_appends_work_items_itself_with_no_outbox_row_and_no_relay() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
