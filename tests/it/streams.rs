@@ -286,6 +286,49 @@ async fn a_replayer_prepares_the_next_batch_while_the_one_before_commits() {
 }
 }
 
+#[tokio::test]
+async fn every_events_seq_is_its_outbox_rows_id_replayed_ones_included() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 70, "seq").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    Scheduler::new(p.store.clone(), replay_config(), r.clone(), keys.clone()).run_once().await.unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &mock, &keys, "seq", replay_config()).await;
+    drain(&mut rep, &db, 60).await;
+    let rows: Vec<(i64, String, serde_json::Value)> =
+        sqlx::query_as("SELECT id, event, body FROM dlq_outbox WHERE stream = 'events' ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let count = |event: &str| rows.iter().filter(|(_, e, _)| e == event).count();
+    assert_eq!((count("parked"), count("replayed")), (70, 70));
+    for (id, event, body) in &rows {
+        assert_eq!(body["seq"].as_i64(), Some(*id), "{event}: {body}");
+        assert_eq!(body["event"].as_str(), Some(event.as_str()), "{body}");
+    }
+    // A replayed event's envelope: the common fields and its own.
+    let (_, _, replayed) = rows.iter().find(|(_, e, _)| e == "replayed").unwrap();
+    let keys: std::collections::BTreeSet<&str> =
+        replayed.as_object().unwrap().keys().map(String::as_str).collect();
+    let expected = [
+        "at",
+        "attempts",
+        "chunk_index",
+        "dlq_id",
+        "doc_id",
+        "error_class",
+        "event",
+        "generation",
+        "replays",
+        "seq",
+        "table",
+    ];
+    assert_eq!(keys, expected.into_iter().collect(), "{replayed}");
+}
+
 on_single_and_cluster! {
 async fn the_scheduler_appends_work_items_itself_with_no_outbox_row_and_no_relay() {
     let db = TestDb::new().await;
