@@ -169,6 +169,26 @@ async fn drain(r: &mut Replayer, db: &TestDb, secs: u64) {
     }
 }
 
+/// Waits (up to 30 s) until no other session of the test database holds a lock on `table`:
+/// a killed process's transaction rolls back only once Postgres notices its connection is gone.
+async fn locks_released(db: &TestDb, table: &str) {
+    for _ in 0..600 {
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+              WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                AND l.relation = $1::regclass",
+        )
+        .bind(table)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if held == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn serve_cmd(db: &TestDb, mock: &MockProvider, keys_prefix: &str) -> tokio::process::Command {
     let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_embed-dlq"));
     c.arg("serve")
@@ -206,19 +226,7 @@ async fn relay_killed_after_xadd_republishes_every_row_exactly_once() {
     // The dead relay's backends roll back its claims (the batch it published and the next one
     // it had claimed) only once Postgres notices the connection is gone; until then SKIP LOCKED
     // would pass over those rows and publish later ones first.
-    for _ in 0..600 {
-        let held = db
-            .count(
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-                  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
-                    AND l.relation = 'dlq_outbox'::regclass",
-            )
-            .await;
-        if held == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    locks_released(&db, "dlq_outbox").await;
 
     let published = relay_all(&db, &keys).await;
     assert_eq!(published, 200, "the 100 already in the stream were recognised, not added again");
@@ -378,19 +386,7 @@ async fn a_scheduler_killed_between_its_appends_and_its_commit_leaves_items_that
     let (orphans, _) = replay_entries(&keys).await;
     assert_eq!(orphans.len(), 40, "the items were appended before the crash");
     // The dead scheduler's transaction rolls back once Postgres sees its connection gone.
-    for _ in 0..600 {
-        let held = db
-            .count(
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-                  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
-                    AND l.relation = 'replay_lease'::regclass",
-            )
-            .await;
-        if held == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    locks_released(&db, "replay_lease").await;
     assert!(leases(&db).await.is_empty(), "no lease committed without its commit");
 
     // The next pass issues the rows again; the orphaned items ahead of the new ones in the
