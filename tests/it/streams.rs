@@ -264,10 +264,7 @@ async fn a_replayer_prepares_the_next_batch_while_the_one_before_commits() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
     let (_down, p) = park_transient(&db, 128, "pipe").await;
-    make_due(&db).await;
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    assert_eq!(Scheduler::new(p.store.clone(), replay_config(), r.clone(), keys.clone()).run_once().await.unwrap(), 128);
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 128);
     let mock = start_mock(MockConfig::default()).await;
     let mut rep = replayer(&db, &mock, &keys, "pipe", replay_config()).await;
     let client = embed_dlq::streams::client(&redis_url()).unwrap();
@@ -299,10 +296,7 @@ async fn every_events_seq_is_its_outbox_rows_id_replayed_ones_included() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
     let (_down, p) = park_transient(&db, 70, "seq").await;
-    make_due(&db).await;
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    Scheduler::new(p.store.clone(), replay_config(), r.clone(), keys.clone()).run_once().await.unwrap();
+    enqueue_due(&db, &p, &keys).await;
     let mock = start_mock(MockConfig::default()).await;
     let mut rep = replayer(&db, &mock, &keys, "seq", replay_config()).await;
     drain(&mut rep, &db, 60).await;
