@@ -15,7 +15,8 @@
 //! nor the point names nor the variable's name are in the binary.
 //!
 //! Points: `relay_after_publish` (stream entries added, outbox rows not yet marked),
-//! `schedule_after_publish` (work items appended to the replay stream, their leases not yet committed),
+//! `schedule_after_publish` (work items appended to the replay stream, their leases not yet
+//! committed),
 //! `replay_before_embed` (rows loaded and charged, nothing sent), `replay_before_commit` (re-embedded, nothing committed), `replay_after_commit` (committed,
 //! stream entries not yet acknowledged), `ingest_worker` (a worker took a job, no provider
 //! call yet), `ingest_writer` (a writer is about to write gathered outcomes),

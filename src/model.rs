@@ -262,6 +262,34 @@ impl WorkItem {
             lease: b.lease.and_then(|l| l.get().parse::<i64>().ok()),
         })
     }
+
+    /// The JSON body the scheduler writes for this item: what [`WorkItem::parse_body`] reads,
+    /// plus the chunk (`doc_id`, `chunk_index`) and the provider `attempts` the row has
+    /// spent, for people reading the stream.
+    pub(crate) fn body(&self, doc_id: &str, chunk_index: i32, attempts: i32) -> String {
+        #[derive(Serialize)]
+        struct Body<'a> {
+            dlq_id: i64,
+            generation: i64,
+            content_hash: &'a str,
+            table: &'a str,
+            doc_id: &'a str,
+            chunk_index: i32,
+            attempts: i32,
+            lease: Option<i64>,
+        }
+        let body = Body {
+            dlq_id: self.dlq_id,
+            generation: self.generation,
+            content_hash: &self.content_hash,
+            table: &self.target_table,
+            doc_id,
+            chunk_index,
+            attempts,
+            lease: self.lease,
+        };
+        serde_json::to_string(&body).expect("a struct of strings and numbers serializes")
+    }
 }
 
 #[cfg(test)]
@@ -335,6 +363,15 @@ mod tests {
         .unwrap();
         assert_eq!(quoted.target_table, r#"public."odd name""#, "escapes are decoded");
         assert_eq!(WorkItem::parse_body(r#"{"dlq_id":7,"replays":0}"#), None, "pre-generation item");
+        // What the scheduler writes reads back as the same item.
+        let written = quoted.body("doc \"quoted\"", 3, 2);
+        assert_eq!(WorkItem::parse_body(&written), Some(quoted.clone()));
+        assert_eq!(WorkItem::parse_body(&leased.body("d", 0, 1)), Some(leased.clone()), "with its lease");
+        let v: serde_json::Value = serde_json::from_str(&written).unwrap();
+        assert_eq!(
+            (v["doc_id"].as_str(), v["chunk_index"].as_i64(), v["attempts"].as_i64()),
+            (Some("doc \"quoted\""), Some(3), Some(2))
+        );
         assert_eq!(WorkItem::parse_body("not json"), None);
         let long =
             format!(r#"{{"dlq_id":7,"generation":1,"content_hash":"{}","table":"t"}}"#, "a".repeat(600));

@@ -291,7 +291,8 @@ impl Scheduler {
             if cap > 0 {
                 xadd.arg("MAXLEN").arg(cap);
             }
-            xadd.arg("*").arg("event").arg("replay").arg("body").arg(work.body()).ignore();
+            let body = work.item.body(&work.doc_id, work.chunk_index, work.attempts);
+            xadd.arg("*").arg("event").arg("replay").arg("body").arg(body).ignore();
         }
         let appends = by_shard.into_values().map(|pipe| {
             let mut conn = self.redis.clone();
@@ -437,8 +438,9 @@ async fn ensure_group_of(redis: &mut RedisConn, stream: &str) -> Result<bool, re
 }
 
 /// Ends the leases of `shard` whose work items lived only in its replay stream (all of them
-/// but items of older releases still waiting in the outbox), after the stream's consumer group was found missing: those items are
-/// gone with it, and the scheduler issues them again at its next pass. Returns the leases
+/// but items of older releases still waiting in the outbox), after the stream's consumer
+/// group was found missing: those items are gone with it, and the scheduler issues them
+/// again at its next pass. Returns the leases
 /// ended. Leases are few (at most the outstanding cap), so they are read page by page and
 /// matched to the shard here.
 pub(crate) async fn release_lost_leases(

@@ -130,35 +130,6 @@ pub(crate) struct IssuedWork {
     pub attempts: i32,
 }
 
-impl IssuedWork {
-    /// The entry's JSON body: what [`WorkItem::parse_body`] reads, plus the chunk and its
-    /// attempts (the body the outbox's work items carried).
-    pub(crate) fn body(&self) -> String {
-        #[derive(serde::Serialize)]
-        struct Body<'a> {
-            dlq_id: i64,
-            generation: i64,
-            content_hash: &'a str,
-            table: &'a str,
-            doc_id: &'a str,
-            chunk_index: i32,
-            attempts: i32,
-            lease: Option<i64>,
-        }
-        let body = Body {
-            dlq_id: self.item.dlq_id,
-            generation: self.item.generation,
-            content_hash: &self.item.content_hash,
-            table: &self.item.target_table,
-            doc_id: &self.doc_id,
-            chunk_index: self.chunk_index,
-            attempts: self.attempts,
-            lease: self.item.lease,
-        };
-        serde_json::to_string(&body).expect("a struct of strings and numbers serializes")
-    }
-}
-
 /// A failed replay pass (or a give-up) for row `id` at generation `generation` with content
 /// `content_hash`.
 #[derive(Debug, Clone, PartialEq)]
@@ -702,31 +673,3 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
        -- expects one charged row) compared every row with every charged row, 256 x 256 for
        -- a full batch, half of the statement's time (EXPLAIN ANALYZE, BENCHMARKS.md).
        CROSS JOIN LATERAL (SELECT * FROM embedding_dlq d WHERE d.id = c.dlq_id OFFSET 0) d";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_issued_items_body_reads_back_as_the_item() {
-        let work = IssuedWork {
-            item: WorkItem {
-                dlq_id: 7,
-                generation: 42,
-                content_hash: "ab".into(),
-                target_table: r#"public."odd name""#.into(),
-                lease: Some(9),
-            },
-            doc_id: "doc \"quoted\"".into(),
-            chunk_index: 3,
-            attempts: 2,
-        };
-        let body = work.body();
-        assert_eq!(WorkItem::parse_body(&body), Some(work.item.clone()));
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(
-            (v["doc_id"].as_str(), v["chunk_index"].as_i64(), v["attempts"].as_i64()),
-            (Some("doc \"quoted\""), Some(3), Some(2))
-        );
-    }
-}
