@@ -290,6 +290,41 @@ const NEW_EVENTS: &str = "INSERT INTO dlq_outbox (event, doc_id, chunk_index, bo
      SELECT 'parked', 'new-' || $2, i, '{}', 'events', 'public.doc_embeddings', now(), e
        FROM unnest($1::text[]) WITH ORDINALITY AS u(e, i)";
 
+/// Makes every outbox row published, as a relay that published them all would leave things:
+/// the position past every committed transaction, and each event's dedup record (field
+/// `event_id` of the shard's hash of its hour) naming its entry (`entry_id`, kept by the
+/// loaders above for this).
+/// Rows up to id `after` are taken as recorded already; returns the highest id recorded.
+async fn mark_published(
+    pool: &sqlx::PgPool,
+    conn: &mut redis::aio::MultiplexedConnection,
+    prefix: &str,
+    after: i64,
+) -> i64 {
+    let rows: Vec<(String, String, String, i64)> = sqlx::query_as(
+        "SELECT embed_dlq_dedup_hour(created_at), event_id::text, entry_id, id FROM dlq_outbox
+          WHERE entry_id IS NOT NULL AND txid IS NOT NULL AND id > $1",
+    )
+    .bind(after)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    for chunk in rows.chunks(1000) {
+        let mut pipe = redis::pipe();
+        for (hour, event_id, entry_id, _) in chunk {
+            pipe.hset(format!("{{{prefix}}}:published:{hour}"), event_id, entry_id).ignore();
+        }
+        let _: () = pipe.query_async(conn).await.unwrap();
+    }
+    sqlx::query(
+        "UPDATE relay_position SET lower = pg_current_snapshot(), upper = NULL, after_id = 0, last_id = 0",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    rows.iter().map(|r| r.3).max().unwrap_or(after)
+}
+
 /// Adds `n` entries to `stream`; returns their ids.
 async fn add_entries(conn: &mut redis::aio::MultiplexedConnection, stream: &str, n: usize) -> Vec<String> {
     let mut ids = Vec::with_capacity(n);
@@ -324,6 +359,7 @@ async fn reconcile_runs(admin: &str, redis: &PrivateRedis, size: usize, rounds: 
     for (n, chunk) in ids.chunks(50_000).enumerate() {
         sqlx::query(OLD_EVENTS).bind(chunk).bind((n * 50_000) as i64).execute(&pool).await.unwrap();
     }
+    let mut recorded = mark_published(&pool, &mut conn, keys.prefix(), 0).await;
     sqlx::query("VACUUM ANALYZE dlq_outbox").execute(&pool).await.unwrap();
     println!("{size} published events loaded in {:.0}s", started.elapsed().as_secs_f64());
     let store = embed_dlq::store::Store::open(pool.clone(), "doc_embeddings").await.unwrap();
@@ -343,6 +379,7 @@ async fn reconcile_runs(admin: &str, redis: &PrivateRedis, size: usize, rounds: 
     for round in 0..rounds {
         let new = add_entries(&mut conn, &keys.events(), 100).await;
         sqlx::query(NEW_EVENTS).bind(&new).bind(round as i64).execute(&pool).await.unwrap();
+        recorded = mark_published(&pool, &mut conn, keys.prefix(), recorded).await;
         incremental.push(run(Sweep::Incremental).await);
         full.push(run(Sweep::Full).await);
     }

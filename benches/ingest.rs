@@ -478,7 +478,8 @@ async fn relay_rounds(
             let last = round + 1 == rounds && n + 1 == variants.len();
             let target =
                 if last { keys.clone() } else { StreamKeys::new(&format!("{}-r{round}-{n}", keys.prefix())) };
-            sqlx::query("UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL")
+            // Every row to be published again (to fresh stream keys: new dedup records).
+            sqlx::query("UPDATE relay_position SET lower = '3:3:', upper = NULL, after_id = 0, last_id = 0")
                 .execute(pool)
                 .await
                 .unwrap();

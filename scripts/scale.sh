@@ -201,7 +201,7 @@ for size in "${all_sizes[@]}"; do
     while :; do
       sleep 1
       kill -0 "$serve_pid" 2>/dev/null || { echo "[scale] serve ended; see $work/$size-serve.err" >&2; exit 1; }
-      if [[ -z $relayed_at && $(q "SELECT count(*) FROM dlq_outbox WHERE event = 'parked' AND published_at IS NULL") == 0 ]]; then
+      if [[ -z $relayed_at && $(q "SELECT count(*) FROM dlq_outbox o, relay_position p WHERE o.event = 'parked' AND NOT pg_visible_in_snapshot(o.txid, p.lower) AND NOT (p.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, p.upper) AND o.id <= p.after_id)") == 0 ]]; then
         relayed_at=$(date +%s.%N)
       fi
       [[ $(q "SELECT count(*) FROM embedding_dlq") == 0 ]] && break

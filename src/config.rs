@@ -203,6 +203,7 @@ impl Settings {
         crate::reconcile::ReconcileConfig {
             sweeps: self.serve.reconcile_sweeps,
             events_maxlen: self.serve.relay.events_maxlen,
+            dedup_ttl: self.serve.relay.marker_ttl,
             ..Default::default()
         }
     }

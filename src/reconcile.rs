@@ -303,6 +303,10 @@ pub struct ReconcileConfig {
     /// than the stream's first entry count as trimmed by policy, not as missing, while the
     /// stream holds at least this many entries. 0: no cap (nothing is ever trimmed).
     pub events_maxlen: usize,
+    /// How long the relay's dedup records live (`[serve] relay_marker_ttl_secs`): the
+    /// missing-events check learns where an event went from its record, and a record older
+    /// than this may have expired (the event is then not checked) rather than been lost.
+    pub dedup_ttl: Duration,
     /// How [`Reconciler::run_once`] picks each run's sweep.
     pub sweeps: SweepPolicy,
 }
@@ -319,6 +323,7 @@ impl Default for ReconcileConfig {
             examples: 5,
             page: 1000,
             events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
+            dedup_ttl: crate::relay::RelayConfig::default().marker_ttl,
             sweeps: SweepPolicy::default(),
         }
     }
@@ -470,13 +475,22 @@ impl Plan {
     }
 }
 
+/// What [`Reconciler::events_missing_from_stream`] found on a page.
+#[derive(Default)]
+struct StreamLookup<'r> {
+    missing: Vec<&'r outbox::PublishedEvent>,
+    trimmed: u64,
+    expired: u64,
+}
+
 /// The stream findings of a run, and where the events check's next window starts.
 struct StreamFindings {
     findings: Vec<Finding>,
     /// Whether the events check ran (it needs Redis).
     events_checked: bool,
-    /// The publish time of the oldest missing event left unrepaired.
-    events_unrepaired: Option<DateTime<Utc>>,
+    /// Where the next run's events check resumes: the outbox transactions its walk could not
+    /// see yet, and those of the missing events it left unrepaired (a snapshot, text form).
+    events_window: Option<String>,
 }
 
 /// The table findings of a run, and per windowed check the earliest change among findings
@@ -528,7 +542,7 @@ impl Reconciler {
         findings.push(self.outbox_check().await?);
         // The events check's window: where the previous run left off, in an incremental run.
         let events_window = match sweep {
-            Sweep::Incremental => lock.previous.resume.get(Check::MissingEvents.name()).copied(),
+            Sweep::Incremental => lock.previous.events_window.clone(),
             Sweep::Full | Sweep::Deep => None,
         };
         let streams = self.stream_findings(repair, events_window).await?;
@@ -537,22 +551,20 @@ impl Reconciler {
         findings.push(finding(Check::ReplayStalled, stalled));
         // Where the next incremental run starts, per check: this run's horizon, or the oldest
         // finding it left unrepaired (so that finding is reported again until repaired).
-        let mut resume: HashMap<String, DateTime<Utc>> = WINDOWED
+        let resume: HashMap<String, DateTime<Utc>> = WINDOWED
             .iter()
             .map(|c| {
                 let at = tables.unrepaired.get(c).map_or(lock.horizon, |t| (*t).min(lock.horizon));
                 (c.name().to_string(), at)
             })
             .collect();
-        // The events check resumes the same way; a run without Redis keeps the previous
-        // window (it looked at no event).
-        let events_resume = match streams.events_checked {
-            true => Some(streams.events_unrepaired.map_or(lock.horizon, |t| t.min(lock.horizon))),
-            false => lock.previous.resume.get(Check::MissingEvents.name()).copied(),
+        // The events check resumes at the outbox transactions its walk could not see yet, or
+        // its oldest finding left unrepaired; a run without Redis keeps the previous window
+        // (it looked at no event).
+        let events_window = match streams.events_checked {
+            true => streams.events_window,
+            false => lock.previous.events_window.clone(),
         };
-        if let Some(at) = events_resume {
-            resume.insert(Check::MissingEvents.name().to_string(), at);
-        }
         let since = (sweep == Sweep::Incremental).then(|| plan.since()).flatten();
         let report = Report {
             findings,
@@ -569,6 +581,7 @@ impl Reconciler {
             sweep: sweep.name(),
             scope_from: since,
             resume,
+            events_window,
         };
         lock.finish(record).await?;
         Ok(report)
@@ -707,12 +720,12 @@ impl Reconciler {
     }
 
     /// The three stream checks, or (without Redis) three findings saying they were skipped.
-    /// `events_window`: the events check looks at the events published since then (`None`:
-    /// every retained event).
+    /// `events_window`: the events check looks at the events of the outbox transactions not
+    /// visible in this snapshot (`None`: every retained event).
     async fn stream_findings(
         &self,
         repair: bool,
-        events_window: Option<DateTime<Utc>>,
+        events_window: Option<String>,
     ) -> Result<StreamFindings, ReconcileError> {
         let Some(mut redis) = self.redis.clone() else {
             let skipped =
@@ -728,15 +741,18 @@ impl Reconciler {
             return Ok(StreamFindings {
                 findings: skipped.into(),
                 events_checked: false,
-                events_unrepaired: None,
+                events_window: None,
             });
         };
         // The prefix was checked when the run started (`run_sweep`).
         crate::streams::check_shards(&mut redis, &self.keys).await?;
-        let (missing, events_unrepaired) =
-            self.missing_events_check(&mut redis, repair, events_window).await?;
+        let (missing, next_window) = self.missing_events_check(&mut redis, repair, events_window).await?;
         let [lost, orphans] = self.replay_stream_checks(&mut redis, repair).await?;
-        Ok(StreamFindings { findings: vec![missing, lost, orphans], events_checked: true, events_unrepaired })
+        Ok(StreamFindings {
+            findings: vec![missing, lost, orphans],
+            events_checked: true,
+            events_window: next_window,
+        })
     }
 
     /// Republishes the events Redis lost (a `FLUSHALL`, a restart without persistence, a
@@ -769,63 +785,75 @@ impl Reconciler {
         })
     }
 
-    /// Events marked published must be on the events stream: pages through published
-    /// `events` rows of the outbox ([`ReconcileConfig::page`] at a time) and looks up the entry
-    /// id each one recorded at publish time (per shard and page, one `XRANGE` over the page's
-    /// entry ids: [`entries_present`]).
+    /// Published events must be on the events stream: pages through the published `events`
+    /// rows of the outbox ([`ReconcileConfig::page`] at a time), reads the entry id each one
+    /// became from its dedup record (the relay writes it when it publishes, see
+    /// `redis/publish.lua`) and looks the entries up (per shard and page, one `XRANGE` over
+    /// the page's entry ids: [`entries_present`]).
     ///
-    /// With a `window` (an incremental run), only the events published since then, and the
-    /// page of events published just before it: the witnesses that what the previous runs
-    /// checked is still there. A stream only ever loses its newest entries together with the
-    /// older ones (a `FLUSHALL`, a restart without persistence or from an older snapshot, a
-    /// failover to a replica that lagged), so a witness missing sends the check through every
-    /// retained event; an entry deleted by hand from the middle of a stream is found by the
-    /// next full sweep. Without a window, every retained event. Either walk ends at the
-    /// events published before it began: what a relay publishes meanwhile goes to the stream
-    /// as it is now, and the next run's window covers it.
+    /// With a `window` (an incremental run), only the rows of the outbox transactions not
+    /// visible in that snapshot (what the relay published since the previous run's walk
+    /// began, and the previous run's unrepaired findings), and the page
+    /// of events just before it: the witnesses that what the previous runs checked is still
+    /// there. A stream only ever loses its newest entries together with the older ones (a
+    /// `FLUSHALL`, a restart without persistence or from an older snapshot, a failover to a
+    /// replica that lagged), so a witness missing sends the check through every retained
+    /// event; an entry deleted by hand from the middle of a stream is found by the next full
+    /// sweep. Without a window, every retained event. Either walk ends at the outbox's
+    /// position when it began: what a relay publishes meanwhile goes to the stream as it is
+    /// now, and the next run's window covers it.
     ///
-    /// An entry older than the stream's first one, while the stream is at its length cap, was
-    /// trimmed by policy and is not a finding. Repair deletes the event's dedup marker (or
-    /// the relay would take the republish for a duplicate) and marks the row unpublished: the
-    /// relay publishes it again with the same `event_id`. Rows published before migration
-    /// 0005 have no entry id and are skipped; rows past the outbox retention are gone.
-    /// Returns the finding and the publish time of the oldest event it left missing.
+    /// An event whose record is gone was lost with the data of Redis, unless the record may
+    /// have expired ([`ReconcileConfig::dedup_ttl`]): those are counted in the note. An entry
+    /// older than the stream's first one, while the stream is at its length cap, was trimmed
+    /// by policy and is not a finding. Repair deletes the event's dedup record (or the relay
+    /// would take the republish for a duplicate) and hands the row back to the relay, which
+    /// publishes it again with the same `event_id`. Rows an older relay published (before
+    /// migration 0022) are not walked; rows past the outbox retention are gone. Returns the
+    /// finding and where the next incremental walk starts.
     async fn missing_events_check(
         &self,
         redis: &mut RedisConn,
         repair: bool,
-        window: Option<DateTime<Utc>>,
-    ) -> Result<(Finding, Option<DateTime<Utc>>), ReconcileError> {
+        window: Option<String>,
+    ) -> Result<(Finding, Option<String>), ReconcileError> {
         use outbox::EventsPage;
         let pool = self.store.pool();
         let page = self.config.page();
         let mut out =
             Finding { check: Check::MissingEvents, found: 0, examples: vec![], repaired: 0, note: None };
-        let until = outbox::clock(pool).await?;
-        let mut cursor = EventsPage::PublishedFrom { at: DateTime::UNIX_EPOCH, after_id: 0, until };
+        let at = outbox::position(pool).await?;
+        // What this walk cannot see yet, plus its unrepaired findings: the next window.
+        let mut next_window = outbox::Window::parse(at.lower());
+        let mut since = None;
         let mut lost_before_window = false;
-        if let Some(since) = window {
-            let witnesses = outbox::published_events(pool, EventsPage::PublishedBefore(since), page).await?;
-            let (missing, _) = self.events_missing_from_stream(redis, &witnesses).await?;
-            lost_before_window = !missing.is_empty();
+        if let Some(window) = window {
+            let witnesses =
+                outbox::published_events(pool, &EventsPage::PublishedBefore(window.clone()), page).await?;
+            let missing = self.events_missing_from_stream(redis, &witnesses).await?;
+            lost_before_window = !missing.missing.is_empty();
             if !lost_before_window {
-                cursor = EventsPage::PublishedFrom { at: since, after_id: 0, until };
+                since = Some(window);
             }
         }
-        let mut trimmed = 0u64;
-        let mut unrepaired: Option<DateTime<Utc>> = None;
+        let mut cursor = EventsPage::Published { since, after: (0, 0), at };
+        let (mut trimmed, mut expired) = (0u64, 0u64);
         loop {
-            let rows = outbox::published_events(pool, cursor, page).await?;
+            let rows = outbox::published_events(pool, &cursor, page).await?;
             let Some(last) = rows.last() else { break };
-            cursor = EventsPage::PublishedFrom { at: last.published_at, after_id: last.id, until };
-            let (missing, page_trimmed) = self.events_missing_from_stream(redis, &rows).await?;
-            trimmed += page_trimmed;
+            if let EventsPage::Published { after, .. } = &mut cursor {
+                *after = (last.txid, last.id);
+            }
+            let found = self.events_missing_from_stream(redis, &rows).await?;
+            trimmed += found.trimmed;
+            expired += found.expired;
+            let missing = found.missing;
             out.found += missing.len() as u64;
             out.add_examples(missing.iter().map(|r| r.key.clone()), self.config.examples);
             if repair && !missing.is_empty() {
                 out.repaired += self.republish_events(redis, &missing).await?;
-            } else if let Some(oldest) = missing.iter().map(|r| r.published_at).min() {
-                unrepaired = Some(unrepaired.map_or(oldest, |u| u.min(oldest)));
+            } else if let Some(w) = next_window.as_mut() {
+                w.hold(missing.iter().map(|r| r.txid));
             }
             if rows.len() < page {
                 break;
@@ -838,44 +866,110 @@ impl Reconciler {
         if trimmed > 0 {
             notes.push(format!("{trimmed} trimmed by the stream's length cap"));
         }
+        if expired > 0 {
+            notes.push(format!(
+                "{expired} not checked: their dedup records may have expired (relay_marker_ttl_secs)"
+            ));
+        }
         out.note = (!notes.is_empty()).then(|| notes.join("; "));
-        Ok((out, unrepaired))
+        Ok((out, next_window.map(|w| w.to_string())))
     }
 
-    /// Which of `rows` are not on their shard's events stream, and how many more were
-    /// trimmed by its length cap (missing, older than its first entry, while the stream is at
-    /// the cap).
+    /// Which of `rows` are not on their shard's events stream, how many more were trimmed by
+    /// its length cap (missing, older than its first entry, while the stream is at the cap),
+    /// and how many could not be checked (their record may have expired).
     async fn events_missing_from_stream<'r>(
         &self,
         redis: &mut RedisConn,
         rows: &'r [outbox::PublishedEvent],
-    ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
+    ) -> Result<StreamLookup<'r>, ReconcileError> {
         let mut by_shard: std::collections::BTreeMap<u16, Vec<&'r outbox::PublishedEvent>> =
             Default::default();
         for r in rows {
             by_shard.entry(r.identity.shard(&self.keys)).or_default().push(r);
         }
-        let (mut missing, mut trimmed) = (Vec::new(), 0);
+        let mut out = StreamLookup::default();
+        let expiry = chrono::Utc::now()
+            - chrono::Duration::from_std(self.config.dedup_ttl.saturating_sub(Duration::from_secs(3600)))
+                .unwrap_or_default();
         for (shard, rows) in by_shard {
-            let (m, t) = self.missing_from_shard(redis, shard, rows).await?;
-            missing.extend(m);
-            trimmed += t;
+            let records = self.records(redis, shard, &rows).await?;
+            let mut recorded = Vec::with_capacity(rows.len());
+            for (r, record) in rows.into_iter().zip(records) {
+                match record {
+                    Some(entry) => recorded.push((r, entry)),
+                    None if r.created_at < expiry => out.expired += 1,
+                    None => out.missing.push(r),
+                }
+            }
+            let (m, t) = self.missing_from_shard(redis, shard, recorded).await?;
+            out.missing.extend(m);
+            out.trimmed += t;
         }
-        missing.sort_by_key(|r| r.id);
-        Ok((missing, trimmed))
+        out.missing.sort_by_key(|r| r.id);
+        Ok(out)
     }
 
-    /// [`Reconciler::events_missing_from_stream`] for the rows of one shard (one pipeline:
-    /// one slot).
+    /// The entry id each of `rows` (all of shard `shard`) became, from its dedup record
+    /// (`None`: no record), in one pipeline: an `HMGET` per dedup hash, then a `GET` of the
+    /// old-format marker of rows created before the hashes that had no field.
+    async fn records(
+        &self,
+        redis: &mut RedisConn,
+        shard: u16,
+        rows: &[&outbox::PublishedEvent],
+    ) -> Result<Vec<Option<String>>, ReconcileError> {
+        let mut hours: Vec<&str> = rows.iter().map(|r| r.dedup_hour.as_str()).collect();
+        hours.sort_unstable();
+        hours.dedup();
+        let mut pipe = redis::pipe();
+        for hour in &hours {
+            let fields: Vec<&str> =
+                rows.iter().filter(|r| r.dedup_hour == *hour).map(|r| r.event_id.as_str()).collect();
+            pipe.cmd("HMGET").arg(self.keys.dedup_hash(shard, hour)).arg(fields);
+        }
+        let per_hour: Vec<Vec<Option<String>>> = pipe.query_async(redis).await?;
+        let mut found: HashMap<&str, String> = HashMap::new();
+        for (hour, values) in hours.iter().zip(per_hour) {
+            let of_hour = rows.iter().filter(|r| r.dedup_hour == *hour);
+            for (r, v) in of_hour.zip(values) {
+                if let Some(v) = v {
+                    found.insert(r.event_id.as_str(), v);
+                }
+            }
+        }
+        let legacy: Vec<&&outbox::PublishedEvent> =
+            rows.iter().filter(|r| r.legacy_marker && !found.contains_key(r.event_id.as_str())).collect();
+        if !legacy.is_empty() {
+            let mut pipe = redis::pipe();
+            for r in &legacy {
+                pipe.get(self.keys.legacy_marker(shard, &r.event_id));
+            }
+            let values: Vec<Option<String>> = pipe.query_async(redis).await?;
+            for (r, v) in legacy.iter().zip(values) {
+                if let Some(v) = v {
+                    found.insert(r.event_id.as_str(), v);
+                }
+            }
+        }
+        Ok(rows.iter().map(|r| found.get(r.event_id.as_str()).cloned()).collect())
+    }
+
+    /// Which of `rows` (of shard `shard`, each with the entry id its record names) are not on
+    /// the shard's events stream, and how many of those were trimmed by its length cap. One
+    /// pipeline: one slot.
     async fn missing_from_shard<'r>(
         &self,
         redis: &mut RedisConn,
         shard: u16,
-        rows: Vec<&'r outbox::PublishedEvent>,
+        rows: Vec<(&'r outbox::PublishedEvent, String)>,
     ) -> Result<(Vec<&'r outbox::PublishedEvent>, u64), ReconcileError> {
+        if rows.is_empty() {
+            return Ok((vec![], 0));
+        }
         let stream = self.keys.events_of(shard);
         let mut wanted: Vec<(u64, u64)> =
-            rows.iter().map(|r| crate::streams::parse_entry_id(&r.entry_id)).collect();
+            rows.iter().map(|(_, entry)| crate::streams::parse_entry_id(entry)).collect();
         wanted.sort_unstable();
         wanted.dedup();
         let present = entries_present(redis, &stream, &wanted).await?;
@@ -896,8 +990,8 @@ impl Reconciler {
         let head = head.ids.first().map(|e| crate::streams::parse_entry_id(&e.id));
         let mut missing = Vec::new();
         let mut trimmed = 0u64;
-        for r in rows {
-            let entry = crate::streams::parse_entry_id(&r.entry_id);
+        for (r, entry) in rows {
+            let entry = crate::streams::parse_entry_id(&entry);
             if present.contains(&entry) {
                 continue;
             }
@@ -912,7 +1006,7 @@ impl Reconciler {
 
     /// Has the relay publish `missing` events again: deletes their dedup records, and the
     /// markers an older relay may have written (or the relay would take the republish for a
-    /// duplicate), then marks their rows unpublished.
+    /// duplicate), then hands their rows back to the relay.
     async fn republish_events(
         &self,
         redis: &mut RedisConn,
@@ -1179,6 +1273,7 @@ mod tests {
             secs_since_full: full,
             secs_since_deep: deep,
             resume: resume.iter().map(|c| (c.name().to_string(), at)).collect(),
+            events_window: None,
         }
     }
 

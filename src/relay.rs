@@ -1,22 +1,20 @@
 //! Outbox relay: moves committed `dlq_outbox` rows into Redis Streams, at least once and
 //! without a visible duplicate.
 //!
-//! One pass ([`Relay::run_once`]): in a transaction, claim the oldest unpublished rows with
-//! `FOR UPDATE SKIP LOCKED` (several relays can run at once, each gets different rows; a row
-//! waits while an earlier row of its chunk is unpublished, so a chunk's events keep their
-//! order across relays), group
-//! them by stream shard and publish each shard's rows in outbox order with one pipeline of
-//! `redis/publish.lua` calls, each call carrying up to [`RelayConfig::rows_per_call`] rows (the
-//! script appends a row to its shard's stream only if no dedup record of the row's event, in
-//! a hash of the same slot, exists, and returns every row's entry id in order), then mark the
-//! rows published,
-//! record the entry id each one became, and commit. A crash after the XADDs and before the
-//! commit leaves the rows unpublished; the next pass re-runs the script, which finds the
-//! records and adds nothing. The loop ([`Relay::run`]) publishes a backlog with
-//! [`Relay::drain`], which overlaps consecutive passes (publish N while marking N-1 and
-//! claiming N+1) and keeps each shard's stream in outbox order.
-//! The loop wakes on `LISTEN embed_dlq_outbox` (sent at commit by a trigger, only by
-//! statements that inserted outbox rows) and polls as a fallback.
+//! The relay reads the outbox in commit order and never writes a row of it (see
+//! [`sql`]): it takes the outbox's position (one row of `relay_position`, locked in a
+//! transaction; a second relay finds it held and waits its turn, so a chunk's events keep
+//! their order however many relays run), reads the next page by id within the current
+//! interval of committed transactions, groups the rows by stream shard and publishes each
+//! shard's rows in outbox order with one pipeline of `redis/publish.lua` calls, each call
+//! carrying up to [`RelayConfig::rows_per_call`] rows (the script appends a row to its shard's
+//! stream only if no dedup record of the row's event, in a hash of the same slot, exists, and
+//! returns every row's entry id in order), then moves the position past the page and, every
+//! [`PAGES_PER_COMMIT`] pages, commits it. A crash after the XADDs and before the commit
+//! leaves the position where it was; the next pass re-runs the script on the same rows, which
+//! finds the records and adds nothing. [`Relay::drain`] reads the next page while the current
+//! one is published. The loop ([`Relay::run`]) wakes on `LISTEN embed_dlq_outbox` (sent at
+//! commit by a trigger, only by statements that inserted outbox rows) and polls as a fallback.
 //!
 //! Dedup identity: the record is keyed by the row's `event_id`, a random uuid written with the
 //! row (migration 0005), never by the outbox id: outbox ids repeat after a database restore, in
@@ -65,12 +63,13 @@ pub struct RelayConfig {
     pub replay_maxlen: usize,
     /// Published outbox rows are deleted after this long.
     pub retention: Duration,
-    /// How long a claim may sit idle in its open transaction before Postgres ends the session
-    /// and so releases the rows (`idle_in_transaction_session_timeout` for the claim only;
-    /// clamped to [`CLAIM_IDLE_TIMEOUT_BOUNDS`]). A live relay holds a claim for at most a
-    /// couple of Redis reply timeouts (10 s each); a relay host that froze or dropped off the
-    /// network would otherwise hold its rows, and the later events of their chunks, until
-    /// Postgres noticed the dead connection (hours with default TCP keepalives).
+    /// How long a relay may sit idle in the transaction that holds the outbox's position
+    /// before Postgres ends the session and so releases it
+    /// (`idle_in_transaction_session_timeout` for that transaction only; clamped to
+    /// [`CLAIM_IDLE_TIMEOUT_BOUNDS`]). A live relay is idle there for at most a couple of
+    /// Redis reply timeouts (10 s each); a relay host that froze or dropped off the network
+    /// would otherwise stop every relay until Postgres noticed the dead connection (hours
+    /// with default TCP keepalives). Publication waits this long at most.
     pub claim_idle_timeout: Duration,
     /// Rows one call of the publish script carries (clamped to `1..=`[`MAX_ROWS_PER_CALL`]).
     /// More rows per call means fewer round trips and script dispatches per row, but Redis
@@ -87,6 +86,11 @@ pub const MAX_ROWS_PER_CALL: usize = 500;
 /// Bounds of [`RelayConfig::claim_idle_timeout`]: from a second (tests) to an hour.
 pub const CLAIM_IDLE_TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
     Duration::from_secs(1)..=Duration::from_secs(3600);
+
+/// Pages one relay publishes under one hold of the outbox's position before it commits the
+/// position and lets go (another relay may take it then): bounds what a crash republishes
+/// (as no-ops) and how long one transaction stays open, at a commit per this many pages.
+pub const PAGES_PER_COMMIT: usize = 8;
 
 /// Default [`RelayConfig::rows_per_call`].
 pub const DEFAULT_ROWS_PER_CALL: usize = 100;
@@ -160,8 +164,8 @@ impl RelayError {
 /// resources (53), lock not available (55P03), operator intervention (57, e.g. a cancelled
 /// statement or a shutting-down server, except 57P04 database dropped), system I/O errors
 /// (58000, 58030), a read-only server during failover (25006) and a session the server
-/// ended because it sat idle in a transaction (25P03: a relay claim that outlived
-/// [`RelayConfig::claim_idle_timeout`], its rows free for the next pass). Everything else, e.g. an
+/// ended because it sat idle in a transaction (25P03: a relay that held the outbox's position
+/// longer than [`RelayConfig::claim_idle_timeout`], the position free for the next pass). Everything else, e.g. an
 /// undefined table (42P01) or column (42703), a permission problem or a decode error, needs a
 /// person and is permanent.
 pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
@@ -245,76 +249,81 @@ pub struct Relay {
 
 impl Relay {
     /// A relay over the outbox of `pool`, publishing to the streams of `keys`. Several relays may
-    /// run against one database: rows are claimed with `SKIP LOCKED` and deduplicated by the
-    /// publish script.
+    /// run against one database: one at a time holds the outbox's position and publishes,
+    /// and the publish script deduplicates what a crashed one left half done.
     pub fn new(pool: PgPool, redis: RedisConn, keys: StreamKeys, config: RelayConfig) -> Self {
         Relay { pool, redis, keys, config, script: publish_script() }
     }
 
-    /// Publishes one batch of unpublished outbox rows: one pipeline per stream shard (a
-    /// pipeline stays in one slot of a Redis Cluster), the shards' pipelines at once, each
-    /// in outbox order and made of calls of `redis/publish.lua` that publish up to
-    /// [`RelayConfig::rows_per_call`] rows each; then marks the rows published and commits.
+    /// Publishes the next page of the outbox (up to [`RelayConfig::batch`] rows): one
+    /// pipeline per stream shard (a pipeline stays in one slot of a Redis Cluster), the
+    /// shards' pipelines at once, each in outbox order and made of calls of
+    /// `redis/publish.lua` that publish up to [`RelayConfig::rows_per_call`] rows each; then
+    /// moves the outbox's position past them and commits. Does nothing while another relay
+    /// holds the position.
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
-        let Some(claim) = outbox::claim(&self.pool, self.config.batch, self.claim_idle_timeout()).await?
-        else {
+        let Some(mut lease) = outbox::take(&self.pool, self.claim_idle_timeout()).await? else {
             return Ok(RelayCounts::default());
         };
-        let replies = self.publish(&claim.rows).await?;
-        failpoint::hit!("relay_after_publish");
-        mark(claim, replies).await
+        let page = lease.read(self.config.batch).await?;
+        let counts = match page.rows.is_empty() {
+            true => RelayCounts::default(),
+            false => {
+                let replies = self.publish(&page.rows).await?;
+                failpoint::hit!("relay_after_publish");
+                count(&replies)
+            }
+        };
+        lease.published(page.then);
+        lease.commit().await?;
+        Ok(counts)
     }
 
-    /// Publishes batches back to back, as [`Relay::run_once`] does, until one is not full
-    /// (nothing more is waiting) or `cancel` fires, and returns what they did together.
+    /// Publishes pages back to back, as [`Relay::run_once`] does, until one is not full
+    /// (nothing more is waiting), [`PAGES_PER_COMMIT`] pages went out, or `cancel` fires;
+    /// then commits the position once for all of them and returns what they did together.
     ///
-    /// The steps of consecutive batches overlap: while batch N is published, batch N-1 is
-    /// marked (its own transaction) and batch N+1 is claimed (`SKIP LOCKED` skips the rows
-    /// still held, so the batches are disjoint and in outbox order), so a pass costs about
-    /// its slowest step instead of the sum of the three. Publishing stays strictly
-    /// sequential: a batch is published only after the one before it was, and when a
-    /// publish fails, every later claim is released unpublished (its transaction rolls
-    /// back), so a retry publishes the failed rows before the later ones and each shard's
-    /// stream keeps outbox order. A mark that fails after its batch was published leaves
-    /// the rows unpublished: the next pass finds their dedup records and adds nothing (the same
-    /// case as a crash between the publish and the commit).
+    /// The next page is read while the current one is published (one Postgres read and one
+    /// Redis pipeline at a time, side by side). Publishing stays strictly sequential, page
+    /// after page, so each shard's stream keeps outbox order. A failed publish or commit
+    /// drops the position where it was: the next pass publishes the same rows again and
+    /// their dedup records make that a no-op for every row that reached the stream.
     pub async fn drain(&mut self, cancel: &CancellationToken) -> Result<RelayCounts, RelayError> {
-        type Marking =
-            std::pin::Pin<Box<dyn std::future::Future<Output = Result<RelayCounts, RelayError>> + Send>>;
         let batch = self.config.batch;
+        let Some(mut lease) = outbox::take(&self.pool, self.claim_idle_timeout()).await? else {
+            return Ok(RelayCounts::default());
+        };
         let mut total = RelayCounts::default();
-        let idle_timeout = self.claim_idle_timeout();
-        let mut claim = outbox::claim(&self.pool, batch, idle_timeout).await?;
-        let mut marking: Option<Marking> = None;
-        while let Some(current) = claim.take() {
-            let more = current.rows.len() >= batch && !cancel.is_cancelled();
-            let previous = async {
-                match marking.take() {
-                    Some(m) => m.await,
-                    None => Ok(RelayCounts::default()),
-                }
-            };
-            let next = async {
+        let mut page = lease.read(batch).await?;
+        let mut pages = 1;
+        loop {
+            if page.rows.is_empty() {
+                lease.published(page.then);
+                break;
+            }
+            let more = page.more && pages < PAGES_PER_COMMIT && !cancel.is_cancelled();
+            let read_next = async {
                 match more {
-                    true => outbox::claim(&self.pool, batch, idle_timeout).await,
+                    true => lease.read(batch).await.map(Some),
                     false => Ok(None),
                 }
             };
-            let (published, previous, next) = tokio::join!(self.publish(&current.rows), previous, next);
-            // A failed publish drops `next` unpublished (see above) before anything else.
+            let (published, next) = tokio::join!(self.publish(&page.rows), read_next);
             let replies = published?;
-            total += previous?;
-            claim = next?;
             failpoint::hit!("relay_after_publish");
-            marking = Some(Box::pin(mark(current, replies)));
+            total += count(&replies);
+            lease.published(page.then);
+            match next? {
+                Some(n) => page = n,
+                None => break,
+            }
+            pages += 1;
         }
-        if let Some(m) = marking {
-            total += m.await?;
-        }
+        lease.commit().await?;
         Ok(total)
     }
 
-    /// Publishes `rows` (one claim, in outbox order) and returns each row's (entry id,
+    /// Publishes `rows` (one page, in outbox order) and returns each row's (entry id,
     /// added) in the same order.
     async fn publish(&self, rows: &[outbox::OutboxRow]) -> Result<Vec<(String, i64)>, RelayError> {
         // Rows by shard, in outbox order within each.
@@ -430,9 +439,9 @@ impl Relay {
                     Err(e) => tracing::warn!(error = %e, "relay: cannot open a LISTEN connection; polling"),
                 }
             }
-            // Rows a claim left for later (an earlier row of their chunk was still waiting)
-            // become claimable as soon as this relay's own marks commit: after a drain that
-            // claimed anything, look again at once instead of waiting for a notification.
+            // A drain stops after a bounded number of pages, and rows committed while it
+            // published are the next interval's: after a drain that published anything,
+            // look again at once instead of waiting for a notification.
             let mut busy = false;
             match self.drain(&cancel).await {
                 Ok(c) => {
@@ -484,16 +493,14 @@ impl Relay {
     }
 }
 
-/// Marks the rows of `claim` published with the entry ids of `replies` (same order), commits,
-/// and counts them.
-async fn mark(claim: outbox::Claim, replies: Vec<(String, i64)>) -> Result<RelayCounts, RelayError> {
-    let ids: Vec<i64> = claim.rows.iter().map(|r| r.id).collect();
-    let entry_ids: Vec<&str> = replies.iter().map(|(entry, _)| entry.as_str()).collect();
-    claim.mark_published(&ids, &entry_ids).await?;
+/// Counts a page's publish replies (`(entry id, added)` per row) and records them in the
+/// relay's metrics.
+fn count(replies: &[(String, i64)]) -> RelayCounts {
+    let rows = replies.len() as u64;
     let published = replies.iter().filter(|(_, added)| *added == 1).count() as u64;
     metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
-    metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(ids.len() as u64 - published);
-    Ok(RelayCounts { claimed: ids.len() as u64, published, duplicates: ids.len() as u64 - published })
+    metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(rows - published);
+    RelayCounts { claimed: rows, published, duplicates: rows - published }
 }
 
 /// Sleeps, or returns early on cancellation.

@@ -174,7 +174,11 @@ pub async fn serve_with_console(
         store: store.clone(),
         redis: Some(manager.clone()),
         keys: config.keys.clone(),
-        config: ReconcileConfig { events_maxlen: config.relay.events_maxlen, ..Default::default() },
+        config: ReconcileConfig {
+            events_maxlen: config.relay.events_maxlen,
+            dedup_ttl: config.relay.marker_ttl,
+            ..Default::default()
+        },
     };
     tasks.spawn_until(
         "republisher",
@@ -424,6 +428,7 @@ async fn sample_and_reconcile(
             sweeps: config.reconcile_sweeps,
             // The cap the relay trims to: older entries are trimmed by policy, not lost.
             events_maxlen: config.relay.events_maxlen,
+            dedup_ttl: config.relay.marker_ttl,
             ..Default::default()
         },
     };

@@ -738,6 +738,9 @@ pub(crate) struct Previous {
     pub secs_since_full: Option<f64>,
     pub secs_since_deep: Option<f64>,
     pub resume: HashMap<String, DateTime<Utc>>,
+    /// Where the missing-events check resumes: the outbox rows of the transactions not
+    /// visible in this snapshot (text form; `None`: every retained row).
+    pub events_window: Option<String>,
 }
 
 /// One reconcile run's hold on the database: a transaction holding the reconcile advisory
@@ -785,7 +788,8 @@ impl RunLock {
                                                             WHERE sweep IN ('full', 'deep')))::float8 AS full,
                     extract(epoch FROM clock_timestamp() - (SELECT max(finished_at) FROM reconcile_runs
                                                             WHERE sweep = 'deep'))::float8 AS deep,
-                    (SELECT resume FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS resume
+                    (SELECT resume FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS resume,
+                    (SELECT events_window::text FROM reconcile_runs ORDER BY id DESC LIMIT 1) AS events_window
                FROM pg_stat_activity a
               WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
                 -- Only sessions can stamp `updated_at`: an autovacuum of a big table runs
@@ -823,6 +827,7 @@ impl RunLock {
             secs_since_deep: row.try_get("deep")?,
             // Unreadable resume points only widen the next window (to everything).
             resume: resume.and_then(|v| serde_json::from_value(v).ok()).unwrap_or_default(),
+            events_window: row.try_get("events_window")?,
         };
         Ok(RunLock { tx, horizon, horizon_note, previous })
     }
@@ -832,8 +837,9 @@ impl RunLock {
     /// the lock.
     pub(crate) async fn finish(mut self, run: RunRecord) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO reconcile_runs (started_at, finished_at, repaired, findings, sweep, scope_from, resume)
-             VALUES ($1, clock_timestamp(), $2, $3, $4, $5, $6)",
+            "INSERT INTO reconcile_runs (started_at, finished_at, repaired, findings, sweep, scope_from, resume,
+                                         events_window)
+             VALUES ($1, clock_timestamp(), $2, $3, $4, $5, $6, $7::pg_snapshot)",
         )
         .bind(run.started_at)
         .bind(run.repaired)
@@ -841,6 +847,7 @@ impl RunLock {
         .bind(run.sweep)
         .bind(run.scope_from)
         .bind(serde_json::to_value(&run.resume).expect("timestamps serialize"))
+        .bind(run.events_window)
         .execute(&mut *self.tx)
         .await?;
         // The retention, a bounded page per run (a first run after an upgrade meets years of
@@ -887,6 +894,8 @@ pub(crate) struct RunRecord {
     pub scope_from: Option<DateTime<Utc>>,
     /// Check name → start of the next incremental window.
     pub resume: HashMap<String, DateTime<Utc>>,
+    /// Where the next run's missing-events check resumes ([`Previous::events_window`]).
+    pub events_window: Option<String>,
 }
 
 /// The target tables of a run: every table the manifest or the DLQ names (`since`: `None`),
@@ -944,8 +953,11 @@ impl WorkAudit {
         let mut tx = pool.begin().await?;
         sqlx::query(
             "CREATE TEMP TABLE reconcile_unpublished_work ON COMMIT DROP AS
-             SELECT DISTINCT dlq_id FROM dlq_outbox
-              WHERE stream = 'replay' AND published_at IS NULL AND dlq_id IS NOT NULL",
+             SELECT DISTINCT o.dlq_id FROM dlq_outbox o, relay_position p
+              WHERE p.name = 'outbox' AND o.txid >= pg_snapshot_xmin(p.lower)
+                AND o.stream = 'replay' AND o.dlq_id IS NOT NULL
+                AND NOT pg_visible_in_snapshot(o.txid, p.lower)
+                AND NOT (p.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, p.upper) AND o.id <= p.after_id)",
         )
         .execute(&mut *tx)
         .await?;

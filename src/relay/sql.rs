@@ -1,11 +1,22 @@
-//! Postgres side of the outbox (`dlq_outbox`): what the relay claims and marks, its
-//! retention, and what the reconciler and the gauges read from it.
+//! Postgres side of the outbox (`dlq_outbox`): how far the relay got, its retention, and
+//! what the reconciler and the gauges read from it.
 //!
 //! Rows are written only by the statements that change the state they announce (park, store,
 //! replay commits, operator actions, reconcile repairs), through `embed_dlq_event` (migration
-//! 0006) for the event envelope. A claim holds its rows locked (`FOR UPDATE SKIP LOCKED`) in an
-//! open transaction while the caller publishes them: several relays can run at once, and a
-//! crash before [`Claim::mark_published`] commits leaves the rows unpublished.
+//! 0006) for the event envelope, each with the id of the transaction that wrote it (`txid`).
+//! The relay never writes a row: it reads them in commit order, interval by interval, as PgQ
+//! does (migration 0022). An interval is the rows of the transactions visible in a snapshot
+//! (`upper`) and not in the one before (`lower`), read by id. A relay holds the outbox's
+//! position ([`take`], the `relay_position` row locked `FOR UPDATE SKIP LOCKED`) while it
+//! reads, publishes and moves it ([`Lease`]); another relay finds it held and waits, a crash
+//! before [`Lease::commit`] leaves the position where it was.
+//!
+//! Why the order holds: a chunk's later event comes from a transaction that waited for the
+//! earlier event's transaction to release the chunk's row locks, and drew its outbox id after
+//! that one committed (migration 0014). So it is visible in every snapshot that shows the
+//! later one: it belongs to the same interval with a lower id, or to an earlier interval.
+//! (Ordering an interval by transaction id would not hold: ids are drawn when a transaction
+//! first writes, not when it commits.)
 
 use std::time::Duration;
 
@@ -67,116 +78,287 @@ impl Identity {
     }
 }
 
-/// The oldest unpublished rows, locked by this claim's transaction until it is marked or
-/// dropped (dropping rolls back: the rows are someone else's to publish).
-pub(crate) struct Claim {
-    tx: Transaction<'static, Postgres>,
-    pub rows: Vec<OutboxRow>,
+/// The SQL that reads an outbox row for publishing (`o` is `dlq_outbox`).
+const ROW_COLUMNS: &str = "o.id, o.event_id::text AS event_id, o.event, o.stream, o.body::text AS body,
+        COALESCE(o.target_table, 'public.doc_embeddings') AS target_table, o.doc_id, o.chunk_index,
+        embed_dlq_dedup_hour(o.created_at) AS dedup_hour,
+        o.created_at < COALESCE((SELECT since FROM embed_dlq_dedup_hashes), '-infinity') AS legacy_marker";
+
+/// The name of the outbox's row in `relay_position` (migration 0022).
+const POSITION: &str = "outbox";
+
+/// How far the relay got, as `relay_position` records it (migration 0022): every row of a
+/// transaction visible in snapshot `lower` is published; with `upper`, the rows of the
+/// transactions visible in `upper` and not in `lower` (the current interval) are published up
+/// to id `after_id`, and the interval ends at id `last_id`. Snapshots travel as their text
+/// form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Position {
+    lower: String,
+    upper: Option<String>,
+    after_id: i64,
+    last_id: i64,
+    /// Intervals finished so far.
+    batches: i64,
 }
 
-/// Claims up to `limit` of the oldest unpublished rows that no other relay holds and whose
-/// chunk has no earlier unpublished row in the same stream (so one chunk's events reach the
-/// stream in outbox order even when several relays drain a backlog side by side). `None` when
-/// there is nothing to publish (the transaction is already closed).
-///
-/// Postgres ends the claim's session if it sits idle for `idle_timeout` (the transaction's
-/// `idle_in_transaction_session_timeout`), so a relay that froze or vanished mid-claim
-/// releases its rows without anyone noticing the dead connection.
-pub async fn claim(pool: &PgPool, limit: usize, idle_timeout: Duration) -> Result<Option<Claim>, StoreError> {
+impl Position {
+    fn read(r: &sqlx::postgres::PgRow) -> Result<Position, sqlx::Error> {
+        Ok(Position {
+            lower: r.try_get("lower")?,
+            upper: r.try_get("upper")?,
+            after_id: r.try_get("after_id")?,
+            last_id: r.try_get("last_id")?,
+            batches: r.try_get("batches")?,
+        })
+    }
+
+    /// The position once the current interval is published.
+    fn interval_done(&self) -> Position {
+        Position {
+            lower: self.upper.clone().unwrap_or_else(|| self.lower.clone()),
+            upper: None,
+            after_id: 0,
+            last_id: 0,
+            batches: self.batches + 1,
+        }
+    }
+}
+
+/// The predicate "published at position `$1` (lower), `$2` (upper), `$3` (after id)" over
+/// `dlq_outbox o`; rows an older relay published (no `txid`, migration 0022) count as
+/// published.
+const PUBLISHED: &str = "(o.txid IS NULL OR pg_visible_in_snapshot(o.txid, $1::pg_snapshot)
+          OR ($2::pg_snapshot IS NOT NULL AND pg_visible_in_snapshot(o.txid, $2::pg_snapshot) AND o.id <= $3))";
+
+/// The outbox's position, held by this relay (the row is locked by its transaction) until
+/// [`Lease::commit`] writes how far it got, or the lease is dropped (rolled back: the rows
+/// read since are someone else's to publish again, their dedup records making that a no-op).
+pub(crate) struct Lease {
+    tx: Transaction<'static, Postgres>,
+    /// Where the next read starts.
+    read: Position,
+    /// What the relay published: written at commit.
+    published: Position,
+    /// Whether `published` moved since the lease was taken.
+    moved: bool,
+}
+
+/// A page of rows read under a [`Lease`], in publishing order, and the position once they
+/// are published.
+pub(crate) struct Page {
+    pub rows: Vec<OutboxRow>,
+    /// The position after these rows ([`Lease::published`]).
+    pub then: Position,
+    /// Whether a later read may find more (the page was full, or it only finished an
+    /// interval whose successor has not been looked at).
+    pub more: bool,
+}
+
+/// Takes the outbox's position for this relay, or `None` when another relay holds it (it
+/// publishes meanwhile; a relay that froze holding it loses it after `idle_timeout`, when
+/// Postgres ends its idle transaction, `idle_in_transaction_session_timeout`).
+pub async fn take(pool: &PgPool, idle_timeout: Duration) -> Result<Option<Lease>, StoreError> {
     let mut tx = pool.begin().await?;
-    // The claim has one good plan: the oldest rows by `dlq_outbox_unpublished_idx`, stopping
-    // at the limit. Right after a large park, before autovacuum analyzed the outbox, the
-    // planner guesses a few unpublished rows and reads and sorts the whole backlog instead
-    // (2.3 s a claim behind 700,000 rows, 5-8 s in the 1M scale run); the other plans are
-    // set aside for this transaction only.
-    sqlx::query(
-        "SELECT set_config('idle_in_transaction_session_timeout', $1, true),
+    // A page has one good plan: the primary key from where the interval's reading stands,
+    // stopping at the limit. Before autovacuum analyzed the outbox after a large park, the
+    // planner may guess otherwise and read and sort a whole interval; the other plans are set
+    // aside for this transaction only.
+    let row = sqlx::query(
+        "SELECT set_config('idle_in_transaction_session_timeout', $2, true),
                 set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
-                set_config('enable_sort', 'off', true)",
+                set_config('enable_sort', 'off', true), set_config('synchronous_commit', 'off', true),
+                lower::text AS lower, upper::text AS upper, after_id, last_id, batches
+           FROM relay_position WHERE name = $1
+            FOR UPDATE SKIP LOCKED",
     )
+    .bind(POSITION)
     .bind(idle_timeout.as_millis().to_string())
-    .execute(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
-    let rows = sqlx::query(
-        "SELECT id, event_id::text AS event_id, event, stream, body::text AS body,
-                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,
-                embed_dlq_dedup_hour(created_at) AS dedup_hour,
-                created_at < COALESCE((SELECT since FROM embed_dlq_dedup_hashes), '-infinity') AS legacy_marker
-           FROM dlq_outbox o
-          WHERE published_at IS NULL
-            -- Not while an earlier row of the chunk waits: it may be held by another relay
-            -- (SKIP LOCKED passes over it) or be in this very claim; either way this row goes
-            -- in a later batch, after that one is published. A scalar subquery, so it is one
-            -- probe of dlq_outbox_unpublished_chunk_idx a row, never a join over the backlog.
-            AND (SELECT true FROM dlq_outbox e
-                  WHERE e.published_at IS NULL AND e.doc_id = o.doc_id
-                    AND e.chunk_index = o.chunk_index AND e.id < o.id AND e.stream = o.stream
-                    AND e.target_table IS NOT DISTINCT FROM o.target_table
-                  LIMIT 1) IS NULL
-          ORDER BY id
-          LIMIT $1
-          FOR UPDATE OF o SKIP LOCKED",
-    )
-    .bind(limit as i64)
-    .fetch_all(&mut *tx)
-    .await?;
-    if rows.is_empty() {
+    let Some(row) = row else {
         tx.rollback().await?;
         return Ok(None);
-    }
-    let rows = rows
-        .iter()
-        .map(|r| {
-            Ok(OutboxRow {
-                id: r.try_get("id")?,
-                event_id: r.try_get("event_id")?,
-                event: r.try_get("event")?,
-                stream: r.try_get("stream")?,
-                body: r.try_get("body")?,
-                identity: Identity::read(r)?,
-                dedup_hour: r.try_get("dedup_hour")?,
-                legacy_marker: r.try_get("legacy_marker")?,
-            })
-        })
-        .collect::<Result<_, sqlx::Error>>()?;
-    Ok(Some(Claim { tx, rows }))
+    };
+    let at = Position::read(&row)?;
+    Ok(Some(Lease { tx, read: at.clone(), published: at, moved: false }))
 }
 
-impl Claim {
-    /// Marks the claimed rows `ids` published, each with the stream entry id it became
-    /// (`entry_ids`, same order), and commits without waiting for the commit to reach disk
-    /// (`synchronous_commit = off` for this transaction only): a mark lost in a database
-    /// crash leaves its rows unpublished, which is the case the dedup records already cover
-    /// (the next pass gets the original entry ids back and adds nothing), so waiting for the
-    /// flush, the longest step of a pass on a busy disk, buys nothing.
-    pub(crate) async fn mark_published(mut self, ids: &[i64], entry_ids: &[&str]) -> Result<(), StoreError> {
-        sqlx::query("SET LOCAL synchronous_commit = off").execute(&mut *self.tx).await?;
-        sqlx::query(
-            "UPDATE dlq_outbox o SET published_at = now(), entry_id = p.entry_id
-               FROM UNNEST($1::bigint[], $2::text[]) AS p(id, entry_id)
-              WHERE o.id = p.id",
-        )
-        .bind(ids)
-        .bind(entry_ids)
-        .execute(&mut *self.tx)
+impl Lease {
+    /// Reads the next up to `limit` rows to publish, by id within the current interval, or
+    /// opens the next interval (the transactions that committed since) when the current one
+    /// is read. Moves only the read position: the caller publishes the rows, then hands
+    /// [`Page::then`] to [`Lease::published`].
+    pub async fn read(&mut self, limit: usize) -> Result<Page, StoreError> {
+        let mut opened = false;
+        if self.read.upper.is_none() {
+            // The next interval: what committed since `lower`, up to now. Its first id is
+            // where the page reads start: rows of a long transaction can have ids far below
+            // the rest, so it is the smallest first id of the interval's transactions, one
+            // probe of the txid index per transaction (a skip scan), never a read of the
+            // interval's rows. Its last: the highest id there is now (every row of the
+            // interval is visible to this statement).
+            let row = sqlx::query(
+                "WITH RECURSIVE s AS (SELECT pg_current_snapshot() AS upper),
+                      -- Running when `lower` was taken: each one's first row.
+                      running AS (
+                        SELECT (SELECT o.id FROM dlq_outbox o WHERE o.txid = x ORDER BY o.id LIMIT 1) AS id
+                          FROM pg_snapshot_xip($1::pg_snapshot) x, s
+                         WHERE pg_visible_in_snapshot(x, s.upper)),
+                      -- Begun since: each one's first row, transaction after transaction.
+                      later AS (
+                        (SELECT o.txid, o.id FROM dlq_outbox o, s
+                          WHERE o.txid >= pg_snapshot_xmax($1::pg_snapshot) AND o.txid < pg_snapshot_xmax(s.upper)
+                          ORDER BY o.txid, o.id LIMIT 1)
+                        UNION ALL
+                        SELECT n.txid, n.id
+                          FROM later l, s,
+                               LATERAL (SELECT o.txid, o.id FROM dlq_outbox o
+                                         WHERE o.txid > l.txid AND o.txid < pg_snapshot_xmax(s.upper)
+                                         ORDER BY o.txid, o.id LIMIT 1) n)
+                 SELECT (SELECT upper::text FROM s) AS upper,
+                        LEAST((SELECT min(id) FROM running),
+                              (SELECT min(l.id) FROM later l, s WHERE pg_visible_in_snapshot(l.txid, s.upper)))
+                          AS first_id,
+                        (SELECT max(id) FROM dlq_outbox) AS last_id",
+            )
+            .bind(&self.read.lower)
+            .fetch_one(&mut *self.tx)
+            .await?;
+            let upper: String = row.try_get("upper")?;
+            let first: Option<i64> = row.try_get("first_id")?;
+            let last: Option<i64> = row.try_get("last_id")?;
+            match (first, last) {
+                (Some(first), Some(last)) => {
+                    self.read.upper = Some(upper);
+                    self.read.after_id = first - 1;
+                    self.read.last_id = last;
+                    opened = true;
+                }
+                // Nothing committed since: the new snapshot becomes `lower`, so the next
+                // interval starts from here (and `lower`'s list of running transactions
+                // stays short).
+                _ => {
+                    self.read = Position { upper: Some(upper), ..self.read.clone() }.interval_done();
+                    return Ok(Page { rows: vec![], then: self.read.clone(), more: false });
+                }
+            }
+        }
+        let upper = self.read.upper.clone().expect("an interval is open");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {ROW_COLUMNS}
+               FROM dlq_outbox o
+              WHERE o.id > $3 AND o.id <= $4
+                AND NOT pg_visible_in_snapshot(o.txid, $1::pg_snapshot)
+                AND pg_visible_in_snapshot(o.txid, $2::pg_snapshot)
+              ORDER BY o.id
+              LIMIT $5"
+        )))
+        .bind(&self.read.lower)
+        .bind(&upper)
+        .bind(self.read.after_id)
+        .bind(self.read.last_id)
+        .bind(limit as i64)
+        .fetch_all(&mut *self.tx)
         .await?;
+        let rows: Vec<OutboxRow> = rows.iter().map(OutboxRow::read).collect::<Result<_, sqlx::Error>>()?;
+        let full = rows.len() >= limit;
+        match rows.last() {
+            Some(last) if full && last.id < self.read.last_id => self.read.after_id = last.id,
+            _ => self.read = self.read.interval_done(),
+        }
+        // A short page that opened its interval found everything that committed before it
+        // began; one that finished an interval opened earlier leaves the rows committed
+        // meanwhile to the next read.
+        let more = full || (!opened && !rows.is_empty());
+        Ok(Page { rows, then: self.read.clone(), more })
+    }
+
+    /// Records that the rows up to `then` (a [`Page::then`] of this lease) are published:
+    /// written at [`Lease::commit`].
+    pub fn published(&mut self, then: Position) {
+        self.moved |= then != self.published;
+        self.published = then;
+    }
+
+    /// Writes the published position and commits without waiting for the flush (a position
+    /// lost in a database crash only republishes rows the dedup records turn into no-ops);
+    /// releases the position for the next relay.
+    pub async fn commit(mut self) -> Result<(), StoreError> {
+        if self.moved {
+            let p = &self.published;
+            sqlx::query(
+                "UPDATE relay_position
+                    SET lower = $2::pg_snapshot, upper = $3::pg_snapshot, after_id = $4, last_id = $5,
+                        batches = $6, moved_at = now()
+                  WHERE name = $1",
+            )
+            .bind(POSITION)
+            .bind(&p.lower)
+            .bind(&p.upper)
+            .bind(p.after_id)
+            .bind(p.last_id)
+            .bind(p.batches)
+            .execute(&mut *self.tx)
+            .await?;
+        }
         self.tx.commit().await?;
         Ok(())
     }
 }
 
-/// Deletes up to 10,000 rows published longer than `retention` ago; returns how many.
-pub(crate) async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError> {
-    let done = sqlx::query(
-        "DELETE FROM dlq_outbox WHERE id IN (
-             SELECT id FROM dlq_outbox
-              WHERE published_at < now() - make_interval(secs => $1)
-              LIMIT 10000)",
+impl OutboxRow {
+    fn read(r: &sqlx::postgres::PgRow) -> Result<OutboxRow, sqlx::Error> {
+        Ok(OutboxRow {
+            id: r.try_get("id")?,
+            event_id: r.try_get("event_id")?,
+            event: r.try_get("event")?,
+            stream: r.try_get("stream")?,
+            body: r.try_get("body")?,
+            identity: Identity::read(r)?,
+            dedup_hour: r.try_get("dedup_hour")?,
+            legacy_marker: r.try_get("legacy_marker")?,
+        })
+    }
+}
+
+/// The outbox's position now (what a walk over published rows stops at).
+pub(crate) async fn position(pool: &PgPool) -> Result<Position, StoreError> {
+    let row = sqlx::query(
+        "SELECT lower::text AS lower, upper::text AS upper, after_id, last_id, batches
+           FROM relay_position WHERE name = $1",
     )
+    .bind(POSITION)
+    .fetch_one(pool)
+    .await?;
+    Ok(Position::read(&row)?)
+}
+
+/// Deletes up to 10,000 published rows created longer than `retention` ago, oldest first;
+/// returns how many.
+pub(crate) async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError> {
+    let done = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM dlq_outbox WHERE id IN (
+             SELECT o.id FROM dlq_outbox o, relay_position p
+              WHERE p.name = $1 AND o.created_at < now() - make_interval(secs => $2)
+                AND {}
+              ORDER BY o.created_at
+              LIMIT 10000)",
+        published_at_position("p")
+    )))
+    .bind(POSITION)
     .bind(retention.as_secs_f64())
     .execute(pool)
     .await?;
     Ok(done.rows_affected())
+}
+
+/// [`PUBLISHED`] against the position row `p` instead of parameters.
+fn published_at_position(p: &str) -> String {
+    format!(
+        "(o.txid IS NULL OR pg_visible_in_snapshot(o.txid, {p}.lower)
+          OR ({p}.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, {p}.upper) AND o.id <= {p}.after_id))"
+    )
 }
 
 /// What is waiting for the relay.
@@ -191,15 +373,24 @@ pub(crate) struct Backlog {
     pub oldest_secs: f64,
 }
 
-/// The unpublished rows, counted and aged in one aggregate.
+/// The unpublished rows, counted and aged in one aggregate: the rows of transactions not
+/// visible in the position's `lower` (two ranges of the txid index), less those of the
+/// current interval already published.
 pub async fn backlog(pool: &PgPool, stuck_after: Duration) -> Result<Backlog, StoreError> {
-    let row = sqlx::query(
-        "SELECT count(*) AS backlog,
-                count(*) FILTER (WHERE created_at < now() - make_interval(secs => $1)) AS stuck,
-                COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
-           FROM dlq_outbox WHERE published_at IS NULL",
-    )
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "WITH p AS (SELECT * FROM relay_position WHERE name = $2),
+              w AS (SELECT o.* FROM dlq_outbox o, p
+                     WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(p.lower)))
+                    UNION ALL
+                    SELECT o.* FROM dlq_outbox o, p WHERE o.txid >= pg_snapshot_xmax(p.lower))
+         SELECT count(*) AS backlog,
+                count(*) FILTER (WHERE o.created_at < now() - make_interval(secs => $1)) AS stuck,
+                COALESCE(extract(epoch FROM now() - min(o.created_at)), 0)::float8 AS oldest
+           FROM w o, p WHERE NOT {}",
+        published_at_position("p")
+    )))
     .bind(stuck_after.as_secs_f64())
+    .bind(POSITION)
     .fetch_one(pool)
     .await?;
     Ok(Backlog {
@@ -209,107 +400,186 @@ pub async fn backlog(pool: &PgPool, stuck_after: Duration) -> Result<Backlog, St
     })
 }
 
-/// A published event and where the relay put it.
+/// A published event, as the reconciler checks it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PublishedEvent {
     pub id: i64,
+    /// The transaction that wrote it (where an incremental walk resumes).
+    pub txid: i64,
     pub event_id: String,
-    /// The stream entry id recorded at publish time.
-    pub entry_id: String,
     /// `doc_id#chunk_index`, for reports.
     pub key: String,
     /// The chunk's identity: which stream shard the event went to.
     pub identity: Identity,
-    /// Which dedup hash records the event ([`OutboxRow::dedup_hour`]).
+    /// Which dedup hash records the event and the entry it became ([`OutboxRow::dedup_hour`]).
     pub dedup_hour: String,
-    /// When the relay marked it published (where an incremental walk resumes).
-    pub published_at: DateTime<Utc>,
+    /// Created before the dedup hashes: its record may be an old-format marker key.
+    pub legacy_marker: bool,
+    /// When it was written: a record older than the dedup records live may have expired.
+    pub created_at: DateTime<Utc>,
 }
 
 /// Which published `events` rows a page of [`published_events`] holds: the reconciler's
 /// walks over the outbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum EventsPage {
-    /// The rows published at or after a time (the window of an incremental walk; the epoch
-    /// for a full one) and before the walk began, by `(published_at, id)` after this cursor:
-    /// the `published_at` index, so a page reads its own rows, however many rows wait
-    /// unpublished between them (a relay draining a backlog: walked by id, a page of a
-    /// 1M-row backlog read up to 8 s), and a walk ends even while a relay keeps publishing
-    /// (what it publishes after the walk began goes to the stream as it is now).
-    PublishedFrom { at: DateTime<Utc>, after_id: i64, until: DateTime<Utc> },
-    /// The rows with the highest ids among those published before a time (the witnesses that
-    /// the events before an incremental window are still on the stream).
-    PublishedBefore(DateTime<Utc>),
+    /// The rows of the transactions not visible in snapshot `since` (every row with a txid
+    /// when `None`: a full walk), published at position `at` (taken when the walk began, so a
+    /// walk ends even while a relay keeps publishing; what it publishes after the walk began
+    /// goes to the stream as it is now), by `(txid, id)` after `after`: the txid index, so a
+    /// page reads its own rows.
+    Published { since: Option<String>, after: (i64, i64), at: Position },
+    /// The rows with the highest ids among those of the transactions visible in a snapshot
+    /// (published when the previous walk began): the witnesses that the events before an
+    /// incremental window are still on the stream. Neighbours on the stream, one range read.
+    PublishedBefore(String),
 }
 
-/// The database's clock now: where a walk over published events stops ([`EventsPage`]).
-pub(crate) async fn clock(pool: &PgPool) -> Result<DateTime<Utc>, StoreError> {
-    Ok(sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await?)
+/// A window of the reconciler's walk as a snapshot: the rows of the transactions not
+/// visible in it. Kept as its parts, so the transactions of unrepaired findings can be
+/// added to it ([`Window::hold`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Window {
+    xmin: u64,
+    xmax: u64,
+    xip: std::collections::BTreeSet<u64>,
 }
 
-/// Up to `limit` published `events` rows of `page` that recorded their entry id (rows
-/// published before migration 0005 did not).
+impl Window {
+    /// Reads a snapshot's text form (`xmin:xmax:xip,...`); `None` if it is not one.
+    pub fn parse(text: &str) -> Option<Window> {
+        let mut parts = text.split(':');
+        let xmin = parts.next()?.parse().ok()?;
+        let xmax = parts.next()?.parse().ok()?;
+        let xip = match parts.next()? {
+            "" => Default::default(),
+            list => list.split(',').map(|x| x.parse().ok()).collect::<Option<_>>()?,
+        };
+        (parts.next().is_none() && xmin <= xmax).then_some(Window { xmin, xmax, xip })
+    }
+
+    /// Makes the rows of transactions `txids` fall inside the window (not visible).
+    pub fn hold(&mut self, txids: impl IntoIterator<Item = i64>) {
+        for t in txids {
+            let t = t as u64;
+            if t < self.xmax {
+                self.xip.insert(t);
+                self.xmin = self.xmin.min(t);
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}:", self.xmin, self.xmax)?;
+        for (n, x) in self.xip.iter().enumerate() {
+            if n > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Position {
+    /// The snapshot every published row's transaction is visible in (text form).
+    pub fn lower(&self) -> &str {
+        &self.lower
+    }
+}
+
+/// Up to `limit` published `events` rows of `page`.
 pub(crate) async fn published_events(
     pool: &PgPool,
-    page: EventsPage,
+    page: &EventsPage,
     limit: usize,
 ) -> Result<Vec<PublishedEvent>, StoreError> {
-    const COLUMNS: &str =
-        "SELECT id, event_id::text AS event_id, entry_id, doc_id || '#' || chunk_index AS key,
-                COALESCE(target_table, 'public.doc_embeddings') AS target_table, doc_id, chunk_index,
-                embed_dlq_dedup_hour(created_at) AS dedup_hour, published_at
-           FROM dlq_outbox
-          WHERE stream = 'events' AND published_at IS NOT NULL AND entry_id IS NOT NULL";
-    let (condition, at, after, until) = match page {
-        // `published_at >= $1` is what the index scan starts at; the row comparison breaks
-        // the ties of one relay batch (one `now()`) by id.
-        EventsPage::PublishedFrom { at, after_id, until } => (
-            "AND published_at >= $1 AND (published_at, id) > ($1, $2) AND published_at < $4
-             ORDER BY published_at, id",
-            Some(at),
-            after_id,
-            Some(until),
-        ),
-        // The highest ids before the window: the primary key walked down from the top skips
-        // the window's rows and stops at the limit, and the rows are neighbours on the stream
-        // (one range read). By `published_at` the rows of one timestamp (a relay batch, or
-        // many) came in any order, spread over the stream, and with `id` as a tie-break all
-        // of that timestamp's rows were sorted first.
-        EventsPage::PublishedBefore(at) => ("AND published_at < $1 ORDER BY id DESC", Some(at), 0, None),
-    };
-    // Only the constant strings above are spliced in.
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!("{COLUMNS} {condition} LIMIT $3")))
-        .bind(at)
-        .bind(after)
-        .bind(limit as i64)
-        .bind(until)
-        .fetch_all(pool)
-        .await?;
+    const COLUMNS: &str = "SELECT o.id, o.txid::text::bigint AS txid, o.event_id::text AS event_id,
+                o.doc_id || '#' || o.chunk_index AS key,
+                COALESCE(o.target_table, 'public.doc_embeddings') AS target_table, o.doc_id, o.chunk_index,
+                embed_dlq_dedup_hour(o.created_at) AS dedup_hour,
+                o.created_at < COALESCE((SELECT since FROM embed_dlq_dedup_hashes), '-infinity') AS legacy_marker,
+                o.created_at
+           FROM dlq_outbox o
+          WHERE o.stream = 'events' AND o.txid IS NOT NULL";
+    let rows =
+        match page {
+            EventsPage::Published { since, after, at } => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "{COLUMNS}
+                   AND o.txid >= COALESCE(pg_snapshot_xmin($4::pg_snapshot), '0'::xid8)
+                   AND ($4::pg_snapshot IS NULL OR NOT pg_visible_in_snapshot(o.txid, $4::pg_snapshot))
+                   AND (o.txid, o.id) > ($5::text::xid8, $6)
+                   AND o.txid < pg_snapshot_xmax(COALESCE($2::pg_snapshot, $1::pg_snapshot))
+                   AND {PUBLISHED}
+                 ORDER BY o.txid, o.id LIMIT $7"
+                )))
+                .bind(&at.lower)
+                .bind(&at.upper)
+                .bind(at.after_id)
+                .bind(since)
+                .bind(after.0.to_string())
+                .bind(after.1)
+                .bind(limit as i64)
+                .fetch_all(pool)
+                .await?
+            }
+            EventsPage::PublishedBefore(window) => sqlx::query(sqlx::AssertSqlSafe(format!(
+                "{COLUMNS} AND pg_visible_in_snapshot(o.txid, $1::pg_snapshot) ORDER BY o.id DESC LIMIT $2"
+            )))
+            .bind(window)
+            .bind(limit as i64)
+            .fetch_all(pool)
+            .await?,
+        };
     rows.iter()
         .map(|r| {
             Ok(PublishedEvent {
                 id: r.try_get("id")?,
+                txid: r.try_get("txid")?,
                 event_id: r.try_get("event_id")?,
-                entry_id: r.try_get("entry_id")?,
                 key: r.try_get("key")?,
                 identity: Identity::read(r)?,
                 dedup_hour: r.try_get("dedup_hour")?,
-                published_at: r.try_get("published_at")?,
+                legacy_marker: r.try_get("legacy_marker")?,
+                created_at: r.try_get("created_at")?,
             })
         })
         .collect::<Result<_, sqlx::Error>>()
         .map_err(StoreError::from)
 }
 
-/// Marks published rows `ids` unpublished again, so the relay publishes them once more (with
-/// the same `event_id`); returns how many were marked.
+/// Has the relay publish rows `ids` again (with the same `event_id`): each becomes a row of
+/// this transaction, which no position has seen yet; returns how many.
 pub(crate) async fn mark_unpublished(pool: &PgPool, ids: &[i64]) -> Result<u64, StoreError> {
-    Ok(sqlx::query(
-        "UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL
-          WHERE id = ANY($1) AND published_at IS NOT NULL",
-    )
-    .bind(ids)
-    .execute(pool)
-    .await?
-    .rows_affected())
+    Ok(sqlx::query("UPDATE dlq_outbox SET txid = pg_current_xact_id() WHERE id = ANY($1)")
+        .bind(ids)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Window;
+
+    #[test]
+    fn a_window_reads_and_writes_the_snapshot_text_form() {
+        for text in ["10:20:", "10:20:10,15,19", "3:3:"] {
+            assert_eq!(Window::parse(text).unwrap().to_string(), text);
+        }
+        for bad in ["", "10", "10:20", "20:10:", "10:20:x", "10:20:1:2", "-1:5:"] {
+            assert_eq!(Window::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn holding_a_transaction_puts_its_rows_back_inside_the_window() {
+        let mut w = Window::parse("10:20:12").unwrap();
+        // 5 was visible (below xmin), 15 visible (not running), 25 never was.
+        w.hold([15, 5, 25]);
+        assert_eq!(w.to_string(), "5:20:5,12,15");
+    }
 }

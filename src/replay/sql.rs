@@ -253,11 +253,15 @@ impl Store {
                -- By id, lease by lease (a join may hash the whole DLQ).
                CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d
                                     WHERE d.id = l.dlq_id AND d.generation = l.generation OFFSET 0) d
+              CROSS JOIN (SELECT * FROM relay_position WHERE name = 'outbox') p
               WHERE l.leased_until > now() AND l.dlq_id > $1
                 AND NOT EXISTS (SELECT 1 FROM dlq_outbox o
-                                 WHERE o.doc_id = d.doc_id AND o.chunk_index = d.chunk_index
-                                   AND o.published_at IS NULL AND o.stream = 'replay'
-                                   AND o.dlq_id = d.id)
+                                 WHERE o.txid >= pg_snapshot_xmin(p.lower) AND o.stream = 'replay'
+                                   AND o.doc_id = d.doc_id AND o.chunk_index = d.chunk_index
+                                   AND o.dlq_id = d.id
+                                   AND NOT pg_visible_in_snapshot(o.txid, p.lower)
+                                   AND NOT (p.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, p.upper)
+                                            AND o.id <= p.after_id))
               ORDER BY l.dlq_id LIMIT $2",
         )
         .bind(after_id)

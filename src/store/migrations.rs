@@ -40,6 +40,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0019_positions.sql",
     "0020_source_suspects.sql",
     "0021_lease_charge_in_place.sql",
+    "0022_relay_position.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

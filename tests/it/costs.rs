@@ -378,11 +378,6 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
     let old: redis::streams::StreamRangeReply =
         redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut redis).await.unwrap();
     assert_eq!(old.ids.len(), 300);
-    // Published an hour ago: well before any window of the runs below.
-    sqlx::query("UPDATE dlq_outbox SET published_at = published_at - interval '1 hour' WHERE doc_id = 'old'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
     let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
     let config = ReconcileConfig { page: 10, ..immediate() };
     let mut r = Reconciler { store, redis: Some(private.manager().await), keys: keys.clone(), config };

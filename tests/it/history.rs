@@ -1389,7 +1389,10 @@ impl History {
                 .db
                 .count(
                     "SELECT (SELECT count(*) FROM embedding_dlq WHERE error_class = 'transient')
-                          + (SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL)",
+                          + (SELECT count(*) FROM dlq_outbox o, relay_position p
+                              WHERE o.txid IS NOT NULL AND NOT pg_visible_in_snapshot(o.txid, p.lower)
+                                AND NOT (p.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, p.upper)
+                                         AND o.id <= p.after_id))",
                 )
                 .await;
             if left == 0 {
@@ -1683,7 +1686,7 @@ impl History {
             .await
             .unwrap();
         // The events stream is capped (MAXLEN): an announcement older than its first entry
-        // was trimmed by policy, which the outbox's recorded entry id proves.
+        // was trimmed by policy, which the entry id its dedup record names proves.
         let head: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
             .arg(&stream)
             .arg("-")
@@ -1696,14 +1699,25 @@ impl History {
         let head = head.ids.first().map(|e| embed_dlq::streams::parse_entry_id(&e.id)).unwrap_or((0, 0));
         let unannounced: Vec<&(i64, String)> = rows.iter().filter(|k| !seen.contains_key(*k)).collect();
         let ids: Vec<i64> = unannounced.iter().map(|(id, _)| *id).collect();
-        let recorded: Vec<(i64, String, Option<String>)> = sqlx::query_as(
-            "SELECT dlq_id, body->>'content_hash', entry_id FROM dlq_outbox
-              WHERE event = 'parked' AND dlq_id = ANY($1) AND published_at IS NOT NULL",
+        let outbox: Vec<(i64, String, String, String)> = sqlx::query_as(
+            "SELECT dlq_id, body->>'content_hash', event_id::text, embed_dlq_dedup_hour(created_at) FROM dlq_outbox
+              WHERE event = 'parked' AND dlq_id = ANY($1)",
         )
         .bind(&ids)
         .fetch_all(&self.db.pool)
         .await
         .unwrap();
+        let records = stream.strip_suffix(":events").expect("an events stream key").to_string();
+        let mut recorded: Vec<(i64, String, Option<String>)> = Vec::new();
+        for (id, hash, event_id, hour) in outbox {
+            let entry: Option<String> = redis::cmd("HGET")
+                .arg(format!("{records}:published:{hour}"))
+                .arg(&event_id)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            recorded.push((id, hash, entry));
+        }
         let trimmed: std::collections::HashSet<(i64, String)> = recorded
             .into_iter()
             .filter(|(_, _, e)| e.as_deref().is_some_and(|e| embed_dlq::streams::parse_entry_id(e) < head))

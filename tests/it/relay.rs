@@ -35,12 +35,13 @@ async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {
     all.ids
 }
 
-/// The claim right after a large park, before autovacuum has analyzed the outbox (the
-/// planner guesses a few unpublished rows): it takes the oldest rows by the unpublished index
-/// and stops at its batch. Planned from the guess, it read and sorted the whole backlog (2.3 s
-/// a claim of 500 behind 700,000 rows; 5-8 s a claim at the start of the 1M scale run).
+/// The relay's first page right after a large park, before autovacuum has analyzed the
+/// outbox: opening the interval costs an index probe per transaction, and the page reads
+/// the oldest rows by id and stops at its batch. (The claim of an older relay, planned from
+/// the planner's guess of a few unpublished rows, read and sorted the whole backlog: 2.3 s a
+/// claim of 500 behind 700,000 rows; 5-8 s a claim at the start of the 1M scale run.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_after_a_large_park_reads_the_head_of_the_backlog_not_all_of_it() {
+async fn the_first_page_after_a_large_park_reads_the_head_of_the_backlog_not_all_of_it() {
     const PARKED: usize = 5_000;
     let db = TestDb::new().await;
     sqlx::query("ALTER TABLE dlq_outbox SET (autovacuum_enabled = false)").execute(&db.pool).await.unwrap();
@@ -91,7 +92,7 @@ async fn a_republish_after_a_lost_commit_or_a_restore_is_deduplicated() {
     assert_eq!(relay_all(&db, &keys).await, 6);
     // The relay crashed after XADD and before its commit (or the database was restored to
     // before the commit): the same rows are unpublished again.
-    sqlx::query("UPDATE dlq_outbox SET published_at = NULL").execute(&db.pool).await.unwrap();
+    rewind_relay(&db).await;
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
     let c = relay.run_once().await.unwrap();
     assert_eq!((c.claimed, c.published, c.duplicates), (6, 0, 6), "{c:?}");
@@ -249,37 +250,29 @@ async fn a_pass_mixing_published_and_new_rows_adds_only_the_new_ones_in_outbox_o
     let keys = fresh_keys();
     park(&db, "mixed", 6).await;
     assert_eq!(relay_all(&db, &keys).await, 6);
-    let recorded = || async {
-        sqlx::query_as::<_, (i64, String, String)>(
-            "SELECT id, event_id::text, entry_id FROM dlq_outbox ORDER BY id",
-        )
-        .fetch_all(&db.pool)
-        .await
-        .unwrap()
+    let on_stream = || async {
+        events_on_stream(&keys)
+            .await
+            .iter()
+            .map(|e| (embed_dlq::streams::field(&e.map, "event_id").unwrap(), e.id.clone()))
+            .collect::<Vec<_>>()
     };
-    let before = recorded().await;
-    // A lost commit: rows 2, 4, 5 and 6 look unpublished again, and four new rows follow.
-    let ids: Vec<i64> = before.iter().map(|(id, _, _)| *id).collect();
-    sqlx::query("UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL WHERE id = ANY($1)")
-        .bind([ids[1], ids[3], ids[4], ids[5]])
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    let before = on_stream().await;
+    // A lost commit (or a restore): every row looks unpublished again, and four new rows
+    // follow.
+    rewind_relay(&db).await;
     park(&db, "mixed-new", 4).await;
     let config = RelayConfig { rows_per_call: 3, ..RelayConfig::default() };
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config);
     let c = relay.run_once().await.unwrap();
-    assert_eq!((c.claimed, c.published, c.duplicates), (8, 4, 4), "{c:?}");
-    let after = recorded().await;
-    assert_eq!(&after[..6], &before[..], "the republished rows recorded their original entries");
-    let entries = events_on_stream(&keys).await;
-    assert_eq!(entries.len(), 10, "each event on the stream once");
-    let stream: Vec<(String, String)> = entries
-        .iter()
-        .map(|e| (embed_dlq::streams::field(&e.map, "event_id").unwrap(), e.id.clone()))
-        .collect();
-    let outbox: Vec<(String, String)> = after.into_iter().map(|(_, event, entry)| (event, entry)).collect();
-    assert_eq!(stream, outbox, "the stream holds the rows in outbox order, under the ids they recorded");
+    assert_eq!((c.claimed, c.published, c.duplicates), (10, 4, 6), "{c:?}");
+    let after = on_stream().await;
+    assert_eq!(after.len(), 10, "each event on the stream once");
+    assert_eq!(&after[..6], &before[..], "the republished rows kept their original entries");
+    let outbox: Vec<String> =
+        sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    let stream: Vec<String> = after.into_iter().map(|(event, _)| event).collect();
+    assert_eq!(stream, outbox, "the stream holds the rows in outbox order");
 }
 }
 
@@ -292,24 +285,24 @@ async fn drain_overlaps_batches_and_keeps_every_row_once_in_outbox_order() {
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config);
     let c = relay.drain(&CancellationToken::new()).await.unwrap();
     assert_eq!((c.claimed, c.published, c.duplicates), (25, 25, 0), "{c:?}");
-    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 0);
-    let outbox: Vec<(String, String)> =
-        sqlx::query_as("SELECT event_id::text, entry_id FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
-    let stream: Vec<(String, String)> = events_on_stream(&keys)
+    assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
+    let outbox: Vec<String> =
+        sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    let stream: Vec<String> = events_on_stream(&keys)
         .await
         .iter()
-        .map(|e| (embed_dlq::streams::field(&e.map, "event_id").unwrap(), e.id.clone()))
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
         .collect();
-    assert_eq!(stream, outbox, "each row once, in outbox order, under the entry id it recorded");
+    assert_eq!(stream, outbox, "each row once, in outbox order");
 }
 }
 
 on_single_and_cluster! {
-async fn a_chunks_later_event_waits_while_another_relay_holds_its_earlier_one() {
-    // Two relays (two `serve` hosts) drain one backlog: relay A has claimed the batch with
-    // chunk X's `parked` event and not published it yet (or its host died with the claim
-    // open). Relay B must not publish X's later `resolved` event before it, or the stream
-    // would show X resolved, then parked.
+async fn a_relay_waits_while_another_holds_the_outbox_and_a_chunks_events_keep_their_order() {
+    // Two relays (two `serve` hosts) on one outbox: relay A holds the outbox's position (it
+    // is publishing, or its host froze with the position held). Relay B must publish
+    // nothing meanwhile: anything it published could overtake A's rows, e.g. chunk X's later
+    // `resolved` event ahead of its `parked` one in A's page.
     let db = TestDb::new().await;
     let keys = fresh_keys();
     park(&db, "order", 1).await;
@@ -317,28 +310,24 @@ async fn a_chunks_later_event_waits_while_another_relay_holds_its_earlier_one() 
     let mock = start_mock(MockConfig::default()).await;
     let s = settings(&db, &mock);
     pipeline(&s).await.run(input(line("order", 0, "order 0, edited").into_bytes()), CancellationToken::new()).await.unwrap();
-    let x: Vec<(i64, String)> = sqlx::query_as(
-        "SELECT id, event FROM dlq_outbox WHERE doc_id = 'order' AND stream = 'events' ORDER BY id",
+    let x: Vec<String> = sqlx::query_scalar(
+        "SELECT event FROM dlq_outbox WHERE doc_id = 'order' AND stream = 'events' ORDER BY id",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    assert_eq!(x.iter().map(|(_, e)| e.as_str()).collect::<Vec<_>>(), ["parked", "resolved"]);
+    assert_eq!(x, ["parked", "resolved"]);
     let mut relay_a = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM dlq_outbox WHERE id = $1 FOR UPDATE").bind(x[0].0).execute(&mut *relay_a).await.unwrap();
+    sqlx::query("SELECT 1 FROM relay_position FOR UPDATE").execute(&mut *relay_a).await.unwrap();
 
     let mut relay_b = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
-    while relay_b.run_once().await.unwrap().claimed > 0 {}
-    let published: Vec<String> = sqlx::query_scalar(
-        "SELECT doc_id || ':' || event FROM dlq_outbox WHERE published_at IS NOT NULL ORDER BY id",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(published, ["filler:parked"; 3], "the other chunks went on; X's later event waited");
+    assert_eq!(relay_b.run_once().await.unwrap().claimed, 0);
+    assert_eq!(relay_b.drain(&CancellationToken::new()).await.unwrap().claimed, 0);
+    assert!(events_on_stream(&keys).await.is_empty(), "relay B published while A held the outbox");
 
     relay_a.rollback().await.unwrap();
     relay_all(&db, &keys).await;
+    assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
     let order: Vec<String> = events_on_stream(&keys)
         .await
         .iter()
@@ -353,11 +342,54 @@ async fn a_chunks_later_event_waits_while_another_relay_holds_its_earlier_one() 
 }
 
 on_single_and_cluster! {
+async fn a_row_of_a_transaction_that_commits_after_later_rows_were_published_is_published() {
+    // A long transaction writes an outbox row (its id is drawn now, low), then stays open
+    // while other rows, with higher ids, commit and are published. A relay that kept its
+    // place by id would pass over the low id for good; by commit order it comes next.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mut long = db.pool.begin().await.unwrap();
+    let early: String = sqlx::query_scalar(
+        "INSERT INTO dlq_outbox (event, doc_id, chunk_index, body) VALUES ('parked', 'long', 0, '{}')
+         RETURNING event_id::text",
+    )
+    .fetch_one(&mut *long)
+    .await
+    .unwrap();
+    park(&db, "meanwhile", 5).await;
+    let config = RelayConfig { batch: 2, ..RelayConfig::default() };
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config.clone());
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new(), "the open transaction's row is not visible yet");
+    assert_eq!(events_on_stream(&keys).await.len(), 5);
+    long.commit().await.unwrap();
+    park(&db, "after", 2).await;
+    let mut published = 0;
+    loop {
+        let c = relay.run_once().await.unwrap();
+        published += c.published;
+        if c.claimed == 0 {
+            break;
+        }
+    }
+    assert_eq!(published, 3);
+    assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
+    let stream: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect();
+    assert_eq!(stream.iter().filter(|e| **e == early).count(), 1, "the long transaction's row once");
+    assert_eq!(stream[5], early, "published right after it committed, before later commits");
+}
+}
+
+on_single_and_cluster! {
 async fn rows_left_for_a_later_batch_are_published_without_waiting_for_a_wake_up() {
-    // Three chunks, each parked and then resolved: p0 p1 p2 r0 r1 r2 in the outbox. With
-    // batches of two, the second claim finds only p2 (r0..r2 wait for their parked events),
-    // so the drain ends short of a full batch with rows still to publish. The loop must look
-    // again at once: nothing else will wake it (no new row, and the poll is an hour).
+    // Three chunks, each parked and then resolved: p0 p1 p2 r0 r1 r2 in the outbox, with
+    // batches of two. Wherever a drain stops with rows still to publish (its bound of pages,
+    // an interval that ended while more committed), the loop must look again at once:
+    // nothing else will wake it (no new row, and the poll is an hour).
     let db = TestDb::new().await;
     let keys = fresh_keys();
     park(&db, "pairs", 3).await;
@@ -365,13 +397,13 @@ async fn rows_left_for_a_later_batch_are_published_without_waiting_for_a_wake_up
     let s = settings(&db, &mock);
     let edited: String = (0..3).map(|i| line("pairs", i, &format!("pairs {i}, edited"))).collect();
     pipeline(&s).await.run(input(edited.into_bytes()), CancellationToken::new()).await.unwrap();
-    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 6);
+    assert_eq!(unpublished(&db, &keys).await.len(), 6);
     let config = RelayConfig { batch: 2, poll: Duration::from_secs(3600), ..RelayConfig::default() };
     let relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), config);
     let cancel = CancellationToken::new();
     let running = tokio::spawn(relay.run(cancel.clone()));
     let all_published = tokio::time::timeout(Duration::from_secs(60), async {
-        while db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await > 0 {
+        while !unpublished(&db, &keys).await.is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -405,18 +437,18 @@ async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
     let err = relay.drain(&CancellationToken::new()).await.expect_err("WRONGTYPE");
     assert!(!err.is_transient(), "{err}");
     drop(relay);
-    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE published_at IS NULL").await, 12);
-    // Every claim was released (dropped transactions roll back when their connection goes
+    // The position was released (a dropped transaction rolls back when its connection goes
     // back to the pool); a hang guard, not a timing assertion.
-    let free = "SELECT count(*) FROM (SELECT 1 FROM dlq_outbox FOR UPDATE SKIP LOCKED) t";
+    let free = "SELECT count(*) FROM (SELECT 1 FROM relay_position FOR UPDATE SKIP LOCKED) t";
     tokio::time::timeout(Duration::from_secs(60), async {
-        while db.count(free).await < 12 {
+        while db.count(free).await < 1 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await
-    .expect("a claim stayed locked after the drain failed");
+    .expect("the outbox's position stayed held after the drain failed");
     let _: () = r.del(keys.events()).await.unwrap();
+    assert_eq!(unpublished(&db, &keys).await.len(), 12);
     let mut relay = Relay::new(db.pool.clone(), r, keys.clone(), config);
     assert_eq!(relay.drain(&CancellationToken::new()).await.unwrap().published, 12);
     let outbox: Vec<String> =
@@ -440,7 +472,7 @@ async fn a_claim_idle_timeout_out_of_bounds_is_clamped_not_sent_to_postgres() {
     for timeout in [Duration::ZERO, Duration::MAX] {
         let config = RelayConfig { claim_idle_timeout: timeout, ..RelayConfig::default() };
         let mut relay = Relay::new(db.pool.clone(), redis().await, fresh_keys(), config);
-        sqlx::query("UPDATE dlq_outbox SET published_at = NULL, entry_id = NULL").execute(&db.pool).await.unwrap();
+        rewind_relay(&db).await;
         let c = relay.run_once().await.unwrap();
         assert_eq!(c.published, 3, "{timeout:?}: {c:?}");
     }
@@ -459,11 +491,10 @@ async fn a_zero_claim_idle_timeout_still_ends_a_silent_claim() {
     a_silent_claim_is_released(Duration::ZERO).await;
 }
 
-/// A relay host that freezes (or drops off the network) with a claim open: its rows, and
-/// since the per-chunk order also the later events of their chunks, must not wait for the
-/// host. Here the relay's Redis is frozen, so its publish hangs (until its 10 s reply
-/// timeout) with the claim open; Postgres must end the idle claim (`claim_idle_timeout`)
-/// first.
+/// A relay host that freezes (or drops off the network) holding the outbox's position: the
+/// other relays, and so every event, must not wait for the host. Here the relay's Redis is
+/// frozen, so its publish hangs (until its 10 s reply timeout) with the position held;
+/// Postgres must end the idle transaction (`claim_idle_timeout`) first.
 async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
     let db = TestDb::new().await;
     park(&db, "silent", 5).await;
@@ -478,8 +509,7 @@ async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
     let config = RelayConfig { claim_idle_timeout, ..RelayConfig::default() };
     let mut relay = Relay::new(db.pool.clone(), conn, fresh_keys(), config);
     let blocked = tokio::spawn(async move { relay.run_once().await });
-    let free =
-        "SELECT count(*) FROM (SELECT 1 FROM dlq_outbox WHERE published_at IS NULL FOR UPDATE SKIP LOCKED) t";
+    let free = "SELECT count(*) FROM (SELECT 1 FROM relay_position FOR UPDATE SKIP LOCKED) t";
     // Sessions of this (the test's own) database that Postgres ended with a FATAL error, as the
     // idle timeout ends the claim's: a claim that lived too briefly for any poll to meet it
     // open (a loaded machine, a one-second timeout) is still seen to have been ended.
@@ -494,7 +524,7 @@ async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
     }
     let seen = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() < 5 {
+            if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() < 1 {
                 return Seen::Open;
             }
             if sqlx::query_scalar::<_, i64>(ended).fetch_one(&mut watcher).await.unwrap() > ended_before {
@@ -514,7 +544,7 @@ async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
                 if blocked.is_finished() {
                     return false;
                 }
-                if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() == 5 {
+                if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() == 1 {
                     return !blocked.is_finished();
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;

@@ -511,6 +511,35 @@ impl Drop for PrivateCluster {
     }
 }
 
+/// The event ids of the outbox rows not on any stream of `keys` (events and replay, every
+/// shard), in outbox order: what is still unpublished, as Redis itself shows it.
+pub async fn unpublished(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> Vec<String> {
+    let mut r = redis().await;
+    let mut on_streams = std::collections::HashSet::new();
+    for shard in keys.shard_ids() {
+        for stream in [keys.events_of(shard), keys.replay_of(shard)] {
+            let all: redis::streams::StreamRangeReply =
+                redis::cmd("XRANGE").arg(&stream).arg("-").arg("+").query_async(&mut r).await.unwrap();
+            on_streams.extend(all.ids.iter().filter_map(|e| embed_dlq::streams::field(&e.map, "event_id")));
+        }
+    }
+    let outbox: Vec<String> = sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    outbox.into_iter().filter(|e| !on_streams.contains(e)).collect()
+}
+
+/// Moves the relay's position back to before every outbox row, as a database restored from
+/// a backup taken before the relay's last commits shows it (or a relay that crashed before
+/// committing): every row is to be published again.
+pub async fn rewind_relay(db: &TestDb) {
+    sqlx::query("UPDATE relay_position SET lower = '3:3:', upper = NULL, after_id = 0, last_id = 0")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
 /// Relays every unpublished outbox row to `keys`; returns the new stream entries. Every entry
 /// it added to the events streams is checked against the events contract
 /// ([`assert_events_conform_after`]).
