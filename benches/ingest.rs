@@ -441,9 +441,25 @@ async fn relay_rounds(
     raw_key: &str,
     body: &str,
     rows: usize,
+    cpu: &CpuSampler,
 ) {
     use embed_dlq::relay::{Relay, RelayConfig};
     use embed_dlq::streams::StreamKeys;
+    // CPU per row of a pass, by tier: where a relay's cost goes next to its floor's.
+    let mut info_conn = redis.clone();
+    let mut cpu_of = async |since: Option<(CpuSnapshot, f64)>| -> ((CpuSnapshot, f64), String) {
+        let now = (cpu.snapshot(), redis_cpu_secs(&mut info_conn).await);
+        let line = since.map_or(String::new(), |(before, redis_before)| {
+            let d = now.0.since(&before);
+            format!(
+                "client {:.1} + pg {:.1} + redis {:.1} us",
+                d.client * 1e6 / rows as f64,
+                (d.pg_own + d.pg_background) * 1e6 / rows as f64,
+                (now.1 - redis_before) * 1e6 / rows as f64
+            )
+        });
+        (now, line)
+    };
     let rounds = env_usize("BENCH_RELAY_ROUNDS", 1).max(1);
     let per_call = env_usize("BENCH_RELAY_ROWS_PER_CALL", RelayConfig::default().rows_per_call);
     let compare = std::env::var("BENCH_RELAY_COMPARE").is_ok();
@@ -491,6 +507,7 @@ async fn relay_rounds(
             };
             let config = RelayConfig { rows_per_call: per_call, batch, ..RelayConfig::default() };
             let mut relay = Relay::new(pool.clone(), redis.clone(), target.clone(), config);
+            let (before, _) = cpu_of(None).await;
             let start = Instant::now();
             if compare && n == 0 {
                 while relay.run_once().await.unwrap().claimed > 0 {}
@@ -498,6 +515,7 @@ async fn relay_rounds(
                 while relay.drain(&CancellationToken::new()).await.unwrap().claimed > 0 {}
             }
             let rate = rows as f64 / start.elapsed().as_secs_f64();
+            println!("  relay CPU per row: {}", cpu_of(Some(before)).await.1);
             if compare && n == 0 {
                 singles.push(rate)
             } else {
@@ -511,9 +529,12 @@ async fn relay_rounds(
             let batch = env_usize("BENCH_RELAY_BATCH", RelayConfig::default().batch);
             for scripted in [false, true] {
                 let target = format!("{{bench-{}}}:ceiling", std::process::id());
+                let (before, _) = cpu_of(None).await;
                 let start = Instant::now();
                 ceiling_pass(pool, redis, &target, batch, per_call, scripted).await;
                 let rate = rows as f64 / start.elapsed().as_secs_f64();
+                let what = if scripted { "floor in a script" } else { "floor" };
+                println!("  {what} CPU per row: {}", cpu_of(Some(before)).await.1);
                 if scripted {
                     ceilings_scripted.push(rate)
                 } else {
@@ -528,9 +549,10 @@ async fn relay_rounds(
             .map(|c| {
                 let s = ceilings_scripted[round];
                 format!(
-                    "   read + XADD only {c:>8.0} ({:.2}), in a script {s:>8.0} ({:.2})",
+                    "   read + XADD only {c:>8.0} ({:.2}), in a script {s:>8.0} ({:.2}), relay / read + XADD {:.2}",
                     c / raw,
-                    s / raw
+                    s / raw,
+                    relays[round] / c
                 )
             })
             .unwrap_or_default();
@@ -554,9 +576,10 @@ async fn relay_rounds(
     let single = match ceilings.is_empty() {
         true => single,
         false => format!(
-            "{single}, read + XADD only {:.2}, in a script {:.2}",
+            "{single}, read + XADD only {:.2}, in a script {:.2}; relay / read + XADD only {:.2}",
             median(ceilings.iter().zip(&raws).map(|(c, x)| c / x).collect()),
-            median(ceilings_scripted.iter().zip(&raws).map(|(c, x)| c / x).collect())
+            median(ceilings_scripted.iter().zip(&raws).map(|(c, x)| c / x).collect()),
+            median(relays.iter().zip(&ceilings).map(|(r, c)| r / c).collect())
         ),
     };
     println!(
@@ -687,7 +710,7 @@ async fn streams_bench(
     let body: String =
         sqlx::query_scalar("SELECT body::text FROM dlq_outbox LIMIT 1").fetch_one(pool).await.unwrap();
     let raw_key = format!("{{bench-{}}}:raw", std::process::id());
-    relay_rounds(pool, &mut redis, &keys, &raw_key, &body, rows).await;
+    relay_rounds(pool, &mut redis, &keys, &raw_key, &body, rows, cpu).await;
 
     // Replay against the ingest pipeline, side by side, `BENCH_REPLAY_ROUNDS` rounds.
     replay_bench(pool, pipeline, &parking, mock, &client, &mut redis, &keys, rows, cpu).await;
