@@ -1009,3 +1009,63 @@ async fn dlq_rows_read_their_class_typed_and_refuse_an_unknown_one() {
     assert!(matches!(err, embed_dlq::store::StoreError::Db(sqlx::Error::ColumnDecode { .. })), "{err:?}");
     assert!(embed_dlq::dlq::stats(&p.store).await.is_err());
 }
+
+/// The upgrade to the relay by commit order (migration 0022) over an outbox an older relay
+/// left half published: what it published stays published (not added again, not walked by
+/// the reconciler), and what it left is published once by the new relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upgrade_to_the_relay_by_commit_order_publishes_what_the_older_relay_left_once() {
+    let db = TestDb::unmigrated().await;
+    embed_dlq::store::MIGRATOR.run_to(21, &db.pool).await.unwrap();
+    // Written by hand: the tool's own writers would migrate the database first.
+    sqlx::query(
+        "INSERT INTO dlq_outbox (event, doc_id, chunk_index, body, target_table)
+         SELECT 'parked', 'upgrade', i, '{}', 'public.doc_embeddings' FROM generate_series(0, 6) i",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let keys = fresh_keys();
+    // The older relay published the first three (its mark: `published_at`, `entry_id`).
+    let mut r = redis().await;
+    let first: Vec<(i64, String)> =
+        sqlx::query_as("SELECT id, event_id::text FROM dlq_outbox ORDER BY id LIMIT 3")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    for (id, event_id) in &first {
+        let entry: String = r.xadd(keys.events(), "*", &[("event_id", event_id.as_str())]).await.unwrap();
+        sqlx::query("UPDATE dlq_outbox SET published_at = now(), entry_id = $2 WHERE id = $1")
+            .bind(id)
+            .bind(entry)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    embed_dlq::store::migrate(&db.pool).await.unwrap();
+    let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let mut published = 0;
+    loop {
+        let c = relay.run_once().await.unwrap();
+        published += c.published;
+        if c.claimed == 0 {
+            break;
+        }
+    }
+    assert_eq!(published, 4, "the four rows the older relay left");
+    assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
+    let stream: Vec<String> = events_on_stream(&keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect();
+    let outbox: Vec<String> = sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stream, outbox, "each event once, in outbox order");
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    let report = r.run_sweep(Mode::Check, Some(embed_dlq::reconcile::Sweep::Full)).await.unwrap();
+    assert_eq!(report.get(Check::MissingEvents).found, 0, "{report:#?}");
+    assert_eq!(report.get(Check::OutboxBacklog).found, 0, "{report:#?}");
+}
