@@ -379,10 +379,11 @@ pub(crate) struct Backlog {
 pub async fn backlog(pool: &PgPool, stuck_after: Duration) -> Result<Backlog, StoreError> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "WITH p AS (SELECT * FROM relay_position WHERE name = $2),
-              w AS (SELECT o.* FROM dlq_outbox o, p
+              w AS (SELECT o.id, o.txid, o.created_at FROM dlq_outbox o, p
                      WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(p.lower)))
                     UNION ALL
-                    SELECT o.* FROM dlq_outbox o, p WHERE o.txid >= pg_snapshot_xmax(p.lower))
+                    SELECT o.id, o.txid, o.created_at FROM dlq_outbox o, p
+                     WHERE o.txid >= pg_snapshot_xmax(p.lower))
          SELECT count(*) AS backlog,
                 count(*) FILTER (WHERE o.created_at < now() - make_interval(secs => $1)) AS stuck,
                 COALESCE(extract(epoch FROM now() - min(o.created_at)), 0)::float8 AS oldest
