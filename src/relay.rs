@@ -46,7 +46,7 @@ use sql as outbox;
 /// Relay tuning.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
-    /// Outbox rows per pass (one transaction, one pipeline).
+    /// Outbox rows per page: one read, then one pipeline per stream shard.
     pub batch: usize,
     /// Longest wait between passes when no notification arrives.
     pub poll: Duration,

@@ -207,7 +207,7 @@ pub struct ServeArgs {
     /// Relay poll interval when no notification arrives, in milliseconds.
     #[arg(long)]
     pub relay_poll_ms: Option<u64>,
-    /// How long a published event's dedup record stays in Redis, in seconds: it must outlive any outage between a publish and its mark; shorter saves Redis
+    /// How long a published event's dedup record stays in Redis, in seconds: it must outlive any outage between a publish and the commit of the relay's position (and any database restore to before it); shorter saves Redis
     /// memory (about 115 bytes per event).
     #[arg(long)]
     pub relay_marker_ttl_secs: Option<u64>,

@@ -50,7 +50,7 @@ pub const REPLAY_LEASE_SECS: RangeInclusive<u64> = 1..=86_400;
 pub const REPLAY_OUTSTANDING_MAX: RangeInclusive<usize> = 1..=1_000_000;
 /// `grace_ms`: up to 10 minutes of drain after the signal.
 pub const GRACE_MS: RangeInclusive<u64> = 0..=600_000;
-/// `relay_batch`: outbox rows per relay pass.
+/// `relay_batch`: outbox rows per relay page (one read, one pipeline per shard).
 pub const RELAY_BATCH: RangeInclusive<usize> = 1..=10_000;
 /// `relay_poll_ms`: 10 ms to 1 minute between passes without a notification.
 pub const RELAY_POLL_MS: RangeInclusive<u64> = 10..=60_000;

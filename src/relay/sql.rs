@@ -13,8 +13,9 @@
 //!
 //! Why the order holds: a chunk's later event comes from a transaction that waited for the
 //! earlier event's transaction to release the chunk's row locks, and drew its outbox id after
-//! that one committed (migration 0014). So it is visible in every snapshot that shows the
-//! later one: it belongs to the same interval with a lower id, or to an earlier interval.
+//! that one committed (migration 0014). So the earlier event is visible in every snapshot
+//! that shows the later one: it belongs to an earlier interval, or to the same one with a
+//! lower id.
 //! (Ordering an interval by transaction id would not hold: ids are drawn when a transaction
 //! first writes, not when it commits.)
 
