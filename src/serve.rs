@@ -391,11 +391,8 @@ impl ServersSeen {
         redis: &mut crate::streams::RedisConn,
     ) -> Result<usize, crate::replay::ReplayError> {
         let now = crate::streams::shard_servers(redis, &reconciler.keys).await?;
-        let mut replaced = 0;
-        for (shard, (before, after)) in reconciler.keys.shard_ids().zip(self.0.iter().zip(&now)) {
-            if before.is_none() || after.is_none() || before == after {
-                continue;
-            }
+        let changed = self.update(now);
+        for &shard in &changed {
             let released =
                 crate::replay::release_lost_leases(&reconciler.store, &reconciler.keys, shard).await?;
             metrics::counter!(crate::metrics::REPLAY_LEASES_RELEASED).increment(released);
@@ -405,10 +402,28 @@ impl ServersSeen {
                 "another Redis server holds the shard's streams (a failover or a restart): released \
                  the leases of its work items, which are issued again; republishing the events it lost"
             );
-            replaced += 1;
         }
-        self.0 = now;
-        Ok(replaced)
+        Ok(changed.len())
+    }
+
+    /// Takes the servers read now (per shard, `None` where the read found none) and returns
+    /// the shards whose server changed. A shard read as `None` (no server during a failover,
+    /// a node that does not answer) keeps the server last seen, so the change shows at the
+    /// first check that finds the new one; forgetting it would let a failover that outlasts
+    /// a check pass unseen.
+    fn update(&mut self, now: Vec<Option<String>>) -> Vec<u16> {
+        let mut changed = Vec::new();
+        if self.0.len() != now.len() {
+            self.0 = vec![None; now.len()];
+        }
+        for (shard, (seen, read)) in self.0.iter_mut().zip(now).enumerate() {
+            let Some(read) = read else { continue };
+            if seen.as_ref().is_some_and(|s| *s != read) {
+                changed.push(shard as u16);
+            }
+            *seen = Some(read);
+        }
+        changed
     }
 }
 
@@ -489,5 +504,34 @@ pub async fn reconcile_periodically(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ServersSeen;
+
+    fn servers(ids: &[Option<&str>]) -> Vec<Option<String>> {
+        ids.iter().map(|s| s.map(str::to_string)).collect()
+    }
+
+    #[test]
+    fn a_failover_seen_through_a_check_with_no_server_is_still_a_change() {
+        let mut seen = ServersSeen::default();
+        assert!(seen.update(servers(&[Some("a"), Some("b")])).is_empty(), "the first check sees no change");
+        assert!(seen.update(servers(&[Some("a"), Some("b")])).is_empty());
+        // Shard 1's master died: no server answers for it at this check...
+        assert!(seen.update(servers(&[Some("a"), None])).is_empty());
+        // ...and its replica took over by the next one.
+        assert_eq!(seen.update(servers(&[Some("a"), Some("c")])), [1]);
+        assert!(seen.update(servers(&[Some("a"), Some("c")])).is_empty(), "seen once");
+    }
+
+    #[test]
+    fn a_shard_never_seen_before_is_not_a_change() {
+        let mut seen = ServersSeen::default();
+        assert!(seen.update(servers(&[None, None])).is_empty());
+        assert!(seen.update(servers(&[Some("a"), None])).is_empty());
+        assert_eq!(seen.update(servers(&[Some("b"), Some("x")])), [0]);
     }
 }
