@@ -357,11 +357,6 @@ async fn the_events_check_reads_each_page_of_events_in_one_range_and_still_tells
     assert_eq!(full.get(Check::MissingEvents).found, 1);
 }
 
-/// Publishes every unpublished outbox row through `relay`.
-async fn relay_all(relay: &mut embed_dlq::relay::Relay) {
-    while relay.run_once().await.unwrap().claimed > 0 {}
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet_finds_a_stream_that_lost_its_data()
  {
@@ -374,7 +369,7 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
     let mut relay =
         Relay::new(db.pool.clone(), private.manager().await, keys.clone(), RelayConfig::default());
     park_transient(&db, "old", 300, "event").await;
-    relay_all(&mut relay).await;
+    relay_until_idle(&mut relay).await;
     let old: redis::streams::StreamRangeReply =
         redis::cmd("XRANGE").arg(keys.events()).arg("-").arg("+").query_async(&mut redis).await.unwrap();
     assert_eq!(old.ids.len(), 300);
@@ -385,7 +380,7 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
     assert_eq!(first.get(Check::MissingEvents).found, 0, "{first:#?}");
 
     park_transient(&db, "new", 5, "event").await;
-    relay_all(&mut relay).await;
+    relay_until_idle(&mut relay).await;
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
     let report = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();
     let calls = xrange_calls(&mut redis).await;
@@ -405,7 +400,7 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
         (1, 1),
         "{full:#?}"
     );
-    relay_all(&mut relay).await;
+    relay_until_idle(&mut relay).await;
 
     // The stream loses its data: the witnesses are gone, and the incremental run checks and
     // repairs every retained event.
@@ -414,7 +409,7 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
     let missing = lost.get(Check::MissingEvents);
     assert_eq!((missing.found, missing.repaired), (305, 305), "{lost:#?}");
     assert!(missing.note.as_deref().is_some_and(|n| n.contains("before the previous run")), "{missing:#?}");
-    relay_all(&mut relay).await;
+    relay_until_idle(&mut relay).await;
     let len: usize = redis::cmd("XLEN").arg(keys.events()).query_async(&mut redis).await.unwrap();
     assert_eq!(len, 305, "every retained event is on the stream again");
     let clean = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();

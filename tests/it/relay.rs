@@ -29,6 +29,15 @@ async fn park(db: &TestDb, doc: &str, n: i32) {
     pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
 }
 
+/// The `event_id` of every entry of the events stream, in stream order.
+async fn event_ids_on_stream(keys: &StreamKeys) -> Vec<String> {
+    events_on_stream(keys)
+        .await
+        .iter()
+        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
+        .collect()
+}
+
 async fn events_on_stream(keys: &StreamKeys) -> Vec<redis::streams::StreamId> {
     let mut r = redis().await;
     let all: redis::streams::StreamRangeReply = r.xrange_all(keys.events()).await.unwrap();
@@ -203,11 +212,7 @@ async fn a_call_that_fails_half_way_still_records_the_rows_it_added() {
     let _: () = r.del(keys.replay()).await.unwrap();
     let retried: Vec<(String, i64)> = publish_call(&keys, "2026113010", &[], &rows).invoke_async(&mut r).await.unwrap();
     assert_eq!(added(&retried), [0, 1, 1], "{retried:?}");
-    let on_stream: Vec<String> = events_on_stream(&keys)
-        .await
-        .iter()
-        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
-        .collect();
+    let on_stream: Vec<String> = event_ids_on_stream(&keys).await;
     assert_eq!(on_stream, ["e1", "e2"], "e1 once");
     let tag = format!("{{{}}}", keys.prefix());
     let _: () = r.del(&[keys.events(), keys.replay(), format!("{tag}:published:2026113010")]).await.unwrap();
@@ -288,11 +293,7 @@ async fn drain_overlaps_batches_and_keeps_every_row_once_in_outbox_order() {
     assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
     let outbox: Vec<String> =
         sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
-    let stream: Vec<String> = events_on_stream(&keys)
-        .await
-        .iter()
-        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
-        .collect();
+    let stream: Vec<String> = event_ids_on_stream(&keys).await;
     assert_eq!(stream, outbox, "each row once, in outbox order");
 }
 }
@@ -364,21 +365,10 @@ async fn a_row_of_a_transaction_that_commits_after_later_rows_were_published_is_
     assert_eq!(events_on_stream(&keys).await.len(), 5);
     long.commit().await.unwrap();
     park(&db, "after", 2).await;
-    let mut published = 0;
-    loop {
-        let c = relay.run_once().await.unwrap();
-        published += c.published;
-        if c.claimed == 0 {
-            break;
-        }
-    }
+    let published = relay_until_idle(&mut relay).await;
     assert_eq!(published, 3);
     assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
-    let stream: Vec<String> = events_on_stream(&keys)
-        .await
-        .iter()
-        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
-        .collect();
+    let stream: Vec<String> = event_ids_on_stream(&keys).await;
     assert_eq!(stream.iter().filter(|e| **e == early).count(), 1, "the long transaction's row once");
     assert_eq!(stream[5], early, "published right after it committed, before later commits");
 }
@@ -453,11 +443,7 @@ async fn a_failed_publish_in_a_drain_releases_the_later_batches_too() {
     assert_eq!(relay.drain(&CancellationToken::new()).await.unwrap().published, 12);
     let outbox: Vec<String> =
         sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id").fetch_all(&db.pool).await.unwrap();
-    let stream: Vec<String> = events_on_stream(&keys)
-        .await
-        .iter()
-        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
-        .collect();
+    let stream: Vec<String> = event_ids_on_stream(&keys).await;
     assert_eq!(stream, outbox, "outbox order after the retry");
 }
 }
@@ -766,11 +752,7 @@ async fn published_events_missing_from_the_stream_are_found_and_republished() {
     assert_eq!(relay_all(&db, &keys).await, 2, "the markers did not swallow the republish");
     let clean = r.run_once(Mode::Check).await.unwrap();
     assert_eq!(clean.total_found(), 0, "{clean:#?}");
-    let on_stream: Vec<String> = events_on_stream(&keys)
-        .await
-        .iter()
-        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
-        .collect();
+    let on_stream: Vec<String> = event_ids_on_stream(&keys).await;
     assert_eq!(on_stream.len(), 22);
     assert_eq!(on_stream.iter().collect::<HashSet<_>>().len(), 22, "each event once");
 
@@ -1044,21 +1026,10 @@ async fn the_upgrade_to_the_relay_by_commit_order_publishes_what_the_older_relay
     }
     embed_dlq::store::migrate(&db.pool).await.unwrap();
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
-    let mut published = 0;
-    loop {
-        let c = relay.run_once().await.unwrap();
-        published += c.published;
-        if c.claimed == 0 {
-            break;
-        }
-    }
+    let published = relay_until_idle(&mut relay).await;
     assert_eq!(published, 4, "the four rows the older relay left");
     assert_eq!(unpublished(&db, &keys).await, Vec::<String>::new());
-    let stream: Vec<String> = events_on_stream(&keys)
-        .await
-        .iter()
-        .map(|e| embed_dlq::streams::field(&e.map, "event_id").unwrap())
-        .collect();
+    let stream: Vec<String> = event_ids_on_stream(&keys).await;
     let outbox: Vec<String> = sqlx::query_scalar("SELECT event_id::text FROM dlq_outbox ORDER BY id")
         .fetch_all(&db.pool)
         .await

@@ -547,16 +547,21 @@ pub async fn relay_all(db: &TestDb, keys: &embed_dlq::streams::StreamKeys) -> u6
     use embed_dlq::relay::{Relay, RelayConfig};
     let before = events_heads(keys).await;
     let mut relay = Relay::new(db.pool.clone(), redis().await, keys.clone(), RelayConfig::default());
+    let published = relay_until_idle(&mut relay).await;
+    assert_events_conform_after(keys, &before).await;
+    published
+}
+
+/// Passes of `relay` until one finds nothing to publish; returns the new stream entries.
+pub async fn relay_until_idle(relay: &mut embed_dlq::relay::Relay) -> u64 {
     let mut published = 0;
     loop {
         let c = relay.run_once().await.unwrap();
         published += c.published;
         if c.claimed == 0 {
-            break;
+            return published;
         }
     }
-    assert_events_conform_after(keys, &before).await;
-    published
 }
 
 /// The events contract, `docs/events.schema.json`: what a consumer in any language is promised
