@@ -2,7 +2,7 @@
 //! without a visible duplicate.
 //!
 //! The relay reads the outbox in commit order and never writes a row of it (see
-//! [`sql`]): it takes the outbox's position (one row of `relay_position`, locked in a
+//! `src/relay/sql.rs`): it takes the outbox's position (one row of `relay_position`, locked in a
 //! transaction; a second relay finds it held and waits its turn, so a chunk's events keep
 //! their order however many relays run), reads the next page by id within the current
 //! interval of committed transactions, groups the rows by stream shard and publishes each
