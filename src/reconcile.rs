@@ -475,6 +475,17 @@ impl Plan {
     }
 }
 
+/// Events created before this instant may have outlived their dedup record (it lives
+/// `dedup_ttl` from the last write to its hash, at or after the event's publish), with an
+/// hour of margin for a relay that published late. A TTL too large for the clock means no
+/// record has expired yet, never that all have.
+fn records_expire_before(now: DateTime<Utc>, dedup_ttl: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(dedup_ttl.saturating_sub(Duration::from_secs(3600)))
+        .ok()
+        .and_then(|d| now.checked_sub_signed(d))
+        .unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
 /// What [`Reconciler::events_missing_from_stream`] found on a page.
 #[derive(Default)]
 struct StreamLookup<'r> {
@@ -889,9 +900,7 @@ impl Reconciler {
             by_shard.entry(r.identity.shard(&self.keys)).or_default().push(r);
         }
         let mut out = StreamLookup::default();
-        let expiry = chrono::Utc::now()
-            - chrono::Duration::from_std(self.config.dedup_ttl.saturating_sub(Duration::from_secs(3600)))
-                .unwrap_or_default();
+        let expiry = records_expire_before(chrono::Utc::now(), self.config.dedup_ttl);
         for (shard, rows) in by_shard {
             let records = self.records(redis, shard, &rows).await?;
             let mut recorded = Vec::with_capacity(rows.len());
@@ -1275,6 +1284,16 @@ mod tests {
             resume: resume.iter().map(|c| (c.name().to_string(), at)).collect(),
             events_window: None,
         }
+    }
+
+    #[test]
+    fn a_dedup_record_expires_after_its_ttl_less_an_hour_and_a_huge_ttl_never() {
+        let now = chrono::Utc::now();
+        let day = Duration::from_secs(86_400);
+        assert_eq!(records_expire_before(now, day), now - chrono::Duration::hours(23));
+        assert_eq!(records_expire_before(now, Duration::from_secs(60)), now, "under the margin");
+        assert_eq!(records_expire_before(now, Duration::MAX), DateTime::<Utc>::MIN_UTC);
+        assert_eq!(records_expire_before(now, Duration::from_secs(u64::MAX / 4)), DateTime::<Utc>::MIN_UTC);
     }
 
     #[test]
