@@ -262,21 +262,7 @@ impl Relay {
     /// moves the outbox's position past them and commits. Does nothing while another relay
     /// holds the position.
     pub async fn run_once(&mut self) -> Result<RelayCounts, RelayError> {
-        let Some(mut lease) = outbox::take(&self.pool, self.claim_idle_timeout()).await? else {
-            return Ok(RelayCounts::default());
-        };
-        let page = lease.read(self.config.batch).await?;
-        let counts = match page.rows.is_empty() {
-            true => RelayCounts::default(),
-            false => {
-                let replies = self.publish(&page.rows).await?;
-                failpoint::hit!("relay_after_publish");
-                count(&replies)
-            }
-        };
-        lease.published(page.then);
-        lease.commit().await?;
-        Ok(counts)
+        self.pass(1, &CancellationToken::new()).await
     }
 
     /// Publishes pages back to back, as [`Relay::run_once`] does, until one is not full
@@ -289,6 +275,15 @@ impl Relay {
     /// drops the position where it was: the next pass publishes the same rows again and
     /// their dedup records make that a no-op for every row that reached the stream.
     pub async fn drain(&mut self, cancel: &CancellationToken) -> Result<RelayCounts, RelayError> {
+        self.pass(PAGES_PER_COMMIT, cancel).await
+    }
+
+    /// Up to `max_pages` pages under one hold of the position ([`Relay::drain`]).
+    async fn pass(
+        &mut self,
+        max_pages: usize,
+        cancel: &CancellationToken,
+    ) -> Result<RelayCounts, RelayError> {
         let batch = self.config.batch;
         let Some(mut lease) = outbox::take(&self.pool, self.claim_idle_timeout()).await? else {
             return Ok(RelayCounts::default());
@@ -301,7 +296,7 @@ impl Relay {
                 lease.published(page.then);
                 break;
             }
-            let more = page.more && pages < PAGES_PER_COMMIT && !cancel.is_cancelled();
+            let more = page.more && pages < max_pages && !cancel.is_cancelled();
             let read_next = async {
                 match more {
                     true => lease.read(batch).await.map(Some),
