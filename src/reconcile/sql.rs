@@ -950,15 +950,19 @@ pub(crate) struct WorkAudit {
 impl WorkAudit {
     /// Begins the audit: snapshots the unpublished replay work of the outbox.
     pub(crate) async fn begin(pool: &PgPool) -> Result<WorkAudit, StoreError> {
+        // At the position read first: a row the relay publishes meanwhile still counts as
+        // unpublished work, never the other way round.
+        let at = crate::relay::sql::position(pool).await?;
         let mut tx = pool.begin().await?;
-        sqlx::query(
-            "CREATE TEMP TABLE reconcile_unpublished_work ON COMMIT DROP AS
-             SELECT DISTINCT o.dlq_id FROM dlq_outbox o, relay_position p
-              WHERE p.name = 'outbox' AND o.txid >= pg_snapshot_xmin(p.lower)
-                AND o.stream = 'replay' AND o.dlq_id IS NOT NULL
-                AND NOT pg_visible_in_snapshot(o.txid, p.lower)
-                AND NOT (p.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, p.upper) AND o.id <= p.after_id)",
-        )
+        sqlx::query("CREATE TEMP TABLE reconcile_unpublished_work (dlq_id bigint) ON COMMIT DROP")
+            .execute(&mut *tx)
+            .await?;
+        at.bind_unpublished(sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO reconcile_unpublished_work
+             SELECT DISTINCT o.dlq_id FROM dlq_outbox o
+              WHERE o.stream = 'replay' AND o.dlq_id IS NOT NULL AND {}",
+            crate::relay::sql::UNPUBLISHED
+        ))))?
         .execute(&mut *tx)
         .await?;
         sqlx::query(

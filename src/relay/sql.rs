@@ -132,6 +132,19 @@ impl Position {
 const PUBLISHED: &str = "(o.txid IS NULL OR pg_visible_in_snapshot(o.txid, $1::pg_snapshot)
           OR ($2::pg_snapshot IS NOT NULL AND pg_visible_in_snapshot(o.txid, $2::pg_snapshot) AND o.id <= $3))";
 
+/// The predicate "`o` waits for the relay at a position": its transaction is not visible in
+/// the position's `lower`, and the row is not one of the current interval's published ones.
+/// Over parameters `$1` to `$5`, bound by [`Position::bind_unpublished`] before any other.
+/// The transactions not visible in `lower` are two ranges of the txid index, as narrow as
+/// what committed since: those running when it was taken (`$4`, its running list as
+/// `text[]`), and every one from its xmax on (`$5`). Never `txid >= pg_snapshot_xmin(lower)`:
+/// a transaction left open anywhere on the server (an idle-in-transaction session, a long
+/// report) holds every snapshot's xmin where it began, and that range holds every row
+/// committed since. The bounds are bound, not read from `relay_position` in the statement:
+/// the planner must see them to pick the index.
+pub(crate) const UNPUBLISHED: &str = "((o.txid = ANY($4::text[]::xid8[]) OR o.txid >= $5::text::xid8)
+          AND NOT ($2::pg_snapshot IS NOT NULL AND pg_visible_in_snapshot(o.txid, $2::pg_snapshot) AND o.id <= $3))";
+
 /// The outbox's position, held by this relay (the row is locked by its transaction) until
 /// [`Lease::commit`] writes how far it got, or the lease is dropped (rolled back: the rows
 /// read since are someone else's to publish again, their dedup records making that a no-op).
@@ -336,30 +349,24 @@ pub(crate) async fn position(pool: &PgPool) -> Result<Position, StoreError> {
 }
 
 /// Deletes up to 10,000 published rows created longer than `retention` ago, oldest first;
-/// returns how many.
+/// returns how many. Published at the position read first: one the relay moves past
+/// meanwhile waits for the next prune.
 pub(crate) async fn prune(pool: &PgPool, retention: Duration) -> Result<u64, StoreError> {
+    let at = position(pool).await?;
     let done = sqlx::query(sqlx::AssertSqlSafe(format!(
         "DELETE FROM dlq_outbox WHERE id IN (
-             SELECT o.id FROM dlq_outbox o, relay_position p
-              WHERE p.name = $1 AND o.created_at < now() - make_interval(secs => $2)
-                AND {}
+             SELECT o.id FROM dlq_outbox o
+              WHERE o.created_at < now() - make_interval(secs => $4) AND {PUBLISHED}
               ORDER BY o.created_at
-              LIMIT 10000)",
-        published_at_position("p")
+              LIMIT 10000)"
     )))
-    .bind(POSITION)
+    .bind(&at.lower)
+    .bind(&at.upper)
+    .bind(at.after_id)
     .bind(retention.as_secs_f64())
     .execute(pool)
     .await?;
     Ok(done.rows_affected())
-}
-
-/// [`PUBLISHED`] against the position row `p` instead of parameters.
-fn published_at_position(p: &str) -> String {
-    format!(
-        "(o.txid IS NULL OR pg_visible_in_snapshot(o.txid, {p}.lower)
-          OR ({p}.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, {p}.upper) AND o.id <= {p}.after_id))"
-    )
 }
 
 /// What is waiting for the relay.
@@ -374,27 +381,19 @@ pub(crate) struct Backlog {
     pub oldest_secs: f64,
 }
 
-/// The unpublished rows, counted and aged in one aggregate: the rows of transactions not
-/// visible in the position's `lower` (two ranges of the txid index), less those of the
-/// current interval already published.
+/// The unpublished rows ([`UNPUBLISHED`]), counted and aged in one aggregate.
 pub async fn backlog(pool: &PgPool, stuck_after: Duration) -> Result<Backlog, StoreError> {
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "WITH p AS (SELECT * FROM relay_position WHERE name = $2),
-              w AS (SELECT o.id, o.txid, o.created_at FROM dlq_outbox o, p
-                     WHERE o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(p.lower)))
-                    UNION ALL
-                    SELECT o.id, o.txid, o.created_at FROM dlq_outbox o, p
-                     WHERE o.txid >= pg_snapshot_xmax(p.lower))
-         SELECT count(*) AS backlog,
-                count(*) FILTER (WHERE o.created_at < now() - make_interval(secs => $1)) AS stuck,
-                COALESCE(extract(epoch FROM now() - min(o.created_at)), 0)::float8 AS oldest
-           FROM w o, p WHERE NOT {}",
-        published_at_position("p")
-    )))
-    .bind(stuck_after.as_secs_f64())
-    .bind(POSITION)
-    .fetch_one(pool)
-    .await?;
+    let at = position(pool).await?;
+    let row = at
+        .bind_unpublished(sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) AS backlog,
+                    count(*) FILTER (WHERE o.created_at < now() - make_interval(secs => $6)) AS stuck,
+                    COALESCE(extract(epoch FROM now() - min(o.created_at)), 0)::float8 AS oldest
+               FROM dlq_outbox o WHERE {UNPUBLISHED}"
+        ))))?
+        .bind(stuck_after.as_secs_f64())
+        .fetch_one(pool)
+        .await?;
     Ok(Backlog {
         unpublished: row.try_get("backlog")?,
         stuck: row.try_get("stuck")?,
@@ -460,6 +459,18 @@ impl Window {
         (parts.next().is_none() && xmin <= xmax).then_some(Window { xmin, xmax, xip })
     }
 
+    /// The transactions running when the snapshot was taken, each as the text of an `xid8`
+    /// (bound as `text[]`, cast to `xid8[]`): with [`Window::xmax`], the two ranges of the
+    /// txid index that hold the rows not visible in it ([`UNPUBLISHED`]).
+    pub fn running(&self) -> Vec<String> {
+        self.xip.iter().map(u64::to_string).collect()
+    }
+
+    /// The first transaction the snapshot saw as not yet begun (the text of an `xid8`).
+    pub fn xmax(&self) -> String {
+        self.xmax.to_string()
+    }
+
     /// Makes the rows of transactions `txids` fall inside the window (not visible).
     pub fn hold(&mut self, txids: impl IntoIterator<Item = i64>) {
         for t in txids {
@@ -490,6 +501,19 @@ impl Position {
     pub fn lower(&self) -> &str {
         &self.lower
     }
+
+    /// Binds the position as the parameters `$1` to `$5` of [`UNPUBLISHED`].
+    pub fn bind_unpublished<'q>(
+        &'q self,
+        q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>, StoreError> {
+        let lower = Window::parse(&self.lower).ok_or_else(|| {
+            StoreError::Db(sqlx::Error::Decode(
+                format!("relay_position.lower is not a snapshot: {:?}", self.lower).into(),
+            ))
+        })?;
+        Ok(q.bind(&self.lower).bind(&self.upper).bind(self.after_id).bind(lower.running()).bind(lower.xmax()))
+    }
 }
 
 /// Up to `limit` published `events` rows of `page`.
@@ -509,19 +533,30 @@ pub(crate) async fn published_events(
     let rows =
         match page {
             EventsPage::Published { since, after, at } => {
+                // The transactions of the window, in two parts merged by `(txid, id)`: each
+                // running one's rows by its own index range, then every one from the xmax on.
+                // A full walk (no window): every transaction from the first.
+                let window = since.as_deref().and_then(Window::parse);
+                let (running, xmax) = window.map_or((vec![], "0".to_string()), |w| (w.running(), w.xmax()));
+                let page = format!(
+                    "AND (o.txid, o.id) > ($6::text::xid8, $7)
+                     AND o.txid < pg_snapshot_xmax(COALESCE($2::pg_snapshot, $1::pg_snapshot))
+                     AND {PUBLISHED}"
+                );
                 sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "{COLUMNS}
-                   AND o.txid >= COALESCE(pg_snapshot_xmin($4::pg_snapshot), '0'::xid8)
-                   AND ($4::pg_snapshot IS NULL OR NOT pg_visible_in_snapshot(o.txid, $4::pg_snapshot))
-                   AND (o.txid, o.id) > ($5::text::xid8, $6)
-                   AND o.txid < pg_snapshot_xmax(COALESCE($2::pg_snapshot, $1::pg_snapshot))
-                   AND {PUBLISHED}
-                 ORDER BY o.txid, o.id LIMIT $7"
+                    "SELECT * FROM (
+                       (SELECT c.* FROM unnest($4::text[]::xid8[]) x
+                          CROSS JOIN LATERAL ({COLUMNS} AND o.txid = x {page} ORDER BY o.id LIMIT $8) c)
+                       UNION ALL
+                       ({COLUMNS} AND o.txid >= $5::text::xid8 {page} ORDER BY o.txid, o.id LIMIT $8)
+                     ) w
+                     ORDER BY txid, id LIMIT $8"
                 )))
                 .bind(&at.lower)
                 .bind(&at.upper)
                 .bind(at.after_id)
-                .bind(since)
+                .bind(running)
+                .bind(xmax)
                 .bind(after.0.to_string())
                 .bind(after.1)
                 .bind(limit as i64)

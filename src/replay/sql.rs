@@ -247,27 +247,28 @@ impl Store {
         after_id: i64,
         limit: usize,
     ) -> Result<Vec<(i64, String, String, i32)>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT l.dlq_id, d.target_table, d.doc_id, d.chunk_index
-               FROM replay_lease l
-               -- By id, lease by lease (a join may hash the whole DLQ).
-               CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d
-                                    WHERE d.id = l.dlq_id AND d.generation = l.generation OFFSET 0) d
-              CROSS JOIN (SELECT * FROM relay_position WHERE name = 'outbox') p
-              WHERE l.leased_until > now() AND l.dlq_id > $1
-                AND NOT EXISTS (SELECT 1 FROM dlq_outbox o
-                                 WHERE o.txid >= pg_snapshot_xmin(p.lower) AND o.stream = 'replay'
-                                   AND o.doc_id = d.doc_id AND o.chunk_index = d.chunk_index
-                                   AND o.dlq_id = d.id
-                                   AND NOT pg_visible_in_snapshot(o.txid, p.lower)
-                                   AND NOT (p.upper IS NOT NULL AND pg_visible_in_snapshot(o.txid, p.upper)
-                                            AND o.id <= p.after_id))
-              ORDER BY l.dlq_id LIMIT $2",
-        )
-        .bind(after_id)
-        .bind(limit as i64)
-        .fetch_all(self.pool())
-        .await?;
+        // At the position read first: work the relay publishes meanwhile still counts as
+        // waiting in the outbox (the next pass finds it on the stream).
+        let at = crate::relay::sql::position(self.pool()).await?;
+        let rows = at
+            .bind_unpublished(sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT l.dlq_id, d.target_table, d.doc_id, d.chunk_index
+                   FROM replay_lease l
+                   -- By id, lease by lease (a join may hash the whole DLQ).
+                   CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d
+                                        WHERE d.id = l.dlq_id AND d.generation = l.generation OFFSET 0) d
+                  WHERE l.leased_until > now() AND l.dlq_id > $6
+                    AND NOT EXISTS (SELECT 1 FROM dlq_outbox o
+                                     WHERE o.stream = 'replay' AND o.doc_id = d.doc_id
+                                       AND o.chunk_index = d.chunk_index AND o.dlq_id = d.id
+                                       AND {})
+                  ORDER BY l.dlq_id LIMIT $7",
+                crate::relay::sql::UNPUBLISHED
+            ))))?
+            .bind(after_id)
+            .bind(limit as i64)
+            .fetch_all(self.pool())
+            .await?;
         rows.iter()
             .map(|r| {
                 Ok((

@@ -5,7 +5,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use embed_dlq::model::ErrorClass;
-use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Report};
+use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Reconciler, Report, Sweep, SweepPolicy};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::StreamKeys;
@@ -228,6 +228,55 @@ async fn the_walk_over_published_events_reads_only_published_rows() {
     assert!(
         read <= 2 * published,
         "the walk over {published} published events read {read} outbox rows (of {PARKED})"
+    );
+}
+
+/// A transaction left open anywhere on the server (an idle-in-transaction session, a long
+/// report) holds every snapshot's xmin where it began. An incremental run that bounds its
+/// walks of the outbox by that xmin (the events check, the audit of replay work) reads every
+/// row committed since it began, on every run, however little changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_transaction_does_not_make_an_incremental_run_read_the_whole_outbox() {
+    const PARKED: usize = 10_000;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mut open = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()").execute(&mut *open).await.unwrap();
+    park_due(&db, PARKED, "old").await;
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let pool = embed_dlq::store::connect(&db.url, 2).await.unwrap();
+    let store = embed_dlq::store::Store::open(pool.clone(), "doc_embeddings").await.unwrap();
+    // Replay work leased too: the audit of replay work looks for an older release's items
+    // in the outbox.
+    Scheduler::new(store.clone(), ReplayConfig::default(), redis.clone(), keys.clone())
+        .run_once()
+        .await
+        .unwrap();
+    relay_all(&db, &keys).await;
+    let outbox = db.count("SELECT count(*) FROM dlq_outbox").await;
+    assert!(outbox >= PARKED as i64, "{outbox} outbox rows");
+    const PAGE: usize = 100;
+    let full = ReconcileConfig { sweeps: SweepPolicy::Always(Sweep::Full), page: PAGE, ..immediate() };
+    let mut r = Reconciler { store, redis: Some(redis), keys: keys.clone(), config: full };
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);
+    park(&db, "new", 5).await;
+    relay_all(&db, &keys).await;
+    sqlx::query("ANALYZE dlq_outbox").execute(&db.pool).await.unwrap();
+    r.config.sweeps = SweepPolicy::Always(Sweep::Incremental);
+    quiet_statistics().await;
+    let before = rows_read(&db, "dlq_outbox").await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.sweep, Sweep::Incremental);
+    assert_eq!(report.total_found(), 0, "{report:#?}");
+    drop(r);
+    pool.close().await;
+    let read = rows_read_since(&db, "dlq_outbox", before).await;
+    open.rollback().await.unwrap();
+    // The new rows, and the page of witnesses before the window.
+    assert!(
+        read < 3 * PAGE as i64,
+        "an incremental run after 5 new rows read {read} of {outbox} outbox rows (page {PAGE})"
     );
 }
 
