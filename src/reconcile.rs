@@ -836,6 +836,13 @@ impl Reconciler {
         let at = outbox::position(pool).await?;
         // What this walk cannot see yet, plus its unrepaired findings: the next window.
         let mut next_window = outbox::Window::parse(at.lower());
+        // A window ahead of the position was taken in another cluster (a logical restore:
+        // the relay started its position again) and says nothing about this one's
+        // transactions: every retained event is walked.
+        let window = window.filter(|w| match (outbox::Window::parse(w), &next_window) {
+            (Some(w), Some(now)) => !w.is_ahead_of(now),
+            _ => true,
+        });
         let mut since = None;
         let mut lost_before_window = false;
         if let Some(window) = window {

@@ -173,6 +173,25 @@ pub(crate) struct Page {
 /// publishes meanwhile; a relay that froze holding it loses it after `idle_timeout`, when
 /// Postgres ends its idle transaction, `idle_in_transaction_session_timeout`).
 pub async fn take(pool: &PgPool, idle_timeout: Duration) -> Result<Option<Lease>, StoreError> {
+    loop {
+        match try_take(pool, idle_timeout).await? {
+            Taking::Taken(lease) => return Ok(Some(lease)),
+            Taking::HeldElsewhere => return Ok(None),
+            Taking::Rebased => continue,
+        }
+    }
+}
+
+/// What one attempt of [`take`] came to.
+enum Taking {
+    Taken(Lease),
+    HeldElsewhere,
+    /// The position was taken in another cluster and started again ([`rebase`], committed:
+    /// the rows handed back are visible to the next attempt).
+    Rebased,
+}
+
+async fn try_take(pool: &PgPool, idle_timeout: Duration) -> Result<Taking, StoreError> {
     let mut tx = pool.begin().await?;
     // A page has one good plan: the primary key from where the interval's reading stands,
     // stopping at the limit. Before autovacuum analyzed the outbox after a large park, the
@@ -182,7 +201,9 @@ pub async fn take(pool: &PgPool, idle_timeout: Duration) -> Result<Option<Lease>
         "SELECT set_config('idle_in_transaction_session_timeout', $2, true),
                 set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
                 set_config('enable_sort', 'off', true), set_config('synchronous_commit', 'off', true),
-                lower::text AS lower, upper::text AS upper, after_id, last_id, batches
+                lower::text AS lower, upper::text AS upper, after_id, last_id, batches, moved_at,
+                system_identifier AS taken_in, embed_dlq_system_identifier() AS here,
+                pg_snapshot_xmax(pg_current_snapshot()) < pg_snapshot_xmax(COALESCE(upper, lower)) AS ahead
            FROM relay_position WHERE name = $1
             FOR UPDATE SKIP LOCKED",
     )
@@ -192,10 +213,79 @@ pub async fn take(pool: &PgPool, idle_timeout: Duration) -> Result<Option<Lease>
     .await?;
     let Some(row) = row else {
         tx.rollback().await?;
-        return Ok(None);
+        return Ok(Taking::HeldElsewhere);
     };
     let at = Position::read(&row)?;
-    Ok(Some(Lease { tx, read: at.clone(), published: at, moved: false }))
+    let taken_in: Option<String> = row.try_get("taken_in")?;
+    let here: Option<String> = row.try_get("here")?;
+    // The statement's snapshot may predate the position it locked (another relay committed
+    // it in between): a position ahead of it is looked at again from a snapshot taken now.
+    let ahead = row.try_get::<bool, _>("ahead")?
+        && sqlx::query_scalar::<_, bool>(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot()) < pg_snapshot_xmax($1::pg_snapshot)",
+        )
+        .bind(at.upper.as_ref().unwrap_or(&at.lower))
+        .fetch_one(&mut *tx)
+        .await?;
+    let elsewhere = matches!((&taken_in, &here), (Some(then), Some(now)) if then != now);
+    if ahead || elsewhere {
+        let moved_at: DateTime<Utc> = row.try_get("moved_at")?;
+        let handed = rebase(&mut tx, &at, moved_at).await?;
+        tx.commit().await?;
+        tracing::warn!(
+            handed_back = handed,
+            other_cluster = elsewhere,
+            position_ahead = ahead,
+            "relay: the outbox's position was taken in another cluster (a logical restore?); \
+             every row it cannot vouch for goes to the relay again (dedup records keep the \
+             ones on the stream from being added twice)"
+        );
+        return Ok(Taking::Rebased);
+    } else if taken_in.is_none() && here.is_some() {
+        sqlx::query("UPDATE relay_position SET system_identifier = $2 WHERE name = $1")
+            .bind(POSITION)
+            .bind(&here)
+            .execute(&mut *tx)
+            .await?;
+    }
+    Ok(Taking::Taken(Lease { tx, read: at.clone(), published: at, moved: false }))
+}
+
+/// How far before the position's last move a row may have been created and still be one
+/// that was written after a restore: the old and the new server's clocks may disagree by
+/// this much (a row written after a restore was created after the dump, which was taken
+/// after the position last moved).
+const REBASE_CLOCK_MARGIN: Duration = Duration::from_secs(600);
+
+/// Starts the position again in this cluster ([`take`], after a logical restore): every row
+/// the old position did not count as published ([`UNPUBLISHED`], the old cluster's ids still
+/// compare among themselves) and every row created since it last moved (written in the new
+/// cluster, its txid meaningless to the old position) becomes a row of this transaction,
+/// which the new `lower` leaves to the relay. Rows already on the stream among them are
+/// duplicates the dedup records turn into no-ops. Returns how many rows were handed back.
+async fn rebase(
+    tx: &mut Transaction<'static, Postgres>,
+    old: &Position,
+    moved_at: DateTime<Utc>,
+) -> Result<i64, StoreError> {
+    let row = old
+        .bind_unpublished(sqlx::query(sqlx::AssertSqlSafe(format!(
+            "WITH handed AS (
+                 UPDATE dlq_outbox o SET txid = pg_current_xact_id()
+                  WHERE o.created_at >= $6::timestamptz - make_interval(secs => $7) OR {UNPUBLISHED}
+                 RETURNING 1)
+             UPDATE relay_position
+                SET lower = embed_dlq_snapshot_before_own(), upper = NULL, after_id = 0, last_id = 0,
+                    batches = batches + 1, moved_at = now(), system_identifier = embed_dlq_system_identifier()
+              WHERE name = $8
+             RETURNING (SELECT count(*) FROM handed) AS handed"
+        ))))?
+        .bind(moved_at)
+        .bind(REBASE_CLOCK_MARGIN.as_secs_f64())
+        .bind(POSITION)
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(row.try_get("handed")?)
 }
 
 impl Lease {
@@ -469,6 +559,13 @@ impl Window {
     /// The first transaction the snapshot saw as not yet begun (the text of an `xid8`).
     pub fn xmax(&self) -> String {
         self.xmax.to_string()
+    }
+
+    /// Whether this snapshot saw transactions that had not begun when `other` was taken:
+    /// never for an earlier snapshot of the same cluster (xmax only grows), so a window ahead
+    /// of the relay's position was taken in another cluster (a logical restore).
+    pub fn is_ahead_of(&self, other: &Window) -> bool {
+        self.xmax > other.xmax
     }
 
     /// Makes the rows of transactions `txids` fall inside the window (not visible).

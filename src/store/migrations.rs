@@ -41,6 +41,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0020_source_suspects.sql",
     "0021_lease_charge_in_place.sql",
     "0022_relay_position.sql",
+    "0023_relay_cluster.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use embed_dlq::reconcile::{Check, Mode, ReconcileConfig};
+use embed_dlq::reconcile::{Check, Mode, ReconcileConfig, Sweep, SweepPolicy};
 use embed_dlq::relay::{Relay, RelayConfig};
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::streams::{REPLAY_GROUP, StreamKeys};
@@ -91,6 +91,153 @@ async fn a_second_installation_on_the_same_prefix_publishes_all_its_events() {
         .collect();
     assert_eq!(docs.len(), 10, "every park of both installations is on the stream once");
 }
+}
+
+/// What a logical restore into another cluster (`pg_dump`, then `pg_restore` or `psql` on a
+/// new server) does to the relay's records, as the relay sees it: the outbox rows keep the
+/// txids and `relay_position` the snapshots of the old cluster, while the new cluster's
+/// transaction ids count on from where its own counter is, here `behind` the old one's. The
+/// old cluster's ids are moved up instead (the same picture), and `relay_position` is told
+/// the dump came from `cluster` (its `system_identifier`) when given. The reconciler's events
+/// windows are snapshots of the old cluster too.
+async fn restored_into_another_cluster(db: &TestDb, behind: u64, cluster: Option<&str>) {
+    let shift = |snapshot: &str| -> String {
+        let mut parts = snapshot.split(':');
+        let up = |list: &str| -> String {
+            list.split(',')
+                .filter(|x| !x.is_empty())
+                .map(|x| (x.parse::<u64>().unwrap() + behind).to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let (xmin, xmax, xip) = (parts.next().unwrap(), parts.next().unwrap(), parts.next().unwrap());
+        format!("{}:{}:{}", up(xmin), up(xmax), up(xip))
+    };
+    let (lower, upper): (String, Option<String>) =
+        sqlx::query_as("SELECT lower::text, upper::text FROM relay_position")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE dlq_outbox SET txid = (txid::text::bigint + $1)::text::xid8 WHERE txid IS NOT NULL")
+        .bind(behind as i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE relay_position SET lower = $1::pg_snapshot, upper = $2::pg_snapshot")
+        .bind(shift(&lower))
+        .bind(upper.as_deref().map(shift))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let windows: Vec<(i64, String)> =
+        sqlx::query_as("SELECT id, events_window::text FROM reconcile_runs WHERE events_window IS NOT NULL")
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+    for (id, window) in windows {
+        sqlx::query("UPDATE reconcile_runs SET events_window = $2::pg_snapshot WHERE id = $1")
+            .bind(id)
+            .bind(shift(&window))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    if let Some(cluster) = cluster {
+        sqlx::query("UPDATE relay_position SET system_identifier = $1")
+            .bind(cluster)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+/// Every outbox row is on the events stream exactly once (Redis's view, not the relay's).
+async fn assert_each_event_once(db: &TestDb, keys: &StreamKeys, rows: usize) {
+    assert_eq!(unpublished(db, keys).await, Vec::<String>::new(), "every outbox row is on the stream");
+    let ids = event_ids_on_stream(keys).await;
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len(), "no event twice: {ids:?}");
+    assert_eq!(ids.len(), rows);
+}
+
+/// Restored into a cluster whose transaction ids are far behind the old one's: rows written
+/// after the restore have txids below the relay's position and read as published, and the
+/// rows the old relay had not published yet are above any snapshot the new server takes.
+/// The relay sees the position ahead of the server and starts again from every row it
+/// cannot be sure of; the dedup records turn the ones already on the stream into no-ops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_into_a_cluster_whose_ids_are_behind_every_event_is_published_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "published", 3).await;
+    relay_all(&db, &keys).await;
+    park(&db, "pending", 2).await;
+    restored_into_another_cluster(&db, 1_000_000_000, None).await;
+    park(&db, "after", 2).await;
+    relay_all(&db, &keys).await;
+    assert_each_event_once(&db, &keys, 7).await;
+    park(&db, "later", 2).await;
+    relay_all(&db, &keys).await;
+    assert_each_event_once(&db, &keys, 9).await;
+}
+
+/// Restored into another cluster whose counter is only a little behind, and passes the old
+/// position before the relay runs again: the position is no longer ahead of the server, yet
+/// the rows written in between have txids the position counts as published. The cluster's
+/// identity, recorded with the position, tells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_into_a_cluster_that_caught_up_every_event_is_published_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "published", 3).await;
+    relay_all(&db, &keys).await;
+    park(&db, "pending", 2).await;
+    restored_into_another_cluster(&db, 500, Some("another cluster")).await;
+    park(&db, "after", 2).await;
+    // The new cluster's counter passes the old one's.
+    for _ in 0..1_000 {
+        sqlx::query("SELECT pg_current_xact_id()").execute(&db.pool).await.unwrap();
+    }
+    relay_all(&db, &keys).await;
+    assert_each_event_once(&db, &keys, 7).await;
+}
+
+/// The reconciler's events window is a snapshot of the old cluster too: after a restore into
+/// another one it says nothing about the new cluster's transactions (the events the relay
+/// published again have ids below it), and the next incremental run walks every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_into_another_cluster_an_incremental_events_check_walks_every_event() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "published", 3).await;
+    relay_all(&db, &keys).await;
+    // Pages of two: the witnesses before the window are the two newest events.
+    let config = ReconcileConfig { sweeps: SweepPolicy::Always(Sweep::Incremental), page: 2, ..immediate() };
+    let mut r = reconciler(&db, &keys, config).await;
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::MissingEvents).found, 0);
+    park(&db, "pending", 2).await;
+    restored_into_another_cluster(&db, 1_000_000_000, None).await;
+    park(&db, "after", 4).await;
+    relay_all(&db, &keys).await;
+    assert_each_event_once(&db, &keys, 9).await;
+    // An event published since the previous run, not among the newest, goes missing.
+    let pending: String = sqlx::query_scalar(
+        "SELECT event_id::text FROM dlq_outbox WHERE doc_id = 'pending' ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let entry = events_on_stream(&keys)
+        .await
+        .into_iter()
+        .find(|e| embed_dlq::streams::field(&e.map, "event_id").as_deref() == Some(pending.as_str()))
+        .expect("the pending event is on the stream");
+    let mut redis = redis().await;
+    let _: i64 = redis::cmd("XDEL").arg(keys.events()).arg(&entry.id).query_async(&mut redis).await.unwrap();
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.sweep, Sweep::Incremental);
+    assert_eq!(report.get(Check::MissingEvents).found, 1, "{report:#?}");
 }
 
 on_single_and_cluster! {
