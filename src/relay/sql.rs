@@ -556,9 +556,9 @@ impl Window {
         self.xip.iter().map(u64::to_string).collect()
     }
 
-    /// The first transaction the snapshot saw as not yet begun (the text of an `xid8`).
-    pub fn xmax(&self) -> String {
-        self.xmax.to_string()
+    /// The first transaction the snapshot saw as not yet begun.
+    pub fn xmax(&self) -> u64 {
+        self.xmax
     }
 
     /// Whether this snapshot saw transactions that had not begun when `other` was taken:
@@ -609,7 +609,11 @@ impl Position {
                 format!("relay_position.lower is not a snapshot: {:?}", self.lower).into(),
             ))
         })?;
-        Ok(q.bind(&self.lower).bind(&self.upper).bind(self.after_id).bind(lower.running()).bind(lower.xmax()))
+        Ok(q.bind(&self.lower)
+            .bind(&self.upper)
+            .bind(self.after_id)
+            .bind(lower.running())
+            .bind(lower.xmax().to_string()))
     }
 }
 
@@ -627,25 +631,33 @@ pub(crate) async fn published_events(
                 o.created_at
            FROM dlq_outbox o
           WHERE o.stream = 'events' AND o.txid IS NOT NULL";
+    // Published at the walk's position, and committed before it was taken.
+    let at_position =
+        format!("AND o.txid < pg_snapshot_xmax(COALESCE($2::pg_snapshot, $1::pg_snapshot)) AND {PUBLISHED}");
     let rows =
         match page {
             EventsPage::Published { since, after, at } => {
                 // The transactions of the window, in two parts merged by `(txid, id)`: each
                 // running one's rows by its own index range, then every one from the xmax on.
-                // A full walk (no window): every transaction from the first.
+                // A full walk (no window): every transaction from the first. Each part's
+                // start is one `(txid, id)` bound: beside a second lower bound on `txid` alone,
+                // the index scan started from the row bound and read every entry before the
+                // other (the whole outbox, for an incremental run's first page).
                 let window = since.as_deref().and_then(Window::parse);
-                let (running, xmax) = window.map_or((vec![], "0".to_string()), |w| (w.running(), w.xmax()));
-                let page = format!(
-                    "AND (o.txid, o.id) > ($6::text::xid8, $7)
-                     AND o.txid < pg_snapshot_xmax(COALESCE($2::pg_snapshot, $1::pg_snapshot))
-                     AND {PUBLISHED}"
-                );
+                let (running, xmax) = window.map_or((vec![], 0), |w| (w.running(), w.xmax()));
+                let (txid, id) = (after.0.max(0) as u64, after.1);
+                let from = if txid >= xmax { (txid, id) } else { (xmax, i64::MIN) };
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "SELECT * FROM (
                        (SELECT c.* FROM unnest($4::text[]::xid8[]) x
-                          CROSS JOIN LATERAL ({COLUMNS} AND o.txid = x {page} ORDER BY o.id LIMIT $8) c)
+                          CROSS JOIN LATERAL ({COLUMNS}
+                              AND (o.txid, o.id) > (x, CASE WHEN x = $6::text::xid8 THEN $7 ELSE 0 END)
+                              AND (o.txid, o.id) < (x, 9223372036854775807) {at_position}
+                            ORDER BY o.txid, o.id LIMIT $8) c
+                         WHERE x >= $6::text::xid8)
                        UNION ALL
-                       ({COLUMNS} AND o.txid >= $5::text::xid8 {page} ORDER BY o.txid, o.id LIMIT $8)
+                       ({COLUMNS} AND (o.txid, o.id) > ($5::text::xid8, $9) {at_position}
+                         ORDER BY o.txid, o.id LIMIT $8)
                      ) w
                      ORDER BY txid, id LIMIT $8"
                 )))
@@ -653,10 +665,11 @@ pub(crate) async fn published_events(
                 .bind(&at.upper)
                 .bind(at.after_id)
                 .bind(running)
-                .bind(xmax)
-                .bind(after.0.to_string())
-                .bind(after.1)
+                .bind(from.0.to_string())
+                .bind(txid.to_string())
+                .bind(id)
                 .bind(limit as i64)
+                .bind(from.1)
                 .fetch_all(pool)
                 .await?
             }

@@ -862,6 +862,20 @@ pub async fn rows_read(db: &TestDb, table: &str) -> i64 {
     .unwrap()
 }
 
+/// Blocks of index `index` read so far (from the buffer cache or the disk), as the server's
+/// statistics count them: what index scans walked, including entries a scan passed over
+/// without returning them (which [`rows_read`] does not see). Reported like [`rows_read`].
+pub async fn index_blocks_read(db: &TestDb, index: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (coalesce(idx_blks_read, 0) + coalesce(idx_blks_hit, 0))::bigint FROM pg_statio_user_indexes
+          WHERE indexrelid = $1::regclass",
+    )
+    .bind(index)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
 /// Waits until every idle backend has reported what it read (see [`rows_read`]).
 pub async fn quiet_statistics() {
     tokio::time::sleep(std::time::Duration::from_secs(11)).await;
