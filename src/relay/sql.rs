@@ -251,6 +251,10 @@ async fn try_take(pool: &PgPool, idle_timeout: Duration) -> Result<Taking, Store
     Ok(Taking::Taken(Lease { tx, read: at.clone(), published: at, moved: false }))
 }
 
+/// The txid [`rebase`] gives the rows that were published: the first normal transaction id,
+/// visible in every snapshot, so they stay published and walked in order by the reconciler.
+const PUBLISHED_TXID: u64 = 3;
+
 /// How far before the position's last move a row may have been created and still be one
 /// that was written after a restore: the old and the new server's clocks may disagree by
 /// this much (a row written after a restore was created after the dump, which was taken
@@ -262,7 +266,10 @@ const REBASE_CLOCK_MARGIN: Duration = Duration::from_secs(600);
 /// compare among themselves) and every row created since it last moved (written in the new
 /// cluster, its txid meaningless to the old position) becomes a row of this transaction,
 /// which the new `lower` leaves to the relay. Rows already on the stream among them are
-/// duplicates the dedup records turn into no-ops. Returns how many rows were handed back.
+/// duplicates the dedup records turn into no-ops. Every other row was published: it gets
+/// [`PUBLISHED_TXID`], which every snapshot of this cluster sees (its old txid may be ahead of
+/// this cluster's counter: it would read as waiting, and be published again once the counter
+/// passed it, maybe after its dedup record expired). Returns how many rows were handed back.
 async fn rebase(
     tx: &mut Transaction<'static, Postgres>,
     old: &Position,
@@ -270,15 +277,18 @@ async fn rebase(
 ) -> Result<i64, StoreError> {
     let row = old
         .bind_unpublished(sqlx::query(sqlx::AssertSqlSafe(format!(
-            "WITH handed AS (
-                 UPDATE dlq_outbox o SET txid = pg_current_xact_id()
-                  WHERE o.created_at >= $6::timestamptz - make_interval(secs => $7) OR {UNPUBLISHED}
-                 RETURNING 1)
+            "WITH moved AS (
+                 UPDATE dlq_outbox o
+                    SET txid = CASE WHEN o.created_at >= $6::timestamptz - make_interval(secs => $7)
+                                         OR {UNPUBLISHED}
+                                    THEN pg_current_xact_id() ELSE '{PUBLISHED_TXID}'::xid8 END
+                  WHERE o.txid IS NOT NULL
+                 RETURNING o.txid = pg_current_xact_id() AS handed)
              UPDATE relay_position
                 SET lower = embed_dlq_snapshot_before_own(), upper = NULL, after_id = 0, last_id = 0,
                     batches = batches + 1, moved_at = now(), system_identifier = embed_dlq_system_identifier()
               WHERE name = $8
-             RETURNING (SELECT count(*) FROM handed) AS handed"
+             RETURNING (SELECT count(*) FILTER (WHERE handed) FROM moved) AS handed"
         ))))?
         .bind(moved_at)
         .bind(REBASE_CLOCK_MARGIN.as_secs_f64())

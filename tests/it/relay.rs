@@ -153,6 +153,16 @@ async fn restored_into_another_cluster(db: &TestDb, behind: u64, cluster: Option
     tx.commit().await.unwrap();
 }
 
+/// A database before its dump: 3 events published, then 2 parked while no relay ran.
+async fn published_and_waiting() -> (TestDb, StreamKeys) {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "published", 3).await;
+    relay_all(&db, &keys).await;
+    park(&db, "pending", 2).await;
+    (db, keys)
+}
+
 /// Every outbox row is on the events stream exactly once (Redis's view, not the relay's).
 async fn assert_each_event_once(db: &TestDb, keys: &StreamKeys, rows: usize) {
     assert_eq!(unpublished(db, keys).await, Vec::<String>::new(), "every outbox row is on the stream");
@@ -168,15 +178,23 @@ async fn assert_each_event_once(db: &TestDb, keys: &StreamKeys, rows: usize) {
 /// cannot be sure of; the dedup records turn the ones already on the stream into no-ops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_restore_into_a_cluster_whose_ids_are_behind_every_event_is_published_once() {
-    let db = TestDb::new().await;
-    let keys = fresh_keys();
-    park(&db, "published", 3).await;
-    relay_all(&db, &keys).await;
-    park(&db, "pending", 2).await;
+    let (db, keys) = published_and_waiting().await;
+    // Published well before the relay last moved: not handed back, published they stay.
+    sqlx::query(
+        "UPDATE dlq_outbox SET created_at = created_at - interval '1 hour' WHERE doc_id = 'published'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
     restored_into_another_cluster(&db, 1_000_000_000, None).await;
     park(&db, "after", 2).await;
     relay_all(&db, &keys).await;
     assert_each_event_once(&db, &keys, 7).await;
+    // Nothing reads as waiting (their old ids are ahead of this cluster's: they would, and be
+    // published again once its counter got there).
+    let config = ReconcileConfig { outbox_stuck_after: Duration::ZERO, ..immediate() };
+    let report = reconciler(&db, &keys, config).await.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::OutboxBacklog).note, None, "{report:#?}");
     park(&db, "later", 2).await;
     relay_all(&db, &keys).await;
     assert_each_event_once(&db, &keys, 9).await;
@@ -188,11 +206,7 @@ async fn after_a_restore_into_a_cluster_whose_ids_are_behind_every_event_is_publ
 /// identity, recorded with the position, tells.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_restore_into_a_cluster_that_caught_up_every_event_is_published_once() {
-    let db = TestDb::new().await;
-    let keys = fresh_keys();
-    park(&db, "published", 3).await;
-    relay_all(&db, &keys).await;
-    park(&db, "pending", 2).await;
+    let (db, keys) = published_and_waiting().await;
     restored_into_another_cluster(&db, 500, Some("another cluster")).await;
     park(&db, "after", 2).await;
     // The new cluster's counter passes the old one's.
@@ -208,15 +222,11 @@ async fn after_a_restore_into_a_cluster_that_caught_up_every_event_is_published_
 /// published again have ids below it), and the next incremental run walks every event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_restore_into_another_cluster_an_incremental_events_check_walks_every_event() {
-    let db = TestDb::new().await;
-    let keys = fresh_keys();
-    park(&db, "published", 3).await;
-    relay_all(&db, &keys).await;
+    let (db, keys) = published_and_waiting().await;
     // Pages of two: the witnesses before the window are the two newest events.
     let config = ReconcileConfig { sweeps: SweepPolicy::Always(Sweep::Incremental), page: 2, ..immediate() };
     let mut r = reconciler(&db, &keys, config).await;
     assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::MissingEvents).found, 0);
-    park(&db, "pending", 2).await;
     restored_into_another_cluster(&db, 1_000_000_000, None).await;
     park(&db, "after", 4).await;
     relay_all(&db, &keys).await;
