@@ -174,6 +174,7 @@ pub async fn assert_corpus_accounted_in(
 }
 
 pub async fn start_mock(config: MockConfig) -> MockProvider {
+    show_warnings();
     MockProvider::start(config, SocketAddr::from(([127, 0, 0, 1], 0)), CancellationToken::new())
         .await
         .expect("start mock provider")
@@ -238,10 +239,26 @@ pub fn redis_client() -> embed_dlq::streams::RedisClient {
 
 /// Stream keys under a prefix of their own, so tests never see each other's entries.
 pub fn fresh_keys() -> embed_dlq::streams::StreamKeys {
+    show_warnings();
     embed_dlq::streams::StreamKeys::new(&format!("it-{}-{}", std::process::id(), rand::random::<u32>()))
 }
 
+/// Puts the library's warnings into the output of the test that caused them, which the test
+/// harness shows only when that test fails: what a `serve` or relay inside a test saw (a
+/// failover taken for lost data, a pass that failed) when the test then times out. Called by
+/// the helpers most tests start with; the first call installs it.
+pub fn show_warnings() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        use tracing_subscriber::prelude::*;
+        let only_ours: tracing_subscriber::filter::Targets = "embed_dlq=warn".parse().unwrap();
+        let layer = tracing_subscriber::fmt::layer().with_test_writer().with_ansi(false);
+        let _ = tracing_subscriber::registry().with(layer.with_filter(only_ours)).try_init();
+    });
+}
+
 pub async fn redis() -> embed_dlq::streams::RedisConn {
+    show_warnings();
     redis_client().managed().await.expect("connect to REDIS_URL")
 }
 
