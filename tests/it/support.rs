@@ -869,31 +869,27 @@ pub async fn park_due(db: &TestDb, n: usize, doc: &str) {
 /// call [`quiet_statistics`] before the first reading, and read with the pool that ran the
 /// statement closed.
 pub async fn rows_read(db: &TestDb, table: &str) -> i64 {
-    statistic(
-        db,
-        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint FROM pg_stat_user_tables
-          WHERE relid = $1::regclass",
-        table,
-    )
-    .await
-}
-
-/// One counter of the statistics views, by `query` over the relation named `$1`.
-async fn statistic(db: &TestDb, query: &'static str, relation: &str) -> i64 {
-    sqlx::query_scalar(query).bind(relation).fetch_one(&db.pool).await.unwrap()
+    statistic(db, "pg_stat_user_tables", "seq_tup_read, idx_tup_fetch", "relid", table).await
 }
 
 /// Blocks of index `index` read so far (from the buffer cache or the disk), as the server's
 /// statistics count them: what index scans walked, including entries a scan passed over
 /// without returning them (which [`rows_read`] does not see). Reported like [`rows_read`].
 pub async fn index_blocks_read(db: &TestDb, index: &str) -> i64 {
-    statistic(
-        db,
-        "SELECT (coalesce(idx_blks_read, 0) + coalesce(idx_blks_hit, 0))::bigint FROM pg_statio_user_indexes
-          WHERE indexrelid = $1::regclass",
-        index,
-    )
+    statistic(db, "pg_statio_user_indexes", "idx_blks_read, idx_blks_hit", "indexrelid", index).await
+}
+
+/// The sum of two counters (`a, b`) of statistics view `view` for the relation named `name`
+/// (matched on the view's column `key`).
+async fn statistic(db: &TestDb, view: &str, counters: &str, key: &str, name: &str) -> i64 {
+    let (a, b) = counters.split_once(", ").expect("two counters");
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT (coalesce({a}, 0) + coalesce({b}, 0))::bigint FROM {view} WHERE {key} = $1::regclass"
+    )))
+    .bind(name)
+    .fetch_one(&db.pool)
     .await
+    .unwrap()
 }
 
 /// Waits until every idle backend has reported what it read (see [`rows_read`]).
