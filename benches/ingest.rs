@@ -831,9 +831,10 @@ async fn replay_bench(
             let (now, now_redis) = (cpu.snapshot(), redis_cpu_secs(&mut info_conn).await);
             let d = now.since(&phase_cpu);
             cpu_lines.push(format!(
-                "{what} client {:.1} + pg {:.1} + redis {:.1} us",
+                "{what} client {:.1} + pg {:.1} (background {:.1}) + redis {:.1} us",
                 d.client * 1e6 / rows as f64,
                 (d.pg_own + d.pg_background) * 1e6 / rows as f64,
+                d.pg_background * 1e6 / rows as f64,
                 (now_redis - redis_cpu) * 1e6 / rows as f64
             ));
             (phase_cpu, redis_cpu) = (now, now_redis);

@@ -18,7 +18,7 @@
 //! The batch's commit first locks the chunks' manifest rows in key order, like ingest does, so a
 //! replay commit and an ingest of the same chunk are serialised instead of deadlocking.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use crate::ingest::sql::VectorRef;
@@ -160,10 +160,15 @@ pub(crate) struct Repark {
 /// `LATERAL ... FOR UPDATE` is never flattened into a join, and the ordered subquery is
 /// never pulled up): as a plain join the planner hashed the whole manifest for a batch of a
 /// few hundred rows.
-pub(crate) const LOCK_MANIFEST_SQL: &str = "SELECT 1
-      FROM (SELECT target_table, doc_id, chunk_index FROM embedding_dlq WHERE id = ANY($1)
+///
+/// Returns each locked row's DLQ id and the manifest's content hash as locked: the latest
+/// committed version, which nobody else can change before this transaction ends, so a
+/// replay commit checks "the manifest still holds the replayed content" from it instead of
+/// probing the manifest again.
+pub(crate) const LOCK_MANIFEST_SQL: &str = "SELECT d.id, locked.content_hash
+      FROM (SELECT id, target_table, doc_id, chunk_index FROM embedding_dlq WHERE id = ANY($1)
              ORDER BY target_table, doc_id, chunk_index) d
-     CROSS JOIN LATERAL (SELECT 1 FROM ingest_manifest m
+     CROSS JOIN LATERAL (SELECT m.content_hash FROM ingest_manifest m
                           WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
                             AND m.chunk_index = d.chunk_index
                             FOR UPDATE) locked";
@@ -384,10 +389,11 @@ impl Store {
     }
 
     /// Commits a replay batch's results in one transaction: the manifest rows of every row
-    /// in it locked in key order (one statement), then one fenced statement per target table
-    /// of the successful replays ([`replayed_sql`]: DLQ delete fenced by generation and
-    /// embedded hash and the manifest still holding that hash, vector upsert under the
-    /// embedded hash, manifest `stored`, `replayed` event), then one for the failed passes
+    /// in it locked in key order (one statement, which also says what content each holds:
+    /// a success whose manifest row no longer holds the replayed content is not applied),
+    /// then one fenced statement per target table of the other successful replays
+    /// ([`replayed_sql`]: DLQ delete fenced by generation and embedded hash, vector upsert
+    /// under the embedded hash, manifest `stored`, `replayed` event), then one for the failed passes
     /// and give-ups ([`REPARK_SQL`]), then the commit. Each statement after the lock takes
     /// a new snapshot, so it sees whatever the previous holder of those locks committed.
     ///
@@ -401,20 +407,32 @@ impl Store {
         if replayed.is_empty() && reparked.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        let mut by_table: BTreeMap<&str, Vec<&Replayed>> = BTreeMap::new();
-        for r in replayed {
-            by_table.entry(r.target_table.as_str()).or_default().push(r);
-        }
+        let mut tables: Vec<&str> = replayed.iter().map(|r| r.target_table.as_str()).collect();
+        tables.sort_unstable();
+        tables.dedup();
         // Resolved before the transaction: a catalog lookup (cached) holds no lock.
-        let mut targets = Vec::with_capacity(by_table.len());
-        for table in by_table.keys() {
+        let mut targets = Vec::with_capacity(tables.len());
+        for table in &tables {
             targets.push(self.target_for(table).await?);
         }
         let all_ids: Vec<i64> = replayed.iter().map(|r| r.id).chain(reparked.iter().map(|r| r.id)).collect();
         let mut tx = self.pool().begin().await?;
-        sqlx::query(LOCK_MANIFEST_SQL).bind(&all_ids).execute(&mut *tx).await?;
+        let locked: Vec<(i64, String)> =
+            sqlx::query_as(LOCK_MANIFEST_SQL).bind(&all_ids).fetch_all(&mut *tx).await?;
+        // What the manifest holds for each row, as locked: only a success whose chunk still
+        // holds the replayed content goes on to its table's statement.
+        let manifest_hash: HashMap<i64, String> = locked.into_iter().collect();
+        let mut by_table: BTreeMap<&str, Vec<&Replayed>> = tables.iter().map(|&t| (t, Vec::new())).collect();
+        for r in replayed {
+            if manifest_hash.get(&r.id) == Some(&r.content_hash) {
+                by_table.entry(r.target_table.as_str()).or_default().push(r);
+            }
+        }
         let mut applied = Vec::with_capacity(replayed.len());
         for (rows, target) in by_table.values().zip(&targets) {
+            if rows.is_empty() {
+                continue;
+            }
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
             let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
@@ -532,8 +550,8 @@ const REPARK_SQL: &str = "WITH input AS (
      SELECT id FROM upd";
 
 /// The replay statement of [`Store::commit_settled`] for one target table (its quoted name): DLQ
-/// delete fenced by generation and embedded hash (and the manifest still holding that hash),
-/// vector upsert under the embedded hash (a no-op for unchanged content), manifest `stored`,
+/// delete fenced by generation and embedded hash (the caller passes only rows whose manifest
+/// row, locked by [`LOCK_MANIFEST_SQL`], holds that hash), vector upsert under the embedded hash (a no-op for unchanged content), manifest `stored`,
 /// `replayed` event. Binds the table's name `$1` and the rows' columns `$2..=$5`.
 fn replayed_sql(table: &str) -> String {
     format!(
@@ -544,11 +562,6 @@ fn replayed_sql(table: &str) -> String {
              DELETE FROM embedding_dlq d USING input i
               WHERE d.id = i.id AND d.target_table = $1::text AND d.generation = i.generation
                 AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
-                -- The manifest's hash, looked up by its key for each row: as an EXISTS
-                -- joined on the hash, the planner hashed the whole manifest once per batch.
-                AND (SELECT m.content_hash FROM ingest_manifest m
-                      WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
-                        AND m.chunk_index = d.chunk_index) = i.content_hash
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
                        d.replays, d.generation, d.error_class, i.embedding
          ), vectors AS (

@@ -1134,6 +1134,51 @@ async fn a_mixed_batch_commits_in_one_transaction_and_acks_exactly_its_settled_e
 }
 }
 
+on_single_and_cluster! {
+/// A replay result is applied only while the chunk's manifest row still holds the content
+/// that was embedded: the commit reads that from the manifest rows it locks. Here the manifest
+/// of one chunk changes (and nothing else: its DLQ row keeps generation and content) while
+/// the batch is being embedded.
+async fn a_replay_whose_manifest_row_changed_during_the_embed_is_not_applied() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 4, "moved").await;
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 4);
+    let slow = start_mock(MockConfig { latency_ms: 1_500, ..MockConfig::default() }).await;
+    let mut rep = replayer_with_timeout(&db, &slow, &keys, "moved", replay_config(), Duration::from_secs(10)).await;
+    let batch = tokio::spawn(async move { read_batch(&mut rep).await });
+    // The batch is loaded (its leases charged) before the provider answers.
+    let charged = async {
+        while db.count("SELECT count(*) FROM replay_lease WHERE loads > 0").await < 4 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), charged).await.expect("the batch was loaded");
+    sqlx::query(
+        "UPDATE ingest_manifest SET content_hash = 'changed meanwhile' WHERE doc_id = 'moved' AND chunk_index = 2",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let c = batch.await.unwrap();
+    assert_eq!(c.replayed, 3, "{c:?}");
+    let stored: Vec<i32> = sqlx::query_scalar("SELECT chunk_index FROM doc_embeddings ORDER BY 1")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, vec![0, 1, 3], "no vector for the chunk whose manifest moved on");
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = 'moved' AND chunk_index = 2").await,
+        1,
+        "its DLQ row stays"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'moved' AND status = 'stored'").await,
+        3
+    );
+}
+}
+
 /// Sequential scans of the DLQ and of the manifest so far, as the statistics collector has
 /// them: an idle backend flushes its counts within 10 s (`PGSTAT_IDLE_INTERVAL`).
 async fn seq_scans(db: &TestDb) -> (i64, i64) {
