@@ -771,7 +771,9 @@ async fn streams_bench(
 /// commit; default `ReplayConfig`'s), `BENCH_REPLAY_IN_FLIGHT` (provider requests of a batch in
 /// flight; default the pipeline's `concurrency`), `BENCH_REPLAY_OVERLAP`, `BENCH_REPLAYERS`,
 /// `BENCH_REPLAY_PIPELINE` (`0`: each replayer commits a batch before reading the next,
-/// instead of preparing the next one during the commit as `serve` does).
+/// instead of preparing the next one during the commit as `serve` does), `BENCH_REPLAY_CAP`
+/// (the outstanding cap; default the round's rows), `BENCH_REPLAY_FLOOR` (after each round,
+/// [`replay_floor`] over as many fresh parked rows: what any replay must do, nothing else).
 #[allow(clippy::too_many_arguments)]
 async fn replay_bench(
     pool: &sqlx::PgPool,
@@ -804,14 +806,19 @@ async fn replay_bench(
         block: Duration::from_millis(100),
         // The whole round outstanding at once, so the schedule and relay phases are timed
         // apart as before the cap (with the default cap the scheduler issues work only as
-        // it is settled, which `BENCH_REPLAY_OVERLAP=1` measures).
-        outstanding_max: rows.max(defaults.outstanding_max),
+        // it is settled, which `BENCH_REPLAY_OVERLAP=1` measures). `BENCH_REPLAY_CAP` sets
+        // it (e.g. the default, 10,000, below the round's rows: `serve` draining a backlog
+        // bigger than its cap, with `BENCH_REPLAY_OVERLAP=1`).
+        outstanding_max: env_usize("BENCH_REPLAY_CAP", rows.max(defaults.outstanding_max)),
         ..defaults
     };
     embed_dlq::replay::ensure_group(redis, keys).await.unwrap();
     let relay_config = RelayConfig { replay_maxlen: config.outstanding_max, ..RelayConfig::default() };
     let mut relay = Relay::new(pool.clone(), redis.clone(), keys.clone(), relay_config);
     let (mut ingest_rates, mut replay_rates, mut ratios) = (vec![], vec![], vec![]);
+    // `BENCH_REPLAY_FLOOR`: after each round, the replay floor over as many fresh parked rows.
+    let with_floor = std::env::var("BENCH_REPLAY_FLOOR").is_ok();
+    let (mut floor_ratios, mut floor_to_ingest) = (vec![], vec![]);
     for round in 0..rounds {
         // Baseline: the ingest pipeline over `rows` fresh chunks.
         sqlx::raw_sql(
@@ -903,8 +910,11 @@ async fn replay_bench(
         let for_all = |settled: &AtomicU64| settled.load(Ordering::Relaxed) >= rows as u64;
         let start = Instant::now();
         let (tasks, phases) = if overlap {
-            let tasks = spawn_replayers();
-            scheduler.run_once().await.unwrap();
+            let mut tasks = spawn_replayers();
+            // As `serve` runs it: passes whenever the replayers settle work, so a backlog
+            // bigger than the cap is issued as the cap frees.
+            // Aborted with the replayers at the end.
+            tasks.push(tokio::spawn(async move { scheduler.run(CancellationToken::new()).await.unwrap() }));
             while relay.run_once().await.unwrap().claimed > 0 {}
             (tasks, String::new())
         } else {
@@ -950,6 +960,39 @@ async fn replay_bench(
         ingest_rates.push(ingest_rate);
         replay_rates.push(replay_rate);
         ratios.push(replay_rate / ingest_rate);
+        if with_floor {
+            sqlx::raw_sql(
+                "TRUNCATE doc_embeddings, ingest_manifest, embedding_dlq, replay_lease, dlq_outbox",
+            )
+            .execute(pool)
+            .await
+            .unwrap();
+            let mut corpus = Vec::new();
+            let spec = CorpusSpec { doc_prefix: format!("rf{round}"), chunks: rows, ..CorpusSpec::default() };
+            write_corpus(&mut corpus, &spec, 100_000).unwrap();
+            mock.control.set_outage(true);
+            parking.run(std::io::Cursor::new(corpus), CancellationToken::new()).await.unwrap();
+            mock.control.set_outage(false);
+            sqlx::raw_sql("UPDATE embedding_dlq SET next_retry_at = now(); CHECKPOINT")
+                .execute(pool)
+                .await
+                .unwrap();
+            let (before, before_redis) = (cpu.snapshot(), redis_cpu_secs(&mut redis.clone()).await);
+            let elapsed = replay_floor(pool, pipeline, &config, replayers * 2).await;
+            let d = cpu.snapshot().since(&before);
+            let redis_us = (redis_cpu_secs(&mut redis.clone()).await - before_redis) * 1e6 / rows as f64;
+            let floor_rate = rows as f64 / elapsed.as_secs_f64();
+            println!(
+                "  replay floor: {floor_rate:>8.0} items/s ({:.2}s; CPU per item client {:.1} + pg {:.1} + redis {redis_us:.1} us)   replay / floor {:.2}   floor / ingest {:.2}",
+                elapsed.as_secs_f64(),
+                d.client * 1e6 / rows as f64,
+                (d.pg_own + d.pg_background) * 1e6 / rows as f64,
+                replay_rate / floor_rate,
+                floor_rate / ingest_rate
+            );
+            floor_ratios.push(replay_rate / floor_rate);
+            floor_to_ingest.push(floor_rate / ingest_rate);
+        }
     }
     println!(
         "replay median: {:.0} items/s (schedule + relay + {replayers} replayers, batch {}{}), ingest pipeline {:.0} chunks/s, ratio {:.2} (median of the per-round ratios)",
@@ -959,4 +1002,103 @@ async fn replay_bench(
         median(ingest_rates),
         median(ratios)
     );
+    if with_floor {
+        println!(
+            "replay floor medians: replay / floor {:.2}, floor / ingest {:.2} (per-round ratios)",
+            median(floor_ratios),
+            median(floor_to_ingest)
+        );
+    }
 }
+
+/// The replay floor (`BENCH_REPLAY_FLOOR`): what any replay of the parked rows must do, and
+/// nothing else. `tasks` workers (twice the replayers: a replayer prepares a batch while
+/// the one before commits) each take the next `config.batch` rows by id, read their texts,
+/// embed them through the pipeline's client and mock (requests of `config.request_inputs`,
+/// `config.requests_in_flight` at a time) and write the outcome in one statement: the DLQ rows
+/// deleted, the vectors inserted, the manifest rows `stored`, one `replayed` event each (the
+/// product's tables, with their triggers). No scheduler, lease, stream, lock or fence. Returns
+/// the time until the last batch committed.
+async fn replay_floor(
+    pool: &sqlx::PgPool,
+    pipeline: &embed_dlq::ingest::Pipeline,
+    config: &embed_dlq::replay::ReplayConfig,
+    tasks: usize,
+) -> Duration {
+    use futures::StreamExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ids: Arc<[i64]> =
+        sqlx::query_scalar("SELECT id FROM embedding_dlq ORDER BY id").fetch_all(pool).await.unwrap().into();
+    let next = Arc::new(AtomicUsize::new(0));
+    let (batch, inputs, in_flight) =
+        (config.batch, config.request_inputs.max(1), config.requests_in_flight.max(1));
+    let start = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..tasks {
+        let (pool, client, ids, next) =
+            (pool.clone(), pipeline.embedder.client.clone(), ids.clone(), next.clone());
+        workers.spawn(async move {
+            loop {
+                let first = next.fetch_add(batch, Ordering::Relaxed);
+                if first >= ids.len() {
+                    break;
+                }
+                let mine = &ids[first..(first + batch).min(ids.len())];
+                let loaded: Vec<(i64, String, i32, String, String)> = sqlx::query_as(
+                    "SELECT id, doc_id, chunk_index, content_hash, payload->>'text' FROM embedding_dlq WHERE id = ANY($1)",
+                )
+                .bind(mine)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+                let texts: Vec<&str> = loaded.iter().map(|r| r.4.as_str()).collect();
+                let requests: Vec<_> = texts.chunks(inputs).map(|group| client.embed(group, 768)).collect();
+                let answers: Vec<_> = futures::stream::iter(requests).buffered(in_flight).collect().await;
+                let vectors: Vec<Vector> = answers
+                    .into_iter()
+                    .flat_map(|a| a.unwrap().items.into_iter().map(|v| Vector::from(v.unwrap())))
+                    .collect();
+                let ids: Vec<i64> = loaded.iter().map(|r| r.0).collect();
+                let docs: Vec<&str> = loaded.iter().map(|r| r.1.as_str()).collect();
+                let idxs: Vec<i32> = loaded.iter().map(|r| r.2).collect();
+                let hashes: Vec<&str> = loaded.iter().map(|r| r.3.as_str()).collect();
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query(REPLAY_FLOOR_SQL)
+                    .bind(&ids)
+                    .bind(&docs)
+                    .bind(&idxs)
+                    .bind(&hashes)
+                    .bind(&vectors)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+            }
+        });
+    }
+    while let Some(done) = workers.join_next().await {
+        done.unwrap();
+    }
+    start.elapsed()
+}
+
+/// The replay floor's one statement a batch (see [`replay_floor`]).
+const REPLAY_FLOOR_SQL: &str = "WITH gone AS (
+         DELETE FROM embedding_dlq WHERE id = ANY($1)
+         RETURNING id, target_table, doc_id, chunk_index, generation, error_class, attempts, replays
+     ), vectors AS (
+         INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::vector[])
+     ), manifest AS (
+         UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
+           FROM gone g
+          WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
+     ), events AS (
+         INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
+         SELECT 'replayed', id, target_table, doc_id, chunk_index,
+                embed_dlq_event('replayed', id, target_table, doc_id, chunk_index, generation,
+                                jsonb_build_object('error_class', error_class, 'attempts', attempts,
+                                                   'replays', replays + 1, 'at', now()))
+           FROM gone
+     )
+     SELECT count(*) FROM gone";
