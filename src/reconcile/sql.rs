@@ -624,9 +624,10 @@ pub(crate) async fn replay_stalled(
         "SELECT d.doc_id || '#' || d.chunk_index FROM embedding_dlq d
           WHERE d.error_class = 'transient' AND d.exhausted_at IS NULL
             AND d.next_retry_at < now() - make_interval(secs => {stall})
-            AND NOT EXISTS (SELECT 1 FROM replay_lease l
-                             WHERE l.dlq_id = d.id AND l.generation = d.generation
-                               AND l.leased_until > now())"
+            -- The row's own lease by its key (see the scheduler's statement: as a
+            -- `NOT EXISTS` the planner may walk every live lease for every row).
+            AND NOT COALESCE((SELECT l.generation = d.generation AND l.leased_until > now()
+                                FROM replay_lease l WHERE l.dlq_id = d.id), false)"
     );
     run_check(pool, &select, None, examples).await
 }

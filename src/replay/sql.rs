@@ -616,9 +616,12 @@ const SCHEDULE_SQL: &str = "WITH room AS MATERIALIZED (
                 d.attempts
            FROM embedding_dlq d
           WHERE d.next_retry_at <= now() AND d.error_class = 'transient' AND d.exhausted_at IS NULL
-            AND NOT EXISTS (SELECT 1 FROM replay_lease l
-                             WHERE l.dlq_id = d.id AND l.generation = d.generation
-                               AND l.leased_until > now())
+            -- The row's own lease, read by its key: written as a `NOT EXISTS` with
+            -- `leased_until > now()`, the planner (whose statistics of `leased_until` age
+            -- into the past within a lease length of any analyze, so it expects no live
+            -- lease) walked every live lease for every due row: 9.7 s instead of 0.08.
+            AND NOT COALESCE((SELECT l.generation = d.generation AND l.leased_until > now()
+                                FROM replay_lease l WHERE l.dlq_id = d.id), false)
           ORDER BY d.next_retry_at
           LIMIT (SELECT n FROM room)
      ), leased AS (

@@ -392,6 +392,49 @@ async fn replay_that_does_not_drain_is_reported() {
 }
 }
 
+/// The stalled-replay check reads each due row's own lease by its key, whatever the
+/// statistics say: planned from aged statistics (no live lease expected) it compared every
+/// stalled row with every live lease, 20,000 rows behind 10,000 leases here, and a backlog
+/// of a million rows behind the default cap would have held a reconcile run for hours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stalled_replay_check_reads_each_rows_lease_by_key_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    sqlx::raw_sql(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'late-' || i, 0, md5('late' || i), 'parked' FROM generate_series(1, 20000) i;
+         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
+                                    error_reason, attempts, next_retry_at, model)
+         SELECT 'public.doc_embeddings', 'late-' || i, 0, md5('late' || i),
+                jsonb_build_object('doc_id', 'late-' || i, 'chunk_index', 0, 'text', 'late text ' || i),
+                'transient', 'http_503', 1, now() - interval '1 hour', 'mock'
+           FROM generate_series(1, 20000) i;
+         ANALYZE embedding_dlq; ANALYZE ingest_manifest;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    age_lease_statistics(&db).await;
+    // Half the rows are out as replay work (live leases), the other half wait behind the cap.
+    sqlx::raw_sql(
+        "INSERT INTO replay_lease (dlq_id, generation, leased_until)
+         SELECT id, generation, now() + interval '15 minutes' FROM embedding_dlq ORDER BY id LIMIT 10000",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let before = lease_key_probes(&db).await;
+    let mut r = reconciler(
+        &db,
+        &fresh_keys(),
+        ReconcileConfig { replay_stall_after: Duration::from_secs(60), ..immediate() },
+    )
+    .await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::ReplayStalled).found, 10_000, "the rows without a live lease");
+    let probes = lease_key_probes(&db).await - before;
+    assert!(probes >= 20_000, "each stalled row's lease read by key: {probes} probes");
+}
+
 on_single_and_cluster! {
 async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     let db = TestDb::new().await;

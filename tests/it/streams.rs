@@ -1237,6 +1237,49 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
 }
 }
 
+/// A scheduling pass checks each due row it walks against that row's own lease, by key,
+/// whatever the statistics say. `leased_until` is always "now + a lease", so a lease length
+/// after any analyze of `replay_lease` its statistics say no lease is live; planned from them,
+/// the check became a walk of every live lease for every due row: the second statement of a
+/// pass over 20,000 due rows (10,000 leased by the first) took 9.7 s instead of 0.08
+/// (`EXPLAIN ANALYZE`, BENCHMARKS.md), and every pass of a backlog bigger than the cap paid
+/// the same until autovacuum analyzed the table again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduling_pass_checks_due_rows_against_their_own_lease_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let rep = replayer(&db, &mock, &keys, "planned", replay_config()).await;
+    sqlx::raw_sql(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i), 'parked' FROM generate_series(1, 20000) i;
+         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
+                                    error_reason, attempts, next_retry_at, model)
+         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i),
+                jsonb_build_object('doc_id', 'due-' || i, 'chunk_index', 0, 'text', 'due text ' || i),
+                'transient', 'http_503', 1, now() - interval '1 minute', 'mock'
+           FROM generate_series(1, 20000) i;
+         ANALYZE embedding_dlq; ANALYZE ingest_manifest;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    age_lease_statistics(&db).await;
+    let before = lease_key_probes(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    // One pass, two statements: 10,000 rows, then the other 10,000 behind 10,000 live leases.
+    let config = ReplayConfig { outstanding_max: 20_000, ..replay_config() };
+    let scheduler = Scheduler::new(rep.store.clone(), config, r.clone(), keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), 20_000);
+    let probes = lease_key_probes(&db).await - before;
+    // The inserts check the key of each of their 20,000 leases; the second statement walks
+    // all 20,000 due rows (the first 10,000 leased by the first) and must look up each
+    // one's lease by that key too. Planned from the stale statistics, only the inserts
+    // probed it (20,006), and the walk compared every due row with every live lease.
+    assert!(probes >= 40_000, "due rows checked against their own lease by key: {probes} probes");
+}
+
 /// Appends `n` synthetic `parked` events (chunks `first..first + n` of doc `doc`) to the
 /// events stream of `keys` (one shard).
 async fn add_events(keys: &StreamKeys, doc: &str, first: usize, n: usize) {

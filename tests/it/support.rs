@@ -1202,3 +1202,30 @@ pub async fn wait_for(what: &str, within: std::time::Duration, mut done: impl As
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// Probes of `replay_lease`'s primary key so far, as the statistics collector has them (after
+/// the 11 s an idle backend may take to flush its counts).
+pub async fn lease_key_probes(db: &TestDb) -> i64 {
+    tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+    sqlx::query_scalar("SELECT idx_scan FROM pg_stat_user_indexes WHERE indexrelname = 'replay_lease_pkey'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Leaves `replay_lease`'s statistics as a long-running deployment does: analyzed while it
+/// held leases that have expired since (every lease has, a lease length after any analyze:
+/// `leased_until` is always "now + a lease"), then emptied and vacuumed. The planner now
+/// expects no live lease, whatever the table holds.
+pub async fn age_lease_statistics(db: &TestDb) {
+    sqlx::raw_sql(
+        "INSERT INTO replay_lease (dlq_id, generation, leased_until)
+         SELECT id, generation, now() - interval '1 hour' FROM embedding_dlq;
+         ANALYZE replay_lease;
+         DELETE FROM replay_lease;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE replay_lease").execute(&db.pool).await.unwrap();
+}
