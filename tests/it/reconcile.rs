@@ -399,20 +399,7 @@ async fn replay_that_does_not_drain_is_reported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stalled_replay_check_reads_each_rows_lease_by_key_whatever_the_statistics_say() {
     let db = TestDb::new().await;
-    sqlx::raw_sql(
-        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'late-' || i, 0, md5('late' || i), 'parked' FROM generate_series(1, 20000) i;
-         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
-                                    error_reason, attempts, next_retry_at, model)
-         SELECT 'public.doc_embeddings', 'late-' || i, 0, md5('late' || i),
-                jsonb_build_object('doc_id', 'late-' || i, 'chunk_index', 0, 'text', 'late text ' || i),
-                'transient', 'http_503', 1, now() - interval '1 hour', 'mock'
-           FROM generate_series(1, 20000) i;
-         ANALYZE embedding_dlq; ANALYZE ingest_manifest;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    insert_parked_rows(&db, "late", 20_000, Some("1 hour")).await;
     age_lease_statistics(&db).await;
     // Half the rows are out as replay work (live leases), the other half wait behind the cap.
     sqlx::raw_sql(

@@ -1200,28 +1200,8 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
     let mut rep = replayer(&db, &mock, &keys, "indexed", ReplayConfig { batch: 300, ..replay_config() }).await;
     // 20,000 chunks parked as permanent (never scheduled) and 3,000 transient ones, all due
     // at the same instant: a batch is a small part of the DLQ and of the manifest.
-    sqlx::raw_sql(
-        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'perm-' || i, 0, md5(i::text), 'parked' FROM generate_series(1, 20000) i;
-         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
-                                    error_reason, attempts, model)
-         SELECT 'public.doc_embeddings', 'perm-' || i, 0, md5(i::text),
-                jsonb_build_object('doc_id', 'perm-' || i, 'chunk_index', 0, 'text', 'perm text ' || i),
-                'permanent_input', 'http_400', 1, 'mock'
-           FROM generate_series(1, 20000) i;
-         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i), 'parked' FROM generate_series(1, 3000) i;
-         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
-                                    error_reason, attempts, next_retry_at, model)
-         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i),
-                jsonb_build_object('doc_id', 'due-' || i, 'chunk_index', 0, 'text', 'due text ' || i),
-                'transient', 'http_503', 1, now() - interval '1 minute', 'mock'
-           FROM generate_series(1, 3000) i;
-         ANALYZE ingest_manifest; ANALYZE embedding_dlq;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    insert_parked_rows(&db, "perm", 20_000, None).await;
+    insert_parked_rows(&db, "due", 3_000, Some("1 minute")).await;
     let before = seq_scans(&db).await;
     // Six scheduler passes of 500 due rows each, then one batch of 300: loaded, locked and
     // committed by key.
@@ -1250,20 +1230,7 @@ async fn a_scheduling_pass_checks_due_rows_against_their_own_lease_whatever_the_
     let keys = fresh_keys();
     let mock = start_mock(MockConfig::default()).await;
     let rep = replayer(&db, &mock, &keys, "planned", replay_config()).await;
-    sqlx::raw_sql(
-        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i), 'parked' FROM generate_series(1, 20000) i;
-         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
-                                    error_reason, attempts, next_retry_at, model)
-         SELECT 'public.doc_embeddings', 'due-' || i, 0, md5('due' || i),
-                jsonb_build_object('doc_id', 'due-' || i, 'chunk_index', 0, 'text', 'due text ' || i),
-                'transient', 'http_503', 1, now() - interval '1 minute', 'mock'
-           FROM generate_series(1, 20000) i;
-         ANALYZE embedding_dlq; ANALYZE ingest_manifest;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    insert_parked_rows(&db, "due", 20_000, Some("1 minute")).await;
     age_lease_statistics(&db).await;
     let before = lease_key_probes(&db).await;
     let mut r = redis().await;

@@ -1229,3 +1229,29 @@ pub async fn age_lease_statistics(db: &TestDb) {
     .unwrap();
     sqlx::raw_sql("VACUUM ANALYZE replay_lease").execute(&db.pool).await.unwrap();
 }
+
+/// Writes `n` parked chunks straight into the manifest and the DLQ of `public.doc_embeddings`
+/// (docs `<prefix>-1..=n`, chunk 0): transient (`http_503`) rows due since `due_ago` when it is
+/// given, permanent (`http_400`, never scheduled) rows otherwise. Faster than parking them
+/// through a pipeline, for tests that need a DLQ far bigger than a batch.
+pub async fn insert_parked_rows(db: &TestDb, prefix: &str, n: usize, due_ago: Option<&str>) {
+    let (class, reason, due) = match due_ago {
+        Some(ago) => ("transient", "http_503", format!("now() - interval '{ago}'")),
+        None => ("permanent_input", "http_400", "NULL".to_string()),
+    };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', '{prefix}-' || i, 0, md5('{prefix}' || i), 'parked'
+           FROM generate_series(1, {n}) i;
+         INSERT INTO embedding_dlq (target_table, doc_id, chunk_index, content_hash, payload, error_class,
+                                    error_reason, attempts, next_retry_at, model)
+         SELECT 'public.doc_embeddings', '{prefix}-' || i, 0, md5('{prefix}' || i),
+                jsonb_build_object('doc_id', '{prefix}-' || i, 'chunk_index', 0, 'text', '{prefix} text ' || i),
+                '{class}', '{reason}', 1, {due}, 'mock'
+           FROM generate_series(1, {n}) i;
+         ANALYZE ingest_manifest; ANALYZE embedding_dlq;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
