@@ -393,8 +393,8 @@ impl Store {
     /// a success whose manifest row no longer holds the replayed content is not applied),
     /// then one fenced statement per target table of the other successful replays
     /// ([`replayed_sql`]: DLQ delete fenced by generation and embedded hash, vector upsert
-    /// under the embedded hash, manifest `stored`, `replayed` event), then one for the failed passes
-    /// and give-ups ([`REPARK_SQL`]), then the commit. Each statement after the lock takes
+    /// under the embedded hash, manifest `stored`, `replayed` event), then one for the
+    /// failed passes and give-ups ([`REPARK_SQL`]), then the commit. Each statement after the lock takes
     /// a new snapshot, so it sees whatever the previous holder of those locks committed.
     ///
     /// Returns the ids applied, replayed and re-parked; the others were already handled by
@@ -551,8 +551,9 @@ const REPARK_SQL: &str = "WITH input AS (
 
 /// The replay statement of [`Store::commit_settled`] for one target table (its quoted name): DLQ
 /// delete fenced by generation and embedded hash (the caller passes only rows whose manifest
-/// row, locked by [`LOCK_MANIFEST_SQL`], holds that hash), vector upsert under the embedded hash (a no-op for unchanged content), manifest `stored`,
-/// `replayed` event. Binds the table's name `$1` and the rows' columns `$2..=$5`.
+/// row, locked by [`LOCK_MANIFEST_SQL`], holds that hash), vector upsert under the embedded
+/// hash (a no-op for unchanged content), manifest `stored`, `replayed` event. Binds the
+/// table's name `$1` and the rows' columns `$2..=$5`.
 fn replayed_sql(table: &str) -> String {
     format!(
         "WITH input AS (
