@@ -966,6 +966,12 @@ impl WorkAudit {
         ))))?
         .execute(&mut *tx)
         .await?;
+        // Read by key, lease by lease, in `lost_work` (see there).
+        sqlx::raw_sql(
+            "CREATE INDEX ON reconcile_unpublished_work (dlq_id); ANALYZE reconcile_unpublished_work",
+        )
+        .execute(&mut *tx)
+        .await?;
         sqlx::query(
             "CREATE TEMP TABLE reconcile_outstanding_work (dlq_id bigint, generation bigint) ON COMMIT DROP",
         )
@@ -1009,7 +1015,10 @@ impl WorkAudit {
     /// Up to `limit` rows after `after_id` (by id) whose live replay lease was issued more
     /// than `grace` before the audit began, with no outstanding work item (neither
     /// unpublished in the outbox nor recorded from the stream): `(id, "doc_id#chunk_index")`.
-    /// Read from the leases (at most the outstanding cap of them), not from the DLQ.
+    /// Read from the leases (at most the outstanding cap of them), not from the DLQ. Both lists
+    /// are indexed by row id: the leases' statistics age into the past (see the scheduler's
+    /// statement), and planned from them as one lease the lists were scanned once a lease,
+    /// 20,000 x 20,000 rows for a backlog at that cap.
     pub(crate) async fn lost_work(
         &mut self,
         grace: Duration,
@@ -1042,10 +1051,14 @@ impl WorkAudit {
             .map_err(StoreError::from)
     }
 
-    /// Refreshes the planner's statistics on the recorded items (after the last page, before
-    /// [`WorkAudit::lost_work`]).
+    /// Indexes the recorded items and refreshes the planner's statistics on them (after the
+    /// last page, before [`WorkAudit::lost_work`]).
     pub(crate) async fn analyze(&mut self) -> Result<(), StoreError> {
-        sqlx::query("ANALYZE reconcile_outstanding_work").execute(&mut *self.tx).await?;
+        sqlx::raw_sql(
+            "CREATE INDEX ON reconcile_outstanding_work (dlq_id, generation); ANALYZE reconcile_outstanding_work",
+        )
+        .execute(&mut *self.tx)
+        .await?;
         Ok(())
     }
 

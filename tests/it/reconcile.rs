@@ -422,6 +422,49 @@ async fn the_stalled_replay_check_reads_each_rows_lease_by_key_whatever_the_stat
     assert!(probes >= 20_000, "each stalled row's lease read by key: {probes} probes");
 }
 
+/// Buffer hits on temporary tables so far, by every backend of the server
+/// (`pg_stat_io`; after the 11 s an idle backend may take to flush its counts). The audit of
+/// replay work keeps its lists in temporary tables, whose own statistics go with them.
+async fn temp_table_hits(db: &TestDb) -> i64 {
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    sqlx::query_scalar("SELECT sum(hits)::bigint FROM pg_stat_io WHERE object = 'temp relation'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// The audit of replay work looks each leased row up in the work it found outstanding by
+/// key, whatever the statistics of the leases say: planned from aged ones (no live lease
+/// expected) it scanned the whole list of outstanding items once per lease, 10,000 x 10,000
+/// rows for a backlog at the default cap (7.8 s a run, `EXPLAIN ANALYZE`, BENCHMARKS.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_of_replay_work_looks_leases_up_by_key_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    insert_parked_rows(&db, "out", 20_000, Some("1 minute")).await;
+    age_lease_statistics(&db).await;
+    // Before autovacuum looks at the leases written below (it may within the test's waits).
+    sqlx::raw_sql("ALTER TABLE replay_lease SET (autovacuum_enabled = false)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // A scheduler pass: 20,000 live leases, their 20,000 items waiting in the replay stream.
+    let mut redis = redis().await;
+    embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
+    let store = pipeline(&settings(&db, &start_mock(MockConfig::default()).await)).await.store;
+    let config = ReplayConfig { outstanding_max: 20_000, ..ReplayConfig::default() };
+    assert_eq!(Scheduler::new(store, config, redis.clone(), keys.clone()).run_once().await.unwrap(), 20_000);
+    let before = temp_table_hits(&db).await;
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    let report = r.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.get(Check::LostReplayWork).found, 0, "every leased row's item is on the stream");
+    // By key: a few pages of the lists' indexes a lease, about 60,000 hits. A scan of the
+    // list of 20,000 outstanding items (about 110 pages) for each of the 20,000 leases: 2.2
+    // million. Other tests' audits at the same time add thousands.
+    let hits = temp_table_hits(&db).await - before;
+    assert!(hits < 1_000_000, "the audit looked each lease's work up by key: {hits} temporary-table hits");
+}
+
 on_single_and_cluster! {
 async fn requeue_of_a_permanent_class_stores_it_once_the_cause_is_fixed() {
     let db = TestDb::new().await;
