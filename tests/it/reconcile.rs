@@ -409,7 +409,8 @@ async fn the_stalled_replay_check_reads_each_rows_lease_by_key_whatever_the_stat
     .execute(&db.pool)
     .await
     .unwrap();
-    let before = lease_key_probes(&db).await;
+    quiet_statistics().await;
+    let before = index_scans(&db, "replay_lease_pkey").await;
     let mut r = reconciler(
         &db,
         &fresh_keys(),
@@ -418,15 +419,16 @@ async fn the_stalled_replay_check_reads_each_rows_lease_by_key_whatever_the_stat
     .await;
     let report = r.run_once(Mode::Check).await.unwrap();
     assert_eq!(report.get(Check::ReplayStalled).found, 10_000, "the rows without a live lease");
-    let probes = lease_key_probes(&db).await - before;
+    quiet_statistics().await;
+    let probes = index_scans(&db, "replay_lease_pkey").await - before;
     assert!(probes >= 20_000, "each stalled row's lease read by key: {probes} probes");
 }
 
-/// Buffer hits on temporary tables so far, by every backend of the server
-/// (`pg_stat_io`; after the 11 s an idle backend may take to flush its counts). The audit of
+/// Buffer hits on temporary tables so far, by every backend of the server (`pg_stat_io`,
+/// after [`quiet_statistics`]). The audit of
 /// replay work keeps its lists in temporary tables, whose own statistics go with them.
 async fn temp_table_hits(db: &TestDb) -> i64 {
-    tokio::time::sleep(Duration::from_secs(11)).await;
+    quiet_statistics().await;
     sqlx::query_scalar("SELECT sum(hits)::bigint FROM pg_stat_io WHERE object = 'temp relation'")
         .fetch_one(&db.pool)
         .await

@@ -1232,14 +1232,16 @@ async fn a_scheduling_pass_checks_due_rows_against_their_own_lease_whatever_the_
     let rep = replayer(&db, &mock, &keys, "planned", replay_config()).await;
     insert_parked_rows(&db, "due", 20_000, Some("1 minute")).await;
     age_lease_statistics(&db).await;
-    let before = lease_key_probes(&db).await;
+    quiet_statistics().await;
+    let before = index_scans(&db, "replay_lease_pkey").await;
     let mut r = redis().await;
     embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
     // One pass, two statements: 10,000 rows, then the other 10,000 behind 10,000 live leases.
     let config = ReplayConfig { outstanding_max: 20_000, ..replay_config() };
     let scheduler = Scheduler::new(rep.store.clone(), config, r.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 20_000);
-    let probes = lease_key_probes(&db).await - before;
+    quiet_statistics().await;
+    let probes = index_scans(&db, "replay_lease_pkey").await - before;
     // The inserts check the key of each of their 20,000 leases; the second statement walks
     // all 20,000 due rows (the first 10,000 leased by the first) and must look up each
     // one's lease by that key too. Planned from the stale statistics, only the inserts

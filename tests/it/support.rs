@@ -869,22 +869,28 @@ pub async fn park_due(db: &TestDb, n: usize, doc: &str) {
 /// call [`quiet_statistics`] before the first reading, and read with the pool that ran the
 /// statement closed.
 pub async fn rows_read(db: &TestDb, table: &str) -> i64 {
-    statistic(db, "pg_stat_user_tables", "seq_tup_read, idx_tup_fetch", "relid", table).await
+    statistic(db, "pg_stat_user_tables", &["seq_tup_read", "idx_tup_fetch"], "relid", table).await
 }
 
 /// Blocks of index `index` read so far (from the buffer cache or the disk), as the server's
 /// statistics count them: what index scans walked, including entries a scan passed over
 /// without returning them (which [`rows_read`] does not see). Reported like [`rows_read`].
 pub async fn index_blocks_read(db: &TestDb, index: &str) -> i64 {
-    statistic(db, "pg_statio_user_indexes", "idx_blks_read, idx_blks_hit", "indexrelid", index).await
+    statistic(db, "pg_statio_user_indexes", &["idx_blks_read", "idx_blks_hit"], "indexrelid", index).await
 }
 
-/// The sum of two counters (`a, b`) of statistics view `view` for the relation named `name`
-/// (matched on the view's column `key`).
-async fn statistic(db: &TestDb, view: &str, counters: &str, key: &str, name: &str) -> i64 {
-    let (a, b) = counters.split_once(", ").expect("two counters");
+/// Scans of index `index` so far (each probe by key is one), reported like [`rows_read`].
+pub async fn index_scans(db: &TestDb, index: &str) -> i64 {
+    statistic(db, "pg_stat_user_indexes", &["idx_scan"], "indexrelid", index).await
+}
+
+/// The sum of `counters` of statistics view `view` for the relation named `name` (matched on
+/// the view's column `key`).
+async fn statistic(db: &TestDb, view: &str, counters: &[&str], key: &str, name: &str) -> i64 {
+    let sum: Vec<String> = counters.iter().map(|c| format!("coalesce({c}, 0)")).collect();
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT (coalesce({a}, 0) + coalesce({b}, 0))::bigint FROM {view} WHERE {key} = $1::regclass"
+        "SELECT ({})::bigint FROM {view} WHERE {key} = $1::regclass",
+        sum.join(" + ")
     )))
     .bind(name)
     .fetch_one(&db.pool)
@@ -1201,16 +1207,6 @@ pub async fn wait_for(what: &str, within: std::time::Duration, mut done: impl As
         assert!(tokio::time::Instant::now() < deadline, "{what}: not within {within:?}");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-}
-
-/// Probes of `replay_lease`'s primary key so far, as the statistics collector has them (after
-/// the 11 s an idle backend may take to flush its counts).
-pub async fn lease_key_probes(db: &TestDb) -> i64 {
-    tokio::time::sleep(std::time::Duration::from_secs(11)).await;
-    sqlx::query_scalar("SELECT idx_scan FROM pg_stat_user_indexes WHERE indexrelname = 'replay_lease_pkey'")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap()
 }
 
 /// Leaves `replay_lease`'s statistics as a long-running deployment does: analyzed while it
