@@ -196,8 +196,14 @@ pub(crate) fn describe() {
     describe_gauge!(OUTBOX_BACKLOG, "Outbox rows not yet published.");
     describe_gauge!(OUTBOX_OLDEST_AGE, metrics::Unit::Seconds, "Age of the oldest unpublished outbox row.");
     describe_gauge!(STREAM_LENGTH, "Entries in a stream.");
-    describe_gauge!(STREAM_PENDING, "Entries delivered to the replayers and not yet acknowledged.");
-    describe_gauge!(STREAM_LAG, "Entries not yet delivered to the replayers.");
+    describe_gauge!(
+        STREAM_PENDING,
+        "Replay entries (a batch of work items each) delivered to the replayers and not yet acknowledged."
+    );
+    describe_gauge!(
+        STREAM_LAG,
+        "Replay entries (a batch of work items each) not yet delivered to the replayers."
+    );
     describe_gauge!(RECONCILE_FINDINGS, "Findings of the last reconcile run, by check.");
     describe_gauge!(
         RECONCILE_LAST_SUCCESS,

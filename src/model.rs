@@ -228,57 +228,113 @@ pub struct WorkItem {
 /// characters; Postgres names are at most 63 bytes per part, quoted and qualified).
 const WORK_ITEM_MAX_FIELD: usize = 512;
 
-impl WorkItem {
-    /// Reads a work item from its JSON body. `None` for anything else (including items
-    /// written before generations existed: their rows are scheduled again when their lease
-    /// runs out).
-    pub fn parse_body(body: &str) -> Option<WorkItem> {
-        // Into the fields it needs, not a whole `serde_json::Value` (a map of every field):
-        // a replayer parses one body per entry. A `lease` that is not an integer reads as
-        // none, as an item from before leases were numbered.
-        #[derive(Deserialize)]
-        struct Body<'a> {
-            dlq_id: i64,
-            generation: i64,
-            #[serde(borrow)]
-            content_hash: std::borrow::Cow<'a, str>,
-            #[serde(borrow)]
-            table: std::borrow::Cow<'a, str>,
-            #[serde(default, borrow)]
-            lease: Option<&'a serde_json::value::RawValue>,
-        }
-        let b: Body<'_> = serde_json::from_str(body).ok()?;
-        if b.content_hash.len() > WORK_ITEM_MAX_FIELD
-            || b.table.is_empty()
-            || b.table.len() > WORK_ITEM_MAX_FIELD
+/// Most work items one replay stream entry carries: the largest replay batch
+/// (`crate::config::bounds::REPLAY_BATCH`), since the scheduler writes one entry per batch of
+/// a shard. An entry that claims more is unreadable (acknowledged and skipped; its rows'
+/// leases run out and they are issued again).
+pub const MAX_ITEMS_PER_ENTRY: usize = 2048;
+
+/// One work item's JSON as it is read: the fields replay needs, borrowed from the body.
+#[derive(Deserialize)]
+struct ItemBody<'a> {
+    dlq_id: i64,
+    generation: i64,
+    #[serde(borrow)]
+    content_hash: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    table: std::borrow::Cow<'a, str>,
+    #[serde(default, borrow)]
+    lease: Option<&'a serde_json::value::RawValue>,
+}
+
+impl ItemBody<'_> {
+    /// The item, or `None` when a field is out of bounds. A `lease` that is not an integer
+    /// reads as none, as an item from before leases were numbered.
+    fn into_item(self) -> Option<WorkItem> {
+        if self.content_hash.len() > WORK_ITEM_MAX_FIELD
+            || self.table.is_empty()
+            || self.table.len() > WORK_ITEM_MAX_FIELD
         {
             return None;
         }
         Some(WorkItem {
-            dlq_id: b.dlq_id,
-            generation: b.generation,
-            content_hash: b.content_hash.into_owned(),
-            target_table: b.table.into_owned(),
-            lease: b.lease.and_then(|l| l.get().parse::<i64>().ok()),
+            dlq_id: self.dlq_id,
+            generation: self.generation,
+            content_hash: self.content_hash.into_owned(),
+            target_table: self.table.into_owned(),
+            lease: self.lease.and_then(|l| l.get().parse::<i64>().ok()),
         })
     }
+}
 
-    /// The JSON body the scheduler writes for this item: what [`WorkItem::parse_body`] reads,
-    /// plus the chunk (`doc_id`, `chunk_index`) and the provider `attempts` the row has
-    /// spent, for people reading the stream.
-    pub(crate) fn body(&self, doc_id: &str, chunk_index: i32, attempts: i32) -> String {
-        #[derive(Serialize)]
-        struct Body<'a> {
-            dlq_id: i64,
-            generation: i64,
-            content_hash: &'a str,
-            table: &'a str,
-            doc_id: &'a str,
-            chunk_index: i32,
-            attempts: i32,
-            lease: Option<i64>,
+/// One work item's JSON as the scheduler writes it: what [`ItemBody`] reads, plus the chunk
+/// and the provider attempts the row has spent, for people reading the stream.
+#[derive(Serialize)]
+struct WrittenItem<'a> {
+    dlq_id: i64,
+    generation: i64,
+    content_hash: &'a str,
+    table: &'a str,
+    doc_id: &'a str,
+    chunk_index: i32,
+    attempts: i32,
+    lease: Option<i64>,
+}
+
+impl WorkItem {
+    /// Reads one work item from its JSON (the body of an entry of one item, as releases
+    /// before batched entries wrote them and the relay still publishes from their outbox
+    /// rows). `None` for anything else (including items written before generations existed:
+    /// their rows are scheduled again when their lease runs out).
+    pub fn parse_body(body: &str) -> Option<WorkItem> {
+        // Into the fields it needs, not a whole `serde_json::Value` (a map of every field).
+        serde_json::from_str::<ItemBody<'_>>(body).ok()?.into_item()
+    }
+
+    /// Reads the work items of a replay stream entry's body: a batch (`{"items": [...]}`,
+    /// what the scheduler writes: one entry for up to a replay batch of rows of one shard,
+    /// so the stream's append, read, claim and acknowledgement are paid once per batch), or
+    /// one item ([`WorkItem::parse_body`]). `None` when the body, or any item in it, is not
+    /// readable, or it holds no item or more than [`MAX_ITEMS_PER_ENTRY`].
+    pub fn parse_entry_body(body: &str) -> Option<Vec<WorkItem>> {
+        #[derive(Deserialize)]
+        struct Batch<'a> {
+            #[serde(borrow)]
+            items: Vec<ItemBody<'a>>,
         }
-        let body = Body {
+        match serde_json::from_str::<Batch<'_>>(body) {
+            Ok(batch) if (1..=MAX_ITEMS_PER_ENTRY).contains(&batch.items.len()) => {
+                batch.items.into_iter().map(ItemBody::into_item).collect()
+            }
+            Ok(_) => None,
+            Err(_) => WorkItem::parse_body(body).map(|item| vec![item]),
+        }
+    }
+
+    /// The JSON body of one item alone, as [`WorkItem::parse_body`] reads it (what releases
+    /// before batched entries wrote): with the chunk (`doc_id`, `chunk_index`) and the
+    /// provider `attempts` the row has spent, for people reading the stream.
+    #[cfg(test)]
+    pub(crate) fn body(&self, doc_id: &str, chunk_index: i32, attempts: i32) -> String {
+        serde_json::to_string(&self.written(doc_id, chunk_index, attempts))
+            .expect("a struct of strings and numbers serializes")
+    }
+
+    /// The JSON body of an entry of several items (`(item, doc_id, chunk_index, attempts)`
+    /// each), as [`WorkItem::parse_entry_body`] reads it.
+    pub(crate) fn entry_body<'a>(
+        items: impl IntoIterator<Item = (&'a WorkItem, &'a str, i32, i32)>,
+    ) -> String {
+        #[derive(Serialize)]
+        struct Batch<'a> {
+            items: Vec<WrittenItem<'a>>,
+        }
+        let items = items.into_iter().map(|(w, doc, idx, attempts)| w.written(doc, idx, attempts)).collect();
+        serde_json::to_string(&Batch { items }).expect("a struct of strings and numbers serializes")
+    }
+
+    fn written<'a>(&'a self, doc_id: &'a str, chunk_index: i32, attempts: i32) -> WrittenItem<'a> {
+        WrittenItem {
             dlq_id: self.dlq_id,
             generation: self.generation,
             content_hash: &self.content_hash,
@@ -287,8 +343,7 @@ impl WorkItem {
             chunk_index,
             attempts,
             lease: self.lease,
-        };
-        serde_json::to_string(&body).expect("a struct of strings and numbers serializes")
+        }
     }
 }
 
@@ -376,5 +431,34 @@ mod tests {
         let long =
             format!(r#"{{"dlq_id":7,"generation":1,"content_hash":"{}","table":"t"}}"#, "a".repeat(600));
         assert_eq!(WorkItem::parse_body(&long), None);
+    }
+
+    #[test]
+    fn an_entry_carries_a_batch_of_items_or_one_legacy_item() {
+        let a = WorkItem {
+            dlq_id: 1,
+            generation: 10,
+            content_hash: "aa".into(),
+            target_table: "public.t".into(),
+            lease: Some(5),
+        };
+        let b = WorkItem { dlq_id: 2, generation: 11, lease: None, ..a.clone() };
+        let body = WorkItem::entry_body([(&a, "d \"1\"", 0, 1), (&b, "d2", 3, 2)]);
+        assert_eq!(WorkItem::parse_entry_body(&body), Some(vec![a.clone(), b.clone()]));
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["items"][1]["chunk_index"].as_i64(), Some(3), "the chunk is written for readers");
+        assert_eq!(v["items"][0]["doc_id"].as_str(), Some("d \"1\""));
+        // An entry of one item, as earlier releases wrote it.
+        assert_eq!(WorkItem::parse_entry_body(&a.body("d", 0, 1)), Some(vec![a.clone()]));
+        // One unreadable item makes the entry unreadable; so do no items, too many, or not JSON.
+        let broken = body.replace(r#""generation":11"#, r#""generation":"x""#);
+        assert_eq!(WorkItem::parse_entry_body(&broken), None);
+        assert_eq!(WorkItem::parse_entry_body(r#"{"items":[]}"#), None);
+        let many = WorkItem::entry_body(std::iter::repeat_n((&a, "d", 0, 1), MAX_ITEMS_PER_ENTRY + 1));
+        assert_eq!(WorkItem::parse_entry_body(&many), None);
+        let most = WorkItem::entry_body(std::iter::repeat_n((&a, "d", 0, 1), MAX_ITEMS_PER_ENTRY));
+        assert_eq!(WorkItem::parse_entry_body(&most).map(|v| v.len()), Some(MAX_ITEMS_PER_ENTRY));
+        assert_eq!(WorkItem::parse_entry_body("not json"), None);
+        assert_eq!(WorkItem::parse_entry_body(r#"{"items":7}"#), None);
     }
 }

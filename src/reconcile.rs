@@ -363,20 +363,26 @@ impl Finding {
     }
 }
 
-/// Records the page's `outstanding` work items (entry id, and the DLQ row and generation it
-/// carries, if readable) in `audit`; returns the entries whose row is gone or has moved on to
-/// another generation, and the unreadable ones.
+/// A replay stream entry still to be replayed: its id, and the `(DLQ row, generation)` of
+/// each work item it carries (`None`: unreadable).
+type OutstandingEntry = (String, Option<Vec<(i64, i64)>>);
+
+/// Records the page's `outstanding` work items (entry id, and the DLQ rows and generations
+/// it carries, if readable) in `audit`; returns the entries all of whose rows are gone or
+/// have moved on to another generation, and the unreadable ones.
 async fn orphans_among(
     audit: &mut WorkAudit,
-    outstanding: Vec<(String, Option<(i64, i64)>)>,
+    outstanding: Vec<OutstandingEntry>,
 ) -> Result<Vec<String>, ReconcileError> {
-    let (ids, gens): (Vec<i64>, Vec<i64>) = outstanding.iter().filter_map(|(_, w)| *w).unzip();
+    let (ids, gens): (Vec<i64>, Vec<i64>) =
+        outstanding.iter().filter_map(|(_, w)| w.as_ref()).flatten().copied().unzip();
     audit.record_outstanding(&ids, &gens).await?;
     let live: HashMap<i64, i64> = audit.live_generations(&ids).await?;
     Ok(outstanding
         .into_iter()
         .filter(|(_, w)| match w {
-            Some((dlq_id, generation)) => live.get(dlq_id) != Some(generation),
+            // An entry of several items is an orphan only once none of them is live.
+            Some(items) => items.iter().all(|(dlq_id, generation)| live.get(dlq_id) != Some(generation)),
             None => true,
         })
         .map(|(id, _)| id)
@@ -1126,12 +1132,14 @@ impl Reconciler {
                 Some(g) if g.pending > 0 => pending_between(redis, stream, &first.id, &last.id, page).await?,
                 _ => HashSet::new(),
             };
-            let outstanding: Vec<(String, Option<(i64, i64)>)> = entries
+            let outstanding: Vec<OutstandingEntry> = entries
                 .ids
                 .iter()
                 .filter(|e| pending.contains(&e.id) || crate::streams::parse_entry_id(&e.id) > last_delivered)
                 .map(|e| {
-                    (e.id.clone(), crate::streams::work::from_entry(&e.map).map(|w| (w.dlq_id, w.generation)))
+                    let items = crate::streams::work::from_entry(&e.map)
+                        .map(|items| items.iter().map(|w| (w.dlq_id, w.generation)).collect());
+                    (e.id.clone(), items)
                 })
                 .collect();
             let page_orphans = orphans_among(audit, outstanding).await?;

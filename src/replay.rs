@@ -2,8 +2,10 @@
 //! policy, in parallel, through the `replayers` consumer group on the replay stream.
 //!
 //! - [`Scheduler`]: due DLQ rows → leases → replay work items, appended to the replay stream
-//!   by the scheduler itself before the leases commit (the lease is the item's record).
-//! - [`Replayer`]: `XREADGROUP` (BLOCK, COUNT) → re-embed → commit → `XACK`, in that order.
+//!   by the scheduler itself before the leases commit (the lease is the item's record), a
+//!   batch of a shard's items to an entry.
+//! - [`Replayer`]: `XREADGROUP` (BLOCK, one entry) → re-embed → commit → `XACK` + `XDEL`,
+//!   in that order.
 //!   A result commits only if the DLQ row still has the generation and content hash the
 //!   work item ([`WorkItem`]) carried (`sql`), so a redelivered entry whose
 //!   row is gone, already replayed, or superseded by newer content is acknowledged and
@@ -13,8 +15,10 @@
 //!   against that table's dimension and committed into that table.
 //! - Outstanding work is bounded: the scheduler hands a row out under a lease (a narrow
 //!   `replay_lease` row, `sql`), at most one live lease per row and at
-//!   most `outstanding_max` in all, and the relay trims each replay stream shard to that
-//!   many entries. A work item names its lease; an older item of the same row is skipped.
+//!   most `outstanding_max` in all; each replay stream shard is trimmed to that many
+//!   entries and, by the scheduler, to about two leases of issued work, and the replayers
+//!   delete what they settle. A work item names its lease; an older item of the same row is
+//!   skipped.
 //! - Stuck work: entries idle longer than `min_idle` are taken over with `XAUTOCLAIM`.
 //!   While a replayer works on a batch it refreshes its claim on the entries it still owns
 //!   (`XCLAIM ... JUSTID`, never taking back one another replayer reclaimed), so a short
@@ -61,10 +65,11 @@ pub const OUTAGE_POSTPONE_MIN: Duration = Duration::from_secs(1);
 /// Replay tuning.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
-    /// Entries per `XREADGROUP` and `XAUTOCLAIM`, and so per load and per commit
-    /// transaction (`replay_batch`, bounded by `crate::config::bounds::REPLAY_BATCH`): the
-    /// round trips of a batch (read, load, lock, commit, `XACK`) are paid once for all of
-    /// its entries. Provider requests are cut from it by `request_inputs` and
+    /// Work items per replay stream entry the scheduler writes, and so per read (one entry),
+    /// load and commit transaction (`replay_batch`, bounded by
+    /// `crate::config::bounds::REPLAY_BATCH`): the stream's append, read, claim and
+    /// acknowledgement and the batch's round trips (load, lock, commit) are paid once for
+    /// all of its items. Provider requests are cut from it by `request_inputs` and
     /// `request_chars`.
     pub batch: usize,
     /// Most inputs in one provider request. `serve` takes `[ingest] batch_max_inputs`: a
@@ -97,7 +102,7 @@ pub struct ReplayConfig {
     pub lease: Duration,
     /// Most live leases, and so most work items outstanding in the replay streams
     /// (`[serve] replay_outstanding_max`); each replay stream shard is trimmed to this many
-    /// entries.
+    /// entries (and by the scheduler to about two leases of issued work, in items).
     pub outstanding_max: usize,
     /// How often the scheduler looks for due rows.
     pub schedule_every: Duration,
@@ -177,13 +182,14 @@ pub struct ReplayCounts {
     pub reparked: u64,
     /// Rows given up on (replay limit, delivery cap, a permanent failure): left for an operator.
     pub exhausted: u64,
-    /// Entries acknowledged without work (row gone, already replayed, superseded, unreadable).
+    /// Work items settled without work (row gone, already replayed, superseded), and
+    /// unreadable entries.
     pub skipped: u64,
-    /// Entries left pending (shutdown before the first attempt).
+    /// Work items left pending with their entry (shutdown before the first attempt).
     pub left_pending: u64,
     /// Rows put back on the schedule uncharged because the provider refused the run.
     pub postponed: u64,
-    /// Entries taken over from other consumers.
+    /// Work items taken over from other consumers (in the entries reclaimed).
     pub reclaimed: u64,
 }
 
@@ -241,18 +247,23 @@ pub struct Scheduler {
     config: ReplayConfig,
     redis: RedisConn,
     keys: StreamKeys,
+    /// The entries this scheduler appended, oldest first, with when: once one is older than
+    /// a lease (and [`STALE_ENTRY_MARGIN`]), every item in it and in the entries before it
+    /// has had its lease run out, so the stream is trimmed up to it ([`Scheduler::publish`]).
+    appended: std::sync::Mutex<std::collections::VecDeque<(Instant, u16, String)>>,
 }
 
 impl Scheduler {
     /// A scheduler leasing rows of `store` under `config` (lease, outstanding cap, period)
     /// and appending their items to the replay streams of `keys` on `redis`.
     pub fn new(store: Store, config: ReplayConfig, redis: RedisConn, keys: StreamKeys) -> Self {
-        Scheduler { store, config, redis, keys }
+        Scheduler { store, config, redis, keys, appended: Default::default() }
     }
 
     /// One pass: rows made into work items, while the outstanding cap leaves room. Each
     /// statement's items are appended to the stream before its leases commit.
     pub async fn run_once(&self) -> Result<u64, ReplayError> {
+        self.trim_stale().await?;
         let mut total = 0;
         loop {
             let issue = self
@@ -277,29 +288,102 @@ impl Scheduler {
         }
     }
 
-    /// Appends `items` to their shards' replay streams: one pipeline per shard (a pipeline
-    /// stays in one slot of a Redis Cluster), the shards at once. Each stream is capped at
-    /// the outstanding cap exactly (`MAXLEN`), as the relay caps it: the unread items are the
-    /// newest, so what a trim removes is consumed or stale.
+    /// Appends `items` to their shards' replay streams, one entry per replay batch
+    /// ([`ReplayConfig::batch`]) of a shard's items, so that the stream's append, read, claim
+    /// and acknowledgement are paid once per batch, not once per row (BENCHMARKS.md): one
+    /// pipeline per shard (a pipeline stays in one slot of a Redis Cluster), the shards at
+    /// once.
+    ///
+    /// Each stream is capped at the outstanding cap in entries (`MAXLEN`), as the relay caps
+    /// it: the entries holding a live item are never more than the live leases, and they are
+    /// the newest, so what the trim removes is consumed or stale. (In items, see
+    /// [`Scheduler::trim_stale`].)
     async fn publish(&self, items: &[sql::IssuedWork]) -> Result<(), redis::RedisError> {
         let cap = self.config.outstanding_max;
-        let mut by_shard: BTreeMap<u16, redis::Pipeline> = BTreeMap::new();
+        let per_entry = self.config.batch.clamp(1, crate::model::MAX_ITEMS_PER_ENTRY);
+        let mut of_shard: BTreeMap<u16, Vec<&sql::IssuedWork>> = BTreeMap::new();
         for work in items {
             let shard = self.keys.shard_of(&work.item.target_table, &work.doc_id, work.chunk_index);
-            let pipe = by_shard.entry(shard).or_insert_with(redis::pipe);
-            let xadd = pipe.cmd("XADD").arg(self.keys.replay_of(shard));
-            if cap > 0 {
-                xadd.arg("MAXLEN").arg(cap);
-            }
-            let body = work.item.body(&work.doc_id, work.chunk_index, work.attempts);
-            xadd.arg("*").arg("event").arg("replay").arg("body").arg(body).ignore();
+            of_shard.entry(shard).or_default().push(work);
         }
-        let appends = by_shard.into_values().map(|pipe| {
+        let mut by_shard: BTreeMap<u16, redis::Pipeline> = BTreeMap::new();
+        for (shard, works) in of_shard {
+            let pipe = by_shard.entry(shard).or_insert_with(redis::pipe);
+            for batch in works.chunks(per_entry) {
+                let xadd = pipe.cmd("XADD").arg(self.keys.replay_of(shard));
+                if cap > 0 {
+                    xadd.arg("MAXLEN").arg(cap);
+                }
+                let body = WorkItem::entry_body(
+                    batch.iter().map(|w| (&w.item, w.doc_id.as_str(), w.chunk_index, w.attempts)),
+                );
+                xadd.arg("*").arg("event").arg("replay").arg("body").arg(body);
+            }
+        }
+        let appends = by_shard.into_iter().map(|(shard, pipe)| {
             let mut conn = self.redis.clone();
-            async move { pipe.query_async::<()>(&mut conn).await }
+            async move { pipe.query_async::<Vec<String>>(&mut conn).await.map(|ids| (shard, ids)) }
         });
-        futures::future::try_join_all(appends).await?;
+        let appended = futures::future::try_join_all(appends).await?;
+        let now = Instant::now();
+        let mut log = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (shard, ids) in appended {
+            log.extend(ids.into_iter().map(|id| (now, shard, id)));
+        }
+        // Bounded: entries older than a lease leave it at the next pass's `stale_entries`.
+        while log.len() > MAX_APPENDED_REMEMBERED {
+            log.pop_front();
+        }
         Ok(())
+    }
+
+    /// Trims each shard's stream below the newest entry this scheduler appended more than a
+    /// lease (plus [`STALE_ENTRY_MARGIN`]) ago (`XTRIM MINID`): every item in the entries
+    /// before it has had its lease run out, so its row was issued again or will be at the
+    /// next pass. Replayers delete the entries they settle; with this trim what stays is
+    /// unread or unsettled work of about the last lease period, so a stream holds at most
+    /// about twice the outstanding cap in items even with no replayer running for days (the
+    /// `MAXLEN` trim alone would let it hold the cap in entries of a batch each). Returns
+    /// the entries removed.
+    async fn trim_stale(&self) -> Result<u64, redis::RedisError> {
+        let stale = self.stale_entries();
+        let mut removed = 0;
+        for (shard, id) in stale {
+            let n: u64 = redis::cmd("XTRIM")
+                .arg(self.keys.replay_of(shard))
+                .arg("MINID")
+                .arg(id)
+                .query_async(&mut self.redis.clone())
+                .await?;
+            removed += n;
+        }
+        Ok(removed)
+    }
+
+    /// Per shard, the newest entry this scheduler appended more than a lease (plus
+    /// [`STALE_ENTRY_MARGIN`]) ago, forgotten here once returned.
+    /// A threshold is dropped when an entry appended after it has a lower id: the stream was
+    /// lost and begun again by a Redis whose clock is behind (a failover, a restore), and
+    /// the remembered ids no longer say what is old.
+    fn stale_entries(&self) -> BTreeMap<u16, String> {
+        let mut log = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut stale = BTreeMap::new();
+        while let Some((at, shard, _)) = log.front() {
+            if at.elapsed() <= self.config.lease + self.config.lease.min(STALE_ENTRY_MARGIN) {
+                break;
+            }
+            let shard = *shard;
+            if let Some((_, _, id)) = log.pop_front() {
+                stale.insert(shard, id);
+            }
+        }
+        stale.retain(|shard, id| {
+            let below = crate::streams::parse_entry_id(id);
+            log.iter()
+                .filter(|(_, s, _)| s == shard)
+                .all(|(_, _, later)| crate::streams::parse_entry_id(later) > below)
+        });
+        stale
     }
 
     /// Runs a pass every `schedule_every`, and soon after a replayer settled work
@@ -354,8 +438,27 @@ const SCHEDULE_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// at once (a small cap, big batches) share one pass.
 const SCHEDULE_WAKE_GAP: Duration = Duration::from_millis(50);
 
+/// How much longer than a lease (at most: a lease shorter than this is kept twice its length)
+/// an entry is kept before the scheduler trims it away: the leases of its items may have been
+/// renewed by a replayer's load meanwhile (a trimmed entry
+/// already delivered is still replayed; only its redelivery after a crash is lost, and its
+/// rows are issued again when their leases run out).
+const STALE_ENTRY_MARGIN: Duration = Duration::from_secs(60);
+
+/// Most appended entries a scheduler remembers for its trim by age: far more than a lease's
+/// worth at any real pace (an entry holds a batch); past it the oldest are forgotten, and
+/// only the `MAXLEN` trim covers them.
+const MAX_APPENDED_REMEMBERED: usize = 100_000;
+
 /// How often the scheduler deletes leases left by rows that moved on.
 const LEASE_SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// Entries one read (`XREADGROUP`) or claim (`XAUTOCLAIM`) takes, and so one batch: the
+/// scheduler writes one entry per replay batch of a shard's rows ([`Scheduler`]). An entry
+/// of one item, as releases before batched entries wrote them (and the relay still
+/// publishes from their outbox rows), is then a batch of one: slower, and only while such
+/// entries drain after an upgrade.
+const ENTRIES_PER_READ: usize = 1;
 
 /// Which shards each of `replayers` replayers reads, so that every shard is read even with
 /// fewer replayers than shards: replayer `r` reads shards `r`, `r + replayers`, ... (cycling
@@ -484,7 +587,28 @@ struct Entry {
     /// The shard whose stream holds the entry.
     shard: u16,
     id: String,
-    work: Option<WorkItem>,
+    /// Its work items (a batch, or one from an earlier release); `None`: unreadable.
+    items: Option<Vec<WorkItem>>,
+}
+
+impl Entry {
+    fn of(shard: u16, e: redis::streams::StreamId) -> Entry {
+        Entry { shard, items: crate::streams::work::from_entry(&e.map), id: e.id }
+    }
+
+    /// Work items in it (an unreadable entry counts as one: it is settled as one skip).
+    fn weight(&self) -> usize {
+        self.items.as_ref().map_or(1, Vec::len)
+    }
+}
+
+/// One work item of a batch, with the entry that carries it.
+#[derive(Debug, Clone)]
+struct Item {
+    shard: u16,
+    /// The id of its entry: acknowledged once every item of the entry is settled.
+    entry: String,
+    work: WorkItem,
 }
 
 /// One member of the `replayers` group.
@@ -619,7 +743,7 @@ impl Replayer {
                 .arg(self.config.min_idle.as_millis() as u64)
                 .arg(&cursor)
                 .arg("COUNT")
-                .arg(self.config.batch)
+                .arg(ENTRIES_PER_READ)
                 .query_async(&mut self.redis)
                 .await?;
             if !reply.deleted_ids.is_empty() {
@@ -632,13 +756,10 @@ impl Replayer {
                 let _: i64 = ack.query_async(&mut self.redis).await?;
             }
             if !reply.claimed.is_empty() {
-                let entries: Vec<Entry> = reply
-                    .claimed
-                    .into_iter()
-                    .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id })
-                    .collect();
-                total.reclaimed += entries.len() as u64;
-                tracing::info!(consumer = %self.name, shard, entries = entries.len(), "reclaimed idle replay entries");
+                let entries: Vec<Entry> = reply.claimed.into_iter().map(|e| Entry::of(shard, e)).collect();
+                let items: usize = entries.iter().map(Entry::weight).sum();
+                total.reclaimed += items as u64;
+                tracing::info!(consumer = %self.name, shard, entries = entries.len(), items, "reclaimed idle replay entries");
                 total.add(self.process(entries, cancel).await?);
             }
             if reply.next_stream_id == "0-0" || cancel.is_cancelled() {
@@ -717,8 +838,13 @@ impl Replayer {
         let groups = group_by_target(todo);
         if !groups.is_empty() {
             failpoint::hit!("replay_before_embed");
-            let entry_ids: Vec<(u16, String)> =
-                groups.values().flatten().map(|(e, _)| (e.shard, e.id.clone())).collect();
+            let entry_ids: Vec<(u16, String)> = groups
+                .values()
+                .flatten()
+                .map(|(item, _)| (item.shard, item.entry.clone()))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
             let work = self.embed_groups(groups, cancel, &mut batch);
             let keepalive =
                 keep_claim(self.redis.clone(), &self.keys, &self.name, &entry_ids, self.config.min_idle);
@@ -733,33 +859,45 @@ impl Replayer {
         Ok((batch, pause))
     }
 
-    /// Sorts the batch's entries: unreadable, stale or duplicate ones are acknowledged and
+    /// Sorts the batch's work items: unreadable entries, stale or duplicate items are
     /// skipped, and so is an item of an older lease of its row (another item stands for the
     /// row's work); a row begun more than `delivery_cap` times without an outcome is
-    /// exhausted; the rest (with their live DLQ row) are returned to be replayed. Loading
-    /// the rows charges the attempt in Postgres ([`Store::load_for_replay`]).
+    /// exhausted; the rest (with their live DLQ row) are returned to be replayed. Every
+    /// entry of the batch is acknowledged after the commit unless one of its items is left
+    /// pending ([`Settlement::held`]). Loading the rows charges the attempt in Postgres
+    /// ([`Store::load_for_replay`]).
     async fn triage(
         &self,
         entries: Vec<Entry>,
         batch: &mut Settlement,
-    ) -> Result<Vec<(Entry, DlqRow)>, ReplayError> {
-        let items: Vec<&WorkItem> = entries.iter().filter_map(|e| e.work.as_ref()).collect();
+    ) -> Result<Vec<(Item, DlqRow)>, ReplayError> {
+        let mut items: Vec<Item> = Vec::with_capacity(entries.iter().map(Entry::weight).sum());
+        for e in entries {
+            batch.entries.push((e.shard, e.id.clone()));
+            match e.items {
+                Some(works) => items.extend(works.into_iter().map(|work| Item {
+                    shard: e.shard,
+                    entry: e.id.clone(),
+                    work,
+                })),
+                None => {
+                    tracing::warn!(entry = %e.id, "unreadable replay entry; acknowledging it");
+                    batch.counts.skipped += 1;
+                }
+            }
+        }
+        let works: Vec<&WorkItem> = items.iter().map(|i| &i.work).collect();
         let rows: HashMap<i64, DlqRow> = self
             .store
-            .load_for_replay(&items, self.config.lease)
+            .load_for_replay(&works, self.config.lease)
             .await?
             .into_iter()
             .map(|r| (r.id, r))
             .collect();
-        let mut todo: Vec<(Entry, DlqRow)> = Vec::new();
+        let mut todo: Vec<(Item, DlqRow)> = Vec::new();
         let mut seen: HashSet<i64> = HashSet::new();
-        for e in entries {
-            let Some(work) = e.work.as_ref() else {
-                tracing::warn!(entry = %e.id, "unreadable replay entry; acknowledging it");
-                batch.counts.skipped += 1;
-                batch.ack.push((e.shard, e.id));
-                continue;
-            };
+        for item in items {
+            let work = &item.work;
             // Only charged rows were loaded: the item of the row's current lease.
             let live = rows
                 .get(&work.dlq_id)
@@ -775,15 +913,11 @@ impl Replayer {
                                 self.config.delivery_cap
                             ),
                         ));
-                        batch.ack.push((e.shard, e.id));
                     } else {
-                        todo.push((e, row.clone()));
+                        todo.push((item, row.clone()));
                     }
                 }
-                _ => {
-                    batch.counts.skipped += 1;
-                    batch.ack.push((e.shard, e.id));
-                }
+                _ => batch.counts.skipped += 1,
             }
         }
         Ok(todo)
@@ -800,11 +934,11 @@ impl Replayer {
     /// (`Some((stop, false))`), so the other rows go on.
     async fn embed_groups(
         &self,
-        groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>>,
+        groups: BTreeMap<EmbedTarget, Vec<(Item, DlqRow)>>,
         cancel: &CancellationToken,
         batch: &mut Settlement,
-    ) -> Result<(Option<(Stop, bool)>, Vec<(Entry, DlqRow)>), ReplayError> {
-        let mut postpone: Vec<(Entry, DlqRow)> = Vec::new();
+    ) -> Result<(Option<(Stop, bool)>, Vec<(Item, DlqRow)>), ReplayError> {
+        let mut postpone: Vec<(Item, DlqRow)> = Vec::new();
         let mut stopped: Option<(Stop, bool)> = None;
         for (target, items) in groups {
             if stopped.as_ref().is_some_and(|(_, whole_batch)| *whole_batch) {
@@ -846,7 +980,7 @@ impl Replayer {
             let mut items = items.into_iter();
             let mut refused: Option<Stop> = None;
             for (len, result) in sent {
-                let part: Vec<(Entry, DlqRow)> = items.by_ref().take(len).collect();
+                let part: Vec<(Item, DlqRow)> = items.by_ref().take(len).collect();
                 match result {
                     Some((outcomes, None)) => self.settle_outcomes(part, outcomes, batch),
                     Some((outcomes, Some(stop))) => {
@@ -896,16 +1030,15 @@ impl Replayer {
     async fn embedder_for(
         &self,
         (table, model, request_dimensions): &EmbedTarget,
-        items: &[(Entry, DlqRow)],
+        items: &[(Item, DlqRow)],
         batch: &mut Settlement,
     ) -> Result<Option<Embedder>, ReplayError> {
         let target = match self.store.target_for(table).await {
             Ok(t) => t,
             Err(StoreError::Target { problem, .. }) => {
                 tracing::error!(table = %table, %problem, "replay target table unusable; exhausting its rows");
-                for (e, row) in items {
+                for (_, row) in items {
                     batch.give_up.push(exhaust(row, &format!("target table {table}: {problem}")));
-                    batch.ack.push((e.shard, e.id.clone()));
                 }
                 return Ok(None);
             }
@@ -925,24 +1058,21 @@ impl Replayer {
     }
 
     /// Records each item's outcome: embedded rows are to be stored, failed ones re-parked on
-    /// the DLQ schedule (both acknowledged); items not attempted stay pending.
+    /// the DLQ schedule; an item not attempted keeps its entry pending.
     fn settle_outcomes(
         &self,
-        items: Vec<(Entry, DlqRow)>,
+        items: Vec<(Item, DlqRow)>,
         outcomes: Vec<ItemOutcome>,
         batch: &mut Settlement,
     ) {
-        for ((e, row), outcome) in items.into_iter().zip(outcomes) {
+        for ((item, row), outcome) in items.into_iter().zip(outcomes) {
             match outcome {
-                ItemOutcome::Embedded(embedding) => {
-                    batch.replayed.push(Replayed::of(&row, embedding));
-                    batch.ack.push((e.shard, e.id));
+                ItemOutcome::Embedded(embedding) => batch.replayed.push(Replayed::of(&row, embedding)),
+                ItemOutcome::Failed(f) => batch.reparked.push(next_state(&row, &f, &self.config)),
+                ItemOutcome::NotAttempted => {
+                    batch.counts.left_pending += 1;
+                    batch.held.insert((item.shard, item.entry));
                 }
-                ItemOutcome::Failed(f) => {
-                    batch.reparked.push(next_state(&row, &f, &self.config));
-                    batch.ack.push((e.shard, e.id));
-                }
-                ItemOutcome::NotAttempted => batch.counts.left_pending += 1,
             }
         }
     }
@@ -957,7 +1087,7 @@ impl Replayer {
     async fn postpone_refused(
         &self,
         stop: &Stop,
-        postpone: Vec<(Entry, DlqRow)>,
+        postpone: Vec<(Item, DlqRow)>,
         pause: bool,
         batch: &mut Settlement,
     ) -> Result<Option<Instant>, ReplayError> {
@@ -971,7 +1101,6 @@ impl Replayer {
         let ids: Vec<i64> = postpone.iter().map(|(_, r)| r.id).collect();
         let gens: Vec<i64> = postpone.iter().map(|(_, r)| r.generation).collect();
         self.store.postpone(&ids, &gens, wait).await?;
-        batch.ack.extend(postpone.into_iter().map(|(e, _)| (e.shard, e.id)));
         batch.counts.postponed += ids.len() as u64;
         Ok(paused_until)
     }
@@ -989,10 +1118,12 @@ impl Replayer {
     }
 
     /// Commits the batch's results in one transaction (a row that changed meanwhile is
-    /// skipped), counts them, and only then acknowledges the settled entries: one `XACK` per
-    /// shard (a batch comes from one shard's read or claim, so normally one).
+    /// skipped), counts them, and only then acknowledges and deletes the settled entries
+    /// (every entry none of whose items is left pending): one `XACK` and `XDEL` per shard (a
+    /// batch comes from one shard's read or claim, so normally one).
     async fn commit_and_ack(&self, batch: Settlement) -> Result<ReplayCounts, ReplayError> {
-        let Settlement { ack, replayed, mut reparked, give_up, mut counts } = batch;
+        let Settlement { entries, held, replayed, mut reparked, give_up, mut counts } = batch;
+        let ack: Vec<(u16, String)> = entries.into_iter().filter(|e| !held.contains(e)).collect();
         failpoint::hit!("replay_before_commit");
         reparked.extend(give_up);
         let (stored, applied) = self.store.commit_settled(&replayed, &reparked).await?;
@@ -1012,13 +1143,18 @@ impl Replayer {
         self.config.settled.add(stored.len() + applied.len(), self.config.outstanding_max);
         record_outcomes(&counts);
         let mut redis = self.redis.clone();
+        if ack.is_empty() {
+            return Ok(counts);
+        }
         for (shard, ids) in by_shard(ack.iter().map(|(s, id)| (*s, id))) {
-            let mut cmd = redis::cmd("XACK");
-            cmd.arg(self.keys.replay_of(shard)).arg(REPLAY_GROUP);
-            for id in ids {
-                cmd.arg(id);
-            }
-            let _: i64 = cmd.query_async(&mut redis).await?;
+            // Acknowledged and deleted: an entry holds a batch of items, so the stream keeps
+            // only the work still outstanding instead of consumed batches until the relay's
+            // next trim below the group's needs.
+            let stream = self.keys.replay_of(shard);
+            let mut pipe = redis::pipe();
+            pipe.cmd("XACK").arg(&stream).arg(REPLAY_GROUP).arg(&ids).ignore();
+            pipe.cmd("XDEL").arg(&stream).arg(&ids).ignore();
+            pipe.query_async::<()>(&mut redis).await?;
         }
         Ok(counts)
     }
@@ -1202,18 +1338,13 @@ impl Replayer {
         block: Option<Duration>,
     ) -> Result<Vec<Entry>, redis::RedisError> {
         let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg("GROUP").arg(REPLAY_GROUP).arg(&self.name).arg("COUNT").arg(self.config.batch);
+        cmd.arg("GROUP").arg(REPLAY_GROUP).arg(&self.name).arg("COUNT").arg(ENTRIES_PER_READ);
         if let Some(block) = block {
             cmd.arg("BLOCK").arg(block.as_millis() as u64);
         }
         let reply: StreamReadReply =
             cmd.arg("STREAMS").arg(self.keys.replay_of(shard)).arg(">").query_async(conn).await?;
-        Ok(reply
-            .keys
-            .into_iter()
-            .flat_map(|k| k.ids)
-            .map(|e| Entry { shard, work: crate::streams::work::from_entry(&e.map), id: e.id })
-            .collect())
+        Ok(reply.keys.into_iter().flat_map(|k| k.ids).map(|e| Entry::of(shard, e)).collect())
     }
 }
 
@@ -1226,12 +1357,15 @@ pub struct InFlight {
     next: usize,
 }
 
-/// What one batch has decided so far: the entries to acknowledge and the rows to commit.
+/// What one batch has decided so far: its entries, those to keep pending, and the rows to
+/// commit.
 #[derive(Default)]
 struct Settlement {
-    /// Entries settled (skipped, exhausted, replayed, re-parked or postponed), with their
-    /// shard.
-    ack: Vec<(u16, String)>,
+    /// Every entry of the batch, with its shard: acknowledged after the commit unless held.
+    entries: Vec<(u16, String)>,
+    /// Entries with an item left pending (not attempted before a shutdown): not
+    /// acknowledged, so the entry is taken over and its settled items are skipped then.
+    held: HashSet<(u16, String)>,
     replayed: Vec<Replayed>,
     /// Failed passes, re-parked on the DLQ schedule.
     reparked: Vec<Repark>,
@@ -1261,8 +1395,8 @@ fn request_ranges(texts: &[String], max_inputs: usize, max_chars: usize) -> Vec<
 }
 
 /// One group per (table, model, request dimensions), in a stable order.
-fn group_by_target(todo: Vec<(Entry, DlqRow)>) -> BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>> {
-    let mut groups: BTreeMap<EmbedTarget, Vec<(Entry, DlqRow)>> = BTreeMap::new();
+fn group_by_target(todo: Vec<(Item, DlqRow)>) -> BTreeMap<EmbedTarget, Vec<(Item, DlqRow)>> {
+    let mut groups: BTreeMap<EmbedTarget, Vec<(Item, DlqRow)>> = BTreeMap::new();
     for (e, row) in todo {
         groups
             .entry((row.target_table.clone(), row.model.clone(), row.request_dimensions))

@@ -169,8 +169,9 @@ pub struct ServeArgs {
     /// Replayer tasks in this process (0 runs only the relay and the scheduler).
     #[arg(long)]
     pub replayers: Option<usize>,
-    /// Entries per replay batch (one read, one load, one commit transaction);
-    /// provider requests are cut from it by `batch_max_inputs` and `batch_max_chars`.
+    /// Work items per replay batch: one replay stream entry (the scheduler writes a batch to
+    /// an entry), one read, one load, one commit transaction; provider requests are cut from
+    /// it by `batch_max_inputs` and `batch_max_chars`.
     #[arg(long)]
     pub replay_batch: Option<usize>,
     /// Entries idle this long are taken over by another replayer, in milliseconds.
@@ -185,7 +186,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub replay_lease_secs: Option<u64>,
     /// Most replay work items outstanding at once (leased rows; each replay stream shard is
-    /// trimmed to this many entries).
+    /// trimmed to this many entries, and to about two leases of issued work).
     #[arg(long)]
     pub replay_outstanding_max: Option<usize>,
     /// Time to finish in-flight work after SIGTERM, in milliseconds.

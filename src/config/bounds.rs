@@ -35,9 +35,10 @@ pub const REPLAYERS: RangeInclusive<usize> = 0..=64;
 /// `stream_shards`: each shard is a stream pair, a consumer group and a loop in every
 /// replayer, `tail` and gauge sampler ([`crate::streams::MAX_SHARDS`]).
 pub const STREAM_SHARDS: RangeInclusive<u16> = 1..=crate::streams::MAX_SHARDS;
-/// `replay_batch`: entries per read, load and commit transaction (the provider requests
-/// of a batch are cut by `batch_max_inputs` and `batch_max_chars`).
-pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=2048;
+/// `replay_batch`: work items per replay stream entry (the scheduler writes one entry per
+/// batch of a shard's rows), and so per read, load and commit transaction (the provider
+/// requests of a batch are cut by `batch_max_inputs` and `batch_max_chars`).
+pub const REPLAY_BATCH: RangeInclusive<usize> = 1..=crate::model::MAX_ITEMS_PER_ENTRY;
 /// 100 ms ..= 1 day.
 pub const MIN_IDLE_MS: RangeInclusive<u64> = 100..=86_400_000;
 /// `delivery_cap`: replays of one work item begun without an outcome before the row is

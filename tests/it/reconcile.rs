@@ -160,17 +160,24 @@ async fn park(db: &TestDb, doc: &str, n: i32) {
     pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
 }
 
-async fn schedule_and_relay(db: &TestDb, keys: &StreamKeys, r: &Reconciler) {
+/// Makes every transient row due, runs a scheduler pass writing entries of at most `batch`
+/// items, and relays the outbox.
+async fn schedule_in_entries_of(db: &TestDb, keys: &StreamKeys, r: &Reconciler, batch: usize) {
     sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() WHERE error_class = 'transient'")
         .execute(&db.pool)
         .await
         .unwrap();
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, keys).await.unwrap();
-    Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone())
-        .run_once()
-        .await
-        .unwrap();
+    Scheduler::new(
+        r.store.clone(),
+        ReplayConfig { batch, ..ReplayConfig::default() },
+        redis.clone(),
+        keys.clone(),
+    )
+    .run_once()
+    .await
+    .unwrap();
     relay_all(db, keys).await;
 }
 
@@ -361,7 +368,8 @@ async fn stream_entries_without_a_dlq_row_are_acknowledged_and_deleted() {
     let keys = fresh_keys();
     park(&db, "orphan", 8).await;
     let mut r = reconciler(&db, &keys, immediate()).await;
-    schedule_and_relay(&db, &keys, &r).await;
+    // An entry per row.
+    schedule_in_entries_of(&db, &keys, &r, 1).await;
     // The rows go away behind the stream's back (e.g. an operator deleted them by hand).
     sqlx::query("DELETE FROM embedding_dlq WHERE chunk_index < 3").execute(&db.pool).await.unwrap();
     sqlx::query("DELETE FROM ingest_manifest WHERE chunk_index < 3").execute(&db.pool).await.unwrap();
@@ -369,6 +377,42 @@ async fn stream_entries_without_a_dlq_row_are_acknowledged_and_deleted() {
     let mut redis = redis().await;
     let len: u64 = redis::cmd("XLEN").arg(keys.replay()).query_async(&mut redis).await.unwrap();
     assert_eq!(len, 5);
+}
+}
+
+/// Total entries of every replay stream shard of `keys`.
+async fn replay_entry_count(keys: &StreamKeys) -> u64 {
+    let mut redis = redis().await;
+    let mut n = 0;
+    for shard in keys.shard_ids() {
+        let len: u64 = redis::cmd("XLEN").arg(keys.replay_of(shard)).query_async(&mut redis).await.unwrap();
+        n += len;
+    }
+    n
+}
+
+on_single_and_cluster! {
+async fn an_entry_of_several_items_is_an_orphan_only_once_none_of_its_rows_is_live() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park(&db, "batch-orphan", 12).await;
+    let mut r = reconciler(&db, &keys, immediate()).await;
+    // Entries of up to 4 items: at least 3 of them, whatever the shards.
+    schedule_in_entries_of(&db, &keys, &r, 4).await;
+    let entries = replay_entry_count(&keys).await;
+    assert!((3..12).contains(&entries), "{entries} entries for 12 rows in entries of at most 4");
+    // Some rows of every entry go away: each entry still carries live work.
+    sqlx::query("DELETE FROM embedding_dlq WHERE chunk_index % 4 = 0").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM ingest_manifest WHERE chunk_index % 4 = 0").execute(&db.pool).await.unwrap();
+    let report = r.run_once(Mode::Repair).await.unwrap();
+    let orphans = report.get(Check::OrphanStreamEntries);
+    assert_eq!((orphans.found, orphans.repaired), (0, 0), "{report:#?}");
+    assert_eq!(replay_entry_count(&keys).await, entries);
+    // Then all of them: every entry is an orphan, and is deleted.
+    sqlx::query("DELETE FROM embedding_dlq").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM ingest_manifest").execute(&db.pool).await.unwrap();
+    assert_found_repaired_clean(&mut r, Check::OrphanStreamEntries, entries).await;
+    assert_eq!(replay_entry_count(&keys).await, 0);
 }
 }
 

@@ -931,7 +931,9 @@ async fn reconcile_pages_through_the_replay_stream() {
     let mut redis = redis().await;
     embed_dlq::replay::ensure_group(&mut redis, &keys).await.unwrap();
     let mut r = reconciler(&db, &keys, ReconcileConfig { page: 4, ..immediate() }).await;
-    Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone()).run_once().await.unwrap();
+    // An entry per row, so that pages of 4 entries split the work.
+    let per_row = ReplayConfig { batch: 1, ..ReplayConfig::default() };
+    Scheduler::new(r.store.clone(), per_row.clone(), redis.clone(), keys.clone()).run_once().await.unwrap();
     relay_all(&db, &keys).await;
     // Deliver 10 entries to a consumer (pending), leave 13 undelivered.
     let _: redis::Value = redis::cmd("XREADGROUP")
@@ -967,7 +969,7 @@ async fn reconcile_pages_through_the_replay_stream() {
     let repaired = r.run_once(Mode::Repair).await.unwrap();
     assert_eq!(repaired.get(Check::OrphanStreamEntries).repaired, 6);
     assert_eq!(repaired.get(Check::LostReplayWork).repaired, 7, "their leases released");
-    let scheduler = Scheduler::new(r.store.clone(), ReplayConfig::default(), redis.clone(), keys.clone());
+    let scheduler = Scheduler::new(r.store.clone(), per_row, redis.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 7, "and their work issued again");
     relay_all(&db, &keys).await;
     assert_eq!(r.run_once(Mode::Check).await.unwrap().total_found(), 0);

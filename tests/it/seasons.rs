@@ -192,8 +192,9 @@ async fn a_backlog_ten_times_the_cap_keeps_the_replay_stream_bounded_and_embeds_
     }
     refused.cancel();
     slow.await.unwrap().unwrap();
-    // Items issued: appended to the replay stream, whatever was trimmed since.
-    let issued = replay_entries(&keys).await.1 as i64;
+    // Items issued: one lease number drawn for each (an entry carries a batch of them, and
+    // the replayer deletes the entries it settles, so the stream cannot count them).
+    let issued = db.count("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM embed_dlq_lease_seq").await;
     eprintln!(
         "backlog: refusing phase: {issued} items issued, {} leases, {} loads, {} provider requests",
         db.count("SELECT count(*) FROM replay_lease").await,
@@ -558,4 +559,47 @@ fn a_redis_restored_from_an_older_snapshot_under_serve_gets_its_lost_work_and_ev
             "each event once on the stream"
         );
     });
+}
+
+/// Work items on the replay stream shards of `keys`, read and parsed here.
+async fn replay_items(keys: &StreamKeys) -> usize {
+    replay_entries(keys).await.0.len()
+}
+
+on_single_and_cluster! {
+/// With no replayer at all for many lease periods, the scheduler issues the same rows again
+/// each time their leases run out, a batch to an entry: the stream must stay near the
+/// outstanding cap in items, not grow to the cap in entries of a batch each (here eight lease
+/// periods left 800 items; the trim by age keeps about two periods' worth, 300).
+async fn with_no_replayer_for_many_leases_the_replay_stream_holds_about_two_leases_of_work() {
+    const CAP: usize = 100;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_due(&db, 600, "unread").await;
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &mock)).await;
+    let config = ReplayConfig {
+        batch: CAP,
+        lease: Duration::from_secs(1),
+        outstanding_max: CAP,
+        schedule_every: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let stop = CancellationToken::new();
+    let scheduler = tokio::spawn(Scheduler::new(p.store.clone(), config, redis().await, keys.clone()).run(stop.clone()));
+    let (mut peak, mut at_end) = (0, 0);
+    let until = tokio::time::Instant::now() + Duration::from_secs(8);
+    while tokio::time::Instant::now() < until {
+        at_end = replay_items(&keys).await;
+        peak = peak.max(at_end);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.cancel();
+    scheduler.await.unwrap().unwrap();
+    let issued = db.count("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM embed_dlq_lease_seq").await;
+    eprintln!("no replayer: {issued} items issued over 8 s, stream peak {peak} items, {at_end} at the end");
+    assert!(issued >= 5 * CAP as i64, "the scheduler issued the rows again as their leases ran out ({issued})");
+    // Two lease periods and a pass of margin (300 here); without the trim by age, 800.
+    assert!(peak <= 4 * CAP, "the replay stream held {peak} items with a cap of {CAP}");
+}
 }

@@ -151,11 +151,31 @@ async fn deliver_to_dead_consumer(keys: &StreamKeys, name: &str) {
         .unwrap();
 }
 
+/// Work items pending in the replay group (delivered, not acknowledged): the items of every
+/// pending entry, read and parsed here (an entry carries a batch of items). A pending entry
+/// deleted from the stream counts as none.
 async fn pending(keys: &StreamKeys) -> usize {
     let mut r = redis().await;
-    let reply: redis::streams::StreamPendingReply =
-        redis::cmd("XPENDING").arg(keys.replay()).arg(REPLAY_GROUP).query_async(&mut r).await.unwrap();
-    reply.count()
+    let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+        .arg(keys.replay())
+        .arg(REPLAY_GROUP)
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let mut items = 0;
+    for p in reply.ids {
+        let entry: redis::streams::StreamRangeReply =
+            redis::cmd("XRANGE").arg(keys.replay()).arg(&p.id).arg(&p.id).query_async(&mut r).await.unwrap();
+        for e in entry.ids {
+            let body: String = e.get("body").expect("a work item has a body");
+            let body: serde_json::Value = serde_json::from_str(&body).expect("a work item's body is JSON");
+            items += body.get("items").and_then(|i| i.as_array()).map_or(1, Vec::len);
+        }
+    }
+    items
 }
 
 async fn drain(r: &mut Replayer, db: &TestDb, secs: u64) {
@@ -342,18 +362,21 @@ async fn the_scheduler_appends_work_items_itself_with_no_outbox_row_and_no_relay
     // No relay ran: each leased row's item is on the stream, naming its lease.
     let (bodies, added) = replay_entries(&keys).await;
     let items = items_of(&bodies);
-    assert_eq!((items.len(), added), (12, 12), "{bodies:?}");
+    assert_eq!((items.len(), added), (12, 1), "one entry for the batch: {bodies:?}");
     assert_eq!(items.iter().copied().collect::<std::collections::BTreeSet<_>>(), leases(&db).await);
     assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'replay'").await, 0, "no outbox row");
     // A second pass issues nothing while the leases live.
     assert_eq!(scheduler.run_once().await.unwrap(), 0);
-    assert_eq!(replay_entries(&keys).await.1, 12);
+    assert_eq!(replay_entries(&keys).await.1, 1);
     // And the replayers drain them.
     let mock = start_mock(MockConfig::default()).await;
     let mut rep = replayer(&db, &mock, &keys, "direct", replay_config()).await;
     drain(&mut rep, &db, 60).await;
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 12);
     assert_eq!(mock.control.stats().inputs, 12, "each row embedded once");
+    // A settled entry is deleted with its acknowledgement: the stream keeps outstanding work.
+    let len: usize = r.xlen(keys.replay()).await.unwrap();
+    assert_eq!(len, 0, "the settled batch's entry is gone");
 }
 }
 
@@ -1197,7 +1220,8 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
     let mock = start_mock(MockConfig::default()).await;
-    let mut rep = replayer(&db, &mock, &keys, "indexed", ReplayConfig { batch: 300, ..replay_config() }).await;
+    let config = ReplayConfig { batch: 300, ..replay_config() };
+    let mut rep = replayer(&db, &mock, &keys, "indexed", config.clone()).await;
     // 20,000 chunks parked as permanent (never scheduled) and 3,000 transient ones, all due
     // at the same instant: a batch is a small part of the DLQ and of the manifest.
     insert_parked_rows(&db, "perm", 20_000, None).await;
@@ -1207,7 +1231,8 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
     // committed by key.
     let mut r = redis().await;
     embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r.clone(), keys.clone());
+    // Its entries hold a batch of 300 each.
+    let scheduler = Scheduler::new(rep.store.clone(), config, r.clone(), keys.clone());
     assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
     relay_all(&db, &keys).await;
     let c = read_batch(&mut rep).await;
@@ -1539,5 +1564,100 @@ async fn a_stream_deleted_during_a_reclaim_pass_does_not_end_the_replayer() {
         Err(e) => panic!("the pass ended with: {e} (transient: {})", e.is_transient()),
     }
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20);
+}
+}
+
+on_single_and_cluster! {
+/// A shutdown in the middle of a batch leaves the items it had not sent unattempted: their
+/// entry (which carries the whole batch) stays pending, and whoever takes it over replays
+/// those and skips the rows the first replayer committed.
+async fn an_entry_with_items_left_unattempted_stays_pending_and_its_settled_items_are_skipped_later() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 12, "held").await;
+    assert_eq!(enqueue_due(&db, &p, &keys).await, 12);
+    assert_eq!(replay_entries(&keys).await.1, 1, "one entry carries the 12 items");
+    // Requests of 4 inputs, one at a time, within a budget of one request a minute: the first
+    // goes at once, the second waits for its slot, and the shutdown ends that wait unsent.
+    let budgeted = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &budgeted);
+    s.limits = embed_dlq::embed::limit::LimitConfig {
+        max_requests_per_minute: Some(1),
+        ..embed_dlq::embed::limit::LimitConfig::default()
+    };
+    let config = ReplayConfig { request_inputs: 4, requests_in_flight: 1, ..replay_config() };
+    let mut first = replayer_on(pipeline(&s).await, &keys, "first", config).await;
+    let hard = CancellationToken::new();
+    let cut = {
+        let hard = hard.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(450)).await;
+            hard.cancel();
+        })
+    };
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let c = first.read_once(&mut conn, &hard).await.unwrap();
+    cut.await.unwrap();
+    assert_eq!((c.replayed, c.left_pending), (4, 8), "{c:?}");
+    assert_eq!(budgeted.control.stats().inputs, 4, "one request sent");
+    let committed = db.count("SELECT count(*) FROM doc_embeddings").await as u64;
+    assert_eq!(committed, c.replayed);
+    assert_eq!(pending(&keys).await, 12, "the entry is not acknowledged while items of it are unsent");
+
+    // Taken over once idle: the committed rows are skipped, the others replayed.
+    let mock = start_mock(MockConfig::default()).await;
+    let mut other = replayer(&db, &mock, &keys, "other", replay_config()).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c2 = other.reclaim_once(&CancellationToken::new()).await.unwrap();
+    assert_eq!((c2.reclaimed, c2.skipped, c2.replayed), (12, committed, 12 - committed), "{c2:?}");
+    assert_eq!(mock.control.stats().inputs, 12 - committed, "only the unsent rows are embedded again");
+    assert_eq!(pending(&keys).await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 12);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 12);
+}
+}
+
+on_single_and_cluster! {
+/// An entry of one work item, as releases before batched entries wrote them (and as the relay
+/// still publishes from their outbox rows), is replayed like a batch of one.
+async fn a_single_item_entry_of_an_earlier_release_is_still_replayed() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 3, "legacy").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let rows: Vec<(i64, i64, String, String, i32)> = sqlx::query_as(
+        "SELECT id, generation, content_hash, target_table, chunk_index FROM embedding_dlq ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    for (id, generation, hash, table, idx) in &rows {
+        // The body an earlier release wrote: one item, no `items` array, no lease number.
+        let body = serde_json::json!({
+            "dlq_id": id, "generation": generation, "content_hash": hash, "table": table,
+            "doc_id": "legacy", "chunk_index": idx, "attempts": 2,
+        });
+        let _: String = redis::cmd("XADD")
+            .arg(keys.replay())
+            .arg("*")
+            .arg("event")
+            .arg("replay")
+            .arg("body")
+            .arg(body.to_string())
+            .query_async(&mut r)
+            .await
+            .unwrap();
+    }
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &mock, &keys, "upgraded", replay_config()).await;
+    drain(&mut rep, &db, 60).await;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'legacy'").await, 3);
+    assert_eq!(mock.control.stats().inputs, 3);
+    assert_eq!(pending(&keys).await, 0);
+    let _ = p;
 }
 }

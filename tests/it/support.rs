@@ -717,9 +717,10 @@ pub struct EventEntry {
     pub fields: std::collections::BTreeMap<String, String>,
 }
 
-/// The bodies of every entry on the replay streams of `keys`, parsed here as JSON (not by
-/// the product's parser), shard by shard in stream order; with each stream's count of
-/// entries ever added (`XINFO STREAM`'s `entries-added`, trims and deletions included).
+/// The work items of every entry on the replay streams of `keys`, parsed here as JSON (not
+/// by the product's parser; an entry's `items`, or its body when it carries one item),
+/// shard by shard in stream order; with the streams' count of entries ever added
+/// (`XINFO STREAM`'s `entries-added`, trims and deletions included).
 pub async fn replay_entries(keys: &embed_dlq::streams::StreamKeys) -> (Vec<serde_json::Value>, u64) {
     let mut r = redis().await;
     let (mut bodies, mut added) = (Vec::new(), 0);
@@ -736,7 +737,11 @@ pub async fn replay_entries(keys: &embed_dlq::streams::StreamKeys) -> (Vec<serde
             redis::cmd("XRANGE").arg(&stream).arg("-").arg("+").query_async(&mut r).await.unwrap();
         for e in all.ids {
             let body: String = e.get("body").expect("a work item has a body");
-            bodies.push(serde_json::from_str(&body).expect("a work item's body is JSON"));
+            let body: serde_json::Value = serde_json::from_str(&body).expect("a work item's body is JSON");
+            match body.get("items").and_then(|i| i.as_array()) {
+                Some(items) => bodies.extend(items.iter().cloned()),
+                None => bodies.push(body),
+            }
         }
     }
     (bodies, added)
