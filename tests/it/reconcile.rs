@@ -380,17 +380,6 @@ async fn stream_entries_without_a_dlq_row_are_acknowledged_and_deleted() {
 }
 }
 
-/// Total entries of every replay stream shard of `keys`.
-async fn replay_entry_count(keys: &StreamKeys) -> u64 {
-    let mut redis = redis().await;
-    let mut n = 0;
-    for shard in keys.shard_ids() {
-        let len: u64 = redis::cmd("XLEN").arg(keys.replay_of(shard)).query_async(&mut redis).await.unwrap();
-        n += len;
-    }
-    n
-}
-
 on_single_and_cluster! {
 async fn an_entry_of_several_items_is_an_orphan_only_once_none_of_its_rows_is_live() {
     let db = TestDb::new().await;
@@ -399,7 +388,7 @@ async fn an_entry_of_several_items_is_an_orphan_only_once_none_of_its_rows_is_li
     let mut r = reconciler(&db, &keys, immediate()).await;
     // Entries of up to 4 items: at least 3 of them, whatever the shards.
     schedule_in_entries_of(&db, &keys, &r, 4).await;
-    let entries = replay_entry_count(&keys).await;
+    let entries = replay_len(&keys).await as u64;
     assert!((3..12).contains(&entries), "{entries} entries for 12 rows in entries of at most 4");
     // Some rows of every entry go away: each entry still carries live work.
     sqlx::query("DELETE FROM embedding_dlq WHERE chunk_index % 4 = 0").execute(&db.pool).await.unwrap();
@@ -407,12 +396,12 @@ async fn an_entry_of_several_items_is_an_orphan_only_once_none_of_its_rows_is_li
     let report = r.run_once(Mode::Repair).await.unwrap();
     let orphans = report.get(Check::OrphanStreamEntries);
     assert_eq!((orphans.found, orphans.repaired), (0, 0), "{report:#?}");
-    assert_eq!(replay_entry_count(&keys).await, entries);
+    assert_eq!(replay_len(&keys).await as u64, entries);
     // Then all of them: every entry is an orphan, and is deleted.
     sqlx::query("DELETE FROM embedding_dlq").execute(&db.pool).await.unwrap();
     sqlx::query("DELETE FROM ingest_manifest").execute(&db.pool).await.unwrap();
     assert_found_repaired_clean(&mut r, Check::OrphanStreamEntries, entries).await;
-    assert_eq!(replay_entry_count(&keys).await, 0);
+    assert_eq!(replay_len(&keys).await as u64, 0);
 }
 }
 

@@ -131,17 +131,6 @@ async fn memory_of(key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Entries in the replay stream (every shard).
-async fn replay_len(keys: &StreamKeys) -> usize {
-    let mut r = redis().await;
-    let mut n = 0;
-    for shard in keys.shard_ids() {
-        let len: usize = redis::cmd("XLEN").arg(keys.replay_of(shard)).query_async(&mut r).await.unwrap();
-        n += len;
-    }
-    n
-}
-
 on_single_and_cluster! {
 /// Ten times the outstanding cap parked, the provider refusing for five lease periods, the
 /// replayer far slower than leases run out: the replay stream never holds more than the cap,

@@ -717,6 +717,17 @@ pub struct EventEntry {
     pub fields: std::collections::BTreeMap<String, String>,
 }
 
+/// Entries in the replay streams of `keys` (every shard; `XLEN`).
+pub async fn replay_len(keys: &embed_dlq::streams::StreamKeys) -> usize {
+    let mut r = redis().await;
+    let mut n = 0;
+    for shard in keys.shard_ids() {
+        let len: usize = redis::cmd("XLEN").arg(keys.replay_of(shard)).query_async(&mut r).await.unwrap();
+        n += len;
+    }
+    n
+}
+
 /// The work items of every entry on the replay streams of `keys`, parsed here as JSON (not
 /// by the product's parser; an entry's `items`, or its body when it carries one item),
 /// shard by shard in stream order; with the streams' count of entries ever added
