@@ -887,7 +887,7 @@ impl Replayer {
             }
         }
         let works: Vec<&WorkItem> = items.iter().map(|i| &i.work).collect();
-        let rows: HashMap<i64, DlqRow> = self
+        let mut rows: HashMap<i64, DlqRow> = self
             .store
             .load_for_replay(&works, self.config.lease)
             .await?
@@ -895,29 +895,30 @@ impl Replayer {
             .map(|r| (r.id, r))
             .collect();
         let mut todo: Vec<(Item, DlqRow)> = Vec::new();
-        let mut seen: HashSet<i64> = HashSet::new();
         for item in items {
             let work = &item.work;
-            // Only charged rows were loaded: the item of the row's current lease.
-            let live = rows
-                .get(&work.dlq_id)
-                .filter(|r| r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient);
-            match live {
-                Some(row) if seen.insert(work.dlq_id) => {
+            // Only charged rows were loaded: the item of the row's current lease. The first
+            // current item of a row takes it out of the map (moved, not copied), so another
+            // item of the same row in the batch finds none and is skipped.
+            let live = rows.get(&work.dlq_id).is_some_and(|r| {
+                r.is_current(work) && !r.exhausted && r.error_class == ErrorClass::Transient
+            });
+            match live.then(|| rows.remove(&work.dlq_id)).flatten() {
+                Some(row) => {
                     let loads = row.loads;
                     if loads > self.config.delivery_cap as i32 {
                         batch.give_up.push(exhaust(
-                            row,
+                            &row,
                             &format!(
                                 "replay begun {loads} times without an outcome (delivery cap {})",
                                 self.config.delivery_cap
                             ),
                         ));
                     } else {
-                        todo.push((item, row.clone()));
+                        todo.push((item, row));
                     }
                 }
-                _ => batch.counts.skipped += 1,
+                None => batch.counts.skipped += 1,
             }
         }
         Ok(todo)
@@ -946,19 +947,19 @@ impl Replayer {
                 continue;
             }
             let Some(embedder) = self.embedder_for(&target, &items, batch).await? else { continue };
-            let texts: Vec<String> = items.iter().map(|(_, r)| r.text.clone()).collect();
-            let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            // Borrowed from the rows (not copied: a text is up to a chunk's size).
+            let text_refs: Vec<&str> = items.iter().map(|(_, r)| r.text.as_str()).collect();
             // A row parked after 500s is normally one that failed alone while its neighbours
             // passed: it is sent alone first, so its batch does not pay for it again.
-            for ((_, row), text) in items.iter().zip(&texts) {
+            for (_, row) in &items {
                 if row.error_reason == Reason::Http500.as_str() {
-                    embedder.isolation.suspect(text);
+                    embedder.isolation.suspect(&row.text);
                 }
             }
             // The group's provider requests, `requests_in_flight` at a time; once the
             // provider has refused the run, requests not yet sent are not sent.
             let refused = std::sync::atomic::AtomicBool::new(false);
-            let ranges = request_ranges(&texts, self.config.request_inputs, self.config.request_chars);
+            let ranges = request_ranges(&text_refs, self.config.request_inputs, self.config.request_chars);
             let sent: Vec<Sent> = futures::stream::iter(ranges.into_iter().map(|range| {
                 let (embedder, text_refs, refused) = (&embedder, &text_refs, &refused);
                 async move {
@@ -1376,7 +1377,7 @@ struct Settlement {
 
 /// The provider requests of a group: consecutive ranges of `texts` of at most `max_inputs`
 /// inputs and `max_chars` characters (an input longer than that alone), in order.
-fn request_ranges(texts: &[String], max_inputs: usize, max_chars: usize) -> Vec<Range<usize>> {
+fn request_ranges(texts: &[&str], max_inputs: usize, max_chars: usize) -> Vec<Range<usize>> {
     let max_inputs = max_inputs.max(1);
     let mut out = Vec::new();
     let (mut start, mut chars) = (0, 0usize);
@@ -1595,7 +1596,7 @@ mod tests {
 
     #[test]
     fn provider_requests_obey_the_input_and_character_limits() {
-        let texts: Vec<String> = ["aa", "bbb", "c", "dddddd", "e", "ff", "g"].map(String::from).to_vec();
+        let texts = ["aa", "bbb", "c", "dddddd", "e", "ff", "g"];
         assert_eq!(request_ranges(&texts, 3, 1000), vec![0..3, 3..6, 6..7]);
         assert_eq!(request_ranges(&texts, 100, 6), vec![0..3, 3..4, 4..7], "a long input goes alone");
         assert_eq!(request_ranges(&texts, 100, 1), (0..7).map(|i| i..i + 1).collect::<Vec<_>>());

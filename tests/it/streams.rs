@@ -1661,3 +1661,46 @@ async fn a_single_item_entry_of_an_earlier_release_is_still_replayed() {
     let _ = p;
 }
 }
+
+on_single_and_cluster! {
+/// An entry naming the same row twice (written by hand, or by a scheduler of another kind):
+/// the row is embedded and stored once, the second item skipped.
+async fn an_entry_naming_a_row_twice_embeds_it_once() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let (_down, _p) = park_transient(&db, 2, "twice").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let rows: Vec<(i64, i64, String, String, i32)> = sqlx::query_as(
+        "SELECT id, generation, content_hash, target_table, chunk_index FROM embedding_dlq ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let item = |(id, generation, hash, table, idx): &(i64, i64, String, String, i32)| {
+        serde_json::json!({
+            "dlq_id": id, "generation": generation, "content_hash": hash, "table": table,
+            "doc_id": "twice", "chunk_index": idx, "attempts": 2,
+        })
+    };
+    let body = serde_json::json!({"items": [item(&rows[0]), item(&rows[1]), item(&rows[0])]});
+    let _: String = redis::cmd("XADD")
+        .arg(keys.replay())
+        .arg("*")
+        .arg("event")
+        .arg("replay")
+        .arg("body")
+        .arg(body.to_string())
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep = replayer(&db, &mock, &keys, "twice", replay_config()).await;
+    let c = read_batch(&mut rep).await;
+    assert_eq!((c.replayed, c.skipped), (2, 1), "{c:?}");
+    assert_eq!(mock.control.stats().inputs, 2, "each row embedded once");
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 2);
+    assert_eq!(pending(&keys).await, 0);
+}
+}
