@@ -1619,38 +1619,52 @@ async fn an_entry_with_items_left_unattempted_stays_pending_and_its_settled_item
 }
 }
 
+/// The work item of each DLQ row (by id), as JSON written here: the fields a scheduler
+/// writes, without a lease number (an item from before leases were numbered is replayed if
+/// its generation is current).
+async fn hand_written_items(db: &TestDb) -> Vec<serde_json::Value> {
+    let rows: Vec<(i64, i64, String, String, String, i32)> = sqlx::query_as(
+        "SELECT id, generation, content_hash, target_table, doc_id, chunk_index FROM embedding_dlq ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|(id, generation, hash, table, doc, idx)| {
+            serde_json::json!({
+                "dlq_id": id, "generation": generation, "content_hash": hash, "table": table,
+                "doc_id": doc, "chunk_index": idx, "attempts": 2,
+            })
+        })
+        .collect()
+}
+
+/// Appends a replay stream entry with `body` to the first shard of `keys`.
+async fn append_replay_entry(keys: &StreamKeys, body: &serde_json::Value) {
+    let _: String = redis::cmd("XADD")
+        .arg(keys.replay())
+        .arg("*")
+        .arg("event")
+        .arg("replay")
+        .arg("body")
+        .arg(body.to_string())
+        .query_async(&mut redis().await)
+        .await
+        .unwrap();
+}
+
 on_single_and_cluster! {
 /// An entry of one work item, as releases before batched entries wrote them (and as the relay
 /// still publishes from their outbox rows), is replayed like a batch of one.
 async fn a_single_item_entry_of_an_earlier_release_is_still_replayed() {
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    let (_down, p) = park_transient(&db, 3, "legacy").await;
+    let (_down, _p) = park_transient(&db, 3, "legacy").await;
     make_due(&db).await;
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let rows: Vec<(i64, i64, String, String, i32)> = sqlx::query_as(
-        "SELECT id, generation, content_hash, target_table, chunk_index FROM embedding_dlq ORDER BY id",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    for (id, generation, hash, table, idx) in &rows {
+    embed_dlq::replay::ensure_group(&mut redis().await, &keys).await.unwrap();
+    for item in hand_written_items(&db).await {
         // The body an earlier release wrote: one item, no `items` array, no lease number.
-        let body = serde_json::json!({
-            "dlq_id": id, "generation": generation, "content_hash": hash, "table": table,
-            "doc_id": "legacy", "chunk_index": idx, "attempts": 2,
-        });
-        let _: String = redis::cmd("XADD")
-            .arg(keys.replay())
-            .arg("*")
-            .arg("event")
-            .arg("replay")
-            .arg("body")
-            .arg(body.to_string())
-            .query_async(&mut r)
-            .await
-            .unwrap();
+        append_replay_entry(&keys, &item).await;
     }
     let mock = start_mock(MockConfig::default()).await;
     let mut rep = replayer(&db, &mock, &keys, "upgraded", replay_config()).await;
@@ -1658,7 +1672,6 @@ async fn a_single_item_entry_of_an_earlier_release_is_still_replayed() {
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'legacy'").await, 3);
     assert_eq!(mock.control.stats().inputs, 3);
     assert_eq!(pending(&keys).await, 0);
-    let _ = p;
 }
 }
 
@@ -1670,31 +1683,9 @@ async fn an_entry_naming_a_row_twice_embeds_it_once() {
     let keys = fresh_keys();
     let (_down, _p) = park_transient(&db, 2, "twice").await;
     make_due(&db).await;
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let rows: Vec<(i64, i64, String, String, i32)> = sqlx::query_as(
-        "SELECT id, generation, content_hash, target_table, chunk_index FROM embedding_dlq ORDER BY id",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    let item = |(id, generation, hash, table, idx): &(i64, i64, String, String, i32)| {
-        serde_json::json!({
-            "dlq_id": id, "generation": generation, "content_hash": hash, "table": table,
-            "doc_id": "twice", "chunk_index": idx, "attempts": 2,
-        })
-    };
-    let body = serde_json::json!({"items": [item(&rows[0]), item(&rows[1]), item(&rows[0])]});
-    let _: String = redis::cmd("XADD")
-        .arg(keys.replay())
-        .arg("*")
-        .arg("event")
-        .arg("replay")
-        .arg("body")
-        .arg(body.to_string())
-        .query_async(&mut r)
-        .await
-        .unwrap();
+    embed_dlq::replay::ensure_group(&mut redis().await, &keys).await.unwrap();
+    let items = hand_written_items(&db).await;
+    append_replay_entry(&keys, &serde_json::json!({"items": [items[0], items[1], items[0]]})).await;
     let mock = start_mock(MockConfig::default()).await;
     let mut rep = replayer(&db, &mock, &keys, "twice", replay_config()).await;
     let c = read_batch(&mut rep).await;
