@@ -17,6 +17,16 @@
 //!
 //! The batch's commit first locks the chunks' manifest rows in key order, like ingest does, so a
 //! replay commit and an ingest of the same chunk are serialised instead of deadlocking.
+//!
+//! The DLQ and the lease table swing between empty and a backlog, and an `ANALYZE` that finds
+//! their pages but no live row (autovacuum's, after a drain) leaves the planner believing a
+//! table of any size holds one row until the next one. Planned from that belief, a join of a
+//! batch with either table put the table outside: every row of it walked for each batch
+//! (the replay commit read 150,000 DLQ rows to replay 3,000, BENCHMARKS.md). So no statement
+//! here joins a batch with them without a condition on the batch's own keys first: the DLQ by
+//! `id = ANY(<the batch's ids>)`, the leases deleted by `dlq_id = ANY(ARRAY(...))` (a scan
+//! of one table, never a join), or each row looked up by key in a `LATERAL` subquery. The
+//! worst plan left reads a batch's rows once for each row of the batch.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -317,10 +327,11 @@ impl Store {
             "WITH upd AS (
                  UPDATE embedding_dlq d SET next_retry_at = now() + make_interval(secs => $3)
                    FROM UNNEST($1::bigint[], $2::bigint[]) AS i(id, generation)
-                  WHERE d.id = i.id AND d.generation = i.generation AND d.exhausted_at IS NULL
+                  WHERE d.id = ANY($1::bigint[]) AND d.id = i.id AND d.generation = i.generation
+                    AND d.exhausted_at IS NULL
                  RETURNING d.id
              ), released AS (
-                 DELETE FROM replay_lease l USING upd WHERE l.dlq_id = upd.id
+                 DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM upd))
              )
              SELECT count(*) FROM upd",
         )
@@ -438,7 +449,6 @@ impl Store {
             let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
             let vectors: Vec<VectorRef<'_>> = rows.iter().map(|r| VectorRef(&r.embedding)).collect();
             let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(replayed_sql(target.sql_name())))
-                .bind(&target.name)
                 .bind(&ids)
                 .bind(&gens)
                 .bind(&hashes)
@@ -519,8 +529,8 @@ const REPARK_SQL: &str = "WITH input AS (
                         'exhausted_reason', i.exhausted_reason)),
                     '$[last-19 to last]')
            FROM input i
-          WHERE d.id = i.id AND d.generation = i.generation AND d.content_hash = i.content_hash
-            AND d.exhausted_at IS NULL
+          WHERE d.id = ANY($1::bigint[]) AND d.id = i.id AND d.generation = i.generation
+            AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
          RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
                    d.error_class, d.error_reason, d.attempts, d.replays, d.next_retry_at,
                    d.exhausted_reason,
@@ -533,7 +543,7 @@ const REPARK_SQL: &str = "WITH input AS (
             AND m.status <> u.status
          RETURNING 1
      ), released AS (
-         DELETE FROM replay_lease l USING upd u WHERE l.dlq_id = u.id
+         DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM upd))
      ), events AS (
          INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
          SELECT CASE WHEN status = 'parked' THEN 'reparked' ELSE 'exhausted' END,
@@ -553,15 +563,18 @@ const REPARK_SQL: &str = "WITH input AS (
 /// delete fenced by generation and embedded hash (the caller passes only rows whose manifest
 /// row, locked by [`LOCK_MANIFEST_SQL`], holds that hash), vector upsert under the embedded
 /// hash (a no-op for unchanged content), manifest `stored`, `replayed` event. Binds the
-/// table's name `$1` and the rows' columns `$2..=$5`.
+/// rows' columns `$1..=$4`; the caller passes only rows whose loaded version named `table`.
 fn replayed_sql(table: &str) -> String {
     format!(
         "WITH input AS (
-             SELECT * FROM UNNEST($2::bigint[], $3::bigint[], $4::text[], $5::vector[])
+             SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::vector[])
                  AS t(id, generation, content_hash, embedding)
          ), claimed AS (
+             -- The batch's rows by key before the join (module doc: believed empty), and by
+             -- key alone: no other indexed column is compared (the row's table, in the
+             -- identity key, is the one its loaded version named).
              DELETE FROM embedding_dlq d USING input i
-              WHERE d.id = i.id AND d.target_table = $1::text AND d.generation = i.generation
+              WHERE d.id = ANY($1::bigint[]) AND d.id = i.id AND d.generation = i.generation
                 AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
                        d.replays, d.generation, d.error_class, i.embedding
@@ -581,7 +594,7 @@ fn replayed_sql(table: &str) -> String {
                 AND m.chunk_index = c.chunk_index AND m.content_hash = c.content_hash
              RETURNING 1
          ), released AS (
-             DELETE FROM replay_lease l USING claimed c WHERE l.dlq_id = c.id
+             DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM claimed))
          ), events AS (
              INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
              SELECT 'replayed', id, target_table, doc_id, chunk_index,

@@ -336,7 +336,7 @@ impl Store {
                   WHERE d.target_table = $1::text AND d.doc_id = k.doc_id AND d.chunk_index = k.chunk_index
                  RETURNING d.id, d.doc_id, d.chunk_index, d.generation
              ), released AS (
-                 DELETE FROM replay_lease l USING dlq WHERE l.dlq_id = dlq.id
+                 DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM dlq))
              ), events AS (
                  INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
                  SELECT 'deleted', q.id, $1::text, k.doc_id, k.chunk_index,

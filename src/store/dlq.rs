@@ -375,7 +375,7 @@ pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<u64, Sto
                 AND m.content_hash = u.content_hash AND m.status <> 'parked'
              RETURNING 1
          ), released AS (
-             DELETE FROM replay_lease l USING upd u WHERE l.dlq_id = u.id
+             DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM upd))
          ), events AS (
              INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
              SELECT 'requeued', id, target_table, doc_id, chunk_index,
@@ -441,7 +441,7 @@ pub(crate) async fn purge_batch(
     q.push(
         " FOR UPDATE
          ), gone AS (
-             DELETE FROM embedding_dlq d USING batch b WHERE d.id = b.id
+             DELETE FROM embedding_dlq d WHERE d.id = ANY (ARRAY(SELECT id FROM batch))
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
                        d.error_class, d.error_reason, d.attempts
          ), manifest AS (
@@ -450,7 +450,7 @@ pub(crate) async fn purge_batch(
                 AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
              RETURNING 1
          ), released AS (
-             DELETE FROM replay_lease l USING gone g WHERE l.dlq_id = g.id
+             DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM gone))
          ), events AS (
              INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
              SELECT 'purged', id, target_table, doc_id, chunk_index,

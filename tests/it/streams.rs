@@ -1274,6 +1274,77 @@ async fn a_scheduling_pass_checks_due_rows_against_their_own_lease_whatever_the_
     assert!(probes >= 40_000, "due rows checked against their own lease by key: {probes} probes");
 }
 
+#[tokio::test]
+async fn replay_commits_read_only_their_batch_of_the_dlq_and_the_leases_whatever_the_statistics_say() {
+    // Both tables swing between empty and a backlog: after a drain, an `ANALYZE` (autovacuum's)
+    // sees their pages and no live row, and until the next one the planner believes a table
+    // of any size holds one row. Planned from that, the replay commit walked every DLQ row of
+    // the target table (by `target_table`) and every lease (a full index scan) for each
+    // batch, joining each against the batch: seconds a batch at a backlog of 20,000.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // Inputs over 1,000 characters are refused (422): those rows are re-parked as permanent,
+    // the others replayed, so both commit statements run.
+    let mock = start_mock(MockConfig { max_input_chars: 1_000, ..MockConfig::default() }).await;
+    let mut rep = replayer(&db, &mock, &keys, "believed-empty", replay_config()).await;
+    insert_parked_rows(&db, "drained", 3_000, Some("1 minute")).await;
+    sqlx::raw_sql(
+        "ALTER TABLE embedding_dlq SET (autovacuum_enabled = off);
+         ALTER TABLE replay_lease SET (autovacuum_enabled = off);
+         INSERT INTO replay_lease (dlq_id, generation, leased_until)
+         SELECT id, generation, now() FROM embedding_dlq;
+         DELETE FROM embedding_dlq; DELETE FROM replay_lease; DELETE FROM ingest_manifest;
+         ANALYZE embedding_dlq; ANALYZE replay_lease;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let believed: Vec<(String, f32)> = sqlx::query_as(
+        "SELECT relname::text, reltuples FROM pg_class
+          WHERE relname IN ('embedding_dlq', 'replay_lease') AND relpages > 0 ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(believed, [("embedding_dlq".into(), 0.0), ("replay_lease".into(), 0.0)], "pages, no live row");
+    // The next backlog, issued and replayed before any new `ANALYZE`.
+    insert_parked_rows_unanalyzed(&db, "backlog", 3_000, Some("1 minute")).await;
+    sqlx::query("UPDATE embedding_dlq SET payload = jsonb_set(payload, '{text}', to_jsonb(repeat('x', 2000))) WHERE id % 2 = 0")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r.clone(), keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
+    quiet_statistics().await;
+    let (dlq_before, leases_before) =
+        (rows_read(&db, "embedding_dlq").await, rows_read(&db, "replay_lease").await);
+    // Drained without counting what is left (a count reads the DLQ too).
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let (mut settled, deadline) = (0, tokio::time::Instant::now() + Duration::from_secs(120));
+    while settled < 3_000 {
+        assert!(tokio::time::Instant::now() < deadline, "replay did not settle the DLQ: {settled}");
+        let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+        settled += c.replayed + c.reparked + c.exhausted;
+    }
+    quiet_statistics().await;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 1_500);
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'permanent_input'").await,
+        1_500
+    );
+    let dlq_read = rows_read(&db, "embedding_dlq").await - dlq_before;
+    let leases_read = rows_read(&db, "replay_lease").await - leases_before;
+    // 47 batches of 64: the load reads each row twice and charges its lease, the manifest
+    // lock reads the row, the commit deletes or re-parks it and deletes its lease (4 row
+    // reads and 2 lease reads each). Walking the tables for each batch read 80,000-150,000
+    // DLQ rows and 75,000 leases.
+    assert!(dlq_read <= 6 * 3_000, "DLQ rows read by the drain: {dlq_read}");
+    assert!(leases_read <= 5 * 3_000, "lease rows read by the drain: {leases_read}");
+}
+
 /// Appends `n` synthetic `parked` events (chunks `first..first + n` of doc `doc`) to the
 /// events stream of `keys` (one shard).
 async fn add_events(keys: &StreamKeys, doc: &str, first: usize, n: usize) {

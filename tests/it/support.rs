@@ -1247,6 +1247,13 @@ pub async fn age_lease_statistics(db: &TestDb) {
 /// given, permanent (`http_400`, never scheduled) rows otherwise. Faster than parking them
 /// through a pipeline, for tests that need a DLQ far bigger than a batch.
 pub async fn insert_parked_rows(db: &TestDb, prefix: &str, n: usize, due_ago: Option<&str>) {
+    insert_parked_rows_unanalyzed(db, prefix, n, due_ago).await;
+    sqlx::raw_sql("ANALYZE ingest_manifest; ANALYZE embedding_dlq").execute(&db.pool).await.unwrap();
+}
+
+/// [`insert_parked_rows`] without the `ANALYZE` after it: the planner goes on believing what
+/// the statistics said before the rows came.
+pub async fn insert_parked_rows_unanalyzed(db: &TestDb, prefix: &str, n: usize, due_ago: Option<&str>) {
     let (class, reason, due) = match due_ago {
         Some(ago) => ("transient", "http_503", format!("now() - interval '{ago}'")),
         None => ("permanent_input", "http_400", "NULL".to_string()),
@@ -1260,8 +1267,7 @@ pub async fn insert_parked_rows(db: &TestDb, prefix: &str, n: usize, due_ago: Op
          SELECT 'public.doc_embeddings', '{prefix}-' || i, 0, md5('{prefix}' || i),
                 jsonb_build_object('doc_id', '{prefix}-' || i, 'chunk_index', 0, 'text', '{prefix} text ' || i),
                 '{class}', '{reason}', 1, {due}, 'mock'
-           FROM generate_series(1, {n}) i;
-         ANALYZE ingest_manifest; ANALYZE embedding_dlq;"
+           FROM generate_series(1, {n}) i;"
     )))
     .execute(&db.pool)
     .await
