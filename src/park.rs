@@ -257,8 +257,12 @@ WITH k AS ({keys}
                                               'withdrawn_hash', g.withdrawn_hash,
                                               'by', '{by}', 'at', now()))
       FROM gone g
-      JOIN embedding_dlq d ON d.target_table = $1::text AND d.doc_id = g.doc_id
-                          AND d.chunk_index = g.chunk_index AND d.content_hash = g.content_hash
+      -- By key, chunk by chunk: the DLQ may be believed empty (`DLQ_ID_OF_CHUNK`), and a join
+      -- would then walk it for each batch.
+      CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d
+                           WHERE d.target_table = $1::text AND d.doc_id = g.doc_id
+                             AND d.chunk_index = g.chunk_index AND d.content_hash = g.content_hash
+                          OFFSET 0) d
      ORDER BY g.doc_id, g.chunk_index
     RETURNING 1
 )

@@ -395,6 +395,15 @@ const RESOLVED_EVENTS: &str = r#"events AS (
     RETURNING 1
 )"#;
 
+/// The id of the DLQ row of chunk `i` (`i.doc_id`, `i.chunk_index`) of table `$1`, if any,
+/// looked up by its key: the DLQ rows a write batch resolves are found one key at a time and
+/// then deleted by id, never by a join of the batch with the DLQ. The DLQ swings between empty
+/// and a backlog, and after an `ANALYZE` that found its pages but no live row (autovacuum's,
+/// after a drain) the planner believes it holds one row: a join then walked every DLQ row of
+/// the table for each batch (`src/replay/sql.rs`, BENCHMARKS.md).
+pub(crate) const DLQ_ID_OF_CHUNK: &str = "(SELECT x.id FROM embedding_dlq x
+          WHERE x.target_table = $1::text AND x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index)";
+
 /// Second statement of a store (rows the manifest accepted) for one table ($1 is its
 /// canonical name): vector upsert, DLQ rows of the chunks resolved, `resolved` events.
 pub(crate) fn store_sql(table: &str) -> String {
@@ -411,8 +420,8 @@ WITH input AS (
         WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
     RETURNING 1
 ), resolved AS (
-    DELETE FROM embedding_dlq d USING input i
-     WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
+    DELETE FROM embedding_dlq d
+     WHERE d.id = ANY (ARRAY(SELECT {DLQ_ID_OF_CHUNK} FROM input i))
     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
 ), {RESOLVED_EVENTS}
 SELECT (SELECT count(*) FROM vectors) AS vectors_written,
@@ -445,8 +454,9 @@ WITH claimed AS (
     SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $6::vector[])
      WHERE (SELECT count(*) FROM claimed) = cardinality($2::text[])
 ), resolved AS (
-    DELETE FROM embedding_dlq d USING UNNEST($2::text[], $3::int[]) AS i(doc_id, chunk_index)
-     WHERE d.target_table = $1::text AND d.doc_id = i.doc_id AND d.chunk_index = i.chunk_index
+    DELETE FROM embedding_dlq d
+     WHERE d.id = ANY (ARRAY(SELECT {DLQ_ID_OF_CHUNK}
+                               FROM UNNEST($2::text[], $3::int[]) AS i(doc_id, chunk_index)))
        AND (SELECT count(*) FROM claimed) = cardinality($2::text[])
     RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.generation, d.error_class, d.attempts
 ), {RESOLVED_EVENTS}

@@ -325,6 +325,8 @@ impl Store {
             hashes.push(r.try_get::<String, _>("content_hash")?);
         }
         let table = self.target.sql_name();
+        // The DLQ rows found by key (the DLQ may be believed empty: `DLQ_ID_OF_CHUNK`).
+        use crate::ingest::sql::DLQ_ID_OF_CHUNK;
         sqlx::query(AssertSqlSafe(format!(
             "WITH k AS (
                  SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[]) AS k(doc_id, chunk_index, content_hash)
@@ -332,8 +334,8 @@ impl Store {
                  DELETE FROM {table} e USING k WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index
                  RETURNING e.doc_id, e.chunk_index
              ), dlq AS (
-                 DELETE FROM embedding_dlq d USING k
-                  WHERE d.target_table = $1::text AND d.doc_id = k.doc_id AND d.chunk_index = k.chunk_index
+                 DELETE FROM embedding_dlq d
+                  WHERE d.id = ANY (ARRAY(SELECT {DLQ_ID_OF_CHUNK} FROM k i))
                  RETURNING d.id, d.doc_id, d.chunk_index, d.generation
              ), released AS (
                  DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM dlq))

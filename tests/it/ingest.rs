@@ -950,3 +950,35 @@ async fn window_lookups_stay_index_probes_after_the_manifest_was_emptied_under_a
     // the manifest has grown back read 160,000.
     assert!(scanned < 16_000, "the lookups scanned {scanned} manifest rows");
 }
+
+/// The DLQ swings between empty and a backlog: an `ANALYZE` after a drain (autovacuum's) finds
+/// its pages and no live row, and until the next one the planner believes it holds one row
+/// whatever its size. Planned from that, each write batch's resolve of its chunks' DLQ rows
+/// (a join of the batch with the DLQ) walked every DLQ row of the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_batches_read_only_their_own_dlq_rows_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    insert_parked_rows(&db, "drained", 5_000, Some("1 minute")).await;
+    sqlx::raw_sql(
+        "ALTER TABLE embedding_dlq SET (autovacuum_enabled = off);
+         DELETE FROM embedding_dlq; DELETE FROM ingest_manifest; ANALYZE embedding_dlq;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // The next backlog, parked before any new `ANALYZE` (rows of other documents).
+    insert_parked_rows_unanalyzed(&db, "backlog", 5_000, Some("1 minute")).await;
+    let mock = start_mock(MockConfig::default()).await;
+    let spec = CorpusSpec { doc_prefix: "beside".into(), chunks: 3_000, ..CorpusSpec::default() };
+    let mut corpus = Vec::new();
+    write_corpus(&mut corpus, &spec, 4_000).unwrap();
+    let before = rows_read(&db, "embedding_dlq").await;
+    let p = pipeline(&settings(&db, &mock)).await;
+    let summary = p.run(input(corpus), CancellationToken::new()).await.unwrap();
+    assert_eq!(summary.stored, 3_000);
+    drop(p);
+    let read = rows_read(&db, "embedding_dlq").await - before;
+    // None of these chunks has a DLQ row: each batch's lookups find nothing. Walking the
+    // backlog for each write batch read it once per batch (5,000 rows a batch).
+    assert!(read < 1_000, "the write batches read {read} DLQ rows");
+}
