@@ -44,9 +44,7 @@ pub(crate) struct DlqRow {
     pub id: i64,
     /// Canonical name of the table the row is meant for.
     pub target_table: String,
-    #[allow(dead_code, reason = "loaded with the row, read by no replay step yet")]
     pub doc_id: String,
-    #[allow(dead_code, reason = "loaded with the row, read by no replay step yet")]
     pub chunk_index: i32,
     pub content_hash: String,
     /// The model the row was parked under (its content hash covers it); `None` for rows
@@ -94,6 +92,9 @@ impl DlqRow {
 pub(crate) struct Replayed {
     pub id: i64,
     pub target_table: String,
+    /// The chunk's key, as its loaded row named it (a row's identity never changes).
+    pub doc_id: String,
+    pub chunk_index: i32,
     pub generation: i64,
     pub content_hash: String,
     pub embedding: Vec<f32>,
@@ -105,6 +106,8 @@ impl Replayed {
         Replayed {
             id: row.id,
             target_table: row.target_table.clone(),
+            doc_id: row.doc_id.clone(),
+            chunk_index: row.chunk_index,
             generation: row.generation,
             content_hash: row.content_hash.clone(),
             embedding,
@@ -448,11 +451,15 @@ impl Store {
             let gens: Vec<i64> = rows.iter().map(|r| r.generation).collect();
             let hashes: Vec<&str> = rows.iter().map(|r| r.content_hash.as_str()).collect();
             let vectors: Vec<VectorRef<'_>> = rows.iter().map(|r| VectorRef(&r.embedding)).collect();
+            let docs: Vec<&str> = rows.iter().map(|r| r.doc_id.as_str()).collect();
+            let idxs: Vec<i32> = rows.iter().map(|r| r.chunk_index).collect();
             let done: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(replayed_sql(target.sql_name())))
                 .bind(&ids)
                 .bind(&gens)
                 .bind(&hashes)
                 .bind(&vectors)
+                .bind(&docs)
+                .bind(&idxs)
                 .fetch_all(&mut *tx)
                 .await?;
             applied.extend(done);
@@ -563,25 +570,31 @@ const REPARK_SQL: &str = "WITH input AS (
 /// delete fenced by generation and embedded hash (the caller passes only rows whose manifest
 /// row, locked by [`LOCK_MANIFEST_SQL`], holds that hash), vector upsert under the embedded
 /// hash (a no-op for unchanged content), manifest `stored`, `replayed` event. Binds the
-/// rows' columns `$1..=$4`; the caller passes only rows whose loaded version named `table`.
+/// rows' ids, generations, embedded hashes, vectors, doc ids and chunk indexes `$1..=$6`; the
+/// caller passes only rows whose loaded version named `table`.
 fn replayed_sql(table: &str) -> String {
     format!(
-        "WITH input AS (
-             SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::text[], $4::vector[])
-                 AS t(id, generation, content_hash, embedding)
-         ), claimed AS (
+        "WITH claimed AS (
              -- The batch's rows by key before the join (module doc: believed empty), and by
              -- key alone: no other indexed column is compared (the row's table, in the
-             -- identity key, is the one its loaded version named).
-             DELETE FROM embedding_dlq d USING input i
+             -- identity key, is the one its loaded version named). The join carries no vector:
+             -- if the planner re-reads the batch for each row, it re-reads ids and hashes.
+             DELETE FROM embedding_dlq d
+              USING UNNEST($1::bigint[], $2::bigint[], $3::text[]) AS i(id, generation, content_hash)
               WHERE d.id = ANY($1::bigint[]) AND d.id = i.id AND d.generation = i.generation
                 AND d.content_hash = i.content_hash AND d.exhausted_at IS NULL
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, i.content_hash, d.attempts,
-                       d.replays, d.generation, d.error_class, i.embedding
+                       d.replays, d.generation, d.error_class
          ), vectors AS (
+             -- The vectors of the rows claimed, by a filter on the batch (never a join): the
+             -- chunk's key as its loaded row named it, the vector under the embedded hash;
+             -- once a chunk, like the rows `claimed` returns.
              INSERT INTO {table} AS e (doc_id, chunk_index, content_hash, embedding)
-             SELECT doc_id, chunk_index, content_hash, embedding FROM claimed
-              ORDER BY doc_id, chunk_index
+             SELECT DISTINCT ON (v.doc_id, v.chunk_index) v.doc_id, v.chunk_index, v.content_hash, v.embedding
+               FROM UNNEST($1::bigint[], $5::text[], $6::int[], $3::text[], $4::vector[])
+                    AS v(id, doc_id, chunk_index, content_hash, embedding)
+              WHERE v.id = ANY (ARRAY(SELECT id FROM claimed))
+              ORDER BY v.doc_id, v.chunk_index
              ON CONFLICT (doc_id, chunk_index) DO UPDATE
                  SET embedding = EXCLUDED.embedding, content_hash = EXCLUDED.content_hash,
                      updated_at = now()
