@@ -1330,13 +1330,14 @@ async fn replay_commits_read_only_their_batch_of_the_dlq_and_the_leases_whatever
         settled += c.replayed + c.reparked + c.exhausted;
     }
     quiet_statistics().await;
+    // Taken before the counts below, which read the DLQ themselves.
+    let dlq_read = rows_read(&db, "embedding_dlq").await - dlq_before;
+    let leases_read = rows_read(&db, "replay_lease").await - leases_before;
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 1_500);
     assert_eq!(
         db.count("SELECT count(*) FROM embedding_dlq WHERE error_class = 'permanent_input'").await,
         1_500
     );
-    let dlq_read = rows_read(&db, "embedding_dlq").await - dlq_before;
-    let leases_read = rows_read(&db, "replay_lease").await - leases_before;
     // 47 batches of 64: the load reads each row twice and charges its lease, the manifest
     // lock reads the row, the commit deletes or re-parks it and deletes its lease (4 row
     // reads and 2 lease reads each). Walking the tables for each batch read 80,000-150,000
