@@ -42,6 +42,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0021_lease_charge_in_place.sql",
     "0022_relay_position.sql",
     "0023_relay_cluster.sql",
+    "0024_replay_lease_unlogged.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

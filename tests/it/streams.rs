@@ -419,6 +419,95 @@ async fn a_scheduler_killed_between_its_appends_and_its_commit_leaves_items_that
 }
 }
 
+/// Whether `table` is one Postgres empties in its crash recovery (and a standby never holds):
+/// read from the catalog here.
+async fn unlogged(db: &TestDb, table: &str) -> bool {
+    sqlx::query_scalar::<_, String>("SELECT relpersistence::text FROM pg_class WHERE oid = $1::regclass")
+        .bind(table)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+        == "u"
+}
+
+/// Replay leases are unlogged (migration 0024): a crash of Postgres, or a failover, empties
+/// `replay_lease` and nothing else. The test empties it the same way crash recovery does
+/// (`TRUNCATE`: an unlogged table comes back from its empty init fork) at the two moments that
+/// matter: with the work items on the stream and no replayer yet, and again after a replayer
+/// has loaded (charged) a batch. The promise: the rows are issued again at the next pass, not
+/// a lease later; each row is replayed once and embedded once; nothing is charged to
+/// a row for the lost leases; no lease outlives the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_lost_with_a_postgres_crash_are_issued_again_at_once_and_each_row_replays_once() {
+    let db = TestDb::new().await;
+    assert!(unlogged(&db, "replay_lease").await, "a crash of Postgres empties the leases");
+    assert!(!unlogged(&db, "embedding_dlq").await && !unlogged(&db, "ingest_manifest").await);
+    let keys = fresh_keys();
+    let (_down, p) = park_transient(&db, 40, "crash").await;
+    make_due(&db).await;
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    // Leases far longer than the test: only the loss of the leases can free the rows early.
+    let config = ReplayConfig { lease: Duration::from_secs(3600), ..replay_config() };
+    let scheduler = Scheduler::new(p.store.clone(), config.clone(), r.clone(), keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), 40);
+    let first: std::collections::BTreeSet<(i64, i64)> =
+        items_of(&replay_entries(&keys).await.0).into_iter().collect();
+    assert_eq!(first, leases(&db).await);
+
+    // The crash, with the items on the stream and unread.
+    sqlx::query("TRUNCATE replay_lease").execute(&db.pool).await.unwrap();
+    assert_eq!(scheduler.run_once().await.unwrap(), 40, "the rows are issued again at the next pass");
+    let (bodies, entries) = replay_entries(&keys).await;
+    assert_eq!(entries, 2, "{bodies:?}");
+    let second: std::collections::BTreeSet<(i64, i64)> = items_of(&bodies[40..]).into_iter().collect();
+    assert_eq!(second, leases(&db).await, "the live leases are the new items'");
+    assert!(first.is_disjoint(&second), "a lease number is never handed out twice");
+
+    // A replayer reads the lost leases' entry: every item of it is an older lease's, skipped
+    // and charged nothing.
+    let mock = start_mock(MockConfig::default()).await;
+    let mut rep =
+        replayer(&db, &mock, &keys, "after-crash", ReplayConfig { batch: 40, ..config.clone() }).await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let (never, mut flight) = (CancellationToken::new(), embed_dlq::replay::InFlight::default());
+    let charged = || db.count("SELECT coalesce(sum(loads), 0) FROM replay_lease");
+    rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!((charged().await, mock.control.stats().inputs), (0, 0));
+    // Then the new items' entry: loaded, charged, embedded; the crash comes again before the
+    // commit. The commit is fenced by each row's generation and hash, not by its lease.
+    rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!((charged().await, mock.control.stats().inputs), (40, 40));
+    sqlx::query("TRUNCATE replay_lease").execute(&db.pool).await.unwrap();
+    let c = rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!(c.replayed, 40, "{c:?}");
+    assert_eq!(rep.finish(&mut flight).await.unwrap(), embed_dlq::replay::ReplayCounts::default());
+
+    // Items whose leases were lost and not issued again yet: the load takes each lease over
+    // (one load charged, as for any load), and the next pass has nothing to issue.
+    let (_down, _) = park_transient(&db, 20, "crash-b").await;
+    make_due(&db).await;
+    assert_eq!(scheduler.run_once().await.unwrap(), 20);
+    sqlx::query("TRUNCATE replay_lease").execute(&db.pool).await.unwrap();
+    rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!((charged().await, mock.control.stats().inputs), (20, 60), "taken over, charged once");
+    assert_eq!(scheduler.run_once().await.unwrap(), 0, "the taken-over leases are live");
+    let c = rep.step(&mut conn, &never, &never, &mut flight).await.unwrap();
+    assert_eq!(c.replayed, 20, "{c:?}");
+    assert_eq!(rep.finish(&mut flight).await.unwrap(), embed_dlq::replay::ReplayCounts::default());
+
+    // Read here: every key one vector, each row replayed once, embedded once.
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 60);
+    assert_eq!(db.count("SELECT count(DISTINCT (doc_id, chunk_index)) FROM doc_embeddings").await, 60);
+    assert_eq!(db.count("SELECT count(*) FROM dlq_outbox WHERE event = 'replayed'").await, 60);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status <> 'stored'").await, 0);
+    assert_eq!(mock.control.stats().inputs, 60, "no row embedded twice");
+    assert_eq!(db.count("SELECT count(*) FROM replay_lease").await, 0, "no lease outlives the drain");
+    assert_eq!(pending(&keys).await, 0);
+}
+
 on_single_and_cluster! {
 #[cfg_attr(not(feature = "failpoints"), ignore = "needs --features failpoints (scripts/test.sh)")]
 async fn a_load_renews_a_lease_only_once_less_than_half_of_it_is_left() {

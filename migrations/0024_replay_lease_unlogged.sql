@@ -1,0 +1,23 @@
+-- Replay leases skip the WAL, as ingest leases always have (0007).
+--
+-- Every replayed row writes its lease three times: the scheduler inserts it, the load charges
+-- it (`loads` + 1), the outcome deletes it. Those writes were logged like the DLQ's own, and
+-- their WAL was a measurable share of the drain's Postgres time (BENCHMARKS.md, "Replay leases
+-- off the WAL").
+--
+-- What a crash of Postgres (or a failover: a standby has no copy of an unlogged table) loses
+-- with them, and why that is safe:
+--   * the leases: every due row is free to be issued again at the scheduler's next pass, not
+--     a lease later. A work item still on the replay stream for a lost lease either takes the
+--     lease over when a replayer loads it (the load inserts a lease it finds gone) or, once a
+--     new item was issued, is skipped as an older lease's. A row loaded twice this way is
+--     embedded twice at most and replayed once: every commit is fenced by the row's
+--     generation and content hash, not by its lease;
+--   * the `loads` counts (replays begun without an outcome): a row that kills its replayer
+--     every time starts its count again, and is exhausted after at most `delivery_cap` more
+--     loads. A crash of the database is not the row's fault, so nothing is charged for it;
+--   * the live-lease count the cap is taken against: it starts again from zero, and the
+--     replay stream's bound (the scheduler trims below work older than a lease) is unchanged.
+-- The lease numbers come from `embed_dlq_lease_seq`, which stays logged: a number is never
+-- handed out twice, so an item from before the crash never passes for a new lease's.
+ALTER TABLE replay_lease SET UNLOGGED;
