@@ -308,11 +308,15 @@ pub(crate) async fn stale_dlq(
                  RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash,
                            d.generation, d.error_class, d.attempts
              ), manifest AS (
+                 -- By tuple id, each found by its key: the rows are locked, and a join with
+                 -- the batch walks a manifest believed empty (replay::sql's module doc).
                  UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                   FROM gone g
-                  WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
-                    AND m.chunk_index = g.chunk_index
-                    AND m.content_hash = g.content_hash AND m.status <> 'stored'
+                  WHERE m.ctid = ANY (ARRAY(
+                            SELECT (SELECT k.ctid FROM ingest_manifest k
+                                     WHERE k.target_table = g.target_table AND k.doc_id = g.doc_id
+                                       AND k.chunk_index = g.chunk_index
+                                       AND k.content_hash = g.content_hash AND k.status <> 'stored')
+                              FROM gone g))
                  RETURNING 1
              ), events AS (
                  INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)

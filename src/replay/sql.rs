@@ -27,6 +27,14 @@
 //! `id = ANY(<the batch's ids>)`, the leases deleted by `dlq_id = ANY(ARRAY(...))` (a scan
 //! of one table, never a join), or each row looked up by key in a `LATERAL` subquery. The
 //! worst plan left reads a batch's rows once for each row of the batch.
+//!
+//! The manifest meets the same belief after a mass deletion (a corpus deleted, analyzed before
+//! its pages were vacuumed away, then ingested again): joined with a batch, its update walked
+//! the whole manifest for each batch. Every statement here that updates manifest rows runs
+//! after [`LOCK_MANIFEST_SQL`] locked them in the same transaction, so it updates them by
+//! tuple id, each found by its key in a subquery of its own (a probe of the primary key), with
+//! no join: nobody else can change a row this transaction holds locked, so the tuple id found
+//! is the row's current version when the update reads it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -542,12 +550,20 @@ const REPARK_SQL: &str = "WITH input AS (
                    d.error_class, d.error_reason, d.attempts, d.replays, d.next_retry_at,
                    d.exhausted_reason,
                    CASE WHEN d.exhausted_reason IS NULL THEN 'parked' ELSE 'exhausted' END AS status
-     ), manifest AS (
-         UPDATE ingest_manifest m SET status = u.status, updated_at = now()
+     ), found AS (
+         -- Each row's manifest row by its key (module doc: the manifest believed empty).
+         SELECT (SELECT k.ctid FROM ingest_manifest k
+                  WHERE k.target_table = u.target_table AND k.doc_id = u.doc_id
+                    AND k.chunk_index = u.chunk_index AND k.content_hash = u.content_hash
+                    AND k.status <> u.status) AS tid,
+                u.status
            FROM upd u
-          WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
-            AND m.chunk_index = u.chunk_index AND m.content_hash = u.content_hash
-            AND m.status <> u.status
+     ), manifest AS (
+         UPDATE ingest_manifest m
+            SET status = CASE WHEN m.ctid = ANY (ARRAY(SELECT tid FROM found WHERE status = 'exhausted'))
+                              THEN 'exhausted' ELSE 'parked' END,
+                updated_at = now()
+          WHERE m.ctid = ANY (ARRAY(SELECT tid FROM found))
          RETURNING 1
      ), released AS (
          DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM upd))
@@ -601,10 +617,13 @@ fn replayed_sql(table: &str) -> String {
                  WHERE e.content_hash IS DISTINCT FROM EXCLUDED.content_hash
              RETURNING 1
          ), manifest AS (
+             -- By tuple id, each found by its key (module doc: the manifest believed empty).
              UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-               FROM claimed c
-              WHERE m.target_table = c.target_table AND m.doc_id = c.doc_id
-                AND m.chunk_index = c.chunk_index AND m.content_hash = c.content_hash
+              WHERE m.ctid = ANY (ARRAY(
+                        SELECT (SELECT k.ctid FROM ingest_manifest k
+                                 WHERE k.target_table = c.target_table AND k.doc_id = c.doc_id
+                                   AND k.chunk_index = c.chunk_index AND k.content_hash = c.content_hash)
+                          FROM claimed c))
              RETURNING 1
          ), released AS (
              DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM claimed))

@@ -368,11 +368,15 @@ pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<u64, Sto
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
                        d.error_reason, d.attempts
          ), manifest AS (
+             -- By tuple id, each found by its key: the rows are locked, and a join with the
+             -- batch walks a manifest believed empty (replay::sql's module doc).
              UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
-               FROM upd u
-              WHERE m.target_table = u.target_table AND m.doc_id = u.doc_id
-                AND m.chunk_index = u.chunk_index
-                AND m.content_hash = u.content_hash AND m.status <> 'parked'
+              WHERE m.ctid = ANY (ARRAY(
+                        SELECT (SELECT k.ctid FROM ingest_manifest k
+                                 WHERE k.target_table = u.target_table AND k.doc_id = u.doc_id
+                                   AND k.chunk_index = u.chunk_index
+                                   AND k.content_hash = u.content_hash AND k.status <> 'parked')
+                          FROM upd u))
              RETURNING 1
          ), released AS (
              DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM upd))
@@ -445,9 +449,14 @@ pub(crate) async fn purge_batch(
              RETURNING d.id, d.target_table, d.doc_id, d.chunk_index, d.content_hash, d.generation,
                        d.error_class, d.error_reason, d.attempts
          ), manifest AS (
-             DELETE FROM ingest_manifest m USING gone g
-              WHERE m.target_table = g.target_table AND m.doc_id = g.doc_id
-                AND m.chunk_index = g.chunk_index AND m.content_hash = g.content_hash
+             -- By tuple id, each found by its key: the rows are locked, and a join with the
+             -- batch walks a manifest believed empty (replay::sql's module doc).
+             DELETE FROM ingest_manifest m
+              WHERE m.ctid = ANY (ARRAY(
+                        SELECT (SELECT k.ctid FROM ingest_manifest k
+                                 WHERE k.target_table = g.target_table AND k.doc_id = g.doc_id
+                                   AND k.chunk_index = g.chunk_index AND k.content_hash = g.content_hash)
+                          FROM gone g))
              RETURNING 1
          ), released AS (
              DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM gone))

@@ -415,3 +415,69 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
     let clean = r.run_sweep(Mode::Check, Some(Sweep::Incremental)).await.unwrap();
     assert_eq!(clean.get(Check::MissingEvents).found, 0, "{clean:#?}");
 }
+
+/// A manifest believed empty (a corpus deleted and analyzed before its pages were vacuumed
+/// away, then ingested again): requeue and purge, which change a batch of chunks' manifest
+/// rows, read only those rows. Joined with the batch, the manifest's update and delete walked
+/// every row of it for each batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_and_purge_read_only_their_batch_of_the_manifest_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    sqlx::raw_sql(
+        "ALTER TABLE ingest_manifest SET (autovacuum_enabled = off);
+         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'deleted-' || i, 0, md5('deleted' || i), 'stored'
+           FROM generate_series(1, 20000) i;
+         DELETE FROM ingest_manifest;
+         ANALYZE ingest_manifest;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // 2,000 rows replay gave up on, beside 20,000 stored chunks; the DLQ's statistics fresh.
+    insert_parked_rows_unanalyzed(&db, "gave-up", 2_000, Some("1 minute")).await;
+    sqlx::raw_sql(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'stored-' || i, 0, md5('stored' || i), 'stored'
+           FROM generate_series(1, 20000) i;
+         UPDATE embedding_dlq SET exhausted_at = now(), exhausted_reason = 'replay limit reached';
+         UPDATE ingest_manifest SET status = 'exhausted' WHERE doc_id LIKE 'gave-up-%';
+         ANALYZE embedding_dlq;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let believed: (i32, f32) =
+        sqlx::query_as("SELECT relpages, reltuples FROM pg_class WHERE relname = 'ingest_manifest'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(believed.0 > 0 && believed.1 == 0.0, "pages, no live row: {believed:?}");
+    let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let gave_up = "SELECT count(*) FROM ingest_manifest WHERE doc_id LIKE 'gave-up-%'";
+
+    quiet_statistics().await;
+    let before = rows_read(&db, "ingest_manifest").await;
+    let exhausted = embed_dlq::dlq::Filter { exhausted: true, ..Default::default() };
+    assert_eq!(embed_dlq::dlq::requeue(&store, &exhausted, false, 100_000).await.unwrap().requeued, 2_000);
+    quiet_statistics().await;
+    let requeue_read = rows_read(&db, "ingest_manifest").await - before;
+    let parked = "SELECT count(*) FROM ingest_manifest WHERE doc_id LIKE 'gave-up-%' AND status = 'parked'";
+    assert_eq!(db.count(parked).await, 2_000);
+
+    let before = rows_read(&db, "ingest_manifest").await;
+    assert_eq!(
+        embed_dlq::dlq::purge(&store, &embed_dlq::dlq::Filter::default(), false).await.unwrap(),
+        2_000
+    );
+    quiet_statistics().await;
+    let purge_read = rows_read(&db, "ingest_manifest").await - before;
+    assert_eq!(db.count(gave_up).await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest").await, 20_000);
+
+    // The lock reads each row, the update or delete finds it by key (2 a row, and the
+    // candidates' `needs re-ingest` check another for requeue). Walking the manifest for each
+    // batch read its 22,000 rows a batch.
+    assert!(requeue_read <= 4 * 2_000, "manifest rows read by the requeue: {requeue_read}");
+    assert!(purge_read <= 4 * 2_000, "manifest rows read by the purge: {purge_read}");
+}

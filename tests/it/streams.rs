@@ -1435,6 +1435,74 @@ async fn replay_commits_read_only_their_batch_of_the_dlq_and_the_leases_whatever
     assert!(leases_read <= 5 * 3_000, "lease rows read by the drain: {leases_read}");
 }
 
+on_single_and_cluster! {
+async fn replay_commits_read_only_their_batch_of_the_manifest_whatever_the_statistics_say() {
+    // The manifest believed empty: a corpus deleted (the manifest's rows with it) and an
+    // `ANALYZE` before its pages were vacuumed away, then a corpus ingested again and a
+    // backlog parked, all before the next `ANALYZE`. The DLQ's statistics are fresh. Joined
+    // with the batch, the replay commit's and the re-park's manifest updates walked the whole
+    // manifest (a full scan of its primary key, believed one row) for each batch.
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    // Inputs over 1,000 characters are refused (422): those rows are re-parked as permanent,
+    // the others replayed, so both commit statements run.
+    let mock = start_mock(MockConfig { max_input_chars: 1_000, ..MockConfig::default() }).await;
+    let mut rep = replayer(&db, &mock, &keys, "manifest-believed-empty", replay_config()).await;
+    sqlx::raw_sql(
+        "ALTER TABLE ingest_manifest SET (autovacuum_enabled = off);
+         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'deleted-' || i, 0, md5('deleted' || i), 'stored'
+           FROM generate_series(1, 20000) i;
+         DELETE FROM ingest_manifest;
+         ANALYZE ingest_manifest;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let believed: (i32, f32) =
+        sqlx::query_as("SELECT relpages, reltuples FROM pg_class WHERE relname = 'ingest_manifest'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(believed.0 > 0 && believed.1 == 0.0, "pages, no live row: {believed:?}");
+    insert_parked_rows_unanalyzed(&db, "backlog", 3_000, Some("1 minute")).await;
+    sqlx::raw_sql(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', 'stored-' || i, 0, md5('stored' || i), 'stored'
+           FROM generate_series(1, 20000) i;
+         UPDATE embedding_dlq SET payload = jsonb_set(payload, '{text}', to_jsonb(repeat('x', 2000)))
+          WHERE id % 2 = 0;
+         ANALYZE embedding_dlq;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r.clone(), keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
+    quiet_statistics().await;
+    let before = rows_read(&db, "ingest_manifest").await;
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let (mut settled, deadline) = (0, tokio::time::Instant::now() + Duration::from_secs(300));
+    while settled < 3_000 {
+        assert!(tokio::time::Instant::now() < deadline, "replay did not settle the DLQ: {settled}");
+        let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+        settled += c.replayed + c.reparked + c.exhausted;
+    }
+    quiet_statistics().await;
+    let manifest_read = rows_read(&db, "ingest_manifest").await - before;
+    // Read here: what the drain did to the manifest.
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 1_500);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id LIKE 'backlog-%' AND status = 'stored'").await, 1_500);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id LIKE 'backlog-%' AND status = 'parked'").await, 1_500);
+    // 47 batches of 64: the load's probe, the lock and the commit's update read each row
+    // (3 a row). Walking the manifest for each batch read 23,000 rows a batch.
+    assert!(manifest_read <= 5 * 3_000, "manifest rows read by the drain: {manifest_read}");
+}
+}
+
 /// Appends `n` synthetic `parked` events (chunks `first..first + n` of doc `doc`) to the
 /// events stream of `keys` (one shard).
 async fn add_events(keys: &StreamKeys, doc: &str, first: usize, n: usize) {
