@@ -246,9 +246,21 @@ pub(crate) fn withdraw_sql(table: &str, keys: &str, by: &str) -> String {
         r#"
 WITH k AS ({keys}
 ), gone AS (
-    DELETE FROM {table} e USING k
-     WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index AND e.content_hash <> k.content_hash
-    RETURNING e.doc_id, e.chunk_index, e.content_hash AS withdrawn_hash, k.content_hash
+    -- By tuple id, each vector found by its key: joined with the batch, a vector table the
+    -- planner believed empty (emptied by deletes and analyzed, then filled again) was walked
+    -- for each batch. The chunks' manifest rows are locked, and every writer of a vector
+    -- takes them first, so nobody changes one of these vectors before the delete reads it.
+    DELETE FROM {table} e
+     WHERE e.ctid = ANY (ARRAY(
+               SELECT (SELECT v.ctid FROM {table} v
+                        WHERE v.doc_id = k.doc_id AND v.chunk_index = k.chunk_index
+                          AND v.content_hash <> k.content_hash)
+                 FROM k))
+    RETURNING e.doc_id, e.chunk_index, e.content_hash AS withdrawn_hash
+), kept AS (
+    -- The content each chunk keeps, once a chunk (batch-sized, no table).
+    SELECT DISTINCT ON (doc_id, chunk_index) doc_id, chunk_index, content_hash
+      FROM k ORDER BY doc_id, chunk_index, content_hash
 ), events AS (
     INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)
     SELECT 'withdrawn', d.id, d.target_table, d.doc_id, d.chunk_index,
@@ -256,7 +268,8 @@ WITH k AS ({keys}
                            jsonb_build_object('content_hash', g.content_hash,
                                               'withdrawn_hash', g.withdrawn_hash,
                                               'by', '{by}', 'at', now()))
-      FROM gone g
+      FROM (SELECT g.doc_id, g.chunk_index, g.withdrawn_hash, kept.content_hash
+              FROM gone g JOIN kept USING (doc_id, chunk_index)) g
       -- By key, chunk by chunk: the DLQ may be believed empty (`DLQ_ID_OF_CHUNK`), and a join
       -- would then walk it for each batch.
       CROSS JOIN LATERAL (SELECT d.* FROM embedding_dlq d

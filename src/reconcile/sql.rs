@@ -449,14 +449,17 @@ pub(crate) async fn superseded_vectors(
     // hold now: a chunk stored or re-parked meanwhile is left alone.
     let withdraw = crate::park::withdraw_sql(
         t,
+        // Key by key (a subquery kept apart by `OFFSET 0`, a scalar probe of the DLQ): the
+        // manifest and the DLQ may be believed empty, and a join would walk them.
         "SELECT m.doc_id, m.chunk_index, m.content_hash
-           FROM ingest_manifest m
-           JOIN UNNEST($2::text[], $3::int[]) AS u(doc_id, chunk_index)
-             ON m.doc_id = u.doc_id AND m.chunk_index = u.chunk_index
-          WHERE m.target_table = $1::text AND m.status IN ('parked', 'exhausted')
-            AND EXISTS (SELECT 1 FROM embedding_dlq d
-                         WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
-                           AND d.chunk_index = m.chunk_index AND d.content_hash = m.content_hash)",
+           FROM UNNEST($2::text[], $3::int[]) AS u(doc_id, chunk_index)
+          CROSS JOIN LATERAL (SELECT m.* FROM ingest_manifest m
+                               WHERE m.target_table = $1::text AND m.doc_id = u.doc_id
+                                 AND m.chunk_index = u.chunk_index OFFSET 0) m
+          WHERE m.status IN ('parked', 'exhausted')
+            AND (SELECT true FROM embedding_dlq d
+                  WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
+                    AND d.chunk_index = m.chunk_index AND d.content_hash = m.content_hash)",
         "reconcile",
     );
     run.repaired += repair_in_locked_pages(pool, target, &rows, &scope, page, &withdraw).await?;

@@ -331,7 +331,14 @@ impl Store {
             "WITH k AS (
                  SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[]) AS k(doc_id, chunk_index, content_hash)
              ), vectors AS (
-                 DELETE FROM {table} e USING k WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index
+                 -- By tuple id, each found by its key (a join walks a vector table believed
+                 -- empty: `park::withdraw_sql`); the manifest rows were deleted first, and
+                 -- every writer of a vector takes its manifest row first.
+                 DELETE FROM {table} e
+                  WHERE e.ctid = ANY (ARRAY(
+                            SELECT (SELECT v.ctid FROM {table} v
+                                     WHERE v.doc_id = k.doc_id AND v.chunk_index = k.chunk_index)
+                              FROM k))
                  RETURNING e.doc_id, e.chunk_index
              ), dlq AS (
                  DELETE FROM embedding_dlq d

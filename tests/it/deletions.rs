@@ -550,3 +550,76 @@ async fn the_binary_refuses_a_large_or_truncated_full_cleanup_and_a_dry_run_list
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_exactly(&db, &keys_of(&v2)).await;
 }
+
+/// A vector table believed empty (its vectors deleted and the table analyzed before its pages
+/// were vacuumed away, then filled again): the statements that delete a batch of chunks'
+/// vectors, a park withdrawing superseded vectors and an explicit deletion, read only those
+/// vectors. Joined with the batch, each walked the whole table for each batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn withdrawals_and_deletions_read_only_their_batch_of_the_vector_table_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.retry.max_attempts = 1;
+    // Once the breaker opens, the rest of an outage's input is parked without a call.
+    s.options.on_outage = embed_dlq::embed::gate::OnOutage::Park;
+    let fake_vectors = |prefix: &'static str| {
+        format!(
+            "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+             SELECT '{prefix}-' || i, 0, md5('{prefix}' || i), array_fill(0.5::real, ARRAY[768])::vector
+               FROM generate_series(1, 20000) i"
+        )
+    };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE doc_embeddings SET (autovacuum_enabled = off);
+         {};
+         DELETE FROM doc_embeddings;
+         ANALYZE doc_embeddings;",
+        fake_vectors("deleted")
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let believed: (i32, f32) =
+        sqlx::query_as("SELECT relpages, reltuples FROM pg_class WHERE relname = 'doc_embeddings'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(believed.0 > 0 && believed.1 == 0.0, "pages, no live row: {believed:?}");
+    // 20 documents of 100 chunks stored, beside 20,000 other vectors.
+    let mut v1 = Corpus::new();
+    for d in 0..20 {
+        v1.insert(format!("doc{d:02}"), texts(&format!("doc{d:02}"), 100, "v1"));
+    }
+    run(&s, jsonl(&v1)).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(fake_vectors("other"))).execute(&db.pool).await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 22_000);
+
+    // The first ten documents change while the provider is down: parked, and their old
+    // vectors withdrawn (`on_newer_parked = withdraw`, the default).
+    mock.control.set_outage(true);
+    let v2: Corpus = v1.iter().take(10).map(|(d, _)| (d.clone(), texts(d, 100, "v2"))).collect();
+    quiet_statistics().await;
+    let before = rows_read(&db, "doc_embeddings").await;
+    run(&s, jsonl(&v2)).await.unwrap();
+    quiet_statistics().await;
+    let withdraw_read = rows_read(&db, "doc_embeddings").await - before;
+    mock.control.set_outage(false);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 1_000);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 21_000);
+
+    // The other ten are deleted.
+    let deletes: String = v1.keys().skip(10).map(|d| delete_doc(d)).collect();
+    quiet_statistics().await;
+    let before = rows_read(&db, "doc_embeddings").await;
+    run(&s, deletes.into_bytes()).await.unwrap();
+    quiet_statistics().await;
+    let delete_read = rows_read(&db, "doc_embeddings").await - before;
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20_000);
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id LIKE 'doc%'").await, 0);
+
+    // A probe and the delete's own read a vector (2 each, and the statement's few others).
+    // Walking the table for each batch read its 21,000-22,000 rows a batch.
+    assert!(withdraw_read <= 4 * 1_000, "vectors read by the withdrawals: {withdraw_read}");
+    assert!(delete_read <= 4 * 1_000, "vectors read by the deletions: {delete_read}");
+}
