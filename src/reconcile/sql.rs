@@ -22,7 +22,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction};
 
-use crate::replay::sql::LOCK_MANIFEST_SQL;
+use crate::replay::sql::{LOCK_MANIFEST_SQL, locked_manifest_tids};
 use crate::store::{StoreError, TargetTable};
 
 /// Most target tables one run (or one "every table" count) looks at: tables named by the
@@ -302,6 +302,7 @@ pub(crate) async fn stale_dlq(
         .await?;
         let Some(&last) = ids.last() else { break };
         sqlx::query(LOCK_MANIFEST_SQL).bind(&ids).execute(&mut *tx).await?;
+        let tids = locked_manifest_tids("gone", "AND k.status <> 'stored'");
         let deleted: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "WITH gone AS (
                  DELETE FROM embedding_dlq d WHERE d.id = ANY($1) AND {stale}
@@ -311,12 +312,7 @@ pub(crate) async fn stale_dlq(
                  -- By tuple id, each found by its key: the rows are locked, and a join with
                  -- the batch walks a manifest believed empty (replay::sql's module doc).
                  UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-                  WHERE m.ctid = ANY (ARRAY(
-                            SELECT (SELECT k.ctid FROM ingest_manifest k
-                                     WHERE k.target_table = g.target_table AND k.doc_id = g.doc_id
-                                       AND k.chunk_index = g.chunk_index
-                                       AND k.content_hash = g.content_hash AND k.status <> 'stored')
-                              FROM gone g))
+                  WHERE m.ctid = ANY ({tids})
                  RETURNING 1
              ), events AS (
                  INSERT INTO dlq_outbox (event, dlq_id, target_table, doc_id, chunk_index, body)

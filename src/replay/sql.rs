@@ -194,6 +194,23 @@ pub(crate) const LOCK_MANIFEST_SQL: &str = "SELECT d.id, locked.content_hash
                             AND m.chunk_index = d.chunk_index
                             FOR UPDATE) locked";
 
+/// SQL: the tuple ids of the manifest rows of `rows` (a CTE or subquery with the chunks'
+/// `target_table`, `doc_id`, `chunk_index` and `content_hash`), each found by its key (one probe
+/// of the primary key, a subquery of its own: no join the planner could turn into a walk of a
+/// manifest it believes empty), as an array for `m.ctid = ANY (...)`; `condition` adds to
+/// each probe (`AND k.status <> 'parked'`), a row failing it gives NULL, which matches nothing.
+/// Only for rows this transaction has locked ([`LOCK_MANIFEST_SQL`]): Postgres does not check a
+/// TID condition again when an update meets a row changed meanwhile.
+pub(crate) fn locked_manifest_tids(rows: &str, condition: &str) -> String {
+    format!(
+        "ARRAY(SELECT (SELECT k.ctid FROM ingest_manifest k
+                        WHERE k.target_table = r.target_table AND k.doc_id = r.doc_id
+                          AND k.chunk_index = r.chunk_index AND k.content_hash = r.content_hash
+                          {condition})
+                 FROM {rows} r)"
+    )
+}
+
 impl Store {
     /// Leases up to `limit` due transient rows, oldest due first, while fewer than
     /// `outstanding_max` leases are live: each gets a lease of `lease` (a narrow
@@ -589,6 +606,7 @@ const REPARK_SQL: &str = "WITH input AS (
 /// rows' ids, generations, embedded hashes, vectors, doc ids and chunk indexes `$1..=$6`; the
 /// caller passes only rows whose loaded version named `table`.
 fn replayed_sql(table: &str) -> String {
+    let tids = locked_manifest_tids("claimed", "");
     format!(
         "WITH claimed AS (
              -- The batch's rows by key before the join (module doc: believed empty), and by
@@ -619,11 +637,7 @@ fn replayed_sql(table: &str) -> String {
          ), manifest AS (
              -- By tuple id, each found by its key (module doc: the manifest believed empty).
              UPDATE ingest_manifest m SET status = 'stored', updated_at = now()
-              WHERE m.ctid = ANY (ARRAY(
-                        SELECT (SELECT k.ctid FROM ingest_manifest k
-                                 WHERE k.target_table = c.target_table AND k.doc_id = c.doc_id
-                                   AND k.chunk_index = c.chunk_index AND k.content_hash = c.content_hash)
-                          FROM claimed c))
+              WHERE m.ctid = ANY ({tids})
              RETURNING 1
          ), released AS (
              DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM claimed))

@@ -13,7 +13,7 @@ use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, Row};
 
 use super::StoreError;
 use crate::model::ErrorClass;
-use crate::replay::sql::LOCK_MANIFEST_SQL;
+use crate::replay::sql::{LOCK_MANIFEST_SQL, locked_manifest_tids};
 
 /// `error_class` columns decode straight into [`ErrorClass`]: a spelling the enum does not
 /// know (a newer schema, a hand-written row) is a decode error for that query, never a panic
@@ -354,6 +354,7 @@ pub(crate) async fn requeue_candidates(
 pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<u64, StoreError> {
     let mut tx = pool.begin().await?;
     sqlx::query(LOCK_MANIFEST_SQL).bind(ids).execute(&mut *tx).await?;
+    let tids = locked_manifest_tids("upd", "AND k.status <> 'parked'");
     let requeued: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "WITH upd AS (
              UPDATE embedding_dlq d SET
@@ -371,12 +372,7 @@ pub(crate) async fn mark_requeued(pool: &PgPool, ids: &[i64]) -> Result<u64, Sto
              -- By tuple id, each found by its key: the rows are locked, and a join with the
              -- batch walks a manifest believed empty (replay::sql's module doc).
              UPDATE ingest_manifest m SET status = 'parked', updated_at = now()
-              WHERE m.ctid = ANY (ARRAY(
-                        SELECT (SELECT k.ctid FROM ingest_manifest k
-                                 WHERE k.target_table = u.target_table AND k.doc_id = u.doc_id
-                                   AND k.chunk_index = u.chunk_index
-                                   AND k.content_hash = u.content_hash AND k.status <> 'parked')
-                          FROM upd u))
+              WHERE m.ctid = ANY ({tids})
              RETURNING 1
          ), released AS (
              DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM upd))
@@ -442,7 +438,7 @@ pub(crate) async fn purge_batch(
     );
     filter.push_where(&mut q);
     q.push(" AND id = ANY(").push_bind(ids.clone()).push(")");
-    q.push(
+    q.push(format!(
         " FOR UPDATE
          ), gone AS (
              DELETE FROM embedding_dlq d WHERE d.id = ANY (ARRAY(SELECT id FROM batch))
@@ -451,12 +447,7 @@ pub(crate) async fn purge_batch(
          ), manifest AS (
              -- By tuple id, each found by its key: the rows are locked, and a join with the
              -- batch walks a manifest believed empty (replay::sql's module doc).
-             DELETE FROM ingest_manifest m
-              WHERE m.ctid = ANY (ARRAY(
-                        SELECT (SELECT k.ctid FROM ingest_manifest k
-                                 WHERE k.target_table = g.target_table AND k.doc_id = g.doc_id
-                                   AND k.chunk_index = g.chunk_index AND k.content_hash = g.content_hash)
-                          FROM gone g))
+             DELETE FROM ingest_manifest m WHERE m.ctid = ANY ({tids})
              RETURNING 1
          ), released AS (
              DELETE FROM replay_lease l WHERE l.dlq_id = ANY (ARRAY(SELECT id FROM gone))
@@ -471,7 +462,8 @@ pub(crate) async fn purge_batch(
              RETURNING 1
          )
          SELECT count(*) FROM gone",
-    );
+        tids = locked_manifest_tids("gone", "")
+    ));
     let purged: i64 = q.build_query_scalar().fetch_one(&mut *tx).await?;
     tx.commit().await?;
     Ok(PurgedBatch { selected: ids.len() as u64, purged: purged as u64, last_id: ids.last().copied() })

@@ -423,36 +423,19 @@ async fn an_incremental_events_check_reads_the_events_since_the_previous_run_yet
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeue_and_purge_read_only_their_batch_of_the_manifest_whatever_the_statistics_say() {
     let db = TestDb::new().await;
-    sqlx::raw_sql(
-        "ALTER TABLE ingest_manifest SET (autovacuum_enabled = off);
-         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'deleted-' || i, 0, md5('deleted' || i), 'stored'
-           FROM generate_series(1, 20000) i;
-         DELETE FROM ingest_manifest;
-         ANALYZE ingest_manifest;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    leave_believed_empty(&db, "ingest_manifest", &stored_chunks("deleted", 20_000)).await;
     // 2,000 rows replay gave up on, beside 20,000 stored chunks; the DLQ's statistics fresh.
     insert_parked_rows_unanalyzed(&db, "gave-up", 2_000, Some("1 minute")).await;
-    sqlx::raw_sql(
-        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'stored-' || i, 0, md5('stored' || i), 'stored'
-           FROM generate_series(1, 20000) i;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{};
          UPDATE embedding_dlq SET exhausted_at = now(), exhausted_reason = 'replay limit reached';
          UPDATE ingest_manifest SET status = 'exhausted' WHERE doc_id LIKE 'gave-up-%';
          ANALYZE embedding_dlq;",
-    )
+        stored_chunks("stored", 20_000)
+    )))
     .execute(&db.pool)
     .await
     .unwrap();
-    let believed: (i32, f32) =
-        sqlx::query_as("SELECT relpages, reltuples FROM pg_class WHERE relname = 'ingest_manifest'")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert!(believed.0 > 0 && believed.1 == 0.0, "pages, no live row: {believed:?}");
     let store = embed_dlq::store::Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
     let gave_up = "SELECT count(*) FROM ingest_manifest WHERE doc_id LIKE 'gave-up-%'";
 

@@ -1402,22 +1402,11 @@ async fn replay_commits_read_only_their_batch_of_the_dlq_and_the_leases_whatever
         .execute(&db.pool)
         .await
         .unwrap();
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r.clone(), keys.clone());
-    assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
+    schedule_all(&rep, &keys, 3_000).await;
     quiet_statistics().await;
     let (dlq_before, leases_before) =
         (rows_read(&db, "embedding_dlq").await, rows_read(&db, "replay_lease").await);
-    // Drained without counting what is left (a count reads the DLQ too).
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let (mut settled, deadline) = (0, tokio::time::Instant::now() + Duration::from_secs(120));
-    while settled < 3_000 {
-        assert!(tokio::time::Instant::now() < deadline, "replay did not settle the DLQ: {settled}");
-        let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
-        settled += c.replayed + c.reparked + c.exhausted;
-    }
+    settle_without_counting(&mut rep, 3_000).await;
     quiet_statistics().await;
     // Taken before the counts below, which read the DLQ themselves.
     let dlq_read = rows_read(&db, "embedding_dlq").await - dlq_before;
@@ -1435,6 +1424,27 @@ async fn replay_commits_read_only_their_batch_of_the_dlq_and_the_leases_whatever
     assert!(leases_read <= 5 * 3_000, "lease rows read by the drain: {leases_read}");
 }
 
+/// Issues every due row as replay work on `keys` through `rep`'s store: `rows` of them.
+async fn schedule_all(rep: &Replayer, keys: &StreamKeys, rows: u64) {
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, keys).await.unwrap();
+    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r, keys.clone());
+    assert_eq!(scheduler.run_once().await.unwrap(), rows);
+}
+
+/// Reads until `rows` items were settled (replayed, re-parked or exhausted), without counting
+/// what is left: a count reads the DLQ, which the callers count the reads of.
+async fn settle_without_counting(rep: &mut Replayer, rows: u64) {
+    let client = embed_dlq::streams::client(&redis_url()).unwrap();
+    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
+    let (mut settled, deadline) = (0, tokio::time::Instant::now() + Duration::from_secs(300));
+    while settled < rows {
+        assert!(tokio::time::Instant::now() < deadline, "replay did not settle the DLQ: {settled}");
+        let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
+        settled += c.replayed + c.reparked + c.exhausted;
+    }
+}
+
 on_single_and_cluster! {
 async fn replay_commits_read_only_their_batch_of_the_manifest_whatever_the_statistics_say() {
     // The manifest believed empty: a corpus deleted (the manifest's rows with it) and an
@@ -1448,49 +1458,22 @@ async fn replay_commits_read_only_their_batch_of_the_manifest_whatever_the_stati
     // the others replayed, so both commit statements run.
     let mock = start_mock(MockConfig { max_input_chars: 1_000, ..MockConfig::default() }).await;
     let mut rep = replayer(&db, &mock, &keys, "manifest-believed-empty", replay_config()).await;
-    sqlx::raw_sql(
-        "ALTER TABLE ingest_manifest SET (autovacuum_enabled = off);
-         INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'deleted-' || i, 0, md5('deleted' || i), 'stored'
-           FROM generate_series(1, 20000) i;
-         DELETE FROM ingest_manifest;
-         ANALYZE ingest_manifest;",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    let believed: (i32, f32) =
-        sqlx::query_as("SELECT relpages, reltuples FROM pg_class WHERE relname = 'ingest_manifest'")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert!(believed.0 > 0 && believed.1 == 0.0, "pages, no live row: {believed:?}");
+    leave_believed_empty(&db, "ingest_manifest", &stored_chunks("deleted", 20_000)).await;
     insert_parked_rows_unanalyzed(&db, "backlog", 3_000, Some("1 minute")).await;
-    sqlx::raw_sql(
-        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
-         SELECT 'public.doc_embeddings', 'stored-' || i, 0, md5('stored' || i), 'stored'
-           FROM generate_series(1, 20000) i;
-         UPDATE embedding_dlq SET payload = jsonb_set(payload, '{text}', to_jsonb(repeat('x', 2000)))
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{};
+         UPDATE embedding_dlq SET payload = jsonb_set(payload, '{{text}}', to_jsonb(repeat('x', 2000)))
           WHERE id % 2 = 0;
          ANALYZE embedding_dlq;",
-    )
+        stored_chunks("stored", 20_000)
+    )))
     .execute(&db.pool)
     .await
     .unwrap();
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let scheduler = Scheduler::new(rep.store.clone(), replay_config(), r.clone(), keys.clone());
-    assert_eq!(scheduler.run_once().await.unwrap(), 3_000);
+    schedule_all(&rep, &keys, 3_000).await;
     quiet_statistics().await;
     let before = rows_read(&db, "ingest_manifest").await;
-    let client = embed_dlq::streams::client(&redis_url()).unwrap();
-    let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
-    let (mut settled, deadline) = (0, tokio::time::Instant::now() + Duration::from_secs(300));
-    while settled < 3_000 {
-        assert!(tokio::time::Instant::now() < deadline, "replay did not settle the DLQ: {settled}");
-        let c = rep.read_once(&mut conn, &CancellationToken::new()).await.unwrap();
-        settled += c.replayed + c.reparked + c.exhausted;
-    }
+    settle_without_counting(&mut rep, 3_000).await;
     quiet_statistics().await;
     let manifest_read = rows_read(&db, "ingest_manifest").await - before;
     // Read here: what the drain did to the manifest.

@@ -1273,3 +1273,35 @@ pub async fn insert_parked_rows_unanalyzed(db: &TestDb, prefix: &str, n: usize, 
     .await
     .unwrap();
 }
+
+/// Leaves `table` as Postgres sees it after its rows were deleted and an `ANALYZE` ran before
+/// vacuum took their pages away: pages and no live row, so the planner believes the table
+/// holds one row, whatever is written to it, until the next `ANALYZE` (autovacuum is turned
+/// off for it here). `fill` writes the rows that are then deleted. What a drained DLQ, a
+/// deleted corpus's manifest or a cleared vector table looks like to the planner for up to a
+/// minute, or longer on a server whose autovacuum workers are busy.
+pub async fn leave_believed_empty(db: &TestDb, table: &str, fill: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {table} SET (autovacuum_enabled = off); {fill}; DELETE FROM {table}; ANALYZE {table};"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let believed: (i32, f32) =
+        sqlx::query_as("SELECT relpages, reltuples FROM pg_class WHERE oid = $1::regclass")
+            .bind(table)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(believed.0 > 0 && believed.1 == 0.0, "{table}: pages, no live row: {believed:?}");
+}
+
+/// SQL writing `n` manifest rows of stored chunks (`<prefix>-<i>`, chunk 0) of
+/// `doc_embeddings`, with no vector: the rest of a corpus beside the rows a test works on.
+pub fn stored_chunks(prefix: &str, n: usize) -> String {
+    format!(
+        "INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status)
+         SELECT 'public.doc_embeddings', '{prefix}-' || i, 0, md5('{prefix}' || i), 'stored'
+           FROM generate_series(1, {n}) i"
+    )
+}
