@@ -377,16 +377,28 @@ pub(crate) async fn bad_vectors(
     if !(repair && run.found > 0) {
         return Ok(run);
     }
+    // Each vector and manifest row found by its key and changed by tuple id (a join with the
+    // page walks a table the planner believes empty: `park::withdraw_sql`). `{bad}` is
+    // checked again on the row the delete reads: a vector with no manifest row has no lock
+    // protecting it, and Postgres re-checks ordinary conditions, not tuple ids, on a row
+    // changed meanwhile. The manifest rows are locked (`lock_next_keys`).
     let repair_sql = format!(
         "WITH k AS (SELECT * FROM UNNEST($2::text[], $3::int[]) AS k(doc_id, chunk_index)
              ), gone AS (
-                 DELETE FROM {t} e USING k
-                  WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index AND {bad}
+                 DELETE FROM {t} e
+                  WHERE e.ctid = ANY (ARRAY(
+                            SELECT (SELECT e.ctid FROM {t} e
+                                     WHERE e.doc_id = k.doc_id AND e.chunk_index = k.chunk_index AND {bad})
+                              FROM k))
+                    AND {bad}
                  RETURNING e.doc_id, e.chunk_index
              ), manifest AS (
                  UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
-                   FROM gone g
-                  WHERE m.target_table = $1 AND m.doc_id = g.doc_id AND m.chunk_index = g.chunk_index
+                  WHERE m.ctid = ANY (ARRAY(
+                            SELECT (SELECT x.ctid FROM ingest_manifest x
+                                     WHERE x.target_table = $1 AND x.doc_id = g.doc_id
+                                       AND x.chunk_index = g.chunk_index)
+                              FROM gone g))
                  RETURNING 1
              )
              SELECT count(*) FROM gone"

@@ -389,3 +389,46 @@ async fn runs_past_the_retention_are_pruned_a_page_a_run_and_each_sweeps_latest_
     assert_eq!(db.count(old).await, 0);
     assert_eq!(db.count("SELECT count(*) FROM reconcile_runs").await, 20 + 2, "recent runs are kept");
 }
+
+/// A vector table believed empty (its vectors deleted and analyzed before vacuum took the
+/// pages, then filled again): the deep sweep's repair of bad vectors reads only the page's
+/// vectors beyond what the check itself reads. Joined with the page's keys, the repair's
+/// delete walked the whole table for each page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repairing_bad_vectors_reads_only_their_page_of_the_vector_table_whatever_the_statistics_say() {
+    let db = TestDb::new().await;
+    let fake = |prefix: &str| {
+        format!(
+            "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+             SELECT '{prefix}-' || i, 0, md5('{prefix}' || i), array_fill(0.5::real, ARRAY[768])::vector
+               FROM generate_series(1, 20000) i"
+        )
+    };
+    leave_believed_empty(&db, "doc_embeddings", &fake("deleted")).await;
+    ingest(&db, "v", 1_000).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(fake("other"))).execute(&db.pool).await.unwrap();
+    exec(&db, "UPDATE doc_embeddings SET embedding = array_fill(0, ARRAY[768])::vector WHERE doc_id = 'v'")
+        .await;
+    let mut r = reconciler(&db, SweepPolicy::Always(Sweep::Deep)).await;
+    // What the deep check reads by itself, then the same with the repair.
+    quiet_statistics().await;
+    let before = rows_read(&db, "doc_embeddings").await;
+    assert_eq!(r.run_once(Mode::Check).await.unwrap().get(Check::BadVectors).found, 1_000);
+    quiet_statistics().await;
+    let check_read = rows_read(&db, "doc_embeddings").await - before;
+    let before = rows_read(&db, "doc_embeddings").await;
+    assert_eq!(r.run_once(Mode::Repair).await.unwrap().get(Check::BadVectors).repaired, 1_000);
+    quiet_statistics().await;
+    let repair_read = rows_read(&db, "doc_embeddings").await - before;
+    // Read here: the bad vectors are gone, their chunks marked for re-ingest, the rest kept.
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20_000);
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE status = 'reingest'").await, 1_000);
+    // Beyond the check: the repair's pages of keys, which walk the table once between them
+    // (finding a bad vector means reading its norm), then a probe and the delete's read of
+    // each bad vector. The delete joined with a page walked the table once more per page.
+    let extra = repair_read - check_read;
+    assert!(
+        extra <= 22_000 + 4 * 1_000,
+        "vectors read by the repair beyond the check's {check_read}: {extra}"
+    );
+}
