@@ -491,20 +491,30 @@ WITH input AS (
 ), swept AS (
     DELETE FROM ingest_lease
      WHERE run_id = $8::bigint AND finished_at < now() - make_interval(secs => $10::float8)
+), confirming AS MATERIALIZED (
+    -- The rows to confirm, each locked by its key, in key order (a `LATERAL ... FOR UPDATE`
+    -- is never flattened into a join): joined with the manifest, a manifest believed empty
+    -- (deleted, analyzed, filled again) was walked once a window. The tuple id locked is the
+    -- row as this statement sees it, or, where another writer changed it meanwhile, its newer
+    -- version, which this statement cannot see: the update below then skips it, and the
+    -- record is written again instead of skipped (not `confirmed`).
+    SELECT x.tid, k2.doc_id, k2.chunk_index, k2.content_hash, k2.source_seq
+      FROM (SELECT doc_id, chunk_index, content_hash, source_seq FROM known
+             WHERE NOT repeated AND done_hash = content_hash AND done_seq < source_seq
+               AND (SELECT yes FROM racing)
+             ORDER BY doc_id, chunk_index) k2
+     CROSS JOIN LATERAL (SELECT x.ctid AS tid FROM ingest_manifest x
+                          WHERE x.target_table = $1::text AND x.doc_id = k2.doc_id
+                            AND x.chunk_index = k2.chunk_index
+                            FOR UPDATE) x
 ), confirmed AS (
-    UPDATE ingest_manifest m SET source_seq = k.source_seq
-      FROM known k
-     WHERE m.target_table = $1::text AND m.doc_id = k.doc_id AND m.chunk_index = k.chunk_index
-       AND NOT k.repeated AND m.content_hash = k.content_hash AND m.source_seq < k.source_seq
-       AND (SELECT yes FROM racing)
-       AND (m.target_table, m.doc_id, m.chunk_index) IN (
-           SELECT x.target_table, x.doc_id, x.chunk_index
-             FROM ingest_manifest x
-             JOIN known k2 ON x.doc_id = k2.doc_id AND x.chunk_index = k2.chunk_index
-            WHERE x.target_table = $1::text AND NOT k2.repeated
-              AND k2.done_hash = k2.content_hash AND k2.done_seq < k2.source_seq
-            ORDER BY x.doc_id, x.chunk_index
-              FOR UPDATE OF x)
+    -- By tuple id (a TID scan: no join with the manifest to plan), the rows locked above;
+    -- the conditions are checked again on the row as it is.
+    UPDATE ingest_manifest m SET source_seq = c.source_seq
+      FROM confirming c
+     WHERE m.ctid = ANY (ARRAY(SELECT tid FROM confirming)) AND m.ctid = c.tid
+       AND m.target_table = $1::text AND m.doc_id = c.doc_id AND m.chunk_index = c.chunk_index
+       AND m.content_hash = c.content_hash AND m.source_seq < c.source_seq
     RETURNING m.doc_id, m.chunk_index
 )
 SELECT k.n, k.done_hash = k.content_hash AS same, k.status,

@@ -449,3 +449,48 @@ async fn an_ingest_that_leaves_chunks_unfinished_exits_7_and_says_a_rerun_finish
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 20);
     assert_eq!(db.leaks().await, 0);
 }
+
+/// A manifest believed empty (its rows deleted and analyzed before vacuum took its pages,
+/// then filled again: a corpus deleted and ingested anew) holds 22,000 rows when an unchanged
+/// corpus is ingested again beside another live run. Every window's claim then moves its
+/// chunks' positions forward (they were confirmed at a later position of the history), and
+/// must read only its own keys of the manifest to do so, never the whole table once a window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rerun_beside_another_run_reads_only_its_windows_of_the_manifest_whatever_the_statistics_say() {
+    const CHUNKS: usize = 2_000;
+    const WINDOW: usize = 128;
+    let db = TestDb::new().await;
+    leave_believed_empty(&db, "ingest_manifest", &stored_chunks("gone", 20_000)).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(stored_chunks("beside", 20_000))).execute(&db.pool).await.unwrap();
+    let mock = start_mock(MockConfig::default()).await;
+    let bytes = corpus(CHUNKS);
+    let runs = pipelines_of(&db, &mock, 2, WINDOW).await;
+    let first = runs[0].run(input(bytes.clone()), CancellationToken::new()).await.unwrap();
+    assert_eq!(first.stored, CHUNKS as u64, "{first:?}");
+    let newest = db.count("SELECT max(source_seq) FROM ingest_manifest").await;
+
+    let (_other, _) = another_live_run(&db).await;
+    quiet_statistics().await;
+    let before = rows_read(&db, "ingest_manifest").await;
+    let again = runs[1].run(input(bytes), CancellationToken::new()).await.unwrap();
+    quiet_statistics().await;
+    let read = rows_read(&db, "ingest_manifest").await - before;
+    eprintln!("manifest rows read by an unchanged rerun of {CHUNKS} chunks beside another run: {read}");
+    assert_eq!(again.unchanged, CHUNKS as u64, "{again:?}");
+    let confirmed: i64 = sqlx::query_scalar("SELECT count(*) FROM ingest_manifest WHERE source_seq > $1")
+        .bind(newest)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        confirmed, CHUNKS as i64,
+        "the rerun beside another run confirmed its chunks at their later positions"
+    );
+    // Each chunk's row is read a few times (the window's lookup, the confirmation and its
+    // lock); a walk of the table once a window reads 16 x 22,000.
+    assert!(
+        read < 10 * CHUNKS as i64,
+        "{read} manifest rows read to confirm {CHUNKS} unchanged chunks in windows of {WINDOW}"
+    );
+    assert_eq!(mock.control.stats().inputs, CHUNKS as u64, "nothing embedded again");
+}
