@@ -21,6 +21,11 @@
 //!   size and requests in flight), their vectors written as the raw writer writes them, over
 //!   as many connections as the pipeline has writers, the two overlapped. No JSONL, hashing,
 //!   manifest, fencing or DLQ: the best a pipeline could do on this machine.
+//!   With `BENCH_INGEST_FLOOR=manifest`, each round also times the **floor with the
+//!   manifest**: the same, each write statement also inserting the batch's manifest rows
+//!   (status `stored`) into a copy of `ingest_manifest` with its indexes, as a plain insert.
+//!   That is the work invariant 1 adds to every chunk (a manifest row beside its vector, so
+//!   that the two can be reconciled); what the pipeline does beyond it is ours.
 //!
 //! Rounds alternate raw and pipeline so both see the same machine noise, and each phase starts
 //! from empty tables and a clean buffer pool (`TRUNCATE` + `CHECKPOINT`): neither pays for
@@ -64,10 +69,13 @@ async fn run() {
     let url = with_database(&admin, &db_name);
     let pool = embed_dlq::store::connect(&url, 8).await.unwrap();
     embed_dlq::store::migrate(&pool).await.unwrap();
-    sqlx::raw_sql("CREATE TABLE raw_embeddings (LIKE doc_embeddings INCLUDING ALL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE raw_embeddings (LIKE doc_embeddings INCLUDING ALL);
+         CREATE TABLE raw_manifest (LIKE ingest_manifest INCLUDING ALL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
 
     let mock = MockProvider::start(
         MockConfig::default(),
@@ -109,7 +117,8 @@ async fn run() {
     println!("ingest benchmark: {chunks} chunks x 768 dims, {rounds} rounds (raw and pipeline alternate)");
     let (mut raw_rates, mut pipe_rates, mut single_rates) = (vec![], vec![], vec![]);
     let with_floor = std::env::var("BENCH_INGEST_FLOOR").is_ok();
-    let mut floor_rates = vec![];
+    let with_manifest_floor = std::env::var("BENCH_INGEST_FLOOR").is_ok_and(|f| f == "manifest");
+    let (mut floor_rates, mut manifest_floor_ratios) = (vec![], vec![]);
     let mut rerun_ratios = vec![];
     // CPU-seconds per tier of each phase: where a chunk's cost goes, beside the rates.
     let cpu = CpuSampler::start(&pool, &db_name).await;
@@ -157,26 +166,37 @@ async fn run() {
             100_000,
         )
         .unwrap();
-        let floor = match with_floor {
-            true => {
-                let texts: Arc<[String]> = corpus
-                    .split(|&b| b == b'\n')
-                    .filter(|l| !l.is_empty())
-                    .map(|l| {
-                        serde_json::from_slice::<serde_json::Value>(l).unwrap()["text"]
-                            .as_str()
-                            .unwrap()
-                            .to_owned()
-                    })
-                    .collect();
+        let texts: Option<Arc<[String]>> = with_floor.then(|| {
+            corpus
+                .split(|&b| b == b'\n')
+                .filter(|l| !l.is_empty())
+                .map(|l| {
+                    serde_json::from_slice::<serde_json::Value>(l).unwrap()["text"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned()
+                })
+                .collect()
+        });
+        let mut floor = None;
+        let mut manifest_floor = None;
+        if let Some(texts) = &texts {
+            let before = cpu.snapshot();
+            let took = floor_write(&pool, &pipeline, texts.clone(), false).await;
+            cpu_lines.push(format!("floor: {}", per_chunk(before)));
+            sqlx::raw_sql("TRUNCATE raw_embeddings; CHECKPOINT").execute(&pool).await.unwrap();
+            floor = Some(chunks as f64 / took.as_secs_f64());
+            if with_manifest_floor {
                 let before = cpu.snapshot();
-                let took = floor_write(&pool, &pipeline, texts).await;
-                cpu_lines.push(format!("floor: {}", per_chunk(before)));
-                sqlx::raw_sql("TRUNCATE raw_embeddings; CHECKPOINT").execute(&pool).await.unwrap();
-                Some(chunks as f64 / took.as_secs_f64())
+                let took = floor_write(&pool, &pipeline, texts.clone(), true).await;
+                cpu_lines.push(format!("floor with the manifest: {}", per_chunk(before)));
+                sqlx::raw_sql("TRUNCATE raw_embeddings, raw_manifest; CHECKPOINT")
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                manifest_floor = Some(chunks as f64 / took.as_secs_f64());
             }
-            false => None,
-        };
+        }
         let (start, before) = (Instant::now(), cpu.snapshot());
         let summary =
             pipeline.run(std::io::Cursor::new(corpus.clone()), CancellationToken::new()).await.unwrap();
@@ -208,6 +228,14 @@ async fn run() {
             "  unchanged rerun {rerun_rate:>8.0} chunks/s, {:.2}x the fresh ingest",
             rerun_rate / pipe_rate
         );
+        if let Some(m) = manifest_floor {
+            println!(
+                "  floor with the manifest {m:>8.0} chunks/s ({:.2} of the floor); pipeline / floor with the manifest {:.2}",
+                m / floor.unwrap_or(m),
+                pipe_rate / m
+            );
+            manifest_floor_ratios.push(pipe_rate / m);
+        }
         floor_rates.extend(floor);
         println!("  CPU per chunk: {}", cpu_lines.join("; "));
         cpu_lines.clear();
@@ -235,6 +263,12 @@ async fn run() {
         if let Some(f) = floor_ratio {
             println!(
                 "floor (embed + raw write only): ratio {f:.2} of the raw limit (median of the per-round ratios)"
+            );
+        }
+        if manifest_floor_ratios.len() == rounds {
+            println!(
+                "pipeline / floor with the manifest: {:.2} (median of the per-round ratios)",
+                median(manifest_floor_ratios)
             );
         }
     }
@@ -316,11 +350,13 @@ async fn raw_write(pool: &sqlx::PgPool, vectors: &Arc<[Vector]>, connections: us
 /// The ingest floor (see the module docs): `texts` embedded by `pipeline`'s client in requests
 /// of its batch size, `concurrency` at a time, and written as the raw writer writes, 512 rows a
 /// statement, by `writers` connections, the two overlapped; returns the time until the last
-/// row was written.
+/// row was written. `with_manifest`: each statement also inserts the rows' manifest rows
+/// ([`insert_floor_rows_with_manifest`]).
 async fn floor_write(
     pool: &sqlx::PgPool,
     pipeline: &embed_dlq::ingest::Pipeline,
     texts: Arc<[String]>,
+    with_manifest: bool,
 ) -> Duration {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let (batch, requests, writers) =
@@ -347,7 +383,11 @@ async fn floor_write(
                 }
                 if rows.len() >= 512 || (!open && !rows.is_empty()) {
                     let refs: Vec<(usize, &Vector)> = rows.iter().map(|(n, v)| (*n, v)).collect();
-                    insert_raw_rows(&mut conn, &format!("floor-{w}"), &refs).await.unwrap();
+                    if with_manifest {
+                        insert_floor_rows_with_manifest(&mut conn, &format!("floor-{w}"), &refs).await;
+                    } else {
+                        insert_raw_rows(&mut conn, &format!("floor-{w}"), &refs).await.unwrap();
+                    }
                     rows.clear();
                 }
             }
@@ -375,6 +415,37 @@ async fn floor_write(
         done.unwrap();
     }
     start.elapsed()
+}
+
+/// [`insert_raw_rows`] with the rows' manifest rows in the same statement: a plain insert into
+/// `raw_manifest` (a copy of `ingest_manifest` with its indexes) of what a fresh store writes
+/// there (status `stored`, the position), then the vectors, as the raw writer writes them.
+async fn insert_floor_rows_with_manifest(conn: &mut PgConnection, prefix: &str, rows: &[(usize, &Vector)]) {
+    let docs: Vec<String> = rows.iter().map(|(n, _)| format!("{prefix}-{}", n / 8)).collect();
+    let idxs: Vec<i32> = rows.iter().map(|(n, _)| (n % 8) as i32).collect();
+    let hashes: Vec<String> = rows.iter().map(|(n, _)| format!("{n:064x}")).collect();
+    let seqs: Vec<i64> = rows.iter().map(|(n, _)| *n as i64).collect();
+    let vectors: Vec<&Vector> = rows.iter().map(|(_, v)| *v).collect();
+    sqlx::query(
+        "WITH manifest AS (
+             INSERT INTO raw_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
+             SELECT 'raw_embeddings', doc_id, chunk_index, content_hash, 'stored', source_seq
+               FROM UNNEST($1::text[], $2::int[], $3::text[], $5::bigint[])
+                    AS i(doc_id, chunk_index, content_hash, source_seq)
+             RETURNING 1
+         )
+         INSERT INTO raw_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT * FROM UNNEST($1::text[], $2::int[], $3::text[], $4::vector[])
+          WHERE (SELECT count(*) FROM manifest) = cardinality($1::text[])",
+    )
+    .bind(&docs)
+    .bind(&idxs)
+    .bind(&hashes)
+    .bind(&vectors)
+    .bind(&seqs)
+    .execute(conn)
+    .await
+    .unwrap();
 }
 
 /// Runs the release binary over a generated corpus file of `size` chunks, sampling VmHWM.
