@@ -251,18 +251,22 @@ pub struct Scheduler {
     /// a lease (and [`STALE_ENTRY_MARGIN`]), every item in it and in the entries before it
     /// has had its lease run out, so the stream is trimmed up to it ([`Scheduler::publish`]).
     appended: std::sync::Mutex<std::collections::VecDeque<(Instant, u16, String)>>,
+    /// Whether the log above begins with where each shard stood when this scheduler started
+    /// ([`Scheduler::note_start`]).
+    started: std::sync::atomic::AtomicBool,
 }
 
 impl Scheduler {
     /// A scheduler leasing rows of `store` under `config` (lease, outstanding cap, period)
     /// and appending their items to the replay streams of `keys` on `redis`.
     pub fn new(store: Store, config: ReplayConfig, redis: RedisConn, keys: StreamKeys) -> Self {
-        Scheduler { store, config, redis, keys, appended: Default::default() }
+        Scheduler { store, config, redis, keys, appended: Default::default(), started: Default::default() }
     }
 
     /// One pass: rows made into work items, while the outstanding cap leaves room. Each
     /// statement's items are appended to the stream before its leases commit.
     pub async fn run_once(&self) -> Result<u64, ReplayError> {
+        self.note_start().await?;
         self.trim_stale().await?;
         let mut total = 0;
         loop {
@@ -337,8 +341,42 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Trims each shard's stream below the newest entry this scheduler appended more than a
-    /// lease (plus [`STALE_ENTRY_MARGIN`]) ago (`XTRIM MINID`): every item in the entries
+    /// Notes, once, each shard's newest entry as this scheduler starts, first in its log of
+    /// appended entries: what schedulers before it appended (the process it replaces after a
+    /// restart or a deploy, another process) is trimmed below it once it is a lease (and the
+    /// margin) old, as what this scheduler appends itself is. Without it, the last two lease
+    /// periods of items issued before a restart stayed on the stream until this scheduler's
+    /// own entries aged past them, and for good where it appended none (nothing due any more).
+    async fn note_start(&self) -> Result<(), redis::RedisError> {
+        use std::sync::atomic::Ordering;
+        if self.started.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let mut newest = Vec::new();
+        for shard in self.keys.shard_ids() {
+            let last: redis::streams::StreamRangeReply = redis::cmd("XREVRANGE")
+                .arg(self.keys.replay_of(shard))
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(&mut self.redis.clone())
+                .await?;
+            newest.extend(last.ids.into_iter().map(|entry| (now, shard, entry.id)));
+        }
+        let mut log = self.appended.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Older than anything this scheduler appends: at the front.
+        for start in newest.into_iter().rev() {
+            log.push_front(start);
+        }
+        self.started.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Trims each shard's stream below the newest entry this scheduler appended (or found
+    /// newest as it started) more than a lease (plus [`STALE_ENTRY_MARGIN`]) ago (`XTRIM
+    /// MINID`): every item in the entries
     /// before it has had its lease run out, so its row was issued again or will be at the
     /// next pass. Replayers delete the entries they settle; with this trim what stays is
     /// unread or unsettled work of about the last lease period, so a stream holds at most

@@ -592,3 +592,48 @@ async fn with_no_replayer_for_many_leases_the_replay_stream_holds_about_two_leas
     assert!(peak <= 4 * CAP, "the replay stream held {peak} items with a cap of {CAP}");
 }
 }
+
+on_single_and_cluster! {
+/// A scheduler restarted after issuing work no replayer read, with nothing due any more (the
+/// rows postponed): a scheduler trims by age only below entries in its log, and a new one
+/// knew nothing of what the one before it appended, so those items stayed on the stream for
+/// good (300 here). Now it notes each shard's newest entry as it starts and trims below it
+/// once that is a lease (and the margin) old.
+async fn a_restarted_scheduler_trims_what_the_one_before_it_issued_once_its_leases_ran_out() {
+    const CAP: usize = 100;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    park_due(&db, 600, "unread").await;
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(&db, &mock)).await;
+    let config = ReplayConfig {
+        batch: CAP,
+        lease: Duration::from_secs(1),
+        outstanding_max: CAP,
+        schedule_every: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let run_for = async |how_long: Duration| {
+        let stop = CancellationToken::new();
+        let scheduler = tokio::spawn(
+            Scheduler::new(p.store.clone(), config.clone(), redis().await, keys.clone()).run(stop.clone()),
+        );
+        tokio::time::sleep(how_long).await;
+        stop.cancel();
+        scheduler.await.unwrap().unwrap();
+    };
+    run_for(Duration::from_millis(3_500)).await;
+    let left_by_the_first = replay_items(&keys).await;
+    assert!(left_by_the_first >= 2 * CAP, "the first scheduler issued work again and again ({left_by_the_first})");
+    sqlx::query("UPDATE embedding_dlq SET next_retry_at = now() + interval '1 hour'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // A lease and its margin are 2 s here: the second scheduler trims after that.
+    run_for(Duration::from_millis(3_500)).await;
+    let left = replay_items(&keys).await;
+    eprintln!("restarted with nothing due: {left_by_the_first} items on the stream before, {left} after");
+    // The entry the second scheduler found newest stays (the trim removes what is below it).
+    assert!(left <= CAP, "the replay stream still held {left} items issued before the restart");
+}
+}
