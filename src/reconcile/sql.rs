@@ -48,6 +48,59 @@ impl Scope {
         }
     }
 
+    /// "`subquery` (`SELECT 1 FROM ... WHERE ...`) finds no row", for this scope. Over the
+    /// changed chunks, a scalar subquery a chunk (`(... LIMIT 1) IS NULL`): the one form the
+    /// planner can only run as a probe per chunk. As `NOT EXISTS` it may become an anti-join
+    /// or a hashed subplan, which reads all of a table the planner believes empty (rows
+    /// deleted and analyzed before vacuum, then filled again): every incremental run read
+    /// the whole vector table three times. Over every chunk, `NOT EXISTS`: a full sweep reads
+    /// every row anyway, and an anti-join does it in one pass (run without nested loops:
+    /// [`Scope::begin`]).
+    fn absent(self, subquery: &str) -> String {
+        match self {
+            Scope::All => format!("NOT EXISTS ({subquery})"),
+            Scope::Since(_) => format!("({subquery} LIMIT 1) IS NULL"),
+        }
+    }
+
+    /// "`subquery` finds a row", in the forms of [`Scope::absent`].
+    fn present(self, subquery: &str) -> String {
+        match self {
+            Scope::All => format!("EXISTS ({subquery})"),
+            Scope::Since(_) => format!("({subquery} LIMIT 1) IS NOT NULL"),
+        }
+    }
+
+    /// A transaction for the leak and drift check over this scope. Over every chunk, without
+    /// nested loops: its anti-join of the manifest against the vectors, planned with the
+    /// vector table believed empty (see [`Scope::absent`]), was a nested loop over that table
+    /// kept in memory and read again for each manifest row (20,000 chunks: 200 million
+    /// comparisons, 14 s; a million would not end); a hash or merge join reads each table once
+    /// whatever the statistics say. Over the changed chunks, as it comes: those statements
+    /// probe by key. (The other checks over every chunk start from the DLQ or from the bad
+    /// vectors and look each row's partners up by key: see [`manifest_row_of`].)
+    async fn begin(self, pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        let mut tx = pool.begin().await?;
+        if self == Scope::All {
+            sqlx::query("SET LOCAL enable_nestloop = off").execute(&mut *tx).await?;
+        }
+        Ok(tx)
+    }
+
+    /// The vector of manifest row `m` in table `t` as `e`, for a `FROM` clause after the
+    /// manifest: over the changed chunks, looked up chunk by chunk (a `LATERAL` subquery kept
+    /// apart by `OFFSET 0`: never a join the planner could run as a walk of the vector table;
+    /// see [`Scope::absent`]), over every chunk a join.
+    fn vector_of_manifest_row(self, t: &str) -> String {
+        match self {
+            Scope::All => format!("JOIN {t} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index"),
+            Scope::Since(_) => format!(
+                "CROSS JOIN LATERAL (SELECT e.* FROM {t} e
+                                      WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index OFFSET 0) e"
+            ),
+        }
+    }
+
     /// The condition on the manifest row `m` (empty for [`Scope::All`]).
     fn clause(self) -> &'static str {
         match self {
@@ -76,26 +129,40 @@ fn sql_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The manifest row of the chunk of row `of` (a DLQ row `d` or a vector `e` of the table whose
+/// canonical name is the SQL literal `lit`) as `m`, for a `FROM` clause after it, looked up by
+/// its key (`LEFT JOIN LATERAL ... OFFSET 0`, a probe a row, never a join the planner could
+/// run as a walk of a manifest it believes empty, once a row: see [`Scope::absent`]); `m` is
+/// all NULL where the chunk has none.
+fn manifest_row_of(of: &str, lit: &str) -> String {
+    format!(
+        "LEFT JOIN LATERAL (SELECT m.* FROM ingest_manifest m
+                             WHERE m.target_table = {lit} AND m.doc_id = {of}.doc_id
+                               AND m.chunk_index = {of}.chunk_index OFFSET 0) m ON true"
+    )
+}
+
 /// Manifest rows (`m`) of table `t` (canonical name, valid SQL as it is) with neither a
 /// vector nor a DLQ row: the seed's reconciliation query. `unmarked_only` leaves out rows the
 /// reconciler already marked for re-ingest (its repair), which are known and no longer a
 /// finding.
-fn leak_predicate(t: &str, unmarked_only: bool) -> String {
+/// `scope` says how the two absences are tested ([`Scope::absent`]).
+fn leak_predicate(t: &str, unmarked_only: bool, scope: Scope) -> String {
     let lit = sql_literal(t);
     let unmarked = if unmarked_only { " AND m.status <> 'reingest'" } else { "" };
-    format!(
-        "m.target_table = {lit}{unmarked}
-         AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
-         AND NOT EXISTS (SELECT 1 FROM embedding_dlq d
-                          WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
-                            AND d.chunk_index = m.chunk_index)"
-    )
+    let no_vector = scope
+        .absent(&format!("SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index"));
+    let no_dlq = scope.absent(
+        "SELECT 1 FROM embedding_dlq d
+          WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index",
+    );
+    format!("m.target_table = {lit}{unmarked} AND {no_vector} AND {no_dlq}")
 }
 
 fn leaks_select(t: &str, unmarked_only: bool) -> String {
     format!(
         "SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {}",
-        leak_predicate(t, unmarked_only)
+        leak_predicate(t, unmarked_only, Scope::All)
     )
 }
 
@@ -133,17 +200,20 @@ async fn findings(
 }
 
 /// Runs a findings statement: `$1` the scope's horizon, `$2` how many example keys to return.
-async fn findings_row(
-    pool: &PgPool,
+async fn findings_row<'c, E>(
+    executor: E,
     sql: String,
     scope: Scope,
     examples: usize,
-) -> Result<sqlx::postgres::PgRow, StoreError> {
+) -> Result<sqlx::postgres::PgRow, StoreError>
+where
+    E: sqlx::PgExecutor<'c>,
+{
     Ok(sqlx::query(AssertSqlSafe(sql))
         .bind(scope.since())
         .bind(examples as i64)
         .persistent(false)
-        .fetch_one(pool)
+        .fetch_one(executor)
         .await?)
 }
 
@@ -191,23 +261,31 @@ pub(crate) async fn gaps(
     let t = target.sql_name();
     let lit = sql_literal(&target.name);
     let within = scope.clause();
+    let no_vector_of_content = scope.absent(&format!(
+        "SELECT 1 FROM {t} e
+          WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index AND e.content_hash = m.content_hash"
+    ));
+    let dlq_of_chunk = |m: &str| {
+        format!(
+            "SELECT 1 FROM embedding_dlq d
+              WHERE d.target_table = {m}.target_table AND d.doc_id = {m}.doc_id AND d.chunk_index = {m}.chunk_index"
+        )
+    };
+    let vector_of_chunk = |m: &str| {
+        format!("SELECT 1 FROM {t} e WHERE e.doc_id = {m}.doc_id AND e.chunk_index = {m}.chunk_index")
+    };
+    let no_dlq = scope.absent(&dlq_of_chunk("m"));
+    let no_vector = scope.absent(&vector_of_chunk("cand"));
     let sql = format!(
         "WITH cand AS MATERIALIZED (
              SELECT m.doc_id, m.chunk_index, m.status, m.updated_at,
-                    NOT EXISTS (SELECT 1 FROM embedding_dlq d
-                                 WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
-                                   AND d.chunk_index = m.chunk_index) AS no_dlq
+                    {no_dlq} AS no_dlq
                FROM ingest_manifest m
               WHERE m.target_table = {lit} AND m.status <> 'reingest'{within}
-                AND NOT EXISTS (SELECT 1 FROM {t} e
-                                 WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-                                   AND e.content_hash = m.content_hash)
+                AND {no_vector_of_content}
          ), flagged AS MATERIALIZED (
              SELECT doc_id, chunk_index, status, updated_at,
-                    CASE WHEN no_dlq
-                         THEN NOT EXISTS (SELECT 1 FROM {t} e
-                                           WHERE e.doc_id = cand.doc_id AND e.chunk_index = cand.chunk_index)
-                         ELSE false END AS leak
+                    CASE WHEN no_dlq THEN {no_vector} ELSE false END AS leak
                FROM cand
          ), f AS MATERIALIZED (
              SELECT doc_id || '#' || chunk_index AS key, updated_at, leak,
@@ -222,29 +300,31 @@ pub(crate) async fn gaps(
                 ARRAY(SELECT key FROM f WHERE drift LIMIT $2) AS drift_examples
            FROM f"
     );
-    let row = findings_row(pool, sql, scope, examples).await?;
+    let mut tx = scope.begin(pool).await?;
+    let row = findings_row(&mut *tx, sql, scope, examples).await?;
+    tx.commit().await?;
     let mut leaks = check_run(&row, "leak_")?;
     let mut drift = check_run(&row, "drift_")?;
     if repair && leaks.found > 0 {
         let sql = format!(
             "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {}{within}",
-            leak_predicate(t, true)
+            leak_predicate(t, true, scope)
         );
-        leaks.repaired = run_repair(pool, sql, scope).await?;
+        let mut tx = scope.begin(pool).await?;
+        leaks.repaired = run_repair(&mut *tx, sql, scope).await?;
+        tx.commit().await?;
     }
     if repair && drift.found > 0 {
+        let (has_vector, has_dlq) = (scope.present(&vector_of_chunk("m")), scope.present(&dlq_of_chunk("m")));
         let sql = format!(
             "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now()
               WHERE m.target_table = {lit} AND m.status = 'stored'{within}
-                AND NOT EXISTS (SELECT 1 FROM {t} e
-                                 WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
-                                   AND e.content_hash = m.content_hash)
-                AND (EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
-                     OR EXISTS (SELECT 1 FROM embedding_dlq d
-                                 WHERE d.target_table = m.target_table AND d.doc_id = m.doc_id
-                                   AND d.chunk_index = m.chunk_index))"
+                AND {no_vector_of_content}
+                AND ({has_vector} OR {has_dlq})"
         );
-        drift.repaired = run_repair(pool, sql, scope).await?;
+        let mut tx = scope.begin(pool).await?;
+        drift.repaired = run_repair(&mut *tx, sql, scope).await?;
+        tx.commit().await?;
     }
     Ok((leaks, drift))
 }
@@ -264,18 +344,18 @@ pub(crate) async fn stale_dlq(
 ) -> Result<CheckRun, StoreError> {
     let t = target.sql_name();
     let lit = sql_literal(&target.name);
-    // `IS TRUE` keeps the test a per-row probe of the vector table's unique index (cost
-    // follows the DLQ) rather than a semi-join the planner would run as a scan of the whole
-    // vector table.
+    // A scalar subquery keeps the test a probe of the vector table's unique index a row (cost
+    // follows the DLQ): an `EXISTS` may be run as a semi-join or a hashed subplan, a scan of
+    // the whole vector table (see `Scope::absent`).
     let stale = format!(
-        "(EXISTS (SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
-                                        AND e.content_hash = d.content_hash)) IS TRUE"
+        "(SELECT 1 FROM {t} e WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+                                AND e.content_hash = d.content_hash LIMIT 1) IS NOT NULL"
     );
     let rows = match scope {
         Scope::All => format!(
-            "embedding_dlq d LEFT JOIN ingest_manifest m
-                 ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
-              WHERE d.target_table = {lit} AND {stale}"
+            "embedding_dlq d {}
+              WHERE d.target_table = {lit} AND {stale}",
+            manifest_row_of("d", &lit)
         ),
         Scope::Since(_) => format!(
             "ingest_manifest m JOIN embedding_dlq d
@@ -362,14 +442,11 @@ pub(crate) async fn bad_vectors(
           OR vector_norm(e.embedding) IN ('NaN'::float8, 'Infinity'::float8))"
     );
     let rows = match scope {
-        Scope::All => format!(
-            "{t} e LEFT JOIN ingest_manifest m
-                 ON m.target_table = {lit} AND m.doc_id = e.doc_id AND m.chunk_index = e.chunk_index
-              WHERE {bad}"
-        ),
+        Scope::All => format!("{t} e {} WHERE {bad}", manifest_row_of("e", &lit)),
         Scope::Since(_) => format!(
-            "ingest_manifest m JOIN {t} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+            "ingest_manifest m {}
               WHERE m.target_table = {lit}{} AND {bad}",
+            scope.vector_of_manifest_row(t),
             scope.clause()
         ),
     };
@@ -430,22 +507,25 @@ pub(crate) async fn superseded_vectors(
     let t = target.sql_name();
     let lit = sql_literal(&target.name);
     let rows = match scope {
+        // From the DLQ, each row's manifest row and vector looked up by key (see
+        // `manifest_row_of`).
         Scope::All => format!(
-            "embedding_dlq d
-               JOIN ingest_manifest m
-                 ON m.target_table = d.target_table AND m.doc_id = d.doc_id AND m.chunk_index = d.chunk_index
-               JOIN {t} e ON e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index
+            "embedding_dlq d {}
+               CROSS JOIN LATERAL (SELECT e.doc_id, e.chunk_index, e.content_hash FROM {t} e
+                                    WHERE e.doc_id = d.doc_id AND e.chunk_index = d.chunk_index OFFSET 0) e
               WHERE d.target_table = {lit} AND m.content_hash = d.content_hash
-                AND m.status IN ('parked', 'exhausted') AND e.content_hash <> m.content_hash"
+                AND m.status IN ('parked', 'exhausted') AND e.content_hash <> m.content_hash",
+            manifest_row_of("d", &lit)
         ),
         Scope::Since(_) => format!(
             "ingest_manifest m
                JOIN embedding_dlq d
                  ON d.target_table = m.target_table AND d.doc_id = m.doc_id AND d.chunk_index = m.chunk_index
                 AND d.content_hash = m.content_hash
-               JOIN {t} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index
+               {}
               WHERE m.target_table = {lit}{} AND m.status IN ('parked', 'exhausted')
                 AND e.content_hash <> m.content_hash",
+            scope.vector_of_manifest_row(t),
             scope.clause()
         ),
     };

@@ -563,21 +563,14 @@ async fn withdrawals_and_deletions_read_only_their_batch_of_the_vector_table_wha
     s.retry.max_attempts = 1;
     // Once the breaker opens, the rest of an outage's input is parked without a call.
     s.options.on_outage = embed_dlq::embed::gate::OnOutage::Park;
-    let fake_vectors = |prefix: &'static str| {
-        format!(
-            "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
-             SELECT '{prefix}-' || i, 0, md5('{prefix}' || i), array_fill(0.5::real, ARRAY[768])::vector
-               FROM generate_series(1, 20000) i"
-        )
-    };
-    leave_believed_empty(&db, "doc_embeddings", &fake_vectors("deleted")).await;
+    leave_believed_empty(&db, "doc_embeddings", &fake_vectors("deleted", 20_000)).await;
     // 20 documents of 100 chunks stored, beside 20,000 other vectors.
     let mut v1 = Corpus::new();
     for d in 0..20 {
         v1.insert(format!("doc{d:02}"), texts(&format!("doc{d:02}"), 100, "v1"));
     }
     run(&s, jsonl(&v1)).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(fake_vectors("other"))).execute(&db.pool).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(fake_vectors("other", 20_000))).execute(&db.pool).await.unwrap();
     assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 22_000);
 
     // The first ten documents change while the provider is down: parked, and their old

@@ -1296,6 +1296,16 @@ pub async fn leave_believed_empty(db: &TestDb, table: &str, fill: &str) {
     assert!(believed.0 > 0 && believed.1 == 0.0, "{table}: pages, no live row: {believed:?}");
 }
 
+/// SQL writing `n` vectors (`<prefix>-<i>`, chunk 0, every value 0.5) into `doc_embeddings`,
+/// with no manifest row: the rest of a vector table beside the rows a test works on.
+pub fn fake_vectors(prefix: &str, n: usize) -> String {
+    format!(
+        "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash, embedding)
+         SELECT '{prefix}-' || i, 0, md5('{prefix}' || i), array_fill(0.5::real, ARRAY[768])::vector
+           FROM generate_series(1, {n}) i"
+    )
+}
+
 /// SQL writing `n` manifest rows of stored chunks (`<prefix>-<i>`, chunk 0) of
 /// `doc_embeddings`, with no vector: the rest of a corpus beside the rows a test works on.
 pub fn stored_chunks(prefix: &str, n: usize) -> String {
