@@ -375,10 +375,9 @@ impl Scheduler {
     }
 
     /// Trims each shard's stream below the newest entry this scheduler appended (or found
-    /// newest as it started) more than a lease (plus [`STALE_ENTRY_MARGIN`]) ago (`XTRIM
-    /// MINID`): every item in the entries
-    /// before it has had its lease run out, so its row was issued again or will be at the
-    /// next pass. Replayers delete the entries they settle; with this trim what stays is
+    /// newest as it started) more than a lease (plus [`STALE_ENTRY_MARGIN`]) ago
+    /// (`XTRIM MINID`): every item in the entries before it has had its lease run out, so its
+    /// row was issued again or will be at the next pass. Replayers delete the entries they settle; with this trim what stays is
     /// unread or unsettled work of about the last lease period, so a stream holds at most
     /// about twice the outstanding cap in items even with no replayer running for days (the
     /// `MAXLEN` trim alone would let it hold the cap in entries of a batch each). Returns

@@ -87,20 +87,6 @@ impl Scope {
         Ok(tx)
     }
 
-    /// The vector of manifest row `m` in table `t` as `e`, for a `FROM` clause after the
-    /// manifest: over the changed chunks, looked up chunk by chunk (a `LATERAL` subquery kept
-    /// apart by `OFFSET 0`: never a join the planner could run as a walk of the vector table;
-    /// see [`Scope::absent`]), over every chunk a join.
-    fn vector_of_manifest_row(self, t: &str) -> String {
-        match self {
-            Scope::All => format!("JOIN {t} e ON e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index"),
-            Scope::Since(_) => format!(
-                "CROSS JOIN LATERAL (SELECT e.* FROM {t} e
-                                      WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index OFFSET 0) e"
-            ),
-        }
-    }
-
     /// The condition on the manifest row `m` (empty for [`Scope::All`]).
     fn clause(self) -> &'static str {
         match self {
@@ -127,6 +113,16 @@ pub(crate) struct CheckRun {
 /// `s` as an SQL string literal (standard_conforming_strings: only quotes need doubling).
 fn sql_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
+}
+
+/// The vector of manifest row `m` in table `t` as `e`, for a `FROM` clause after the manifest,
+/// looked up chunk by chunk (a `LATERAL` subquery kept apart by `OFFSET 0`: never a join the
+/// planner could run as a walk of the vector table; see [`Scope::absent`]).
+fn vector_of_manifest_row(t: &str) -> String {
+    format!(
+        "CROSS JOIN LATERAL (SELECT e.* FROM {t} e
+                              WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index OFFSET 0) e"
+    )
 }
 
 /// The manifest row of the chunk of row `of` (a DLQ row `d` or a vector `e` of the table whose
@@ -446,7 +442,7 @@ pub(crate) async fn bad_vectors(
         Scope::Since(_) => format!(
             "ingest_manifest m {}
               WHERE m.target_table = {lit}{} AND {bad}",
-            scope.vector_of_manifest_row(t),
+            vector_of_manifest_row(t),
             scope.clause()
         ),
     };
@@ -525,7 +521,7 @@ pub(crate) async fn superseded_vectors(
                {}
               WHERE m.target_table = {lit}{} AND m.status IN ('parked', 'exhausted')
                 AND e.content_hash <> m.content_hash",
-            scope.vector_of_manifest_row(t),
+            vector_of_manifest_row(t),
             scope.clause()
         ),
     };

@@ -652,7 +652,16 @@ async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
     let config = RelayConfig { claim_idle_timeout, ..RelayConfig::default() };
     let mut relay = Relay::new(db.pool.clone(), conn, fresh_keys(), config);
     let blocked = tokio::spawn(async move { relay.run_once().await });
-    let free = "SELECT count(*) FROM (SELECT 1 FROM relay_position FOR UPDATE SKIP LOCKED) t";
+    // Whether a session holds the outbox's position (its row lock's table lock), read from
+    // the lock table: probing the row with `FOR UPDATE SKIP LOCKED` locked it for that
+    // moment, and a relay taking the position just then found it held elsewhere and claimed
+    // nothing (this test's flake on a loaded CI machine: 30 s waiting for a claim never made).
+    // (Of this database: the test databases are copies of one template, so their tables
+    // share object ids.)
+    let held = "SELECT count(*) FROM pg_locks
+                 WHERE locktype = 'relation' AND relation = 'relay_position'::regclass
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                   AND mode = 'RowShareLock' AND granted AND pid <> pg_backend_pid()";
     // Sessions of this (the test's own) database that Postgres ended with a FATAL error, as the
     // idle timeout ends the claim's: a claim that lived too briefly for any poll to meet it
     // open (a loaded machine, a one-second timeout) is still seen to have been ended.
@@ -667,7 +676,7 @@ async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
     }
     let seen = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() < 1 {
+            if sqlx::query_scalar::<_, i64>(held).fetch_one(&mut watcher).await.unwrap() > 0 {
                 return Seen::Open;
             }
             if sqlx::query_scalar::<_, i64>(ended).fetch_one(&mut watcher).await.unwrap() > ended_before {
@@ -687,7 +696,7 @@ async fn a_silent_claim_is_released(claim_idle_timeout: Duration) {
                 if blocked.is_finished() {
                     return false;
                 }
-                if sqlx::query_scalar::<_, i64>(free).fetch_one(&mut watcher).await.unwrap() == 1 {
+                if sqlx::query_scalar::<_, i64>(held).fetch_one(&mut watcher).await.unwrap() == 0 {
                     return !blocked.is_finished();
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
