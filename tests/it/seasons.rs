@@ -555,6 +555,23 @@ async fn replay_items(keys: &StreamKeys) -> usize {
     replay_entries(keys).await.0.len()
 }
 
+/// 600 due rows parked, and a scheduler's settings with leases of 1 s, batches and an
+/// outstanding cap of `cap`, a pass every 100 ms: the backlog of the tests where no replayer
+/// reads what is issued.
+async fn unread_backlog(db: &TestDb, cap: usize) -> (embed_dlq::ingest::Pipeline, ReplayConfig) {
+    park_due(db, 600, "unread").await;
+    let mock = start_mock(MockConfig::default()).await;
+    let p = pipeline(&settings(db, &mock)).await;
+    let config = ReplayConfig {
+        batch: cap,
+        lease: Duration::from_secs(1),
+        outstanding_max: cap,
+        schedule_every: Duration::from_millis(100),
+        ..Default::default()
+    };
+    (p, config)
+}
+
 on_single_and_cluster! {
 /// With no replayer at all for many lease periods, the scheduler issues the same rows again
 /// each time their leases run out, a batch to an entry: the stream must stay near the
@@ -564,16 +581,7 @@ async fn with_no_replayer_for_many_leases_the_replay_stream_holds_about_two_leas
     const CAP: usize = 100;
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    park_due(&db, 600, "unread").await;
-    let mock = start_mock(MockConfig::default()).await;
-    let p = pipeline(&settings(&db, &mock)).await;
-    let config = ReplayConfig {
-        batch: CAP,
-        lease: Duration::from_secs(1),
-        outstanding_max: CAP,
-        schedule_every: Duration::from_millis(100),
-        ..Default::default()
-    };
+    let (p, config) = unread_backlog(&db, CAP).await;
     let stop = CancellationToken::new();
     let scheduler = tokio::spawn(Scheduler::new(p.store.clone(), config, redis().await, keys.clone()).run(stop.clone()));
     let (mut peak, mut at_end) = (0, 0);
@@ -603,16 +611,7 @@ async fn a_restarted_scheduler_trims_what_the_one_before_it_issued_once_its_leas
     const CAP: usize = 100;
     let db = TestDb::new().await;
     let keys = fresh_keys();
-    park_due(&db, 600, "unread").await;
-    let mock = start_mock(MockConfig::default()).await;
-    let p = pipeline(&settings(&db, &mock)).await;
-    let config = ReplayConfig {
-        batch: CAP,
-        lease: Duration::from_secs(1),
-        outstanding_max: CAP,
-        schedule_every: Duration::from_millis(100),
-        ..Default::default()
-    };
+    let (p, config) = unread_backlog(&db, CAP).await;
     let run_for = async |how_long: Duration| {
         let stop = CancellationToken::new();
         let scheduler = tokio::spawn(
