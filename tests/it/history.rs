@@ -21,6 +21,8 @@
 //! Scale and seeds come from the environment (`scripts/chaos.sh` sets them for long runs):
 //! `EMBED_DLQ_HISTORY_SEEDS` (comma-separated, for the ignored
 //! `randomized_histories_keep_every_promise`; CI runs three fixed seeds, `CI_SEEDS`, one test each),
+//! `EMBED_DLQ_HISTORY_FAULTS` (the timed faults that test forces, comma-separated; every kind
+//! unless set),
 //! `EMBED_DLQ_HISTORY_KEYS`, `EMBED_DLQ_HISTORY_OPS`, `EMBED_DLQ_HISTORY_MINUTES` (run ops until
 //! then instead of counting them), `EMBED_DLQ_HISTORY_MIN_KILLS`, `EMBED_DLQ_HISTORY_REPORT`
 //! (also write the report to this file).
@@ -870,10 +872,101 @@ impl History {
                     self.source_tally.lost += 1;
                 }
                 if self.source_problems.len() < 20 {
-                    self.source_problems.push(format!("{table} {key:?}: not {text:?}"));
+                    let why = self.explain_key(table, &key, k, text).await;
+                    self.source_problems.push(format!("{table} {key:?}: not {text:?} ({why})"));
                 }
             }
         }
+    }
+
+    /// What the database and the source stream hold for key `k` of `table`, whose newest
+    /// text is `text`: which text the stored vector, the manifest row and the DLQ row are of
+    /// (by content hash, among every version and draft of the key), their positions and the
+    /// key's entries on the newest source stream, so a failing history says how it failed.
+    async fn explain_key(&self, table: &str, key: &(String, i32), k: usize, text: &str) -> String {
+        let mut texts: Vec<(String, String)> = Vec::new();
+        let mut versions: Vec<&u32> = self.corpora.keys().collect();
+        versions.sort();
+        for v in versions {
+            let t = &self.corpora[v].texts[k];
+            for (label, t) in [(format!("v{v}"), t.clone()), (format!("v{v} draft"), format!("{t} (draft)"))]
+            {
+                texts.push((label, t));
+            }
+        }
+        let name = |hash: &str| {
+            let found = texts.iter().find(|(_, t)| embed_dlq::model::content_hash(MODEL, DIMS, t) == hash);
+            found.map_or_else(|| format!("unknown {}", &hash[..hash.len().min(12)]), |(l, _)| l.clone())
+        };
+        let final_label = texts.iter().rev().find(|(_, t)| t == text).map_or("?".into(), |(l, _)| l.clone());
+        let pool = &self.db.pool;
+        let vector: Option<(String, chrono::DateTime<chrono::Utc>, pgvector::Vector)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT content_hash, updated_at, embedding FROM {table} WHERE doc_id = $1 AND chunk_index = $2"
+        )))
+        .bind(&key.0)
+        .bind(key.1)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        let manifest: Option<(String, String, i64)> = sqlx::query_as(
+            "SELECT content_hash, status, source_seq FROM ingest_manifest
+              WHERE target_table IN ($1, 'public.' || $1) AND doc_id = $2 AND chunk_index = $3",
+        )
+        .bind(table)
+        .bind(&key.0)
+        .bind(key.1)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        let dlq: Option<(String, i64, String)> = sqlx::query_as(
+            "SELECT content_hash, generation, error_class FROM embedding_dlq
+              WHERE target_table IN ($1, 'public.' || $1) AND doc_id = $2 AND chunk_index = $3",
+        )
+        .bind(table)
+        .bind(&key.0)
+        .bind(key.1)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        let n = self.ops.get("stream_ingest").copied().unwrap_or(0);
+        let stream = format!("{}-source-{n}", self.prefix);
+        let mut conn = self.redis.conn().await;
+        let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_default();
+        let entries: Vec<String> = entries
+            .iter()
+            .filter(|(_, f)| {
+                f.get("doc_id") == Some(&key.0) && f.get("chunk_index") == Some(&key.1.to_string())
+            })
+            .map(|(id, f)| {
+                let t = f.get("text").map(String::as_str).unwrap_or("");
+                let label = texts.iter().rev().find(|(_, x)| x == t).map_or("?".into(), |(l, _)| l.clone());
+                format!("{id} {label} at {}", embed_dlq::store::position::entry_position(id, 0))
+            })
+            .collect();
+        format!(
+            "newest {final_label}; vector {:?}; manifest {:?}; dlq {:?}; entries {entries:?}",
+            vector.map(|(h, at, v)| {
+                // Whose vector it is, whatever hash it is stored under.
+                let of = texts
+                    .iter()
+                    .find(|(_, t)| {
+                        v.as_slice()
+                            .iter()
+                            .zip(&mock_provider::vector_for(t, DIMS))
+                            .all(|(a, b)| (a - b).abs() < 1e-5)
+                    })
+                    .map_or("no known text", |(l, _)| l.as_str());
+                format!("{} (the vector of {of}) updated {at}", name(&h))
+            }),
+            manifest.map(|(h, st, seq)| format!("{} {st} at {seq}", name(&h))),
+            dlq.map(|(h, g, c)| format!("{} gen {g} {c}", name(&h))),
+        )
     }
 
     /// Two ingests of the same keys at once.
@@ -1827,6 +1920,9 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
         started.elapsed().as_secs_f64()
     );
     let _ = writeln!(r, "operations: {:?}", h.ops);
+    if !all_ok {
+        let _ = writeln!(r, "replay this history: {}", replay_command(seed, scale, forced));
+    }
     let _ = writeln!(r, "timing: {:?}", h.timing);
     let _ = writeln!(
         r,
@@ -1863,11 +1959,13 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
         let detail = &detail[..detail.floor_char_boundary(600)];
         let _ = writeln!(r, "  [{}] {name}: {detail}", if *ok { "pass" } else { "FAIL" });
     }
-    if !all_ok {
+    {
         let _ = writeln!(r, "history (last 40 operations):");
         for l in h.log.iter().rev().take(40).rev() {
             let _ = writeln!(r, "    {l}");
         }
+    }
+    if !all_ok {
         // What the serve processes warned about (their stderr), the last 40 lines.
         let log = std::fs::read(h.dir.join("serve.log")).unwrap_or_default();
         let log = String::from_utf8_lossy(&log);
@@ -1882,6 +1980,28 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
     }
     let _ = std::fs::remove_dir_all(&h.dir);
     (r, all_ok)
+}
+
+/// The one-line command that runs the history of `seed` again with the same scale, settings
+/// and timed faults: the same seeded choices of operations, keys, texts, providers and kill
+/// points (the moments processes reach them still depend on the machine, which is what a
+/// failure's interleaving is made of: run it a few times, or beside busy loops).
+fn replay_command(seed: u64, scale: &Scale, forced: &[&'static str]) -> String {
+    let mut env: BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("EMBED_DLQ_HISTORY_") && k != "EMBED_DLQ_HISTORY_REPORT")
+        .collect();
+    env.insert("EMBED_DLQ_HISTORY_SEEDS".into(), seed.to_string());
+    env.insert("EMBED_DLQ_HISTORY_FAULTS".into(), forced.join(","));
+    env.insert("EMBED_DLQ_HISTORY_KEYS".into(), scale.keys.to_string());
+    env.insert("EMBED_DLQ_HISTORY_MIN_KILLS".into(), scale.min_kills.to_string());
+    if scale.deadline.is_none() {
+        env.insert("EMBED_DLQ_HISTORY_OPS".into(), scale.ops.to_string());
+    }
+    let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!(
+        "{} scripts/test.sh -- --ignored --exact --nocapture history::randomized_histories_keep_every_promise",
+        vars.join(" ")
+    )
 }
 
 /// Fixed seeds for CI, so a red run names a history that can be run again; random seeds
@@ -1917,7 +2037,8 @@ async fn ci_history(index: usize) {
 }
 
 /// The seeds of `EMBED_DLQ_HISTORY_SEEDS` (comma-separated), each with every kind of timed
-/// fault: what `scripts/chaos.sh` and `scripts/soak.sh` run.
+/// fault (or those of `EMBED_DLQ_HISTORY_FAULTS`): what `scripts/chaos.sh` and
+/// `scripts/soak.sh` run, and what a failed history's replay command runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the long runs of scripts/chaos.sh and scripts/soak.sh: set EMBED_DLQ_HISTORY_SEEDS"]
 async fn randomized_histories_keep_every_promise() {
@@ -1926,7 +2047,22 @@ async fn randomized_histories_keep_every_promise() {
         .split(',')
         .map(|x| x.trim().parse().expect("numeric seed"))
         .collect();
-    check_histories(&seeds, &FAULT_KINDS).await;
+    // The timed faults each history forces: every kind unless told (a CI seed's replay
+    // command names its share).
+    let forced: Vec<&'static str> = match std::env::var("EMBED_DLQ_HISTORY_FAULTS") {
+        Ok(list) => list
+            .split(',')
+            .filter(|k| !k.trim().is_empty())
+            .map(|k| {
+                *FAULT_KINDS
+                    .iter()
+                    .find(|f| **f == k.trim())
+                    .unwrap_or_else(|| panic!("unknown fault kind {k:?}"))
+            })
+            .collect(),
+        Err(_) => FAULT_KINDS.to_vec(),
+    };
+    check_histories(&seeds, &forced).await;
 }
 
 /// Runs the history of each seed with the `forced` timed faults, prints every report (and
