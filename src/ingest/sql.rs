@@ -191,6 +191,12 @@ impl Store {
             docs.iter().zip(&idxs).enumerate().map(|(n, (d, i))| ((*d, *i), n)).collect();
         let mut out = vec![false; docs.len()];
         for r in &accepted {
+            // A park of content already stored only moved the row's position: not accepted.
+            if status == ChunkStatus::Parked
+                && r.try_get::<&str, _>("status")? == ChunkStatus::Stored.as_str()
+            {
+                continue;
+            }
             let key: (String, i32) = (r.try_get("doc_id")?, r.try_get("chunk_index")?);
             if let Some(&n) = position.get(&(key.0.as_str(), key.1)) {
                 out[n] = true;
@@ -337,18 +343,17 @@ SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq
             r#"
  ORDER BY doc_id, chunk_index
 ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
-    status       = CASE WHEN m.content_hash = EXCLUDED.content_hash AND m.status = 'exhausted'
+    status       = CASE WHEN m.content_hash = EXCLUDED.content_hash AND m.status IN ('exhausted', 'stored')
                              AND EXCLUDED.status = 'parked'
                         THEN m.status ELSE EXCLUDED.status END,
     updated_at   = CASE WHEN m.content_hash = EXCLUDED.content_hash
                              AND (m.status = EXCLUDED.status
-                                  OR (m.status = 'exhausted' AND EXCLUDED.status = 'parked'))
+                                  OR (m.status IN ('exhausted', 'stored') AND EXCLUDED.status = 'parked'))
                         THEN m.updated_at ELSE now() END,
     content_hash = EXCLUDED.content_hash,
     source_seq   = EXCLUDED.source_seq
   WHERE m.source_seq <= EXCLUDED.source_seq
-    AND NOT (EXCLUDED.status = 'parked' AND m.status = 'stored' AND m.content_hash = EXCLUDED.content_hash)
-RETURNING m.doc_id, m.chunk_index
+RETURNING m.doc_id, m.chunk_index, m.status
 "#
         )
     };
@@ -356,9 +361,13 @@ RETURNING m.doc_id, m.chunk_index
 
 /// First statement of a store or park: the manifest upsert, accepted only for a record at
 /// least as new as the one the manifest holds ($6 is the new status) and newer than any
-/// deletion of its chunk or document (`ingest_tombstone`, see `store/delete.rs`). A park of content that
-/// is already stored is not accepted either. Keys are locked in key order (no deadlock between
-/// writers whose batches overlap). Returns the accepted keys.
+/// deletion of its chunk or document (`ingest_tombstone`, see `store/delete.rs`). A park of
+/// content that is already stored is not accepted either, but its row still takes the park's
+/// position (status and `updated_at` unchanged, returned as `stored`): the record is the
+/// chunk's newest, and an older record of other content still in flight (a draft a dead
+/// stream consumer held) must lose to it (issue 44). Keys are locked in key order (no
+/// deadlock between writers whose batches overlap). Returns the keys written, with the status
+/// each row holds.
 ///
 /// It also marks finished the leases (`lease.rs`) held for the record (its position and
 /// content), whether the row is accepted or superseded: the outcome is decided either way.
