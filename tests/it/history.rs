@@ -401,15 +401,27 @@ async fn unsettled(pool: &sqlx::PgPool, p: &InFlight) -> Result<i64, sqlx::Error
     .await
 }
 
+/// A read-only transaction whose statements all read one snapshot: a checker that reads the
+/// vectors and the DLQ in two statements while a replayer commits between them (vector
+/// stored, DLQ row deleted) would otherwise see a key in neither.
+async fn snapshot(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 /// Every vector of `table`: its content hash and embedding, by key.
 async fn stored_vectors(
-    pool: &sqlx::PgPool,
+    db: &mut sqlx::PgConnection,
     table: &str,
 ) -> HashMap<(String, i32), (String, pgvector::Vector)> {
     sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
         "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
     )))
-    .fetch_all(pool)
+    .fetch_all(db)
     .await
     .unwrap()
     .into_iter()
@@ -842,13 +854,13 @@ impl History {
     /// Right after a `stream_ingest` of `corpus` into `table`: every key is its text's vector
     /// (the mock's deterministic vector of that text) or a DLQ row holding the text.
     async fn check_source(&mut self, table: &str, corpus: &Corpus) {
-        let pool = &self.db.pool;
-        let vectors = stored_vectors(pool, table).await;
+        let mut snap = snapshot(&self.db.pool).await;
+        let vectors = stored_vectors(&mut snap, table).await;
         let dlq: HashMap<(String, i32), serde_json::Value> = sqlx::query_as::<_, (String, i32, serde_json::Value)>(
             "SELECT doc_id, chunk_index, payload FROM embedding_dlq WHERE target_table IN ($1, 'public.' || $1)",
         )
         .bind(table)
-        .fetch_all(pool)
+        .fetch_all(&mut *snap)
         .await
         .unwrap()
         .into_iter()
@@ -928,6 +940,29 @@ impl History {
         .fetch_optional(pool)
         .await
         .unwrap();
+        // The key's recent events (parks, resolves, replays), with the content each parked.
+        let events: Vec<(String, chrono::DateTime<chrono::Utc>, Option<String>)> = sqlx::query_as(
+            "SELECT event, created_at, body->>'content_hash' FROM dlq_outbox
+              WHERE target_table IN ($1, 'public.' || $1) AND doc_id = $2 AND chunk_index = $3
+              ORDER BY id DESC LIMIT 6",
+        )
+        .bind(table)
+        .bind(&key.0)
+        .bind(key.1)
+        .fetch_all(pool)
+        .await
+        .unwrap_or_default();
+        let events: Vec<String> = events
+            .into_iter()
+            .rev()
+            .map(|(e, at, h)| {
+                format!(
+                    "{e}{} {}",
+                    h.map(|h| format!(" {}", name(&h))).unwrap_or_default(),
+                    at.format("%T%.6f")
+                )
+            })
+            .collect();
         let n = self.ops.get("stream_ingest").copied().unwrap_or(0);
         let stream = format!("{}-source-{n}", self.prefix);
         let mut conn = self.redis.conn().await;
@@ -950,7 +985,7 @@ impl History {
             })
             .collect();
         format!(
-            "newest {final_label}; vector {:?}; manifest {:?}; dlq {:?}; entries {entries:?}",
+            "newest {final_label}; vector {:?}; manifest {:?}; dlq {:?}; entries {entries:?}; events {events:?}",
             vector.map(|(h, at, v)| {
                 // Whose vector it is, whatever hash it is stored under.
                 let of = texts
@@ -1505,14 +1540,15 @@ impl History {
         let pool = &self.db.pool;
         for (table, version) in &self.ingested {
             let corpus = &self.corpora[version];
-            let vectors = stored_vectors(pool, table).await;
+            let mut snap = snapshot(pool).await;
+            let vectors = stored_vectors(&mut snap, table).await;
             let dlq: HashMap<(String, i32), (String, serde_json::Value)> =
                 sqlx::query_as::<_, (String, i32, String, serde_json::Value)>(
                     "SELECT d.doc_id, d.chunk_index, d.error_class, d.payload FROM embedding_dlq d
                       WHERE d.target_table IN ($1, 'public.' || $1)",
                 )
                 .bind(table)
-                .fetch_all(pool)
+                .fetch_all(&mut *snap)
                 .await
                 .unwrap()
                 .into_iter()
