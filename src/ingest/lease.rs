@@ -10,7 +10,9 @@
 //!   nothing to embed with the read-only lookup sends no claim, as it would lease nothing):
 //!   a run alone writes no lease rows after
 //!   that, so a lone ingest pays one lock-table read per window and nothing per chunk (a
-//!   corpus run alone uses [`Store::lookup_window`], which only reads). When a
+//!   corpus run alone uses [`Store::lookup_window`], which only reads, unless a stream source
+//!   feeds the table: then its unchanged skips move their rows' positions, see
+//!   `CLAIM_WINDOW_SQL`). When a
 //!   run starts beside an older one, the older one starts claiming at its next window; what
 //!   it had in flight before then may be embedded twice (a few windows at most).
 //! - A lease is live while it has not expired (`[ingest] lease_secs`) and its run still holds
@@ -163,10 +165,11 @@ impl Store {
         Ok((claims, others))
     }
 
-    /// The manifest lookup of an intake window alone, for a run that no other run can race
-    /// (it reads a corpus, is past its first windows, and no other ingest run is alive): the
-    /// answer [`Store::claim_window`] would give, from a statement that only reads. `None`
-    /// when another run is alive after all: then the window needs the full claim.
+    /// The manifest lookup of an intake window alone, for a run that nothing can race (it
+    /// reads a corpus, is past its first windows, no other ingest run is alive and no stream
+    /// source feeds the table): the answer [`Store::claim_window`] would give, from a
+    /// statement that only reads. `None` when something can race it after all: then the
+    /// window needs the full claim, which fences its unchanged skips.
     pub(crate) async fn lookup_window(
         &self,
         keys: &[WindowKey<'_>],
@@ -412,9 +415,11 @@ impl RunLease {
 /// (about to be skipped as unchanged or already parked) get this record's position, locked in
 /// key order like every manifest writer; a row changed meanwhile is left alone (and the record
 /// then is not skipped). Only while something older could still be in flight (`racing`):
-/// another run is alive, or `$12` (a stream source: a dead consumer's pending entries are
-/// older records no live run holds). A corpus run alone moves nothing, so an identical rerun
-/// changes no row.
+/// another run is alive, `$12` (a stream source: a dead consumer's pending entries are
+/// older records no live run holds), or a stream source feeds the table (`fed`,
+/// `ingest_stream_fed`: an entry older than this corpus run, held by a dead consumer or not
+/// read yet, could be written after it). A corpus run alone of a table no stream feeds moves
+/// nothing, so an identical rerun changes no row.
 ///
 /// `known`: one index probe of the manifest per key (the `OFFSET 0` keeps the planner from
 /// turning the lookup into a hash join over every manifest row of the table: custom plans
@@ -435,7 +440,8 @@ impl RunLease {
 /// `manifest_bytes`: the manifest's size on disk, which picks the statement's size class for
 /// the next window (`plan_class`). Read by column position: `n` (the key's place in the
 /// window, from 1), `same` (the manifest holds this content), `status`, `manifest_bytes`,
-/// `leased_elsewhere`, `leased`, `confirmed`, `others` (another run is alive).
+/// `leased_elsewhere`, `leased`, `confirmed`, `others` (another run is alive or a stream
+/// feeds the table: the next window cannot be a lookup alone).
 /// The statement decides from the lease row as it is when the row lock is granted, so two
 /// runs claiming the same window at once agree on one holder. `swept`: the run's own leases
 /// finished more than the grace ago.
@@ -464,8 +470,10 @@ WITH input AS (
     SELECT EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
 ), shared AS MATERIALIZED (
     SELECT $11::bool OR (SELECT yes FROM others) AS yes
+), fed AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM ingest_stream_fed WHERE target_table = $1::text) AS yes
 ), racing AS MATERIALIZED (
-    SELECT $12::bool OR (SELECT yes FROM others) AS yes
+    SELECT $12::bool OR (SELECT yes FROM others) OR (SELECT yes FROM fed) AS yes
 ), claimed AS (
     INSERT INTO ingest_lease AS l (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
     SELECT $1::text, doc_id, chunk_index, content_hash, source_seq, $8::bigint,
@@ -522,14 +530,14 @@ SELECT k.n, k.done_hash = k.content_hash AS same, k.status,
        (k.wanted AND (SELECT yes FROM shared) AND c.doc_id IS NULL) AS leased_elsewhere,
        c.doc_id IS NOT NULL AS leased,
        (k.done_seq >= k.source_seq OR f.doc_id IS NOT NULL OR NOT (SELECT yes FROM racing)) AS confirmed,
-       (SELECT yes FROM others) AS others
+       (SELECT yes FROM others) OR (SELECT yes FROM fed) AS others
   FROM known k
   LEFT JOIN claimed c ON c.doc_id = k.doc_id AND c.chunk_index = k.chunk_index
   LEFT JOIN confirmed f ON f.doc_id = k.doc_id AND f.chunk_index = k.chunk_index
 "#;
 
 /// [`Store::lookup_window`]'s statement: what `known` of [`CLAIM_WINDOW_SQL`] finds and its
-/// `others`, nothing written, and the comparison of contents left to the caller. The manifest
+/// `others` (another run alive, or a stream feeds the table), nothing written, and the comparison of contents left to the caller. The manifest
 /// is read by chunk ranges (`$3..$5`, from [`WindowRanges`]): one index descent per range (the
 /// `OFFSET 0` keeps each one an index scan whatever the manifest's size), where a probe per
 /// key cost three times as much (2.9 against 0.9 ms for 512 keys of 64 documents). One row
@@ -545,7 +553,8 @@ WITH others AS MATERIALIZED (
          WHERE locktype = 'advisory' AND granted AND objsubid = 2
            AND classid = embed_dlq_lease_lock_space()::oid
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-           AND objid::bigint <> $2::bigint) AS yes
+           AND objid::bigint <> $2::bigint)
+        OR EXISTS (SELECT 1 FROM ingest_stream_fed WHERE target_table = $1::text) AS yes
 )
 SELECT (SELECT pg_relation_size('ingest_manifest'::regclass)) AS manifest_bytes,
        (SELECT yes FROM others) AS others,

@@ -1154,6 +1154,9 @@ impl Pipeline {
             opts.group.clone(),
             stop_acker.clone(),
         ));
+        // Before the first entry is read: a corpus run from now on fences its unchanged skips
+        // against this source's older entries.
+        super::with_db_retry(|| self.store.note_stream_fed()).await?;
         if let Err(e) = self.store.sweep_suspects().await {
             tracing::debug!(error = %e, "could not sweep old suspect entries");
         }

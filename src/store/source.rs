@@ -1,7 +1,9 @@
-//! What a stream source keeps in Postgres (migration 0020): the attempts charged to suspect
-//! entries, those delivered past the Redis delivery cap. Redis counts every delivery, a
+//! What a stream source keeps in Postgres: the attempts charged to suspect entries, those
+//! delivered past the Redis delivery cap (migration 0020; Redis counts every delivery, a
 //! restart's or an outage's too; only an attempt begun here, alone, and never finished is the
-//! entry's own fault.
+//! entry's own fault), and the tables it feeds (migration 0025: a corpus run of such a table
+//! must fence its unchanged skips against entries older than it, see
+//! [`Store::note_stream_fed`]).
 
 use super::{Store, StoreError};
 
@@ -14,6 +16,18 @@ pub(crate) struct EntryRef<'a> {
 }
 
 impl Store {
+    /// Registers the target table as fed by a stream source, before the source reads an
+    /// entry: from then on a corpus run of the table moves the position of every unchanged
+    /// line it skips (`racing` in `ingest::lease`), so an older entry taken over or read
+    /// after that run loses to the run's line instead of storing over it.
+    pub(crate) async fn note_stream_fed(&self) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO ingest_stream_fed (target_table) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(&self.target.name)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Charges one begun attempt to suspect entry `e`; returns the attempts charged so far
     /// (this one included).
     pub(crate) async fn charge_suspect(&self, e: EntryRef<'_>) -> Result<u32, StoreError> {

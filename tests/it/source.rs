@@ -791,11 +791,11 @@ on_single_and_cluster! {
 on_single_and_cluster! {
     /// Issue 44: a corpus run alone that finds a chunk unchanged skips it, but its record is
     /// newer than an entry of another content a dead stream consumer still holds: taken over
-    /// afterwards, that entry must lose to the corpus line. Fails today: a corpus run alone
-    /// skips an unchanged line without moving the manifest's position (its read-only
-    /// lookup), and no trace of the dead consumer's entry is in Postgres (see the issue 44
-    /// note); kept as the failing test of the fix.
-    #[ignore = "issue 44: known hole, an unchanged corpus line alone does not fence a dead consumer's older entry"]
+    /// afterwards, that entry must lose to the corpus line. It did not: a corpus run alone
+    /// skipped an unchanged line without moving the manifest's position (its read-only
+    /// lookup), and no trace of the dead consumer's entry is in Postgres. Now a stream
+    /// source registers its table before it reads (`ingest_stream_fed`), and a corpus run of
+    /// that table fences its unchanged skips.
     async fn an_unchanged_corpus_line_still_fences_an_older_entry_taken_over_later() {
         let db = TestDb::new().await;
         let mock = start_mock(MockConfig::default()).await;
@@ -803,6 +803,10 @@ on_single_and_cluster! {
         let s = settings(&db, &mock);
         let text = "the corpus text of the chunk";
         pipeline(&s).await.run(input(line("fenced", 0, text).into_bytes()), CancellationToken::new()).await.unwrap();
+        // The table's stream source has run before (here on an empty stream).
+        let mut opts = source_opts(&stream, "survivor");
+        opts.idle_exit = Some(Duration::from_millis(200));
+        run_source(&db, &mock, opts).await;
         publish(&stream, &[chunk_entry("fenced", 0, "an entry older than the corpus run below")]).await;
         taken_by_dead_consumer(&stream, "dead", 1).await;
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -822,5 +826,27 @@ on_single_and_cluster! {
             "the corpus line came after the entry: its text stays: {summary:?}"
         );
         assert_eq!(db.leaks().await, 0);
+    }
+
+    /// The same corpus rerun of a table no stream source feeds writes nothing: its unchanged
+    /// skips leave the manifest rows as they were (the read-only lookup), so the fence above
+    /// costs only the tables that need it.
+    async fn an_unchanged_rerun_of_a_table_no_stream_feeds_moves_no_position() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let s = settings(&db, &mock);
+        let corpus: String = (0..400).map(|i| line("plain", i, &format!("text {i}"))).collect();
+        pipeline(&s).await.run(input(corpus.clone().into_bytes()), CancellationToken::new()).await.unwrap();
+        let positions = "SELECT sum(source_seq % 1000003)::bigint FROM ingest_manifest";
+        let before = db.count(positions).await;
+        let rerun = pipeline(&s).await.run(input(corpus.clone().into_bytes()), CancellationToken::new()).await.unwrap();
+        assert_eq!((rerun.unchanged, rerun.stored), (400, 0), "{rerun:?}");
+        assert_eq!(db.count(positions).await, before, "an unchanged rerun alone moves no position");
+        // Once a stream source has fed the table, the same rerun moves them all.
+        sqlx::query("INSERT INTO ingest_stream_fed (target_table) VALUES ($1)").bind(&s.table).execute(&db.pool).await.unwrap();
+        let fenced = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+        assert_eq!((fenced.unchanged, fenced.stored), (400, 0), "{fenced:?}");
+        let newest = "SELECT count(*) FROM ingest_manifest WHERE source_seq >= (SELECT max(source_seq) - 400 FROM ingest_manifest)";
+        assert_eq!(db.count(newest).await, 400, "every unchanged line of a stream-fed table took its new position");
     }
 }
