@@ -839,21 +839,20 @@ impl SourceReader {
         }
     }
 
-    /// The oldest position this consumer could still hand on: the group's oldest pending
-    /// entry or the last one it delivered, over every stream; 0 (the oldest of all) when
-    /// Redis cannot tell.
-    async fn oldest_position(&mut self) -> i64 {
-        let mut floor = i64::MAX;
+    /// Each stream's oldest position its group may still hand on (see [`group_floor`]);
+    /// `None` when Redis cannot tell for one of them.
+    async fn stream_floors(&mut self) -> Option<Vec<(String, i64)>> {
+        let mut floors = Vec::with_capacity(self.opts.streams.len());
         for stream in self.opts.streams.clone() {
             match group_floor(&mut self.redis, &stream, &self.opts.group).await {
-                Ok(p) => floor = floor.min(p),
+                Ok(p) => floors.push((stream, p)),
                 Err(e) => {
                     tracing::debug!(error = %e, stream = %stream, "could not read the source group's oldest entry");
-                    return 0;
+                    return None;
                 }
             }
         }
-        floor
+        Some(floors)
     }
 
     /// Ends the source (`idle_exit`) once nothing has arrived for that long, nothing is in
@@ -1156,7 +1155,7 @@ impl Pipeline {
         ));
         // Before the first entry is read: a corpus run from now on fences its unchanged skips
         // against this source's older entries.
-        super::with_db_retry(|| self.store.note_stream_fed()).await?;
+        super::with_db_retry(|| self.store.note_stream_fed(&opts.streams, &opts.group)).await?;
         if let Err(e) = self.store.sweep_suspects().await {
             tracing::debug!(error = %e, "could not sweep old suspect entries");
         }
@@ -1181,7 +1180,17 @@ impl Pipeline {
         let mut left_pending = 0;
         let mut failed = None;
         while !cancel.is_cancelled() {
-            let floor = reader.lock().await.oldest_position().await;
+            // The oldest position this consumer could still hand on: the group's oldest
+            // pending entry or the last one it delivered, over every stream; 0 (the oldest of
+            // all) when Redis cannot tell. Recorded for the tombstone sweep too: a stale floor
+            // (this write failing) only keeps tombstones longer.
+            let floors = reader.lock().await.stream_floors().await;
+            let floor = floors.as_ref().map_or(0, |f| f.iter().map(|(_, p)| *p).min().unwrap_or(i64::MAX));
+            if let Some(floors) = &floors
+                && let Err(e) = self.store.set_stream_floors(&opts.group, floors).await
+            {
+                tracing::warn!(error = %e, "could not record the source streams' oldest positions; old tombstones stay longer");
+            }
             acks.floor.store(floor, std::sync::atomic::Ordering::Relaxed);
             let r = reader.clone();
             let result = self

@@ -163,7 +163,9 @@ impl Store {
     /// Sweeps what deletions left behind that nothing needs any more: the seen keys and start
     /// positions of runs that are not alive (a run killed before its cleanup ended), and
     /// tombstones older than an hour that no run still alive could need (one whose recorded
-    /// start, `ingest_run_start`, is older than the tombstone). Called at every run start.
+    /// start, `ingest_run_start`, is older than the tombstone) and no stream of the table could
+    /// still hand on something older than (its `ingest_stream_fed` floor: a dead consumer's
+    /// pending entries belong to no live run). Called at every run start.
     pub(crate) async fn sweep_deletion_state(&self, run_id: i64) -> Result<(), StoreError> {
         sqlx::query(AssertSqlSafe(format!(
             "WITH {LIVE_RUNS}, seen AS (
@@ -181,7 +183,9 @@ impl Store {
              DELETE FROM ingest_tombstone t
               WHERE t.deleted_at < now() - interval '1 hour'
                 AND NOT EXISTS (SELECT 1 FROM live JOIN ingest_run_start r USING (run_id)
-                                 WHERE r.first_position < t.source_seq)"
+                                 WHERE r.first_position < t.source_seq)
+                AND NOT EXISTS (SELECT 1 FROM ingest_stream_fed f
+                                 WHERE f.target_table = t.target_table AND f.floor_position < t.source_seq)"
         )))
         .execute(&self.pool)
         .await?;

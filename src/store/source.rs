@@ -16,15 +16,46 @@ pub(crate) struct EntryRef<'a> {
 }
 
 impl Store {
-    /// Registers the target table as fed by a stream source, before the source reads an
-    /// entry: from then on a corpus run of the table moves the position of every unchanged
-    /// line it skips (`racing` in `ingest::lease`), so an older entry taken over or read
-    /// after that run loses to the run's line instead of storing over it.
-    pub(crate) async fn note_stream_fed(&self) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO ingest_stream_fed (target_table) VALUES ($1) ON CONFLICT DO NOTHING")
-            .bind(&self.target.name)
-            .execute(&self.pool)
-            .await?;
+    /// Registers `streams` of consumer group `group` as feeding the target table, before
+    /// the source reads an entry (a new stream's floor is 0, the oldest of all): from then on
+    /// a corpus run of the table moves the position of every unchanged line it skips
+    /// (`racing` in `ingest::lease`), and a deletion's tombstone is kept while a stream could
+    /// still hand on something older ([`Store::sweep_deletion_state`]), so an older entry
+    /// taken over or read late loses to a newer line or deletion instead of undoing it.
+    pub(crate) async fn note_stream_fed(&self, streams: &[String], group: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO ingest_stream_fed (target_table, stream, group_name)
+             SELECT $1, s, $3 FROM UNNEST($2::text[]) AS s
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(&self.target.name)
+        .bind(streams)
+        .bind(group)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Sets the oldest position each stream of `group` may still hand on (`(stream, floor)`,
+    /// read from Redis at a segment start): what a tombstone of the table must outlive.
+    pub(crate) async fn set_stream_floors(
+        &self,
+        group: &str,
+        floors: &[(String, i64)],
+    ) -> Result<(), StoreError> {
+        let (streams, positions): (Vec<&str>, Vec<i64>) =
+            floors.iter().map(|(s, p)| (s.as_str(), *p)).unzip();
+        sqlx::query(
+            "UPDATE ingest_stream_fed f SET floor_position = n.floor, floor_at = now()
+               FROM UNNEST($2::text[], $3::bigint[]) AS n(stream, floor)
+              WHERE f.target_table = $1 AND f.group_name = $4 AND f.stream = n.stream",
+        )
+        .bind(&self.target.name)
+        .bind(&streams)
+        .bind(&positions)
+        .bind(group)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 

@@ -2124,3 +2124,67 @@ async fn check_histories(seeds: &[u64], forced: &[&'static str]) {
         "histories failed for seeds {failed:?} (rerun with EMBED_DLQ_HISTORY_SEEDS):\n{full}"
     );
 }
+
+/// The stream source under heavy provider faults, round after round: what found issue 44's
+/// stale vector within a minute (seeds 401–404, before the fix of a refused park that did
+/// not move the manifest's position). The history's faulty providers fail far more often
+/// here (40% 5xx, 10% 429, resets, 3 s hangs), so finals and drafts of one key meet in one
+/// segment, are parked, refused and taken over from killed consumers; each round checks at
+/// once that every entry is its text's vector or DLQ row, nothing stale, nothing pending.
+/// `EMBED_DLQ_HISTORY_SEEDS` (comma-separated), `EMBED_DLQ_HISTORY_KEYS` and
+/// `EMBED_DLQ_HISTORY_STRESS_ROUNDS` (default 25) set it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: set EMBED_DLQ_HISTORY_SEEDS (CHAOS.md, issue 44's sweep)"]
+async fn the_stream_source_under_heavy_faults_stores_nothing_stale() {
+    let seeds: Vec<u64> = std::env::var("EMBED_DLQ_HISTORY_SEEDS")
+        .expect("EMBED_DLQ_HISTORY_SEEDS: the seeds to run, comma-separated")
+        .split(',')
+        .map(|x| x.trim().parse().expect("numeric seed"))
+        .collect();
+    let rounds: usize = env_num("EMBED_DLQ_HISTORY_STRESS_ROUNDS", 25);
+    let scale = Scale::from_env();
+    let heavy = |seed| MockConfig {
+        seed,
+        rate_429: 0.1,
+        retry_after_ms: 20,
+        rate_5xx: 0.4,
+        rate_timeout: 0.02,
+        timeout_hold_ms: 3_000,
+        rate_reset: 0.05,
+        ..MockConfig::default()
+    };
+    let mut failed = Vec::new();
+    for seed in seeds {
+        let started = Instant::now();
+        let mut h = History::new(seed, &scale).await;
+        h.providers.flaky = start_mock(heavy(seed ^ 0x5eed)).await;
+        h.providers.slow = start_mock(MockConfig { latency_ms: 40, ..heavy(seed ^ 0x510) }).await;
+        h.providers.outage = start_mock(heavy(seed ^ 0x07)).await;
+        h.ingest(false, false).await;
+        let serve = h.serve_cmd(&h.providers.healthy.base_url()).spawn().unwrap();
+        h.serves.push(serve);
+        let mut round = 0;
+        while round < rounds && h.source_problems.is_empty() {
+            h.stream_ingest().await;
+            round += 1;
+        }
+        h.stop_serves().await;
+        println!(
+            "stream stress seed {seed}: {} keys, {round} rounds, {} kills, lost {}, stale {}, {:.0}s{}",
+            scale.keys,
+            h.kills,
+            h.source_tally.lost,
+            h.source_tally.stale,
+            started.elapsed().as_secs_f64(),
+            if h.source_problems.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", h.source_problems.join("; "))
+            }
+        );
+        if !h.source_problems.is_empty() {
+            failed.push(seed);
+        }
+    }
+    assert!(failed.is_empty(), "the stream source stored something stale or lost for seeds {failed:?}");
+}

@@ -843,10 +843,54 @@ on_single_and_cluster! {
         assert_eq!((rerun.unchanged, rerun.stored), (400, 0), "{rerun:?}");
         assert_eq!(db.count(positions).await, before, "an unchanged rerun alone moves no position");
         // Once a stream source has fed the table, the same rerun moves them all.
-        sqlx::query("INSERT INTO ingest_stream_fed (target_table) VALUES ($1)").bind(&s.table).execute(&db.pool).await.unwrap();
+        sqlx::query("INSERT INTO ingest_stream_fed (target_table, stream, group_name) VALUES ($1, 's', 'g')").bind(&s.table).execute(&db.pool).await.unwrap();
         let fenced = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
         assert_eq!((fenced.unchanged, fenced.stored), (400, 0), "{fenced:?}");
         let newest = "SELECT count(*) FROM ingest_manifest WHERE source_seq >= (SELECT max(source_seq) - 400 FROM ingest_manifest)";
         assert_eq!(db.count(newest).await, 400, "every unchanged line of a stream-fed table took its new position");
+    }
+}
+
+on_single_and_cluster! {
+    /// A deletion's tombstone outlives an older entry of its chunk that a dead consumer still
+    /// holds: the sweep at each run start drops tombstones older than an hour that no live
+    /// run could still need, and a stream's pending entries are held by no live run. Taken
+    /// over after the sweep, the entry must still lose to the deletion.
+    async fn a_deletion_stays_fenced_against_an_older_entry_pending_past_the_tombstone_sweep() {
+        let db = TestDb::new().await;
+        let mock = start_mock(MockConfig::default()).await;
+        let stream = fresh_stream();
+        let s = settings(&db, &mock);
+        pipeline(&s).await.run(input(line("gone", 0, "the text").into_bytes()), CancellationToken::new()).await.unwrap();
+        let mut opts = source_opts(&stream, "survivor");
+        opts.idle_exit = Some(Duration::from_millis(200));
+        run_source(&db, &mock, opts).await;
+        publish(&stream, &[chunk_entry("gone", 0, "an entry older than the deletion")]).await;
+        taken_by_dead_consumer(&stream, "dead", 1).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let delete = format!("{}\n", serde_json::json!({"doc_id": "gone", "op": "delete"}));
+        let deleted = pipeline(&s).await.run(input(delete.into_bytes()), CancellationToken::new()).await.unwrap();
+        assert_eq!(deleted.delete_requests, 1, "{deleted:?}");
+        assert_eq!(vector_is(&db, "gone", 0, "the text").await, None);
+        // An hour and more later, another run starts (and sweeps).
+        sqlx::query("UPDATE ingest_tombstone SET deleted_at = deleted_at - interval '2 hours'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        pipeline(&s).await.run(input(line("other", 0, "text").into_bytes()), CancellationToken::new()).await.unwrap();
+
+        let mut opts = source_opts(&stream, "survivor");
+        opts.min_idle = Duration::from_millis(1_000);
+        opts.idle_exit = Some(Duration::from_millis(500));
+        let summary = run_source(&db, &mock, opts).await;
+        assert_eq!(summary.source.as_ref().unwrap().entries_reclaimed, 1, "{summary:?}");
+        assert_eq!(pending(&stream, "it-ingest").await, 0);
+        assert_eq!(
+            db.count("SELECT count(*) FROM ingest_manifest WHERE doc_id = 'gone'").await,
+            0,
+            "the deletion came after the entry: the chunk stays deleted: {summary:?}"
+        );
+        assert_eq!(db.count("SELECT count(*) FROM doc_embeddings WHERE doc_id = 'gone'").await, 0);
+        assert_eq!(db.leaks().await, 0);
     }
 }
