@@ -366,8 +366,12 @@ async fn an_older_runs_write_in_flight_never_resurrects_a_deleted_document() {
     let corpus = jsonl(&Corpus::from([("late".to_string(), texts("late", 3, "v1"))]));
     let older = pipeline(&slow_settings(&db, &slow)).await;
     let older = tokio::spawn(async move { older.run(input(corpus), CancellationToken::new()).await });
-    // The older run has its run id and is waiting for the provider.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The older run has its run id and positions and is waiting for the provider (counted,
+    // not slept on: a loaded machine may take longer than any sleep to get there).
+    wait_for("the older run at the provider", Duration::from_secs(60), async || {
+        slow.control.stats().requests > 0
+    })
+    .await;
     let newer = run(&settings(&db, &fast), delete_doc("late").into_bytes()).await.unwrap();
     assert_eq!(newer.delete_requests, 1);
     let older = older.await.unwrap().unwrap();
@@ -397,7 +401,10 @@ async fn an_older_runs_cleanup_never_deletes_a_newer_runs_chunk() {
     let older = pipeline(&with_cleanup(slow_settings(&db, &slow), CleanupMode::Full)).await;
     let bytes = jsonl(&v2);
     let older = tokio::spawn(async move { older.run(input(bytes), CancellationToken::new()).await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_for("the older run at the provider", Duration::from_secs(60), async || {
+        slow.control.stats().requests > 0
+    })
+    .await;
     let newer = Corpus::from([("newer".to_string(), texts("newer", 2, "v1"))]);
     run(&settings(&db, &fast), jsonl(&newer)).await.unwrap();
     let older = older.await.unwrap().unwrap();

@@ -92,7 +92,9 @@ async fn replayer(
     name: &str,
     config: ReplayConfig,
 ) -> Replayer {
-    replayer_for(db, mock, keys, name, config, Duration::from_millis(400)).await
+    // Long enough that a loaded machine never times out a healthy answer (a resend counts
+    // its inputs twice).
+    replayer_for(db, mock, keys, name, config, Duration::from_secs(5)).await
 }
 
 /// Runs a scheduler of `config` over `p`'s store and `relay` in `tasks` until `stop`.

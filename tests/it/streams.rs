@@ -53,7 +53,9 @@ async fn replayer(
     name: &str,
     config: ReplayConfig,
 ) -> Replayer {
-    replayer_with_timeout(db, mock, keys, name, config, Duration::from_millis(400)).await
+    // Long enough that a loaded machine never times out a healthy answer (a resend would
+    // count its inputs twice); a test that wants the client to give up sets its own.
+    replayer_with_timeout(db, mock, keys, name, config, Duration::from_secs(5)).await
 }
 
 async fn replayer_with_timeout(
@@ -1800,10 +1802,20 @@ async fn an_entry_with_items_left_unattempted_stays_pending_and_its_settled_item
     let config = ReplayConfig { request_inputs: 4, requests_in_flight: 1, ..replay_config() };
     let mut first = replayer_on(pipeline(&s).await, &keys, "first", config).await;
     let hard = CancellationToken::new();
+    // The shutdown comes once the first request's rows are committed (counted, not slept on),
+    // while the second waits a minute for its slot.
     let cut = {
-        let hard = hard.clone();
+        let (hard, pool) = (hard.clone(), db.pool.clone());
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(450)).await;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(50);
+            loop {
+                let left: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM embedding_dlq").fetch_one(&pool).await.unwrap();
+                if left == 8 || tokio::time::Instant::now() > deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             hard.cancel();
         })
     };

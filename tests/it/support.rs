@@ -187,7 +187,10 @@ pub fn settings(db: &TestDb, mock: &MockProvider) -> IngestSettings {
         ProviderArgs {
             base_url: Some(mock.base_url()),
             model: Some("mock".into()),
-            request_timeout_ms: Some(400),
+            // Long enough that a loaded machine never times out a healthy answer (a resend
+            // counts its inputs twice, and tests count inputs); a test that wants the client
+            // to give up sets its own.
+            request_timeout_ms: Some(5_000),
             ..Default::default()
         },
         IngestArgs { batch_max_inputs: Some(32), concurrency: Some(4), ..Default::default() },
