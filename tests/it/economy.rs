@@ -349,11 +349,14 @@ async fn the_mock_outage_can_begin_after_n_inputs_and_fault_inputs_are_counted()
 async fn the_mock_counts_a_timeouts_inputs_even_when_the_client_gave_up() {
     let mock =
         start_mock(MockConfig { rate_timeout: 1.0, timeout_hold_ms: 30_000, ..MockConfig::default() }).await;
-    let http =
-        embed_dlq::http::client_builder().timeout(std::time::Duration::from_millis(200)).build().unwrap();
+    let http = embed_dlq::http::client_builder().timeout(std::time::Duration::from_secs(2)).build().unwrap();
     let body = serde_json::json!({"model": "m", "input": ["a", "b", "c"]});
     let sent = http.post(format!("{}/embeddings", mock.base_url())).json(&body).send().await;
     assert!(sent.is_err_and(|e| e.is_timeout()));
+    wait_for("the mock counted the held request", std::time::Duration::from_secs(30), async || {
+        mock.control.stats().timeouts > 0
+    })
+    .await;
     let m = mock.control.stats();
     assert_eq!((m.timeouts, m.fault_inputs), (1, 3));
 }

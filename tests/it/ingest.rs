@@ -478,10 +478,10 @@ async fn vectors_are_checked_against_the_target_column_dimension() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sustained_outage_opens_the_breaker_instead_of_parking_the_corpus() {
     let db = TestDb::new().await;
-    // 503 for the first 1.5 s of the server's life, then healthy.
-    let mock =
-        start_mock(MockConfig { outage_after_ms: Some(0), outage_for_ms: 1_500, ..MockConfig::default() })
-            .await;
+    // 503 until the run has met enough of them to open the breaker (counted, not timed: an
+    // outage of the server's first 1.5 s could end before a loaded machine's run began).
+    let mock = start_mock(MockConfig::default()).await;
+    mock.control.set_outage(true);
     let mut s = settings(&db, &mock);
     s.breaker.failure_threshold = 5;
     s.breaker.cooldown = std::time::Duration::from_millis(200);
@@ -489,7 +489,15 @@ async fn a_sustained_outage_opens_the_breaker_instead_of_parking_the_corpus() {
     for i in 0..2_000 {
         corpus.push_str(&line("outage", i, &format!("chunk {i}")));
     }
-    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    let run = pipeline(&s).await;
+    let run =
+        tokio::spawn(async move { run.run(input(corpus.into_bytes()), CancellationToken::new()).await });
+    wait_for("the run met the outage", std::time::Duration::from_secs(60), async || {
+        mock.control.stats().server_errors >= 10
+    })
+    .await;
+    mock.control.set_outage(false);
+    let r = run.await.unwrap().unwrap();
     assert!(r.breaker_opened >= 1, "{r:?}");
     let parked = r.parked.get(&ErrorClass::Transient).copied().unwrap_or(0);
     assert!(parked < 400, "the breaker paused intake; only in-flight batches may park, got {parked}");

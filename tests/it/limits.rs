@@ -215,8 +215,12 @@ async fn a_wait_for_the_budget_ends_on_shutdown_and_sends_nothing() {
             let (p, cancel) = (p.clone(), cancel.clone());
             async move { p.run(input(corpus("held", 40)), cancel).await }
         });
-        // The first request waits ~60 s for its slot; give the workers time to reach it.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The first request waits ~60 s for its slot; the stop comes once the run has leased
+        // the chunks it is about to send (counted, not slept on).
+        wait_for("the run claimed its first window", Duration::from_secs(50), async || {
+            db.count("SELECT count(*) FROM ingest_lease").await > 0
+        })
+        .await;
         cancel.cancel();
         // Only a safety net against a hang: a wait that ignored the token would end after
         // its minute and send the request, which the count below catches.

@@ -107,8 +107,17 @@ async fn a_parked_corpus_drains_through_four_shards_with_two_replayers() {
         assert!(!serve.is_finished(), "serve stopped");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // The last `replayed` events are published by the relay right after their commits.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The last `replayed` events are published by the relay right after their commits:
+    // the stop comes once every event the outbox holds is on a shard (counted, not slept on).
+    wait_for("the relay published every event", Duration::from_secs(60), async || {
+        let mut events = 0;
+        for shard in keys.shard_ids() {
+            events += xlen(&keys.events_of(shard)).await;
+        }
+        let published = db.count("SELECT count(*) FROM dlq_outbox WHERE stream = 'events'").await;
+        events as i64 >= published
+    })
+    .await;
     cancel.cancel();
     serve.await.unwrap().unwrap();
 

@@ -647,9 +647,10 @@ async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
     let keys = fresh_keys();
     let (_down, p) = park_transient(&db, 10, "slow").await;
     enqueue_due(&db, &p, &keys).await;
-    // Each replay request takes 3 s, five times the min-idle time.
-    let slow = start_mock(MockConfig { latency_ms: 3_000, ..MockConfig::default() }).await;
-    let config = ReplayConfig { min_idle: Duration::from_millis(600), ..replay_config() };
+    // Each replay request takes 4 s, four times the min-idle time; the owner's keepalive
+    // (every min-idle / 3) has a whole second to be scheduled, as a loaded machine needs.
+    let slow = start_mock(MockConfig { latency_ms: 4_000, ..MockConfig::default() }).await;
+    let config = ReplayConfig { min_idle: Duration::from_millis(1_000), ..replay_config() };
     let mut owner =
         replayer_with_timeout(&db, &slow, &keys, "owner", config.clone(), Duration::from_secs(10)).await;
     let mut thief = replayer(&db, &slow, &keys, "thief", config).await;
@@ -659,7 +660,7 @@ async fn a_long_batch_is_not_stolen_while_its_owner_is_alive() {
         owner.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
     });
     let mut stolen = 0;
-    for _ in 0..10 {
+    for _ in 0..12 {
         tokio::time::sleep(Duration::from_millis(250)).await;
         stolen += thief.reclaim_once(&CancellationToken::new()).await.unwrap().reclaimed;
     }
@@ -738,8 +739,8 @@ async fn a_replayer_that_stalled_does_not_take_back_what_another_reclaimed() {
         let mut conn = embed_dlq::streams::blocking(&client, Duration::from_secs(1)).await.unwrap();
         owner.read_once(&mut conn, &CancellationToken::new()).await.unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(pending(&keys).await, 6, "the owner holds the batch");
+    // The owner holds the batch once it has read it (its 2 s request keeps it held).
+    wait_for("the owner holds the batch", Duration::from_secs(30), async || pending(&keys).await == 6).await;
     // Another replayer takes the entries over, as it would after the owner stalled past
     // min-idle (forced here with min-idle 0).
     let mut r = redis().await;
