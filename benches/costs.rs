@@ -10,7 +10,7 @@
 //! - a database of its own with N DLQ rows of ~1 kB (written by SQL in the tool's shapes: 40%
 //!   transient and due, 40% transient backing off, 15% permanent, 5% exhausted; `VACUUM
 //!   ANALYZE` afterwards, as autovacuum would). Per round (`BENCH_ROUNDS`, default 5),
-//!   alternating: the **gauges** as `serve` samples them now (`metrics::dlq_gauges`: fold,
+//!   alternating: the **gauges** as `serve` samples them now (`gauges::dlq_gauges`: fold,
 //!   counters, capped index range, two index first entries) and the **old aggregates** (the two
 //!   statements `serve` ran before, verbatim).
 //! - the triggers' cost on the throughput-critical paths: a park-shaped statement (500 new rows
@@ -189,7 +189,7 @@ async fn gauges(pool: &PgPool, rounds: usize) -> (f64, f64) {
     let mut conn = pool.acquire().await.unwrap();
     for _ in 0..rounds {
         let t = Instant::now();
-        let g = embed_dlq::metrics::dlq_gauges(&mut conn).await.unwrap();
+        let g = embed_dlq::gauges::dlq_gauges(&mut conn).await.unwrap();
         now.push(ms(t.elapsed()));
         let t = Instant::now();
         sqlx::query(OLD_DEPTH).fetch_all(&mut *conn).await.unwrap();

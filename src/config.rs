@@ -43,6 +43,7 @@ use crate::embed::limit::LimitConfig;
 use crate::embed::retry::{DlqSchedule, RetryPolicy};
 use crate::ingest::IngestOptions;
 use crate::reconcile::SweepPolicy;
+use crate::redact::redact_password;
 use crate::relay::RelayConfig;
 use crate::replay::ReplayConfig;
 
@@ -118,26 +119,6 @@ impl fmt::Debug for Settings {
             .field("serve", &self.serve)
             .field("limits", &self.limits)
             .finish()
-    }
-}
-
-/// `url` with its password (if any) replaced, for debug output; each URL of a
-/// comma-separated list (a Redis Cluster's seed nodes) on its own.
-pub(crate) fn redact_password(url: &str) -> String {
-    if url.contains(',') {
-        return url.split(',').map(|u| redact_one(u.trim())).collect::<Vec<_>>().join(",");
-    }
-    redact_one(url)
-}
-
-fn redact_one(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("[redacted]"));
-            u.to_string()
-        }
-        Ok(_) => url.to_string(),
-        Err(_) => "[unparsable URL]".to_string(),
     }
 }
 

@@ -2,6 +2,9 @@
 //! error classes a failure can be parked under. The string forms here are mirrored by the
 //! `CHECK` constraints in `migrations/0001_core.sql`; change both together.
 
+mod reason;
+
+pub use reason::Reason;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 

@@ -60,8 +60,8 @@ use chrono::{DateTime, Utc};
 
 pub mod sql;
 
-use crate::park::OnNewerParked;
 use crate::relay::sql as outbox;
+use crate::store::park::OnNewerParked;
 use crate::store::{Store, StoreError, TargetTable};
 use crate::streams::RedisConn;
 use crate::streams::{REPLAY_GROUP, StreamKeys};

@@ -37,6 +37,9 @@ use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::failpoint;
+use crate::shutdown::sleep_or_cancel;
+use crate::store::is_transient_in_background;
+use crate::streams::is_transient_redis;
 pub(crate) mod sql;
 
 use crate::store::StoreError;
@@ -102,7 +105,7 @@ impl Default for RelayConfig {
             poll: Duration::from_millis(1000),
             marker_ttl: Duration::from_secs(7 * 24 * 3600),
             events_maxlen: crate::streams::DEFAULT_EVENTS_MAXLEN,
-            replay_maxlen: crate::replay::DEFAULT_OUTSTANDING_MAX,
+            replay_maxlen: crate::streams::DEFAULT_OUTSTANDING_MAX,
             retention: Duration::from_secs(24 * 3600),
             rows_per_call: DEFAULT_ROWS_PER_CALL,
             claim_idle_timeout: Duration::from_secs(60),
@@ -151,91 +154,11 @@ impl RelayError {
     /// message text.
     pub fn is_transient(&self) -> bool {
         match self {
-            RelayError::Db(e) | RelayError::Store(StoreError::Db(e)) => is_transient_db(e),
+            RelayError::Db(e) | RelayError::Store(StoreError::Db(e)) => is_transient_in_background(e),
             RelayError::Store(_) => false,
             RelayError::Redis(e) => is_transient_redis(e),
         }
     }
-}
-
-/// Classifies a Postgres error for the background loops (relay, scheduler, replayers): by
-/// `sqlx` kind and SQLSTATE. Transient: I/O, pool timeouts, protocol trouble, connection
-/// exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
-/// resources (53), lock not available (55P03), operator intervention (57, e.g. a cancelled
-/// statement or a shutting-down server, except 57P04 database dropped), system I/O errors
-/// (58000, 58030), a read-only server during failover (25006) and a session the server
-/// ended because it sat idle in a transaction (25P03: a relay that held the outbox's position
-/// longer than [`RelayConfig::claim_idle_timeout`], the position free for the next pass). Everything else, e.g. an
-/// undefined table (42P01) or column (42703), a permission problem or a decode error, needs a
-/// person and is permanent.
-pub(crate) fn is_transient_db(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
-            c.starts_with("08")
-                || c.starts_with("40")
-                || c.starts_with("53")
-                || (c.starts_with("57") && c != "57P04")
-                || matches!(c.as_ref(), "55P03" | "58000" | "58030" | "25006" | "25P03" | "72000")
-        }),
-        _ => false,
-    }
-}
-
-/// Classifies a Redis error for the background loops: by redis-rs kind and server error code.
-/// Transient: I/O (connection refused, dropped, timed out), a server loading its data set,
-/// cluster redirections and failovers (`TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`,
-/// `MOVED`, `ASK`), a busy script (`BUSY`), memory or persistence trouble (`OOM`, `MISCONF`),
-/// missing replicas (`NOREPLICAS`) and a consumer group that vanished with its stream
-/// (`NOGROUP`, `UNBLOCKED` for a read that was blocked when the stream was deleted, and `ERR
-/// no such key` from `XINFO` on it: the replayer recreates the group). Permanent: everything else, e.g. `WRONGTYPE`, a
-/// script error, `NOPERM`, failed authentication, a reply of an unexpected type.
-pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
-    use redis::{ErrorKind, ServerErrorKind};
-    if e.is_io_error()
-        || e.is_timeout()
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || is_lost_group(e)
-    {
-        return true;
-    }
-    match e.kind() {
-        ErrorKind::Parse
-        | ErrorKind::ClusterConnectionNotFound
-        | ErrorKind::MasterNameNotFoundBySentinel
-        | ErrorKind::NoValidReplicasFoundBySentinel => true,
-        ErrorKind::Server(kind) => matches!(
-            kind,
-            ServerErrorKind::BusyLoading
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::ClusterDown
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
-                | ServerErrorKind::Moved
-                | ServerErrorKind::Ask
-        ),
-        ErrorKind::Extension => {
-            matches!(
-                e.code(),
-                Some("BUSY" | "OOM" | "MISCONF" | "NOREPLICAS" | "NOGROUP" | "UNBLOCKED" | "LOADING")
-            )
-        }
-        _ => false,
-    }
-}
-
-/// Whether `e` says the stream a group read was reading is gone with its consumer group
-/// (`NOGROUP`; `UNBLOCKED` when the read was blocked as the stream was deleted, e.g. by a
-/// `FLUSHALL`; `ERR no such key` from `XINFO` on the deleted stream): the reader recreates
-/// the group and reads on.
-pub(crate) fn is_lost_group(e: &redis::RedisError) -> bool {
-    matches!(e.code(), Some("NOGROUP" | "UNBLOCKED"))
-        || (e.code() == Some("ERR") && e.detail() == Some("no such key"))
 }
 
 /// One relay; run as many as you like.
@@ -496,14 +419,6 @@ fn count(replies: &[(String, i64)]) -> RelayCounts {
     metrics::counter!(crate::metrics::RELAY_PUBLISHED).increment(published);
     metrics::counter!(crate::metrics::RELAY_DUPLICATES).increment(rows - published);
     RelayCounts { claimed: rows, published, duplicates: rows - published }
-}
-
-/// Sleeps, or returns early on cancellation.
-pub(crate) async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
-    tokio::select! {
-        _ = cancel.cancelled() => {}
-        _ = tokio::time::sleep(d) => {}
-    }
 }
 
 /// XTRIM MINID at the smallest id that some group still needs: its oldest pending entry, or

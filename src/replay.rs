@@ -50,7 +50,7 @@ use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, Failure, ItemOutcome, Reason, Stop};
 use crate::failpoint;
 use crate::model::ErrorClass;
-use crate::relay::sleep_or_cancel;
+use crate::shutdown::sleep_or_cancel;
 pub(crate) mod sql;
 
 use crate::store::{Store, StoreError};
@@ -220,20 +220,18 @@ pub enum ReplayError {
 
 impl ReplayError {
     /// Whether the same step may succeed later without anyone changing anything; classified
-    /// like the relay's errors (`crate::relay::is_transient_db`,
-    /// `crate::relay::is_transient_redis`), by kind and code, never by message text.
+    /// like the relay's errors ([`crate::store::is_transient_in_background`],
+    /// [`crate::streams::is_transient_redis`]), by kind and code, never by message text.
     pub fn is_transient(&self) -> bool {
         match self {
-            ReplayError::Store(StoreError::Db(e)) => crate::relay::is_transient_db(e),
+            ReplayError::Store(StoreError::Db(e)) => crate::store::is_transient_in_background(e),
             ReplayError::Store(e) => e.is_transient(),
-            ReplayError::Redis(e) => crate::relay::is_transient_redis(e),
+            ReplayError::Redis(e) => crate::streams::is_transient_redis(e),
         }
     }
 }
 
-/// Default `outstanding_max`: a few seconds of replay at the rates measured here, a few
-/// MB of Redis (BENCHMARKS.md).
-pub const DEFAULT_OUTSTANDING_MAX: usize = 10_000;
+pub use crate::streams::DEFAULT_OUTSTANDING_MAX;
 
 /// Issues due rows as replay work: leases them in Postgres and appends their work items to
 /// the replay stream itself, before the leases commit. The lease is the item's record (the
@@ -820,7 +818,7 @@ impl Replayer {
             .await
         {
             Ok(info) => info,
-            Err(e) if crate::relay::is_lost_group(&e) => return Ok(()),
+            Err(e) if crate::streams::is_lost_group(&e) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
         for c in info.consumers {
@@ -1301,7 +1299,7 @@ impl Replayer {
         let entries = match read {
             Ok(entries) => entries,
             Err(e) => {
-                if crate::relay::is_lost_group(&e) {
+                if crate::streams::is_lost_group(&e) {
                     self.ensure_groups().await?;
                 }
                 return Err(e.into());

@@ -283,7 +283,7 @@ async fn run_source(
             }
             Err(e) => {
                 tracing::warn!(error = %e, "stream source run failed; its unsettled entries stay pending; restarting");
-                crate::relay::sleep_or_cancel(backoff.next_delay(), &stop).await;
+                crate::shutdown::sleep_or_cancel(backoff.next_delay(), &stop).await;
             }
         }
     }
@@ -351,7 +351,7 @@ async fn republish_on_loss(
                 }
             }
         }
-        crate::relay::sleep_or_cancel(REPUBLISH_SETTLE, &stop).await;
+        crate::shutdown::sleep_or_cancel(REPUBLISH_SETTLE, &stop).await;
         let mut backoff =
             crate::embed::retry::Reconnect::new(Duration::from_secs(1), Duration::from_secs(60));
         while !stop.is_cancelled() {
@@ -365,7 +365,7 @@ async fn republish_on_loss(
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "republishing lost events failed; retrying");
-                    crate::relay::sleep_or_cancel(backoff.next_delay(), &stop).await;
+                    crate::shutdown::sleep_or_cancel(backoff.next_delay(), &stop).await;
                 }
             }
         }
@@ -469,10 +469,10 @@ async fn sample_and_reconcile(
                 Err(e) => tracing::warn!(error = %e, "reconcile failed"),
             }
         }
-        if let Err(e) = crate::metrics::sample(&store, Some(&mut redis), &keys).await {
+        if let Err(e) = crate::gauges::sample(&store, Some(&mut redis), &keys).await {
             tracing::warn!(error = %e, "sampling gauges failed");
         }
-        crate::relay::sleep_or_cancel(Duration::from_secs(5), &stop).await;
+        crate::shutdown::sleep_or_cancel(Duration::from_secs(5), &stop).await;
     }
 }
 
@@ -493,8 +493,7 @@ pub async fn reconcile_periodically(
         if let Ok(report) = &outcome {
             crate::reconcile::publish_report(report);
             let mut redis = reconciler.redis.clone();
-            if let Err(e) = crate::metrics::sample(&reconciler.store, redis.as_mut(), &reconciler.keys).await
-            {
+            if let Err(e) = crate::gauges::sample(&reconciler.store, redis.as_mut(), &reconciler.keys).await {
                 tracing::warn!(error = %e, "sampling gauges failed");
             }
         }

@@ -85,3 +85,12 @@ impl Signals {
         ctrl_c.await;
     }
 }
+
+/// Sleeps, or returns early on cancellation: the pause of every background loop, so a
+/// stop never waits out a backoff.
+pub(crate) async fn sleep_or_cancel(d: std::time::Duration, cancel: &CancellationToken) {
+    tokio::select! {
+        _ = cancel.cancelled() => {}
+        _ = tokio::time::sleep(d) => {}
+    }
+}

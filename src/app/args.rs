@@ -398,7 +398,7 @@ pub struct ReconcileCommand {
     /// default withdraw): under keep, vectors of parked chunks' previous text are expected
     /// (noted, never repaired); under withdraw they are findings that --repair withdraws.
     #[arg(long, value_enum)]
-    pub on_newer_parked: Option<embed_dlq::park::OnNewerParked>,
+    pub on_newer_parked: Option<embed_dlq::store::park::OnNewerParked>,
     /// Key prefix of the streams (else `[serve] stream_prefix` of the config file).
     #[arg(long, env = "EMBED_DLQ_STREAM_PREFIX")]
     pub stream_prefix: Option<String>,

@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use embed_dlq::config::{FileConfig, IngestArgs, ServeArgs};
-use embed_dlq::park::OnNewerParked;
 use embed_dlq::reconcile::{Mode, ReconcileConfig, ReconcileError, Reconciler, Sweep, SweepPolicy};
+use embed_dlq::store::park::OnNewerParked;
 use embed_dlq::store::prefix::PrefixError;
 use embed_dlq::streams::{RedisClient, ShardsError, StreamKeys};
 use tokio_util::sync::CancellationToken;

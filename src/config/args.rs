@@ -110,7 +110,7 @@ pub struct IngestArgs {
     /// text until the new one is stored). Set it in the config file so that `reconcile`
     /// and `console` judge superseded vectors by the same policy.
     #[arg(long, value_enum)]
-    pub on_newer_parked: Option<crate::park::OnNewerParked>,
+    pub on_newer_parked: Option<crate::store::park::OnNewerParked>,
     /// Once the input is written, delete what the run did not contain: none (default),
     /// incremental (the chunks of each document in the input that the input no longer has)
     /// or full (every chunk of the table the input does not have; refused, exit 2, when the

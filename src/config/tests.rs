@@ -1,5 +1,5 @@
 use super::*;
-use crate::park::OnNewerParked;
+use crate::store::park::OnNewerParked;
 
 fn file(text: &str) -> ConfigFile {
     ConfigFile::parse(Path::new("/etc/e.toml"), text).unwrap()

@@ -1,6 +1,6 @@
 //! The console's actions: bulk requeue and purge (dry run → confirmation → run in the
 //! background → result page) and reconcile runs. Every one is authorised
-//! ([`routes::authorize`]: a session, its CSRF token, actions enabled) and written to the
+//! ([`reply::authorize`](super::reply::authorize): a session, its CSRF token, actions enabled) and written to the
 //! audit trail before it changes anything.
 //!
 //! A bulk action applies to the filter of its dry run and to no row newer than the highest id
@@ -21,7 +21,8 @@ use axum::response::{IntoResponse, Redirect, Response};
 
 use super::filter::RawQuery;
 use super::pages::{self, Preview};
-use super::routes::{Page, State, authorize, db_error, html};
+use super::reply::{authorize, db_error, html};
+use super::state::{Page, State};
 use crate::reconcile::{Mode, Reconciler};
 use crate::store::console as sql;
 

@@ -29,7 +29,7 @@ use chrono::{DateTime, Utc};
 use redis::streams::StreamRangeReply;
 use serde::Deserialize;
 
-use super::routes::State;
+use super::state::State;
 use crate::streams::{StreamKeys, field};
 use crate::tail::{EventSink, MissingEvents, OnGap, StreamGap, TailEvent, TailOptions};
 

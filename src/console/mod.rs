@@ -51,7 +51,9 @@ mod events;
 mod filter;
 mod overview;
 mod pages;
+mod reply;
 mod routes;
+mod state;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -366,7 +368,7 @@ pub async fn serve_on(
             "the console listens beyond loopback: every page needs a login (put it behind TLS)");
     }
     let tasks = TaskTracker::new();
-    let state = routes::State::new(console, cancel.clone(), tasks.clone(), exposed);
+    let state = state::State::new(console, cancel.clone(), tasks.clone(), exposed);
     let app = routes::router(state).into_make_service_with_connect_info::<SocketAddr>();
     let stop = cancel.clone();
     let served =

@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use crate::metrics::StreamStats;
+use crate::gauges::StreamStats;
 use crate::relay::sql::Backlog;
 use crate::store::StoreError;
 use crate::store::console::{self as sql, Bucket, ReasonDepth, ReconcileRun};
 use crate::store::dlq::{Schedule, Stats};
 
-use super::routes::State;
+use super::state::State;
 
 /// Everything on the overview.
 #[derive(Debug)]
@@ -93,8 +93,8 @@ pub async fn gather(state: &State) -> Result<Overview, StoreError> {
     let reconcile = sql::reconcile_runs(pool, 1).await?.into_iter().next();
     let streams = match state.redis().await {
         Ok(mut redis) => {
-            let refs = crate::metrics::stream_refs(&state.console.keys);
-            crate::metrics::stream_stats(&mut redis, &refs).await.map_err(|e| format!("Redis: {e}"))
+            let refs = crate::gauges::stream_refs(&state.console.keys);
+            crate::gauges::stream_stats(&mut redis, &refs).await.map_err(|e| format!("Redis: {e}"))
         }
         Err(e) => Err(e),
     };

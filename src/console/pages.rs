@@ -11,42 +11,11 @@ use super::charts;
 use super::events::ShownEvent;
 use super::filter::{AGES, ListFilter, ListQuery, PAGE_SIZES, query_string};
 use super::overview::Overview;
+pub use super::state::Ctx;
 use crate::model::ErrorClass;
 use crate::reconcile::Report;
 use crate::store::console::{AuditEntry, Excerpt, Page, ReconcileRun, RowView, SortKey};
 use crate::store::dlq::Listed;
-
-/// What every page needs to know about the request.
-#[derive(Debug, Clone)]
-pub struct Ctx {
-    /// The logged-in operator's name and CSRF token.
-    pub session: Option<(String, String)>,
-    /// `--read-only`.
-    pub read_only: bool,
-    /// A token is configured (so a login is possible).
-    pub token_set: bool,
-    /// The request's path and query (where a login returns to).
-    pub here: String,
-    /// Reading needs a login here (the console listens beyond loopback without
-    /// `--public-read`): the login form is offered even when actions are disabled.
-    pub login_for_reads: bool,
-}
-
-impl Ctx {
-    /// Actions are possible at all (a token is set and the console is not read-only).
-    pub fn actions_enabled(&self) -> bool {
-        self.token_set && !self.read_only
-    }
-
-    /// The login form is offered: for actions, or for reading where reading needs it.
-    pub fn login_offered(&self) -> bool {
-        self.token_set && (!self.read_only || self.login_for_reads)
-    }
-
-    fn csrf(&self) -> Option<&str> {
-        self.session.as_ref().map(|(_, c)| c.as_str())
-    }
-}
 
 /// A time as `2026-11-30 12:00:01`.
 pub fn time(t: DateTime<Utc>) -> String {

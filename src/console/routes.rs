@@ -1,145 +1,29 @@
-//! The router, the shared state, the request guards (host check, login for reads; the
-//! security headers and the time limit are tower-http layers) and the read-only pages' handlers. The actions' handlers are in `actions`, the live
+//! The router, the request guards (host check, login for reads; the security headers and the
+//! time limit are tower-http layers) and the read-only pages' handlers. The shared state is in
+//! `state`, the shared responses in `reply`, the actions' handlers in `actions`, the live
 //! tail's in `events`.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::streams::RedisConn;
 use axum::Router;
 use axum::extract::{ConnectInfo, Form, Path, Query, Request, State as AxumState};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use maud::Markup;
 use serde::Deserialize;
-use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tower_http::set_header::SetResponseHeaderLayer;
 use tower_http::timeout::TimeoutLayer;
 
-use super::auth::{self, Session, Sessions};
+use super::auth;
 use super::filter::RawQuery;
-use super::pages::{self, Ctx};
-use super::{Console, MAX_RUNNING_ACTIONS, actions, events, overview};
+use super::pages;
+use super::reply::{authorize, cross_site, db_error, html};
+use super::state::{Ctx, Page, State, here};
+use super::{actions, events, overview};
 use crate::store::StoreError;
 use crate::store::console as sql;
-
-/// Shared by every request.
-#[derive(Clone)]
-pub struct State {
-    pub console: Arc<Console>,
-    pub sessions: Arc<Sessions>,
-    /// For reading metrics endpoints (short timeouts, no redirects).
-    pub http: reqwest::Client,
-    /// The console's stop: ends live tails and bulk actions (between pages).
-    pub cancel: CancellationToken,
-    /// Live tails and bulk actions: the console waits for them when it stops.
-    pub tasks: TaskTracker,
-    pub event_slots: Arc<Semaphore>,
-    /// Detail pages and text downloads being served ([`super::ConsoleConfig::max_row_views`]).
-    pub row_slots: Arc<Semaphore>,
-    pub action_slots: Arc<Semaphore>,
-    /// One reconcile run at a time per console.
-    pub reconcile_lock: Arc<tokio::sync::Mutex<()>>,
-    /// Every page but the login needs a session: the console listens beyond loopback and
-    /// `--public-read` was not given (chunk text and metadata are customer data).
-    pub reads_need_login: bool,
-    /// The session cookie carries `Secure` ([`super::CookieSecure`] for this listener).
-    pub secure_cookie: bool,
-    redis: Arc<tokio::sync::Mutex<Option<RedisConn>>>,
-}
-
-impl State {
-    /// The state of a console that stops on `cancel` and tracks its tasks in `tasks`.
-    ///
-    /// `exposed`: the listener is reachable from beyond loopback.
-    pub fn new(console: Console, cancel: CancellationToken, tasks: TaskTracker, exposed: bool) -> State {
-        let http = crate::http::client_builder()
-            .timeout(Duration::from_secs(3))
-            .connect_timeout(Duration::from_secs(2))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .expect("an HTTP client without TLS settings builds");
-        State {
-            reads_need_login: exposed && !console.config.public_read,
-            secure_cookie: match console.config.cookie_secure {
-                super::CookieSecure::Auto => exposed,
-                super::CookieSecure::Always => true,
-                super::CookieSecure::Never => false,
-            },
-            event_slots: Arc::new(Semaphore::new(console.config.max_event_clients)),
-            row_slots: Arc::new(Semaphore::new(console.config.max_row_views)),
-            action_slots: Arc::new(Semaphore::new(MAX_RUNNING_ACTIONS)),
-            console: Arc::new(console),
-            sessions: Arc::default(),
-            http,
-            cancel,
-            tasks,
-            reconcile_lock: Arc::default(),
-            redis: Arc::default(),
-        }
-    }
-
-    /// A Redis connection for short commands, made on first use (so the console starts and
-    /// shows the database's pages while Redis is down) and reused after.
-    pub async fn redis(&self) -> Result<RedisConn, String> {
-        let Some(client) = &self.console.redis else { return Err("Redis is not configured".into()) };
-        let mut slot = self.redis.lock().await;
-        if let Some(c) = slot.as_ref() {
-            return Ok(c.clone());
-        }
-        let conn = tokio::time::timeout(Duration::from_secs(5), crate::streams::managed(client))
-            .await
-            .map_err(|_| "Redis did not answer within 5 s".to_string())?
-            .map_err(|e| format!("cannot connect to Redis: {e}"))?;
-        *slot = Some(conn.clone());
-        Ok(conn)
-    }
-
-    /// The logged-in session of a request, if any (its id and contents).
-    pub fn session(&self, headers: &HeaderMap) -> Option<(String, Session)> {
-        let id = auth::session_cookie(headers)?;
-        let s = self.sessions.get(&id)?;
-        Some((id, s))
-    }
-
-    /// The page context of a request.
-    pub fn ctx(&self, headers: &HeaderMap, here: String) -> Ctx {
-        let read_only = self.console.config.read_only;
-        Ctx {
-            session: if read_only { None } else { self.session(headers).map(|(_, s)| (s.actor, s.csrf)) },
-            read_only,
-            token_set: self.console.config.token.is_some(),
-            here,
-            login_for_reads: self.reads_need_login,
-        }
-    }
-}
-
-/// What a page handler starts from: the shared state and the request's page context (the
-/// session, the read-only flag, and the page's own path for a login to return to). Handlers
-/// that check a form's CSRF token take the headers themselves.
-pub struct Page {
-    /// The console's shared state.
-    pub state: State,
-    /// The page context of this request.
-    pub ctx: Ctx,
-}
-
-impl axum::extract::FromRequestParts<State> for Page {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut axum::http::request::Parts,
-        state: &State,
-    ) -> Result<Self, Self::Rejection> {
-        Ok(Page { ctx: state.ctx(&parts.headers, here(&parts.uri)), state: state.clone() })
-    }
-}
 
 /// Every route of the console. Every page but the live tail and a reconcile run gets the
 /// configured time limit (a 503 when the database is too slow to answer); every response, refusals
@@ -248,22 +132,6 @@ async fn read_gate(AxumState(state): AxumState<State>, req: Request, next: Next)
         StatusCode::UNAUTHORIZED,
         pages::login(&ctx, &back, Some("Log in to read: this console listens beyond loopback.")),
     )
-}
-
-/// An HTML response.
-pub fn html(status: StatusCode, m: Markup) -> Response {
-    (status, [(header::CONTENT_TYPE, "text/html; charset=utf-8")], m.into_string()).into_response()
-}
-
-/// A database failure as a page (the message names no secret: sqlx errors carry no URL).
-pub fn db_error(ctx: &Ctx, e: StoreError) -> Response {
-    tracing::warn!(error = %e, "console: a page's query failed");
-    html(StatusCode::SERVICE_UNAVAILABLE, pages::message(ctx, "Database error", &e.to_string()))
-}
-
-/// The path and query of a request (where a login returns to).
-pub fn here(uri: &axum::http::Uri) -> String {
-    uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into())
 }
 
 async fn overview_page(Page { state, ctx }: Page) -> Response {
@@ -558,59 +426,6 @@ async fn logout(
         HeaderValue::from_str(&auth::clear_cookie(state.secure_cookie)).expect("static cookie"),
     );
     resp
-}
-
-/// Why a mutating request was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
-    /// `--read-only`, or no token configured.
-    Disabled,
-    /// No (live) session.
-    NotLoggedIn,
-    /// The form's CSRF token is missing or wrong, or the request came from another site.
-    Csrf,
-}
-
-impl Refused {
-    /// The refusal as a page (401 or 403); nothing was changed.
-    pub fn page(self, ctx: &Ctx) -> Response {
-        let (status, text) = match self {
-            Refused::Disabled => {
-                (StatusCode::FORBIDDEN, "Refused: actions are disabled on this console. Nothing was changed.")
-            }
-            Refused::NotLoggedIn => (
-                StatusCode::UNAUTHORIZED,
-                "Refused: log in with the console token first. Nothing was changed.",
-            ),
-            Refused::Csrf => (
-                StatusCode::FORBIDDEN,
-                "Refused: the form's security token is missing or stale; reload the page. Nothing was changed.",
-            ),
-        };
-        html(status, pages::message(ctx, "Refused", text))
-    }
-}
-
-/// Whether the browser says the request comes from another site (`Sec-Fetch-Site`).
-fn cross_site(headers: &HeaderMap) -> bool {
-    headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()) == Some("cross-site")
-}
-
-/// The session of a mutating request, after every check: actions enabled, a live session,
-/// the session's CSRF token in the form, not a cross-site request.
-pub fn authorize(state: &State, headers: &HeaderMap, csrf: &str) -> Result<(String, Session), Refused> {
-    let refused = |r: Refused| {
-        tracing::warn!(reason = ?r, "console: refused an action");
-        Err(r)
-    };
-    if state.console.config.read_only || state.console.config.token.is_none() {
-        return refused(Refused::Disabled);
-    }
-    let Some((id, session)) = state.session(headers) else { return refused(Refused::NotLoggedIn) };
-    if cross_site(headers) || csrf.is_empty() || !auth::same(csrf, &session.csrf) {
-        return refused(Refused::Csrf);
-    }
-    Ok((id, session))
 }
 
 async fn not_found(Page { ctx, .. }: Page) -> Response {

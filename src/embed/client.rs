@@ -98,7 +98,7 @@ pub struct ClientConfig {
 impl std::fmt::Debug for ClientConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClientConfig")
-            .field("base_url", &crate::config::redact_password(&self.base_url))
+            .field("base_url", &crate::redact::redact_password(&self.base_url))
             .field("model", &self.model)
             .field("request_dimensions", &self.request_dimensions)
             .field("encoding", &self.encoding)

@@ -27,7 +27,6 @@ pub mod client;
 pub mod gate;
 pub mod isolate;
 pub mod limit;
-mod reason;
 pub mod retry;
 
 use std::collections::BTreeMap;
@@ -37,12 +36,12 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::model::ErrorClass;
+pub use crate::model::Reason;
 use canary::{CANARY_TEXT, CanaryVerdict, Consult, Signature, Target};
 use classify::{Verdict, classify};
 use client::{EmbedClient, EmbedError};
 use gate::{GateError, Health, OnOutage, Permit, ProviderGate};
 use isolate::Isolation;
-pub use reason::Reason;
 use retry::RetryPolicy;
 
 /// What happened to one input of a batch.

@@ -490,7 +490,7 @@ impl<'a> Batcher<'a> {
     /// are never skipped as done. Returns the keys whose lease this run took (none once a run
     /// alone is past its first windows), and for each chunk kept whether it is new: the
     /// manifest had no row for it and it is not repeated in this run, so its store may try
-    /// plain inserts first ([`crate::ingest::sql::StoredChunk::new_chunk`]).
+    /// plain inserts first ([`crate::store::StoredChunk::new_chunk`]).
     pub(super) fn skip_known(
         &self,
         records: &mut WindowRecords,

@@ -48,7 +48,6 @@ pub(crate) mod lease;
 pub(crate) mod reader;
 mod seen;
 pub mod source;
-pub(crate) mod sql;
 mod worker;
 mod writer;
 
@@ -68,8 +67,8 @@ use crate::embed::gate::OnOutage;
 use crate::embed::retry::DlqSchedule;
 use crate::embed::{BatchStats, Embedder, ItemOutcome, Reason, Stop};
 use crate::model::{Chunk, ChunkStatus, ErrorClass, HexHash};
-use crate::park::{OnNewerParked, ParkCounts, ParkedChunk};
 use crate::store::delete::DeleteRequest;
+use crate::store::park::{OnNewerParked, ParkCounts, ParkedChunk};
 use crate::store::position::RunPositions;
 use crate::store::{Store, StoreCounts, StoreError, StoredChunk};
 use crate::supervise::{Supervisor, TaskFailure};
@@ -444,7 +443,7 @@ struct Claimed {
     /// ([`lease::WindowClaim::leased`]).
     leased: bool,
     /// The manifest had no row for the chunk when its window was looked up
-    /// ([`sql::StoredChunk::new_chunk`]).
+    /// ([`crate::store::StoredChunk::new_chunk`]).
     new_chunk: bool,
     /// The chunk's metadata as read, for a park's payload ([`RawMetadata::payload`]).
     metadata: Option<RawMetadata>,

@@ -429,7 +429,7 @@ async fn acker(
         let retry = !failed.is_empty();
         acks.acked(done, failed);
         if retry {
-            crate::relay::sleep_or_cancel(backoff.next_delay(), &stop).await;
+            crate::shutdown::sleep_or_cancel(backoff.next_delay(), &stop).await;
         } else {
             backoff.reset();
         }
@@ -484,13 +484,13 @@ impl SourceReader {
             }
             match self.step(&feed, &mut position).await {
                 Ok(()) => self.backoff.reset(),
-                Err(e) if crate::relay::is_transient_redis(&e) || crate::relay::is_lost_group(&e) => {
+                Err(e) if crate::streams::is_transient_redis(&e) || crate::streams::is_lost_group(&e) => {
                     tracing::warn!(error = %e, "source stream read failed; retrying");
                     self.blocking = None;
-                    if crate::relay::is_lost_group(&e) {
+                    if crate::streams::is_lost_group(&e) {
                         let _ = ensure_groups(&mut self.redis, &self.opts).await;
                     }
-                    crate::relay::sleep_or_cancel(self.backoff.next_delay(), &feed.halt).await;
+                    crate::shutdown::sleep_or_cancel(self.backoff.next_delay(), &feed.halt).await;
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "source stream cannot be read; stopping");

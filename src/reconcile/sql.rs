@@ -22,7 +22,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction};
 
-use crate::replay::sql::{LOCK_MANIFEST_SQL, locked_manifest_tids};
+use crate::store::dlq::{LOCK_MANIFEST_SQL, locked_manifest_tids};
 use crate::store::{StoreError, TargetTable};
 
 /// Most target tables one run (or one "every table" count) looks at: tables named by the
@@ -491,7 +491,7 @@ pub(crate) async fn bad_vectors(
 /// (deleted, one `withdrawn` event each, `by: reconcile`), `page` vectors a transaction, each
 /// locking the chunks' manifest rows first and checking the condition again under the lock.
 ///
-/// [`OnNewerParked::Withdraw`]: crate::park::OnNewerParked::Withdraw
+/// [`OnNewerParked::Withdraw`]: crate::store::park::OnNewerParked::Withdraw
 pub(crate) async fn superseded_vectors(
     pool: &PgPool,
     target: &TargetTable,
@@ -531,7 +531,7 @@ pub(crate) async fn superseded_vectors(
     }
     // Under the manifest locks, the keys are taken again from what the manifest and the DLQ
     // hold now: a chunk stored or re-parked meanwhile is left alone.
-    let withdraw = crate::park::withdraw_sql(
+    let withdraw = crate::store::park::withdraw_sql(
         t,
         // Key by key (a subquery kept apart by `OFFSET 0`, a scalar probe of the DLQ): the
         // manifest and the DLQ may be believed empty, and a join would walk them.

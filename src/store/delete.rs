@@ -330,13 +330,13 @@ impl Store {
         }
         let table = self.target.sql_name();
         // The DLQ rows found by key (the DLQ may be believed empty: `DLQ_ID_OF_CHUNK`).
-        use crate::ingest::sql::DLQ_ID_OF_CHUNK;
+        use super::dlq::DLQ_ID_OF_CHUNK;
         sqlx::query(AssertSqlSafe(format!(
             "WITH k AS (
                  SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[]) AS k(doc_id, chunk_index, content_hash)
              ), vectors AS (
                  -- By tuple id, each found by its key (a join walks a vector table believed
-                 -- empty: `park::withdraw_sql`); the manifest rows were deleted first, and
+                 -- empty: `store::park::withdraw_sql`); the manifest rows were deleted first, and
                  -- every writer of a vector takes its manifest row first.
                  DELETE FROM {table} e
                   WHERE e.ctid = ANY (ARRAY(

@@ -13,7 +13,6 @@ use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, Row};
 
 use super::StoreError;
 use crate::model::ErrorClass;
-use crate::replay::sql::{LOCK_MANIFEST_SQL, locked_manifest_tids};
 
 /// `error_class` columns decode straight into [`ErrorClass`]: a spelling the enum does not
 /// know (a newer schema, a hand-written row) is a decode error for that query, never a panic
@@ -477,7 +476,7 @@ pub(crate) async fn purge_batch(
 pub const SCHEDULE_COUNT_CAP: i64 = 10_000;
 
 /// The DLQ gauges of one sample, read in one statement (one snapshot), with what it costs:
-/// [`crate::metrics::dlq_gauges`].
+/// [`crate::gauges::dlq_gauges`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct DlqGauges {
     /// Rows per class, every class listed (0 for a class with no row).
@@ -608,3 +607,51 @@ pub async fn schedule(pool: &PgPool) -> Result<Schedule, StoreError> {
     let mut conn = pool.acquire().await?;
     Ok(gauges(&mut conn).await?.schedule)
 }
+
+/// Locks the manifest rows of the given DLQ rows (`$1`: their ids), in key order: the first
+/// statement of every transaction that changes DLQ rows of existing chunks (replay commits,
+/// requeue, purge), so that every writer takes a chunk's manifest row before its DLQ row, as
+/// ingest's store and park do, and none deadlocks against another.
+///
+/// Each manifest row is looked up by its key, one DLQ row after the other in key order (a
+/// `LATERAL ... FOR UPDATE` is never flattened into a join, and the ordered subquery is
+/// never pulled up): as a plain join the planner hashed the whole manifest for a batch of a
+/// few hundred rows.
+///
+/// Returns each locked row's DLQ id and the manifest's content hash as locked: the latest
+/// committed version, which nobody else can change before this transaction ends, so a
+/// replay commit checks "the manifest still holds the replayed content" from it instead of
+/// probing the manifest again.
+pub(crate) const LOCK_MANIFEST_SQL: &str = "SELECT d.id, locked.content_hash
+      FROM (SELECT id, target_table, doc_id, chunk_index FROM embedding_dlq WHERE id = ANY($1)
+             ORDER BY target_table, doc_id, chunk_index) d
+     CROSS JOIN LATERAL (SELECT m.content_hash FROM ingest_manifest m
+                          WHERE m.target_table = d.target_table AND m.doc_id = d.doc_id
+                            AND m.chunk_index = d.chunk_index
+                            FOR UPDATE) locked";
+
+/// SQL: the tuple ids of the manifest rows of `rows` (a CTE or subquery with the chunks'
+/// `target_table`, `doc_id`, `chunk_index` and `content_hash`), each found by its key (one probe
+/// of the primary key, a subquery of its own: no join the planner could turn into a walk of a
+/// manifest it believes empty), as an array for `m.ctid = ANY (...)`; `condition` adds to
+/// each probe (`AND k.status <> 'parked'`), a row failing it gives NULL, which matches nothing.
+/// Only for rows this transaction has locked ([`LOCK_MANIFEST_SQL`]): Postgres does not check a
+/// TID condition again when an update meets a row changed meanwhile.
+pub(crate) fn locked_manifest_tids(rows: &str, condition: &str) -> String {
+    format!(
+        "ARRAY(SELECT (SELECT k.ctid FROM ingest_manifest k
+                        WHERE k.target_table = r.target_table AND k.doc_id = r.doc_id
+                          AND k.chunk_index = r.chunk_index AND k.content_hash = r.content_hash
+                          {condition})
+                 FROM {rows} r)"
+    )
+}
+
+/// The id of the DLQ row of chunk `i` (`i.doc_id`, `i.chunk_index`) of table `$1`, if any,
+/// looked up by its key: the DLQ rows a write batch resolves are found one key at a time and
+/// then deleted by id, never by a join of the batch with the DLQ. The DLQ swings between empty
+/// and a backlog, and after an `ANALYZE` that found its pages but no live row (autovacuum's,
+/// after a drain) the planner believes it holds one row: a join then walked every DLQ row of
+/// the table for each batch (`src/replay/sql.rs`, BENCHMARKS.md).
+pub(crate) const DLQ_ID_OF_CHUNK: &str = "(SELECT x.id FROM embedding_dlq x
+          WHERE x.target_table = $1::text AND x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index)";

@@ -1,6 +1,5 @@
-//! Postgres: the system of record. Each stage's statements sit with the stage that runs them
-//! (`ingest/lease.rs`: the intake window's one round trip; `ingest/sql.rs`: the manifest claim
-//! and the store of vectors; [`crate::park`]: the park transaction; `relay/sql.rs`: the
+//! Postgres: the system of record. A stage's own statements sit with the stage that runs them
+//! (`ingest/lease.rs`: the intake window's one round trip; `relay/sql.rs`: the
 //! outbox's claim and marks; `replay/sql.rs`: the scheduler's enqueue and the replayers'
 //! fenced commits; [`crate::reconcile::sql`]: the checks and repairs, and the seed's leak and
 //! duplicate queries). Every write of a chunk is one transaction that starts with the manifest
@@ -10,13 +9,16 @@
 //! What stays here is shared by the stages or belongs to none:
 //!
 //! - this module: [`Store`] (the pool and the target table, inspected in the catalog and
-//!   cached), connections, migrations;
+//!   cached), connections, migrations, the classification of Postgres errors;
+//! - `write`: the manifest claim every outcome starts with and the fenced store of vectors
+//!   (ingest's writers and replay's commit); [`park`]: the park transaction (ingest, the
+//!   stream source, the reconciler's withdraw repair);
 //! - `delete`: deletions (explicit deletes from the input, a run's cleanup), fenced like writes
 //!   by position and by tombstones that the manifest claim honours;
 //! - `source`: the attempts charged to a stream source's suspect entries; [`position`]: the
 //!   one scale of positions that fences writes and deletions; [`prefix`]: the one stream prefix
 //!   a database is relayed under;
-//! - `dlq`: the operator actions; `console`: what the operator console reads beyond them
+//! - `dlq`: the operator actions and the manifest locks every DLQ writer takes first; `console`: what the operator console reads beyond them
 //!   (keyset pages in any sort order, activity over time) and its audit trail.
 //!
 //! A chunk's identity is (target table, doc_id, chunk_index); the table is recorded by its
@@ -27,12 +29,14 @@ pub(crate) mod console;
 pub(crate) mod delete;
 pub(crate) mod dlq;
 mod migrations;
+pub mod park;
 pub mod position;
 pub mod prefix;
 pub(crate) mod source;
+pub(crate) mod write;
 
-pub(crate) use crate::ingest::sql::{StoreCounts, StoredChunk};
-use crate::park::OnNewerParked;
+use park::OnNewerParked;
+pub(crate) use write::{StoreCounts, StoredChunk};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -174,7 +178,7 @@ type TargetCache = HashMap<String, (std::time::Instant, Arc<TargetTable>)>;
 /// Postgres access for ingest, replay and the reconciler.
 #[derive(Clone)]
 pub struct Store {
-    // Crate-visible: each stage's SQL (ingest/sql.rs, replay/sql.rs, ...) sits with the stage
+    // Crate-visible: each stage's SQL (replay/sql.rs, relay/sql.rs, ...) sits with the stage
     // and writes through the same pool and target.
     pub(crate) pool: PgPool,
     pub(crate) target: Arc<TargetTable>,
@@ -191,7 +195,7 @@ pub struct Store {
     /// them generically ([`connect_generic_plans`]). `None`: the main pool.
     pub(crate) lookup_pool: Option<PgPool>,
     /// Store batches left that skip the plain inserts of new chunks after one met a row that
-    /// was not new (`ingest/sql.rs`, `NEW_CHUNK_PAUSE`).
+    /// was not new (`store/write.rs`, `NEW_CHUNK_PAUSE`).
     pub(crate) new_chunk_pause: Arc<std::sync::atomic::AtomicU32>,
 }
 
@@ -359,9 +363,9 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
         ));
     }
     Ok(TargetTable {
-        store_sql: crate::ingest::sql::store_sql(&name),
-        new_store_sql: crate::ingest::sql::new_store_sql(&name),
-        withdraw_sql: crate::park::park_withdraw_sql(&name),
+        store_sql: write::store_sql(&name),
+        new_store_sql: write::new_store_sql(&name),
+        withdraw_sql: park::park_withdraw_sql(&name),
         quoted: name.clone(),
         name,
         dimensions: dims.expect("embedding checked"),
@@ -385,6 +389,35 @@ pub async fn create_target_table(pool: &PgPool, table: &str, dimensions: usize) 
     );
     sqlx::query(AssertSqlSafe(sql)).execute(pool).await?;
     Ok(())
+}
+
+/// Classifies a Postgres error for the background loops (relay, scheduler, replayers; broader
+/// than [`StoreError::is_transient`], which also lists 40, 53, 55P03 and 58 codes): by
+/// `sqlx` kind and SQLSTATE. Transient: I/O, pool timeouts, protocol trouble, connection
+/// exceptions (08), transaction rollbacks (40: serialization failure, deadlock), insufficient
+/// resources (53), lock not available (55P03), operator intervention (57, e.g. a cancelled
+/// statement or a shutting-down server, except 57P04 database dropped), system I/O errors
+/// (58000, 58030), a read-only server during failover (25006) and a session the server
+/// ended because it sat idle in a transaction (25P03: a relay that held the outbox's position
+/// longer than [`crate::relay::RelayConfig::claim_idle_timeout`], the position free for the next pass). Everything else, e.g. an
+/// undefined table (42P01) or column (42703), a permission problem or a decode error, needs a
+/// person and is permanent.
+pub(crate) fn is_transient_in_background(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            c.starts_with("08")
+                || c.starts_with("40")
+                || c.starts_with("53")
+                || (c.starts_with("57") && c != "57P04")
+                || matches!(c.as_ref(), "55P03" | "58000" | "58030" | "25006" | "25P03" | "72000")
+        }),
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //!   every command by the slot of its key (so `EVALSHA` goes where its `KEYS[1]` lives),
 //!   follows `MOVED`/`ASK` redirections and refreshes the slot map after a failover, with
 //!   the bounded retries set here. Our own loops retry whatever it still returns as
-//!   transient (`crate::relay::is_transient_redis`).
+//!   transient ([`is_transient_redis`]).
 //!
 //! Blocking reads (`XREADGROUP`/`XREAD ... BLOCK`) never share a connection with anything
 //! else, in either mode: redis-rs gives every reply a response timeout (500 ms by default),
@@ -212,6 +212,58 @@ impl ConnectionLike for RedisConn {
             Inner::Cluster(c) => c.get_db(),
         }
     }
+}
+
+/// Classifies a Redis error for the background loops: by redis-rs kind and server error code.
+/// Transient: I/O (connection refused, dropped, timed out), a server loading its data set,
+/// cluster redirections and failovers (`TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`,
+/// `MOVED`, `ASK`), a busy script (`BUSY`), memory or persistence trouble (`OOM`, `MISCONF`),
+/// missing replicas (`NOREPLICAS`) and a consumer group that vanished with its stream
+/// (`NOGROUP`, `UNBLOCKED` for a read that was blocked when the stream was deleted, and `ERR
+/// no such key` from `XINFO` on it: the replayer recreates the group). Permanent: everything else, e.g. `WRONGTYPE`, a
+/// script error, `NOPERM`, failed authentication, a reply of an unexpected type.
+pub(crate) fn is_transient_redis(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || is_lost_group(e)
+    {
+        return true;
+    }
+    match e.kind() {
+        ErrorKind::Parse
+        | ErrorKind::ClusterConnectionNotFound
+        | ErrorKind::MasterNameNotFoundBySentinel
+        | ErrorKind::NoValidReplicasFoundBySentinel => true,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+        ),
+        ErrorKind::Extension => {
+            matches!(
+                e.code(),
+                Some("BUSY" | "OOM" | "MISCONF" | "NOREPLICAS" | "NOGROUP" | "UNBLOCKED" | "LOADING")
+            )
+        }
+        _ => false,
+    }
+}
+
+/// Whether `e` says the stream a group read was reading is gone with its consumer group
+/// (`NOGROUP`; `UNBLOCKED` when the read was blocked as the stream was deleted, e.g. by a
+/// `FLUSHALL`; `ERR no such key` from `XINFO` on the deleted stream): the reader recreates
+/// the group and reads on.
+pub(crate) fn is_lost_group(e: &redis::RedisError) -> bool {
+    matches!(e.code(), Some("NOGROUP" | "UNBLOCKED"))
+        || (e.code() == Some("ERR") && e.detail() == Some("no such key"))
 }
 
 #[cfg(test)]

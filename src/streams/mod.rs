@@ -36,6 +36,7 @@ use std::time::Duration;
 use redis::Script;
 
 pub use conn::{RedisClient, RedisConn};
+pub(crate) use conn::{is_lost_group, is_transient_redis};
 pub use work::WorkItem;
 
 /// The consumer group of the replayers on the replay stream.
@@ -47,6 +48,12 @@ pub const DEFAULT_PREFIX: &str = "embed-dlq";
 /// Approximate length cap of the events stream (`XADD ... MAXLEN ~`): what the relay trims
 /// to, and what the reconciler treats as "trimmed by policy" rather than lost.
 pub const DEFAULT_EVENTS_MAXLEN: usize = 1_000_000;
+
+/// Default `outstanding_max` of the replay scheduler, and so the replay stream's length cap:
+/// a few seconds of replay at the rates measured here, a few MB of Redis (BENCHMARKS.md).
+/// Here, beside the events stream's cap, because the relay (which trims the stream) and the
+/// scheduler (which fills it) both need it.
+pub const DEFAULT_OUTSTANDING_MAX: usize = 10_000;
 
 /// The dedup-and-append script (`redis/publish.lua`): publishes a batch of outbox rows of one
 /// shard, each at most once, and returns every row's entry id in order.

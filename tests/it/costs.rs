@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use embed_dlq::metrics::{DlqGauges, SCHEDULE_COUNT_CAP, dlq_gauges};
+use embed_dlq::gauges::{DlqGauges, SCHEDULE_COUNT_CAP, dlq_gauges};
 use embed_dlq::model::ErrorClass;
 use embed_dlq::testkit::mock_provider::MockConfig;
 use sqlx::{Acquire, PgConnection, Row};

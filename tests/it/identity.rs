@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use embed_dlq::ingest::{IngestSummary, Pipeline};
 use embed_dlq::model::{ErrorClass, content_hash};
-use embed_dlq::park::ParkedChunk;
 use embed_dlq::reconcile::{Mode, Reconciler};
 use embed_dlq::relay::RelayConfig;
 use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
 use embed_dlq::store::Store;
+use embed_dlq::store::park::ParkedChunk;
 use embed_dlq::streams::StreamKeys;
 use embed_dlq::testkit::mock_provider::{self, MockConfig, MockProvider};
 use tokio_util::sync::CancellationToken;

@@ -2,6 +2,7 @@
 //! the real Postgres+pgvector named by `DATABASE_URL` (a fresh database each) and, where it
 //! needs a provider, to the fault-injecting mock over real HTTP. Run it with scripts/test.sh.
 
+mod architecture;
 mod cluster;
 mod config;
 mod console;

@@ -228,7 +228,7 @@ fn keep_settings(
     mock: &embed_dlq::testkit::mock_provider::MockProvider,
 ) -> embed_dlq::config::IngestSettings {
     let mut s = settings(db, mock);
-    s.options.on_newer_parked = embed_dlq::park::OnNewerParked::Keep;
+    s.options.on_newer_parked = embed_dlq::store::park::OnNewerParked::Keep;
     s
 }
 

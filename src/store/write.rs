@@ -1,6 +1,8 @@
-//! The ingest's writes: the manifest claim every outcome starts with (it also marks the run's
-//! leases of those chunks finished) and [`Store::store_batch`], the store of vectors. The
-//! other outcome, a park, is `crate::park`; the intake window's lookup is `lease.rs`.
+//! The fenced writes of vectors: the manifest claim every outcome starts with (it also marks
+//! the run's leases of those chunks finished) and [`Store::store_batch`], the store of
+//! vectors, which ingest's writers run and whose vector encoding replay's commit shares. The
+//! other outcome, a park, is [`super::park`]; the intake window's lookup is
+//! `crate::ingest::lease`.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -10,6 +12,7 @@ use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgArgumentBuffer, PgHasArrayType, PgTypeInfo};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 
+use super::dlq::DLQ_ID_OF_CHUNK;
 use crate::model::ChunkStatus;
 use crate::store::{Store, StoreError};
 
@@ -403,15 +406,6 @@ const RESOLVED_EVENTS: &str = r#"events AS (
       FROM resolved
     RETURNING 1
 )"#;
-
-/// The id of the DLQ row of chunk `i` (`i.doc_id`, `i.chunk_index`) of table `$1`, if any,
-/// looked up by its key: the DLQ rows a write batch resolves are found one key at a time and
-/// then deleted by id, never by a join of the batch with the DLQ. The DLQ swings between empty
-/// and a backlog, and after an `ANALYZE` that found its pages but no live row (autovacuum's,
-/// after a drain) the planner believes it holds one row: a join then walked every DLQ row of
-/// the table for each batch (`src/replay/sql.rs`, BENCHMARKS.md).
-pub(crate) const DLQ_ID_OF_CHUNK: &str = "(SELECT x.id FROM embedding_dlq x
-          WHERE x.target_table = $1::text AND x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index)";
 
 /// Second statement of a store (rows the manifest accepted) for one table ($1 is its
 /// canonical name): vector upsert, DLQ rows of the chunks resolved, `resolved` events.

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sqlx::AssertSqlSafe;
 
-use crate::ingest::sql::ManifestRecord;
+use super::write::ManifestRecord;
 use crate::model::{ChunkStatus, ErrorClass};
 use crate::store::{Store, StoreError};
 
