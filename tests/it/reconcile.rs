@@ -471,7 +471,8 @@ async fn temp_table_hits(db: &TestDb) -> i64 {
 /// The audit of replay work looks each leased row up in the work it found outstanding by
 /// key, whatever the statistics of the leases say: planned from aged ones (no live lease
 /// expected) it scanned the whole list of outstanding items once per lease, 10,000 x 10,000
-/// rows for a backlog at the default cap (7.8 s a run, `EXPLAIN ANALYZE`, BENCHMARKS.md).
+/// rows for a backlog at the default cap (7.8 s a run, `EXPLAIN ANALYZE`,
+/// docs/perf-notes/2026-12-03-replay-commit-and-aged-lease-statistics.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_of_replay_work_looks_leases_up_by_key_whatever_the_statistics_say() {
     let db = TestDb::new().await;

@@ -1339,8 +1339,9 @@ async fn a_replay_batch_reads_the_manifest_by_key_not_by_scanning_it() {
 /// after any analyze of `replay_lease` its statistics say no lease is live; planned from them,
 /// the check became a walk of every live lease for every due row: the second statement of a
 /// pass over 20,000 due rows (10,000 leased by the first) took 9.7 s instead of 0.08
-/// (`EXPLAIN ANALYZE`, BENCHMARKS.md), and every pass of a backlog bigger than the cap paid
-/// the same until autovacuum analyzed the table again.
+/// (`EXPLAIN ANALYZE`, docs/perf-notes/2026-12-03-replay-commit-and-aged-lease-statistics.md),
+/// and every pass of a backlog bigger than the cap paid the same until autovacuum analyzed the
+/// table again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduling_pass_checks_due_rows_against_their_own_lease_whatever_the_statistics_say() {
     let db = TestDb::new().await;

@@ -451,7 +451,8 @@ async fn an_incremental_run_reads_only_the_changed_chunks_vectors_whatever_the_s
     // The first run has no earlier one: it checks every chunk, reading the vector table a few
     // times at most. (What this cannot see: as a nested loop against a table believed to
     // hold one row, its anti-join read the table once and compared every manifest row with
-    // every vector in memory, 14 s here; BENCHMARKS.md has the plans.)
+    // every vector in memory, 14 s here; docs/perf-notes/2026-12-04-where-the-goals-ended.md
+    // has the plans.)
     quiet_statistics().await;
     let before = rows_read(&db, "doc_embeddings").await;
     let first = r.run_once(Mode::Check).await.unwrap();
