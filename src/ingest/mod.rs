@@ -437,7 +437,7 @@ impl Job {
 struct Claimed {
     chunk: Chunk,
     hash: String,
-    /// Position of the record ([`crate::store::source_seq`]).
+    /// Position of the record (the `source_seq` column of the manifest).
     seq: i64,
     /// The window's claim took the chunk's lease for this run
     /// ([`lease::WindowClaim::leased`]).

@@ -10,7 +10,7 @@
 //!   every command by the slot of its key (so `EVALSHA` goes where its `KEYS[1]` lives),
 //!   follows `MOVED`/`ASK` redirections and refreshes the slot map after a failover, with
 //!   the bounded retries set here. Our own loops retry whatever it still returns as
-//!   transient ([`is_transient_redis`]).
+//!   transient (`is_transient_redis`).
 //!
 //! Blocking reads (`XREADGROUP`/`XREAD ... BLOCK`) never share a connection with anything
 //! else, in either mode: redis-rs gives every reply a response timeout (500 ms by default),

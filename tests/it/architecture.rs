@@ -1,6 +1,6 @@
 //! The crate's shape, held: the layers of `docs/architecture.md` (read from its table, so the
 //! document and this test cannot drift apart), no import against their direction, no import
-//! cycle between files.
+//! cycle between files, and no source file over [`MAX_LINES`].
 //!
 //! Imports are read from the code as text: every `crate::…` and `super::…` path outside
 //! comments and `#[cfg(test)]` modules (a `use` line or a path written inline), resolved to
@@ -10,6 +10,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+
+/// The most lines a source file under `src/` or `benches/` may have: past it a file holds
+/// more than one concern, and its first doc comment cannot say what it owns.
+const MAX_LINES: usize = 1_200;
 
 type ModPath = Vec<String>;
 
@@ -334,6 +338,23 @@ fn no_two_files_import_each_other_even_through_others() {
         }
     }
     assert!(cycles.is_empty(), "{} import cycle(s):\n{}", cycles.len(), cycles.join("\n"));
+}
+
+#[test]
+fn no_source_file_is_over_the_line_limit() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    rust_files(&root().join("benches"), &mut files);
+    let mut over: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let lines = std::fs::read_to_string(f).unwrap().lines().count();
+            (lines > MAX_LINES)
+                .then(|| format!("{} has {lines} lines", f.strip_prefix(root()).unwrap().display()))
+        })
+        .collect();
+    over.sort();
+    assert!(over.is_empty(), "over {MAX_LINES} lines, split by concern:\n{}", over.join("\n"));
 }
 
 #[test]
