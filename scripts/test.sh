@@ -45,7 +45,7 @@ export EMBED_DLQ_TEST_RUN
 
 # Six tests at a time on any machine: the tests mostly wait (timers longer than a lease,
 # services, child processes), and six halve the suite's time against one per core
-# (BENCHMARKS.md "Test time"). RUST_TEST_THREADS overrides it.
+# (BENCHMARKS.md "Build and test time"). RUST_TEST_THREADS overrides it.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-6}"
 
 # A failing test's panic message, not forty lines of backtrace, at the end of the output (where

@@ -152,7 +152,7 @@ pub enum ReconcileError {
 pub struct Reconciler {
     /// The database whose manifest, vectors, DLQ and outbox are checked.
     pub store: Store,
-    /// Without Redis, the two stream checks are skipped (and say so).
+    /// Without Redis, the three stream checks are skipped (and say so).
     pub redis: Option<RedisConn>,
     /// The streams the stream checks read.
     pub keys: StreamKeys,

@@ -681,7 +681,7 @@ impl Replayer {
     /// (rows loaded and charged, texts re-embedded) while the batch before it, prepared by
     /// the previous step, is committed and acknowledged. Commits stay in order, one batch
     /// behind, so the database and the provider work at once where one batch after the
-    /// other left each idle in turn (BENCHMARKS.md, replay against ingest). With a batch in
+    /// other left each idle in turn (BENCHMARKS.md "Replay against ingest"). With a batch in
     /// `flight` the read does not block: when nothing new has come, that batch is committed
     /// alone. Only the blocking read ends early on `stop`; `hard` cuts retry waits short.
     /// Returns what this step's commit settled. The caller ends with

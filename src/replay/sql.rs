@@ -22,7 +22,8 @@
 //! their pages but no live row (autovacuum's, after a drain) leaves the planner believing a
 //! table of any size holds one row until the next one. Planned from that belief, a join of a
 //! batch with either table put the table outside: every row of it walked for each batch
-//! (the replay commit read 150,000 DLQ rows to replay 3,000, BENCHMARKS.md). So no statement
+//! (the replay commit read 150,000 DLQ rows to replay 3,000:
+//! docs/perf-notes/2026-12-04-tables-believed-empty.md). So no statement
 //! here joins a batch with them without a condition on the batch's own keys first: the DLQ by
 //! `id = ANY(<the batch's ids>)`, the leases deleted by `dlq_id = ANY(ARRAY(...))` (a scan
 //! of one table, never a join), or each row looked up by key in a `LATERAL` subquery. The
@@ -714,5 +715,6 @@ const LOAD_FOR_REPLAY_SQL: &str = "WITH input AS (
        FROM charged c
        -- Row by row, by id: joined to the DLQ on `d.id = c.dlq_id`, the planner (which
        -- expects one charged row) compared every row with every charged row, 256 x 256 for
-       -- a full batch, half of the statement's time (EXPLAIN ANALYZE, BENCHMARKS.md).
+       -- a full batch, half of the statement's time (EXPLAIN ANALYZE,
+       -- docs/perf-notes/2026-12-03-replay-items-straight-to-the-stream.md).
        CROSS JOIN LATERAL (SELECT * FROM embedding_dlq d WHERE d.id = c.dlq_id OFFSET 0) d";

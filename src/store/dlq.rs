@@ -652,6 +652,7 @@ pub(crate) fn locked_manifest_tids(rows: &str, condition: &str) -> String {
 /// then deleted by id, never by a join of the batch with the DLQ. The DLQ swings between empty
 /// and a backlog, and after an `ANALYZE` that found its pages but no live row (autovacuum's,
 /// after a drain) the planner believes it holds one row: a join then walked every DLQ row of
-/// the table for each batch (`src/replay/sql.rs`, BENCHMARKS.md).
+/// the table for each batch (`src/replay/sql.rs`,
+/// docs/perf-notes/2026-12-04-tables-believed-empty.md).
 pub(crate) const DLQ_ID_OF_CHUNK: &str = "(SELECT x.id FROM embedding_dlq x
           WHERE x.target_table = $1::text AND x.doc_id = i.doc_id AND x.chunk_index = i.chunk_index)";

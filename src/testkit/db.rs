@@ -210,7 +210,7 @@ fn forget_template(server_url: &str) {
 /// process gets there first, under an advisory lock) and then copied by every
 /// [`TestDb::new`]: a copy costs the server a file copy, where running the twenty migrations
 /// again for each of the suite's 300 databases cost it parsing, catalog writes and index
-/// builds (BENCHMARKS.md "Test time"). Named by a digest of the migrations, so a changed
+/// builds (BENCHMARKS.md "Build and test time"). Named by a digest of the migrations, so a changed
 /// migration gets a template of its own; making one drops the templates of other digests.
 pub async fn migrated_template(server_url: &str) -> Result<String, TestDbError> {
     use sha2::Digest;
