@@ -305,9 +305,12 @@ async fn a_replayer_sends_a_row_that_failed_alone_with_500_alone() {
 /// request-level fault are counted, so a benchmark can weigh the faults by inputs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mock_outage_can_begin_after_n_inputs_and_fault_inputs_are_counted() {
-    let mock =
-        start_mock(MockConfig { outage_after_inputs: Some(10), outage_for_ms: 300, ..MockConfig::default() })
-            .await;
+    let mock = start_mock(MockConfig {
+        outage_after_inputs: Some(10),
+        outage_for_ms: 3_000,
+        ..MockConfig::default()
+    })
+    .await;
     let http = embed_dlq::http::client_builder().build().unwrap();
     let url = format!("{}/embeddings", mock.base_url());
     let post = |n: usize| {

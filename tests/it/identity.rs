@@ -209,8 +209,9 @@ async fn a_replay_in_flight_for_old_content_never_stores_its_vector() {
     assert_eq!(p.run(input(old.into_bytes()), CancellationToken::new()).await.unwrap().parked_total(), 1);
     assert_eq!(schedule_and_relay(&db, &p.store, &keys).await, 1);
 
-    // A slow provider: the replay of the old text is in flight...
-    let slow = start_mock(MockConfig { latency_ms: 1500, ..Default::default() }).await;
+    // A slow provider: the replay of the old text is in flight (for 5 s: long enough for the
+    // ingest below on any machine, and the assertion after it says so if not)...
+    let slow = start_mock(MockConfig { latency_ms: 5_000, ..Default::default() }).await;
     let mut rep = replayer(&db, &slow, &keys, "slow").await;
     let in_flight = tokio::spawn(async move {
         let client = embed_dlq::streams::client(&redis_url()).unwrap();
