@@ -143,8 +143,8 @@ fn manifest_row_of(of: &str, lit: &str) -> String {
 /// reconciler already marked for re-ingest (its repair), which are known and no longer a
 /// finding.
 /// `scope` says how the two absences are tested ([`Scope::absent`]).
-fn leak_predicate(t: &str, unmarked_only: bool, scope: Scope) -> String {
-    let lit = sql_literal(t);
+fn leak_predicate(identity: &str, t: &str, unmarked_only: bool, scope: Scope) -> String {
+    let lit = sql_literal(identity);
     let unmarked = if unmarked_only { " AND m.status <> 'reingest'" } else { "" };
     let no_vector = scope
         .absent(&format!("SELECT 1 FROM {t} e WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index"));
@@ -155,10 +155,10 @@ fn leak_predicate(t: &str, unmarked_only: bool, scope: Scope) -> String {
     format!("m.target_table = {lit}{unmarked} AND {no_vector} AND {no_dlq}")
 }
 
-fn leaks_select(t: &str, unmarked_only: bool) -> String {
+fn leaks_select(identity: &str, t: &str, unmarked_only: bool) -> String {
     format!(
         "SELECT m.doc_id || '#' || m.chunk_index FROM ingest_manifest m WHERE {}",
-        leak_predicate(t, unmarked_only, Scope::All)
+        leak_predicate(identity, t, unmarked_only, Scope::All)
     )
 }
 
@@ -304,7 +304,7 @@ pub(crate) async fn gaps(
     if repair && leaks.found > 0 {
         let sql = format!(
             "UPDATE ingest_manifest m SET status = 'reingest', updated_at = now() WHERE {}{within}",
-            leak_predicate(t, true, scope)
+            leak_predicate(&target.name, t, true, scope)
         );
         let mut tx = scope.begin(pool).await?;
         leaks.repaired = run_repair(&mut *tx, sql, scope).await?;
@@ -687,7 +687,7 @@ pub(crate) async fn duplicates_check(
     scan: bool,
     repair: bool,
 ) -> Result<(CheckRun, Option<String>), StoreError> {
-    let keyed = has_unique_key(pool, &target.name).await?;
+    let keyed = has_unique_key(pool, target.sql_name()).await?;
     if keyed && !scan {
         return Ok((CheckRun::default(), None));
     }
@@ -754,11 +754,11 @@ async fn run_check(
     Ok(CheckRun { found: found as u64, examples, repaired, oldest_change: None })
 }
 
-/// The canonical names of the tables `table` names: that one (as a user writes it: `table`
-/// or `schema.table`), or with `None` every table the manifest names. Only the name is looked
+/// The canonical (identity, relation) of the tables `table` names: that one (as a user writes
+/// it: `table` or `schema.table`), or with `None` every table the manifest names. Only the name is looked
 /// up: the seed's queries must run on a table that lost its unique key, which is exactly when
 /// duplicates can appear (a bound [`TargetTable`] refuses such a table).
-async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<String>, StoreError> {
+async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<(String, String)>, StoreError> {
     let (names, canonical) = match table {
         Some(t) => (vec![t.to_string()], false),
         None => {
@@ -775,10 +775,20 @@ async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<Strin
         let err = |problem: String| StoreError::Target { table: name.clone(), problem };
         let lookup =
             if canonical { name.clone() } else { crate::store::quote_table_name(&name).map_err(err)? };
-        let found: Option<String> = sqlx::query_scalar("SELECT embed_dlq_table_name(to_regclass($1))")
-            .bind(&lookup)
-            .fetch_one(pool)
-            .await?;
+        // (identity, relation): a revision's query name or relation stands for its identity
+        // and its relation (migration 0026), anything else for itself.
+        let found: Option<(String, String)> = sqlx::query_as(
+            "WITH n AS (SELECT embed_dlq_table_name(to_regclass($1)) AS name)
+             SELECT COALESCE(r.identity, n.name), COALESCE(r.relation, n.name)
+               FROM n LEFT JOIN LATERAL (
+                    SELECT identity, relation FROM embed_dlq_revision
+                     WHERE state <> 'retired' AND (identity = n.name OR relation = n.name)
+                     ORDER BY identity = n.name DESC LIMIT 1) r ON true
+              WHERE n.name IS NOT NULL",
+        )
+        .bind(&lookup)
+        .fetch_optional(pool)
+        .await?;
         out.push(found.ok_or_else(|| err("does not exist".into()))?);
     }
     Ok(out)
@@ -790,8 +800,8 @@ async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<Strin
 /// re-ingested.
 pub async fn leaks(pool: &PgPool, table: Option<&str>) -> Result<i64, StoreError> {
     let mut n = 0;
-    for t in canonical_names(pool, table).await? {
-        n += count_rows(pool, &leaks_select(&t, false)).await?;
+    for (identity, t) in canonical_names(pool, table).await? {
+        n += count_rows(pool, &leaks_select(&identity, &t, false)).await?;
     }
     Ok(n)
 }
@@ -800,7 +810,7 @@ pub async fn leaks(pool: &PgPool, table: Option<&str>) -> Result<i64, StoreError
 /// (`None`: summed over every table the manifest names). Zero is invariant 2.
 pub async fn duplicates(pool: &PgPool, table: Option<&str>) -> Result<i64, StoreError> {
     let mut n = 0;
-    for t in canonical_names(pool, table).await? {
+    for (_, t) in canonical_names(pool, table).await? {
         n += count_rows(pool, &duplicates_select(&t)).await?;
     }
     Ok(n)

@@ -44,6 +44,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0023_relay_cluster.sql",
     "0024_replay_lease_unlogged.sql",
     "0025_stream_fed_tables.sql",
+    "0026_revisions.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

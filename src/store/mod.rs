@@ -32,6 +32,7 @@ mod migrations;
 pub mod park;
 pub mod position;
 pub mod prefix;
+pub mod revision;
 pub(crate) mod source;
 pub(crate) mod write;
 
@@ -148,7 +149,10 @@ pub(crate) struct TargetTable {
     /// Canonical: schema-qualified, parts quoted only where needed (`public.doc_embeddings`);
     /// the identity recorded in the manifest, the DLQ and the outbox. Valid SQL as it is.
     pub name: String,
-    /// Quoted for SQL (the canonical name).
+    /// The relation that holds the identity's vectors, canonical and valid SQL: the identity
+    /// itself, except for a revision 1 adopted as a target's first revision
+    /// (`public.doc_embeddings__r1` under the query name `public.doc_embeddings`:
+    /// [`revision`], migration 0026). Every statement on vectors names this.
     quoted: String,
     pub dimensions: usize,
     /// The second statement of [`Store::store_batch`] for this table.
@@ -160,7 +164,7 @@ pub(crate) struct TargetTable {
 }
 
 impl TargetTable {
-    /// The name as SQL (identifier, already quoted).
+    /// The relation holding the vectors, as SQL (identifier, already quoted).
     pub(crate) fn sql_name(&self) -> &str {
         &self.quoted
     }
@@ -319,6 +323,29 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
     .await?;
     let (oid, name) =
         found.ok_or_else(|| err("does not exist (run `embed-dlq migrate`, or create it)".into()))?;
+    // A revision's query name or relation stands for the revision's identity, its vectors
+    // for its relation (migration 0026); anything else is its own identity and relation.
+    let revision: Option<(String, String)> = sqlx::query_as(
+        "SELECT identity, relation FROM embed_dlq_revision
+          WHERE state <> 'retired' AND (identity = $1 OR relation = $1)
+          ORDER BY identity = $1 DESC LIMIT 1",
+    )
+    .bind(&name)
+    .fetch_optional(pool)
+    .await?;
+    let (name, relation, oid) = match revision {
+        None => (name.clone(), name, oid),
+        Some((identity, relation)) => {
+            let oid: Option<i64> = sqlx::query_scalar("SELECT to_regclass($1)::oid::bigint")
+                .bind(&relation)
+                .fetch_one(pool)
+                .await?;
+            let oid = oid.ok_or_else(|| {
+                err(format!("its revision's relation {relation} does not exist (embed_dlq_revision)"))
+            })?;
+            (identity, relation, oid)
+        }
+    };
     let cols = sqlx::query(
         "SELECT a.attname::text AS name, format_type(a.atttypid, a.atttypmod) AS type, a.atttypmod AS typmod
            FROM pg_attribute a
@@ -363,10 +390,10 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
         ));
     }
     Ok(TargetTable {
-        store_sql: write::store_sql(&name),
-        new_store_sql: write::new_store_sql(&name),
-        withdraw_sql: park::park_withdraw_sql(&name),
-        quoted: name.clone(),
+        store_sql: write::store_sql(&relation),
+        new_store_sql: write::new_store_sql(&relation),
+        withdraw_sql: park::park_withdraw_sql(&relation),
+        quoted: relation,
         name,
         dimensions: dims.expect("embedding checked"),
     })

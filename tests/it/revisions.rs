@@ -1,0 +1,263 @@
+//! Revisions of a target (issue 46), the groundwork: an existing table adopted as revision 1
+//! keeps answering under its name (a view), and every writer (ingest, park, replay,
+//! reconcile) writes the renamed relation under the unchanged identity. Real Postgres, real
+//! Redis, the mock provider over real HTTP; the oracles read the relations and the catalog
+//! directly.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use embed_dlq::model::content_hash;
+use embed_dlq::reconcile::{Mode, Reconciler};
+use embed_dlq::replay::{ReplayConfig, Scheduler};
+use embed_dlq::store::Store;
+use embed_dlq::store::revision::adopt;
+use embed_dlq::testkit::mock_provider::MockConfig;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::*;
+
+/// `n` chunks of document `doc`, version `v`; every 50th a text the provider rejects.
+fn corpus(doc: &str, n: i32, v: &str) -> Vec<u8> {
+    (0..n)
+        .map(|i| {
+            let poison = if i % 50 == 49 { "[[poison:400]] " } else { "" };
+            line(doc, i, &format!("{poison}{doc} chunk {i} {v}"))
+        })
+        .collect::<String>()
+        .into_bytes()
+}
+
+async fn relkind(db: &TestDb, name: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT c.relkind::text FROM pg_class c WHERE c.oid = to_regclass($1)")
+        .bind(name)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Every key's content hash in `relation`, read directly.
+async fn hashes(db: &TestDb, relation: &str) -> std::collections::BTreeMap<(String, i32), String> {
+    let sql = format!("SELECT doc_id, chunk_index, content_hash FROM {relation}");
+    sqlx::query_as::<_, (String, i32, String)>(sqlx::AssertSqlSafe(sql))
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(d, i, h)| ((d, i), h))
+        .collect()
+}
+
+fn replay_config() -> ReplayConfig {
+    ReplayConfig {
+        batch: 64,
+        block: Duration::from_millis(200),
+        min_idle: Duration::from_secs(30),
+        schedule_every: Duration::from_millis(100),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_table_answers_under_its_name_and_every_writer_writes_its_relation() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let v1 = pipeline(&s).await.run(input(corpus("a", 200, "v1")), CancellationToken::new()).await.unwrap();
+    assert_eq!((v1.stored, v1.parked_total()), (196, 4), "{v1:?}");
+    sqlx::query(
+        "CREATE INDEX doc_embeddings_hnsw ON doc_embeddings USING hnsw (embedding vector_cosine_ops)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    // A probe reads the query name all through the adoption: never an error, never a
+    // partial answer.
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = tokio::spawn({
+        let (pool, stop) = (db.pool.clone(), stop.clone());
+        async move {
+            let mut answers = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let n: Result<i64, _> =
+                    sqlx::query_scalar("SELECT count(*) FROM doc_embeddings").fetch_one(&pool).await;
+                answers.push(n.map_err(|e| e.to_string()));
+            }
+            answers
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let rev = adopt(&db.pool, "doc_embeddings", Some("mock"), None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.store(true, Ordering::Relaxed);
+    let answers = probe.await.unwrap();
+    assert!(answers.len() > 2, "{answers:?}");
+    assert!(answers.iter().all(|a| a == &Ok(196)), "every answer whole: {answers:?}");
+
+    assert_eq!(
+        (rev.target.as_str(), rev.revision, rev.identity.as_str(), rev.relation.as_str()),
+        ("public.doc_embeddings", 1, "public.doc_embeddings", "public.doc_embeddings__r1")
+    );
+    assert_eq!((rev.model.as_deref(), rev.dimensions, rev.state.as_str()), (Some("mock"), 768, "active"));
+    assert_eq!(relkind(&db, "doc_embeddings").await.as_deref(), Some("v"));
+    assert_eq!(relkind(&db, "doc_embeddings__r1").await.as_deref(), Some("r"));
+    assert_eq!(hashes(&db, "doc_embeddings__r1").await.len(), 196);
+    assert_eq!(adopt(&db.pool, "public.doc_embeddings", None, None).await.unwrap(), rev, "idempotent");
+
+    // The query name keeps the relation's index, and refuses writes.
+    let mut conn = db.pool.acquire().await.unwrap();
+    sqlx::query("SET enable_seqscan = off").execute(&mut *conn).await.unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT doc_id FROM doc_embeddings
+          ORDER BY embedding <=> array_fill(0.1::real, ARRAY[768])::vector LIMIT 5",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    drop(conn);
+    assert!(plan.iter().any(|l| l.contains("Index Scan using doc_embeddings_hnsw")), "{plan:#?}");
+    for write in [
+        "DELETE FROM doc_embeddings",
+        "UPDATE doc_embeddings SET content_hash = 'x'",
+        "INSERT INTO doc_embeddings (doc_id, chunk_index, content_hash) VALUES ('z', 0, 'z')",
+    ] {
+        let e = sqlx::query(write).execute(&db.pool).await.unwrap_err().to_string();
+        assert!(e.contains("query name"), "{write}: {e}");
+    }
+    assert_eq!(hashes(&db, "doc_embeddings__r1").await.len(), 196);
+
+    // Ingest: 50 chunks changed, a new document, through the query name.
+    let mut v2 = corpus("a", 200, "v1");
+    v2.extend(corpus("a", 50, "v2"));
+    v2.extend(corpus("b", 20, "v1"));
+    let r2 = pipeline(&s).await.run(input(v2), CancellationToken::new()).await.unwrap();
+    assert_eq!((r2.stored, r2.parked_total()), (49 + 20, 1), "{r2:?}");
+    // Replay: 10 chunks change while the provider is down, then replay stores them.
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut sd = settings(&db, &down);
+    sd.retry.max_attempts = 1;
+    let v3 = (0..10).map(|i| line("b", i, &format!("b chunk {i} v3"))).collect::<String>().into_bytes();
+    let parked = pipeline(&sd).await.run(input(v3), CancellationToken::new()).await.unwrap();
+    assert_eq!(parked.parked_total(), 10, "{parked:?}");
+    make_due(&db).await;
+    let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let issued = Scheduler::new(store.clone(), replay_config(), r, keys.clone()).run_once().await.unwrap();
+    assert_eq!(issued, 10);
+    relay_all(&db, &keys).await;
+    let mut rep = replayer_for(&db, &mock, &keys, "r", replay_config(), Duration::from_secs(10)).await;
+    let mut replayed = 0;
+    for _ in 0..20 {
+        replayed += read_once(&mut rep).await.replayed;
+        if replayed >= 10 {
+            break;
+        }
+    }
+    assert_eq!(replayed, 10);
+    relay_all(&db, &keys).await;
+
+    // The relation holds every key's newest text (the poison ones parked), under the
+    // unchanged identity; nothing names the relation as a table of its own.
+    let want = |doc: &str, i: i32, v: &str| content_hash("mock", 768, &format!("{doc} chunk {i} {v}"));
+    let got = hashes(&db, "doc_embeddings__r1").await;
+    let mut expected = std::collections::BTreeMap::new();
+    for i in (0..200).filter(|i| i % 50 != 49) {
+        expected.insert(("a".to_string(), i), want("a", i, if i < 50 { "v2" } else { "v1" }));
+    }
+    for i in 0..20 {
+        expected.insert(("b".to_string(), i), want("b", i, if i < 10 { "v3" } else { "v1" }));
+    }
+    assert_eq!(got, expected);
+    assert_eq!(hashes(&db, "doc_embeddings").await, expected, "the query name answers the relation");
+    let identities: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT target_table FROM ingest_manifest
+         UNION SELECT DISTINCT target_table FROM embedding_dlq
+         UNION SELECT DISTINCT target_table FROM dlq_outbox WHERE target_table IS NOT NULL",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(identities, vec!["public.doc_embeddings".to_string()]);
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 4, "the poison rows only");
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+
+    let mut reconciler = Reconciler { store, redis: Some(redis().await), keys, config: immediate() };
+    let report = reconciler.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.total_found(), 0, "{report:?}");
+    // And it reads the relation: a vector lost from it is a leak of the identity.
+    sqlx::query("DELETE FROM doc_embeddings__r1 WHERE doc_id = 'a' AND chunk_index = 0")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = reconciler.run_once(Mode::Check).await.unwrap();
+    let leaks = report.findings.iter().find(|f| f.check.name() == "leaks").unwrap();
+    assert_eq!((leaks.found, leaks.examples.clone()), (1, vec!["a#0".to_string()]), "{report:?}");
+}
+
+/// An ingest that opened the table before it was adopted cannot write through the name
+/// afterwards: its writes are refused, nothing of it is stored in the wrong place or lost,
+/// and a rerun stores it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_opened_the_table_before_its_adoption_writes_nothing_through_the_view() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let v1 = pipeline(&s).await.run(input(corpus("a", 100, "v1")), CancellationToken::new()).await.unwrap();
+    assert_eq!(v1.stored, 98);
+    let before = hashes(&db, "doc_embeddings").await;
+    let stale = pipeline(&s).await;
+    adopt(&db.pool, "doc_embeddings", Some("mock"), None).await.unwrap();
+    let outcome = stale.run(input(corpus("a", 100, "v2")), CancellationToken::new()).await;
+    eprintln!("the stale run: {outcome:?}");
+    assert_eq!(hashes(&db, "doc_embeddings__r1").await, before, "nothing written by the stale run");
+    assert_eq!(db.leaks().await, 0);
+    assert_eq!(db.manifest_disagreements().await, 0);
+    let rerun =
+        pipeline(&s).await.run(input(corpus("a", 100, "v2")), CancellationToken::new()).await.unwrap();
+    assert_eq!(rerun.stored, 98, "{rerun:?}");
+    let got = hashes(&db, "doc_embeddings__r1").await;
+    assert!(got.iter().all(|((d, i), h)| h == &content_hash("mock", 768, &format!("{d} chunk {i} v2"))));
+    assert_eq!(db.manifest_disagreements().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adoption_keeps_select_grants_and_refuses_what_it_cannot_adopt() {
+    let db = TestDb::new().await;
+    let role = format!("it_reader_{}", rand::random::<u32>());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE {role}"))).execute(&db.pool).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("GRANT SELECT ON doc_embeddings TO {role}")))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let result = async {
+        adopt(&db.pool, "doc_embeddings", None, None).await.unwrap();
+        let can: bool =
+            sqlx::query_scalar("SELECT has_table_privilege($1, 'public.doc_embeddings', 'SELECT')")
+                .bind(&role)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert!(can, "the reader can still read the query name");
+        // Not a second time under another name, not a missing table, not a name too long.
+        let e = adopt(&db.pool, "doc_embeddings__r1", None, None).await.unwrap_err().to_string();
+        assert!(e.contains("revision's relation"), "{e}");
+        let e = adopt(&db.pool, "no_such_table", None, None).await.unwrap_err().to_string();
+        assert!(e.contains("does not exist"), "{e}");
+        let long = "t".repeat(60);
+        embed_dlq::store::create_target_table(&db.pool, &long, 8).await.unwrap();
+        let e = adopt(&db.pool, &long, None, None).await.unwrap_err().to_string();
+        assert!(e.contains("too long"), "{e}");
+        assert_eq!(relkind(&db, &long).await.as_deref(), Some("r"), "left as it was");
+    }
+    .await;
+    for sql in [format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")] {
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&db.pool).await.unwrap();
+    }
+    result
+}
