@@ -2,14 +2,16 @@
 //! its vectors, one per embedding model, so that a model can change without a search outage
 //! (invariant 14, issue 46).
 //!
-//! What is here today: the registry, and the adoption of an existing table as revision 1 of
-//! a target ([`adopt`]). The table is renamed (`doc_embeddings` → `doc_embeddings__r1`) and
-//! its name becomes a view over it, which every query keeps using; its identity (the
-//! `target_table` its manifest, DLQ, outbox, lease, tombstone and position rows record) stays
-//! the old name, so no row is rewritten, and `Store` finds the relation through the
-//! registry when it opens the target. The view's `embedding` column is cast to plain
-//! `vector` (no fixed dimension), so one `CREATE OR REPLACE VIEW` can later point it at a
-//! revision of another dimension, and a trigger refuses every write through it.
+//! What is here today: the registry, the adoption of an existing table as revision 1 of a
+//! target ([`adopt`]) and the making of a shadow revision beside it ([`create_shadow`]).
+//! Adopting renames the table (`doc_embeddings` → `doc_embeddings__r1`) and its name becomes
+//! a view over it, which every query keeps using; its identity (the `target_table` its
+//! manifest, DLQ, outbox, lease, tombstone and position rows record) stays the old name, so
+//! no row is rewritten, and `Store` finds the relation through the registry when it opens
+//! the target. The view's `embedding` column is cast to plain `vector` (no fixed
+//! dimension), so one `CREATE OR REPLACE VIEW` can later point it at a revision of another
+//! dimension, and a trigger refuses every write through it. A shadow revision's identity is
+//! its own relation's name.
 
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
@@ -18,6 +20,13 @@ use super::{StoreError, inspect_target, quote_table_name};
 /// Postgres' longest identifier (NAMEDATALEN - 1 bytes): a revision's relation name
 /// (`<table>__r<n>`) must fit, or Postgres would silently cut it.
 const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// pgvector's largest `vector(N)`.
+const MAX_DIMENSIONS: usize = 16_000;
+
+/// The longest model name a revision records (the DLQ's rows and the provider's requests
+/// carry it too).
+const MAX_MODEL_BYTES: usize = 256;
 
 /// One revision of a target, as the registry holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -199,6 +208,82 @@ pub async fn adopt(
     .bind(model)
     .bind(request_dimensions.map(|d| d.min(i32::MAX as usize) as i32))
     .bind(checked.dimensions.min(i32::MAX as usize) as i32)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(revision_of_row(&row)?)
+}
+
+/// Makes a shadow revision of `target` for `model` at `dimensions` (and the `dimensions`
+/// request parameter, if any): the next revision number, a relation `<table>__r<n>` shaped
+/// like the active revision's (its columns, defaults, constraints and indexes, the vector
+/// column at the new dimension, so an HNSW index of the active one is one of the shadow's
+/// too) and empty, recorded as `shadow`. A target that is still a plain table is adopted
+/// first ([`adopt`]; its revision 1 records `active_model`). The query name keeps answering
+/// the active revision.
+pub async fn create_shadow(
+    pool: &PgPool,
+    target: &str,
+    active_model: Option<&str>,
+    model: &str,
+    dimensions: usize,
+    request_dimensions: Option<usize>,
+) -> Result<Revision, StoreError> {
+    let first = adopt(pool, target, active_model, None).await?;
+    let err = |problem: String| StoreError::Target { table: first.target.clone(), problem };
+    if dimensions == 0 || dimensions > MAX_DIMENSIONS {
+        return Err(err(format!("dimensions must be 1..={MAX_DIMENSIONS}, not {dimensions}")));
+    }
+    if model.is_empty() || model.len() > MAX_MODEL_BYTES {
+        return Err(err(format!("the model name must be 1..={MAX_MODEL_BYTES} bytes")));
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
+        .bind(&first.target)
+        .execute(&mut *tx)
+        .await?;
+    let (revision, active): (i32, String) = sqlx::query_as(
+        "SELECT (SELECT max(revision) + 1 FROM embed_dlq_revision WHERE target = $1),
+                (SELECT relation FROM embed_dlq_revision WHERE target = $1 AND state = 'active')",
+    )
+    .bind(&first.target)
+    .fetch_one(&mut *tx)
+    .await?;
+    let (schema, relname): (String, String) = sqlx::query_as(
+        "SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE c.oid = to_regclass($1)",
+    )
+    .bind(&first.target)
+    .fetch_one(&mut *tx)
+    .await?;
+    let relation_name = format!("{relname}__r{revision}");
+    if relation_name.len() > MAX_IDENTIFIER_BYTES {
+        return Err(err(format!("{relation_name:?} is over {MAX_IDENTIFIER_BYTES} bytes")));
+    }
+    let ident = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let qualified = format!("{}.{}", ident(&schema), ident(&relation_name));
+    for sql in [
+        format!("CREATE TABLE {qualified} (LIKE {active} INCLUDING ALL)"),
+        format!("ALTER TABLE {qualified} ALTER COLUMN embedding TYPE vector({dimensions})"),
+    ] {
+        sqlx::query(AssertSqlSafe(sql)).execute(&mut *tx).await?;
+    }
+    let relation: String = sqlx::query_scalar("SELECT embed_dlq_table_name(to_regclass($1))")
+        .bind(&qualified)
+        .fetch_one(&mut *tx)
+        .await?;
+    let row = sqlx::query(
+        "INSERT INTO embed_dlq_revision
+                (target, revision, identity, relation, model, request_dimensions, dimensions, state)
+         VALUES ($1, $2, $3, $3, $4, $5, $6, 'shadow')
+         RETURNING target, revision, identity, relation, model, request_dimensions, dimensions, state",
+    )
+    .bind(&first.target)
+    .bind(revision)
+    .bind(&relation)
+    .bind(model)
+    .bind(request_dimensions.map(|d| d.min(i32::MAX as usize) as i32))
+    .bind(dimensions as i32)
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;

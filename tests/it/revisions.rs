@@ -261,3 +261,100 @@ async fn adoption_keeps_select_grants_and_refuses_what_it_cannot_adopt() {
     }
     result
 }
+
+/// A shadow revision beside an adopted target: its own relation at its own dimension, shaped
+/// like the active one (the HNSW index too), empty, `shadow`; an ingest into it writes it
+/// under its own identity with its own model, and the query name still answers the active
+/// revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_revision_has_its_own_relation_dimension_and_identity() {
+    use embed_dlq::store::revision::{create_shadow, list};
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    pipeline(&s).await.run(input(corpus("a", 60, "v1")), CancellationToken::new()).await.unwrap();
+    sqlx::query(
+        "CREATE INDEX doc_embeddings_hnsw ON doc_embeddings USING hnsw (embedding vector_cosine_ops)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // The table is adopted on the way (revision 1 records the model its vectors came from).
+    let shadow =
+        create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    assert_eq!(
+        (shadow.revision, shadow.identity.as_str(), shadow.relation.as_str(), shadow.dimensions),
+        (2, "public.doc_embeddings__r2", "public.doc_embeddings__r2", 256)
+    );
+    assert_eq!(
+        (shadow.model.as_deref(), shadow.request_dimensions, shadow.state.as_str()),
+        (Some("mock-next"), Some(256), "shadow")
+    );
+    let all = list(&db.pool, Some("doc_embeddings")).await.unwrap();
+    let states: Vec<(i32, &str, Option<&str>)> =
+        all.iter().map(|r| (r.revision, r.state.as_str(), r.model.as_deref())).collect();
+    assert_eq!(states, vec![(1, "active", Some("mock")), (2, "shadow", Some("mock-next"))]);
+    let dims: i32 = sqlx::query_scalar(
+        "SELECT atttypmod FROM pg_attribute WHERE attrelid = 'doc_embeddings__r2'::regclass AND attname = 'embedding'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(dims, 256);
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = 'public' AND tablename = 'doc_embeddings__r2' ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(indexes.iter().any(|d| d.contains("USING hnsw (embedding vector_cosine_ops)")), "{indexes:#?}");
+    assert!(
+        indexes.iter().any(|d| d.contains("UNIQUE") && d.contains("(doc_id, chunk_index)")),
+        "{indexes:#?}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings__r2").await, 0);
+
+    s.table = "doc_embeddings__r2".into();
+    s.client.model = "mock-next".into();
+    s.client.request_dimensions = Some(256);
+    let into_shadow =
+        pipeline(&s).await.run(input(corpus("a", 60, "v1")), CancellationToken::new()).await.unwrap();
+    assert_eq!((into_shadow.stored, into_shadow.unchanged), (59, 0), "{into_shadow:?}");
+    let got = hashes(&db, "doc_embeddings__r2").await;
+    assert!(got.iter().all(|((d, i), h)| h == &content_hash("mock-next", 256, &format!("{d} chunk {i} v1"))));
+    assert_eq!(got.len(), 59);
+    assert_eq!(
+        db.count("SELECT count(*) FROM doc_embeddings").await,
+        59,
+        "the query name answers revision 1"
+    );
+    let dims_answered: i32 = sqlx::query_scalar("SELECT vector_dims(embedding) FROM doc_embeddings LIMIT 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dims_answered, 768);
+    let per_identity: Vec<(String, i64)> =
+        sqlx::query_as("SELECT target_table, count(*) FROM ingest_manifest GROUP BY 1 ORDER BY 1")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        per_identity,
+        vec![("public.doc_embeddings".to_string(), 60), ("public.doc_embeddings__r2".to_string(), 60)]
+    );
+    let parked_models: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT target_table, model FROM embedding_dlq ORDER BY 1")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        parked_models,
+        vec![
+            ("public.doc_embeddings".to_string(), Some("mock".to_string())),
+            ("public.doc_embeddings__r2".to_string(), Some("mock-next".to_string()))
+        ],
+        "each revision's failures park under its own identity and model"
+    );
+    let e = create_shadow(&db.pool, "doc_embeddings", None, "m", 0, None).await.unwrap_err().to_string();
+    assert!(e.contains("dimensions must be"), "{e}");
+}
