@@ -49,3 +49,11 @@ BEGIN
         USING ERRCODE = 'object_not_in_prerequisite_state';
 END
 $$;
+
+-- The hash of each chunk's text alone (16 bytes of SHA-256, no model or dimension in it:
+-- `model::TextHash`), written by every store and park from now on: a revision embeds with
+-- its own model, so its content hashes differ from another revision's, and this is what
+-- shows that two revisions hold the same text of a chunk (the coverage a switch of the
+-- active revision requires). NULL on rows written before this migration. Adding a column
+-- with no default rewrites nothing.
+ALTER TABLE ingest_manifest ADD COLUMN IF NOT EXISTS text_hash bytea;

@@ -144,6 +144,36 @@ pub fn content_hash(model: &str, dimensions: usize, text: &str) -> String {
     HexHash::of_content(model, dimensions, text).as_str().to_owned()
 }
 
+/// Hash of a chunk's text alone, with no model or dimension in it (the manifest's
+/// `text_hash`, migration 0026): two revisions of a target embed one text with different
+/// models, so their content hashes differ, and this is how a revision is shown to hold the
+/// same text of every chunk as another. The first 16 bytes of SHA-256.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TextHash(pub [u8; 16]);
+
+impl TextHash {
+    /// The hash of `text`.
+    pub fn of(text: &str) -> TextHash {
+        let mut h = Sha256::new();
+        h.update(b"text\0");
+        h.update(text.as_bytes());
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&h.finalize()[..16]);
+        TextHash(out)
+    }
+
+    /// The bytes, as the manifest stores them.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for TextHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&hex(&self.0))
+    }
+}
+
 /// A [`content_hash`] held inline, its 64 hex digits in the value: the batcher keeps one for
 /// every record of its windows, and a `String` each was an allocation (and a free on another
 /// thread) per record of an unchanged rerun.

@@ -417,6 +417,7 @@ impl Claimed {
             doc_id: self.chunk.doc_id,
             chunk_index: self.chunk.chunk_index,
             content_hash: self.hash,
+            text_hash: crate::model::TextHash::of(&self.chunk.text),
             embedding,
             source_seq: self.seq,
             leased: self.leased,

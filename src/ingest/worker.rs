@@ -74,6 +74,7 @@ impl Worker {
                 match outcome {
                     ItemOutcome::Embedded(embedding) => out.store.push(claimed.stored(embedding)),
                     ItemOutcome::Failed(f) => out.park.push(ParkedChunk {
+                        text_hash: crate::model::TextHash::of(&claimed.chunk.text),
                         payload: RawMetadata::payload(&claimed.chunk, claimed.metadata),
                         doc_id: claimed.chunk.doc_id,
                         chunk_index: claimed.chunk.chunk_index,

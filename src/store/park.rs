@@ -22,6 +22,9 @@ pub struct ParkedChunk {
     pub chunk_index: i32,
     /// The content parked; replay only writes a vector if the manifest still holds this hash.
     pub content_hash: String,
+    /// The text's own hash ([`crate::model::TextHash::of`]; of the raw line's hash for a
+    /// record that could not be parsed).
+    pub text_hash: crate::model::TextHash,
     /// The full original record (text + metadata) — what replay needs once the source is gone.
     pub payload: serde_json::Value,
     /// Decides whether and when replay retries the row.
@@ -85,8 +88,8 @@ pub struct ParkCounts {
 }
 
 impl ManifestRecord for ParkedChunk {
-    fn manifest_key(&self) -> (&str, i32, &str, i64) {
-        (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq)
+    fn manifest_key(&self) -> (&str, i32, &str, i64, &[u8]) {
+        (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq, self.text_hash.as_bytes())
     }
     /// Parks are rare on a clean run: they always look for a lease to finish.
     fn may_hold_lease(&self) -> bool {

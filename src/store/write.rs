@@ -22,6 +22,8 @@ pub(crate) struct StoredChunk {
     pub doc_id: String,
     pub chunk_index: i32,
     pub content_hash: String,
+    /// The text's own hash ([`crate::model::TextHash`]).
+    pub text_hash: crate::model::TextHash,
     pub embedding: Vec<f32>,
     /// Position of the record in the ingest history ([`crate::store::position`]): an outcome for an older
     /// position than the manifest holds is rejected as superseded.
@@ -103,16 +105,16 @@ pub(crate) struct StoreCounts {
 }
 
 /// A row an ingest writes, as its manifest claim sees it: (doc_id, chunk_index, content
-/// hash, position ([`crate::store::position`])).
+/// hash, position ([`crate::store::position`]), text hash).
 pub(crate) trait ManifestRecord {
-    fn manifest_key(&self) -> (&str, i32, &str, i64);
+    fn manifest_key(&self) -> (&str, i32, &str, i64, &[u8]);
     /// Whether the run may hold a lease of the chunk that its outcome must mark finished.
     fn may_hold_lease(&self) -> bool;
 }
 
 impl ManifestRecord for StoredChunk {
-    fn manifest_key(&self) -> (&str, i32, &str, i64) {
-        (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq)
+    fn manifest_key(&self) -> (&str, i32, &str, i64, &[u8]) {
+        (&self.doc_id, self.chunk_index, &self.content_hash, self.source_seq, self.text_hash.as_bytes())
     }
     fn may_hold_lease(&self) -> bool {
         self.leased
@@ -162,19 +164,21 @@ impl Store {
     /// anything else, serialises racing writers of one chunk, and the statements after it see
     /// whatever the previous holder committed. Without `leases` (no row of the batch may hold
     /// one) the statement leaves the lease table alone.
-    async fn claim_manifest(
+    async fn claim_manifest<'k>(
         &self,
         tx: &mut sqlx::PgConnection,
-        keys: impl Iterator<Item = (&str, i32, &str, i64)>,
+        keys: impl Iterator<Item = (&'k str, i32, &'k str, i64, &'k [u8])>,
         status: ChunkStatus,
         leases: bool,
     ) -> Result<Vec<bool>, StoreError> {
-        let (mut docs, mut idxs, mut hashes, mut seqs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (d, i, h, s) in keys {
+        let (mut docs, mut idxs, mut hashes, mut seqs, mut texts) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (d, i, h, s, t) in keys {
             docs.push(d);
             idxs.push(i);
             hashes.push(h);
             seqs.push(s);
+            texts.push(t);
         }
         let accepted = sqlx::query(if leases { MANIFEST_SQL } else { MANIFEST_NO_LEASE_SQL })
             .bind(&self.target.name)
@@ -183,6 +187,7 @@ impl Store {
             .bind(&hashes)
             .bind(&seqs)
             .bind(status.as_str())
+            .bind(&texts)
             // Planned for each batch with its real keys and the tables as they are now: with
             // a cached plan, the bench's second round stalled for 9 s in two writers scanning
             // a table once per key (the lease update's join, most likely, planned while the
@@ -272,6 +277,7 @@ impl Store {
         let mut tx = self.begin_write().await?;
         let c = StoreColumns::of(rows.iter());
         let seqs: Vec<i64> = rows.iter().map(|r| r.source_seq).collect();
+        let texts: Vec<&[u8]> = rows.iter().map(|r| r.text_hash.as_bytes()).collect();
         let row = sqlx::query(AssertSqlSafe(self.target.new_store_sql.as_str()))
             .bind(&self.target.name)
             .bind(&c.docs)
@@ -279,6 +285,7 @@ impl Store {
             .bind(&c.hashes)
             .bind(&seqs)
             .bind(&c.vectors)
+            .bind(&texts)
             // Planned with the tombstones as they are now (as the manifest claim is).
             .persistent(false)
             .fetch_one(&mut *tx)
@@ -315,8 +322,8 @@ macro_rules! manifest_input {
     () => {
         r#"
 WITH input AS (
-    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
-        AS t(doc_id, chunk_index, content_hash, source_seq)
+    SELECT * FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[], $7::bytea[])
+        AS t(doc_id, chunk_index, content_hash, source_seq, text_hash)
 )
 "#
     };
@@ -338,8 +345,8 @@ const NO_NEWER_TOMBSTONE: &str = no_newer_tombstone!();
 macro_rules! manifest_upsert {
     () => {
         concat!(
-            r#"INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq)
-SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq
+            r#"INSERT INTO ingest_manifest AS m (target_table, doc_id, chunk_index, content_hash, status, source_seq, text_hash)
+SELECT $1::text, doc_id, chunk_index, content_hash, $6::text, source_seq, text_hash
   FROM input i
  "#,
             no_newer_tombstone!(),
@@ -354,7 +361,8 @@ ON CONFLICT (target_table, doc_id, chunk_index) DO UPDATE SET
                                   OR (m.status IN ('exhausted', 'stored') AND EXCLUDED.status = 'parked'))
                         THEN m.updated_at ELSE now() END,
     content_hash = EXCLUDED.content_hash,
-    source_seq   = EXCLUDED.source_seq
+    source_seq   = EXCLUDED.source_seq,
+    text_hash    = EXCLUDED.text_hash
   WHERE m.source_seq <= EXCLUDED.source_seq
 RETURNING m.doc_id, m.chunk_index, m.status
 "#
@@ -445,10 +453,10 @@ pub(crate) fn new_store_sql(table: &str) -> String {
     format!(
         r#"
 WITH claimed AS (
-    INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq)
-    SELECT $1::text, doc_id, chunk_index, content_hash, 'stored', source_seq
-      FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[])
-           AS i(doc_id, chunk_index, content_hash, source_seq)
+    INSERT INTO ingest_manifest (target_table, doc_id, chunk_index, content_hash, status, source_seq, text_hash)
+    SELECT $1::text, doc_id, chunk_index, content_hash, 'stored', source_seq, text_hash
+      FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bigint[], $7::bytea[])
+           AS i(doc_id, chunk_index, content_hash, source_seq, text_hash)
      {NO_NEWER_TOMBSTONE}
      ORDER BY doc_id, chunk_index
     RETURNING 1

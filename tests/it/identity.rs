@@ -297,6 +297,7 @@ fn parked(doc: &str, idx: i32, text: &str, seq: i64) -> ParkedChunk {
         doc_id: doc.into(),
         chunk_index: idx,
         content_hash: content_hash("mock", 768, text),
+        text_hash: embed_dlq::model::TextHash::of(text),
         payload: serde_json::json!({"doc_id": doc, "chunk_index": idx, "text": text}),
         class: ErrorClass::Transient,
         reason: "http_503".into(),

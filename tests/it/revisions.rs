@@ -49,6 +49,28 @@ async fn hashes(db: &TestDb, relation: &str) -> std::collections::BTreeMap<(Stri
         .collect()
 }
 
+/// The manifest's text hash of a key, and what it must be: the first 16 bytes of SHA-256 of
+/// "text", a zero byte and the text, computed by Postgres.
+async fn text_hash_and_expected(
+    db: &TestDb,
+    identity: &str,
+    doc: &str,
+    idx: i32,
+    text: &str,
+) -> (Option<Vec<u8>>, Vec<u8>) {
+    sqlx::query_as(
+        "SELECT (SELECT text_hash FROM ingest_manifest WHERE target_table = $1 AND doc_id = $2 AND chunk_index = $3),
+                substring(sha256(convert_to('text', 'UTF8') || '\\x00'::bytea || convert_to($4, 'UTF8')) FROM 1 FOR 16)",
+    )
+    .bind(identity)
+    .bind(doc)
+    .bind(idx)
+    .bind(text)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
 fn replay_config() -> ReplayConfig {
     ReplayConfig {
         batch: 64,
@@ -174,6 +196,17 @@ async fn an_adopted_table_answers_under_its_name_and_every_writer_writes_its_rel
     }
     assert_eq!(got, expected);
     assert_eq!(hashes(&db, "doc_embeddings").await, expected, "the query name answers the relation");
+    // Every write records the text's own hash: a new chunk's insert, a changed chunk's
+    // upsert, a replay (its park's), a park of a poison text.
+    for (doc, idx, text) in [
+        ("b", 15, "b chunk 15 v1"),
+        ("a", 0, "a chunk 0 v2"),
+        ("b", 0, "b chunk 0 v3"),
+        ("a", 99, "[[poison:400]] a chunk 99 v1"),
+    ] {
+        let (got, want) = text_hash_and_expected(&db, "public.doc_embeddings", doc, idx, text).await;
+        assert_eq!(got, Some(want), "{doc}#{idx}");
+    }
     let identities: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT target_table FROM ingest_manifest
          UNION SELECT DISTINCT target_table FROM embedding_dlq
@@ -355,6 +388,15 @@ async fn a_shadow_revision_has_its_own_relation_dimension_and_identity() {
         ],
         "each revision's failures park under its own identity and model"
     );
+    // The two revisions hold the same text of every chunk, whatever their models.
+    let same_text = db
+        .count(
+            "SELECT count(*) FROM ingest_manifest a JOIN ingest_manifest b USING (doc_id, chunk_index)
+              WHERE a.target_table = 'public.doc_embeddings' AND b.target_table = 'public.doc_embeddings__r2'
+                AND a.text_hash = b.text_hash AND a.content_hash <> b.content_hash",
+        )
+        .await;
+    assert_eq!(same_text, 60);
     let e = create_shadow(&db.pool, "doc_embeddings", None, "m", 0, None).await.unwrap_err().to_string();
     assert!(e.contains("dimensions must be"), "{e}");
 }
