@@ -94,6 +94,7 @@ async fn run_source(
         Ok(c) => c,
         Err(e) => return exit::fail(exit::USAGE, &format!("redis_url cannot be used: {}", e.category())),
     };
+    warn_unwritten_revisions(&settings).await;
     let pipeline = match settings.pipeline().await {
         Ok(p) => p,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
@@ -114,6 +115,18 @@ async fn run_source(
             )
         }
         Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+    }
+}
+
+/// A stream source writes only the active revision of a target so far: says which other
+/// live revisions it leaves to a corpus run (their coverage check refuses a switch to them
+/// until one has written what the stream brought).
+pub(super) async fn warn_unwritten_revisions(settings: &IngestSettings) {
+    if let Ok(live) = settings.live_revisions().await {
+        for r in live.iter().skip(1) {
+            tracing::warn!(target = %r.target, revision = r.revision, relation = %r.relation, state = %r.state,
+                "a stream source writes only the active revision: rerun the corpus to bring this revision up to date before activating it");
+        }
     }
 }
 
@@ -139,25 +152,110 @@ async fn run(
             Err(e) => return exit::fail(exit::FAILURE, &format!("cannot open {input}: {e}")),
         }
     };
+    match settings.fanout().await {
+        Ok(Some(fanout)) => return run_revisions(fanout, reader, json, dry_run, cancel).await,
+        Ok(None) => {}
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    }
     let pipeline = match settings.pipeline().await {
         Ok(p) => p,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
-    match pipeline.run(reader, cancel.clone()).await {
+    let result = pipeline.run(reader, cancel.clone()).await;
+    outcome(result, json, dry_run, &cancel)
+}
+
+/// Ingests `reader` into every live revision of its target (the active one, shadows, the
+/// previous one): each revision's summary, under a line naming it (with `--json`, one object:
+/// the active revision's summary with every revision's under `revisions`); the exit code is
+/// the first revision's (in that order) that is not 0: an ingest that left a revision behind
+/// did not finish.
+async fn run_revisions(
+    fanout: embed_dlq::ingest::Fanout,
+    reader: Box<dyn tokio::io::AsyncBufRead + Unpin + Send>,
+    json: bool,
+    dry_run: bool,
+    cancel: CancellationToken,
+) -> i32 {
+    let runs = fanout.run(reader, cancel.clone()).await;
+    if json {
+        let mut all = Vec::new();
+        for run in &runs {
+            let r = &run.revision;
+            let mut v = serde_json::json!({"revision": r.revision, "relation": r.relation, "identity": r.identity,
+                                            "model": r.model, "state": r.state});
+            match &run.result {
+                Ok(summary) => v["summary"] = serde_json::to_value(summary).expect("summary serializes"),
+                Err(e) => v["error"] = serde_json::Value::String(e.to_string()),
+            }
+            all.push(v);
+        }
+        let mut head = match runs.first().map(|r| &r.result) {
+            Some(Ok(summary)) => serde_json::to_value(summary).expect("summary serializes"),
+            _ => serde_json::json!({}),
+        };
+        head["revisions"] = serde_json::Value::Array(all);
+        println!("{head}");
+    }
+    let mut code = exit::OK;
+    for run in runs {
+        let r = &run.revision;
+        if !json {
+            println!(
+                "revision {} of {} ({}, {}, model {}):",
+                r.revision,
+                r.target,
+                r.state,
+                r.relation,
+                r.model.as_deref().unwrap_or("as configured")
+            );
+        }
+        let this = outcome_printed(run.result, (!json).then_some(false), dry_run, &cancel);
+        if code == exit::OK {
+            code = this;
+        }
+    }
+    code
+}
+
+/// Prints a run's summary and maps its result to an exit code.
+fn outcome(
+    result: Result<embed_dlq::ingest::IngestSummary, IngestError>,
+    json: bool,
+    dry_run: bool,
+    cancel: &CancellationToken,
+) -> i32 {
+    outcome_printed(result, Some(json), dry_run, cancel)
+}
+
+/// [`outcome`], printing the summary as `print` says (`Some(json)`), or not at all (`None`:
+/// a fan-out run's `--json` object already holds it).
+fn outcome_printed(
+    result: Result<embed_dlq::ingest::IngestSummary, IngestError>,
+    print: Option<bool>,
+    dry_run: bool,
+    cancel: &CancellationToken,
+) -> i32 {
+    let show = |s: &embed_dlq::ingest::IngestSummary| {
+        if let Some(json) = print {
+            print_summary(s, json);
+        }
+    };
+    match result {
         Ok(summary) if dry_run => {
-            print_summary(&summary, json);
+            show(&summary);
             if cancel.is_cancelled() { exit::INTERRUPTED } else { exit::OK }
         }
         Ok(summary) => {
-            print_summary(&summary, json);
+            show(&summary);
             exit::summary_exit_code(&summary, cancel.is_cancelled())
         }
         Err(IngestError::CleanupRefused { reason, summary }) => {
-            print_summary(&summary, json);
+            show(&summary);
             exit::fail(exit::USAGE, &reason)
         }
         Err(IngestError::Provider { stop, summary }) => {
-            print_summary(&summary, json);
+            show(&summary);
             exit::fail(
                 exit::PROVIDER_STOP,
                 &format!("{stop}. Nothing was parked for this; fix it and rerun the same corpus."),

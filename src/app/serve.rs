@@ -70,7 +70,11 @@ async fn run(
     cancel: CancellationToken,
 ) -> i32 {
     let config = ServeConfig::from_settings(settings);
-    let pipeline = match config.pipeline_settings(ingest).pipeline().await {
+    let ingest = config.pipeline_settings(ingest);
+    if config.source.is_some() {
+        super::ingest::warn_unwritten_revisions(&ingest).await;
+    }
+    let pipeline = match ingest.pipeline().await {
         Ok(p) => p,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };

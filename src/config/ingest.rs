@@ -118,6 +118,40 @@ impl IngestSettings {
 }
 
 impl IngestSettings {
+    /// The pipelines of every live revision of the target these settings name (the active
+    /// one first), each with that revision's identity, model and `dimensions` request
+    /// parameter (a revision 1 adopted without a recorded model embeds with these
+    /// settings' model); `None` when the table is not a target with revisions, which
+    /// [`IngestSettings::pipeline`] writes alone.
+    pub async fn fanout(&self) -> Result<Option<crate::ingest::Fanout>, PipelineError> {
+        let live = self.live_revisions().await?;
+        if live.len() < 2 {
+            return Ok(None);
+        }
+        let mut revisions = Vec::with_capacity(live.len());
+        for (n, revision) in live.into_iter().enumerate() {
+            let mut settings = self.clone();
+            settings.table = revision.identity.clone();
+            if let Some(model) = &revision.model {
+                settings.client.model = model.clone();
+                settings.client.request_dimensions = revision.request_dimensions.map(|d| d as usize);
+            }
+            // One progress bar: the active revision's.
+            settings.options.progress &= n == 0;
+            revisions.push((revision, settings.pipeline().await?));
+        }
+        Ok(Some(crate::ingest::Fanout { revisions }))
+    }
+
+    /// The live revisions of the target these settings name ([`crate::store::revision::live`]).
+    pub async fn live_revisions(&self) -> Result<Vec<crate::store::revision::Revision>, PipelineError> {
+        let pool = crate::store::connect(&self.database_url, 1).await.map_err(PipelineError::Connect)?;
+        crate::store::migrate(&pool).await?;
+        let live = crate::store::revision::live(&pool, &self.table).await;
+        pool.close().await;
+        Ok(live?)
+    }
+
     /// The provider limiter of this pipeline: shared through Redis with `shared_limits`, else
     /// local to the process.
     async fn limiter(&self) -> Result<crate::embed::limit::ProviderLimiter, PipelineError> {

@@ -289,3 +289,296 @@ pub async fn create_shadow(
     tx.commit().await?;
     Ok(revision_of_row(&row)?)
 }
+
+/// The revisions of the target `table` names that every write must reach: the active one,
+/// the shadows being built and the previous one kept for a rollback (not the retired), the
+/// active one first. Empty when `table` is not a target with revisions (a plain table, or a
+/// revision's own relation named directly: then it alone is written, as before).
+pub async fn live(pool: &PgPool, table: &str) -> Result<Vec<Revision>, StoreError> {
+    let quoted = quote_table_name(table)
+        .map_err(|problem| StoreError::Target { table: table.to_string(), problem })?;
+    let rows = sqlx::query(
+        "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
+           FROM embed_dlq_revision
+          WHERE target = embed_dlq_table_name(to_regclass($1)) AND state <> 'retired'
+          ORDER BY state <> 'active', revision",
+    )
+    .bind(&quoted)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(revision_of_row).collect::<Result<_, sqlx::Error>>().map_err(StoreError::from)
+}
+
+/// How far one revision covers another (the active one), from their manifests and the
+/// candidate's relation: what [`activate`] requires before a switch.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Coverage {
+    /// Chunks of the active revision.
+    pub active_chunks: u64,
+    /// Of those, chunks the candidate holds the same text of, stored (or parked as the
+    /// active revision has them parked).
+    pub covered: u64,
+    /// Chunks of the active revision the candidate has no row for.
+    pub missing: u64,
+    /// Chunks whose text differs between the two, or is unknown on either side (written
+    /// before text hashes were recorded: `revision backfill` fills them).
+    pub other_text: u64,
+    /// Chunks of the same text that the candidate holds in its DLQ (or as exhausted) where
+    /// the active revision has them stored.
+    pub unresolved: u64,
+    /// Chunks the candidate's manifest calls stored with no vector of that content in its
+    /// relation.
+    pub without_vector: u64,
+    /// Chunks the candidate holds that the active revision does not (deleted since).
+    pub extra: u64,
+    /// A few examples of chunks not covered (`doc#chunk: why`).
+    pub examples: Vec<String>,
+}
+
+impl Coverage {
+    /// Chunks that keep the candidate from covering the active revision.
+    pub fn uncovered(&self) -> u64 {
+        self.missing + self.other_text + self.unresolved + self.without_vector + self.extra
+    }
+}
+
+/// Why [`activate`] did not switch.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ActivateError {
+    /// The store failed, or the target or revision does not exist.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The revision is not one that can be switched to (retired, already active).
+    #[error("revision {revision} of {target} is {state}: {why}")]
+    NotSwitchable {
+        /// The target.
+        target: String,
+        /// The revision asked for.
+        revision: i32,
+        /// Its state.
+        state: String,
+        /// What to do instead.
+        why: &'static str,
+    },
+    /// The revision does not cover the active one (more chunks than allowed are not covered).
+    #[error(
+        "revision {revision} of {target} does not cover the active revision: {} of {} chunks not covered \
+         ({} missing, {} of other or unknown text, {} unresolved in its DLQ, {} stored without a vector, \
+         {} not in the active revision), {allowed} allowed; e.g. {}",
+        .coverage.uncovered(), .coverage.active_chunks, .coverage.missing, .coverage.other_text,
+        .coverage.unresolved, .coverage.without_vector, .coverage.extra, .coverage.examples.join(", ")
+    )]
+    NotCovered {
+        /// The target.
+        target: String,
+        /// The revision asked for.
+        revision: i32,
+        /// What the check found.
+        coverage: Coverage,
+        /// The `allow_missing` given.
+        allowed: u64,
+    },
+}
+
+/// How much of the active revision `candidate` covers (see [`Coverage`]), read in one
+/// snapshot of `conn`.
+pub async fn coverage(
+    conn: &mut sqlx::PgConnection,
+    active: &Revision,
+    candidate: &Revision,
+) -> Result<Coverage, StoreError> {
+    let candidate_relation = &candidate.relation;
+    // Both manifests of a key by their primary keys, one probe a key; the vector of a stored
+    // candidate row by its unique key.
+    let sql = format!(
+        "WITH a AS MATERIALIZED (
+             SELECT doc_id, chunk_index, text_hash, status FROM ingest_manifest WHERE target_table = $1
+         ), c AS MATERIALIZED (
+             SELECT doc_id, chunk_index, text_hash, status, content_hash FROM ingest_manifest WHERE target_table = $2
+         ), pairs AS MATERIALIZED (
+             SELECT a.doc_id, a.chunk_index, a.status AS a_status, a.text_hash AS a_text,
+                    c.doc_id IS NOT NULL AS present, c.status AS c_status, c.text_hash AS c_text,
+                    c.status = 'stored' AND NOT EXISTS (
+                        SELECT 1 FROM {candidate_relation} e
+                         WHERE e.doc_id = c.doc_id AND e.chunk_index = c.chunk_index
+                           AND e.content_hash = c.content_hash) AS no_vector
+               FROM a LEFT JOIN c USING (doc_id, chunk_index)
+         ), judged AS MATERIALIZED (
+             SELECT doc_id, chunk_index,
+                    CASE WHEN NOT present THEN 'missing'
+                         WHEN a_text IS NULL OR c_text IS DISTINCT FROM a_text THEN 'other_text'
+                         WHEN no_vector THEN 'without_vector'
+                         WHEN c_status <> 'stored' AND a_status = 'stored' THEN 'unresolved'
+                         ELSE 'covered' END AS verdict
+               FROM pairs
+         )
+         SELECT count(*) AS active_chunks,
+                count(*) FILTER (WHERE verdict = 'covered') AS covered,
+                count(*) FILTER (WHERE verdict = 'missing') AS missing,
+                count(*) FILTER (WHERE verdict = 'other_text') AS other_text,
+                count(*) FILTER (WHERE verdict = 'unresolved') AS unresolved,
+                count(*) FILTER (WHERE verdict = 'without_vector') AS without_vector,
+                (SELECT count(*) FROM c WHERE NOT EXISTS (
+                     SELECT 1 FROM a WHERE a.doc_id = c.doc_id AND a.chunk_index = c.chunk_index)) AS extra,
+                ARRAY(SELECT doc_id || '#' || chunk_index || ': ' || verdict FROM judged
+                       WHERE verdict <> 'covered' ORDER BY doc_id, chunk_index LIMIT 5) AS examples
+           FROM judged"
+    );
+    let r = sqlx::query(AssertSqlSafe(sql))
+        .bind(&active.identity)
+        .bind(&candidate.identity)
+        .fetch_one(&mut *conn)
+        .await?;
+    let n = |c: &str| r.try_get::<i64, _>(c).map(|v| v.max(0) as u64);
+    Ok(Coverage {
+        active_chunks: n("active_chunks")?,
+        covered: n("covered")?,
+        missing: n("missing")?,
+        other_text: n("other_text")?,
+        unresolved: n("unresolved")?,
+        without_vector: n("without_vector")?,
+        extra: n("extra")?,
+        examples: r.try_get("examples")?,
+    })
+}
+
+/// What [`activate`] did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Activation {
+    /// The target.
+    pub target: String,
+    /// The revision now active.
+    pub active: i32,
+    /// The revision active before, now `previous` (kept, and written, for a rollback).
+    pub previous: i32,
+    /// The coverage the switch was made on.
+    pub coverage: Coverage,
+}
+
+/// Switches the query name of `target` to `revision` (`None`: the `previous` one, a
+/// rollback), in one transaction, if it covers the active revision ([`coverage`]) with at
+/// most `allow_missing` chunks not covered: the view is replaced (a query running across the
+/// switch reads one revision whole: the replace waits for it, and queries after it wait for
+/// the commit), the active revision becomes `previous` and an older `previous` a `shadow`
+/// (still written: only `retire` stops that).
+pub async fn activate(
+    pool: &PgPool,
+    target: &str,
+    revision: Option<i32>,
+    allow_missing: u64,
+) -> Result<Activation, ActivateError> {
+    let name = canonical(pool, target).await?;
+    let mut tx = pool.begin().await.map_err(StoreError::from)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
+        .bind(&name)
+        .execute(&mut *tx)
+        .await
+        .map_err(StoreError::from)?;
+    let rows = sqlx::query(
+        "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
+           FROM embed_dlq_revision WHERE target = $1 ORDER BY revision FOR UPDATE",
+    )
+    .bind(&name)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(StoreError::from)?;
+    let all: Vec<Revision> =
+        rows.iter().map(revision_of_row).collect::<Result<_, _>>().map_err(StoreError::from)?;
+    let not_found = |what: String| StoreError::Target { table: name.clone(), problem: what };
+    let active = all
+        .iter()
+        .find(|r| r.state == "active")
+        .cloned()
+        .ok_or_else(|| not_found("has no revisions (make one with `revision create`)".into()))?;
+    let wanted = match revision {
+        Some(n) => all.iter().find(|r| r.revision == n).cloned(),
+        None => all.iter().find(|r| r.state == "previous").cloned(),
+    }
+    .ok_or_else(|| {
+        not_found(match revision {
+            Some(n) => format!("has no revision {n}"),
+            None => "has no previous revision to roll back to".into(),
+        })
+    })?;
+    let refuse = |why| ActivateError::NotSwitchable {
+        target: name.clone(),
+        revision: wanted.revision,
+        state: wanted.state.clone(),
+        why,
+    };
+    match wanted.state.as_str() {
+        "active" => return Err(refuse("already active")),
+        "retired" => return Err(refuse("its relation was dropped; make a new revision")),
+        _ => {}
+    }
+    let coverage = coverage(&mut tx, &active, &wanted).await?;
+    if coverage.uncovered() > allow_missing {
+        return Err(ActivateError::NotCovered {
+            target: name,
+            revision: wanted.revision,
+            coverage,
+            allowed: allow_missing,
+        });
+    }
+    // The view over the new relation: the same columns (the revisions share their shape),
+    // the vector one without its fixed dimension.
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT a.attname::text FROM pg_attribute a
+          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+    )
+    .bind(&wanted.relation)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(StoreError::from)?;
+    let ident = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let select: Vec<String> = columns
+        .iter()
+        .map(|c| if c == "embedding" { "embedding::vector AS embedding".to_string() } else { ident(c) })
+        .collect();
+    let statements = [
+        format!("CREATE OR REPLACE VIEW {name} AS SELECT {} FROM {}", select.join(", "), wanted.relation),
+        "UPDATE embed_dlq_revision SET state = 'shadow' WHERE target = $1 AND state = 'previous'".into(),
+        "UPDATE embed_dlq_revision SET state = 'previous' WHERE target = $1 AND state = 'active'".into(),
+        "UPDATE embed_dlq_revision SET state = 'active', activated_at = now() WHERE target = $1 AND revision = $2"
+            .into(),
+    ];
+    for (n, sql) in statements.into_iter().enumerate() {
+        let q = sqlx::query(AssertSqlSafe(sql));
+        let q = if n == 0 { q } else { q.bind(&name) };
+        let q = if n == 3 { q.bind(wanted.revision) } else { q };
+        q.execute(&mut *tx).await.map_err(StoreError::from)?;
+    }
+    tx.commit().await.map_err(StoreError::from)?;
+    Ok(Activation { target: name, active: wanted.revision, previous: active.revision, coverage })
+}
+
+/// Records the text hash of chunks of `revision` whose manifest rows predate text hashes
+/// (NULL), each only where the row's content hash proves the revision holds exactly that
+/// text: `rows` are (doc_id, chunk_index, the content hash the revision would give the text,
+/// the text's hash). Returns the rows filled. A row whose text differs is left alone (and
+/// stays uncovered), so a stale input can never make a revision look covered.
+pub async fn fill_text_hashes(
+    pool: &PgPool,
+    revision: &Revision,
+    rows: &[(String, i32, String, crate::model::TextHash)],
+) -> Result<u64, StoreError> {
+    let docs: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+    let idxs: Vec<i32> = rows.iter().map(|r| r.1).collect();
+    let hashes: Vec<&str> = rows.iter().map(|r| r.2.as_str()).collect();
+    let texts: Vec<&[u8]> = rows.iter().map(|r| r.3.as_bytes()).collect();
+    let done = sqlx::query(
+        "UPDATE ingest_manifest m SET text_hash = i.text_hash
+           FROM UNNEST($2::text[], $3::int[], $4::text[], $5::bytea[]) AS i(doc_id, chunk_index, content_hash, text_hash)
+          WHERE m.target_table = $1 AND m.doc_id = i.doc_id AND m.chunk_index = i.chunk_index
+            AND m.content_hash = i.content_hash AND m.text_hash IS NULL",
+    )
+    .bind(&revision.identity)
+    .bind(&docs)
+    .bind(&idxs)
+    .bind(&hashes)
+    .bind(&texts)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}

@@ -400,3 +400,124 @@ async fn a_shadow_revision_has_its_own_relation_dimension_and_identity() {
     let e = create_shadow(&db.pool, "doc_embeddings", None, "m", 0, None).await.unwrap_err().to_string();
     assert!(e.contains("dimensions must be"), "{e}");
 }
+
+/// The whole move to a new model, in the library: a shadow made, refused while it covers
+/// nothing; one corpus run writes both revisions (each with its model); rows written before
+/// text hashes existed are refused until the corpus records theirs; the switch, with a probe
+/// reading the query name throughout (each answer one revision whole, never a mix, never
+/// empty); a change after it reaches both; the rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
+    use embed_dlq::store::revision::{ActivateError, activate, create_shadow, list};
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let v1 = corpus("a", 60, "v1");
+    pipeline(&s).await.run(input(v1.clone()), CancellationToken::new()).await.unwrap();
+    let first_run_inputs = mock.control.stats().inputs;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let refused = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap_err();
+    match &refused {
+        ActivateError::NotCovered { coverage, .. } => {
+            assert_eq!((coverage.active_chunks, coverage.missing, coverage.covered), (60, 60, 0), "{refused}")
+        }
+        other => panic!("{other}"),
+    }
+
+    // One corpus run writes both revisions: the active one finds it unchanged.
+    let fanout = s.fanout().await.unwrap().expect("two live revisions");
+    let runs = fanout.run(input(v1.clone()), CancellationToken::new()).await;
+    let summaries: Vec<(i32, u64, u64, u64)> = runs
+        .iter()
+        .map(|r| {
+            let s = r.result.as_ref().unwrap();
+            (r.revision.revision, s.stored, s.unchanged, s.parked_total() + s.already_parked)
+        })
+        .collect();
+    assert_eq!(summaries, vec![(1, 0, 59, 1), (2, 59, 0, 1)]);
+    // The shadow's run sends what the first run sent (the poison text isolated alike), the
+    // active revision's nothing.
+    assert_eq!(mock.control.stats().inputs, 2 * first_run_inputs, "the active revision embedded nothing again");
+
+    // Rows from before text hashes: unknown text, refused, until the corpus records them.
+    sqlx::query(
+        "UPDATE ingest_manifest SET text_hash = NULL WHERE target_table = 'public.doc_embeddings' AND chunk_index < 5",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    match activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap_err() {
+        ActivateError::NotCovered { coverage, .. } => assert_eq!(coverage.other_text, 5, "{coverage:?}"),
+        other => panic!("{other}"),
+    }
+    let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let active = list(&db.pool, Some("doc_embeddings")).await.unwrap().remove(0);
+    // A stale corpus fills nothing (its text is not what the revision holds)...
+    let stale = corpus("a", 60, "v0");
+    let filled = embed_dlq::ingest::record_text_hashes(&store, &active, "mock", 768, input(stale), 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(filled, 0);
+    let filled =
+        embed_dlq::ingest::record_text_hashes(&store, &active, "mock", 768, input(v1.clone()), 1 << 20)
+            .await
+            .unwrap();
+    assert_eq!(filled, 5);
+
+    // The switch, under a probe.
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = tokio::spawn({
+        let (pool, stop) = (db.pool.clone(), stop.clone());
+        async move {
+            let mut answers = std::collections::BTreeMap::<(i64, Option<i32>, Option<i32>), u64>::new();
+            while !stop.load(Ordering::Relaxed) {
+                let a: (i64, Option<i32>, Option<i32>) = sqlx::query_as(
+                    "SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)) FROM doc_embeddings",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                *answers.entry(a).or_default() += 1;
+            }
+            answers
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let switched = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.store(true, Ordering::Relaxed);
+    let answers = probe.await.unwrap();
+    let shapes: Vec<_> = answers.keys().cloned().collect();
+    assert_eq!(shapes, vec![(59, Some(256), Some(256)), (59, Some(768), Some(768))], "{answers:?}");
+    assert_eq!((switched.active, switched.previous, switched.coverage.covered), (2, 1, 60));
+    let states = |all: Vec<embed_dlq::store::revision::Revision>| {
+        all.into_iter().map(|r| (r.revision, r.state)).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        states(list(&db.pool, None).await.unwrap()),
+        vec![(1, "previous".to_string()), (2, "active".to_string())]
+    );
+
+    // A change after the switch reaches both (the previous one is kept in step for a
+    // rollback), and the rollback is a switch like any other.
+    let mut v2 = v1.clone();
+    v2.extend(corpus("a", 5, "v2"));
+    let fanout = s.fanout().await.unwrap().expect("two live revisions");
+    assert_eq!(fanout.revisions[0].0.revision, 2, "the active revision first");
+    for run in fanout.run(input(v2), CancellationToken::new()).await {
+        assert_eq!(run.result.as_ref().unwrap().stored, 5, "{run:?}");
+    }
+    let back = activate(&db.pool, "doc_embeddings", None, 0).await.unwrap();
+    assert_eq!((back.active, back.previous), (1, 2));
+    let dims: i32 = sqlx::query_scalar("SELECT vector_dims(embedding) FROM doc_embeddings LIMIT 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dims, 768);
+    let changed = db.count("SELECT count(*) FROM doc_embeddings WHERE content_hash IN (SELECT content_hash FROM ingest_manifest WHERE target_table = 'public.doc_embeddings' AND chunk_index < 5)").await;
+    assert_eq!(changed, 5);
+    match activate(&db.pool, "doc_embeddings", Some(1), 0).await.unwrap_err() {
+        ActivateError::NotSwitchable { state, .. } => assert_eq!(state, "active"),
+        other => panic!("{other}"),
+    }
+}
