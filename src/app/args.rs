@@ -163,6 +163,9 @@ pub enum Command {
     Reconcile(ReconcileCommand),
     /// Inspect and act on the DLQ.
     Dlq(DlqCommand),
+    /// Revisions of a target: a new embedding model built beside the live one, switched to
+    /// once it covers it, rolled back (docs/revisions.md).
+    Revision(RevisionCommand),
     /// The operator console in the browser: DLQ overview, list, detail, bulk requeue/purge,
     /// live events, reconcile (token `EMBED_DLQ_CONSOLE_TOKEN` for actions).
     Console(ConsoleCommand),
@@ -418,6 +421,73 @@ pub struct DlqCommand {
     /// Target vector table (else `[ingest] table` of the config file).
     #[arg(long, global = true)]
     pub table: Option<String>,
+}
+
+/// The arguments of `revision`.
+#[derive(clap::Args, Debug)]
+pub struct RevisionCommand {
+    #[command(subcommand)]
+    pub action: RevisionAction,
+    /// JSON output.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// `revision` actions.
+#[derive(Subcommand, Debug)]
+pub enum RevisionAction {
+    /// Every revision of every target (or of `--target`): state, model, dimensions, relation.
+    List {
+        /// The target (the name users query).
+        #[arg(long, alias = "table")]
+        target: Option<String>,
+    },
+    /// Make a shadow revision for a new model: its own table `<target>__r<n>` beside the
+    /// active one, written by every corpus ingest of the target from now on. A target that
+    /// is still a plain table becomes revision 1 first (renamed to `<target>__r1`, its name a
+    /// view over the active revision).
+    Create {
+        /// The target (the name users query; default: the configured table).
+        #[arg(long, alias = "table")]
+        target: Option<String>,
+        /// The new revision's model.
+        #[arg(long)]
+        model: String,
+        /// Its vectors' dimension, 1..=16000.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
+        dimensions: u64,
+        /// The `dimensions` request parameter to send for it (models that shorten their
+        /// vectors on request).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16_000))]
+        request_dimensions: Option<u64>,
+        /// The model the target's existing vectors were made with, recorded for revision 1
+        /// when the target is adopted (default: none recorded, so each ingest embeds
+        /// revision 1 with its own configured model, as before: a wrong name here would
+        /// re-embed every chunk of it).
+        #[arg(long)]
+        active_model: Option<String>,
+    },
+    /// Fill the shadow revisions from a corpus: an ingest of INPUT into every live revision
+    /// of the target (the active one finds it unchanged and sends nothing), which also
+    /// records the text of chunks written before text hashes existed. Resumable: a rerun
+    /// embeds only what is missing. Takes the flags of `ingest`.
+    Backfill(Box<IngestCommand>),
+    /// Switch the target's name to a revision, in one transaction, if it covers the active
+    /// one (the same chunks, each of the same text, stored); exits 2 with the numbers if not.
+    Activate {
+        /// The target (default: the configured table).
+        #[arg(long, alias = "table")]
+        target: Option<String>,
+        /// The revision to switch to.
+        #[arg(long, required_unless_present = "previous", conflicts_with = "previous")]
+        revision: Option<i32>,
+        /// Switch back to the previous revision (a rollback).
+        #[arg(long)]
+        previous: bool,
+        /// Switch even though this many chunks are not covered, 0..=10^12.
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000_000))]
+        allow_missing: u64,
+    },
 }
 
 /// The arguments of `mock-provider`.

@@ -20,6 +20,7 @@ mod migrate;
 mod mock;
 mod reconcile;
 mod render;
+mod revision;
 mod serve;
 mod tail;
 
@@ -75,6 +76,7 @@ async fn dispatch(cli: Cli, cancel: CancellationToken) -> i32 {
         Command::Tail(args) => tail::command(&resolver, args, cancel).await,
         Command::Reconcile(args) => reconcile::command(&resolver, args, cancel).await,
         Command::Dlq(args) => dlq::command(&resolver, args).await,
+        Command::Revision(args) => revision::command(&resolver, args, cancel).await,
         Command::Console(args) => console::command(&resolver, args, cancel).await,
         Command::MockProvider(args) => mock::command(args, cancel).await,
         Command::Demo(args) => demo::command(&resolver, args, cancel).await,

@@ -140,7 +140,17 @@ impl IngestSettings {
             settings.options.progress &= n == 0;
             revisions.push((revision, settings.pipeline().await?));
         }
-        Ok(Some(crate::ingest::Fanout { revisions }))
+        let (active, pipeline) = &revisions[0];
+        let fill =
+            crate::store::revision::lacks_text_hashes(pipeline.store.pool(), active).await?.then(|| {
+                crate::ingest::TextHashFill {
+                    store: pipeline.store.clone(),
+                    revision: active.clone(),
+                    model: pipeline.embedder.client.model().to_string(),
+                    dimensions: pipeline.embedder.dimensions,
+                }
+            });
+        Ok(Some(crate::ingest::Fanout { revisions, fill }))
     }
 
     /// The live revisions of the target these settings name ([`crate::store::revision::live`]).

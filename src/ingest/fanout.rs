@@ -18,6 +18,22 @@ const PIPE_BYTES: usize = 256 * 1024;
 pub struct Fanout {
     /// Each live revision and the pipeline that writes it.
     pub revisions: Vec<(Revision, Pipeline)>,
+    /// Set when the active revision holds chunks written before text hashes existed: the
+    /// run also records theirs from the input ([`record_text_hashes`]), so that the
+    /// coverage check can compare them.
+    pub fill: Option<TextHashFill>,
+}
+
+/// What [`record_text_hashes`] needs to record the text hashes of one revision.
+pub struct TextHashFill {
+    /// The store of the revision's identity.
+    pub store: Store,
+    /// The revision whose rows are filled.
+    pub revision: Revision,
+    /// The model its content hashes were made with.
+    pub model: String,
+    /// Its vectors' dimension.
+    pub dimensions: usize,
 }
 
 /// How one revision's part of a [`Fanout`] run ended.
@@ -48,6 +64,14 @@ impl Fanout {
                 RevisionRun { revision: revision.clone(), result: pipeline.run(reader, cancel).await }
             });
         }
+        // The text-hash fill reads its own copy of the input beside the runs.
+        let fill = self.fill.as_ref().map(|f| {
+            let (writer, reader) = tokio::io::duplex(PIPE_BYTES);
+            writers.push(writer);
+            let reader = tokio::io::BufReader::with_capacity(PIPE_BYTES, reader);
+            let max_line_bytes = self.revisions[0].1.options.within_bounds().max_line_bytes;
+            record_text_hashes(&f.store, &f.revision, &f.model, f.dimensions, reader, max_line_bytes)
+        });
         let tee = tokio::spawn(async move {
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -76,7 +100,22 @@ impl Fanout {
                 let _ = w.shutdown().await;
             }
         });
-        let results = futures::future::join_all(runs).await;
+        let (results, filled) = match fill {
+            Some(fill) => {
+                let (results, filled) = tokio::join!(futures::future::join_all(runs), fill);
+                (results, Some(filled))
+            }
+            None => (futures::future::join_all(runs).await, None),
+        };
+        match filled {
+            Some(Ok(n)) if n > 0 => {
+                tracing::info!(chunks = n, "recorded the text hashes of chunks written before them")
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "recording the text hashes of older chunks failed; their coverage stays unknown until a rerun records them")
+            }
+            _ => {}
+        }
         // Every run has ended, so no pipe is read any more: the tee ends too.
         tee.abort();
         let _ = tee.await;

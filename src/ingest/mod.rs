@@ -79,7 +79,7 @@ use batcher::*;
 pub use batcher::{BAD_LINES_LOG_EVERY, LOGGED_BAD_LINES};
 use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
-pub use fanout::{Fanout, RevisionRun, record_text_hashes};
+pub use fanout::{Fanout, RevisionRun, TextHashFill, record_text_hashes};
 use feed::*;
 use lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
 use reader::{LineReader, RawMetadata, Record, parse_line};

@@ -582,3 +582,14 @@ pub async fn fill_text_hashes(
     .await?;
     Ok(done.rows_affected())
 }
+
+/// Whether `revision` holds chunks written before text hashes existed (one probe: the first
+/// such row ends it; a manifest of only new rows is read once through).
+pub async fn lacks_text_hashes(pool: &PgPool, revision: &Revision) -> Result<bool, StoreError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ingest_manifest WHERE target_table = $1 AND text_hash IS NULL)",
+    )
+    .bind(&revision.identity)
+    .fetch_one(pool)
+    .await?)
+}

@@ -71,6 +71,60 @@ async fn text_hash_and_expected(
     .unwrap()
 }
 
+/// What a search of the query name sees: (rows, smallest and largest vector dimension).
+type Answer = (i64, Option<i32>, Option<i32>);
+
+/// Reads the query name over and over until stopped, every answer kept in order (an error
+/// as its message): what a user's search sees across an adoption or a switch.
+struct Probe {
+    stop: Arc<AtomicBool>,
+    seen: Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<Vec<Result<Answer, String>>>,
+}
+
+impl Probe {
+    /// Starts reading, and returns once a first answer is in (so one is from before what
+    /// the test does next, however slow the machine).
+    async fn start(db: &TestDb) -> Probe {
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let task = tokio::spawn({
+            let (pool, stop, seen) = (db.pool.clone(), stop.clone(), seen.clone());
+            async move {
+                let mut answers = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let a: Result<Answer, _> = sqlx::query_as(
+                        "SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)) FROM doc_embeddings",
+                    )
+                    .fetch_one(&pool)
+                    .await;
+                    answers.push(a.map_err(|e| e.to_string()));
+                    seen.fetch_add(1, Ordering::Relaxed);
+                }
+                answers
+            }
+        });
+        let probe = Probe { stop, seen, task };
+        probe.wait_past(0).await;
+        probe
+    }
+
+    async fn wait_past(&self, n: u64) {
+        wait_for("the probe's next answer", Duration::from_secs(60), async || {
+            self.seen.load(Ordering::Relaxed) > n
+        })
+        .await;
+    }
+
+    /// Stops after two more answers (the second begun after this call, so after whatever
+    /// the test did before it); returns every answer.
+    async fn stop(self) -> Vec<Result<Answer, String>> {
+        self.wait_past(self.seen.load(Ordering::Relaxed) + 1).await;
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap()
+    }
+}
+
 fn replay_config() -> ReplayConfig {
     ReplayConfig {
         batch: 64,
@@ -98,26 +152,11 @@ async fn an_adopted_table_answers_under_its_name_and_every_writer_writes_its_rel
 
     // A probe reads the query name all through the adoption: never an error, never a
     // partial answer.
-    let stop = Arc::new(AtomicBool::new(false));
-    let probe = tokio::spawn({
-        let (pool, stop) = (db.pool.clone(), stop.clone());
-        async move {
-            let mut answers = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                let n: Result<i64, _> =
-                    sqlx::query_scalar("SELECT count(*) FROM doc_embeddings").fetch_one(&pool).await;
-                answers.push(n.map_err(|e| e.to_string()));
-            }
-            answers
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let probe = Probe::start(&db).await;
     let rev = adopt(&db.pool, "doc_embeddings", Some("mock"), None).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    stop.store(true, Ordering::Relaxed);
-    let answers = probe.await.unwrap();
+    let answers = probe.stop().await;
     assert!(answers.len() > 2, "{answers:?}");
-    assert!(answers.iter().all(|a| a == &Ok(196)), "every answer whole: {answers:?}");
+    assert!(answers.iter().all(|a| a == &Ok((196, Some(768), Some(768)))), "every answer whole: {answers:?}");
 
     assert_eq!(
         (rev.target.as_str(), rev.revision, rev.identity.as_str(), rev.relation.as_str()),
@@ -414,7 +453,6 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
     let s = settings(&db, &mock);
     let v1 = corpus("a", 60, "v1");
     pipeline(&s).await.run(input(v1.clone()), CancellationToken::new()).await.unwrap();
-    let first_run_inputs = mock.control.stats().inputs;
     create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
     let refused = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap_err();
     match &refused {
@@ -435,9 +473,9 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
         })
         .collect();
     assert_eq!(summaries, vec![(1, 0, 59, 1), (2, 59, 0, 1)]);
-    // The shadow's run sends what the first run sent (the poison text isolated alike), the
-    // active revision's nothing.
-    assert_eq!(mock.control.stats().inputs, 2 * first_run_inputs, "the active revision embedded nothing again");
+    // The active revision's run sent nothing to the provider.
+    let active_calls = runs[0].result.as_ref().unwrap().provider_calls;
+    assert_eq!(active_calls, 0, "the active revision embedded nothing again");
 
     // Rows from before text hashes: unknown text, refused, until the corpus records them.
     sqlx::query(
@@ -458,37 +496,23 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
         .await
         .unwrap();
     assert_eq!(filled, 0);
-    let filled =
-        embed_dlq::ingest::record_text_hashes(&store, &active, "mock", 768, input(v1.clone()), 1 << 20)
-            .await
-            .unwrap();
-    assert_eq!(filled, 5);
+    // ...and a rerun of the corpus, which finds both revisions unchanged, records them.
+    let fanout = s.fanout().await.unwrap().expect("two live revisions");
+    assert!(fanout.fill.is_some(), "the active revision lacks text hashes");
+    for run in fanout.run(input(v1.clone()), CancellationToken::new()).await {
+        let summary = run.result.unwrap();
+        assert_eq!((summary.stored, summary.unchanged), (0, 59), "{summary:?}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM ingest_manifest WHERE text_hash IS NULL").await, 0);
 
-    // The switch, under a probe.
-    let stop = Arc::new(AtomicBool::new(false));
-    let probe = tokio::spawn({
-        let (pool, stop) = (db.pool.clone(), stop.clone());
-        async move {
-            let mut answers = std::collections::BTreeMap::<(i64, Option<i32>, Option<i32>), u64>::new();
-            while !stop.load(Ordering::Relaxed) {
-                let a: (i64, Option<i32>, Option<i32>) = sqlx::query_as(
-                    "SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)) FROM doc_embeddings",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-                *answers.entry(a).or_default() += 1;
-            }
-            answers
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The switch, under a probe: one revision whole each time, the old one until the
+    // switch, the new one after it.
+    let probe = Probe::start(&db).await;
     let switched = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    stop.store(true, Ordering::Relaxed);
-    let answers = probe.await.unwrap();
-    let shapes: Vec<_> = answers.keys().cloned().collect();
-    assert_eq!(shapes, vec![(59, Some(256), Some(256)), (59, Some(768), Some(768))], "{answers:?}");
+    let answers = probe.stop().await;
+    let mut shapes: Vec<Answer> = answers.iter().map(|a| a.clone().unwrap()).collect();
+    shapes.dedup();
+    assert_eq!(shapes, vec![(59, Some(768), Some(768)), (59, Some(256), Some(256))], "{answers:?}");
     assert_eq!((switched.active, switched.previous, switched.coverage.covered), (2, 1, 60));
     let states = |all: Vec<embed_dlq::store::revision::Revision>| {
         all.into_iter().map(|r| (r.revision, r.state)).collect::<Vec<_>>()
@@ -520,4 +544,90 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
         ActivateError::NotSwitchable { state, .. } => assert_eq!(state, "active"),
         other => panic!("{other}"),
     }
+}
+
+/// The move to a new model as a user runs it: `revision create`, a refused `activate` (exit
+/// 2, with the numbers), `revision backfill`, `revision list`, `activate`, `activate
+/// --previous`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_revision_commands_move_a_target_to_a_new_model_and_back() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-revisions-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("corpus.jsonl");
+    std::fs::write(&path, corpus("a", 80, "v1")).unwrap();
+    let run = |args: &[&str]| {
+        let mut c = binary();
+        c.args(["--database-url", &db.url]).args(args);
+        async move { c.output().await.unwrap() }
+    };
+    let provider = ["--base-url", &mock.base_url(), "--model", "mock", "--no-progress"];
+    let path = path.to_str().unwrap();
+    let out = run(&[&["ingest", path][..], &provider].concat()).await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let out = run(&[
+        "revision",
+        "create",
+        "--model",
+        "mock-next",
+        "--dimensions",
+        "256",
+        "--request-dimensions",
+        "256",
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("doc_embeddings__r2"));
+    let out = run(&["revision", "activate", "--revision", "2"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("does not cover") && stderr.contains("80 of 80 chunks not covered"), "{stderr}");
+
+    let out = run(&[&["revision", "backfill", path][..], &provider, &["--json"]].concat()).await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let per_revision: Vec<(i64, i64, i64)> = summary["revisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let s = &r["summary"];
+            (r["revision"].as_i64().unwrap(), s["stored"].as_i64().unwrap(), s["unchanged"].as_i64().unwrap())
+        })
+        .collect();
+    assert_eq!(per_revision, vec![(1, 0, 79), (2, 79, 0)], "{summary}");
+
+    let out = run(&["revision", "list", "--json"]).await;
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let states: Vec<(i64, &str, i64)> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (r["revision"].as_i64().unwrap(), r["state"].as_str().unwrap(), r["dimensions"].as_i64().unwrap())
+        })
+        .collect();
+    assert_eq!(states, vec![(1, "active", 768), (2, "shadow", 256)]);
+
+    let out = run(&["revision", "activate", "--revision", "2"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let dims = || async {
+        sqlx::query_scalar::<_, i32>("SELECT vector_dims(embedding) FROM doc_embeddings LIMIT 1")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(dims().await, 256);
+    let out = run(&["revision", "activate", "--previous"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(dims().await, 768);
+    let out = run(&["revision", "activate", "--revision", "9"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
 }

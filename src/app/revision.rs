@@ -1,0 +1,173 @@
+//! `revision`: lists a target's revisions, makes a shadow one, backfills it (an ingest into
+//! every live revision) and switches the target's name to it (or back), rendering the
+//! outcome and mapping a refusal to exit 2.
+
+use embed_dlq::config::{FileConfig, IngestArgs};
+use embed_dlq::store::revision::{self, ActivateError, Revision};
+use tokio_util::sync::CancellationToken;
+
+use super::args::{RevisionAction, RevisionCommand};
+use super::{Resolver, exit};
+
+/// Runs `revision`; returns the exit code.
+pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: CancellationToken) -> i32 {
+    let RevisionCommand { action, json } = args;
+    let target = match action {
+        RevisionAction::Backfill(ingest) => return backfill(resolver, *ingest, json, cancel).await,
+        RevisionAction::List { ref target }
+        | RevisionAction::Create { ref target, .. }
+        | RevisionAction::Activate { ref target, .. } => target.clone(),
+    };
+    let listing_all = matches!(action, RevisionAction::List { target: None });
+    let flags =
+        FileConfig { ingest: IngestArgs { table: target, ..Default::default() }, ..Default::default() };
+    let (settings, url) = match resolver.with_database(flags) {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
+    };
+    let pool = match embed_dlq::store::connect(&url, 2).await {
+        Ok(p) => p,
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
+    if let Err(e) = embed_dlq::store::migrate(&pool).await {
+        return exit::fail(exit::FAILURE, &e.to_string());
+    }
+    let table = settings.table.as_str();
+    match action {
+        RevisionAction::List { .. } => {
+            match revision::list(&pool, (!listing_all).then_some(table)).await {
+                Ok(all) => print_revisions(&all, json),
+                Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+            }
+            exit::OK
+        }
+        RevisionAction::Create { model, dimensions, request_dimensions, active_model, .. } => {
+            let made = revision::create_shadow(
+                &pool,
+                table,
+                active_model.as_deref(),
+                &model,
+                dimensions as usize,
+                request_dimensions.map(|d| d as usize),
+            )
+            .await;
+            match made {
+                Ok(r) => {
+                    if json {
+                        println!("{}", revision_json(&r));
+                    } else {
+                        println!(
+                            "revision {} of {} made: {} (vector({}), model {}), a shadow: every corpus ingest of {} writes it from now on; fill it with `embed-dlq revision backfill CORPUS --table {}`",
+                            r.revision, r.target, r.relation, r.dimensions, model, r.target, r.target
+                        );
+                    }
+                    exit::OK
+                }
+                Err(e @ embed_dlq::store::StoreError::Target { .. }) => {
+                    exit::fail(exit::USAGE, &e.to_string())
+                }
+                Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+            }
+        }
+        RevisionAction::Activate { revision, previous, allow_missing, .. } => {
+            let wanted = if previous { None } else { revision };
+            match revision::activate(&pool, table, wanted, allow_missing).await {
+                Ok(a) => {
+                    if json {
+                        println!("{}", serde_json::to_string(&a).expect("serializes"));
+                    } else {
+                        println!(
+                            "{} now answers revision {} (revision {} kept as previous, still written, for a rollback: `embed-dlq revision activate --previous`); {} of {} chunks covered",
+                            a.target, a.active, a.previous, a.coverage.covered, a.coverage.active_chunks
+                        );
+                    }
+                    exit::OK
+                }
+                Err(e @ (ActivateError::NotCovered { .. } | ActivateError::NotSwitchable { .. })) => {
+                    if let (true, ActivateError::NotCovered { coverage, .. }) = (json, &e) {
+                        println!("{}", serde_json::to_string(coverage).expect("serializes"));
+                    }
+                    exit::fail(exit::USAGE, &e.to_string())
+                }
+                Err(ActivateError::Store(e @ embed_dlq::store::StoreError::Target { .. })) => {
+                    exit::fail(exit::USAGE, &e.to_string())
+                }
+                Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+            }
+        }
+        RevisionAction::Backfill(_) => unreachable!("handled above"),
+    }
+}
+
+/// `revision backfill`: an ingest of the corpus into every live revision, refused (exit 2)
+/// when the target has no revision besides the active one.
+async fn backfill(
+    resolver: &Resolver,
+    mut ingest: super::args::IngestCommand,
+    json: bool,
+    cancel: CancellationToken,
+) -> i32 {
+    if !ingest.source.streams.is_empty() {
+        return exit::fail(exit::USAGE, "revision backfill reads a corpus, not --from-stream");
+    }
+    ingest.json |= json;
+    let flags = FileConfig { ingest: (*ingest.ingest).clone(), ..Default::default() };
+    let (settings, url) = match resolver.with_database(flags) {
+        Ok(r) => r,
+        Err(e) => return exit::usage(&e),
+    };
+    let pool = match embed_dlq::store::connect(&url, 2).await {
+        Ok(p) => p,
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
+    if let Err(e) = embed_dlq::store::migrate(&pool).await {
+        return exit::fail(exit::FAILURE, &e.to_string());
+    }
+    match revision::live(&pool, &settings.table).await {
+        Ok(live) if live.len() > 1 => {}
+        Ok(_) => {
+            return exit::fail(
+                exit::USAGE,
+                &format!(
+                    "{} has no revision to backfill: make one with `embed-dlq revision create --table {} --model M --dimensions N`",
+                    settings.table, settings.table
+                ),
+            );
+        }
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    }
+    pool.close().await;
+    super::ingest::command(resolver, ingest, cancel).await
+}
+
+fn revision_json(r: &Revision) -> serde_json::Value {
+    serde_json::json!({
+        "target": r.target, "revision": r.revision, "state": r.state, "identity": r.identity,
+        "relation": r.relation, "model": r.model, "dimensions": r.dimensions,
+        "request_dimensions": r.request_dimensions,
+    })
+}
+
+fn print_revisions(all: &[Revision], json: bool) {
+    if json {
+        let rows: Vec<_> = all.iter().map(revision_json).collect();
+        println!("{}", serde_json::Value::Array(rows));
+        return;
+    }
+    if all.is_empty() {
+        println!("no revisions (a target gets them with `embed-dlq revision create`)");
+        return;
+    }
+    println!("{:<32} {:>4}  {:<8}  {:>6}  {:<24}  relation", "target", "rev", "state", "dims", "model");
+    for r in all {
+        println!(
+            "{:<32} {:>4}  {:<8}  {:>6}  {:<24}  {}",
+            r.target,
+            r.revision,
+            r.state,
+            r.dimensions,
+            r.model.as_deref().unwrap_or("(as configured)"),
+            r.relation
+        );
+    }
+}
