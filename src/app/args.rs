@@ -488,6 +488,19 @@ pub enum RevisionAction {
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000_000))]
         allow_missing: u64,
     },
+    /// Retire a revision that is not active: drop its table and delete its manifest and DLQ
+    /// rows; writes stop reaching it. Needs `--yes`.
+    Retire {
+        /// The target (default: the configured table).
+        #[arg(long, alias = "table")]
+        target: Option<String>,
+        /// The revision to retire.
+        #[arg(long)]
+        revision: i32,
+        /// Confirm: the revision's vectors are dropped for good.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 /// The arguments of `mock-provider`.

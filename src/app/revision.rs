@@ -1,9 +1,9 @@
 //! `revision`: lists a target's revisions, makes a shadow one, backfills it (an ingest into
-//! every live revision) and switches the target's name to it (or back), rendering the
-//! outcome and mapping a refusal to exit 2.
+//! every live revision), switches the target's name to it (or back) and retires one,
+//! rendering the outcome and mapping a refusal to exit 2.
 
 use embed_dlq::config::{FileConfig, IngestArgs};
-use embed_dlq::store::revision::{self, ActivateError, Revision};
+use embed_dlq::store::revision::{self, Revision, RevisionError};
 use tokio_util::sync::CancellationToken;
 
 use super::args::{RevisionAction, RevisionCommand};
@@ -16,7 +16,8 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
         RevisionAction::Backfill(ingest) => return backfill(resolver, *ingest, json, cancel).await,
         RevisionAction::List { ref target }
         | RevisionAction::Create { ref target, .. }
-        | RevisionAction::Activate { ref target, .. } => target.clone(),
+        | RevisionAction::Activate { ref target, .. }
+        | RevisionAction::Retire { ref target, .. } => target.clone(),
     };
     let listing_all = matches!(action, RevisionAction::List { target: None });
     let flags =
@@ -83,13 +84,41 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
                     }
                     exit::OK
                 }
-                Err(e @ (ActivateError::NotCovered { .. } | ActivateError::NotSwitchable { .. })) => {
-                    if let (true, ActivateError::NotCovered { coverage, .. }) = (json, &e) {
+                Err(e @ (RevisionError::NotCovered { .. } | RevisionError::NotSwitchable { .. })) => {
+                    if let (true, RevisionError::NotCovered { coverage, .. }) = (json, &e) {
                         println!("{}", serde_json::to_string(coverage).expect("serializes"));
                     }
                     exit::fail(exit::USAGE, &e.to_string())
                 }
-                Err(ActivateError::Store(e @ embed_dlq::store::StoreError::Target { .. })) => {
+                Err(RevisionError::Store(e @ embed_dlq::store::StoreError::Target { .. })) => {
+                    exit::fail(exit::USAGE, &e.to_string())
+                }
+                Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+            }
+        }
+        RevisionAction::Retire { revision, yes, .. } => {
+            if !yes {
+                return exit::fail(
+                    exit::USAGE,
+                    &format!(
+                        "retiring drops revision {revision}'s table and its manifest and DLQ rows for good: add --yes"
+                    ),
+                );
+            }
+            match revision::retire(&pool, table, revision).await {
+                Ok(r) => {
+                    if json {
+                        println!("{}", serde_json::to_string(&r).expect("serializes"));
+                    } else {
+                        println!(
+                            "revision {} of {} retired: {} dropped, {} manifest and {} DLQ rows deleted",
+                            r.revision, r.target, r.relation, r.manifest_rows, r.dlq_rows
+                        );
+                    }
+                    exit::OK
+                }
+                Err(e @ RevisionError::NotSwitchable { .. }) => exit::fail(exit::USAGE, &e.to_string()),
+                Err(RevisionError::Store(e @ embed_dlq::store::StoreError::Target { .. })) => {
                     exit::fail(exit::USAGE, &e.to_string())
                 }
                 Err(e) => exit::fail(exit::FAILURE, &e.to_string()),

@@ -342,14 +342,15 @@ impl Coverage {
     }
 }
 
-/// Why [`activate`] did not switch.
+/// Why [`activate`] did not switch, or [`retire`] did not retire.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum ActivateError {
+pub enum RevisionError {
     /// The store failed, or the target or revision does not exist.
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// The revision is not one that can be switched to (retired, already active).
+    /// The revision is not one that can be switched to (retired, already active) or retired
+    /// (the active one).
     #[error("revision {revision} of {target} is {state}: {why}")]
     NotSwitchable {
         /// The target.
@@ -467,7 +468,7 @@ pub async fn activate(
     target: &str,
     revision: Option<i32>,
     allow_missing: u64,
-) -> Result<Activation, ActivateError> {
+) -> Result<Activation, RevisionError> {
     let name = canonical(pool, target).await?;
     let mut tx = pool.begin().await.map_err(StoreError::from)?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
@@ -501,7 +502,7 @@ pub async fn activate(
             None => "has no previous revision to roll back to".into(),
         })
     })?;
-    let refuse = |why| ActivateError::NotSwitchable {
+    let refuse = |why| RevisionError::NotSwitchable {
         target: name.clone(),
         revision: wanted.revision,
         state: wanted.state.clone(),
@@ -514,7 +515,7 @@ pub async fn activate(
     }
     let coverage = coverage(&mut tx, &active, &wanted).await?;
     if coverage.uncovered() > allow_missing {
-        return Err(ActivateError::NotCovered {
+        return Err(RevisionError::NotCovered {
             target: name,
             revision: wanted.revision,
             coverage,
@@ -592,4 +593,96 @@ pub async fn lacks_text_hashes(pool: &PgPool, revision: &Revision) -> Result<boo
     .bind(&revision.identity)
     .fetch_one(pool)
     .await?)
+}
+
+/// What [`retire`] removed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Retired {
+    /// The target.
+    pub target: String,
+    /// The revision retired.
+    pub revision: i32,
+    /// Its relation, dropped.
+    pub relation: String,
+    /// Its manifest rows deleted.
+    pub manifest_rows: u64,
+    /// Its DLQ rows deleted (no event is written for them: the revision is gone).
+    pub dlq_rows: u64,
+}
+
+/// Retires `revision` of `target`, in one transaction: its relation is dropped, its
+/// manifest, DLQ, tombstone, lease and stream-source rows are deleted, and it is recorded as
+/// `retired` (kept as history; its number is never given again). Writes stop reaching it
+/// (an ingest running meanwhile fails that revision's part, the others go on). Refused for
+/// the active revision.
+pub async fn retire(pool: &PgPool, target: &str, revision: i32) -> Result<Retired, RevisionError> {
+    let name = canonical(pool, target).await?;
+    let mut tx = pool.begin().await.map_err(StoreError::from)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
+        .bind(&name)
+        .execute(&mut *tx)
+        .await
+        .map_err(StoreError::from)?;
+    let row = sqlx::query(
+        "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
+           FROM embed_dlq_revision WHERE target = $1 AND revision = $2 FOR UPDATE",
+    )
+    .bind(&name)
+    .bind(revision)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(StoreError::from)?;
+    let r = match row {
+        Some(row) => revision_of_row(&row).map_err(StoreError::from)?,
+        None => {
+            return Err(
+                StoreError::Target { table: name, problem: format!("has no revision {revision}") }.into()
+            );
+        }
+    };
+    let refuse =
+        |why| RevisionError::NotSwitchable { target: name.clone(), revision, state: r.state.clone(), why };
+    match r.state.as_str() {
+        "active" => return Err(refuse("the query name answers it: switch to another revision first")),
+        "retired" => return Err(refuse("retired already")),
+        _ => {}
+    }
+    // The manifest first (every writer locks its manifest rows before the DLQ's).
+    let mut counts = [0u64; 2];
+    for (n, sql) in [
+        "DELETE FROM ingest_manifest WHERE target_table = $1",
+        "DELETE FROM embedding_dlq WHERE target_table = $1",
+        "DELETE FROM ingest_tombstone WHERE target_table = $1",
+        "DELETE FROM ingest_lease WHERE target_table = $1",
+        "DELETE FROM ingest_stream_fed WHERE target_table = $1",
+        "DELETE FROM source_suspect WHERE target_table = $1",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let done = sqlx::query(sql).bind(&r.identity).execute(&mut *tx).await.map_err(StoreError::from)?;
+        if n < 2 {
+            counts[n] = done.rows_affected();
+        }
+    }
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE {}", r.relation)))
+        .execute(&mut *tx)
+        .await
+        .map_err(StoreError::from)?;
+    sqlx::query(
+        "UPDATE embed_dlq_revision SET state = 'retired', retired_at = now() WHERE target = $1 AND revision = $2",
+    )
+    .bind(&name)
+    .bind(revision)
+    .execute(&mut *tx)
+    .await
+    .map_err(StoreError::from)?;
+    tx.commit().await.map_err(StoreError::from)?;
+    Ok(Retired {
+        target: name,
+        revision,
+        relation: r.relation,
+        manifest_rows: counts[0],
+        dlq_rows: counts[1],
+    })
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use embed_dlq::model::content_hash;
-use embed_dlq::reconcile::{Mode, Reconciler};
+use embed_dlq::reconcile::{Mode, ReconcileConfig, Reconciler, Sweep, SweepPolicy};
 use embed_dlq::replay::{ReplayConfig, Scheduler};
 use embed_dlq::store::Store;
 use embed_dlq::store::revision::adopt;
@@ -259,7 +259,9 @@ async fn an_adopted_table_answers_under_its_name_and_every_writer_writes_its_rel
     assert_eq!(db.leaks().await, 0);
     assert_eq!(db.manifest_disagreements().await, 0);
 
-    let mut reconciler = Reconciler { store, redis: Some(redis().await), keys, config: immediate() };
+    // Full sweeps: a vector deleted by hand changes no manifest row for an incremental one to see.
+    let config = ReconcileConfig { sweeps: SweepPolicy::Always(Sweep::Full), ..immediate() };
+    let mut reconciler = Reconciler { store, redis: Some(redis().await), keys, config };
     let report = reconciler.run_once(Mode::Check).await.unwrap();
     assert_eq!(report.total_found(), 0, "{report:?}");
     // And it reads the relation: a vector lost from it is a leak of the identity.
@@ -447,7 +449,7 @@ async fn a_shadow_revision_has_its_own_relation_dimension_and_identity() {
 /// empty); a change after it reaches both; the rollback.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
-    use embed_dlq::store::revision::{ActivateError, activate, create_shadow, list};
+    use embed_dlq::store::revision::{RevisionError, activate, create_shadow, list};
     let db = TestDb::new().await;
     let mock = start_mock(MockConfig::default()).await;
     let s = settings(&db, &mock);
@@ -456,7 +458,7 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
     create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
     let refused = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap_err();
     match &refused {
-        ActivateError::NotCovered { coverage, .. } => {
+        RevisionError::NotCovered { coverage, .. } => {
             assert_eq!((coverage.active_chunks, coverage.missing, coverage.covered), (60, 60, 0), "{refused}")
         }
         other => panic!("{other}"),
@@ -485,7 +487,7 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
     .await
     .unwrap();
     match activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap_err() {
-        ActivateError::NotCovered { coverage, .. } => assert_eq!(coverage.other_text, 5, "{coverage:?}"),
+        RevisionError::NotCovered { coverage, .. } => assert_eq!(coverage.other_text, 5, "{coverage:?}"),
         other => panic!("{other}"),
     }
     let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
@@ -541,7 +543,7 @@ async fn a_switch_needs_coverage_answers_one_revision_whole_and_rolls_back() {
     let changed = db.count("SELECT count(*) FROM doc_embeddings WHERE content_hash IN (SELECT content_hash FROM ingest_manifest WHERE target_table = 'public.doc_embeddings' AND chunk_index < 5)").await;
     assert_eq!(changed, 5);
     match activate(&db.pool, "doc_embeddings", Some(1), 0).await.unwrap_err() {
-        ActivateError::NotSwitchable { state, .. } => assert_eq!(state, "active"),
+        RevisionError::NotSwitchable { state, .. } => assert_eq!(state, "active"),
         other => panic!("{other}"),
     }
 }
@@ -629,5 +631,119 @@ async fn the_revision_commands_move_a_target_to_a_new_model_and_back() {
     assert_eq!(dims().await, 768);
     let out = run(&["revision", "activate", "--revision", "9"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // Retiring: not the active revision, not without --yes; then the table and rows go.
+    for (args, code) in [
+        (&["revision", "retire", "--revision", "1", "--yes"][..], 2),
+        (&["revision", "retire", "--revision", "2"][..], 2),
+        (&["revision", "retire", "--revision", "2", "--yes"][..], 0),
+    ] {
+        let out = run(args).await;
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert_eq!(db.count("SELECT count(*) FROM pg_class WHERE relname = 'doc_embeddings__r2'").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM ingest_manifest WHERE target_table = 'public.doc_embeddings__r2'")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM embedding_dlq WHERE target_table = 'public.doc_embeddings__r2'").await,
+        0
+    );
+    // Writes reach the active revision alone again, and its search is untouched.
+    let out = run(&[&["ingest", path][..], &provider, &["--json"]].concat()).await;
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(summary.get("revisions").is_none(), "{summary}");
+    assert_eq!(summary["unchanged"].as_i64(), Some(79), "{summary}");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 79);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A shadow's failures park under its own identity with its own model; replay embeds each
+/// row with its revision's model into its revision's relation; the reconciler checks both
+/// revisions, each against its own relation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_revisions_parked_chunks_replay_into_it_and_the_reconciler_checks_each() {
+    use embed_dlq::store::revision::create_shadow;
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    let v1 = (0..20).map(|i| line("d", i, &format!("d chunk {i} v1"))).collect::<String>().into_bytes();
+    pipeline(&s).await.run(input(v1), CancellationToken::new()).await.unwrap();
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    // A change while the provider is down: each revision parks it, under its identity.
+    let down = start_mock(MockConfig::default()).await;
+    down.control.set_outage(true);
+    let mut sd = settings(&db, &down);
+    sd.retry.max_attempts = 1;
+    let v2 = (0..6).map(|i| line("d", i, &format!("d chunk {i} v2"))).collect::<String>().into_bytes();
+    for run in sd.fanout().await.unwrap().unwrap().run(input(v2), CancellationToken::new()).await {
+        assert_eq!(run.result.as_ref().unwrap().parked_total(), 6, "{run:?}");
+    }
+    let parked: Vec<(String, Option<String>, Option<i32>, i64)> = sqlx::query_as(
+        "SELECT target_table, model, request_dimensions, count(*) FROM embedding_dlq GROUP BY 1, 2, 3 ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        parked,
+        vec![
+            ("public.doc_embeddings".into(), Some("mock".into()), None, 6),
+            ("public.doc_embeddings__r2".into(), Some("mock-next".into()), Some(256), 6)
+        ]
+    );
+    // The shadow has only the changed chunks missing (the other 14 never reached it).
+    make_due(&db).await;
+    let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
+    let issued = Scheduler::new(store.clone(), replay_config(), r, keys.clone()).run_once().await.unwrap();
+    assert_eq!(issued, 12);
+    relay_all(&db, &keys).await;
+    let mut rep = replayer_for(&db, &mock, &keys, "r", replay_config(), Duration::from_secs(10)).await;
+    let mut replayed = 0;
+    for _ in 0..20 {
+        replayed += read_once(&mut rep).await.replayed;
+        if replayed >= 12 {
+            break;
+        }
+    }
+    assert_eq!(replayed, 12);
+    relay_all(&db, &keys).await;
+    let shadow = hashes(&db, "doc_embeddings__r2").await;
+    let want: std::collections::BTreeMap<_, _> = (0..6)
+        .map(|i| (("d".to_string(), i), content_hash("mock-next", 256, &format!("d chunk {i} v2"))))
+        .collect();
+    assert_eq!(shadow, want, "the shadow's rows replayed with its model into its relation");
+    let dims: Vec<i32> = sqlx::query_scalar("SELECT DISTINCT vector_dims(embedding) FROM doc_embeddings__r2")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dims, vec![256]);
+    let active = hashes(&db, "doc_embeddings__r1").await;
+    assert!(
+        (0..6)
+            .all(|i| active[&("d".to_string(), i)] == content_hash("mock", 768, &format!("d chunk {i} v2")))
+    );
+
+    // Full sweeps: a vector deleted by hand changes no manifest row for an incremental one to see.
+    let config = ReconcileConfig { sweeps: SweepPolicy::Always(Sweep::Full), ..immediate() };
+    let mut reconciler = Reconciler { store, redis: Some(redis().await), keys, config };
+    let report = reconciler.run_once(Mode::Check).await.unwrap();
+    assert_eq!(report.total_found(), 0, "{report:?}");
+    sqlx::query("DELETE FROM doc_embeddings__r2 WHERE doc_id = 'd' AND chunk_index = 3")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = reconciler.run_once(Mode::Check).await.unwrap();
+    let leaks = report.findings.iter().find(|f| f.check.name() == "leaks").unwrap();
+    assert_eq!(
+        (leaks.found, leaks.examples.clone()),
+        (1, vec!["public.doc_embeddings__r2:d#3".to_string()]),
+        "{report:?}"
+    );
 }
