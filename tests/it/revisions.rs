@@ -4,6 +4,7 @@
 //! Redis, the mock provider over real HTTP; the oracles read the relations and the catalog
 //! directly.
 
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -746,4 +747,68 @@ async fn each_revisions_parked_chunks_replay_into_it_and_the_reconciler_checks_e
         (1, vec!["public.doc_embeddings__r2:d#3".to_string()]),
         "{report:?}"
     );
+}
+
+/// A backfill SIGKILLed halfway resumes where it stopped: the rerun embeds what is missing,
+/// plus at most what was in flight at the kill, and the shadow then covers the active
+/// revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_backfill_resumes_where_it_stopped() {
+    use embed_dlq::store::revision::{activate, create_shadow};
+    const CHUNKS: i64 = 1_500;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { latency_ms: 15, ..MockConfig::default() }).await;
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-backfill-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("corpus.jsonl");
+    let corpus_text: String = (0..CHUNKS as i32).map(|i| line("k", i, &format!("k chunk {i}"))).collect();
+    std::fs::write(&path, corpus_text).unwrap();
+    let path = path.to_str().unwrap().to_string();
+    let backfill = |what: &str| {
+        let mut c = binary();
+        c.args(["--database-url", &db.url, what])
+            .args(if what == "revision" { &["backfill"][..] } else { &[][..] })
+            .arg(&path)
+            .args(["--base-url", &mock.base_url(), "--model", "mock", "--no-progress"])
+            .args(["--batch-max-inputs", "16", "--concurrency", "2", "--request-timeout-ms", "5000"]);
+        c
+    };
+    let out = backfill("ingest").output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    create_shadow(&db.pool, "doc_embeddings", None, "mock-next", 256, Some(256)).await.unwrap();
+    let before = mock.control.stats().inputs;
+
+    let mut child = backfill("revision").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for("the backfill's first 300 vectors", Duration::from_secs(120), async || {
+        db.count("SELECT count(*) FROM doc_embeddings__r2").await >= 300
+    })
+    .await;
+    child.start_kill().unwrap(); // SIGKILL
+    child.wait().await.unwrap();
+    let done = db.count("SELECT count(*) FROM doc_embeddings__r2").await;
+    let sent_before_kill = mock.control.stats().inputs - before;
+    assert!(done < CHUNKS, "killed in the middle: {done}");
+    assert!(activate(&db.pool, "doc_embeddings", Some(2), 0).await.is_err(), "not covered yet");
+
+    let out = backfill("revision").arg("--json").output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shadow = &summary["revisions"][1]["summary"];
+    assert_eq!(
+        shadow["unchanged"].as_i64(),
+        Some(done),
+        "what the killed run stored is not embedded again: {summary}"
+    );
+    let sent_after = mock.control.stats().inputs - before - sent_before_kill;
+    assert_eq!(sent_after, (CHUNKS - done) as u64, "the rerun sends each missing chunk once");
+    // In flight at the kill: sent, not stored (at most the windows and batches in flight).
+    let lost_in_flight = sent_before_kill - done as u64;
+    assert!(lost_in_flight <= 200, "{lost_in_flight} inputs were in flight at the kill");
+    let switched = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap();
+    assert_eq!(switched.coverage.covered, CHUNKS as u64);
+    let _ = std::fs::remove_dir_all(&dir);
 }
