@@ -22,17 +22,10 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
     let listing_all = matches!(action, RevisionAction::List { target: None });
     let flags =
         FileConfig { ingest: IngestArgs { table: target, ..Default::default() }, ..Default::default() };
-    let (settings, url) = match resolver.with_database(flags) {
+    let (settings, pool) = match database(resolver, flags).await {
         Ok(r) => r,
-        Err(e) => return exit::usage(&e),
+        Err(code) => return code,
     };
-    let pool = match embed_dlq::store::connect(&url, 2).await {
-        Ok(p) => p,
-        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
-    };
-    if let Err(e) = embed_dlq::store::migrate(&pool).await {
-        return exit::fail(exit::FAILURE, &e.to_string());
-    }
     let table = settings.table.as_str();
     match action {
         RevisionAction::List { .. } => {
@@ -141,17 +134,10 @@ async fn backfill(
     }
     ingest.json |= json;
     let flags = FileConfig { ingest: (*ingest.ingest).clone(), ..Default::default() };
-    let (settings, url) = match resolver.with_database(flags) {
+    let (settings, pool) = match database(resolver, flags).await {
         Ok(r) => r,
-        Err(e) => return exit::usage(&e),
+        Err(code) => return code,
     };
-    let pool = match embed_dlq::store::connect(&url, 2).await {
-        Ok(p) => p,
-        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
-    };
-    if let Err(e) = embed_dlq::store::migrate(&pool).await {
-        return exit::fail(exit::FAILURE, &e.to_string());
-    }
     match revision::live(&pool, &settings.table).await {
         Ok(live) if live.len() > 1 => {}
         Ok(_) => {
@@ -167,6 +153,19 @@ async fn backfill(
     }
     pool.close().await;
     super::ingest::command(resolver, ingest, cancel).await
+}
+
+/// The settings `flags` resolve to and a small pool on their database, migrated; `Err`
+/// holds the exit code (reported).
+async fn database(
+    resolver: &Resolver,
+    flags: FileConfig,
+) -> Result<(embed_dlq::config::Settings, sqlx::PgPool), i32> {
+    let (settings, url) = resolver.with_database(flags).map_err(|e| exit::usage(&e))?;
+    let pool =
+        embed_dlq::store::connect(&url, 2).await.map_err(|e| exit::fail(exit::FAILURE, &e.to_string()))?;
+    embed_dlq::store::migrate(&pool).await.map_err(|e| exit::fail(exit::FAILURE, &e.to_string()))?;
+    Ok((settings, pool))
 }
 
 fn revision_json(r: &Revision) -> serde_json::Value {

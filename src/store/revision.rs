@@ -93,6 +93,41 @@ async fn canonical(pool: &PgPool, table: &str) -> Result<String, StoreError> {
     name.ok_or_else(|| err("does not exist".into()))
 }
 
+/// Serialises the changes to one target's revisions (two adoptions would both find the table
+/// a table; a switch and a retirement must see each other's outcome): a transaction-scoped
+/// advisory lock on the target's name.
+async fn lock_target(tx: &mut sqlx::PgConnection, target: &str) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
+        .bind(target)
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// The select list of the query name's view over `relation`: every column in its order, the
+/// vector one as plain `vector` (no fixed dimension, so one view can answer revisions of
+/// different dimensions).
+async fn view_select(tx: &mut sqlx::PgConnection, relation: &str) -> Result<String, StoreError> {
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT a.attname::text FROM pg_attribute a
+          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+          ORDER BY a.attnum",
+    )
+    .bind(relation)
+    .fetch_all(tx)
+    .await?;
+    let select: Vec<String> = columns
+        .iter()
+        .map(|c| if c == "embedding" { "embedding::vector AS embedding".to_string() } else { quote_ident(c) })
+        .collect();
+    Ok(select.join(", "))
+}
+
+/// `s` as a quoted SQL identifier.
+fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
 /// Makes the table `table` revision 1 of a target of the same name, in one transaction: the
 /// table becomes `<table>__r1` (its indexes, constraints, grants and rows go with it), a view
 /// of the old name answers its rows (the `embedding` column as plain `vector`), refuses
@@ -114,10 +149,7 @@ pub async fn adopt(
     let err = |problem: String| StoreError::Target { table: name.clone(), problem };
     let mut tx = pool.begin().await?;
     // One adoption at a time (two would both find the table a table).
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
-        .bind(&name)
-        .execute(&mut *tx)
-        .await?;
+    lock_target(&mut tx, &name).await?;
     if let Some(r) = sqlx::query(
         "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
            FROM embed_dlq_revision WHERE target = $1 AND revision = 1",
@@ -150,7 +182,7 @@ pub async fn adopt(
             "its name is too long for a revision relation ({relation_name:?} is over {MAX_IDENTIFIER_BYTES} bytes)"
         )));
     }
-    let ident = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let ident = quote_ident;
     let (q_schema, q_table, q_relation) = (ident(&schema), ident(&relname), ident(&relation_name));
     let taken: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(format!("{q_schema}.{q_relation}"))
@@ -159,19 +191,7 @@ pub async fn adopt(
     if taken {
         return Err(err(format!("{schema}.{relation_name} exists already")));
     }
-    // The columns in their order, the vector one without its fixed dimension.
-    let columns: Vec<String> = sqlx::query_scalar(
-        "SELECT a.attname::text FROM pg_attribute a
-          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
-          ORDER BY a.attnum",
-    )
-    .bind(&name)
-    .fetch_all(&mut *tx)
-    .await?;
-    let select: Vec<String> = columns
-        .iter()
-        .map(|c| if c == "embedding" { "embedding::vector AS embedding".to_string() } else { ident(c) })
-        .collect();
+    let select = view_select(&mut tx, &name).await?;
     let grantees: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END
            FROM pg_class c, aclexplode(c.relacl) a
@@ -182,7 +202,7 @@ pub async fn adopt(
     .await?;
     let mut statements = vec![
         format!("ALTER TABLE {q_schema}.{q_table} RENAME TO {q_relation}"),
-        format!("CREATE VIEW {q_schema}.{q_table} AS SELECT {} FROM {q_schema}.{q_relation}", select.join(", ")),
+        format!("CREATE VIEW {q_schema}.{q_table} AS SELECT {select} FROM {q_schema}.{q_relation}"),
         format!(
             "CREATE TRIGGER embed_dlq_refuse_write INSTEAD OF INSERT OR UPDATE OR DELETE ON {q_schema}.{q_table}
                FOR EACH ROW EXECUTE FUNCTION embed_dlq_refuse_write()"
@@ -238,10 +258,7 @@ pub async fn create_shadow(
         return Err(err(format!("the model name must be 1..={MAX_MODEL_BYTES} bytes")));
     }
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
-        .bind(&first.target)
-        .execute(&mut *tx)
-        .await?;
+    lock_target(&mut tx, &first.target).await?;
     let (revision, active): (i32, String) = sqlx::query_as(
         "SELECT (SELECT max(revision) + 1 FROM embed_dlq_revision WHERE target = $1),
                 (SELECT relation FROM embed_dlq_revision WHERE target = $1 AND state = 'active')",
@@ -260,7 +277,7 @@ pub async fn create_shadow(
     if relation_name.len() > MAX_IDENTIFIER_BYTES {
         return Err(err(format!("{relation_name:?} is over {MAX_IDENTIFIER_BYTES} bytes")));
     }
-    let ident = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let ident = quote_ident;
     let qualified = format!("{}.{}", ident(&schema), ident(&relation_name));
     for sql in [
         format!("CREATE TABLE {qualified} (LIKE {active} INCLUDING ALL)"),
@@ -471,11 +488,7 @@ pub async fn activate(
 ) -> Result<Activation, RevisionError> {
     let name = canonical(pool, target).await?;
     let mut tx = pool.begin().await.map_err(StoreError::from)?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
-        .bind(&name)
-        .execute(&mut *tx)
-        .await
-        .map_err(StoreError::from)?;
+    lock_target(&mut tx, &name).await?;
     let rows = sqlx::query(
         "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
            FROM embed_dlq_revision WHERE target = $1 ORDER BY revision FOR UPDATE",
@@ -522,23 +535,10 @@ pub async fn activate(
             allowed: allow_missing,
         });
     }
-    // The view over the new relation: the same columns (the revisions share their shape),
-    // the vector one without its fixed dimension.
-    let columns: Vec<String> = sqlx::query_scalar(
-        "SELECT a.attname::text FROM pg_attribute a
-          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
-    )
-    .bind(&wanted.relation)
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(StoreError::from)?;
-    let ident = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
-    let select: Vec<String> = columns
-        .iter()
-        .map(|c| if c == "embedding" { "embedding::vector AS embedding".to_string() } else { ident(c) })
-        .collect();
+    // The view over the new relation: the revisions share their columns.
+    let select = view_select(&mut tx, &wanted.relation).await?;
     let statements = [
-        format!("CREATE OR REPLACE VIEW {name} AS SELECT {} FROM {}", select.join(", "), wanted.relation),
+        format!("CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {}", wanted.relation),
         "UPDATE embed_dlq_revision SET state = 'shadow' WHERE target = $1 AND state = 'previous'".into(),
         "UPDATE embed_dlq_revision SET state = 'previous' WHERE target = $1 AND state = 'active'".into(),
         "UPDATE embed_dlq_revision SET state = 'active', activated_at = now() WHERE target = $1 AND revision = $2"
@@ -618,11 +618,7 @@ pub struct Retired {
 pub async fn retire(pool: &PgPool, target: &str, revision: i32) -> Result<Retired, RevisionError> {
     let name = canonical(pool, target).await?;
     let mut tx = pool.begin().await.map_err(StoreError::from)?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('embed_dlq_revision'), hashtext($1))")
-        .bind(&name)
-        .execute(&mut *tx)
-        .await
-        .map_err(StoreError::from)?;
+    lock_target(&mut tx, &name).await?;
     let row = sqlx::query(
         "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
            FROM embed_dlq_revision WHERE target = $1 AND revision = $2 FOR UPDATE",

@@ -10,7 +10,7 @@ use embed_dlq::ingest::{IngestSummary, Pipeline};
 use embed_dlq::model::{ErrorClass, content_hash};
 use embed_dlq::reconcile::{Mode, Reconciler};
 use embed_dlq::relay::RelayConfig;
-use embed_dlq::replay::{ReplayConfig, Replayer, Scheduler};
+use embed_dlq::replay::{Replayer, Scheduler};
 use embed_dlq::store::Store;
 use embed_dlq::store::park::ParkedChunk;
 use embed_dlq::streams::StreamKeys;
@@ -40,27 +40,20 @@ fn assert_same_vector(got: &[f32], want: &[f32], what: &str) {
     assert!(max < 1e-6, "{what}: not the expected vector (max difference {max})");
 }
 
-fn replay_config() -> ReplayConfig {
-    ReplayConfig {
-        batch: 64,
-        block: Duration::from_millis(200),
-        min_idle: Duration::from_secs(30),
-        schedule_every: Duration::from_millis(100),
-        ..Default::default()
-    }
-}
-
 async fn schedule_and_relay(db: &TestDb, store: &Store, keys: &StreamKeys) -> u64 {
     make_due(db).await;
     let mut r = redis().await;
     embed_dlq::replay::ensure_group(&mut r, keys).await.unwrap();
-    let n = Scheduler::new(store.clone(), replay_config(), r.clone(), keys.clone()).run_once().await.unwrap();
+    let n = Scheduler::new(store.clone(), quick_replay_config(), r.clone(), keys.clone())
+        .run_once()
+        .await
+        .unwrap();
     relay_all(db, keys).await;
     n
 }
 
 async fn replayer(db: &TestDb, mock: &MockProvider, keys: &StreamKeys, name: &str) -> Replayer {
-    replayer_for(db, mock, keys, name, replay_config(), Duration::from_secs(10)).await
+    replayer_for(db, mock, keys, name, quick_replay_config(), Duration::from_secs(10)).await
 }
 
 /// A pipeline whose provider is down: everything it ingests parks as transient.
@@ -155,7 +148,7 @@ async fn serve_replays_each_table_into_itself_with_its_own_dimensions() {
     let config = embed_dlq::serve::ServeConfig {
         replayers: 1,
         relay: RelayConfig::default(),
-        replay: replay_config(),
+        replay: quick_replay_config(),
         keys: keys.clone(),
         grace: Duration::from_secs(2),
         consumer_prefix: "identity-serve".into(),

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use embed_dlq::model::content_hash;
 use embed_dlq::reconcile::{Mode, ReconcileConfig, Reconciler, Sweep, SweepPolicy};
-use embed_dlq::replay::{ReplayConfig, Scheduler};
+use embed_dlq::replay::Scheduler;
 use embed_dlq::store::Store;
 use embed_dlq::store::revision::adopt;
 use embed_dlq::testkit::mock_provider::MockConfig;
@@ -72,6 +72,36 @@ async fn text_hash_and_expected(
     .unwrap()
 }
 
+/// Makes every DLQ row due, has the scheduler issue them (`expected` of them) and a replayer
+/// of `mock` replay them all, with their events relayed; returns the store of the default
+/// target.
+async fn replay_every_due_row(
+    db: &TestDb,
+    keys: &embed_dlq::streams::StreamKeys,
+    mock: &embed_dlq::testkit::mock_provider::MockProvider,
+    expected: u64,
+) -> Store {
+    make_due(db).await;
+    let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
+    let mut r = redis().await;
+    embed_dlq::replay::ensure_group(&mut r, keys).await.unwrap();
+    let issued =
+        Scheduler::new(store.clone(), quick_replay_config(), r, keys.clone()).run_once().await.unwrap();
+    assert_eq!(issued, expected);
+    relay_all(db, keys).await;
+    let mut rep = replayer_for(db, mock, keys, "r", quick_replay_config(), Duration::from_secs(10)).await;
+    let mut replayed = 0;
+    for _ in 0..20 {
+        replayed += read_once(&mut rep).await.replayed;
+        if replayed >= expected {
+            break;
+        }
+    }
+    assert_eq!(replayed, expected);
+    relay_all(db, keys).await;
+    store
+}
+
 /// What a search of the query name sees: (rows, smallest and largest vector dimension).
 type Answer = (i64, Option<i32>, Option<i32>);
 
@@ -123,16 +153,6 @@ impl Probe {
         self.wait_past(self.seen.load(Ordering::Relaxed) + 1).await;
         self.stop.store(true, Ordering::Relaxed);
         self.task.await.unwrap()
-    }
-}
-
-fn replay_config() -> ReplayConfig {
-    ReplayConfig {
-        batch: 64,
-        block: Duration::from_millis(200),
-        min_idle: Duration::from_secs(30),
-        schedule_every: Duration::from_millis(100),
-        ..Default::default()
     }
 }
 
@@ -205,23 +225,7 @@ async fn an_adopted_table_answers_under_its_name_and_every_writer_writes_its_rel
     let v3 = (0..10).map(|i| line("b", i, &format!("b chunk {i} v3"))).collect::<String>().into_bytes();
     let parked = pipeline(&sd).await.run(input(v3), CancellationToken::new()).await.unwrap();
     assert_eq!(parked.parked_total(), 10, "{parked:?}");
-    make_due(&db).await;
-    let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let issued = Scheduler::new(store.clone(), replay_config(), r, keys.clone()).run_once().await.unwrap();
-    assert_eq!(issued, 10);
-    relay_all(&db, &keys).await;
-    let mut rep = replayer_for(&db, &mock, &keys, "r", replay_config(), Duration::from_secs(10)).await;
-    let mut replayed = 0;
-    for _ in 0..20 {
-        replayed += read_once(&mut rep).await.replayed;
-        if replayed >= 10 {
-            break;
-        }
-    }
-    assert_eq!(replayed, 10);
-    relay_all(&db, &keys).await;
+    let store = replay_every_due_row(&db, &keys, &mock, 10).await;
 
     // The relation holds every key's newest text (the poison ones parked), under the
     // unchanged identity; nothing names the relation as a table of its own.
@@ -698,23 +702,7 @@ async fn each_revisions_parked_chunks_replay_into_it_and_the_reconciler_checks_e
         ]
     );
     // The shadow has only the changed chunks missing (the other 14 never reached it).
-    make_due(&db).await;
-    let store = Store::open(db.pool.clone(), "doc_embeddings").await.unwrap();
-    let mut r = redis().await;
-    embed_dlq::replay::ensure_group(&mut r, &keys).await.unwrap();
-    let issued = Scheduler::new(store.clone(), replay_config(), r, keys.clone()).run_once().await.unwrap();
-    assert_eq!(issued, 12);
-    relay_all(&db, &keys).await;
-    let mut rep = replayer_for(&db, &mock, &keys, "r", replay_config(), Duration::from_secs(10)).await;
-    let mut replayed = 0;
-    for _ in 0..20 {
-        replayed += read_once(&mut rep).await.replayed;
-        if replayed >= 12 {
-            break;
-        }
-    }
-    assert_eq!(replayed, 12);
-    relay_all(&db, &keys).await;
+    let store = replay_every_due_row(&db, &keys, &mock, 12).await;
     let shadow = hashes(&db, "doc_embeddings__r2").await;
     let want: std::collections::BTreeMap<_, _> = (0..6)
         .map(|i| (("d".to_string(), i), content_hash("mock-next", 256, &format!("d chunk {i} v2"))))

@@ -1318,3 +1318,16 @@ pub fn stored_chunks(prefix: &str, n: usize) -> String {
            FROM generate_series(1, {n}) i"
     )
 }
+
+/// Replay settings for tests that drive a replayer by hand: batches of 64, a 200 ms block, a
+/// min-idle no test reaches (30 s: nothing is taken over unless a test says so), a quick
+/// scheduler tick.
+pub fn quick_replay_config() -> embed_dlq::replay::ReplayConfig {
+    embed_dlq::replay::ReplayConfig {
+        batch: 64,
+        block: std::time::Duration::from_millis(200),
+        min_idle: std::time::Duration::from_secs(30),
+        schedule_every: std::time::Duration::from_millis(100),
+        ..Default::default()
+    }
+}
