@@ -29,7 +29,7 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
     let table = settings.table.as_str();
     match action {
         RevisionAction::List { .. } => {
-            match revision::list(&pool, (!listing_all).then_some(table)).await {
+            match listed_with_coverage(&pool, (!listing_all).then_some(table)).await {
                 Ok(all) => print_revisions(&all, json),
                 Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
             }
@@ -176,9 +176,38 @@ fn revision_json(r: &Revision) -> serde_json::Value {
     })
 }
 
-fn print_revisions(all: &[Revision], json: bool) {
+/// The revisions `target` (or every target) has, each shadow and previous one with how far it
+/// covers its target's active revision (what `activate` would find now).
+async fn listed_with_coverage(
+    pool: &sqlx::PgPool,
+    target: Option<&str>,
+) -> Result<Vec<(Revision, Option<revision::Coverage>)>, embed_dlq::store::StoreError> {
+    let all = revision::list(pool, target).await?;
+    let mut conn = pool.acquire().await?;
+    let mut out = Vec::with_capacity(all.len());
+    for r in &all {
+        let active = all.iter().find(|a| a.target == r.target && a.state == "active");
+        let coverage = match active {
+            Some(a) if r.state == "shadow" || r.state == "previous" => {
+                Some(revision::coverage(&mut conn, a, r).await?)
+            }
+            _ => None,
+        };
+        out.push((r.clone(), coverage));
+    }
+    Ok(out)
+}
+
+fn print_revisions(all: &[(Revision, Option<revision::Coverage>)], json: bool) {
     if json {
-        let rows: Vec<_> = all.iter().map(revision_json).collect();
+        let rows: Vec<_> = all
+            .iter()
+            .map(|(r, c)| {
+                let mut v = revision_json(r);
+                v["coverage"] = serde_json::to_value(c).expect("serializes");
+                v
+            })
+            .collect();
         println!("{}", serde_json::Value::Array(rows));
         return;
     }
@@ -186,15 +215,31 @@ fn print_revisions(all: &[Revision], json: bool) {
         println!("no revisions (a target gets them with `embed-dlq revision create`)");
         return;
     }
-    println!("{:<32} {:>4}  {:<8}  {:>6}  {:<24}  relation", "target", "rev", "state", "dims", "model");
-    for r in all {
+    println!(
+        "{:<32} {:>4}  {:<8}  {:>6}  {:<24}  {:<22}  relation",
+        "target", "rev", "state", "dims", "model", "covers the active one"
+    );
+    for (r, c) in all {
+        let covered = match c {
+            Some(c) if c.active_chunks > 0 => {
+                format!(
+                    "{}/{} ({:.1}%)",
+                    c.covered,
+                    c.active_chunks,
+                    100.0 * c.covered as f64 / c.active_chunks as f64
+                )
+            }
+            Some(c) => format!("{}/0", c.covered),
+            None => "-".into(),
+        };
         println!(
-            "{:<32} {:>4}  {:<8}  {:>6}  {:<24}  {}",
+            "{:<32} {:>4}  {:<8}  {:>6}  {:<24}  {:<22}  {}",
             r.target,
             r.revision,
             r.state,
             r.dimensions,
             r.model.as_deref().unwrap_or("(as configured)"),
+            covered,
             r.relation
         );
     }

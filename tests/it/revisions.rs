@@ -621,6 +621,15 @@ async fn the_revision_commands_move_a_target_to_a_new_model_and_back() {
         })
         .collect();
     assert_eq!(states, vec![(1, "active", 768), (2, "shadow", 256)]);
+    let covered: Vec<Option<i64>> =
+        listed.as_array().unwrap().iter().map(|r| r["coverage"]["covered"].as_i64()).collect();
+    assert_eq!(covered, vec![None, Some(80)], "{listed}");
+    let out = run(&["revision", "list"]).await;
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("80/80 (100.0%)"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 
     let out = run(&["revision", "activate", "--revision", "2"]).await;
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
