@@ -274,11 +274,10 @@ impl Store {
     }
 
     /// The target table named `table` (as recorded on a DLQ row or given by a user), checked
-    /// like [`Store::open`] checks its own and cached for a minute.
+    /// like [`Store::open`] checks its own and cached for a minute: this store's own table
+    /// too, so that a long-running process (`serve`'s replayers) finds a table adopted as a
+    /// revision (its vectors moved to another relation, migration 0026) within that minute.
     pub(crate) async fn target_for(&self, table: &str) -> Result<Arc<TargetTable>, StoreError> {
-        if table == self.target.name {
-            return Ok(self.target.clone());
-        }
         {
             let cache = self.tables.lock().expect("target cache lock");
             if let Some((at, t)) = cache.get(table)
