@@ -26,7 +26,9 @@
 //! Phases, each round (`BENCH_ROUNDS`, default 3) over `BENCH_CAPACITY_CHUNKS` chunks
 //! (default 20000), against `REDIS_URL`: **park** (ingest with the provider in an outage:
 //! manifest, DLQ and outbox rows), **relay** (outbox to the events stream), **schedule**
-//! (due rows published as replay work), **relay work** (to the replay stream), **replay**
+//! (due rows leased and appended to the replay stream by the scheduler itself), **relay work**
+//! (the outbox's work items, which releases since 2026-12-03 no longer write: kept so older
+//! figures stay comparable, it measures an empty pass), **replay**
 //! (`BENCH_REPLAYERS` replayers, default 2, provider healthy: re-embed, store, resolve,
 //! XACK), **relay outcomes** (the `replayed` events). Medians over the rounds. Then
 //! reconcile over `BENCH_RECONCILE_ROWS` manifest rows (default 100000, 0 skips it; the data
