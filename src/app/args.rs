@@ -436,7 +436,8 @@ pub struct RevisionCommand {
 /// `revision` actions.
 #[derive(Subcommand, Debug)]
 pub enum RevisionAction {
-    /// Every revision of every target (or of `--target`): state, model, dimensions, relation.
+    /// Every revision of every target (or of `--target`): state, model, dimensions, relation,
+    /// and how much of the active revision each other one covers.
     List {
         /// The target (the name users query).
         #[arg(long, alias = "table")]
@@ -469,7 +470,7 @@ pub enum RevisionAction {
     },
     /// Fill the shadow revisions from a corpus: an ingest of INPUT into every live revision
     /// of the target (the active one finds it unchanged and sends nothing), which also
-    /// records the text of chunks written before text hashes existed. Resumable: a rerun
+    /// records the text hashes of chunks written before they existed. Resumable: a rerun
     /// embeds only what is missing. Takes the flags of `ingest`.
     Backfill(Box<IngestCommand>),
     /// Switch the target's name to a revision, in one transaction, if it covers the active
