@@ -773,8 +773,7 @@ async fn canonical_names(pool: &PgPool, table: Option<&str>) -> Result<Vec<(Stri
     let mut out = Vec::with_capacity(names.len());
     for name in names {
         let err = |problem: String| StoreError::Target { table: name.clone(), problem };
-        let lookup =
-            if canonical { name.clone() } else { crate::store::quote_table_name(&name).map_err(err)? };
+        let lookup = if canonical { name.clone() } else { crate::store::lookup_name(&name).map_err(err)? };
         // (identity, relation): a revision's query name or relation stands for its identity
         // and its relation (migration 0026), anything else for itself.
         let found: Option<(String, String)> = sqlx::query_as(

@@ -307,12 +307,19 @@ pub(crate) fn quote_table_name(name: &str) -> Result<String, String> {
     Ok(parts.iter().map(|p| format!("\"{}\"", p.replace('"', "\"\""))).collect::<Vec<_>>().join("."))
 }
 
+/// A name to look up in the catalog (`to_regclass`): a canonical one, as this tool records
+/// and hands on names (`"Docs"."My Chunks"`: quoted only where a part needs it), stands as it
+/// is; a user's `table` or `schema.table`, which holds no quote, is quoted part by part.
+pub(crate) fn lookup_name(name: &str) -> Result<String, String> {
+    if name.contains('"') { Ok(name.to_string()) } else { quote_table_name(name) }
+}
+
 /// Reads `table` from the catalog. `canonical`: the name is one this tool recorded (SQL as it
 /// stands); otherwise it is a user's `table` or `schema.table` and is quoted first. Either way
 /// the SQL used later is the canonical name the catalog gives back, never the input.
 async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<TargetTable, StoreError> {
     let err = |problem: String| StoreError::Target { table: table.to_string(), problem };
-    let lookup = if canonical { table.to_string() } else { quote_table_name(table).map_err(err)? };
+    let lookup = if canonical { table.to_string() } else { lookup_name(table).map_err(err)? };
     let found: Option<(i64, String)> = sqlx::query_as(
         "SELECT c.oid::bigint, embed_dlq_table_name(c.oid::regclass)
            FROM pg_class c WHERE c.oid = to_regclass($1)",

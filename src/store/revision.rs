@@ -15,7 +15,7 @@
 
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::{StoreError, inspect_target, quote_table_name};
+use super::{StoreError, inspect_target, lookup_name};
 
 /// Postgres' longest identifier (NAMEDATALEN - 1 bytes): a revision's relation name
 /// (`<table>__r<n>`) must fit, or Postgres would silently cut it.
@@ -85,7 +85,7 @@ fn revision_of_row(r: &sqlx::postgres::PgRow) -> Result<Revision, sqlx::Error> {
 /// The canonical name of `table` as a user writes it (`table` or `schema.table`).
 async fn canonical(pool: &PgPool, table: &str) -> Result<String, StoreError> {
     let err = |problem: String| StoreError::Target { table: table.to_string(), problem };
-    let quoted = quote_table_name(table).map_err(err)?;
+    let quoted = lookup_name(table).map_err(err)?;
     let name: Option<String> = sqlx::query_scalar("SELECT embed_dlq_table_name(to_regclass($1))")
         .bind(&quoted)
         .fetch_one(pool)
@@ -312,8 +312,8 @@ pub async fn create_shadow(
 /// active one first. Empty when `table` is not a target with revisions (a plain table, or a
 /// revision's own relation named directly: then it alone is written, as before).
 pub async fn live(pool: &PgPool, table: &str) -> Result<Vec<Revision>, StoreError> {
-    let quoted = quote_table_name(table)
-        .map_err(|problem| StoreError::Target { table: table.to_string(), problem })?;
+    let quoted =
+        lookup_name(table).map_err(|problem| StoreError::Target { table: table.to_string(), problem })?;
     let rows = sqlx::query(
         "SELECT target, revision, identity, relation, model, request_dimensions, dimensions, state
            FROM embed_dlq_revision
