@@ -63,7 +63,7 @@ pub use args::{
 pub use checks::check_stream_prefix;
 use checks::*;
 pub use defaults::*;
-pub use ingest::{IngestSettings, PipelineError};
+pub use ingest::{IngestSettings, PipelineError, RevisionTargets};
 pub use origin::{ConfigError, Origin, Origins};
 use resolve::*;
 

@@ -48,6 +48,7 @@ pub(crate) const SOURCE_READ: &str = "embed_dlq_source_entries_read_total";
 pub(crate) const SOURCE_ACKED: &str = "embed_dlq_source_entries_acked_total";
 pub(crate) const SOURCE_RECLAIMED: &str = "embed_dlq_source_entries_reclaimed_total";
 pub(crate) const SOURCE_POISON: &str = "embed_dlq_source_entries_poison_total";
+pub(crate) const SOURCE_REVISION_DROPPED: &str = "embed_dlq_source_revision_dropped_total";
 pub(crate) const SOURCE_PENDING: &str = "embed_dlq_source_pending";
 pub(crate) const SOURCE_LAG: &str = "embed_dlq_source_lag";
 
@@ -133,7 +134,7 @@ pub(crate) fn initialise() {
         counter!(REPLAY_OUTCOMES, "outcome" => outcome).increment(0);
     }
     counter!(REPLAY_LEASES_RELEASED).increment(0);
-    for c in [SOURCE_READ, SOURCE_ACKED, SOURCE_RECLAIMED, SOURCE_POISON] {
+    for c in [SOURCE_READ, SOURCE_ACKED, SOURCE_RECLAIMED, SOURCE_POISON, SOURCE_REVISION_DROPPED] {
         counter!(c).increment(0);
     }
     for outcome in ["stored", "wasted"] {
@@ -228,6 +229,10 @@ pub(crate) fn describe() {
         "Source stream entries acknowledged: their store or park committed, or they were skipped as done."
     );
     describe_counter!(SOURCE_RECLAIMED, "Source stream entries taken over from idle consumers (XAUTOCLAIM).");
+    describe_counter!(
+        SOURCE_REVISION_DROPPED,
+        "Times a stream source let a revision other than the active one go for the rest of a segment, its run having stopped: that revision misses writes until a backfill."
+    );
     describe_counter!(
         SOURCE_POISON,
         "Source stream entries parked as invalid_record after the delivery cap (they killed their consumer)."

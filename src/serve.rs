@@ -131,18 +131,23 @@ pub async fn serve(
     config: ServeConfig,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
-    serve_with_console(store, embedder, client, config, None, cancel).await
+    serve_with_console(store, embedder, client, config, None, None, cancel).await
 }
 
 /// [`serve`], also serving the operator console (`serve --console-addr`) as one of its
 /// supervised tasks, with this process's provider breaker on its overview. A console that
 /// cannot bind its address is a failed task: the process stops (exit non-zero).
+///
+/// `source_targets` is what a `[source]` writes (the target's live revisions:
+/// [`crate::config::IngestSettings::source_targets`]); without it, the table of `store`
+/// alone, with `embedder`.
 pub async fn serve_with_console(
     store: Store,
     embedder: Embedder,
     client: crate::streams::RedisClient,
     config: ServeConfig,
     console: Option<crate::console::MountedConsole>,
+    source_targets: Option<std::sync::Arc<dyn crate::ingest::source::SourceTargets>>,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
     // The prefix first: a process with the wrong one must leave nothing behind, and the
@@ -205,12 +210,14 @@ pub async fn serve_with_console(
         tasks.spawn_until(name, stop.clone(), replayer.run(stop.clone(), hard.clone()));
     }
     if let Some(source) = config.source.clone() {
-        let pipeline = crate::ingest::Pipeline {
-            store: store.clone(),
-            embedder: embedder.clone(),
-            options: config.source_ingest.clone(),
-        };
-        tasks.spawn_until("source", stop.clone(), run_source(pipeline, client.clone(), source, stop.clone()));
+        let targets = source_targets.unwrap_or_else(|| {
+            std::sync::Arc::new(crate::ingest::Pipeline {
+                store: store.clone(),
+                embedder: embedder.clone(),
+                options: config.source_ingest.clone(),
+            })
+        });
+        tasks.spawn_until("source", stop.clone(), run_source(targets, client.clone(), source, stop.clone()));
     }
     if config.metrics || config.reconcile_every.is_some() {
         let sampler = sample_and_reconcile(store.clone(), manager.clone(), config.clone(), stop.clone());
@@ -257,7 +264,7 @@ pub async fn serve_with_console(
 /// the provider refusing the run) leaves its unsettled entries pending and is started again
 /// after a capped backoff; options that cannot work end the task (and so the process).
 async fn run_source(
-    pipeline: crate::ingest::Pipeline,
+    targets: std::sync::Arc<dyn crate::ingest::source::SourceTargets>,
     client: crate::streams::RedisClient,
     opts: crate::ingest::source::SourceOptions,
     stop: CancellationToken,
@@ -265,15 +272,22 @@ async fn run_source(
     let mut backoff = crate::embed::retry::Reconnect::new(Duration::from_secs(1), Duration::from_secs(60));
     tracing::info!(streams = ?opts.streams, group = %opts.group, consumer = %opts.consumer, "serving a stream source");
     while !stop.is_cancelled() {
-        match pipeline.run_source(&client, opts.clone(), stop.clone()).await {
-            Ok(summary) => {
-                let left = summary.source.as_ref().map_or(0, |s| s.left_pending);
-                tracing::info!(
-                    records = summary.records,
-                    stored = summary.stored,
-                    left_pending = left,
-                    "stream source stopped"
-                );
+        match crate::ingest::source::run_source_into(targets.clone(), &client, opts.clone(), stop.clone())
+            .await
+        {
+            Ok(runs) => {
+                for run in runs {
+                    let summary = &run.summary;
+                    let left = summary.source.as_ref().map_or(0, |s| s.left_pending);
+                    tracing::info!(
+                        revision = ?run.revision.as_ref().map(|r| r.revision),
+                        records = summary.records,
+                        stored = summary.stored,
+                        left_pending = left,
+                        stopped = ?run.stopped,
+                        "stream source stopped"
+                    );
+                }
                 if !stop.is_cancelled() {
                     backoff.reset();
                 }

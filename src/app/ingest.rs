@@ -94,18 +94,28 @@ async fn run_source(
         Ok(c) => c,
         Err(e) => return exit::fail(exit::USAGE, &format!("redis_url cannot be used: {}", e.category())),
     };
-    warn_unwritten_revisions(&settings).await;
-    let pipeline = match settings.pipeline().await {
-        Ok(p) => p,
-        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
-    };
     tracing::info!(streams = ?opts.streams, group = %opts.group, consumer = %opts.consumer, "ingesting from a stream source");
-    match pipeline.run_source(&client, opts, cancel.clone()).await {
-        Ok(summary) => {
-            print_summary(&summary, json);
+    let targets = std::sync::Arc::new(settings.source_targets());
+    match embed_dlq::ingest::source::run_source_into(targets, &client, opts, cancel.clone()).await {
+        Ok(runs) => {
+            print_source_runs(&runs, json);
             // What was left (to a stop, or to another run's lease) stays pending in the
-            // group and is finished by the source, not by a rerun: no exit 7 here.
-            if cancel.is_cancelled() { exit::INTERRUPTED } else { exit::OK }
+            // group and is finished by the source, not by a rerun: no exit 7 here. A revision
+            // that stopped missed writes: its coverage shows them, a backfill writes them.
+            if cancel.is_cancelled() {
+                exit::INTERRUPTED
+            } else if let Some(stopped) = runs.iter().find(|r| r.stopped.is_some()) {
+                let r = stopped.revision.as_ref().map_or(0, |r| r.revision);
+                exit::fail(
+                    exit::FAILURE,
+                    &format!(
+                        "revision {r}'s writes stopped ({}); the source went on without it: backfill it before activating it",
+                        stopped.stopped.as_deref().unwrap_or_default()
+                    ),
+                )
+            } else {
+                exit::OK
+            }
         }
         Err(IngestError::Provider { stop, summary }) => {
             print_summary(&summary, json);
@@ -118,16 +128,66 @@ async fn run_source(
     }
 }
 
-/// A stream source writes only the active revision of a target so far: says which other
-/// live revisions it leaves to a corpus run (their coverage check refuses a switch to them
-/// until one has written what the stream brought).
-pub(super) async fn warn_unwritten_revisions(settings: &IngestSettings) {
-    if let Ok(live) = settings.live_revisions().await {
-        for r in live.iter().skip(1) {
-            tracing::warn!(target = %r.target, revision = r.revision, relation = %r.relation, state = %r.state,
-                "a stream source writes only the active revision: rerun the corpus to bring this revision up to date before activating it");
+/// Prints a stream source's summary: the table's alone, or each revision's under a line
+/// naming it (with `--json`: the active revision's summary, every revision's under
+/// `revisions`, as a corpus fan-out prints them).
+fn print_source_runs(runs: &[embed_dlq::ingest::source::SourceRevisionRun], json: bool) {
+    if let [only] = runs
+        && only.revision.is_none()
+    {
+        print_summary(&only.summary, json);
+        return;
+    }
+    if json {
+        let all: Vec<serde_json::Value> = runs
+            .iter()
+            .map(|run| {
+                let mut v = revision_json(run.revision.as_ref());
+                v["summary"] = serde_json::to_value(&run.summary).expect("summary serializes");
+                if let Some(why) = &run.stopped {
+                    v["error"] = serde_json::Value::String(why.clone());
+                }
+                v
+            })
+            .collect();
+        let mut head = runs
+            .first()
+            .map(|r| serde_json::to_value(&r.summary).expect("summary serializes"))
+            .unwrap_or_else(|| serde_json::json!({}));
+        head["revisions"] = serde_json::Value::Array(all);
+        println!("{head}");
+        return;
+    }
+    for run in runs {
+        if let Some(r) = &run.revision {
+            println!("{}", revision_heading(r));
+        }
+        print_summary(&run.summary, false);
+        if let Some(why) = &run.stopped {
+            println!("  stopped in a segment: {why}");
         }
     }
+}
+
+/// The fields that name a revision in a `--json` summary.
+fn revision_json(r: Option<&embed_dlq::store::revision::Revision>) -> serde_json::Value {
+    match r {
+        Some(r) => serde_json::json!({"revision": r.revision, "relation": r.relation, "identity": r.identity,
+                                      "model": r.model, "state": r.state}),
+        None => serde_json::json!({}),
+    }
+}
+
+/// The line above a revision's summary.
+fn revision_heading(r: &embed_dlq::store::revision::Revision) -> String {
+    format!(
+        "revision {} of {} ({}, {}, model {}):",
+        r.revision,
+        r.target,
+        r.state,
+        r.relation,
+        r.model.as_deref().unwrap_or("as configured")
+    )
 }
 
 /// Ingests `input` (a path, or `-` for stdin).
@@ -157,6 +217,11 @@ async fn run(
         Ok(None) => {}
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     }
+    // A target whose one live revision is not revision 1 writes it, with its model.
+    let settings = match settings.aimed_at_live_revision().await {
+        Ok(s) => s,
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
     let pipeline = match settings.pipeline().await {
         Ok(p) => p,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
@@ -181,9 +246,7 @@ async fn run_revisions(
     if json {
         let mut all = Vec::new();
         for run in &runs {
-            let r = &run.revision;
-            let mut v = serde_json::json!({"revision": r.revision, "relation": r.relation, "identity": r.identity,
-                                            "model": r.model, "state": r.state});
+            let mut v = revision_json(Some(&run.revision));
             match &run.result {
                 Ok(summary) => v["summary"] = serde_json::to_value(summary).expect("summary serializes"),
                 Err(e) => v["error"] = serde_json::Value::String(e.to_string()),
@@ -199,16 +262,8 @@ async fn run_revisions(
     }
     let mut code = exit::OK;
     for run in runs {
-        let r = &run.revision;
         if !json {
-            println!(
-                "revision {} of {} ({}, {}, model {}):",
-                r.revision,
-                r.target,
-                r.state,
-                r.relation,
-                r.model.as_deref().unwrap_or("as configured")
-            );
+            println!("{}", revision_heading(&run.revision));
         }
         let this = outcome_printed(run.result, (!json).then_some(false), dry_run, &cancel);
         if code == exit::OK {

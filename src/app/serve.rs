@@ -71,9 +71,12 @@ async fn run(
 ) -> i32 {
     let config = ServeConfig::from_settings(settings);
     let ingest = config.pipeline_settings(ingest);
-    if config.source.is_some() {
-        super::ingest::warn_unwritten_revisions(&ingest).await;
-    }
+    let source_targets: Option<std::sync::Arc<dyn embed_dlq::ingest::source::SourceTargets>> =
+        config.source.is_some().then(|| {
+            let mut source = ingest.clone();
+            source.options = config.source_ingest.clone();
+            std::sync::Arc::new(source.source_targets()) as _
+        });
     let pipeline = match ingest.pipeline().await {
         Ok(p) => p,
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
@@ -89,6 +92,7 @@ async fn run(
         redis,
         config,
         console,
+        source_targets,
         cancel,
     )
     .await

@@ -130,12 +130,7 @@ impl IngestSettings {
         }
         let mut revisions = Vec::with_capacity(live.len());
         for (n, revision) in live.into_iter().enumerate() {
-            let mut settings = self.clone();
-            settings.table = revision.identity.clone();
-            if let Some(model) = &revision.model {
-                settings.client.model = model.clone();
-                settings.client.request_dimensions = revision.request_dimensions.map(|d| d as usize);
-            }
+            let mut settings = self.for_revision(&revision);
             // One progress bar: the active revision's.
             settings.options.progress &= n == 0;
             revisions.push((revision, settings.pipeline().await?));
@@ -151,6 +146,37 @@ impl IngestSettings {
                 }
             });
         Ok(Some(crate::ingest::Fanout { revisions, fill }))
+    }
+
+    /// These settings aimed at `revision`: its identity, and its model and `dimensions`
+    /// request parameter where the registry records them (a revision 1 adopted without a
+    /// model embeds with these settings' model).
+    pub fn for_revision(&self, revision: &crate::store::revision::Revision) -> IngestSettings {
+        let mut settings = self.clone();
+        settings.table = revision.identity.clone();
+        if let Some(model) = &revision.model {
+            settings.client.model = model.clone();
+            settings.client.request_dimensions = revision.request_dimensions.map(|d| d as usize);
+        }
+        settings
+    }
+
+    /// These settings, aimed at the target's one live revision when it has exactly one (a
+    /// target whose revision 1 was retired writes revision 2, with revision 2's model);
+    /// unchanged for a plain table, or one with several live revisions
+    /// ([`IngestSettings::fanout`] writes those).
+    pub async fn aimed_at_live_revision(&self) -> Result<IngestSettings, PipelineError> {
+        let live = self.live_revisions().await?;
+        Ok(match live.as_slice() {
+            [only] => self.for_revision(only),
+            _ => self.clone(),
+        })
+    }
+
+    /// What a stream source built from these settings writes: the pipelines of the target's
+    /// live revisions, looked up for each segment ([`RevisionTargets`]).
+    pub fn source_targets(&self) -> RevisionTargets {
+        RevisionTargets { settings: self.clone(), built: tokio::sync::Mutex::default() }
     }
 
     /// The live revisions of the target these settings name ([`crate::store::revision::live`]).
@@ -187,5 +213,80 @@ impl IngestSettings {
             }
             _ => Ok(ProviderLimiter::local(self.limits)),
         }
+    }
+}
+
+/// The pipelines a stream source writes for the target of its settings: one per live
+/// revision (the active one first), or the table alone when it has none. Built once for each
+/// set of revisions (identity and model), so that segments reuse their pools and limiters.
+pub struct RevisionTargets {
+    settings: IngestSettings,
+    /// The set the pipelines were built for, and the pipelines.
+    built: tokio::sync::Mutex<Option<(Vec<RevisionKey>, Vec<crate::ingest::source::SourceWriter>)>>,
+}
+
+/// What makes a set of revisions another one: its identities, states and models, in order.
+type RevisionKey = (String, String, Option<String>);
+
+fn revision_keys(live: &[crate::store::revision::Revision]) -> Vec<RevisionKey> {
+    live.iter().map(|r| (r.identity.clone(), r.state.clone(), r.model.clone())).collect()
+}
+
+impl RevisionTargets {
+    async fn build(&self) -> Result<Vec<crate::ingest::source::SourceWriter>, PipelineError> {
+        use crate::ingest::source::SourceWriter;
+        let live = self.settings.live_revisions().await?;
+        let key = revision_keys(&live);
+        let mut built = self.built.lock().await;
+        if let Some((k, writers)) = built.as_ref()
+            && *k == key
+        {
+            return Ok(writers.clone());
+        }
+        let mut writers = Vec::with_capacity(live.len().max(1));
+        if live.is_empty() {
+            writers.push(SourceWriter { revision: None, pipeline: self.settings.pipeline().await? });
+        }
+        for revision in live {
+            let pipeline = self.settings.for_revision(&revision).pipeline().await?;
+            writers.push(SourceWriter { revision: Some(revision), pipeline });
+        }
+        *built = Some((key, writers.clone()));
+        Ok(writers)
+    }
+}
+
+impl crate::ingest::source::SourceTargets for RevisionTargets {
+    fn writers(
+        &self,
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<Vec<crate::ingest::source::SourceWriter>, crate::ingest::IngestError>,
+    > {
+        Box::pin(async {
+            self.build().await.map_err(|e| {
+                crate::ingest::IngestError::Source(crate::ingest::source::SourceError(format!(
+                    "the target's revisions: {e}"
+                )))
+            })
+        })
+    }
+
+    fn changed<'a>(
+        &'a self,
+        current: &'a [crate::ingest::source::SourceWriter],
+    ) -> futures::future::BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let Some(first) = current.first() else { return true };
+            let live = crate::store::revision::live(first.pipeline.store.pool(), &self.settings.table).await;
+            let Ok(live) = live else { return false };
+            let now: Vec<RevisionKey> = revision_keys(&live);
+            let was: Vec<RevisionKey> = current
+                .iter()
+                .filter_map(|w| w.revision.as_ref())
+                .map(|r| (r.identity.clone(), r.state.clone(), r.model.clone()))
+                .collect();
+            now != was
+        })
     }
 }

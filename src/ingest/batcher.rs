@@ -89,7 +89,7 @@ pub(super) struct Batcher<'a> {
     /// A dry run: windows are recorded and their deletes listed, nothing else.
     pub(super) dry_run: bool,
     /// Told of the records skipped as already stored or parked (settled, never written).
-    pub(super) acks: Option<Arc<source::Acks>>,
+    pub(super) acks: Option<Arc<source::AckPart>>,
     /// Earlier windows whose statements are in flight while this one fills up, oldest first:
     /// the round trips overlap with reading and hashing the next records, and with each
     /// other. They are finished (skips counted, jobs sent) in order. Several only while each

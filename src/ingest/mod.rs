@@ -529,7 +529,7 @@ impl Pipeline {
     async fn execute_with<F, Fut>(
         &self,
         cancel: CancellationToken,
-        acks: Option<Arc<source::Acks>>,
+        acks: Option<Arc<source::AckPart>>,
         read: F,
     ) -> Result<IngestSummary, IngestError>
     where
@@ -544,7 +544,7 @@ impl Pipeline {
     async fn execute_bounded<F, Fut>(
         &self,
         cancel: CancellationToken,
-        acks: Option<Arc<source::Acks>>,
+        acks: Option<Arc<source::AckPart>>,
         read: F,
     ) -> Result<IngestSummary, IngestError>
     where
@@ -694,7 +694,7 @@ struct RunState {
     halt: CancellationToken,
     progress: Progress,
     /// Told of every record whose outcome is settled (a stream source acknowledges it).
-    acks: Option<Arc<source::Acks>>,
+    acks: Option<Arc<source::AckPart>>,
 }
 
 /// Whatever a stopped run neither stored, skipped nor parked (records in a dead task's hands,

@@ -50,10 +50,12 @@
 //! The files: this one holds the source's options and counts, and its run in segments
 //! ([`Pipeline::run_source`]); `read` is the consumer (reads, takeover, claim refresh,
 //! backpressure, suspects and poison, idle exit); `acks` the entries in flight and their
-//! acknowledgement after commit; `group` the consumer group's commands and replies.
+//! acknowledgement after commit; `group` the consumer group's commands and replies; `parts`
+//! a segment written into every live revision of a target ([`SourceTargets`]).
 
 mod acks;
 mod group;
+mod parts;
 mod read;
 
 use std::collections::HashSet;
@@ -65,11 +67,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::reader::MAX_SOURCE_KEY_BYTES;
 use super::{IngestError, IngestSummary, Pipeline};
+use crate::store::revision::Revision;
 use crate::streams::RedisClient;
-pub(crate) use acks::Acks;
+pub(crate) use acks::AckPart;
+use acks::Acks;
 use acks::acker;
 use group::ensure_groups;
 pub(crate) use group::group_info;
+pub use parts::{SourceTargets, SourceWriter, WATCH_EVERY};
 use read::SourceReader;
 
 /// The default consumer group of a source stream.
@@ -268,125 +273,238 @@ impl IngestSummary {
     }
 }
 
+/// What one revision's part of a stream source did, over every segment that wrote it.
+#[derive(Debug, Clone)]
+pub struct SourceRevisionRun {
+    /// The revision (`None`: a table without revisions).
+    pub revision: Option<Revision>,
+    /// Its records' outcomes, over every segment; `source` holds the entries' counts.
+    pub summary: IngestSummary,
+    /// Why its run stopped in a segment, if it did (the source went on without it).
+    pub stopped: Option<String>,
+}
+
 impl Pipeline {
     /// Ingests from Redis Stream(s) in a consumer group until `cancel` fires (or, with
     /// [`SourceOptions::idle_exit`], the streams are drained), acknowledging each entry only
     /// once its outcome is committed (see the module doc). The summary adds up every
     /// segment; its `source` counts the entries. On an error the entries not settled stay
-    /// pending, for another consumer or a restart to take over.
+    /// pending, for another consumer or a restart to take over. Writes this pipeline's table
+    /// alone; [`run_source_into`] follows a target's revisions.
     pub async fn run_source(
         &self,
         client: &RedisClient,
         opts: SourceOptions,
         cancel: CancellationToken,
     ) -> Result<IngestSummary, IngestError> {
-        if let Some(problem) = opts.problem() {
-            return Err(IngestError::Source(SourceError(problem)));
-        }
-        // Each segment is a pipeline run: a cleanup after one would delete every chunk the
-        // segment happened not to contain.
-        if self.options.cleanup.mode != super::CleanupMode::None || self.options.cleanup.dry_run {
-            return Err(IngestError::Source(SourceError(
-                "cleanup and dry runs apply to a corpus run: a stream source has no end to clean up after \
-                 (set cleanup = \"none\" for it)"
-                    .into(),
-            )));
-        }
-        let opts = opts.within_bounds();
-        let source_err = |e: redis::RedisError| IngestError::Source(SourceError(e.to_string()));
-        let mut redis = client.managed().await.map_err(source_err)?;
-        ensure_groups(&mut redis, &opts).await.map_err(source_err)?;
-        let started = Instant::now();
-        let acks = Acks::new();
-        let stop_acker = CancellationToken::new();
-        // Dropping this run (an aborted task) stops its acker too.
-        let _acker_guard = stop_acker.clone().drop_guard();
-        let acker_task = tokio::spawn(acker(
-            acks.clone(),
-            redis.clone(),
-            Arc::new(opts.streams.clone()),
-            opts.group.clone(),
-            stop_acker.clone(),
-        ));
-        // Before the first entry is read: a corpus run from now on fences its unchanged skips
-        // against this source's older entries.
-        super::with_db_retry(|| self.store.note_stream_fed(&opts.streams, &opts.group)).await?;
-        if let Err(e) = self.store.sweep_suspects().await {
-            tracing::debug!(error = %e, "could not sweep old suspect entries");
-        }
-        let reader = Arc::new(tokio::sync::Mutex::new(SourceReader::new(
-            opts.clone(),
-            client.clone(),
-            redis,
-            self.store.clone(),
-            acks.clone(),
+        let runs = run_source_into(Arc::new(self.clone()), client, opts, cancel).await?;
+        Ok(runs.into_iter().next().map(|r| r.summary).unwrap_or_default())
+    }
+}
+
+/// [`Pipeline::run_source`] into every pipeline `targets` names for each segment (one per
+/// live revision of a target: see [`SourceTargets`]): each entry is acknowledged once every revision
+/// still writing has committed its outcome. Returns each revision's run, the active
+/// revision's first (the one of the last segment); an error is the active revision's (its
+/// summary in it), or the source's.
+pub async fn run_source_into(
+    targets: Arc<dyn SourceTargets>,
+    client: &RedisClient,
+    opts: SourceOptions,
+    cancel: CancellationToken,
+) -> Result<Vec<SourceRevisionRun>, IngestError> {
+    if let Some(problem) = opts.problem() {
+        return Err(IngestError::Source(SourceError(problem)));
+    }
+    let mut writers = targets.writers().await?;
+    if writers.is_empty() || writers.len() > acks::MAX_PARTS {
+        return Err(IngestError::Source(SourceError(format!(
+            "a stream source writes 1..={} revisions, not {}",
+            acks::MAX_PARTS,
+            writers.len()
+        ))));
+    }
+    // Each segment is a pipeline run: a cleanup after one would delete every chunk the
+    // segment happened not to contain.
+    if writers.iter().any(|w| {
+        w.pipeline.options.cleanup.mode != super::CleanupMode::None || w.pipeline.options.cleanup.dry_run
+    }) {
+        return Err(IngestError::Source(SourceError(
+            "cleanup and dry runs apply to a corpus run: a stream source has no end to clean up after \
+             (set cleanup = \"none\" for it)"
+                .into(),
         )));
-        let mut total = IngestSummary::default();
-        let mut left_pending = 0;
-        let mut failed = None;
-        while !cancel.is_cancelled() {
-            // The oldest position this consumer could still hand on: the group's oldest
-            // pending entry or the last one it delivered, over every stream; 0 (the oldest of
-            // all) when Redis cannot tell. Recorded for the tombstone sweep too: a stale floor
-            // (this write failing) only keeps tombstones longer.
-            let floors = reader.lock().await.stream_floors().await;
-            let floor = floors.as_ref().map_or(0, |f| f.iter().map(|(_, p)| *p).min().unwrap_or(i64::MAX));
-            if let Some(floors) = &floors
-                && let Err(e) = self.store.set_stream_floors(&opts.group, floors).await
-            {
-                tracing::warn!(error = %e, "could not record the source streams' oldest positions; old tombstones stay longer");
-            }
-            acks.floor.store(floor, std::sync::atomic::Ordering::Relaxed);
-            let r = reader.clone();
-            let result = self
-                .execute_with(cancel.clone(), Some(acks.clone()), move |feed| async move {
-                    r.lock().await.read_segment(feed).await;
-                })
-                .await;
-            left_pending += acks.end_segment(opts.ack_grace).await;
-            total.absorb(match result {
-                Ok(summary) => summary,
+    }
+    let opts = opts.within_bounds();
+    let source_err = |e: redis::RedisError| IngestError::Source(SourceError(e.to_string()));
+    let mut redis = client.managed().await.map_err(source_err)?;
+    ensure_groups(&mut redis, &opts).await.map_err(source_err)?;
+    let started = Instant::now();
+    let acks = Acks::new();
+    let stop_acker = CancellationToken::new();
+    // Dropping this run (an aborted task) stops its acker too.
+    let _acker_guard = stop_acker.clone().drop_guard();
+    let acker_task = tokio::spawn(acker(
+        acks.clone(),
+        redis.clone(),
+        Arc::new(opts.streams.clone()),
+        opts.group.clone(),
+        stop_acker.clone(),
+    ));
+    let active_store = writers[0].pipeline.store.clone();
+    if let Err(e) = active_store.sweep_suspects().await {
+        tracing::debug!(error = %e, "could not sweep old suspect entries");
+    }
+    let reader = Arc::new(tokio::sync::Mutex::new(SourceReader::new(
+        opts.clone(),
+        client.clone(),
+        redis,
+        active_store,
+        acks.clone(),
+    )));
+    let mut runs: Vec<SourceRevisionRun> = Vec::new();
+    let mut left_pending = 0;
+    let mut failed = None;
+    let mut first = true;
+    while !cancel.is_cancelled() {
+        if !first {
+            writers = match targets.writers().await {
+                Ok(w) if !w.is_empty() && w.len() <= acks::MAX_PARTS => w,
+                Ok(w) => {
+                    failed =
+                        Some(IngestError::Source(SourceError(format!("{} revisions to write", w.len()))));
+                    break;
+                }
                 Err(e) => {
                     failed = Some(e);
                     break;
                 }
-            });
-            let mut r = reader.lock().await;
-            r.counts.segments += 1;
-            if r.finished {
-                if let Some(e) = r.error.take() {
-                    failed = Some(IngestError::Source(e));
-                }
+            };
+        }
+        first = false;
+        // Before an entry of the segment is read: a corpus run from now on fences its
+        // unchanged skips against this source's older entries, in every revision.
+        for w in &writers {
+            if let Err(e) =
+                super::with_db_retry(|| w.pipeline.store.note_stream_fed(&opts.streams, &opts.group)).await
+            {
+                failed = Some(e.into());
                 break;
             }
         }
-        stop_acker.cancel();
-        let _ = acker_task.await;
-        let mut counts = reader.lock().await.counts.clone();
-        counts.entries_acked = acks.lock().acked;
-        counts.left_pending = left_pending;
-        if left_pending > 0 {
-            tracing::warn!(
-                left_pending,
-                "source entries left pending at the stop: another consumer, or this one \
-                after min_idle, takes them over"
-            );
+        if failed.is_some() {
+            break;
         }
-        tracing::info!(
-            read = counts.entries_read,
-            acked = counts.entries_acked,
-            left_pending,
-            "stream source stopped"
-        );
-        total.elapsed_secs = started.elapsed().as_secs_f64();
-        total.price(self.options.price_per_million_tokens);
-        total.source = Some(counts);
-        match failed {
-            Some(IngestError::Provider { stop, summary: _ }) => {
-                Err(IngestError::Provider { stop, summary: Box::new(total) })
+        // The oldest position this consumer could still hand on: the group's oldest
+        // pending entry or the last one it delivered, over every stream; 0 (the oldest of
+        // all) when Redis cannot tell. Recorded for the tombstone sweep too: a stale floor
+        // (this write failing) only keeps tombstones longer.
+        let floors = reader.lock().await.stream_floors().await;
+        let floor = floors.as_ref().map_or(0, |f| f.iter().map(|(_, p)| *p).min().unwrap_or(i64::MAX));
+        if let Some(floors) = &floors {
+            for w in &writers {
+                if let Err(e) = w.pipeline.store.set_stream_floors(&opts.group, floors).await {
+                    tracing::warn!(error = %e, "could not record the source streams' oldest positions; old tombstones stay longer");
+                }
             }
-            Some(e) => Err(e),
-            None => Ok(total),
         }
+        acks.floor.store(floor, std::sync::atomic::Ordering::Relaxed);
+        let r = reader.clone();
+        let results = parts::run_segment(&writers, targets.clone(), &acks, &cancel, move |feed| async move {
+            r.lock().await.read_segment(feed).await;
+        })
+        .await;
+        left_pending += acks.end_segment(opts.ack_grace).await;
+        for (n, (writer, result)) in writers.iter().zip(results).enumerate() {
+            let at = runs.iter().position(|r| same_part(r, writer));
+            let run = match at {
+                Some(i) => &mut runs[i],
+                None => {
+                    runs.push(SourceRevisionRun {
+                        revision: writer.revision.clone(),
+                        summary: IngestSummary::default(),
+                        stopped: None,
+                    });
+                    runs.last_mut().expect("pushed")
+                }
+            };
+            match result {
+                Ok(summary) => run.summary.absorb(summary),
+                Err(IngestError::Provider { stop, summary }) if n == 0 => {
+                    run.summary.absorb(*summary);
+                    failed = Some(IngestError::Provider { stop, summary: Box::default() });
+                }
+                Err(e) if n == 0 => {
+                    failed = Some(e);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, revision = ?writer.revision.as_ref().map(|r| r.revision),
+                        "a revision's part of the stream source stopped; the source went on without it");
+                    run.stopped = Some(e.to_string());
+                }
+            }
+        }
+        // The active revision first, as the last segment had it.
+        if let Some(i) = runs.iter().position(|r| same_part(r, &writers[0])) {
+            runs.swap(0, i);
+        }
+        if failed.is_some() {
+            break;
+        }
+        let mut r = reader.lock().await;
+        r.counts.segments += 1;
+        if r.finished {
+            if let Some(e) = r.error.take() {
+                failed = Some(IngestError::Source(e));
+            }
+            break;
+        }
+    }
+    stop_acker.cancel();
+    let _ = acker_task.await;
+    let mut counts = reader.lock().await.counts.clone();
+    counts.entries_acked = acks.lock().acked;
+    counts.left_pending = left_pending;
+    if left_pending > 0 {
+        tracing::warn!(
+            left_pending,
+            "source entries left pending at the stop: another consumer, or this one \
+            after min_idle, takes them over"
+        );
+    }
+    tracing::info!(
+        read = counts.entries_read,
+        acked = counts.entries_acked,
+        left_pending,
+        "stream source stopped"
+    );
+    if runs.is_empty() {
+        runs.push(SourceRevisionRun {
+            revision: writers[0].revision.clone(),
+            summary: IngestSummary::default(),
+            stopped: None,
+        });
+    }
+    let price = writers[0].pipeline.options.price_per_million_tokens;
+    for run in &mut runs {
+        run.summary.elapsed_secs = started.elapsed().as_secs_f64();
+        run.summary.price(price);
+        run.summary.source = Some(counts.clone());
+    }
+    match failed {
+        Some(IngestError::Provider { stop, summary: _ }) => {
+            Err(IngestError::Provider { stop, summary: Box::new(runs.swap_remove(0).summary) })
+        }
+        Some(e) => Err(e),
+        None => Ok(runs),
+    }
+}
+
+/// Whether `run` is the run of `writer`'s revision (or of the one table).
+fn same_part(run: &SourceRevisionRun, writer: &SourceWriter) -> bool {
+    match (&run.revision, &writer.revision) {
+        (Some(a), Some(b)) => a.identity == b.identity,
+        (None, None) => true,
+        _ => false,
     }
 }

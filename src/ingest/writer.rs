@@ -13,7 +13,7 @@ pub(super) struct Writer {
     pub(super) rows: usize,
     pub(super) linger: Duration,
     /// Told of every outcome once its write committed (a stream source acknowledges it).
-    pub(super) acks: Option<Arc<source::Acks>>,
+    pub(super) acks: Option<Arc<source::AckPart>>,
 }
 
 /// The longest a finished outcome waits in a writer for its statement to fill up, when a

@@ -329,12 +329,13 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
     .await?;
     let (oid, name) =
         found.ok_or_else(|| err("does not exist (run `embed-dlq migrate`, or create it)".into()))?;
-    // A revision's query name or relation stands for the revision's identity, its vectors
-    // for its relation (migration 0026); anything else is its own identity and relation.
+    // A revision's identity or relation stands for the revision, its vectors for its
+    // relation (migration 0026); a target's query name for its revision 1 while that lives,
+    // else for its active revision; anything else is its own identity and relation.
     let revision: Option<(String, String)> = sqlx::query_as(
         "SELECT identity, relation FROM embed_dlq_revision
-          WHERE state <> 'retired' AND (identity = $1 OR relation = $1)
-          ORDER BY identity = $1 DESC LIMIT 1",
+          WHERE state <> 'retired' AND (identity = $1 OR relation = $1 OR (target = $1 AND state = 'active'))
+          ORDER BY identity = $1 DESC, relation = $1 DESC LIMIT 1",
     )
     .bind(&name)
     .fetch_optional(pool)

@@ -25,6 +25,7 @@ mod provider;
 mod reconcile;
 mod relay;
 mod restart;
+mod revision_source;
 mod revisions;
 mod runtime;
 mod seasons;

@@ -39,7 +39,7 @@ async fn relkind(db: &TestDb, name: &str) -> Option<String> {
 }
 
 /// Every key's content hash in `relation`, read directly.
-async fn hashes(db: &TestDb, relation: &str) -> std::collections::BTreeMap<(String, i32), String> {
+pub(crate) async fn hashes(db: &TestDb, relation: &str) -> std::collections::BTreeMap<(String, i32), String> {
     let sql = format!("SELECT doc_id, chunk_index, content_hash FROM {relation}");
     sqlx::query_as::<_, (String, i32, String)>(sqlx::AssertSqlSafe(sql))
         .fetch_all(&db.pool)
@@ -790,6 +790,8 @@ async fn a_killed_backfill_resumes_where_it_stopped() {
     .await;
     child.start_kill().unwrap(); // SIGKILL
     child.wait().await.unwrap();
+    // A COMMIT the server had read before the kill still lands: counted only once it has.
+    killed_writers_gone(&db).await;
     let done = db.count("SELECT count(*) FROM doc_embeddings__r2").await;
     let sent_before_kill = mock.control.stats().inputs - before;
     assert!(done < CHUNKS, "killed in the middle: {done}");

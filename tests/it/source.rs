@@ -16,12 +16,12 @@ use tokio_util::sync::CancellationToken;
 use crate::support::*;
 
 /// A source stream key of the test's own; on a cluster its hash tag keeps it in one slot.
-fn fresh_stream() -> String {
+pub(crate) fn fresh_stream() -> String {
     format!("{{it-src-{}-{}}}:chunks", std::process::id(), rand::random::<u32>())
 }
 
 /// Publishes `entries` (field lists) to `stream`, pipelined; returns their ids in order.
-async fn publish(stream: &str, entries: &[Vec<(String, Vec<u8>)>]) -> Vec<String> {
+pub(crate) async fn publish(stream: &str, entries: &[Vec<(String, Vec<u8>)>]) -> Vec<String> {
     let mut redis = redis().await;
     let mut ids = Vec::with_capacity(entries.len());
     for batch in entries.chunks(500) {
@@ -41,7 +41,7 @@ async fn publish(stream: &str, entries: &[Vec<(String, Vec<u8>)>]) -> Vec<String
 }
 
 /// The fields of a well-formed chunk entry.
-fn chunk_entry(doc: &str, idx: i32, text: &str) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn chunk_entry(doc: &str, idx: i32, text: &str) -> Vec<(String, Vec<u8>)> {
     vec![
         ("doc_id".into(), doc.as_bytes().to_vec()),
         ("chunk_index".into(), idx.to_string().into_bytes()),
@@ -52,7 +52,7 @@ fn chunk_entry(doc: &str, idx: i32, text: &str) -> Vec<(String, Vec<u8>)> {
 
 /// Entries pending in `group` on `stream`, as the test reads it (`XPENDING` summary); 0 before
 /// the group exists.
-async fn pending(stream: &str, group: &str) -> i64 {
+pub(crate) async fn pending(stream: &str, group: &str) -> i64 {
     let mut redis = redis().await;
     let reply: redis::Value =
         match redis::cmd("XPENDING").arg(stream).arg(group).query_async(&mut redis).await {

@@ -1218,6 +1218,23 @@ pub fn serve_process(
     c
 }
 
+/// Waits until no connection of the product's (application name `embed-dlq`) but the test's
+/// own pool's is open on the test's database: after a SIGKILL, a backend may still be
+/// committing what the dead process sent last (the server reads and runs a `COMMIT` that was
+/// in its socket before the kill), so only then do the tables hold everything the killed
+/// process will ever have written.
+pub async fn killed_writers_gone(db: &TestDb) {
+    wait_for("the killed process's database sessions to end", std::time::Duration::from_secs(60), async || {
+        let open = db
+            .count(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'embed-dlq'",
+            )
+            .await;
+        open <= i64::from(db.pool.size())
+    })
+    .await;
+}
+
 /// Polls `done` every 100 ms until it holds; fails the test naming `what` if it does not
 /// within `within`.
 pub async fn wait_for(what: &str, within: std::time::Duration, mut done: impl AsyncFnMut() -> bool) {

@@ -3,6 +3,13 @@
 //! outcome committed, or skipped as done) into the queue and releases those left to another
 //! run's lease; the [`acker`] task acknowledges the queue (`XACK`), retrying with backoff.
 //! What is never settled stays pending in Redis, for a takeover.
+//!
+//! A source that feeds several revisions of a target (issue 46) hands each entry to one
+//! pipeline per revision, its *parts*: an entry is settled when every part still writing has
+//! settled it ([`AckPart`]), so it is acknowledged only once each revision's outcome for it
+//! is committed. A part whose run stops on its own while the others go on is let go
+//! ([`Acks::drop_part`]): the active revision is never held up by a shadow, and what the
+//! shadow missed shows in its coverage.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -40,8 +47,10 @@ pub(crate) struct Acks {
 
 #[derive(Default)]
 pub(super) struct AckState {
-    /// Position → entry.
-    inflight: HashMap<i64, EntryKey>,
+    /// Position → entry, and the parts that have not settled it yet (one bit a part).
+    inflight: HashMap<i64, (EntryKey, u64)>,
+    /// The parts of the segment still writing: what a newly tracked entry waits for.
+    live: u64,
     /// The entries in `inflight`, to skip one taken over while this process still has it.
     pub(super) ids: HashSet<EntryKey>,
     /// Settled, to acknowledge.
@@ -74,12 +83,57 @@ impl Acks {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The records at `seqs` (their `source_seq`) are settled: their entries are acknowledged.
-    pub(crate) fn settled(&self, seqs: impl IntoIterator<Item = i64>) {
+    /// Begins a segment written by `parts` pipelines (1..=[`MAX_PARTS`]): each entry tracked
+    /// from now on is settled once every one of them has settled it.
+    pub(super) fn begin_parts(&self, parts: usize) {
+        let parts = parts.clamp(1, MAX_PARTS);
+        self.lock().live = if parts == MAX_PARTS { u64::MAX } else { (1u64 << parts) - 1 };
+    }
+
+    /// The handle part `part` of the segment settles its records through.
+    pub(super) fn part(self: &Arc<Self>, part: usize) -> AckPart {
+        AckPart { acks: self.clone(), bit: 1u64 << part.min(MAX_PARTS - 1) }
+    }
+
+    /// Part `part` stopped writing while the others go on: no entry waits for it any more
+    /// (those only it had not settled are acknowledged now), and none tracked later will.
+    pub(super) fn drop_part(&self, part: usize) {
+        let bit = 1u64 << part.min(MAX_PARTS - 1);
+        let mut s = self.lock();
+        s.live &= !bit;
+        let done: Vec<i64> = s
+            .inflight
+            .iter_mut()
+            .filter_map(|(seq, (_, waiting))| {
+                *waiting &= !bit;
+                (*waiting == 0).then_some(*seq)
+            })
+            .collect();
+        let any = !done.is_empty();
+        for seq in done {
+            if let Some((key, _)) = s.inflight.remove(&seq) {
+                s.ids.remove(&key);
+                s.queue.push(key);
+            }
+        }
+        drop(s);
+        if any {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// The records at `seqs` (their `source_seq`) are settled by the parts in `bit`: the
+    /// entries no part waits for any more are acknowledged.
+    fn settled_by(&self, bit: u64, seqs: impl IntoIterator<Item = i64>) {
         let mut s = self.lock();
         let mut any = false;
         for seq in seqs {
-            if let Some(key) = s.inflight.remove(&seq) {
+            let Some((_, waiting)) = s.inflight.get_mut(&seq) else { continue };
+            *waiting &= !bit;
+            if *waiting != 0 {
+                continue;
+            }
+            if let Some((key, _)) = s.inflight.remove(&seq) {
                 s.ids.remove(&key);
                 s.queue.push(key);
                 any = true;
@@ -91,14 +145,15 @@ impl Acks {
         }
     }
 
-    /// The records at `seqs` are left to another run (its lease): their entries stay pending
-    /// in Redis, unacknowledged, and stop counting against `max_inflight_entries` and the
-    /// claim refresh, so they go idle and are taken over (then found done) after `min_idle`.
-    pub(crate) fn release(&self, seqs: impl IntoIterator<Item = i64>) {
+    /// The records at `seqs` are left to another run (its lease), by any part: their entries
+    /// stay pending in Redis, unacknowledged, and stop counting against
+    /// `max_inflight_entries` and the claim refresh, so they go idle and are taken over (then
+    /// found done, by the parts that did them) after `min_idle`.
+    fn release(&self, seqs: impl IntoIterator<Item = i64>) {
         let mut s = self.lock();
         let mut any = false;
         for seq in seqs {
-            if let Some(key) = s.inflight.remove(&seq) {
+            if let Some((key, _)) = s.inflight.remove(&seq) {
                 s.ids.remove(&key);
                 s.released += 1;
                 any = true;
@@ -122,7 +177,8 @@ impl Acks {
             return Track::PositionTaken;
         }
         s.ids.insert(key.clone());
-        s.inflight.insert(position, key);
+        let waiting = s.live.max(1);
+        s.inflight.insert(position, (key, waiting));
         Track::Tracked
     }
 
@@ -185,6 +241,34 @@ impl Acks {
         s.queue.extend(failed);
         drop(s);
         self.changed.notify_waiters();
+    }
+}
+
+/// Most pipelines one segment of a source writes (one a live revision of its target).
+pub(crate) const MAX_PARTS: usize = 64;
+
+/// What one pipeline of a segment (one revision) tells of its records: settled, or left to
+/// another run. With one pipeline, the entry's settlement; with several, its share of it.
+pub(crate) struct AckPart {
+    acks: Arc<Acks>,
+    bit: u64,
+}
+
+impl AckPart {
+    /// The records at `seqs` (their `source_seq`) are settled for this part: their outcome
+    /// is committed, or they were skipped as already done.
+    pub(crate) fn settled(&self, seqs: impl IntoIterator<Item = i64>) {
+        self.acks.settled_by(self.bit, seqs);
+    }
+
+    /// The records at `seqs` are left to another run's lease: their entries stay pending.
+    pub(crate) fn release(&self, seqs: impl IntoIterator<Item = i64>) {
+        self.acks.release(seqs);
+    }
+
+    /// [`Acks::floor`].
+    pub(crate) fn floor(&self) -> i64 {
+        self.acks.floor()
     }
 }
 
@@ -252,10 +336,42 @@ mod tests {
             "an entry already in flight is not taken twice"
         );
         assert_eq!(acks.track(2, (1, "2-0".into())), Track::PositionTaken, "nor one at a position in flight");
-        acks.settled([2]);
+        acks.part(0).settled([2]);
         assert_eq!(acks.take(10), vec![(0, "2-0".to_string())]);
         acks.acked(1, Vec::new());
         assert_eq!(acks.end_segment(Duration::from_millis(10)).await, 1, "1-0 stays pending");
         assert_eq!(acks.inflight(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_entry_fed_to_several_revisions_waits_for_each_still_writing() {
+        let acks = Acks::new();
+        acks.begin_parts(3);
+        for n in 1..=3 {
+            assert_eq!(acks.track(n, (0, format!("{n}-0"))), Track::Tracked);
+        }
+        acks.part(0).settled([1, 2, 3]);
+        acks.part(1).settled([1, 2]);
+        assert_eq!(acks.take(10), Vec::<EntryKey>::new(), "nothing is settled until every part settled it");
+        acks.part(2).settled([1, 3]);
+        assert_eq!(acks.take(10), vec![(0, "1-0".to_string())]);
+        acks.acked(1, Vec::new());
+        // Part 1 stops writing: entry 3, which only it had left, is settled; entry 2 still
+        // waits for part 2.
+        acks.drop_part(1);
+        assert_eq!(acks.take(10), vec![(0, "3-0".to_string())]);
+        acks.acked(1, Vec::new());
+        assert_eq!(acks.track(4, (0, "4-0".into())), Track::Tracked);
+        acks.part(0).settled([4]);
+        assert_eq!(acks.take(10), Vec::<EntryKey>::new(), "a later entry waits for the parts still writing");
+        acks.part(2).settled([4, 2]);
+        assert_eq!(acks.take(10).len(), 2);
+        acks.acked(2, Vec::new());
+        // Any part leaving an entry to another run's lease leaves it pending.
+        assert_eq!(acks.track(5, (0, "5-0".into())), Track::Tracked);
+        acks.part(2).release([5]);
+        acks.part(0).settled([5]);
+        assert_eq!(acks.take(10), Vec::<EntryKey>::new());
+        assert_eq!(acks.end_segment(Duration::from_millis(10)).await, 1, "5-0 stays pending");
     }
 }

@@ -17,8 +17,8 @@ use super::acks::{Acks, Track};
 use super::group::{
     RawEntry, autoclaim_reply, ensure_groups, group_floor, group_info, pending_deliveries, read_reply_entries,
 };
+use super::parts::SourceFeed;
 use super::{SOLO_ATTEMPTS, SourceCounts, SourceError, SourceOptions};
-use crate::ingest::Feed;
 use crate::ingest::reader::{EntryOrigin, parse_entry, poison_entry};
 use crate::store::source::EntryRef;
 use crate::streams::{RedisClient, RedisConn};
@@ -91,7 +91,7 @@ impl SourceReader {
 
     /// One segment: reads, tracks and hands on entries until the segment is full, the run
     /// halts, or the source is done.
-    pub(super) async fn read_segment(&mut self, feed: Feed) {
+    pub(super) async fn read_segment(&mut self, feed: SourceFeed) {
         let started = Instant::now();
         let mut position = 0u64;
         while !feed.halt.is_cancelled() && !self.finished {
@@ -119,7 +119,7 @@ impl SourceReader {
 
     /// One step: take over idle entries when due, refresh the claim on those in flight, then
     /// one read (waiting first for room under `max_inflight_entries`).
-    async fn step(&mut self, feed: &Feed, position: &mut u64) -> redis::RedisResult<()> {
+    async fn step(&mut self, feed: &SourceFeed, position: &mut u64) -> redis::RedisResult<()> {
         let now = Instant::now();
         if self.last_sample.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(5)) {
             self.last_sample = Some(now);
@@ -168,7 +168,7 @@ impl SourceReader {
     /// Tracks one entry and hands its record to the pipeline; false once the run halts.
     async fn hand_on(
         &mut self,
-        feed: &Feed,
+        feed: &SourceFeed,
         position: &mut u64,
         stream: u16,
         id: String,
@@ -202,9 +202,9 @@ impl SourceReader {
         self.counts.entries_read += 1;
         self.last_entry = Instant::now();
         metrics::counter!(crate::metrics::SOURCE_READ).increment(1);
-        feed.lines_read.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        feed.lines_read().fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let origin = EntryOrigin { stream: &self.opts.streams[stream as usize], id: &id };
-        let max_bytes = feed.budget.capacity() as usize;
+        let max_bytes = feed.budget_capacity() as usize;
         let rec = match (poison, suspect) {
             (Some(attempts), Some(n)) => {
                 self.counts.entries_poison += 1;
@@ -223,8 +223,7 @@ impl SourceReader {
         };
         drop(fields);
         // The record's own size stands in for the line, like a chunk handed over by Rust.
-        let Some(charge) = feed.charge(rec.approx_bytes()).await else { return false };
-        if !feed.hand_on_at(rec, Some(at), charge).await {
+        if !feed.hand_on(rec, at).await {
             return false;
         }
         if suspect.is_some() {
@@ -334,7 +333,7 @@ impl SourceReader {
 
     /// Takes over the entries of every stream idle longer than `min_idle` (`XAUTOCLAIM`),
     /// each one's delivery count read with `XPENDING`, and hands them on; returns how many.
-    async fn reclaim(&mut self, feed: &Feed, position: &mut u64) -> redis::RedisResult<u64> {
+    async fn reclaim(&mut self, feed: &SourceFeed, position: &mut u64) -> redis::RedisResult<u64> {
         let mut total = 0;
         for i in 0..self.opts.streams.len() {
             let mut cursor = "0-0".to_string();

@@ -1,0 +1,324 @@
+//! A stream source and `serve` write every live revision of a target (issue 46): each entry
+//! reaches every revision, each with its own model, and is acknowledged only once each has
+//! committed its outcome; a shadow whose provider refuses it never holds the active revision
+//! up; a revision made while a source runs is written from the source's next segment; a
+//! target whose revision 1 is retired is written as its active revision. The oracles are
+//! what the test published, content hashes the test computes, and the relations and the
+//! group's pending count read directly.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use embed_dlq::ingest::source::{SourceOptions, run_source_into};
+use embed_dlq::model::content_hash;
+use embed_dlq::store::revision::{activate, create_shadow, list, retire};
+use embed_dlq::testkit::mock_provider::MockConfig;
+use tokio_util::sync::CancellationToken;
+
+use crate::revisions::hashes;
+use crate::source::{chunk_entry, fresh_stream, pending, publish};
+use crate::support::*;
+
+/// The text of chunk `i` of `doc` at version `v` (every 25th one the provider rejects).
+fn text(doc: &str, i: i32, v: &str) -> String {
+    let poison = if i % 25 == 24 { "[[poison:400]] " } else { "" };
+    format!("{poison}{doc} chunk {i} {v}")
+}
+
+/// 30 chunks of "a" at v1, through a corpus run into the table (revision 1 to be).
+async fn first_corpus(db: &TestDb, mock: &embed_dlq::testkit::mock_provider::MockProvider) {
+    let lines: String = (0..30).map(|i| line("a", i, &text("a", i, "v1"))).collect();
+    let summary = pipeline(&settings(db, mock))
+        .await
+        .run(input(lines.into_bytes()), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(summary.stored, 29, "{summary:?}");
+}
+
+/// A stream entry's fields.
+type Entry = Vec<(String, Vec<u8>)>;
+
+/// What each key must hold: key → text.
+type Texts = std::collections::BTreeMap<(String, i32), String>;
+
+/// What the test publishes once a shadow exists: a/0..10 at v2, b/0..25 new (b/24 poison),
+/// a delete of a/29; returns what every revision must hold after it: key → text.
+fn changes() -> (Vec<Entry>, Texts) {
+    let mut entries = Vec::new();
+    let mut expected = std::collections::BTreeMap::new();
+    for i in 0..10 {
+        entries.push(chunk_entry("a", i, &text("a", i, "v2")));
+        expected.insert(("a".to_string(), i), text("a", i, "v2"));
+    }
+    for i in 0..25 {
+        entries.push(chunk_entry("b", i, &text("b", i, "v1")));
+        expected.insert(("b".to_string(), i), text("b", i, "v1"));
+    }
+    entries.push(vec![
+        ("doc_id".into(), b"a".to_vec()),
+        ("chunk_index".into(), b"29".to_vec()),
+        ("op".into(), b"delete".to_vec()),
+    ]);
+    (entries, expected)
+}
+
+/// Checks that `relation` holds, for each key of `expected` the provider accepts, the vector
+/// of its text embedded by `model` at `dims`, and no key the test deleted.
+async fn holds(db: &TestDb, relation: &str, model: &str, dims: usize, expected: &Texts) {
+    let got = hashes(db, relation).await;
+    for ((doc, i), text) in expected {
+        if text.contains("[[poison") {
+            assert!(!got.contains_key(&(doc.clone(), *i)), "{relation} {doc}#{i} is poison");
+            continue;
+        }
+        assert_eq!(
+            got.get(&(doc.clone(), *i)),
+            Some(&content_hash(model, dims, text)),
+            "{relation} {doc}#{i}: the vector of {text:?} by {model}"
+        );
+    }
+    assert!(!got.contains_key(&("a".to_string(), 29)), "{relation}: a#29 was deleted");
+}
+
+fn opts(stream: &str, consumer: &str) -> SourceOptions {
+    SourceOptions {
+        streams: vec![stream.to_string()],
+        group: "it-ingest".into(),
+        consumer: consumer.into(),
+        block: Duration::from_millis(200),
+        min_idle: Duration::from_millis(1_000),
+        idle_exit: Some(Duration::from_millis(800)),
+        ..SourceOptions::default()
+    }
+}
+
+/// `ingest --from-stream` with a shadow: every entry reaches both revisions, each with its
+/// model (the shadow at 256 dimensions), the deletion both, the poison entry parks under each
+/// identity, and nothing is left pending. Before issue 46's stream fan-out it wrote revision
+/// 1 alone and said so in a warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_from_a_stream_writes_every_live_revision_each_with_its_model() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    first_corpus(&db, &mock).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let stream = fresh_stream();
+    let (entries, expected) = changes();
+    publish(&stream, &entries).await;
+    let out = binary()
+        .arg("ingest")
+        .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "c1"])
+        .args(["--source-min-idle-ms", "1000", "--idle-exit-ms", "1500", "--json", "--no-progress"])
+        .args(["--database-url", &db.url, "--redis-url", &redis_url()])
+        .args([
+            "--base-url",
+            &mock.base_url(),
+            "--model",
+            "mock",
+            "--retry-base-ms",
+            "5",
+            "--retry-cap-ms",
+            "50",
+        ])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let per_revision: Vec<(i64, i64)> = summary["revisions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("one summary per revision: {summary}"))
+        .iter()
+        .map(|r| (r["revision"].as_i64().unwrap(), r["summary"]["stored"].as_i64().unwrap()))
+        .collect();
+    // Revision 1 stores the 10 changed and 24 new chunks; revision 2 the same 34.
+    assert_eq!(per_revision, vec![(1, 34), (2, 34)], "{summary}");
+    holds(&db, "doc_embeddings__r1", "mock", 768, &expected).await;
+    holds(&db, "doc_embeddings__r2", "mock-next", 256, &expected).await;
+    assert_eq!(pending(&stream, "it-ingest").await, 0, "every entry acknowledged");
+    let parked: Vec<(String, String)> = sqlx::query_as(
+        "SELECT target_table, doc_id || '#' || chunk_index FROM embedding_dlq WHERE doc_id = 'b' ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        parked,
+        vec![
+            ("public.doc_embeddings".to_string(), "b#24".to_string()),
+            ("public.doc_embeddings__r2".to_string(), "b#24".to_string())
+        ]
+    );
+}
+
+on_single_and_cluster! {
+/// A shadow whose model the provider refuses (404, systemic) stops its own part only: the
+/// active revision gets every entry, every entry is acknowledged, the shadow's run says it
+/// stopped, and the shadow's coverage shows what it missed, so a switch to it is refused.
+async fn a_shadow_the_provider_refuses_never_holds_the_active_revision_up() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { retired_models: vec!["mock-gone".into()], ..MockConfig::default() }).await;
+    first_corpus(&db, &mock).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-gone", 768, None).await.unwrap();
+    let stream = fresh_stream();
+    let (entries, expected) = changes();
+    publish(&stream, &entries).await;
+    let targets = Arc::new(settings(&db, &mock).source_targets());
+    let runs = tokio::time::timeout(
+        Duration::from_secs(120),
+        run_source_into(targets, &redis_client(), opts(&stream, "c1"), CancellationToken::new()),
+    )
+    .await
+    .expect("the source drains and stops")
+    .expect("the active revision's run succeeds");
+    let parts: Vec<(i32, bool)> =
+        runs.iter().map(|r| (r.revision.as_ref().unwrap().revision, r.stopped.is_some())).collect();
+    assert_eq!(parts, vec![(1, false), (2, true)], "{runs:?}");
+    holds(&db, "doc_embeddings__r1", "mock", 768, &expected).await;
+    assert_eq!(pending(&stream, "it-ingest").await, 0, "the active revision's outcomes acknowledge the entries");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings__r2").await, 0);
+    let e = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap_err().to_string();
+    assert!(e.contains("does not cover"), "{e}");
+}
+
+/// A revision made while a stream source runs is written from the source's next segment,
+/// which begins within the watch interval: once a marker entry published after the shadow's
+/// creation reaches it, every later entry reaches both revisions. (The table is adopted
+/// before the source starts, as the guide says: a relation renamed under a running writer
+/// refuses its writes.)
+async fn a_revision_made_while_the_source_runs_is_written_from_its_next_segment() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    first_corpus(&db, &mock).await;
+    embed_dlq::store::revision::adopt(&db.pool, "doc_embeddings", Some("mock"), None).await.unwrap();
+    let stream = fresh_stream();
+    let cancel = CancellationToken::new();
+    let targets = Arc::new(settings(&db, &mock).source_targets());
+    let mut o = opts(&stream, "c1");
+    o.idle_exit = None;
+    let client = redis_client();
+    let source = tokio::spawn({
+        let cancel = cancel.clone();
+        async move { run_source_into(targets, &client, o, cancel).await }
+    });
+    publish(&stream, &[chunk_entry("early", 0, "before the shadow")]).await;
+    wait_rows(&db, "SELECT count(*) FROM doc_embeddings__r1 WHERE doc_id = 'early'", 1, "the table").await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    // Markers until one reaches the shadow: the source has begun a segment that writes it.
+    let mut marker = 0;
+    loop {
+        publish(&stream, &[chunk_entry("marker", marker, &format!("marker {marker}"))]).await;
+        marker += 1;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if db.count("SELECT count(*) FROM doc_embeddings__r2 WHERE doc_id = 'marker'").await > 0 {
+            break;
+        }
+        assert!(marker < 400, "no marker reached the shadow in two minutes");
+    }
+    let (entries, expected) = changes();
+    publish(&stream, &entries).await;
+    wait_rows(&db, "SELECT count(*) FROM doc_embeddings__r2 WHERE doc_id = 'b'", 24, "the shadow").await;
+    while pending(&stream, "it-ingest").await > 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel.cancel();
+    let runs = source.await.unwrap().unwrap();
+    assert!(runs.iter().all(|r| r.stopped.is_none()), "{runs:?}");
+    holds(&db, "doc_embeddings__r1", "mock", 768, &expected).await;
+    holds(&db, "doc_embeddings__r2", "mock-next", 256, &expected).await;
+    let states: Vec<String> = list(&db.pool, Some("doc_embeddings")).await.unwrap().into_iter().map(|r| r.state).collect();
+    assert_eq!(states, vec!["active", "shadow"]);
+}
+}
+
+/// Waits (up to two minutes) until `sql` counts `n`.
+async fn wait_rows(db: &TestDb, sql: &'static str, n: i64, what: &str) {
+    for _ in 0..1200 {
+        if db.count(sql).await >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what} never held {n} rows for {sql}");
+}
+
+/// "B is live, A is retired": an ingest of the target's name writes revision 2, with
+/// revision 2's model, and a `serve` with a stream source the same; before, it wrote through
+/// the query name (a view) and every write was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_whose_first_revision_is_retired_is_written_as_its_active_one() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    first_corpus(&db, &mock).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let s = settings(&db, &mock);
+    let lines: String = (0..30).map(|i| line("a", i, &text("a", i, "v1"))).collect();
+    let fanout = s.fanout().await.unwrap().expect("two live revisions");
+    let runs = fanout.run(input(lines.into_bytes()), CancellationToken::new()).await;
+    assert!(runs.iter().all(|r| r.result.is_ok()), "{runs:?}");
+    activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap();
+    retire(&db.pool, "doc_embeddings", 1).await.unwrap();
+
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-retired-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("corpus.jsonl");
+    let changed: String = (0..5).map(|i| line("a", i, &text("a", i, "v3"))).collect();
+    std::fs::write(&path, changed).unwrap();
+    let out = binary()
+        .args(["ingest", path.to_str().unwrap(), "--json", "--no-progress"])
+        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["stored"].as_i64(), Some(5), "{summary}");
+    let got = hashes(&db, "doc_embeddings__r2").await;
+    for i in 0..5 {
+        assert_eq!(
+            got.get(&("a".to_string(), i)),
+            Some(&content_hash("mock-next", 256, &text("a", i, "v3")))
+        );
+    }
+    let dims: i32 = sqlx::query_scalar(
+        "SELECT vector_dims(embedding) FROM doc_embeddings WHERE doc_id = 'a' AND chunk_index = 0",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(dims, 256, "the query name answers revision 2");
+
+    // serve's stream source writes it too.
+    let stream = fresh_stream();
+    let keys = fresh_keys();
+    let mut serve = binary()
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--model", "mock", "--stream-prefix", keys.prefix(), "--replayers", "1"])
+        .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    publish(&stream, &[chunk_entry("served", 0, "served text")]).await;
+    let mut stored = false;
+    for _ in 0..600 {
+        if db.count("SELECT count(*) FROM doc_embeddings__r2 WHERE doc_id = 'served'").await == 1 {
+            stored = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = serve.start_kill();
+    let out = serve.wait_with_output().await.unwrap();
+    assert!(stored, "serve never wrote revision 2: {}", String::from_utf8_lossy(&out.stderr));
+    let got = hashes(&db, "doc_embeddings__r2").await;
+    assert_eq!(got.get(&("served".to_string(), 0)), Some(&content_hash("mock-next", 256, "served text")));
+    let _ = std::fs::remove_dir_all(&dir);
+}
