@@ -157,6 +157,11 @@ stage("Stream source", [
                  (f"max by (stream) (embed_dlq_source_lag{{{SEL}}})", "lag {{stream}}")]},
 ])
 
+stage("Revisions", [
+    {"title": "Revisions let go by a stream source", "description": "Times a stream source went on without a revision other than the active one for the rest of a segment, that revision's run having stopped (its provider refused its model, its writes failed): the revision misses what the source wrote meanwhile; its coverage (embed-dlq revision list) shows it, and a backfill writes it (docs/revisions.md).",
+     "targets": [(f"sum(increase(embed_dlq_source_revision_dropped_total{{{SEL}}}[{RATE}]))", "let go")]},
+])
+
 stage("Reconcile", [
     {"title": "Reconcile findings", "description": "Findings of the last run, by check. Red from 1: the alert fires when findings stay above 0 for 10 minutes.",
      "alert": ("EmbedDlqReconcileFindings", 1),

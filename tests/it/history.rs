@@ -8,7 +8,12 @@
 //! moments, `EMBED_DLQ_HISTORY_SOURCE_KILLS` times, default 3; checked at once: every entry its
 //! text's vector or a DLQ row, nothing stale, nothing pending), `serve` processes (some SIGKILLed at random moments),
 //! ingests SIGKILLed mid-run, provider faults and outages, a Redis `FLUSHALL` and a Redis restart
-//! that loses everything, `dlq requeue` / `dlq purge`, and `reconcile --repair`.
+//! that loses everything, `dlq requeue` / `dlq purge`, and `reconcile --repair`; and the model
+//! revisions of `hist_b` (`history_revisions.rs`): `revision_create` (every history makes one),
+//! `backfill`, `backfill_killed`, `activate` (or `activate_refused` while not covered),
+//! `rollback` and `retire`, with every later write reaching each live revision, under a probe
+//! of the query name: it never mixes revisions nor answers empty, and answers the revision the
+//! history's record says is active; every live revision is checked key by key at the end.
 //!
 //! The model is simple because the product's promise is: whatever happened, rerunning the newest
 //! corpus with a healthy provider and letting `serve` drain leaves every key as the newest
@@ -50,6 +55,10 @@ use rand::{RngExt, SeedableRng};
 use tokio::process::{Child, Command};
 
 use crate::support::*;
+
+#[path = "history_revisions.rs"]
+mod revisions;
+use revisions::{Checked, NameProbe, RevModel};
 
 const TABLES: [&str; 2] = ["doc_embeddings", "hist_b"];
 const DIMS: usize = 768;
@@ -569,6 +578,10 @@ struct History {
     /// What the `stream_ingest` checks found wrong, and what they counted.
     source_problems: Vec<String>,
     source_tally: Tally,
+    /// The revisions of `revisions::REVISED` as the history records them (none until the
+    /// first `revision_create`), and the probe of its query name from then on.
+    revisions: Vec<RevModel>,
+    probe: Option<NameProbe>,
 }
 
 impl History {
@@ -610,6 +623,8 @@ impl History {
             op_secs: BTreeMap::new(),
             source_problems: Vec::new(),
             source_tally: Tally::default(),
+            revisions: Vec::new(),
+            probe: None,
         };
         let out = binary()
             .args(["migrate", "--database-url", &h.db.url, "--table", TABLES[1], "--dimensions", "768"])
@@ -853,13 +868,16 @@ impl History {
 
     /// Right after a `stream_ingest` of `corpus` into `table`: every key is its text's vector
     /// (the mock's deterministic vector of that text) or a DLQ row holding the text.
+    /// A target with revisions: its active one (a shadow may have been let go by a segment
+    /// and is checked at the end, after the settling rerun).
     async fn check_source(&mut self, table: &str, corpus: &Corpus) {
+        let rev = self.checked(table).remove(0);
         let mut snap = snapshot(&self.db.pool).await;
-        let vectors = stored_vectors(&mut snap, table).await;
+        let vectors = stored_vectors(&mut snap, &rev.relation).await;
         let dlq: HashMap<(String, i32), serde_json::Value> = sqlx::query_as::<_, (String, i32, serde_json::Value)>(
             "SELECT doc_id, chunk_index, payload FROM embedding_dlq WHERE target_table IN ($1, 'public.' || $1)",
         )
-        .bind(table)
+        .bind(&rev.identity)
         .fetch_all(&mut *snap)
         .await
         .unwrap()
@@ -868,12 +886,12 @@ impl History {
         .collect();
         for (k, text) in corpus.texts.iter().enumerate() {
             let key = key_of(k);
-            let hash = embed_dlq::model::content_hash(MODEL, DIMS, text);
+            let hash = embed_dlq::model::content_hash(&rev.model, rev.dims, text);
             let stored = vectors.get(&key).filter(|(h, v)| {
                 *h == hash
                     && v.as_slice()
                         .iter()
-                        .zip(&mock_provider::vector_for(text, DIMS))
+                        .zip(&mock_provider::vector_for(text, rev.dims))
                         .all(|(a, b)| (a - b).abs() < 1e-5)
             });
             let parked = dlq.get(&key).is_some_and(|p| p["text"].as_str() == Some(text.as_str()));
@@ -884,7 +902,7 @@ impl History {
                     self.source_tally.lost += 1;
                 }
                 if self.source_problems.len() < 20 {
-                    let why = self.explain_key(table, &key, k, text).await;
+                    let why = self.explain_key(&rev, &key, k, text).await;
                     self.source_problems.push(format!("{table} {key:?}: not {text:?} ({why})"));
                 }
             }
@@ -895,7 +913,9 @@ impl History {
     /// text is `text`: which text the stored vector, the manifest row and the DLQ row are of
     /// (by content hash, among every version and draft of the key), their positions and the
     /// key's entries on the newest source stream, so a failing history says how it failed.
-    async fn explain_key(&self, table: &str, key: &(String, i32), k: usize, text: &str) -> String {
+    async fn explain_key(&self, rev: &Checked, key: &(String, i32), k: usize, text: &str) -> String {
+        let (table, relation, model, dims) =
+            (rev.identity.as_str(), rev.relation.as_str(), rev.model.as_str(), rev.dims);
         let mut texts: Vec<(String, String)> = Vec::new();
         let mut versions: Vec<&u32> = self.corpora.keys().collect();
         versions.sort();
@@ -907,13 +927,13 @@ impl History {
             }
         }
         let name = |hash: &str| {
-            let found = texts.iter().find(|(_, t)| embed_dlq::model::content_hash(MODEL, DIMS, t) == hash);
+            let found = texts.iter().find(|(_, t)| embed_dlq::model::content_hash(model, dims, t) == hash);
             found.map_or_else(|| format!("unknown {}", &hash[..hash.len().min(12)]), |(l, _)| l.clone())
         };
         let final_label = texts.iter().rev().find(|(_, t)| t == text).map_or("?".into(), |(l, _)| l.clone());
         let pool = &self.db.pool;
         let vector: Option<(String, chrono::DateTime<chrono::Utc>, pgvector::Vector)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT content_hash, updated_at, embedding FROM {table} WHERE doc_id = $1 AND chunk_index = $2"
+            "SELECT content_hash, updated_at, embedding FROM {relation} WHERE doc_id = $1 AND chunk_index = $2"
         )))
         .bind(&key.0)
         .bind(key.1)
@@ -993,7 +1013,7 @@ impl History {
                     .find(|(_, t)| {
                         v.as_slice()
                             .iter()
-                            .zip(&mock_provider::vector_for(t, DIMS))
+                            .zip(&mock_provider::vector_for(t, dims))
                             .all(|(a, b)| (a - b).abs() < 1e-5)
                     })
                     .map_or("no known text", |(l, _)| l.as_str());
@@ -1405,15 +1425,18 @@ impl History {
         let kills_behind = self.kills < scale.min_kills && done.is_multiple_of(2);
         let choice = if done >= 2 && !self.ops.contains_key("stream_ingest") {
             16 // every history runs the stream source at least once
+        } else if done >= 4 && !self.ops.contains_key("revision_create") {
+            17 // and makes a revision, so that every later write reaches two
         } else if kills_behind {
             self.rng.random_range(0..2) * 5
         } else {
-            self.rng.random_range(0..17)
+            self.rng.random_range(0..20)
         };
         match choice {
             0 => self.ingest(true, true).await,
             14 | 15 => self.change_in_flight().await,
             16 => self.stream_ingest().await,
+            17..=19 => self.revision_step().await,
             1 | 2 => {
                 let bump = self.rng.random_bool(0.6);
                 self.ingest(bump, false).await
@@ -1537,17 +1560,38 @@ impl History {
     async fn check_model(&self) -> (Vec<(String, bool, String)>, Tally) {
         let mut checks = Vec::new();
         let mut tally = Tally::default();
-        let pool = &self.db.pool;
         for (table, version) in &self.ingested {
-            let corpus = &self.corpora[version];
+            for rev in self.checked(table) {
+                self.check_revision(table, &rev, &self.corpora[version], &mut checks, &mut tally).await;
+            }
+        }
+        checks.push(self.parked_events_check().await);
+        (checks, tally)
+    }
+
+    /// Checks every key of one revision of `table` (the table itself, without revisions)
+    /// against `corpus`: the newest text's vector (by the revision's model, at its
+    /// dimension) or its DLQ row; no duplicate, no vector outside the corpus, no leak.
+    async fn check_revision(
+        &self,
+        table: &str,
+        rev: &Checked,
+        corpus: &Corpus,
+        checks: &mut Vec<(String, bool, String)>,
+        tally: &mut Tally,
+    ) {
+        let pool = &self.db.pool;
+        let label =
+            if rev.relation == table { table.to_string() } else { format!("{table} ({})", rev.relation) };
+        {
             let mut snap = snapshot(pool).await;
-            let vectors = stored_vectors(&mut snap, table).await;
+            let vectors = stored_vectors(&mut snap, &rev.relation).await;
             let dlq: HashMap<(String, i32), (String, serde_json::Value)> =
                 sqlx::query_as::<_, (String, i32, String, serde_json::Value)>(
                     "SELECT d.doc_id, d.chunk_index, d.error_class, d.payload FROM embedding_dlq d
                       WHERE d.target_table IN ($1, 'public.' || $1)",
                 )
-                .bind(table)
+                .bind(&rev.identity)
                 .fetch_all(&mut *snap)
                 .await
                 .unwrap()
@@ -1558,10 +1602,10 @@ impl History {
             let mut wrong = Vec::new();
             for (k, text) in corpus.texts.iter().enumerate() {
                 let key = key_of(k);
-                let hash = embed_dlq::model::content_hash(MODEL, DIMS, text);
+                let hash = embed_dlq::model::content_hash(&rev.model, rev.dims, text);
                 match (vectors.get(&key), dlq.get(&key)) {
                     (Some((h, v)), None) if *h == hash => {
-                        let want = mock_provider::vector_for(text, DIMS);
+                        let want = mock_provider::vector_for(text, rev.dims);
                         let close = v.as_slice().iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5);
                         if close {
                             stored_ok += 1;
@@ -1604,7 +1648,7 @@ impl History {
                 }
             }
             checks.push((
-                format!("{table}: every key is the newest text's vector or its DLQ row"),
+                format!("{label}: every key is the newest text's vector or its DLQ row"),
                 wrong.is_empty(),
                 format!(
                     "{stored_ok} stored, {parked_ok} parked, {} wrong{}",
@@ -1613,21 +1657,23 @@ impl History {
                 ),
             ));
             let dups: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT count(*) FROM (SELECT 1 FROM {table} GROUP BY doc_id, chunk_index HAVING count(*) > 1) d"
+                "SELECT count(*) FROM (SELECT 1 FROM {} GROUP BY doc_id, chunk_index HAVING count(*) > 1) d",
+                rev.relation
             )))
             .fetch_one(pool)
             .await
             .unwrap();
             tally.duplicates += dups;
-            checks.push((format!("{table}: no duplicate vectors"), dups == 0, format!("{dups}")));
+            checks.push((format!("{label}: no duplicate vectors"), dups == 0, format!("{dups}")));
             let extra = vectors.len().saturating_sub(corpus.texts.len());
-            checks.push((format!("{table}: no vector outside the corpus"), extra == 0, format!("{extra}")));
+            checks.push((format!("{label}: no vector outside the corpus"), extra == 0, format!("{extra}")));
         }
-        for table in self.ingested.keys() {
+        {
+            let (identity, relation) = (&rev.identity, &rev.relation);
             let leaks: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
                 "SELECT count(*) FROM ingest_manifest m
-                  WHERE m.target_table IN ('{table}', 'public.{table}')
-                    AND NOT EXISTS (SELECT 1 FROM {table} e
+                  WHERE m.target_table IN ('{identity}', 'public.{identity}')
+                    AND NOT EXISTS (SELECT 1 FROM {relation} e
                                      WHERE e.doc_id = m.doc_id AND e.chunk_index = m.chunk_index)
                     AND NOT EXISTS (SELECT 1 FROM embedding_dlq d
                                      WHERE d.target_table = m.target_table
@@ -1637,10 +1683,8 @@ impl History {
             .await
             .unwrap();
             tally.lost += leaks as u64;
-            checks.push((format!("{table}: no leaks (the seed's query)"), leaks == 0, format!("{leaks}")));
+            checks.push((format!("{label}: no leaks (the seed's query)"), leaks == 0, format!("{leaks}")));
         }
-        checks.push(self.parked_events_check().await);
-        (checks, tally)
     }
 
     /// Entries delivered to the history's source group on `stream` and not acknowledged, plus
@@ -1945,6 +1989,7 @@ async fn run_history(seed: u64, scale: &Scale, forced: &[&'static str]) -> (Stri
     checks.extend(h.settle().await);
     let (model, tally) = h.check_model().await;
     checks.extend(model);
+    checks.extend(h.check_query_name().await);
     let all_ok = checks.iter().all(|(_, ok, _)| *ok);
 
     let mut r = String::new();
