@@ -158,6 +158,14 @@ stage("Stream source", [
 ])
 
 stage("Revisions", [
+    {"title": "Revision coverage", "description": "Per revision of each target with revisions: the share of the active revision's chunks it covers (the same text, stored, or parked where the active one has it parked); revision activate switches only at full coverage (or within --allow-missing). Sampled every minute by serve (docs/revisions.md).", "unit": "percentunit",
+     "targets": [(f"max by (target, revision) (embed_dlq_revision_covered_ratio{{{SEL}}})", "{{target}} r{{revision}}")]},
+    {"title": "Chunks not covered", "description": "Per revision: chunks of the active revision it does not cover (missing, of other text, unresolved, without a vector, or extra): what a backfill has left to do before the switch.",
+     "targets": [(f"max by (target, revision) (embed_dlq_revision_uncovered{{{SEL}}})", "{{target}} r{{revision}}")]},
+    {"title": "Revision chunks and backlog", "description": "Per revision: the chunks its manifest holds, and its DLQ rows (each revision parks under its own identity); which one the query name answers (1).",
+     "targets": [(f"max by (target, revision) (embed_dlq_revision_chunks{{{SEL}}})", "chunks {{target}} r{{revision}}"),
+                 (f"max by (target, revision) (embed_dlq_revision_dlq_rows{{{SEL}}})", "DLQ {{target}} r{{revision}}"),
+                 (f"max by (target, revision) (embed_dlq_revision_active{{{SEL}}})", "active {{target}} r{{revision}}")]},
     {"title": "Revisions let go by a stream source", "description": "Times a stream source went on without a revision other than the active one for the rest of a segment, that revision's run having stopped (its provider refused its model, its writes failed): the revision misses what the source wrote meanwhile; its coverage (embed-dlq revision list) shows it, and a backfill writes it (docs/revisions.md).",
      "targets": [(f"sum(increase(embed_dlq_source_revision_dropped_total{{{SEL}}}[{RATE}]))", "let go")]},
 ])

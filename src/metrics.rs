@@ -49,6 +49,11 @@ pub(crate) const SOURCE_ACKED: &str = "embed_dlq_source_entries_acked_total";
 pub(crate) const SOURCE_RECLAIMED: &str = "embed_dlq_source_entries_reclaimed_total";
 pub(crate) const SOURCE_POISON: &str = "embed_dlq_source_entries_poison_total";
 pub(crate) const SOURCE_REVISION_DROPPED: &str = "embed_dlq_source_revision_dropped_total";
+pub(crate) const REVISION_ACTIVE: &str = "embed_dlq_revision_active";
+pub(crate) const REVISION_CHUNKS: &str = "embed_dlq_revision_chunks";
+pub(crate) const REVISION_DLQ_ROWS: &str = "embed_dlq_revision_dlq_rows";
+pub(crate) const REVISION_UNCOVERED: &str = "embed_dlq_revision_uncovered";
+pub(crate) const REVISION_COVERED_RATIO: &str = "embed_dlq_revision_covered_ratio";
 pub(crate) const SOURCE_PENDING: &str = "embed_dlq_source_pending";
 pub(crate) const SOURCE_LAG: &str = "embed_dlq_source_lag";
 
@@ -102,7 +107,15 @@ pub(crate) const SAMPLED_LABELS: &[(&str, &str)] = &[
     (RECONCILE_FINDINGS, "`check` (the reconciler's checks, summed over every target table)"),
     (SOURCE_PENDING, "`stream` = the configured source stream keys (at most 64)"),
     (SOURCE_LAG, "`stream` = the configured source stream keys (at most 64)"),
+    (REVISION_ACTIVE, REVISION_LABELS),
+    (REVISION_CHUNKS, REVISION_LABELS),
+    (REVISION_DLQ_ROWS, REVISION_LABELS),
+    (REVISION_UNCOVERED, REVISION_LABELS),
+    (REVISION_COVERED_RATIO, REVISION_LABELS),
 ];
+
+/// The labels of the revision gauges: bounded by the revisions the registry holds.
+const REVISION_LABELS: &str = "`target` = each target with revisions (canonical name); `revision` = its revisions' numbers (a retired one reads 0)";
 
 /// Registers every counter at zero for each of its fixed label values, and the breaker and
 /// limiter gauges at their resting values, so a scrape shows every family from the start:
@@ -244,6 +257,20 @@ pub(crate) fn describe() {
     describe_gauge!(
         SOURCE_LAG,
         "Source stream entries not yet delivered to the ingest group, by stream (XINFO GROUPS lag)."
+    );
+    describe_gauge!(
+        REVISION_ACTIVE,
+        "1 for the revision a target's query name answers, 0 for its others (sampled every minute by serve)."
+    );
+    describe_gauge!(REVISION_CHUNKS, "Chunks a revision's manifest holds (stored, parked or in flight).");
+    describe_gauge!(REVISION_DLQ_ROWS, "DLQ rows parked under a revision's identity (its backlog).");
+    describe_gauge!(
+        REVISION_UNCOVERED,
+        "Chunks of the active revision a revision does not cover (missing, of other text, unresolved, without a vector, or extra): revision activate refuses a switch while this is above its --allow-missing. 0 for the active revision."
+    );
+    describe_gauge!(
+        REVISION_COVERED_RATIO,
+        "Share of the active revision's chunks a revision covers (1 for the active revision; 1 when the active one is empty)."
     );
 }
 

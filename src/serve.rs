@@ -463,8 +463,15 @@ async fn sample_and_reconcile(
     };
     crate::reconcile::publish_zero_findings();
     let mut last_reconcile = std::time::Instant::now();
+    let mut revisions_sampled: Option<std::time::Instant> = None;
     let mut first = true;
     while !stop.is_cancelled() {
+        if revisions_sampled.is_none_or(|t| t.elapsed() >= crate::gauges::REVISION_SAMPLE_EVERY) {
+            revisions_sampled = Some(std::time::Instant::now());
+            if let Err(e) = crate::gauges::sample_revisions(store.pool()).await {
+                tracing::warn!(error = %e, "sampling the revision gauges failed");
+            }
+        }
         if let Some(every) = config.reconcile_every
             && (first || last_reconcile.elapsed() >= every)
         {

@@ -45,6 +45,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0024_replay_lease_unlogged.sql",
     "0025_stream_fed_tables.sql",
     "0026_revisions.sql",
+    "0027_event_revision.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

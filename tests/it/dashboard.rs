@@ -133,6 +133,17 @@ async fn every_metric_it_uses_is_in_a_real_scrape_and_every_family_has_a_panel()
             .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
             .collect()
     };
+    // A target with revisions, so that the revision gauges are sampled.
+    embed_dlq::store::revision::create_shadow(
+        &db.pool,
+        "doc_embeddings",
+        Some("mock"),
+        "mock-next",
+        256,
+        Some(256),
+    )
+    .await
+    .unwrap();
     let body = scrape_serve_until(&db, |text| used.iter().all(|m| exported(text).contains(m))).await;
     let scraped = exported(&body);
     let missing: Vec<_> = used.iter().filter(|m| !scraped.contains(*m)).collect();

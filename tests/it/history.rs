@@ -427,8 +427,11 @@ async fn stored_vectors(
     db: &mut sqlx::PgConnection,
     table: &str,
 ) -> HashMap<(String, i32), (String, pgvector::Vector)> {
+    // `embedding::vector`: the first `revision create` makes the table's name a view whose
+    // vector column has no fixed dimension, and Postgres refuses a plan cached of the old
+    // table ("cached plan must not change result type"); cast, the result type never changes.
     sqlx::query_as::<_, (String, i32, String, pgvector::Vector)>(sqlx::AssertSqlSafe(format!(
-        "SELECT doc_id, chunk_index, content_hash, embedding FROM {table}"
+        "SELECT doc_id, chunk_index, content_hash, embedding::vector FROM {table}"
     )))
     .fetch_all(db)
     .await
@@ -933,7 +936,7 @@ impl History {
         let final_label = texts.iter().rev().find(|(_, t)| t == text).map_or("?".into(), |(l, _)| l.clone());
         let pool = &self.db.pool;
         let vector: Option<(String, chrono::DateTime<chrono::Utc>, pgvector::Vector)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT content_hash, updated_at, embedding FROM {relation} WHERE doc_id = $1 AND chunk_index = $2"
+            "SELECT content_hash, updated_at, embedding::vector FROM {relation} WHERE doc_id = $1 AND chunk_index = $2"
         )))
         .bind(&key.0)
         .bind(key.1)

@@ -95,8 +95,8 @@ fn opts(stream: &str, consumer: &str) -> SourceOptions {
 
 /// `ingest --from-stream` with a shadow: every entry reaches both revisions, each with its
 /// model (the shadow at 256 dimensions), the deletion both, the poison entry parks under each
-/// identity, and nothing is left pending. Before issue 46's stream fan-out it wrote revision
-/// 1 alone and said so in a warning.
+/// identity (each event naming the target and revision), and nothing is left pending. Before
+/// issue 46's stream fan-out it wrote revision 1 alone and said so in a warning.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ingest_from_a_stream_writes_every_live_revision_each_with_its_model() {
     let db = TestDb::new().await;
@@ -151,6 +151,24 @@ async fn ingest_from_a_stream_writes_every_live_revision_each_with_its_model() {
             ("public.doc_embeddings__r2".to_string(), "b#24".to_string())
         ]
     );
+    // Each park's event names the target and its revision, and conforms to the contract
+    // (relay_all checks every entry it publishes against docs/events.schema.json).
+    let named: Vec<(String, Option<String>, Option<i64>)> = sqlx::query_as(
+        "SELECT body->>'table', body->>'target', (body->>'revision')::bigint FROM dlq_outbox
+          WHERE event = 'parked' AND doc_id = 'b' ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let target = Some("public.doc_embeddings".to_string());
+    assert_eq!(
+        named,
+        vec![
+            ("public.doc_embeddings".to_string(), target.clone(), Some(1)),
+            ("public.doc_embeddings__r2".to_string(), target, Some(2))
+        ]
+    );
+    relay_all(&db, &fresh_keys()).await;
 }
 
 on_single_and_cluster! {
@@ -321,4 +339,30 @@ async fn a_target_whose_first_revision_is_retired_is_written_as_its_active_one()
     let got = hashes(&db, "doc_embeddings__r2").await;
     assert_eq!(got.get(&("served".to_string(), 0)), Some(&content_hash("mock-next", 256, "served text")));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The revision gauges `serve` samples, read from a real scrape: a shadow that holds nothing
+/// covers 0 of the active revision's 30 chunks, and the active revision is the one marked 1;
+/// the oracle is the corpus the test wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_exports_each_revisions_coverage_chunks_and_backlog() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    first_corpus(&db, &mock).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let value = |body: &str, name: &str, revision: i32| -> Option<f64> {
+        let want = format!("revision=\"{revision}\"");
+        body.lines()
+            .filter(|l| {
+                l.starts_with(name) && l.contains(&want) && l.contains("target=\"public.doc_embeddings\"")
+            })
+            .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let body = scrape_serve_until(&db, |b| value(b, "embed_dlq_revision_covered_ratio", 2).is_some()).await;
+    let got = |name: &str| (value(&body, name, 1), value(&body, name, 2));
+    assert_eq!(got("embed_dlq_revision_active"), (Some(1.0), Some(0.0)), "{body}");
+    assert_eq!(got("embed_dlq_revision_chunks"), (Some(30.0), Some(0.0)));
+    assert_eq!(got("embed_dlq_revision_dlq_rows"), (Some(1.0), Some(0.0)), "a#24 is parked in revision 1");
+    assert_eq!(got("embed_dlq_revision_uncovered"), (Some(0.0), Some(30.0)));
+    assert_eq!(got("embed_dlq_revision_covered_ratio"), (Some(1.0), Some(0.0)));
 }
