@@ -67,48 +67,24 @@ pub(crate) async fn sample(
 /// 5 s sample.
 pub const REVISION_SAMPLE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Samples each revision of every target with revisions: whether it is active, its chunks,
-/// its DLQ rows and how much of the active revision it covers (the coverage `revision
-/// activate` requires). A retired revision's gauges read 0. Returns the revisions sampled.
+/// Samples each revision of every target with revisions ([`crate::store::revision::numbers`]):
+/// whether it is active, its chunks, its DLQ rows and how much of the active revision it
+/// covers (the coverage `revision activate` requires). A retired revision's gauges read 0.
+/// Returns the revisions sampled.
 pub async fn sample_revisions(pool: &sqlx::PgPool) -> Result<usize, GaugesError> {
-    use crate::store::StoreError;
-    let all = crate::store::revision::list(pool, None).await?;
-    for r in &all {
+    let all = crate::store::revision::numbers(pool, None).await?;
+    for n in &all {
+        let r = &n.revision;
         let labels = [("target", r.target.clone()), ("revision", r.revision.to_string())];
         let set = |name: &'static str, v: f64| gauge!(name, &labels).set(v);
-        if r.state == "retired" {
-            for name in [
-                REVISION_ACTIVE,
-                REVISION_CHUNKS,
-                REVISION_DLQ_ROWS,
-                REVISION_UNCOVERED,
-                REVISION_COVERED_RATIO,
-            ] {
-                set(name, 0.0);
-            }
-            continue;
-        }
-        let (chunks, dlq): (i64, i64) = sqlx::query_as(
-            "SELECT (SELECT count(*) FROM ingest_manifest WHERE target_table = $1),
-                    (SELECT count(*) FROM embedding_dlq WHERE target_table = $1)",
-        )
-        .bind(&r.identity)
-        .fetch_one(pool)
-        .await
-        .map_err(StoreError::from)?;
+        let retired = r.state == "retired";
         set(REVISION_ACTIVE, if r.state == "active" { 1.0 } else { 0.0 });
-        set(REVISION_CHUNKS, chunks as f64);
-        set(REVISION_DLQ_ROWS, dlq as f64);
-        let active = all.iter().find(|a| a.target == r.target && a.state == "active");
-        let (uncovered, ratio) = match active {
-            Some(a) if a.revision != r.revision => {
-                let mut conn = pool.acquire().await.map_err(StoreError::from)?;
-                let c = crate::store::revision::coverage(&mut conn, a, r).await?;
-                let ratio =
-                    if c.active_chunks == 0 { 1.0 } else { c.covered as f64 / c.active_chunks as f64 };
-                (c.uncovered() as f64, ratio)
-            }
-            _ => (0.0, 1.0),
+        set(REVISION_CHUNKS, if retired { 0.0 } else { n.chunks as f64 });
+        set(REVISION_DLQ_ROWS, if retired { 0.0 } else { n.dlq_rows as f64 });
+        let (uncovered, ratio) = match &n.coverage {
+            _ if retired => (0.0, 0.0),
+            Some(c) => (c.uncovered() as f64, n.covered_ratio()),
+            None => (0.0, 1.0),
         };
         set(REVISION_UNCOVERED, uncovered);
         set(REVISION_COVERED_RATIO, ratio);

@@ -1,6 +1,7 @@
 //! What the overview shows, gathered: the DLQ's depth and schedule, activity over the last
-//! hour and day, the outbox backlog, the streams per shard, the last reconcile run and the
-//! provider breaker's state (of this process, and read from the metrics endpoints given).
+//! hour and day, the outbox backlog, the streams per shard, the last reconcile run, the
+//! provider breaker's state (of this process, and read from the metrics endpoints given) and
+//! the revisions of targets that have them.
 
 use std::time::Duration;
 
@@ -29,6 +30,9 @@ pub struct Overview {
     pub breakers: Vec<BreakerReading>,
     /// The stream source's streams (none configured: empty), or why they could not be read.
     pub sources: Result<Vec<SourceStats>, String>,
+    /// Every revision of the targets with revisions (none: empty), with its chunks, DLQ rows
+    /// and coverage of its target's active revision, or why they could not be read.
+    pub revisions: Result<Vec<crate::store::revision::RevisionNumbers>, String>,
 }
 
 /// One source stream as its consumer group sees it.
@@ -100,7 +104,20 @@ pub async fn gather(state: &State) -> Result<Overview, StoreError> {
     };
     let breakers = breakers(state).await;
     let sources = sources(state).await;
-    Ok(Overview { stats, reasons, schedule, backlog, hour, day, streams, reconcile, breakers, sources })
+    let revisions = crate::store::revision::numbers(pool, None).await.map_err(|e| e.to_string());
+    Ok(Overview {
+        stats,
+        reasons,
+        schedule,
+        backlog,
+        hour,
+        day,
+        streams,
+        reconcile,
+        breakers,
+        sources,
+        revisions,
+    })
 }
 
 fn state_name(v: f64) -> Result<&'static str, String> {

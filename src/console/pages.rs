@@ -114,6 +114,43 @@ fn class_link(c: ErrorClass) -> String {
 }
 
 /// `/`.
+/// The overview's revisions section: each revision of each target that has them, with how
+/// much of the active revision it covers (what `revision activate` requires); nothing when
+/// no target has revisions.
+fn revisions(revisions: &Result<Vec<crate::store::revision::RevisionNumbers>, String>) -> Markup {
+    html! {
+        @match revisions {
+            Ok(rows) if rows.is_empty() => {}
+            Ok(rows) => {
+                h2 { "Revisions" }
+                table #revisions {
+                    thead { tr { th { "target" } th.num { "revision" } th { "state" } th { "model" } th.num { "dimensions" } th.num { "chunks" } th.num { "DLQ rows" } th { "covers the active one" } } }
+                    tbody {
+                        @for n in rows.iter().filter(|n| n.revision.state != "retired") {
+                            tr {
+                                td { code { (n.revision.target) } }
+                                td.num { (n.revision.revision) }
+                                td { span class=(format!("badge revision-{}", n.revision.state)) { (n.revision.state) } }
+                                td { (n.revision.model.as_deref().unwrap_or("as configured")) }
+                                td.num { (n.revision.dimensions) }
+                                td.num { (n.chunks) }
+                                td.num { (n.dlq_rows) }
+                                @match &n.coverage {
+                                    Some(c) => td { (c.covered) " of " (c.active_chunks) " (" (format!("{:.1}%", 100.0 * n.covered_ratio())) ")"
+                                        @if c.uncovered() > 0 { ": " (c.uncovered()) " not covered" } },
+                                    None => td { "-" },
+                                }
+                            }
+                        }
+                    }
+                }
+                p.note { "The target's name answers the active revision; every write reaches each live one. A switch (" code { "embed-dlq revision activate" } ") needs full coverage." }
+            }
+            Err(e) => { h2 { "Revisions" } p.warn { "Revisions unavailable: " (e) } }
+        }
+    }
+}
+
 pub fn overview(ctx: &Ctx, o: &Overview) -> Markup {
     let total: i64 = o.stats.by_class.iter().map(|c| c.parked).sum();
     layout(
@@ -212,6 +249,7 @@ pub fn overview(ctx: &Ctx, o: &Overview) -> Markup {
                         }
                         Err(e) => { h2 { "Source streams" } p.warn { "Source streams unavailable: " (e) } }
                     }
+                    (revisions(&o.revisions))
                     h2 { "Provider breaker" }
                     @if o.breakers.is_empty() {
                         p.note { "No source: run the console inside " code { "serve --console-addr" } ", or give " code { "--metrics-url" } " of the ingest and serve processes." }

@@ -1213,3 +1213,76 @@ async fn every_response_is_guarded_and_a_stuck_page_ends_at_its_time_limit() {
     assert_eq!(again.status().as_u16(), 200);
     served.stop().await;
 }
+
+/// The overview lists each revision of a target that has them: its state, model, dimension,
+/// chunks, DLQ rows and how much of the active revision it covers; the oracle is the corpus
+/// the test wrote (20 chunks, one the provider rejects) and the shadow it made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_shows_each_revision_and_its_coverage() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    let lines: Vec<String> = (0..20)
+        .map(|i| {
+            line("rev", i, &if i == 7 { format!("{} poisoned", POISON_400) } else { format!("rev {i}") })
+        })
+        .collect();
+    seed(&db, &keys, MockConfig::default(), &lines).await;
+    let served = serve_console(&db, &keys, true).await;
+    let client = embed_dlq::http::client_builder().build().unwrap();
+    let body = client.get(format!("{}/", served.base)).send().await.unwrap().text().await.unwrap();
+    assert!(!body.contains("id=\"revisions\""), "no revisions, no section");
+    embed_dlq::store::revision::create_shadow(
+        &db.pool,
+        "doc_embeddings",
+        Some("mock"),
+        "mock-next",
+        256,
+        Some(256),
+    )
+    .await
+    .unwrap();
+    let body = client.get(format!("{}/", served.base)).send().await.unwrap().text().await.unwrap();
+    let table =
+        body.split("id=\"revisions\"").nth(1).expect("a revisions table").split("</table>").next().unwrap();
+    let rows: Vec<Vec<String>> = table
+        .split("<tr>")
+        .skip(2)
+        .map(|r| {
+            r.split("<td")
+                .skip(1)
+                .map(|c| {
+                    let c = c.split_once('>').map_or("", |(_, v)| v);
+                    let mut text = String::new();
+                    let mut in_tag = false;
+                    for ch in c.split("</td>").next().unwrap().chars() {
+                        match ch {
+                            '<' => in_tag = true,
+                            '>' => in_tag = false,
+                            _ if !in_tag => text.push(ch),
+                            _ => {}
+                        }
+                    }
+                    text.trim().to_string()
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            vec!["public.doc_embeddings", "1", "active", "mock", "768", "20", "1", "-"],
+            vec![
+                "public.doc_embeddings",
+                "2",
+                "shadow",
+                "mock-next",
+                "256",
+                "0",
+                "0",
+                "0 of 20 (0.0%): 20 not covered"
+            ],
+        ],
+        "{table}"
+    );
+    served.stop().await;
+}
