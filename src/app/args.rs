@@ -488,6 +488,11 @@ pub enum RevisionAction {
         /// Switch even though this many chunks are not covered, 0..=10^12.
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000_000))]
         allow_missing: u64,
+        /// Under live writes: when the first check finds only work in flight uncovered (at
+        /// most 10,000 chunks), pause every stream source's intake and check again for up to
+        /// this many seconds, 0..=600 (0: one check).
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=600))]
+        wait_secs: u64,
     },
     /// Retire a revision that is not active: drop its table and delete its manifest and DLQ
     /// rows; writes stop reaching it. Needs `--yes`.

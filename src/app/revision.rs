@@ -51,7 +51,7 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
                         println!("{}", revision_json(&r));
                     } else {
                         println!(
-                            "revision {} of {} made: {} (vector({}), model {}), a shadow: every corpus ingest of {} writes it from now on; fill it with `embed-dlq revision backfill CORPUS --table {}`",
+                            "revision {} of {} made: {} (vector({}), model {}), a shadow: every ingest of {} (corpus and stream source) writes it from now on; fill it with `embed-dlq revision backfill CORPUS --table {}`",
                             r.revision, r.target, r.relation, r.dimensions, model, r.target, r.target
                         );
                     }
@@ -63,9 +63,10 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
                 Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
             }
         }
-        RevisionAction::Activate { revision, previous, allow_missing, .. } => {
+        RevisionAction::Activate { revision, previous, allow_missing, wait_secs, .. } => {
             let wanted = if previous { None } else { revision };
-            match revision::activate(&pool, table, wanted, allow_missing).await {
+            let wait = std::time::Duration::from_secs(wait_secs);
+            match revision::activate_quiesced(&pool, table, wanted, allow_missing, wait).await {
                 Ok(a) => {
                     if json {
                         println!("{}", serde_json::to_string(&a).expect("serializes"));

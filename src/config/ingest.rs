@@ -289,4 +289,17 @@ impl crate::ingest::source::SourceTargets for RevisionTargets {
             now != was
         })
     }
+
+    fn paused<'a>(
+        &'a self,
+        current: &'a [crate::ingest::source::SourceWriter],
+    ) -> futures::future::BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let Some(crate::ingest::source::SourceWriter { revision: Some(r), pipeline }) = current.first()
+            else {
+                return false;
+            };
+            crate::store::revision::intake_paused(pipeline.store.pool(), &r.target).await.unwrap_or(false)
+        })
+    }
 }

@@ -46,6 +46,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0025_stream_fed_tables.sql",
     "0026_revisions.sql",
     "0027_event_revision.sql",
+    "0028_revision_switch.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

@@ -743,3 +743,74 @@ pub async fn numbers(pool: &PgPool, target: Option<&str>) -> Result<Vec<Revision
     }
     Ok(out)
 }
+
+/// Longest pause of intake a quiesced switch may ask for ([`activate_quiesced`]).
+pub const MAX_SWITCH_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Most chunks not covered that a quiesced switch takes for work in flight (and pauses intake
+/// for): a stream source holds at most its in-flight entries (4,096 by default) unsettled.
+pub const IN_FLIGHT_BOUND: u64 = 10_000;
+
+/// How long past its wait a pause of intake stays on record if the `activate` that asked for
+/// it dies: the longest a killed switch can hold up a stream source.
+const PAUSE_MARGIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// [`activate`] under live writes: when the first check finds at most [`IN_FLIGHT_BOUND`]
+/// chunks beyond `allow_missing` not covered (work in flight), asks every stream source
+/// writing `target` to read no new entry (migration 0028) while the coverage check is retried, every 250 ms for up to `wait`
+/// (at most [`MAX_SWITCH_WAIT`]), so that the work in flight commits in every revision and
+/// the check can pass; then switches and lets intake go on. A zero `wait` is [`activate`]
+/// alone. Refusals other than coverage are returned at once; the last coverage refusal when
+/// the wait runs out. Corpus runs are not paused.
+pub async fn activate_quiesced(
+    pool: &PgPool,
+    target: &str,
+    revision: Option<i32>,
+    allow_missing: u64,
+    wait: std::time::Duration,
+) -> Result<Activation, RevisionError> {
+    let wait = wait.min(MAX_SWITCH_WAIT);
+    // First without a pause: a covered shadow switches at once, and one with a real gap (more
+    // than what can be in flight) is refused at once, holding no intake up.
+    match activate(pool, target, revision, allow_missing).await {
+        Err(RevisionError::NotCovered { coverage, .. })
+            if !wait.is_zero() && coverage.uncovered() <= allow_missing.saturating_add(IN_FLIGHT_BOUND) => {}
+        other => return other,
+    }
+    let name = canonical(pool, target).await?;
+    sqlx::query(
+        "INSERT INTO embed_dlq_revision_switch (target, until) VALUES ($1, now() + $2 * interval '1 millisecond')
+         ON CONFLICT (target) DO UPDATE SET since = now(), until = EXCLUDED.until",
+    )
+    .bind(&name)
+    .bind((wait + PAUSE_MARGIN).as_millis() as i64)
+    .execute(pool)
+    .await
+    .map_err(StoreError::from)?;
+    let started = std::time::Instant::now();
+    let result = loop {
+        match activate(pool, &name, revision, allow_missing).await {
+            Err(RevisionError::NotCovered { .. }) if started.elapsed() < wait => {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            other => break other,
+        }
+    };
+    if let Err(e) =
+        sqlx::query("DELETE FROM embed_dlq_revision_switch WHERE target = $1").bind(&name).execute(pool).await
+    {
+        tracing::warn!(error = %e, target = %name, "could not end the pause of intake; it ends by itself within seconds");
+    }
+    result
+}
+
+/// Whether a switch of `target` (its canonical name) has asked stream sources to pause
+/// their intake ([`activate_quiesced`]).
+pub async fn intake_paused(pool: &PgPool, target: &str) -> Result<bool, StoreError> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM embed_dlq_revision_switch WHERE target = $1 AND until > now())",
+    )
+    .bind(target)
+    .fetch_one(pool)
+    .await?)
+}

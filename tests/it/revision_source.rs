@@ -366,3 +366,87 @@ async fn serve_exports_each_revisions_coverage_chunks_and_backlog() {
     assert_eq!(got("embed_dlq_revision_uncovered"), (Some(0.0), Some(30.0)));
     assert_eq!(got("embed_dlq_revision_covered_ratio"), (Some(1.0), Some(0.0)));
 }
+
+on_single_and_cluster! {
+/// A switch under a stream source that never stops writing: each revision commits on its own,
+/// so some chunks are always in one and not yet in the other; `activate` with a wait pauses
+/// the source's intake, the work in flight commits in both, and the switch goes through. The
+/// source then reads on, into both, and nothing published is missing from either revision.
+async fn a_switch_under_live_writes_pauses_intake_and_goes_through() {
+    use embed_dlq::store::revision::activate_quiesced;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { latency_ms: 20, ..MockConfig::default() }).await;
+    first_corpus(&db, &mock).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let s = settings(&db, &mock);
+    let lines: String = (0..30).map(|i| line("a", i, &text("a", i, "v1"))).collect();
+    let runs = s.fanout().await.unwrap().unwrap().run(input(lines.into_bytes()), CancellationToken::new()).await;
+    assert!(runs.iter().all(|r| r.result.is_ok()), "{runs:?}");
+    let stream = fresh_stream();
+    let cancel = CancellationToken::new();
+    let mut o = opts(&stream, "c1");
+    o.idle_exit = None;
+    let (targets, client) = (Arc::new(s.source_targets()), redis_client());
+    let source = tokio::spawn({
+        let cancel = cancel.clone();
+        async move { run_source_into(targets, &client, o, cancel).await }
+    });
+    // The producer: a new chunk every 5 ms until told to stop.
+    let producing = CancellationToken::new();
+    let producer = tokio::spawn({
+        let (stream, producing) = (stream.clone(), producing.clone());
+        async move {
+            let mut n = 0;
+            while !producing.is_cancelled() {
+                publish(&stream, &[chunk_entry("live", n, &format!("live {n}"))]).await;
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            n
+        }
+    });
+    wait_rows(&db, "SELECT count(*) FROM doc_embeddings__r2 WHERE doc_id = 'live'", 50, "the shadow").await;
+    let switched = activate_quiesced(&db.pool, "doc_embeddings", Some(2), 0, Duration::from_secs(60)).await;
+    let switched = switched.expect("the switch goes through under live writes");
+    assert_eq!((switched.active, switched.previous, switched.coverage.uncovered()), (2, 1, 0));
+    let paused: i64 = db.count("SELECT count(*) FROM embed_dlq_revision_switch").await;
+    assert_eq!(paused, 0, "the pause ends with the switch");
+    // Intake goes on after the switch.
+    let before = db.count("SELECT count(*) FROM doc_embeddings__r1 WHERE doc_id = 'live'").await;
+    for _ in 0..600 {
+        if db.count("SELECT count(*) FROM doc_embeddings__r1 WHERE doc_id = 'live'").await > before + 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(db.count("SELECT count(*) FROM doc_embeddings__r1 WHERE doc_id = 'live'").await > before + 20);
+    producing.cancel();
+    let published: i32 = producer.await.unwrap();
+    for relation in ["doc_embeddings__r1", "doc_embeddings__r2"] {
+        let sql = format!("SELECT count(*) FROM {relation} WHERE doc_id = 'live'");
+        for _ in 0..1200 {
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone())).fetch_one(&db.pool).await.unwrap();
+            if n >= i64::from(published) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    while pending(&stream, "it-ingest").await > 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel.cancel();
+    let runs = source.await.unwrap().unwrap();
+    assert!(runs.iter().all(|r| r.stopped.is_none()), "{runs:?}");
+    for (relation, model, dims) in [("doc_embeddings__r1", "mock", 768), ("doc_embeddings__r2", "mock-next", 256)] {
+        let got = hashes(&db, relation).await;
+        for n in 0..published {
+            assert_eq!(
+                got.get(&("live".to_string(), n)),
+                Some(&content_hash(model, dims, &format!("live {n}"))),
+                "{relation} live#{n} of {published}"
+            );
+        }
+    }
+}
+}

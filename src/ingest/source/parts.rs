@@ -32,6 +32,10 @@ use crate::store::revision::Revision;
 /// How often a running segment looks whether the target's revisions changed.
 pub const WATCH_EVERY: Duration = Duration::from_secs(2);
 
+/// How often a running segment looks whether a switch asks it to pause its intake
+/// ([`SourceTargets::paused`]).
+pub const PAUSE_POLL: Duration = Duration::from_millis(250);
+
 /// One pipeline of a segment: the revision it writes (`None`: a table without revisions).
 #[derive(Clone)]
 pub struct SourceWriter {
@@ -54,6 +58,14 @@ pub trait SourceTargets: Send + Sync {
         let _ = current;
         Box::pin(async { false })
     }
+
+    /// Whether a switch between the revisions of `current` asks the source to read no new
+    /// entry for now (`revision activate --wait-secs`), so that what is in flight commits in
+    /// every revision. A look that fails answers `false`.
+    fn paused<'a>(&'a self, current: &'a [SourceWriter]) -> BoxFuture<'a, bool> {
+        let _ = current;
+        Box::pin(async { false })
+    }
 }
 
 /// One pipeline, always: what [`Pipeline::run_source`] writes.
@@ -71,6 +83,8 @@ pub(in crate::ingest) struct SourceFeed {
     alive: Arc<Vec<AtomicBool>>,
     /// Stops the reading: the active part halted, or the revisions changed.
     pub(super) halt: CancellationToken,
+    /// Set while a switch asks the source to read no new entry.
+    paused: Arc<AtomicBool>,
     /// The whole source's stop: while it is set, no part is let go.
     cancel: CancellationToken,
     acks: Arc<Acks>,
@@ -82,6 +96,11 @@ impl SourceFeed {
     /// The active part's feed: its byte budget and line count stand for the segment's.
     fn active(&self) -> &Feed {
         self.feeds[0].as_ref().expect("a segment reads only once its active part's feed is there")
+    }
+
+    /// Whether a switch between revisions asks the reader to read no new entry for now.
+    pub(super) fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Acquire)
     }
 
     /// Entries read in the segment (the active part's count).
@@ -209,16 +228,27 @@ where
                         }
                     });
                 }
-                // The revisions changing ends the reading; the next segment writes the new set.
+                // The revisions changing ends the reading (the next segment writes the new set);
+                // a switch under way pauses it.
+                let paused = Arc::new(AtomicBool::new(false));
                 {
-                    let (halt, done) = (halt.clone(), done.clone());
+                    let (halt, done, paused) = (halt.clone(), done.clone(), paused.clone());
                     tokio::spawn(async move {
+                        let mut last_change_check = std::time::Instant::now();
                         loop {
                             tokio::select! {
-                                _ = tokio::time::sleep(WATCH_EVERY) => {}
+                                _ = tokio::time::sleep(PAUSE_POLL) => {}
                                 _ = done.cancelled() => return,
                                 _ = halt.cancelled() => return,
                             }
+                            let now = targets.paused(&current).await;
+                            if paused.swap(now, Ordering::AcqRel) != now {
+                                tracing::info!(paused = now, "a switch between the target's revisions pauses the stream source's intake");
+                            }
+                            if last_change_check.elapsed() < WATCH_EVERY {
+                                continue;
+                            }
+                            last_change_check = std::time::Instant::now();
                             if targets.changed(&current).await {
                                 tracing::info!("the target's revisions changed: the stream source's segment ends, the next one writes the new set");
                                 halt.cancel();
@@ -227,7 +257,7 @@ where
                         }
                     });
                 }
-                read(SourceFeed { feeds, alive, halt, cancel, acks, names }).await;
+                read(SourceFeed { feeds, alive, halt, paused, cancel, acks, names }).await;
             })));
         } else {
             let tx = senders[i - 1].take();

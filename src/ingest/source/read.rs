@@ -125,6 +125,20 @@ impl SourceReader {
             self.last_sample = Some(now);
             self.sample().await;
         }
+        // A switch between revisions under way: nothing new is read (nor taken over) while the
+        // work in flight commits in every revision; the claim on it is kept.
+        if feed.is_paused() {
+            if now.duration_since(self.last_refresh) >= self.opts.min_idle / 3 {
+                self.last_refresh = now;
+                self.refresh_claims().await;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = feed.halt.cancelled() => {}
+            }
+            self.last_entry = Instant::now();
+            return Ok(());
+        }
         let mut reclaimed = 0;
         if self.last_reclaim.is_none_or(|t| now.duration_since(t) >= self.opts.min_idle / 2) {
             self.last_reclaim = Some(now);
