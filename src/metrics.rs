@@ -128,7 +128,7 @@ pub(crate) fn initialise() {
     for c in [LIMITER_DELAYED, LIMITER_HEADER_PAUSES] {
         counter!(c).increment(0);
     }
-    for reason in ["unchanged", "already_parked", "leased_elsewhere"] {
+    for reason in ["unchanged", "already_parked", "leased_elsewhere", "differs_from_active"] {
         counter!(CHUNKS_SKIPPED, "reason" => reason).increment(0);
     }
     for class in ErrorClass::ALL {
@@ -164,7 +164,7 @@ pub(crate) fn describe() {
     describe_counter!(CHUNKS_STORED, "Chunks whose vector was stored (ingest and replay).");
     describe_counter!(
         CHUNKS_SKIPPED,
-        "Chunks skipped because the same content is already stored or parked, or leased to a concurrent run."
+        "Chunks skipped because the same content is already stored or parked, leased to a concurrent run, or (a backfill) not what the active revision holds."
     );
     describe_counter!(CHUNKS_PARKED, "Chunks parked in the DLQ, by error class.");
     describe_counter!(

@@ -11,6 +11,25 @@ use super::{Resolver, exit};
 
 /// Runs `ingest`; returns the exit code.
 pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: CancellationToken) -> i32 {
+    command_as(resolver, args, Run::Ingest, cancel).await
+}
+
+/// What a corpus run of [`command_as`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Run {
+    /// `ingest`: every live revision, the corpus being what the source holds now.
+    Ingest,
+    /// `revision backfill`: the revisions besides the active one, copying what it holds.
+    Backfill,
+}
+
+/// `ingest` (or, as `run` says, `revision backfill`) with `args`.
+pub async fn command_as(
+    resolver: &Resolver,
+    args: IngestCommand,
+    kind: Run,
+    cancel: CancellationToken,
+) -> i32 {
     let IngestCommand {
         input,
         provider,
@@ -54,6 +73,14 @@ pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: Cancellat
     };
     settings.options.cleanup.confirmed = yes;
     settings.options.cleanup.dry_run = dry_run;
+    if kind == Run::Backfill
+        && (settings.options.cleanup.mode != embed_dlq::ingest::CleanupMode::None || dry_run)
+    {
+        return exit::fail(
+            exit::USAGE,
+            "--cleanup and --dry-run go with an ingest: a backfill only copies what the active revision holds (deletions reach the shadow through the ingests that write every revision)",
+        );
+    }
     if let Some(addr) = metrics_addr
         && let Err(e) = embed_dlq::metrics::install(addr)
     {
@@ -74,7 +101,7 @@ pub async fn command(resolver: &Resolver, args: IngestCommand, cancel: Cancellat
         }
         return run_source(settings, opts, json, cancel).await;
     }
-    run(settings, &input, json, !no_progress, cancel).await
+    run(settings, &input, kind, json, !no_progress, cancel).await
 }
 
 /// Ingests from Redis Stream(s) until stopped (or drained, with `--idle-exit-ms`).
@@ -194,6 +221,7 @@ fn revision_heading(r: &embed_dlq::store::revision::Revision) -> String {
 async fn run(
     mut settings: IngestSettings,
     input: &str,
+    kind: Run,
     json: bool,
     progress: bool,
     cancel: CancellationToken,
@@ -212,8 +240,18 @@ async fn run(
             Err(e) => return exit::fail(exit::FAILURE, &format!("cannot open {input}: {e}")),
         }
     };
-    match settings.fanout().await {
+    let fanout = match kind {
+        Run::Ingest => settings.fanout().await,
+        Run::Backfill => settings.backfill().await,
+    };
+    match fanout {
         Ok(Some(fanout)) => return run_revisions(fanout, reader, json, dry_run, cancel).await,
+        Ok(None) if kind == Run::Backfill => {
+            return exit::fail(
+                exit::USAGE,
+                &format!("{} has no revision to backfill besides the active one", settings.table),
+            );
+        }
         Ok(None) => {}
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     }

@@ -115,6 +115,19 @@ pub fn write_human_summary(out: &mut dyn Write, s: &IngestSummary) -> std::io::R
             s.leased_elsewhere
         )?;
     }
+    if s.differs_from_active > 0 {
+        let more = if (s.differs_examples.len() as u64) < s.differs_from_active { ", ..." } else { "" };
+        writeln!(
+            out,
+            "differs from active {:>10}  (left out: the active revision holds other text for them, or nothing; changed or deleted since the corpus was written){}",
+            s.differs_from_active,
+            if s.differs_examples.is_empty() {
+                String::new()
+            } else {
+                format!(": {}{more}", s.differs_examples.join(", "))
+            }
+        )?;
+    }
     if s.dlq_resolved > 0 {
         writeln!(out, "DLQ rows resolved   {:>10}", s.dlq_resolved)?;
     }

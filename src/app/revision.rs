@@ -72,8 +72,14 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
                         println!("{}", serde_json::to_string(&a).expect("serializes"));
                     } else {
                         println!(
-                            "{} now answers revision {} (revision {} kept as previous, still written, for a rollback: `embed-dlq revision activate --previous`); {} of {} chunks covered",
-                            a.target, a.active, a.previous, a.coverage.covered, a.coverage.active_chunks
+                            "{} now answers revision {} (revision {} kept as previous, still written, for a rollback: `embed-dlq revision activate --previous`); {} of {} chunks covered (checked in {} ms; queries of the name waited at most {:.1} ms for the switch)",
+                            a.target,
+                            a.active,
+                            a.previous,
+                            a.coverage.covered,
+                            a.coverage.active_chunks,
+                            a.coverage_check_ms,
+                            a.switch_us as f64 / 1000.0
                         );
                     }
                     exit::OK
@@ -122,8 +128,9 @@ pub async fn command(resolver: &Resolver, args: RevisionCommand, cancel: Cancell
     }
 }
 
-/// `revision backfill`: an ingest of the corpus into every live revision, refused (exit 2)
-/// when the target has no revision besides the active one.
+/// `revision backfill`: the corpus copied into every live revision but the active one, each
+/// line only where the active revision holds that very text ([`embed_dlq::ingest::CopyOf`]);
+/// refused (exit 2) when the target has no revision besides the active one.
 async fn backfill(
     resolver: &Resolver,
     mut ingest: super::args::IngestCommand,
@@ -153,7 +160,7 @@ async fn backfill(
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     }
     pool.close().await;
-    super::ingest::command(resolver, ingest, cancel).await
+    super::ingest::command_as(resolver, ingest, super::ingest::Run::Backfill, cancel).await
 }
 
 /// The settings `flags` resolve to and a small pool on their database, migrated; `Err`

@@ -148,6 +148,47 @@ impl IngestSettings {
         Ok(Some(crate::ingest::Fanout { revisions, fill }))
     }
 
+    /// What a backfill (`revision backfill`) writes: every live revision but the active one,
+    /// each run copying the active revision's records ([`crate::ingest::CopyOf`]: a line only
+    /// where the active revision holds that very text, at its record's position), the first
+    /// one with the progress bar; `None` when the target has no revision besides the active
+    /// one. Rows of the active revision from before text hashes get theirs recorded on the
+    /// way ([`crate::ingest::TextHashFill`]), as a fan-out run does.
+    pub async fn backfill(&self) -> Result<Option<crate::ingest::Fanout>, PipelineError> {
+        let live = self.live_revisions().await?;
+        let Some((active, shadows)) = live.split_first().filter(|(_, rest)| !rest.is_empty()) else {
+            return Ok(None);
+        };
+        let active_settings = self.for_revision(active);
+        let copy = std::sync::Arc::new(crate::ingest::CopyOf {
+            identity: active.identity.clone(),
+            model: active_settings.client.model.clone(),
+            dimensions: usize::try_from(active.dimensions).unwrap_or(0),
+        });
+        let mut revisions = Vec::with_capacity(shadows.len());
+        for (n, revision) in shadows.iter().enumerate() {
+            let mut settings = self.for_revision(revision);
+            settings.options.progress &= n == 0;
+            settings.options.copy_of = Some(copy.clone());
+            revisions.push((revision.clone(), settings.pipeline().await?));
+        }
+        let pool = revisions[0].1.store.pool();
+        let fill = if crate::store::revision::lacks_text_hashes(pool, active).await? {
+            let mut settings = active_settings;
+            settings.options.progress = false;
+            let pipeline = settings.pipeline().await?;
+            Some(crate::ingest::TextHashFill {
+                store: pipeline.store.clone(),
+                revision: active.clone(),
+                model: pipeline.embedder.client.model().to_string(),
+                dimensions: pipeline.embedder.dimensions,
+            })
+        } else {
+            None
+        };
+        Ok(Some(crate::ingest::Fanout { revisions, fill }))
+    }
+
     /// These settings aimed at `revision`: its identity, and its model and `dimensions`
     /// request parameter where the registry records them (a revision 1 adopted without a
     /// model embeds with these settings' model).

@@ -362,11 +362,22 @@ impl<'a> Batcher<'a> {
             t.summary.not_attempted += (chunks.len() + invalid.len()) as u64;
             return Ok(());
         }
-        let records = WindowRecords { chunks, invalid, repeated };
+        let mut records = WindowRecords { chunks, invalid, repeated };
         let store = self.pipeline.store.clone();
         let (run_id, lease) = (self.run_id, self.pipeline.options.lease);
+        let (copy_of, tally, alone) = (self.pipeline.options.copy_of.clone(), self.tally.clone(), self.alone);
         // The records travel with the statement and come back with its answer.
         let claim = tokio::spawn(async move {
+            if let Some(copy) = &copy_of
+                && let Err(e) = super::fanout::keep_what_is_held(&store, copy, &mut records, &tally).await
+            {
+                return (records, Err(e));
+            }
+            // Nothing of the window is left to claim: no statement (and nothing learnt about
+            // other runs).
+            if records.chunks.is_empty() && records.invalid.is_empty() {
+                return (records, Ok(Some((Vec::new(), !alone))));
+            }
             let keys = records.keys();
             let claim = || async {
                 with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await.map(Some)

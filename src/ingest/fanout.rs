@@ -8,6 +8,7 @@
 //! ordinary one: its own positions, fences, DLQ rows and summary.
 
 use super::*;
+use crate::model::content_hash;
 use crate::store::revision::Revision;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -34,6 +35,110 @@ pub struct TextHashFill {
     pub model: String,
     /// Its vectors' dimension.
     pub dimensions: usize,
+}
+
+/// The revision a backfill copies (the active one): a backfill is not a statement of what
+/// the source holds now, like a corpus run, but a copy of what the live revision holds, made
+/// with another model. So each of its lines is written into the shadow only where this
+/// revision's manifest holds the very same text for the chunk, and at that record's position:
+/// a corpus older than the live writes can neither bring back text they changed or deleted,
+/// nor outrank a live write still in flight (which is newer than the record it replaces, and
+/// reaches every revision).
+#[derive(Debug, Clone)]
+pub struct CopyOf {
+    /// The identity of the revision copied (its manifest rows' `target_table`).
+    pub identity: String,
+    /// The model its content hashes were made with (to compare rows written before text
+    /// hashes existed).
+    pub model: String,
+    /// Its vectors' dimension (idem).
+    pub dimensions: usize,
+}
+
+impl CopyOf {
+    /// Whether `held` is a record of `text` in the copied revision: by its text hash, or for
+    /// a row from before text hashes by its content hash (`content_hash` when given, else
+    /// computed from the text with the copied revision's model).
+    fn holds(
+        &self,
+        held: &crate::store::revision::HeldRecord,
+        text: &[u8],
+        content: impl FnOnce() -> String,
+    ) -> bool {
+        match &held.text_hash {
+            Some(h) => h.as_slice() == text,
+            None => held.content_hash == content(),
+        }
+    }
+}
+
+/// Keeps, of a backfill window's `records`, those the revision `copy` holds with the same
+/// text, each at the position of that revision's record, and counts the others in the run's
+/// `differs_from_active` (one statement a window).
+pub(super) async fn keep_what_is_held(
+    store: &Store,
+    copy: &CopyOf,
+    records: &mut batcher::WindowRecords,
+    tally: &Mutex<Tally>,
+) -> Result<(), StoreError> {
+    let keys: Vec<(&str, i32)> = records
+        .chunks
+        .iter()
+        .map(|c| (c.chunk.doc_id.as_str(), c.chunk.chunk_index))
+        .chain(records.invalid.iter().map(|p| (p.doc_id.as_str(), p.chunk_index)))
+        .collect();
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let held =
+        with_db_retry(|| crate::store::revision::held_records(store.pool(), &copy.identity, &keys)).await?;
+    drop(keys);
+    let (chunk_held, invalid_held) = held.split_at(records.chunks.len());
+    let mut left_out: Vec<String> = Vec::new();
+    let mut count = 0u64;
+    let mut note = |doc_id: &str, chunk_index: i32| {
+        count += 1;
+        if left_out.len() < MAX_UNFINISHED_EXAMPLES {
+            left_out.push(format!("{doc_id}#{chunk_index}"));
+        }
+    };
+    let mut held = chunk_held.iter();
+    records.chunks.retain_mut(|c| {
+        let text = crate::model::TextHash::of(&c.chunk.text);
+        match held.next().and_then(Option::as_ref) {
+            Some(h)
+                if copy.holds(h, text.as_bytes(), || {
+                    content_hash(&copy.model, copy.dimensions, &c.chunk.text)
+                }) =>
+            {
+                c.seq = h.source_seq;
+                true
+            }
+            _ => {
+                note(&c.chunk.doc_id, c.chunk.chunk_index);
+                false
+            }
+        }
+    });
+    let mut held = invalid_held.iter();
+    records.invalid.retain_mut(|p| match held.next().and_then(Option::as_ref) {
+        Some(h) if copy.holds(h, p.text_hash.as_bytes(), || p.content_hash.clone()) => {
+            p.source_seq = h.source_seq;
+            true
+        }
+        _ => {
+            note(&p.doc_id, p.chunk_index);
+            false
+        }
+    });
+    if count > 0 {
+        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "differs_from_active").increment(count);
+        let mut t = tally.lock().unwrap_or_else(PoisonError::into_inner);
+        t.summary.differs_from_active += count;
+        let room = MAX_UNFINISHED_EXAMPLES.saturating_sub(t.summary.differs_examples.len());
+        t.summary.differs_examples.extend(left_out.into_iter().take(room));
+    }
+    Ok(())
 }
 
 /// How one revision's part of a [`Fanout`] run ended.

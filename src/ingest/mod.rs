@@ -79,7 +79,7 @@ use batcher::*;
 pub use batcher::{BAD_LINES_LOG_EVERY, LOGGED_BAD_LINES};
 use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
-pub use fanout::{Fanout, RevisionRun, TextHashFill, record_text_hashes};
+pub use fanout::{CopyOf, Fanout, RevisionRun, TextHashFill, record_text_hashes};
 use feed::*;
 use lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
 use reader::{LineReader, RawMetadata, Record, parse_line};
@@ -138,6 +138,11 @@ pub struct IngestOptions {
     /// What the run deletes once it has written its input (`--cleanup`, see [`cleanup`]), and
     /// the guards of a full cleanup.
     pub cleanup: CleanupOptions,
+    /// Set for a backfill (`revision backfill`): the revision whose records the run copies.
+    /// A line is written only where that revision holds the very same text, and at that
+    /// record's position, so an older corpus never brings back text the live writes changed
+    /// or deleted, and never outranks a live write still in flight ([`CopyOf`]).
+    pub copy_of: Option<Arc<CopyOf>>,
 }
 
 impl Default for IngestOptions {
@@ -161,6 +166,7 @@ impl Default for IngestOptions {
             lease: Duration::from_secs(120),
             on_newer_parked: OnNewerParked::Withdraw,
             cleanup: CleanupOptions::default(),
+            copy_of: None,
         }
     }
 }
@@ -224,8 +230,8 @@ pub struct RejectedLine {
 }
 
 /// What a run did. Every record read is accounted for exactly once in `stored`, `unchanged`,
-/// `already_parked`, `parked`, `superseded`, `rejected_lines`, `not_attempted` or
-/// `leased_elsewhere`.
+/// `already_parked`, `parked`, `superseded`, `rejected_lines`, `not_attempted`,
+/// `leased_elsewhere` or `differs_from_active`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct IngestSummary {
     /// Lines read from the input ([`Pipeline::run`], blank and rejected ones included), or
@@ -287,6 +293,12 @@ pub struct IngestSummary {
     /// Left to another run that holds the chunk's lease (a concurrent ingest of the same
     /// content): that run stores or parks it; if it dies first, a rerun finishes it.
     pub leased_elsewhere: u64,
+    /// A backfill's lines left out because the revision it copies holds other text for
+    /// their chunk, or no row at all (changed or deleted since the corpus was written): the
+    /// live writes bring the current text to the shadow, or its coverage shows it missing.
+    pub differs_from_active: u64,
+    /// The first [`MAX_UNFINISHED_EXAMPLES`] chunks counted in `differs_from_active`.
+    pub differs_examples: Vec<String>,
     /// The first [`MAX_UNFINISHED_EXAMPLES`] chunks (`doc_id#chunk_index`) counted in
     /// `not_attempted` or `leased_elsewhere`, so the report can say which ones a rerun must
     /// finish (they have no manifest row, nothing else will find them).
@@ -709,7 +721,8 @@ fn settle_accounts(s: &mut IngestSummary, run: &RunState) {
         + s.parked_total()
         + s.superseded
         + s.not_attempted
-        + s.leased_elsewhere;
+        + s.leased_elsewhere
+        + s.differs_from_active;
     if accounted < s.records {
         if !run.halt.is_cancelled() {
             tracing::error!(records = s.records, accounted, "records unaccounted for in a finished run");

@@ -472,6 +472,12 @@ pub struct Activation {
     pub previous: i32,
     /// The coverage the switch was made on.
     pub coverage: Coverage,
+    /// How long the coverage check took (inside the switch's transaction, before the view
+    /// changes: queries of the name do not wait for it).
+    pub coverage_check_ms: u64,
+    /// How long the switch itself held queries of the name: from the view's replace to the
+    /// commit, in microseconds.
+    pub switch_us: u64,
 }
 
 /// Switches the query name of `target` to `revision` (`None`: the `previous` one, a
@@ -526,7 +532,9 @@ pub async fn activate(
         "retired" => return Err(refuse("its relation was dropped; make a new revision")),
         _ => {}
     }
+    let checking = std::time::Instant::now();
     let coverage = coverage(&mut tx, &active, &wanted).await?;
+    let coverage_check_ms = u64::try_from(checking.elapsed().as_millis()).unwrap_or(u64::MAX);
     if coverage.uncovered() > allow_missing {
         return Err(RevisionError::NotCovered {
             target: name,
@@ -544,6 +552,9 @@ pub async fn activate(
         "UPDATE embed_dlq_revision SET state = 'active', activated_at = now() WHERE target = $1 AND revision = $2"
             .into(),
     ];
+    // From the view's replace (it waits for the queries reading the name and holds new ones)
+    // to the commit: the only moment a query of the name waits.
+    let switching = std::time::Instant::now();
     for (n, sql) in statements.into_iter().enumerate() {
         let q = sqlx::query(AssertSqlSafe(sql));
         let q = if n == 0 { q } else { q.bind(&name) };
@@ -551,7 +562,15 @@ pub async fn activate(
         q.execute(&mut *tx).await.map_err(StoreError::from)?;
     }
     tx.commit().await.map_err(StoreError::from)?;
-    Ok(Activation { target: name, active: wanted.revision, previous: active.revision, coverage })
+    let switch_us = u64::try_from(switching.elapsed().as_micros()).unwrap_or(u64::MAX);
+    Ok(Activation {
+        target: name,
+        active: wanted.revision,
+        previous: active.revision,
+        coverage,
+        coverage_check_ms,
+        switch_us,
+    })
 }
 
 /// Records the text hash of chunks of `revision` whose manifest rows predate text hashes
@@ -582,6 +601,48 @@ pub async fn fill_text_hashes(
     .execute(pool)
     .await?;
     Ok(done.rows_affected())
+}
+
+/// What one revision's manifest holds for a key a backfill reads: the record a copy of it
+/// must match (its text) and take on (its position).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldRecord {
+    /// The hash of the text alone; `None` for a row written before text hashes existed.
+    pub text_hash: Option<Vec<u8>>,
+    /// The content hash (its model, dimension and text).
+    pub content_hash: String,
+    /// The record's position.
+    pub source_seq: i64,
+}
+
+/// The manifest rows of the identity `identity` for `keys` (doc_id, chunk_index), in one
+/// statement by the primary key: the answer's `n`th entry is the `n`th key's row, `None` where
+/// it has none.
+pub async fn held_records(
+    pool: &PgPool,
+    identity: &str,
+    keys: &[(&str, i32)],
+) -> Result<Vec<Option<HeldRecord>>, StoreError> {
+    let docs: Vec<&str> = keys.iter().map(|k| k.0).collect();
+    let idxs: Vec<i32> = keys.iter().map(|k| k.1).collect();
+    let rows: Vec<(i64, Option<Vec<u8>>, String, i64)> = sqlx::query_as(
+        "SELECT k.n, m.text_hash, m.content_hash, m.source_seq
+           FROM UNNEST($2::text[], $3::int[]) WITH ORDINALITY AS k(doc_id, chunk_index, n)
+           JOIN ingest_manifest m
+             ON m.target_table = $1 AND m.doc_id = k.doc_id AND m.chunk_index = k.chunk_index",
+    )
+    .bind(identity)
+    .bind(&docs)
+    .bind(&idxs)
+    .fetch_all(pool)
+    .await?;
+    let mut held = vec![None; keys.len()];
+    for (n, text_hash, content_hash, source_seq) in rows {
+        if let Some(slot) = usize::try_from(n - 1).ok().and_then(|i| held.get_mut(i)) {
+            *slot = Some(HeldRecord { text_hash, content_hash, source_seq });
+        }
+    }
+    Ok(held)
 }
 
 /// Whether `revision` holds chunks written before text hashes existed (one probe: the first

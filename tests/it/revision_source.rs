@@ -450,3 +450,101 @@ async fn a_switch_under_live_writes_pauses_intake_and_goes_through() {
     }
 }
 }
+
+/// `ingest --from-stream` of `stream` until it is drained, as consumer `consumer`.
+async fn drain_stream(
+    db: &TestDb,
+    mock: &embed_dlq::testkit::mock_provider::MockProvider,
+    stream: &str,
+    consumer: &str,
+) {
+    let out = binary()
+        .arg("ingest")
+        .args(["--from-stream", stream, "--group", "it-ingest", "--consumer", consumer])
+        .args(["--source-min-idle-ms", "1000", "--idle-exit-ms", "1500", "--json", "--no-progress"])
+        .args(["--database-url", &db.url, "--redis-url", &redis_url()])
+        .args([
+            "--base-url",
+            &mock.base_url(),
+            "--model",
+            "mock",
+            "--retry-base-ms",
+            "5",
+            "--retry-cap-ms",
+            "50",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(pending(stream, "it-ingest").await, 0, "every entry acknowledged");
+}
+
+/// A backfill copies what the active revision holds, never what an older dump of the source
+/// says. The dump here was written before live writes changed a/0..9, deleted a/29 and
+/// published a/12 at v3 (an entry read only after the backfill ran). Before, a backfill was a
+/// corpus run of every revision, and a corpus run's positions are later than every live write
+/// before it: the backfill put v1 back into the live search for a/0..9, brought a/29 back in
+/// both revisions, and a/12's v3 entry lost to the dump in both, so the newest text was lost
+/// with every revision agreeing (coverage said "covered"). Now the backfill writes the shadow
+/// alone, each line only where the active revision holds that very text, at the active
+/// record's own position, and reports the lines it left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_from_an_older_dump_never_puts_its_text_back() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    first_corpus(&db, &mock).await;
+    let dump: String = (0..30).map(|i| line("a", i, &text("a", i, "v1"))).collect();
+    let dir =
+        std::env::temp_dir().join(format!("embed-dlq-dump-{}-{}", std::process::id(), rand::random::<u64>()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dump.jsonl");
+    std::fs::write(&path, dump).unwrap();
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let stream = fresh_stream();
+    let (entries, changed) = changes();
+    publish(&stream, &entries).await;
+    drain_stream(&db, &mock, &stream, "c1").await;
+    // Read only after the backfill: its position (its id's time) is older than the backfill's.
+    publish(&stream, &[chunk_entry("a", 12, &text("a", 12, "v3"))]).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let out = binary()
+        .args(["revision", "backfill", path.to_str().unwrap(), "--json", "--no-progress"])
+        .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let per_revision: Vec<(i64, i64, i64)> = summary["revisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let s = &r["summary"];
+            (
+                r["revision"].as_i64().unwrap(),
+                s["stored"].as_i64().unwrap(),
+                s["differs_from_active"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    // The shadow alone: a/10..28 but a/24 (poison, parked as in revision 1) stored; a/0..9
+    // (other text in revision 1) and a/29 (gone from it) left out and reported.
+    assert_eq!(per_revision, vec![(2, 18, 11)], "{summary}");
+
+    drain_stream(&db, &mock, &stream, "c2").await;
+    let mut expected: Texts = (0..29).map(|i| (("a".to_string(), i), text("a", i, "v1"))).collect();
+    expected.extend(changed);
+    expected.insert(("a".to_string(), 12), text("a", 12, "v3"));
+    holds(&db, "doc_embeddings__r1", "mock", 768, &expected).await;
+    holds(&db, "doc_embeddings__r2", "mock-next", 256, &expected).await;
+    let out = binary()
+        .args(["revision", "activate", "--revision", "2", "--database-url", &db.url])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
