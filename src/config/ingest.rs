@@ -190,14 +190,22 @@ impl IngestSettings {
     }
 
     /// These settings aimed at `revision`: its identity, and its model and `dimensions`
-    /// request parameter where the registry records them (a revision 1 adopted without a
-    /// model embeds with these settings' model).
+    /// request parameter where the registry records them. A revision 1 is a table the tool
+    /// adopted, made by ingests with their own settings: without a recorded model it embeds
+    /// with these settings' model, and without a recorded parameter it sends these settings'
+    /// (`revision create --active-model` records the model alone; sending none would make the
+    /// provider answer its native size, which the table refuses). A revision made by
+    /// `revision create` sends exactly what it records.
     pub fn for_revision(&self, revision: &crate::store::revision::Revision) -> IngestSettings {
         let mut settings = self.clone();
         settings.table = revision.identity.clone();
         if let Some(model) = &revision.model {
             settings.client.model = model.clone();
-            settings.client.request_dimensions = revision.request_dimensions.map(|d| d as usize);
+            let recorded = revision.request_dimensions.map(|d| d as usize);
+            settings.client.request_dimensions = match (revision.revision, recorded) {
+                (1, None) => self.client.request_dimensions,
+                _ => recorded,
+            };
         }
         settings
     }

@@ -873,3 +873,76 @@ async fn a_quoted_target_in_its_own_schema_moves_like_the_default_one() {
     // The default table was never touched.
     assert_eq!(db.count("SELECT count(*) FROM pg_class WHERE relname LIKE 'doc_embeddings__r%'").await, 0);
 }
+
+/// A table embedded with a `dimensions` request parameter keeps it once adopted with a
+/// recorded model: `revision create --active-model M` records revision 1's model but not the
+/// parameter its writers send, and every writer of revision 1 then sent none, so the provider
+/// answered its native size (the mock 768, against a 256-dimension table) and every ingest of
+/// the active revision stopped on `dimension_mismatch` (found by the migration bench: serve's
+/// source failed and restarted in a loop). Revision 1's writers now send their own configured
+/// parameter unless the registry records one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_table_keeps_its_dimensions_request_parameter() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-reqdims-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |args: Vec<String>| {
+        let mut c = binary();
+        c.args(["--database-url", &db.url]).args(args);
+        async move {
+            let out = c.output().await.unwrap();
+            assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        }
+    };
+    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let text = |i: i32, v: &str| format!("small chunk {i} {v}");
+    let write = |v: &str| {
+        let path = dir.join(format!("{v}.jsonl"));
+        std::fs::write(&path, (0..20).map(|i| line("s", i, &text(i, v))).collect::<String>()).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let ingest = |path: String| {
+        s(&[
+            "ingest",
+            &path,
+            "--table",
+            "small",
+            "--model",
+            "mock",
+            "--request-dimensions",
+            "256",
+            "--no-progress",
+        ])
+    };
+    let provider = ["--base-url", &mock.base_url()];
+    run(s(&["migrate", "--table", "small", "--dimensions", "256"])).await;
+    run([ingest(write("v1")), s(&provider)].concat()).await;
+    run(s(&[
+        "revision",
+        "create",
+        "--target",
+        "small",
+        "--active-model",
+        "mock",
+        "--model",
+        "mock-next",
+        "--dimensions",
+        "384",
+        "--request-dimensions",
+        "384",
+    ]))
+    .await;
+    run([ingest(write("v2")), s(&provider)].concat()).await;
+    let (r1, r2) = (hashes(&db, "small__r1").await, hashes(&db, "small__r2").await);
+    for i in 0..20 {
+        let key = ("s".to_string(), i);
+        assert_eq!(r1.get(&key), Some(&content_hash("mock", 256, &text(i, "v2"))), "revision 1 s#{i}");
+        assert_eq!(r2.get(&key), Some(&content_hash("mock-next", 384, &text(i, "v2"))), "revision 2 s#{i}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
