@@ -140,7 +140,12 @@ struct ProbeLog {
     bad: Vec<String>,
     latencies_ms: Vec<f64>,
     dims_seen: Vec<i32>,
+    /// The slowest answer: its latency and the phase it was sent in.
+    slowest: (f64, &'static str),
 }
+
+/// What the run is doing, for the probe's slowest answer.
+type Phase = Arc<Mutex<&'static str>>;
 
 /// Queries the name `docs` every 100 ms until `stop`: `expected` is the dimension the answer
 /// must have (0: either, a switch is under way).
@@ -148,6 +153,7 @@ fn start_probe(
     pool: sqlx::PgPool,
     chunks: usize,
     expected: Arc<AtomicI32>,
+    phase: Phase,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<ProbeLog> {
     tokio::spawn(async move {
@@ -165,13 +171,18 @@ fn start_probe(
             let docs: Vec<&str> = keys.iter().map(|k| k.0.as_str()).collect();
             let idxs: Vec<i32> = keys.iter().map(|k| k.1).collect();
             let want = expected.load(Ordering::SeqCst);
+            let sent_in = *phase.lock().unwrap();
             let sent = Instant::now();
             let answer = sqlx::query_as::<_, (i64, Option<i32>, Option<i32>)>(sql)
                 .bind(&docs)
                 .bind(&idxs)
                 .fetch_one(&pool)
                 .await;
-            log.latencies_ms.push(sent.elapsed().as_secs_f64() * 1000.0);
+            let ms = sent.elapsed().as_secs_f64() * 1000.0;
+            log.latencies_ms.push(ms);
+            if ms > log.slowest.0 {
+                log.slowest = (ms, sent_in);
+            }
             log.answers += 1;
             match answer {
                 Ok((n, lo, hi)) => {
@@ -441,7 +452,9 @@ async fn run() {
     let stop = CancellationToken::new();
     let expected = Arc::new(AtomicI32::new(DIMS_A));
     let probe_pool = embed_dlq::store::connect(&db.url, 2).await.unwrap();
-    let probe = start_probe(probe_pool, chunks, expected.clone(), stop.clone());
+    let phase: Phase = Arc::new(Mutex::new("live writes, revision 1 alone"));
+    let set_phase = |p: &'static str| *phase.lock().unwrap() = p;
+    let probe = start_probe(probe_pool, chunks, expected.clone(), phase.clone(), stop.clone());
     let changes = Arc::new(Mutex::new(Changes::new()));
     let publishing = CancellationToken::new();
     let published_from = Instant::now();
@@ -457,6 +470,7 @@ async fn run() {
 
     // 3. The first revision of the table, made with serve stopped.
     let pid_of = |c: &Child| nix_pid(c.id().unwrap());
+    set_phase("serve stopped, revision create");
     signal(pid_of(&serving), "TERM");
     serving.wait().await.unwrap();
     let started = Instant::now();
@@ -493,6 +507,7 @@ async fn run() {
     };
 
     // 4. The dump and the backfill, with SIGKILLs of it and of serve.
+    set_phase("the dump and the backfill");
     let dump = dir.join("dump.jsonl");
     let snapshot = changes.lock().unwrap().clone();
     let dump_lines = write_dump(&dump, chunks, &snapshot);
@@ -587,7 +602,9 @@ async fn run() {
         ("rollback", &["--previous"][..], DIMS_A),
         ("activate again", &["--revision", "2"][..], DIMS_B),
     ] {
+        set_phase("between switches");
         tokio::time::sleep(Duration::from_secs(3)).await;
+        set_phase(what);
         expected.store(0, Ordering::SeqCst);
         let started = Instant::now();
         let out = cli(&[
@@ -608,6 +625,7 @@ async fn run() {
         );
         switches.push((what, wall, a));
     }
+    set_phase("draining");
     tokio::time::sleep(Duration::from_secs(3)).await;
     publishing.cancel();
     let published = publisher.await.unwrap();
@@ -693,6 +711,7 @@ async fn run() {
         pct(0.99),
         lat.last().copied().unwrap_or(f64::NAN)
     );
+    println!("| the slowest probe answer | {:.1} ms, sent during: {} |", probe.slowest.0, probe.slowest.1);
     println!("| dimensions the probe saw, in order | {:?} |", probe.dims_seen);
     println!("| keys wrong at the end: revision 1, revision 2 | {wrong_a} {ex_a:?}, {wrong_b} {ex_b:?} |");
     if !probe.bad.is_empty() {
