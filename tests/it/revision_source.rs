@@ -106,26 +106,7 @@ async fn ingest_from_a_stream_writes_every_live_revision_each_with_its_model() {
     let stream = fresh_stream();
     let (entries, expected) = changes();
     publish(&stream, &entries).await;
-    let out = binary()
-        .arg("ingest")
-        .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "c1"])
-        .args(["--source-min-idle-ms", "1000", "--idle-exit-ms", "1500", "--json", "--no-progress"])
-        .args(["--database-url", &db.url, "--redis-url", &redis_url()])
-        .args([
-            "--base-url",
-            &mock.base_url(),
-            "--model",
-            "mock",
-            "--retry-base-ms",
-            "5",
-            "--retry-cap-ms",
-            "50",
-        ])
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let out = drain_stream(&db, &mock, &stream, "c1").await;
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let per_revision: Vec<(i64, i64)> = summary["revisions"]
         .as_array()
@@ -451,13 +432,14 @@ async fn a_switch_under_live_writes_pauses_intake_and_goes_through() {
 }
 }
 
-/// `ingest --from-stream` of `stream` until it is drained, as consumer `consumer`.
+/// `ingest --from-stream` of `stream` until it is drained, as consumer `consumer`: exit 0
+/// and nothing left pending; its output (`--json`).
 async fn drain_stream(
     db: &TestDb,
     mock: &embed_dlq::testkit::mock_provider::MockProvider,
     stream: &str,
     consumer: &str,
-) {
+) -> std::process::Output {
     let out = binary()
         .arg("ingest")
         .args(["--from-stream", stream, "--group", "it-ingest", "--consumer", consumer])
@@ -478,6 +460,7 @@ async fn drain_stream(
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(pending(stream, "it-ingest").await, 0, "every entry acknowledged");
+    out
 }
 
 /// A backfill copies what the active revision holds, never what an older dump of the source
