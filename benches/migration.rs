@@ -574,8 +574,8 @@ async fn run() {
         }
         let out = child.wait_with_output().await.unwrap();
         backfill_secs += started.elapsed().as_secs_f64();
-        // Exit 7: a chunk was leased to another writer (the live source embedding the same
-        // text) and may not be finished if it dies: rerun, as the summary says.
+        // Exit 7 (chunks left to a concurrent run): a backfill takes no leases, so it must
+        // not happen; counted in the runs if it does.
         if out.status.code() == Some(7) {
             println!("backfill run {runs}: exit 7 (left to a concurrent writer), rerun");
             continue;

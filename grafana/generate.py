@@ -166,6 +166,9 @@ stage("Revisions", [
      "targets": [(f"max by (target, revision) (embed_dlq_revision_chunks{{{SEL}}})", "chunks {{target}} r{{revision}}"),
                  (f"max by (target, revision) (embed_dlq_revision_dlq_rows{{{SEL}}})", "DLQ {{target}} r{{revision}}"),
                  (f"max by (target, revision) (embed_dlq_revision_active{{{SEL}}})", "active {{target}} r{{revision}}")]},
+    {"title": "Spend and writes by revision", "description": "Per revision number (summed over targets): provider tokens sent (stored and wasted) and vectors stored, by ingest, backfill and replay: what a shadow revision and its backfill cost beside the active one, and how fast the backfill goes.",
+     "targets": [(f"sum by (revision) (rate(embed_dlq_tokens_total{{{SEL}}}[{RATE}]))", "tokens r{{revision}}"),
+                 (f"sum by (revision) (rate(embed_dlq_chunks_stored_total{{{SEL}}}[{RATE}]))", "stored r{{revision}}")]},
     {"title": "Revisions let go by a stream source", "description": "Times a stream source went on without a revision other than the active one for the rest of a segment, that revision's run having stopped (its provider refused its model, its writes failed): the revision misses what the source wrote meanwhile; its coverage (embed-dlq revision list) shows it, and a backfill writes it (docs/revisions.md).",
      "targets": [(f"sum(increase(embed_dlq_source_revision_dropped_total{{{SEL}}}[{RATE}]))", "let go")]},
 ])

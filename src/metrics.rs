@@ -97,6 +97,10 @@ pub fn install(addr: SocketAddr) -> Result<(), MetricsError> {
     Ok(())
 }
 
+/// How the reference describes the `revision` label of the counters that carry it.
+pub(crate) const REVISION_LABEL: &str =
+    "`revision` = the number of the target's revision written (1 for a table without revisions)";
+
 /// Labels of the gauges that get theirs when sampled, not from [`initialise`] (for the
 /// generated reference, `docs/reference/metrics.md`).
 pub(crate) const SAMPLED_LABELS: &[(&str, &str)] = &[
@@ -122,17 +126,18 @@ const REVISION_LABELS: &str = "`target` = each target with revisions (canonical 
 /// `rate()` and `increase()` see the first event, dashboards have no gaps, and an alert on
 /// a counter does not depend on its first increment.
 pub(crate) fn initialise() {
-    for c in [CHUNKS_STORED, LINES_REJECTED, BREAKER_OPENED, RELAY_PUBLISHED, RELAY_DUPLICATES] {
+    counter!(CHUNKS_STORED, "revision" => "1").increment(0);
+    for c in [LINES_REJECTED, BREAKER_OPENED, RELAY_PUBLISHED, RELAY_DUPLICATES] {
         counter!(c).increment(0);
     }
     for c in [LIMITER_DELAYED, LIMITER_HEADER_PAUSES] {
         counter!(c).increment(0);
     }
     for reason in ["unchanged", "already_parked", "leased_elsewhere", "differs_from_active"] {
-        counter!(CHUNKS_SKIPPED, "reason" => reason).increment(0);
+        counter!(CHUNKS_SKIPPED, "reason" => reason, "revision" => "1").increment(0);
     }
     for class in ErrorClass::ALL {
-        counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(0);
+        counter!(CHUNKS_PARKED, "error_class" => class.as_str(), "revision" => "1").increment(0);
     }
     for by in ["input", "cleanup"] {
         counter!(CHUNKS_DELETED, "by" => by).increment(0);
@@ -141,7 +146,7 @@ pub(crate) fn initialise() {
         counter!(RETRIES, "reason" => reason.as_str()).increment(0);
     }
     for outcome in ["ok", "retry", "reject", "systemic"] {
-        counter!(PROVIDER_REQUESTS, "outcome" => outcome).increment(0);
+        counter!(PROVIDER_REQUESTS, "outcome" => outcome, "revision" => "1").increment(0);
     }
     for outcome in ["replayed", "reparked", "exhausted", "skipped"] {
         counter!(REPLAY_OUTCOMES, "outcome" => outcome).increment(0);
@@ -151,7 +156,7 @@ pub(crate) fn initialise() {
         counter!(c).increment(0);
     }
     for outcome in ["stored", "wasted"] {
-        counter!(TOKENS, "outcome" => outcome).increment(0);
+        counter!(TOKENS, "outcome" => outcome, "revision" => "1").increment(0);
     }
     // Registered, never recorded: the exporter serves their (empty) buckets.
     let _ = metrics::histogram!(PROVIDER_DURATION);
@@ -274,25 +279,47 @@ pub(crate) fn describe() {
     );
 }
 
-/// Counts provider tokens: those that produced a usable vector and those sent for nothing.
-pub(crate) fn tokens(stored: u64, wasted: u64) {
-    if stored > 0 {
-        counter!(TOKENS, "outcome" => "stored").increment(stored);
-    }
-    if wasted > 0 {
-        counter!(TOKENS, "outcome" => "wasted").increment(wasted);
+/// The `revision` label's value: the number of the revision of a target written (a table
+/// without revisions is its revision 1, as it becomes when adopted), so that a backfill's
+/// calls, tokens and outcomes read apart from the active revision's.
+fn revision_label(revision: i32) -> metrics::SharedString {
+    match revision {
+        1 => metrics::SharedString::const_str("1"),
+        n => n.to_string().into(),
     }
 }
 
-/// Counts one provider request.
-pub(crate) fn provider_request(outcome: &'static str, seconds: f64) {
-    counter!(PROVIDER_REQUESTS, "outcome" => outcome).increment(1);
+/// Counts provider tokens spent for `revision`: those that produced a usable vector and
+/// those sent for nothing.
+pub(crate) fn tokens(revision: i32, stored: u64, wasted: u64) {
+    if stored > 0 {
+        counter!(TOKENS, "outcome" => "stored", "revision" => revision_label(revision)).increment(stored);
+    }
+    if wasted > 0 {
+        counter!(TOKENS, "outcome" => "wasted", "revision" => revision_label(revision)).increment(wasted);
+    }
+}
+
+/// Counts one provider request made for `revision`.
+pub(crate) fn provider_request(revision: i32, outcome: &'static str, seconds: f64) {
+    counter!(PROVIDER_REQUESTS, "outcome" => outcome, "revision" => revision_label(revision)).increment(1);
     metrics::histogram!(PROVIDER_DURATION).record(seconds);
 }
 
-/// Counts parks by class.
-pub(crate) fn parked(class: ErrorClass, n: u64) {
-    counter!(CHUNKS_PARKED, "error_class" => class.as_str()).increment(n);
+/// Counts parks of `revision`'s chunks by class.
+pub(crate) fn parked(revision: i32, class: ErrorClass, n: u64) {
+    counter!(CHUNKS_PARKED, "error_class" => class.as_str(), "revision" => revision_label(revision))
+        .increment(n);
+}
+
+/// Counts `revision`'s chunks whose vector was stored.
+pub(crate) fn stored(revision: i32, n: u64) {
+    counter!(CHUNKS_STORED, "revision" => revision_label(revision)).increment(n);
+}
+
+/// Counts `revision`'s chunks skipped for `reason`.
+pub(crate) fn skipped(revision: i32, reason: &'static str, n: u64) {
+    counter!(CHUNKS_SKIPPED, "reason" => reason, "revision" => revision_label(revision)).increment(n);
 }
 
 #[cfg(test)]

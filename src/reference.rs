@@ -195,7 +195,10 @@ pub fn metrics() -> String {
             None => s
                 .labels
                 .iter()
-                .map(|(k, v)| format!("`{k}` = {}", v.join(", ")))
+                .map(|(k, v)| match k.as_str() {
+                    "revision" => crate::metrics::REVISION_LABEL.to_string(),
+                    _ => format!("`{k}` = {}", v.join(", ")),
+                })
                 .collect::<Vec<_>>()
                 .join("; "),
         };

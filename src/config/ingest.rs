@@ -112,6 +112,7 @@ impl IngestSettings {
             // Replay waits out an outage; an ingest's workers apply `options.on_outage`.
             on_outage: crate::embed::gate::OnOutage::Wait,
             isolation: Default::default(),
+            revision: store.target().revision,
         };
         Ok(crate::ingest::Pipeline { store, embedder, options: self.options.clone() })
     }

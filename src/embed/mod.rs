@@ -145,6 +145,9 @@ pub struct Embedder {
     /// Poison rate and memory of proven poison inputs, shared by every worker and replayer
     /// that uses this embedder, so what one learns the others do not pay for again.
     pub isolation: Arc<Isolation>,
+    /// The revision of the target this embedder writes (1 for a table without revisions):
+    /// the `revision` label of its request and token counters.
+    pub revision: i32,
 }
 
 /// The estimated tokens of `text`: [`limit::CHARS_PER_TOKEN`] characters a token, rounded up
@@ -337,16 +340,20 @@ impl Embedder {
             attempt += 1;
             p.stats.provider_calls += 1;
             p.stats.provider_inputs += piece.range.len() as u64;
-            crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
+            crate::metrics::provider_request(
+                self.revision,
+                outcome_label(&result),
+                sent.elapsed().as_secs_f64(),
+            );
             let err = match result {
                 Ok(resp) => {
                     self.gate.record(permit, Health::Responsive);
-                    account_response(&texts[piece.range.clone()], &resp, p.stats);
+                    account_response(self.revision, &texts[piece.range.clone()], &resp, p.stats);
                     self.isolation.settled(piece.range.len());
                     return self.settle_response(resp, &piece.range, attempt, p).await;
                 }
                 Err(err) => {
-                    account_wasted(&texts[piece.range.clone()], p.stats);
+                    account_wasted(self.revision, &texts[piece.range.clone()], p.stats);
                     err
                 }
             };
@@ -601,8 +608,8 @@ impl Embedder {
         stats.provider_calls += 1;
         stats.provider_inputs += 1;
         stats.canary_calls += 1;
-        account_wasted(&[CANARY_TEXT], stats);
-        crate::metrics::provider_request(outcome_label(&result), sent.elapsed().as_secs_f64());
+        account_wasted(self.revision, &[CANARY_TEXT], stats);
+        crate::metrics::provider_request(self.revision, outcome_label(&result), sent.elapsed().as_secs_f64());
         Some(result)
     }
 
@@ -757,7 +764,7 @@ fn split(work: &mut Vec<Piece>, range: &Range<usize>, isolating: bool, counted: 
 /// Accounts the tokens of a request the provider answered: those of the inputs that came
 /// back with a usable vector are `stored`, the rest `wasted`. The estimate is scaled to the
 /// provider's reported usage when that is plausible (see [`plausible_usage`]).
-fn account_response(texts: &[&str], resp: &client::EmbedResponse, stats: &mut BatchStats) {
+fn account_response(revision: i32, texts: &[&str], resp: &client::EmbedResponse, stats: &mut BatchStats) {
     let estimates: Vec<u64> = texts.iter().map(|t| estimate_tokens(t)).collect();
     let estimated: u64 = estimates.iter().sum();
     let bytes: usize = texts.iter().map(|t| t.len()).sum();
@@ -772,16 +779,16 @@ fn account_response(texts: &[&str], resp: &client::EmbedResponse, stats: &mut Ba
     .min(billed);
     stats.tokens_stored += stored;
     stats.tokens_wasted += billed - stored;
-    crate::metrics::tokens(stored, billed - stored);
+    crate::metrics::tokens(revision, stored, billed - stored);
 }
 
 /// Accounts a request that brought no vector back (or a canary, whose vector is thrown
 /// away): all its estimated tokens are wasted. A provider may not bill a rejected request;
 /// the figure is then an upper bound.
-fn account_wasted(texts: &[&str], stats: &mut BatchStats) {
+fn account_wasted(revision: i32, texts: &[&str], stats: &mut BatchStats) {
     let wasted = texts.iter().map(|t| estimate_tokens(t)).sum::<u64>();
     stats.tokens_wasted += wasted;
-    crate::metrics::tokens(0, wasted);
+    crate::metrics::tokens(revision, 0, wasted);
 }
 
 /// The provider's reported usage, when it can be tokens of these inputs: positive, fewer than
@@ -914,16 +921,16 @@ mod tests {
         };
         // 200 tokens estimated; the provider says 300: half of them bought a usable vector.
         let mut stats = BatchStats::default();
-        account_response(&texts, &resp(300), &mut stats);
+        account_response(1, &texts, &resp(300), &mut stats);
         assert_eq!((stats.tokens_stored, stats.tokens_wasted), (150, 150));
         // A count equal to the characters sent (800) is characters: the estimate is used.
         for implausible in [0, 800, 5_000, 10] {
             let mut stats = BatchStats::default();
-            account_response(&texts, &resp(implausible), &mut stats);
+            account_response(1, &texts, &resp(implausible), &mut stats);
             assert_eq!((stats.tokens_stored, stats.tokens_wasted), (100, 100), "{implausible}");
         }
         let mut stats = BatchStats::default();
-        account_wasted(&texts, &mut stats);
+        account_wasted(1, &texts, &mut stats);
         assert_eq!((stats.tokens_stored, stats.tokens_wasted), (0, 200));
     }
 }

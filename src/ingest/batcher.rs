@@ -333,7 +333,16 @@ impl<'a> Batcher<'a> {
         // record's position (`store::position`), whichever window's answer comes first, as
         // the writes of earlier windows already race this one's deletes.
         let read_only = self.alone && !young && !stream;
-        let beside = if read_only { WINDOWS_IN_FLIGHT - 1 } else { 0 };
+        // A backfill takes no leases (`LeaseClaims::Never`), so its claims only read and
+        // confirm positions, each statement locking its own rows in key order: they go out
+        // beside earlier ones too, whoever else is alive (a backfill runs beside `serve`).
+        let copying = self.pipeline.options.copy_of.is_some();
+        let claims = match () {
+            _ if copying => LeaseClaims::Never,
+            _ if young => LeaseClaims::Always,
+            _ => LeaseClaims::WhileShared,
+        };
+        let beside = if read_only || copying { WINDOWS_IN_FLIGHT - 1 } else { 0 };
         while self.pending.len() > beside {
             self.finish_oldest(jobs).await?;
         }
@@ -380,7 +389,7 @@ impl<'a> Batcher<'a> {
             }
             let keys = records.keys();
             let claim = || async {
-                with_db_retry(|| store.claim_window(&keys, run_id, lease, young, stream)).await.map(Some)
+                with_db_retry(|| store.claim_window(&keys, run_id, lease, claims, stream)).await.map(Some)
             };
             let claims = if read_only {
                 with_db_retry(|| store.lookup_window(&keys, run_id))
@@ -429,9 +438,13 @@ impl<'a> Batcher<'a> {
             Ok((records, Ok(None))) => {
                 let store = &self.pipeline.store;
                 let (run_id, lease, stream) = (self.run_id, self.pipeline.options.lease, self.acks.is_some());
+                let leases = match self.pipeline.options.copy_of {
+                    Some(_) => LeaseClaims::Never,
+                    None => LeaseClaims::WhileShared,
+                };
                 let keys = records.keys();
                 let (claims, others) =
-                    with_db_retry(|| store.claim_window(&keys, run_id, lease, false, stream)).await?;
+                    with_db_retry(|| store.claim_window(&keys, run_id, lease, leases, stream)).await?;
                 drop(keys);
                 self.alone = !others;
                 (records, claims)
@@ -581,11 +594,14 @@ impl<'a> Batcher<'a> {
             t.summary.leased_elsewhere += leased_elsewhere;
             t.summary.note_unfinished(left.iter().map(|(d, i)| (d.as_str(), *i)));
         }
-        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "unchanged").increment(unchanged);
-        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "already_parked")
-            .increment(already_parked);
-        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "leased_elsewhere")
-            .increment(leased_elsewhere);
+        let revision = self.pipeline.store.target().revision;
+        for (reason, n) in [
+            ("unchanged", unchanged),
+            ("already_parked", already_parked),
+            ("leased_elsewhere", leased_elsewhere),
+        ] {
+            crate::metrics::skipped(revision, reason, n);
+        }
         (leased, fresh)
     }
 

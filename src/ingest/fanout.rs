@@ -132,7 +132,7 @@ pub(super) async fn keep_what_is_held(
         }
     });
     if count > 0 {
-        metrics::counter!(crate::metrics::CHUNKS_SKIPPED, "reason" => "differs_from_active").increment(count);
+        crate::metrics::skipped(store.target().revision, "differs_from_active", count);
         let mut t = tally.lock().unwrap_or_else(PoisonError::into_inner);
         t.summary.differs_from_active += count;
         let room = MAX_UNFINISHED_EXAMPLES.saturating_sub(t.summary.differs_examples.len());

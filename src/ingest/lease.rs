@@ -15,6 +15,8 @@
 //!   `CLAIM_WINDOW_SQL`). When a
 //!   run starts beside an older one, the older one starts claiming at its next window; what
 //!   it had in flight before then may be embedded twice (a few windows at most).
+//! - A backfill (`revision backfill`) never claims a lease ([`LeaseClaims::Never`]): it must
+//!   finish every chunk it copies even beside `serve`, which writes every revision.
 //! - A lease is live while it has not expired (`[ingest] lease_secs`) and its run still holds
 //!   the run's advisory lock ([`RunLease`]): a run killed with -9 loses its connection, so its
 //!   leases are taken over at once, and a hung one's after `lease_secs`.
@@ -49,6 +51,20 @@ pub(crate) const FINISHED_GRACE: Duration = Duration::from_secs(10);
 /// A run's first windows claim leases whether or not another run is alive yet: runs started
 /// together take their advisory locks a few milliseconds apart.
 pub(crate) const ALWAYS_LEASED_WINDOWS: u64 = 8;
+
+/// When a window's claim takes leases ([`Store::claim_window`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseClaims {
+    /// Only while another run is alive: a run past its first windows.
+    WhileShared,
+    /// Whether or not another run is seen yet: a run's first [`ALWAYS_LEASED_WINDOWS`].
+    Always,
+    /// Never: a backfill, whose copies are fenced by the active revision's positions and
+    /// which must finish every chunk it copies rather than leave one to a live writer
+    /// (`serve` writes every revision beside it; two backfills of one target at once embed
+    /// the chunks they share twice).
+    Never,
+}
 
 /// One key of an intake window, as [`Store::claim_window`] takes it.
 #[derive(Debug, Clone)]
@@ -110,8 +126,9 @@ impl Store {
     /// The manifest lookup of an intake window and the leases of the chunks this run will
     /// embed, in one statement: one claim per key, in the order of `keys`. Keys must be
     /// unique within the window. `lease` is clamped to
-    /// at least a second. Leases are claimed only while another run is alive, or if `always`
-    /// (a run's first windows: two runs started together have not seen each other's lock yet).
+    /// at least a second. Leases are claimed as `claims` says: only while another run is
+    /// alive, also in a run's first windows (two runs started together have not seen each
+    /// other's lock yet), or never (a backfill).
     /// Also returns whether another run is alive: a run alone past its first windows, reading
     /// a corpus, sends [`Store::lookup_window`] instead (alone, the claim would take no lease
     /// and move no manifest row, so the lookup is the whole answer).
@@ -120,7 +137,7 @@ impl Store {
         keys: &[WindowKey<'_>],
         run_id: i64,
         lease: Duration,
-        always: bool,
+        claims: LeaseClaims,
         stream: bool,
     ) -> Result<(Vec<WindowClaim>, bool), StoreError> {
         crate::failpoint::hit!("ingest_claim");
@@ -139,8 +156,9 @@ impl Store {
             .bind(run_id)
             .bind(lease.as_secs_f64().max(1.0))
             .bind(FINISHED_GRACE.as_secs_f64())
-            .bind(always)
+            .bind(claims == LeaseClaims::Always)
             .bind(stream)
+            .bind(claims != LeaseClaims::Never)
             .fetch_all(&self.pool)
             .await?;
         if let Some(r) = rows.first() {
@@ -409,7 +427,7 @@ impl RunLease {
 /// The window's round trip. `$1` table, `$2..$5` keys, hashes and positions, `$6` whether the
 /// key is a chunk to embed, `$7` whether the run met it before, `$8` run id, `$9` lease
 /// seconds, `$10` [`FINISHED_GRACE`] in seconds, `$11` claim even if no other run is alive,
-/// `$12` the run reads a stream source.
+/// `$12` the run reads a stream source, `$13` the run takes leases at all (not a backfill).
 ///
 /// `confirmed`: the keys whose manifest row holds this record's content at an older position
 /// (about to be skipped as unchanged or already parked) get this record's position, locked in
@@ -426,8 +444,8 @@ impl RunLease {
 /// chose that once the manifest held a few thousand rows, at a cost that grows with it).
 /// `wanted`: chunks this run embeds unless the lease is elsewhere (not already finished with
 /// the same content, or repeated in the run). `shared`: another run of this database is
-/// alive (holds its advisory lock), or `$11` (the run is young); a run alone claims nothing
-/// after its first windows, so it writes no lease rows.
+/// alive (holds its advisory lock), or `$11` (the run is young), unless `$13` is false; a run
+/// alone claims nothing after its first windows, so it writes no lease rows.
 /// Otherwise the wanted chunks' leases are inserted in key order (no
 /// deadlock with other claims or with the outcome transactions, which lock in the same
 /// order). A lease is taken over when it is this run's; when it is for different content
@@ -469,7 +487,7 @@ WITH input AS (
 ), others AS MATERIALIZED (
     SELECT EXISTS (SELECT 1 FROM live WHERE run_id <> $8::bigint) AS yes
 ), shared AS MATERIALIZED (
-    SELECT $11::bool OR (SELECT yes FROM others) AS yes
+    SELECT $13::bool AND ($11::bool OR (SELECT yes FROM others)) AS yes
 ), fed AS MATERIALIZED (
     SELECT EXISTS (SELECT 1 FROM ingest_stream_fed WHERE target_table = $1::text) AS yes
 ), racing AS MATERIALIZED (

@@ -81,7 +81,7 @@ use budget::{ByteBudget, Charge};
 pub use cleanup::{CleanupMode, CleanupOptions, CleanupReport};
 pub use fanout::{CopyOf, Fanout, RevisionRun, TextHashFill, record_text_hashes};
 use feed::*;
-use lease::{ALWAYS_LEASED_WINDOWS, WindowClaim, WindowKey};
+use lease::{ALWAYS_LEASED_WINDOWS, LeaseClaims, WindowClaim, WindowKey};
 use reader::{LineReader, RawMetadata, Record, parse_line};
 use worker::*;
 use writer::*;

@@ -158,9 +158,10 @@ impl Writer {
                 reason = %p.reason, attempts = p.attempts, "parked");
         }
         let stored = stored_rows as u64 - counts.superseded;
-        metrics::counter!(crate::metrics::CHUNKS_STORED).increment(stored);
+        let revision = self.store.target().revision;
+        crate::metrics::stored(revision, stored);
         for p in &to_park {
-            crate::metrics::parked(p.class, 1);
+            crate::metrics::parked(revision, p.class, 1);
         }
         s.stored += stored;
         s.superseded += counts.superseded + superseded.len() as u64;

@@ -495,6 +495,7 @@ impl Replayer {
                 None => self.embedder.client.clone(),
             },
             dimensions: target.dimensions,
+            revision: target.revision,
             ..self.embedder.clone()
         }))
     }
@@ -559,6 +560,21 @@ impl Replayer {
         }
     }
 
+    /// Counts the vectors a commit stored, by the revision of each row's target (its table's
+    /// lookup is cached: the commit has just resolved it; a lookup that fails counts them
+    /// under revision 1 rather than not at all).
+    async fn count_stored(&self, replayed: &[Replayed], stored: &[i64]) {
+        let stored: HashSet<i64> = stored.iter().copied().collect();
+        let mut by_table: BTreeMap<&str, u64> = BTreeMap::new();
+        for r in replayed.iter().filter(|r| stored.contains(&r.id)) {
+            *by_table.entry(r.target_table.as_str()).or_default() += 1;
+        }
+        for (table, n) in by_table {
+            let revision = self.store.target_for(table).await.map_or(1, |t| t.revision);
+            crate::metrics::stored(revision, n);
+        }
+    }
+
     /// Commits the batch's results in one transaction (a row that changed meanwhile is
     /// skipped), counts them, and only then acknowledges and deletes the settled entries
     /// (every entry none of whose items is left pending): one `XACK` and `XDEL` per shard (a
@@ -584,6 +600,7 @@ impl Replayer {
         failpoint::hit!("replay_after_commit");
         self.config.settled.add(stored.len() + applied.len(), self.config.outstanding_max);
         record_outcomes(&counts);
+        self.count_stored(&replayed, &stored).await;
         let mut redis = self.redis.clone();
         if ack.is_empty() {
             return Ok(counts);
@@ -858,7 +875,6 @@ fn record_outcomes(counts: &ReplayCounts) {
     ] {
         metrics::counter!(crate::metrics::REPLAY_OUTCOMES, "outcome" => outcome).increment(n);
     }
-    metrics::counter!(crate::metrics::CHUNKS_STORED).increment(counts.replayed);
 }
 
 /// Refreshes this consumer's claim on `ids` (resets their idle time) every third of

@@ -155,6 +155,9 @@ pub(crate) struct TargetTable {
     /// [`revision`], migration 0026). Every statement on vectors names this.
     quoted: String,
     pub dimensions: usize,
+    /// The revision of its target this identity is (1 for a table without revisions): the
+    /// `revision` label of the counters its writes and provider calls feed.
+    pub revision: i32,
     /// The second statement of [`Store::store_batch`] for this table.
     pub(crate) store_sql: String,
     /// The statement of [`Store::store_new`] for this table.
@@ -332,17 +335,17 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
     // A revision's identity or relation stands for the revision, its vectors for its
     // relation (migration 0026); a target's query name for its revision 1 while that lives,
     // else for its active revision; anything else is its own identity and relation.
-    let revision: Option<(String, String)> = sqlx::query_as(
-        "SELECT identity, relation FROM embed_dlq_revision
+    let revision: Option<(String, String, i32)> = sqlx::query_as(
+        "SELECT identity, relation, revision FROM embed_dlq_revision
           WHERE state <> 'retired' AND (identity = $1 OR relation = $1 OR (target = $1 AND state = 'active'))
           ORDER BY identity = $1 DESC, relation = $1 DESC LIMIT 1",
     )
     .bind(&name)
     .fetch_optional(pool)
     .await?;
-    let (name, relation, oid) = match revision {
-        None => (name.clone(), name, oid),
-        Some((identity, relation)) => {
+    let (name, relation, oid, revision) = match revision {
+        None => (name.clone(), name, oid, 1),
+        Some((identity, relation, revision)) => {
             let oid: Option<i64> = sqlx::query_scalar("SELECT to_regclass($1)::oid::bigint")
                 .bind(&relation)
                 .fetch_one(pool)
@@ -350,7 +353,7 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
             let oid = oid.ok_or_else(|| {
                 err(format!("its revision's relation {relation} does not exist (embed_dlq_revision)"))
             })?;
-            (identity, relation, oid)
+            (identity, relation, oid, revision)
         }
     };
     let cols = sqlx::query(
@@ -403,6 +406,7 @@ async fn inspect_target(pool: &PgPool, table: &str, canonical: bool) -> Result<T
         quoted: relation,
         name,
         dimensions: dims.expect("embedding checked"),
+        revision,
     })
 }
 

@@ -28,6 +28,114 @@ const MAX_DIMENSIONS: usize = 16_000;
 /// carry it too).
 const MAX_MODEL_BYTES: usize = 256;
 
+/// The longest one attempt at a lock on the query name (the adoption's rename, the switch's
+/// replace of the view) waits for the queries already reading it: every query of the name
+/// sent meanwhile queues behind the attempt, so a query that runs for minutes would otherwise
+/// hold the name for minutes (a search outage). An attempt that times out gives the name back
+/// at once and the next one follows after a short pause.
+const NAME_LOCK_ATTEMPT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How long a revision command keeps trying for the lock on the query name before it gives up
+/// with the queries holding it named (nothing changed; rerun it once they end).
+const NAME_LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// After this long blocked by autovacuum alone, the attempt waits for its lock as long as it
+/// takes: Postgres cancels an autovacuum that blocks a lock request after `deadlock_timeout`
+/// (1 s by default), the one wait of the name then, where an autovacuum of a large table
+/// left to finish can run for minutes.
+const AUTOVACUUM_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Runs `sql`, a statement in `tx` that takes an ACCESS EXCLUSIVE lock on `relation` (the
+/// query name or the table it names), without ever queueing the name's queries behind a
+/// query that runs long: each attempt waits at most [`NAME_LOCK_ATTEMPT`] (a savepoint takes
+/// a failed one back), for at most [`NAME_LOCK_PATIENCE`] in all, after which the command
+/// fails naming what holds the relation. The transaction's `lock_timeout` is as before after.
+/// Returns when the attempt that took the lock began: queries of the name sent since then
+/// wait for the commit.
+async fn lock_name_with(
+    tx: &mut sqlx::PgConnection,
+    relation: &str,
+    sql: &str,
+) -> Result<std::time::Instant, StoreError> {
+    let started = std::time::Instant::now();
+    let before: String =
+        sqlx::query_scalar("SELECT current_setting('lock_timeout')").fetch_one(&mut *tx).await?;
+    loop {
+        sqlx::query("SAVEPOINT embed_dlq_name_lock").execute(&mut *tx).await?;
+        let blocked_by_autovacuum_alone = started.elapsed() >= AUTOVACUUM_PATIENCE && {
+            let held = holders(&mut *tx, relation).await?;
+            !held.is_empty() && held.iter().all(|h| h.autovacuum)
+        };
+        let attempt = if blocked_by_autovacuum_alone { 0 } else { NAME_LOCK_ATTEMPT.as_millis() as i64 };
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(format!("{attempt}ms"))
+            .execute(&mut *tx)
+            .await?;
+        let attempted = std::time::Instant::now();
+        match sqlx::query(AssertSqlSafe(sql.to_string())).execute(&mut *tx).await {
+            Ok(_) => {
+                sqlx::query("RELEASE SAVEPOINT embed_dlq_name_lock").execute(&mut *tx).await?;
+                sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                    .bind(&before)
+                    .execute(&mut *tx)
+                    .await?;
+                return Ok(attempted);
+            }
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+                sqlx::query("ROLLBACK TO SAVEPOINT embed_dlq_name_lock").execute(&mut *tx).await?;
+                if started.elapsed() >= NAME_LOCK_PATIENCE {
+                    let held: Vec<String> = holders(&mut *tx, relation)
+                        .await?
+                        .iter()
+                        .take(5)
+                        .map(|h| format!("pid {} ({:.0} s: {})", h.pid, h.seconds, h.query))
+                        .collect();
+                    return Err(StoreError::Target {
+                        table: relation.to_string(),
+                        problem: format!(
+                            "queries of it held it for {} s (each attempt to lock it waited {} ms, so that                              queries sent meanwhile never waited longer): {}; nothing changed: rerun once they end",
+                            NAME_LOCK_PATIENCE.as_secs(),
+                            NAME_LOCK_ATTEMPT.as_millis(),
+                            if held.is_empty() { "they ended since".to_string() } else { held.join(", ") }
+                        ),
+                    });
+                }
+                let pause = rand::random_range(50..250u64);
+                tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// A session holding a lock on a relation, as [`lock_name_with`] reports it.
+struct Holder {
+    pid: i32,
+    /// How long its transaction has run.
+    seconds: f64,
+    /// Its statement, cut to 120 characters.
+    query: String,
+    autovacuum: bool,
+}
+
+/// The other sessions holding a granted lock on `relation`.
+async fn holders(tx: &mut sqlx::PgConnection, relation: &str) -> Result<Vec<Holder>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT a.pid, COALESCE(extract(epoch FROM now() - a.xact_start), 0)::float8,
+                left(COALESCE(a.query, ''), 120), COALESCE(a.backend_type = 'autovacuum worker', false)
+           FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+          WHERE l.relation = to_regclass($1) AND l.granted AND l.pid <> pg_backend_pid()
+          ORDER BY 2 DESC",
+    )
+    .bind(relation)
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Holder { pid: r.get(0), seconds: r.get(1), query: r.get(2), autovacuum: r.get(3) })
+        .collect())
+}
+
 /// One revision of a target, as the registry holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Revision {
@@ -210,7 +318,10 @@ pub async fn adopt(
         format!("ALTER VIEW {q_schema}.{q_table} OWNER TO {}", ident(&owner)),
     ];
     statements.extend(grantees.iter().map(|g| format!("GRANT SELECT ON {q_schema}.{q_table} TO {g}")));
-    for sql in statements {
+    // The rename takes the table's lock, and holds queries of the name from then to the
+    // commit: taken without queueing them behind a long query.
+    lock_name_with(&mut tx, &name, &statements[0]).await?;
+    for sql in statements.into_iter().skip(1) {
         sqlx::query(AssertSqlSafe(sql)).execute(&mut *tx).await?;
     }
     let relation: String = sqlx::query_scalar("SELECT embed_dlq_table_name(to_regclass($1))")
@@ -548,20 +659,19 @@ pub async fn activate(
     }
     // The view over the new relation: the revisions share their columns.
     let select = view_select(&mut tx, &wanted.relation).await?;
+    let replace = format!("CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {}", wanted.relation);
+    // From the view's replace (it waits for the queries reading the name and holds new ones,
+    // each attempt at most `NAME_LOCK_ATTEMPT`) to the commit: the only moment a query of the
+    // name waits.
+    let switching = lock_name_with(&mut tx, &name, &replace).await?;
     let statements = [
-        format!("CREATE OR REPLACE VIEW {name} AS SELECT {select} FROM {}", wanted.relation),
-        "UPDATE embed_dlq_revision SET state = 'shadow' WHERE target = $1 AND state = 'previous'".into(),
-        "UPDATE embed_dlq_revision SET state = 'previous' WHERE target = $1 AND state = 'active'".into(),
-        "UPDATE embed_dlq_revision SET state = 'active', activated_at = now() WHERE target = $1 AND revision = $2"
-            .into(),
+        "UPDATE embed_dlq_revision SET state = 'shadow' WHERE target = $1 AND state = 'previous'",
+        "UPDATE embed_dlq_revision SET state = 'previous' WHERE target = $1 AND state = 'active'",
+        "UPDATE embed_dlq_revision SET state = 'active', activated_at = now() WHERE target = $1 AND revision = $2",
     ];
-    // From the view's replace (it waits for the queries reading the name and holds new ones)
-    // to the commit: the only moment a query of the name waits.
-    let switching = std::time::Instant::now();
     for (n, sql) in statements.into_iter().enumerate() {
-        let q = sqlx::query(AssertSqlSafe(sql));
-        let q = if n == 0 { q } else { q.bind(&name) };
-        let q = if n == 3 { q.bind(wanted.revision) } else { q };
+        let q = sqlx::query(sql).bind(&name);
+        let q = if n == 2 { q.bind(wanted.revision) } else { q };
         q.execute(&mut *tx).await.map_err(StoreError::from)?;
     }
     tx.commit().await.map_err(StoreError::from)?;

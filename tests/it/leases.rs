@@ -145,7 +145,7 @@ async fn a_run_started_beside_a_lone_one_shares_the_rest() {
 
 /// Holds the advisory lock of a made-up ingest run on a connection of its own, as a
 /// concurrent run would: runs then claim leases (a run alone claims none).
-async fn another_live_run(db: &TestDb) -> (sqlx::PgConnection, i64) {
+pub(crate) async fn another_live_run(db: &TestDb) -> (sqlx::PgConnection, i64) {
     let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
     let run: i64 =
         sqlx::query_scalar("SELECT nextval('embed_dlq_ingest_run_seq')").fetch_one(&mut conn).await.unwrap();

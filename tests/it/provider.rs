@@ -195,6 +195,7 @@ fn embedder(base_url: String, policy: RetryPolicy, breaker: BreakerConfig) -> Em
     })
     .unwrap();
     Embedder {
+        revision: 1,
         client,
         gate: Arc::new(ProviderGate::new(breaker)),
         policy,

@@ -531,3 +531,63 @@ async fn a_backfill_from_an_older_dump_never_puts_its_text_back() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The counters of what is written and spent carry the revision (issue 46): `serve`'s stream
+/// source writes a target's active revision and its shadow, and a real scrape shows each
+/// revision's stored chunks, parks, provider requests and tokens apart. The oracle is what the
+/// test published: 20 new chunks (the 20th one the provider rejects) into each revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_write_and_spend_counters_carry_the_revision() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    first_corpus(&db, &mock).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let (stream, keys) = (fresh_stream(), fresh_keys());
+    let port = (0..100)
+        .map(|_| 20_000 + rand::random::<u16>() % 1_000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port for the metrics endpoint");
+    let mut serve = binary()
+        .arg("serve")
+        .args(["--database-url", &db.url, "--redis-url", &redis_url(), "--base-url", &mock.base_url()])
+        .args(["--model", "mock", "--stream-prefix", keys.prefix(), "--replayers", "1"])
+        .args(["--from-stream", &stream, "--group", "it-ingest", "--consumer", "serve-1"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let entries: Vec<Entry> = (0..20).map(|i| chunk_entry("m", i, &text("m", i + 5, "v1"))).collect();
+    publish(&stream, &entries).await;
+    let value = |body: &str, name: &str, labels: &[&str]| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|w| l.contains(w)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let mut body = String::new();
+    for _ in 0..600 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Ok(r) = embed_dlq::http::client_builder().build().unwrap().get(&url).send().await
+            && let Ok(text) = r.text().await
+        {
+            body = text;
+            let parked = |r: &str| value(&body, "embed_dlq_chunks_parked_total", &[r]);
+            if parked("revision=\"1\"") >= 1.0 && parked("revision=\"2\"") >= 1.0 {
+                break;
+            }
+        }
+    }
+    let _ = serve.start_kill();
+    let _ = serve.wait().await;
+    for r in ["revision=\"1\"", "revision=\"2\""] {
+        assert_eq!(value(&body, "embed_dlq_chunks_stored_total", &[r]), 19.0, "{r}: {body}");
+        assert_eq!(value(&body, "embed_dlq_chunks_parked_total", &[r, "permanent_input"]), 1.0, "{r}");
+        assert!(value(&body, "embed_dlq_provider_requests_total", &[r, "outcome=\"ok\""]) >= 1.0, "{r}");
+        // 19 stored texts of about 17 characters: at least a token each.
+        assert!(value(&body, "embed_dlq_tokens_total", &[r, "outcome=\"stored\""]) >= 19.0, "{r}: {body}");
+    }
+    assert_eq!(value(&body, "embed_dlq_chunks_stored_total", &["revision=\"3\""]), 0.0);
+}

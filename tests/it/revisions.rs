@@ -946,3 +946,139 @@ async fn an_adopted_table_keeps_its_dimensions_request_parameter() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A backfill beside a live writer of the shadow (`serve` writing every revision, or any other
+/// run holding leases there) finishes every chunk the active revision holds: it takes no
+/// leases and leaves nothing to the other writer, whose lease only saves calls (every write
+/// is fenced by its record's position, and the backfill's by the active record's). It used to
+/// leave such chunks "to a concurrent run" and exit 7, a rerun every time serve was alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_beside_a_live_writer_of_the_shadow_finishes_every_chunk() {
+    use embed_dlq::store::revision::{activate, create_shadow};
+    const CHUNKS: i32 = 200;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-backfill-beside-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = |i: i32| format!("beside chunk {i}");
+    let path = dir.join("corpus.jsonl");
+    std::fs::write(&path, (0..CHUNKS).map(|i| line("b", i, &text(i))).collect::<String>()).unwrap();
+    let path = path.to_str().unwrap().to_string();
+    let run = |what: &[&str]| {
+        let mut c = binary();
+        c.args(["--database-url", &db.url]).args(what).arg(&path).args([
+            "--base-url",
+            &mock.base_url(),
+            "--model",
+            "mock",
+            "--no-progress",
+            "--json",
+        ]);
+        c
+    };
+    let out = run(&["ingest"]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    create_shadow(&db.pool, "doc_embeddings", None, "mock-next", 256, Some(256)).await.unwrap();
+
+    // Another live run holds the shadow's leases of the first 20 chunks, for the very content
+    // the backfill embeds, unexpired.
+    let (holder, live) = crate::leases::another_live_run(&db).await;
+    for i in 0..20 {
+        sqlx::query(
+            "INSERT INTO ingest_lease (target_table, doc_id, chunk_index, content_hash, source_seq, run_id, expires_at)
+             VALUES ('public.doc_embeddings__r2', 'b', $1, $2, ($3::bigint << 32) | $1, $3, now() + interval '1 hour')",
+        )
+        .bind(i)
+        .bind(content_hash("mock-next", 256, &text(i)))
+        .bind(live)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let before = mock.control.stats().inputs;
+    let out = run(&["revision", "backfill"]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shadow = &summary["revisions"][0]["summary"];
+    assert_eq!(shadow["stored"].as_i64(), Some(CHUNKS as i64), "{summary}");
+    assert_eq!(shadow["leased_elsewhere"].as_i64(), Some(0), "{summary}");
+    assert_eq!(mock.control.stats().inputs - before, CHUNKS as u64, "each chunk sent once");
+    let r2 = hashes(&db, "doc_embeddings__r2").await;
+    for i in 0..CHUNKS {
+        assert_eq!(r2.get(&("b".to_string(), i)), Some(&content_hash("mock-next", 256, &text(i))), "b#{i}");
+    }
+    let switched = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap();
+    assert_eq!(switched.coverage.covered, CHUNKS as u64);
+    sqlx::Connection::close(holder).await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A query of the name that runs long (a report, a stuck transaction) never makes the switch
+/// hold every other query of the name behind it: Postgres queues a lock request behind the
+/// locks already held and every later request behind it, so a replace of the view that simply
+/// waited for the long reader stopped all searches for as long as the reader ran. Each attempt
+/// now waits a moment and gives the name back; queries keep being answered (by the active
+/// revision) while the reader runs, and the switch goes through once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_reader_of_the_name_never_holds_the_other_queries_behind_a_switch() {
+    use embed_dlq::store::revision::{activate, create_shadow};
+    use sqlx::Connection;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let s = settings(&db, &mock);
+    pipeline(&s).await.run(input(corpus("l", 40, "v1")), CancellationToken::new()).await.unwrap();
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let runs =
+        s.fanout().await.unwrap().unwrap().run(input(corpus("l", 40, "v1")), CancellationToken::new()).await;
+    assert!(runs.iter().all(|r| r.result.is_ok()), "{runs:?}");
+
+    // The long reader: a transaction that read the name and stays open.
+    let mut reader = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut reader).await.unwrap();
+    let read: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM doc_embeddings").fetch_one(&mut reader).await.unwrap();
+    assert_eq!(read, 40);
+    let switch = {
+        let pool = db.pool.clone();
+        tokio::spawn(async move { activate(&pool, "doc_embeddings", Some(2), 0).await })
+    };
+    // The switch is trying for the view's lock (its replace shows in pg_stat_activity).
+    wait_for("the switch's replace of the view", Duration::from_secs(60), async || {
+        db.count(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE query LIKE 'CREATE OR REPLACE VIEW%' AND datname = current_database()",
+        )
+        .await
+            > 0
+    })
+    .await;
+    let searches = embed_dlq::store::connect(&db.url, 1).await.unwrap();
+    for n in 0..20 {
+        // A guard against the hang this test is about, not a measure of speed.
+        let answered = tokio::time::timeout(
+            Duration::from_secs(30),
+            sqlx::query_scalar::<_, i32>("SELECT max(vector_dims(embedding)) FROM doc_embeddings")
+                .fetch_one(&searches),
+        )
+        .await;
+        let dims = answered.unwrap_or_else(|_| panic!("query {n} of the name waited behind the switch"));
+        assert_eq!(dims.unwrap(), 768, "the active revision answers until the switch");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!switch.is_finished(), "the switch waits for the reader, which reads one revision whole");
+    let again: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM doc_embeddings").fetch_one(&mut reader).await.unwrap();
+    assert_eq!(again, 40);
+    sqlx::query("COMMIT").execute(&mut reader).await.unwrap();
+    let switched = switch.await.unwrap().unwrap();
+    assert_eq!(switched.active, 2);
+    let dims: i32 = sqlx::query_scalar("SELECT max(vector_dims(embedding)) FROM doc_embeddings")
+        .fetch_one(&searches)
+        .await
+        .unwrap();
+    assert_eq!(dims, 256, "revision 2 answers after the switch");
+}
