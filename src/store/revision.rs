@@ -39,11 +39,14 @@ const NAME_LOCK_ATTEMPT: std::time::Duration = std::time::Duration::from_millis(
 /// with the queries holding it named (nothing changed; rerun it once they end).
 const NAME_LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// After this long blocked by autovacuum alone, the attempt waits for its lock as long as it
-/// takes: Postgres cancels an autovacuum that blocks a lock request after `deadlock_timeout`
-/// (1 s by default), the one wait of the name then, where an autovacuum of a large table
-/// left to finish can run for minutes.
-const AUTOVACUUM_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+/// After this long blocked by autovacuum alone (a table just filled is being vacuumed or
+/// analyzed, which can run for minutes), the command cancels the autovacuum, as Postgres
+/// itself does for any lock request it blocks for `deadlock_timeout` (1 s by default), so
+/// that queries of the name need not wait that second. Cancelling needs superuser or
+/// `pg_signal_autovacuum_worker` (Postgres 18); without them the next attempt waits as long
+/// as it takes, and Postgres cancels the autovacuum after `deadlock_timeout`: the one wait of
+/// the name then.
+const AUTOVACUUM_PATIENCE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Runs `sql`, a statement in `tx` that takes an ACCESS EXCLUSIVE lock on `relation` (the
 /// query name or the table it names), without ever queueing the name's queries behind a
@@ -60,13 +63,20 @@ async fn lock_name_with(
     let started = std::time::Instant::now();
     let before: String =
         sqlx::query_scalar("SELECT current_setting('lock_timeout')").fetch_one(&mut *tx).await?;
+    let mut tried_cancel = false;
     loop {
         sqlx::query("SAVEPOINT embed_dlq_name_lock").execute(&mut *tx).await?;
-        let blocked_by_autovacuum_alone = started.elapsed() >= AUTOVACUUM_PATIENCE && {
+        // Blocked by autovacuum alone: cancel it once; if that is not allowed, wait for the
+        // lock until Postgres cancels it.
+        let mut wait_it_out = false;
+        if started.elapsed() >= AUTOVACUUM_PATIENCE {
             let held = holders(&mut *tx, relation).await?;
-            !held.is_empty() && held.iter().all(|h| h.autovacuum)
-        };
-        let attempt = if blocked_by_autovacuum_alone { 0 } else { NAME_LOCK_ATTEMPT.as_millis() as i64 };
+            if !held.is_empty() && held.iter().all(|h| h.autovacuum) {
+                wait_it_out = tried_cancel || !cancel_autovacuum(&mut *tx, &held).await?;
+                tried_cancel = true;
+            }
+        }
+        let attempt = if wait_it_out { 0 } else { NAME_LOCK_ATTEMPT.as_millis() as i64 };
         sqlx::query("SELECT set_config('lock_timeout', $1, true)")
             .bind(format!("{attempt}ms"))
             .execute(&mut *tx)
@@ -105,6 +115,33 @@ async fn lock_name_with(
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// Cancels the autovacuum workers in `held` (their work is redone later: Postgres cancels
+/// them for any lock request they block); whether that was allowed. Under a savepoint: a
+/// refusal (no superuser, no `pg_signal_autovacuum_worker`) leaves the transaction as it was.
+async fn cancel_autovacuum(tx: &mut sqlx::PgConnection, held: &[Holder]) -> Result<bool, StoreError> {
+    let pids: Vec<i32> = held.iter().map(|h| h.pid).collect();
+    sqlx::query("SAVEPOINT embed_dlq_cancel_autovacuum").execute(&mut *tx).await?;
+    let cancelled: Result<Option<bool>, sqlx::Error> =
+        sqlx::query_scalar("SELECT bool_and(pg_cancel_backend(p)) FROM unnest($1::int[]) AS p")
+            .bind(&pids)
+            .fetch_one(&mut *tx)
+            .await;
+    match cancelled {
+        Ok(done) => {
+            sqlx::query("RELEASE SAVEPOINT embed_dlq_cancel_autovacuum").execute(&mut *tx).await?;
+            if done == Some(true) {
+                tracing::info!(?pids, "cancelled the autovacuum holding the query name's table");
+            }
+            Ok(done == Some(true))
+        }
+        Err(sqlx::Error::Database(_)) => {
+            sqlx::query("ROLLBACK TO SAVEPOINT embed_dlq_cancel_autovacuum").execute(&mut *tx).await?;
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
     }
 }
 
