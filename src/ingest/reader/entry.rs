@@ -83,9 +83,12 @@ pub(crate) fn parse_entry(
             None if deletes => None,
             None => return Err("missing field chunk_index".to_string()),
             Some(b) => {
+                // ASCII digits only: a sign, spaces or other digits would be another spelling
+                // of the same key. At most 19 digits, so the number fits before the range check.
                 let s = String::from_utf8_lossy(b);
-                let n = s.trim().parse::<i64>().map_err(|_| {
-                    format!("chunk_index {:?} is not an integer in 0..=2147483647", Escaped(&s))
+                let digits = !b.is_empty() && b.len() <= 19 && b.iter().all(u8::is_ascii_digit);
+                let n = digits.then(|| s.parse::<i64>().ok()).flatten().ok_or_else(|| {
+                    format!("chunk_index {:?} is not a decimal integer in 0..=2147483647", Escaped(&s))
                 })?;
                 Some(chunk_index_in_range(&n.into())?)
             }
@@ -200,7 +203,8 @@ pub(crate) fn poison_entry(
 
 /// What a broken entry keeps: its identity (when it has one), where it came from and its raw
 /// fields in order (lossily decoded, NULs replaced; each value cut at `max_bytes`), so a
-/// human can repair and requeue it.
+/// human can repair and requeue it. A cut entry says so: `raw_entry_cut` holds the bytes its
+/// fields had and the bytes kept.
 fn entry_payload(
     identity: Option<(&str, i32)>,
     position: u64,
@@ -213,6 +217,8 @@ fn entry_payload(
         String::from_utf8_lossy(cut).replace('\0', "\u{FFFD}").into()
     };
     let raw: Vec<Value> = fields.iter().map(|(k, v)| Value::Array(vec![text(k), text(v)])).collect();
+    let bytes: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let kept: usize = fields.iter().map(|(k, v)| k.len().min(max_bytes) + v.len().min(max_bytes)).sum();
     let mut m = Map::new();
     let (doc_id, chunk_index) =
         identity.map_or_else(|| (unidentified_doc_id(origin), 0), |(d, i)| (d.to_string(), i));
@@ -222,6 +228,9 @@ fn entry_payload(
     m.insert("source_stream".into(), origin.stream.into());
     m.insert("source_entry_id".into(), origin.id.into());
     m.insert("raw_entry".into(), Value::Array(raw));
+    if kept < bytes {
+        m.insert("raw_entry_cut".into(), serde_json::json!({"bytes": bytes, "kept": kept}));
+    }
     Value::Object(m)
 }
 
@@ -312,6 +321,42 @@ mod tests {
         assert!(
             invalid(parse(&[("doc_id", b"d"), ("chunk_index", b"1"), ("text", b"a\0b")])).contains("NUL")
         );
+    }
+
+    /// `chunk_index` is what the format says, a decimal integer: ASCII digits only. A sign,
+    /// spaces or other digits made another spelling of the same key (`+3`, ` 3` were 3).
+    #[test]
+    fn chunk_index_is_ascii_digits_only() {
+        for bad in
+            [&b"+3"[..], b" 3", b"3 ", b"\t3", b"", b"3e0", b"0x3", "\u{0663}".as_bytes(), b"99999999999"]
+        {
+            let r = parse(&[("doc_id", b"d"), ("chunk_index", bad), ("text", b"x")]);
+            let Record::Invalid { doc_id, problem, .. } = r else { panic!("{bad:?}: {r:?}") };
+            assert_eq!(doc_id, "source:src/1-2", "{bad:?}");
+            assert!(problem.contains("chunk_index"), "{bad:?}: {problem}");
+        }
+        for (good, n) in [(&b"0"[..], 0), (b"003", 3), (b"2147483647", i32::MAX)] {
+            let r = parse(&[("doc_id", b"d"), ("chunk_index", good), ("text", b"x")]);
+            let Record::Chunk { chunk, .. } = r else { panic!("{good:?}: {r:?}") };
+            assert_eq!(chunk.chunk_index, n);
+        }
+    }
+
+    /// A raw entry kept cut says so: the bytes it had and the bytes kept.
+    #[test]
+    fn a_cut_raw_entry_says_how_much_it_had() {
+        let big = vec![b'x'; 3000];
+        let kv = fields(&[("doc_id", b"d"), ("chunk_index", b"1"), ("text", &big)]);
+        let Record::Invalid { payload, .. } =
+            parse_entry(5, EntryOrigin { stream: "src", id: "1-2" }, &kv, 1000)
+        else {
+            panic!()
+        };
+        assert_eq!(payload["raw_entry"][2][1].as_str().map(str::len), Some(1000));
+        assert_eq!(payload["raw_entry_cut"], serde_json::json!({"bytes": 3000 + 23, "kept": 1000 + 23}));
+        let whole = parse(&[("doc_id", b"d"), ("chunk_index", b"1")]);
+        let Record::Invalid { payload, .. } = whole else { panic!() };
+        assert!(payload.get("raw_entry_cut").is_none(), "{payload}");
     }
 
     #[test]
