@@ -42,8 +42,8 @@ impl ByteBudget {
         u64::from(self.capacity)
     }
 
-    /// Bytes not charged to any record right now.
-    #[cfg(test)]
+    /// Bytes not charged to any record right now (what one stream read may bring in, see
+    /// `ingest/source/read.rs`).
     pub(crate) fn available(&self) -> u64 {
         self.permits.available_permits() as u64
     }

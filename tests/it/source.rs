@@ -894,3 +894,69 @@ on_single_and_cluster! {
         assert_eq!(db.leaks().await, 0);
     }
 }
+
+/// The peak resident memory (`VmHWM`) of `ingest --from-stream` draining `entries` entries of
+/// `text_bytes` each (published first) with a byte budget of `budget`, read off
+/// `/proc/<pid>/status` until the process exits.
+async fn peak_rss_draining(entries: usize, text_bytes: usize, budget: u64) -> u64 {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let stream = fresh_stream();
+    let published: Vec<Vec<(String, Vec<u8>)>> = (0..entries)
+        .map(|i| {
+            let mut text = format!("big entry {i} ");
+            text.extend(std::iter::repeat_n('x', text_bytes - text.len()));
+            chunk_entry("big", i as i32, &text)
+        })
+        .collect();
+    for part in published.chunks(8) {
+        publish(&stream, part).await;
+    }
+    drop(published);
+    let mut child = source_cmd(&db, &mock, &stream, "big-reader")
+        .args(["--max-inflight-bytes", &budget.to_string(), "--max-input-chars", "1000000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let mut peak = 0u64;
+    let status = loop {
+        if let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            && let Some(kb) = s.lines().find_map(|l| l.strip_prefix("VmHWM:"))
+        {
+            peak = peak.max(kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024);
+        }
+        match tokio::time::timeout(Duration::from_millis(10), child.wait()).await {
+            Ok(status) => break status.unwrap(),
+            Err(_) => continue,
+        }
+    };
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, entries as i64, "every entry stored");
+    let mut redis = redis().await;
+    let _: () = redis.del(&stream).await.unwrap();
+    peak
+}
+
+/// A source stream of big entries is read within the byte budget (issue 50): a reply held
+/// every entry it returned before the budget saw them, so 120 entries of 900 KB under a 4 MiB
+/// budget took their 108 MB at once. The peak of draining 120 must stay within the peak of
+/// draining one plus a few budgets and entries (the records in flight, their request bodies,
+/// one read's reply, the entry being parsed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_entries_are_read_within_the_byte_budget() {
+    const TEXT: usize = 900_000;
+    const BUDGET: u64 = 4 << 20;
+    let one = peak_rss_draining(1, TEXT, BUDGET).await;
+    let many = peak_rss_draining(120, TEXT, BUDGET).await;
+    let allowed = one + 4 * BUDGET + 4 * TEXT as u64;
+    eprintln!("peak RSS: {} MB draining one entry, {} MB draining 120", one >> 20, many >> 20);
+    assert!(
+        many <= allowed,
+        "peak RSS draining 120 entries of {TEXT} bytes: {} MB, against {} MB for one (at most {} MB)",
+        many >> 20,
+        one >> 20,
+        allowed >> 20
+    );
+}

@@ -131,7 +131,8 @@ fn entry_of(v: Value) -> Option<RawEntry> {
     Some((id, fields))
 }
 
-fn entries_of(v: Value) -> Vec<RawEntry> {
+/// The entries of an `XRANGE`-shaped reply (also what `redis/source_read.lua` returns).
+pub(super) fn entries_of(v: Value) -> Vec<RawEntry> {
     match v {
         Value::Array(a) => a.into_iter().filter_map(entry_of).collect(),
         _ => Vec::new(),

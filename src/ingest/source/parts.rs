@@ -113,6 +113,12 @@ impl SourceFeed {
         self.active().budget.capacity()
     }
 
+    /// Bytes of the active part's budget free now (at least 1): what one read may bring in
+    /// besides its last entry.
+    pub(super) fn budget_available(&self) -> u64 {
+        self.active().budget.available().max(1)
+    }
+
     /// Hands `rec` (an entry at position `at`) to every part still writing, each charged to
     /// its own budget; false once the active part halts or the reading ends. A shadow that
     /// cannot take it is let go.

@@ -1,5 +1,7 @@
 //! One consumer of a stream source ([`SourceReader`], which lives across segments): reads
-//! each stream in turn (`XREADGROUP`, blocking only when all are empty), takes over idle
+//! each stream in turn (`redis/source_read.lua`: `XREADGROUP` bounded by the byte budget's
+//! free room as well as by a count; a blocking read of one entry only when all are empty),
+//! takes over idle
 //! entries (`XAUTOCLAIM`, their delivery counts from `XPENDING`), refreshes its claim on
 //! those in flight, holds back while `max_inflight_entries` are unsettled, judges the
 //! entries past the delivery cap (tried alone, charged in Postgres, parked as poison after
@@ -15,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::acks::{Acks, Track};
 use super::group::{
-    RawEntry, autoclaim_reply, ensure_groups, group_floor, group_info, pending_deliveries, read_reply_entries,
+    RawEntry, autoclaim_reply, ensure_groups, entries_of, group_floor, group_info, pending_deliveries,
+    read_reply_entries,
 };
 use super::parts::SourceFeed;
 use super::{SOLO_ATTEMPTS, SourceCounts, SourceError, SourceOptions};
@@ -46,6 +49,11 @@ pub(super) struct SourceReader {
     store: crate::store::Store,
     /// The blocking-read connection (opened on demand, dropped after an error).
     blocking: Option<RedisConn>,
+    /// `redis/source_read.lua`: a read bounded in bytes.
+    read_script: redis::Script,
+    /// The largest entry (bytes of its fields) this reader has met: bounds how many entries
+    /// one `XAUTOCLAIM` takes over, as the read script bounds a read.
+    largest_entry: usize,
     acks: Arc<Acks>,
     /// Next stream to read (busy streams take turns).
     next: usize,
@@ -76,6 +84,8 @@ impl SourceReader {
             redis,
             store,
             blocking: None,
+            read_script: redis::Script::new(include_str!("../../../redis/source_read.lua")),
+            largest_entry: 0,
             acks,
             next: 0,
             last_reclaim: None,
@@ -162,7 +172,7 @@ impl SourceReader {
             }
         };
         let count = room.min(self.opts.read_count);
-        let entries = self.read_next(count, &feed.halt).await?;
+        let entries = self.read_next(count, feed.budget_available(), &feed.halt).await?;
         if entries.iter().all(|(_, e)| e.is_empty()) && reclaimed == 0 {
             self.check_idle_exit().await?;
             return Ok(());
@@ -190,6 +200,7 @@ impl SourceReader {
         deliveries: Option<u64>,
     ) -> bool {
         let at = crate::store::position::entry_position(&id, stream);
+        self.largest_entry = self.largest_entry.max(fields.iter().map(|(k, v)| k.len() + v.len()).sum());
         // Past the Redis delivery cap: a suspect, judged by attempts alone charged in Postgres.
         let suspect = deliveries.filter(|&n| n > u64::from(self.opts.delivery_cap));
         let mut poison = None;
@@ -292,33 +303,34 @@ impl SourceReader {
         }
     }
 
-    /// The next entries of one stream, starting at `self.next`: with several streams, one
-    /// read of each that does not block (the first with entries wins); a blocking read only
-    /// when all are empty (as the replayers read their shards).
+    /// The next entries of one stream, starting at `self.next`: one read of each stream that
+    /// does not block (the first with entries wins), at most `count` entries and, past
+    /// `bytes`, no further one; a blocking read of one entry only when all are empty (as the
+    /// replayers read their shards). So a reply holds at most `bytes` plus one entry,
+    /// whatever the entries' sizes.
     async fn read_next(
         &mut self,
         count: usize,
+        bytes: u64,
         halt: &CancellationToken,
     ) -> redis::RedisResult<Vec<(u16, Vec<RawEntry>)>> {
         if self.blocking.is_none() {
             self.blocking = Some(self.client.blocking(self.opts.block).await?);
         }
         let n = self.opts.streams.len();
-        if n > 1 {
-            for k in 0..n {
-                let i = (self.next + k) % n;
-                let entries = self.read_stream(i, count, None).await?;
-                if !entries.is_empty() {
-                    self.next = (i + 1) % n;
-                    return Ok(vec![(i as u16, entries)]);
-                }
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            let entries = self.read_bounded(i, count, bytes).await?;
+            if !entries.is_empty() {
+                self.next = (i + 1) % n;
+                return Ok(vec![(i as u16, entries)]);
             }
         }
         let i = self.next % n;
         self.next = (i + 1) % n;
         let block = (self.opts.block / n as u32).max(Duration::from_millis(10));
         let read = tokio::select! {
-            r = self.read_stream(i, count, Some(block)) => r,
+            r = self.read_blocking(i, block) => r,
             _ = halt.cancelled() => {
                 // Whatever the dropped read delivered stays pending and is taken over later.
                 self.blocking = None;
@@ -328,18 +340,34 @@ impl SourceReader {
         Ok(vec![(i as u16, read?)])
     }
 
-    async fn read_stream(
+    /// New entries of stream `i` without blocking: at most `count`, and none after the
+    /// entries read hold `bytes` (`redis/source_read.lua`).
+    async fn read_bounded(
         &mut self,
         i: usize,
         count: usize,
-        block: Option<Duration>,
+        bytes: u64,
     ) -> redis::RedisResult<Vec<RawEntry>> {
         let conn = self.blocking.as_mut().expect("opened by read_next");
+        let reply: Value = self
+            .read_script
+            .key(&self.opts.streams[i])
+            .arg(&self.opts.group)
+            .arg(&self.opts.consumer)
+            .arg(count.max(1))
+            .arg(bytes.max(1))
+            .invoke_async(conn)
+            .await?;
+        Ok(entries_of(reply))
+    }
+
+    /// One new entry of stream `i`, waiting up to `block` for it: one, so that the reply is
+    /// bounded whatever its size.
+    async fn read_blocking(&mut self, i: usize, block: Duration) -> redis::RedisResult<Vec<RawEntry>> {
+        let conn = self.blocking.as_mut().expect("opened by read_next");
         let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg("GROUP").arg(&self.opts.group).arg(&self.opts.consumer).arg("COUNT").arg(count);
-        if let Some(block) = block {
-            cmd.arg("BLOCK").arg(block.as_millis() as u64);
-        }
+        cmd.arg("GROUP").arg(&self.opts.group).arg(&self.opts.consumer).arg("COUNT").arg(1);
+        cmd.arg("BLOCK").arg(block.as_millis() as u64);
         cmd.arg("STREAMS").arg(&self.opts.streams[i]).arg(">");
         let reply: Value = cmd.query_async(conn).await?;
         Ok(read_reply_entries(reply))
@@ -367,7 +395,7 @@ impl SourceReader {
                     .arg(self.opts.min_idle.as_millis() as u64)
                     .arg(&cursor)
                     .arg("COUNT")
-                    .arg(room.min(self.opts.read_count))
+                    .arg(room.min(self.opts.read_count).min(self.claim_count_within(feed.budget_available())))
                     .query_async(&mut self.redis)
                     .await?;
                 let (next, entries, deleted) = autoclaim_reply(reply);
@@ -403,6 +431,16 @@ impl SourceReader {
             }
         }
         Ok(total)
+    }
+
+    /// How many entries one `XAUTOCLAIM` may take over with `bytes` of the budget free: as
+    /// many of the largest entry met so far as fit, at least one (`XAUTOCLAIM` has no byte
+    /// bound of its own; a new read has, `redis/source_read.lua`).
+    fn claim_count_within(&self, bytes: u64) -> usize {
+        match self.largest_entry {
+            0 => usize::MAX,
+            largest => usize::try_from(bytes / largest as u64).unwrap_or(usize::MAX).max(1),
+        }
     }
 
     /// Delivery counts of `entries` (pending in `stream`), from `XPENDING`.
