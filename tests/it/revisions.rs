@@ -1082,3 +1082,83 @@ async fn a_long_reader_of_the_name_never_holds_the_other_queries_behind_a_switch
         .unwrap();
     assert_eq!(dims, 256, "revision 2 answers after the switch");
 }
+
+/// The shadow's provider runs out of quota in the middle of a backfill (OpenAI's 429
+/// `insufficient_quota`): the backfill stops with the provider's refusal (exit 4), no chunk is
+/// parked for it in either revision, the active revision is untouched, and once the quota is
+/// back a rerun copies the rest, each chunk the shadow still missed sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_whose_provider_runs_out_of_quota_stops_charges_nothing_and_resumes() {
+    use embed_dlq::store::revision::{activate, create_shadow};
+    const CHUNKS: i64 = 1_500;
+    let db = TestDb::new().await;
+    let fast = start_mock(MockConfig::default()).await;
+    let corpus_bytes = corpus("q", CHUNKS as i32, "v1");
+    let dir = std::env::temp_dir().join(format!(
+        "embed-dlq-quota-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dump.jsonl");
+    std::fs::write(&path, &corpus_bytes).unwrap();
+    let first = pipeline(&settings(&db, &fast))
+        .await
+        .run(input(corpus_bytes), CancellationToken::new())
+        .await
+        .unwrap();
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let r1_before = hashes(&db, "doc_embeddings__r1").await;
+    let dlq_before = db.count("SELECT count(*) FROM embedding_dlq").await;
+    let shadow_mock = start_mock(MockConfig { latency_ms: 15, ..MockConfig::default() }).await;
+    let backfill = || {
+        let mut c = binary();
+        c.args(["--database-url", &db.url, "revision", "backfill"])
+            .arg(&path)
+            .args(["--base-url", &shadow_mock.base_url(), "--model", "mock", "--no-progress", "--json"])
+            .args(["--batch-max-inputs", "16", "--concurrency", "2", "--request-timeout-ms", "5000"]);
+        c
+    };
+    let child = backfill().stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    wait_for("the backfill's first 300 vectors", Duration::from_secs(120), async || {
+        db.count("SELECT count(*) FROM doc_embeddings__r2").await >= 300
+    })
+    .await;
+    shadow_mock.control.set_quota_exhausted(true);
+    let out = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "the provider refused the run: {stderr}");
+    assert!(stderr.contains("quota"), "{stderr}");
+    // What the shadow parked before the refusal is its poison inputs (rejected with 400, as in
+    // revision 1), nothing for the refusal.
+    let refused = db
+        .count(
+            "SELECT count(*) FROM embedding_dlq
+              WHERE target_table = 'public.doc_embeddings__r2' AND error_class <> 'permanent_input'",
+        )
+        .await;
+    assert_eq!(refused, 0, "nothing parked for the refusal");
+    let active_rows = "SELECT count(*) FROM embedding_dlq WHERE target_table = 'public.doc_embeddings'";
+    assert_eq!(db.count(active_rows).await, dlq_before, "revision 1's DLQ untouched");
+    assert_eq!(hashes(&db, "doc_embeddings__r1").await, r1_before, "the active revision is untouched");
+    let done = db.count("SELECT count(*) FROM doc_embeddings__r2").await;
+    assert!(done < first.stored as i64, "stopped in the middle: {done}");
+
+    shadow_mock.control.set_quota_exhausted(false);
+    let parked_in_shadow =
+        db.count("SELECT count(*) FROM embedding_dlq WHERE target_table = 'public.doc_embeddings__r2'").await;
+    let out = backfill().output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shadow = &summary["revisions"][0]["summary"];
+    // Nothing the first run settled is sent again: what it stored is unchanged, what it parked
+    // (poison) already parked; the rest is stored now.
+    assert_eq!(shadow["unchanged"].as_i64(), Some(done), "{summary}");
+    assert_eq!(shadow["already_parked"].as_i64(), Some(parked_in_shadow), "{summary}");
+    assert_eq!(shadow["stored"].as_i64(), Some(first.stored as i64 - done), "{summary}");
+    let r2 = hashes(&db, "doc_embeddings__r2").await;
+    assert_eq!(r2.len() as u64, first.stored);
+    let switched = activate(&db.pool, "doc_embeddings", Some(2), 0).await.unwrap();
+    assert_eq!(switched.coverage.uncovered(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
