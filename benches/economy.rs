@@ -125,7 +125,7 @@ struct Scenario {
     /// Fast retry timings (see the module doc) instead of the defaults.
     fast: bool,
     on_outage: Option<OnOutage>,
-    /// `--max-requests-per-minute` and `--max-tokens-per-minute`.
+    /// `--max-requests-per-minute` and `--max-tokens-per-minute` (0: no token budget).
     budget: Option<(u32, u32)>,
 }
 
@@ -189,7 +189,7 @@ fn settings(s: &Scenario, db: &TestDb, mock: &MockProvider, serve: bool, prefix:
             model: Some("economy".into()),
             request_timeout_ms: fast(1_000),
             max_requests_per_minute: s.budget.map(|b| b.0),
-            max_tokens_per_minute: s.budget.map(|b| b.1),
+            max_tokens_per_minute: s.budget.map(|b| b.1).filter(|&tpm| tpm > 0),
             ..Default::default()
         },
         ingest: IngestArgs {
@@ -492,6 +492,21 @@ async fn run() {
         budget: Some((rpm, tpm)),
         ..Scenario::new("e. 429 storm, budget = the account's limits", Corpus::Clean(2_000), account.clone())
     });
+    // The poison sweep: the same 10,000-chunk corpus at four poison rates, isolated as
+    // without a budget (resent inputs are the cost) and under a request budget alone (only
+    // requests count; the budget is far above what the run sends, so it never waits).
+    for (rate, every) in SWEEP {
+        for (mode, budget) in [(SWEEP_NO_BUDGET, None), (SWEEP_REQUEST_BUDGET, Some((6_000_000, 0)))] {
+            scenarios.push(Scenario {
+                budget,
+                ..Scenario::new(
+                    format!("f. poison sweep {rate}, {mode}"),
+                    Corpus::Poison { chunks: 10_000, every },
+                    MockConfig::default(),
+                )
+            });
+        }
+    }
     if let Some(only) = &only {
         scenarios.retain(|s| s.label.contains(only.as_str()));
     }
@@ -517,6 +532,7 @@ async fn run() {
     for row in &rows {
         row.print_table_line();
     }
+    print_sweep(&rows);
     let demo_rows: Vec<&Row> = rows.iter().filter(|r| r.label.starts_with("c. demo mix, seed")).collect();
     if !demo_rows.is_empty() {
         println!();
@@ -557,5 +573,47 @@ async fn run() {
             stats(gaps.iter().map(|g| g.0).collect()),
             stats(gaps.iter().map(|g| g.1).collect())
         );
+    }
+}
+
+/// The sweep's poison rates: the label and one poison chunk in `every` (never, for 0%).
+const SWEEP: [(&str, usize); 4] = [("0%", usize::MAX), ("0.1%", 1_000), ("1%", 100), ("5%", 20)];
+const SWEEP_NO_BUDGET: &str = "no budget";
+const SWEEP_REQUEST_BUDGET: &str = "request budget";
+
+/// The sweep's table: requests per 1,000 stored chunks and inputs per stored chunk, by poison
+/// rate, without a budget (today's isolation, inputs first) and under a request budget, each
+/// against the clean run of its own mode.
+fn print_sweep(rows: &[Row]) {
+    let find = |rate: &str, mode: &str| {
+        let label = format!("f. poison sweep {rate}, {mode}");
+        rows.iter().find(|r| r.label == label)
+    };
+    let per_thousand = |r: &Row| 1000.0 * ratio(r.ours.all.requests, r.ours.stored);
+    if find("0%", SWEEP_NO_BUDGET).is_none() {
+        return;
+    }
+    println!();
+    println!(
+        "poison sweep, 10,000 chunks, 4 workers: requests per 1,000 stored (x the clean run), inputs per stored"
+    );
+    println!(
+        "| poison | no budget: requests / 1,000 | x clean | inputs / stored | request budget: requests / 1,000 | x clean | inputs / stored |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for (rate, _) in SWEEP {
+        let mut line = format!("| {rate} |");
+        for mode in [SWEEP_NO_BUDGET, SWEEP_REQUEST_BUDGET] {
+            match (find(rate, mode), find("0%", mode)) {
+                (Some(r), Some(clean)) => line.push_str(&format!(
+                    " {:.1} | {:.2} | {:.4} |",
+                    per_thousand(r),
+                    per_thousand(r) / per_thousand(clean),
+                    ratio(r.ours.all.inputs, r.ours.stored)
+                )),
+                _ => line.push_str(" | | |"),
+            }
+        }
+        println!("{line}");
     }
 }

@@ -50,6 +50,7 @@ pub struct ProviderArgs {
     #[arg(long)]
     pub request_timeout_ms: Option<u64>,
     /// Requests per minute sent to the provider, paced before sending (off by default).
+    /// Set, it also makes poison isolation weigh requests, not only resent inputs.
     #[arg(long)]
     pub max_requests_per_minute: Option<u32>,
     /// Estimated tokens per minute (4 characters a token) sent to the provider

@@ -62,14 +62,18 @@ struct State {
 }
 
 impl Isolation {
-    /// The size of the next request carved from a batch of at most `max` inputs.
-    pub(crate) fn piece_size(&self, max: usize) -> usize {
+    /// The size of the next request carved from a batch of at most `max` inputs, for an
+    /// account whose binding limit `weigh` says (see [`Weigh`]).
+    pub(crate) fn piece_size(&self, max: usize, weigh: Weigh) -> usize {
         let s = self.state.lock().unwrap();
         let warm = usize::try_from((s.settled / 16).max(SLOW_START as u64)).unwrap_or(usize::MAX);
         let mut size = max.min(warm);
         if s.poison > 0 {
-            let by_rate = ISOLATION_WASTE_BUDGET * (s.settled + PRIOR_CLEAN_INPUTS) as f64 / s.poison as f64;
-            size = size.min(by_rate as usize);
+            let rate = s.poison as f64 / (s.settled + PRIOR_CLEAN_INPUTS) as f64;
+            size = match weigh {
+                Weigh::Inputs => size.min((ISOLATION_WASTE_BUDGET / rate) as usize),
+                Weigh::Requests { inputs_per_request } => cheapest_piece(size, rate, inputs_per_request),
+            };
         }
         size.max(MIN_PIECE).min(max).max(1)
     }
@@ -108,6 +112,92 @@ impl Isolation {
     pub(crate) fn is_suspect(&self, text: &str) -> bool {
         self.state.lock().unwrap().known.contains(&fingerprint(text))
     }
+}
+
+/// What a request costs against an input while poison is about, from the account's limits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Weigh {
+    /// Resent inputs are the cost (no request budget is configured, or tokens bind): pieces
+    /// are cut so that about `ISOLATION_WASTE_BUDGET` of the inputs is sent again.
+    Inputs,
+    /// A request budget is configured: one request weighs as much as `inputs_per_request`
+    /// inputs (the tokens budget's inputs a minute over the requests budget, or
+    /// `MAX_REQUEST_WEIGHT` when only requests are limited), and the piece size minimises
+    /// the expected cost of both ([`cheapest_piece`]).
+    Requests {
+        /// Inputs one request is worth.
+        inputs_per_request: f64,
+    },
+}
+
+impl Weigh {
+    /// The weighing for a request budget of `rpm` and a token budget of `tpm`, inputs of
+    /// about `tokens_per_input` estimated tokens: minutes of budget a request uses over the
+    /// minutes an input uses.
+    pub(crate) fn for_limits(rpm: Option<u32>, tpm: Option<u32>, tokens_per_input: f64) -> Weigh {
+        let Some(rpm) = rpm else { return Weigh::Inputs };
+        let inputs_per_request = match tpm {
+            Some(tpm) => f64::from(tpm) / (f64::from(rpm.max(1)) * tokens_per_input.max(1.0)),
+            None => MAX_REQUEST_WEIGHT,
+        };
+        Weigh::Requests { inputs_per_request: inputs_per_request.clamp(0.0, MAX_REQUEST_WEIGHT) }
+    }
+}
+
+/// Largest weight of a request in inputs: past it only the request count matters.
+pub(crate) const MAX_REQUEST_WEIGHT: f64 = 1.0e6;
+
+/// The piece size in `MIN_PIECE..=cap` whose expected cost per input, `weight × requests +
+/// inputs`, is lowest at a poison `rate`, by [`expected_cost`]. Candidate sizes step by an
+/// eighth, so the search is a few dozen evaluations.
+fn cheapest_piece(cap: usize, rate: f64, weight: f64) -> usize {
+    let cost = |s: usize| {
+        let (requests, inputs) = expected_cost(s, rate);
+        weight * requests + inputs
+    };
+    let mut best = (cap, cost(cap));
+    let mut s = MIN_PIECE;
+    while s < cap {
+        let c = cost(s);
+        if c < best.1 {
+            best = (s, c);
+        }
+        s = (s + s / 8).max(s + 1);
+    }
+    best.0
+}
+
+/// Expected requests and inputs sent per input for pieces of `s` at a poison `rate`: a
+/// clean piece costs one request and `s` inputs; one holding poison (probability
+/// q = 1 - (1 - rate)^s) also costs its isolation ([`isolation_extra`]), and each further
+/// poison input expected in it the isolation of its part.
+pub(crate) fn expected_cost(s: usize, rate: f64) -> (f64, f64) {
+    let n = s as f64;
+    let q = 1.0 - (1.0 - rate).powf(n);
+    let (first_requests, first_inputs) = isolation_extra(s);
+    let part = part_lengths(s).first().copied().unwrap_or(1);
+    let (more_requests, more_inputs) = isolation_extra(part);
+    let more = (n * rate - q).max(0.0);
+    let requests = 1.0 + q * first_requests + more * more_requests;
+    let inputs = n + q * first_inputs + more * more_inputs;
+    (requests / n, inputs / n)
+}
+
+/// Requests and inputs a piece of `n` holding one poison input sends beyond a clean piece's
+/// one request and `n` inputs, with the splits of [`part_lengths`]: the failed request, the
+/// healthy parts, and the failing part's own isolation down to the single input.
+pub(crate) fn isolation_extra(n: usize) -> (f64, f64) {
+    fn total(n: usize) -> (f64, f64) {
+        if n <= 1 {
+            return (1.0, 1.0);
+        }
+        let parts = part_lengths(n);
+        let failing = parts[0];
+        let (r, i) = total(failing);
+        (1.0 + (parts.len() - 1) as f64 + r, n as f64 + (n - failing) as f64 + i)
+    }
+    let (r, i) = total(n);
+    (r - 1.0, i - n as f64)
 }
 
 /// Remembers `f` (forgetting the oldest beyond the bound); `false` when it was known.
@@ -167,33 +257,85 @@ mod tests {
     #[test]
     fn requests_shrink_with_the_poison_rate_and_grow_back() {
         let iso = Isolation::default();
-        assert_eq!(iso.piece_size(64), SLOW_START, "nothing settled yet: a small first request");
+        assert_eq!(
+            iso.piece_size(64, Weigh::Inputs),
+            SLOW_START,
+            "nothing settled yet: a small first request"
+        );
         iso.settled(512);
-        assert_eq!(iso.piece_size(64), 32, "a sixteenth of the inputs settled");
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), 32, "a sixteenth of the inputs settled");
         iso.settled(512);
-        assert_eq!(iso.piece_size(64), 64, "no poison seen: full batches");
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), 64, "no poison seen: full batches");
         iso.settled(475);
         iso.proven_poison("bad", false);
-        assert_eq!(iso.piece_size(64), 25, "1 in 1500, with the prior's 1000 clean: 0.01 × 2500");
+        assert_eq!(
+            iso.piece_size(64, Weigh::Inputs),
+            25,
+            "1 in 1500, with the prior's 1000 clean: 0.01 × 2500"
+        );
         iso.proven_poison("bad", false);
-        assert_eq!(iso.piece_size(64), 25, "a known poison input, sent alone, cost nothing");
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), 25, "a known poison input, sent alone, cost nothing");
         for i in 0..9 {
             iso.proven_poison(&format!("worse {i}"), false);
         }
-        assert_eq!(iso.piece_size(64), 2, "10 in 1510, with the prior: 0.01 × 2510 / 10");
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), 2, "10 in 1510, with the prior: 0.01 × 2510 / 10");
         for i in 0..10 {
             iso.proven_poison(&format!("worst {i}"), false);
         }
-        assert_eq!(iso.piece_size(64), MIN_PIECE, "never below the floor");
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), MIN_PIECE, "never below the floor");
         let counted = Isolation::default();
         counted.poison_found();
-        assert_eq!(counted.piece_size(64), 10, "counted when its request was rejected: 0.01 × 1000");
+        assert_eq!(
+            counted.piece_size(64, Weigh::Inputs),
+            10,
+            "counted when its request was rejected: 0.01 × 1000"
+        );
         counted.proven_poison("found later", true);
-        assert_eq!(counted.piece_size(64), 10, "and not again when found");
+        assert_eq!(counted.piece_size(64, Weigh::Inputs), 10, "and not again when found");
         assert!(counted.is_suspect("found later"));
         iso.settled(200_000);
-        assert_eq!(iso.piece_size(64), 64, "a long clean stretch restores full batches");
-        assert_eq!(iso.piece_size(1), 1);
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), 64, "a long clean stretch restores full batches");
+        assert_eq!(iso.piece_size(1, Weigh::Inputs), 1);
+    }
+
+    #[test]
+    fn the_isolation_cost_model_counts_the_failed_request_the_parts_and_the_singles() {
+        assert_eq!(isolation_extra(1), (0.0, 0.0), "a lone input costs nothing more");
+        // 2: the failed pair, then each alone: 2 more requests, 2 more inputs.
+        assert_eq!(isolation_extra(2), (2.0, 2.0));
+        // 64: the failed 64, 8 parts of 8 (one fails), its 8 singles.
+        assert_eq!(isolation_extra(64), (16.0, 64.0 + 8.0));
+        let (r, i) = expected_cost(64, 0.0);
+        assert_eq!((r, i), (1.0 / 64.0, 1.0), "no poison: one request a piece, each input once");
+    }
+
+    #[test]
+    fn under_a_request_budget_pieces_stay_large_and_follow_the_weight() {
+        let iso = Isolation::default();
+        iso.settled(9_000);
+        for i in 0..100 {
+            iso.proven_poison(&format!("bad {i}"), false);
+        }
+        // 1% poison: inputs-first cuts to pairs; requests-only keeps pieces of a few dozen.
+        assert_eq!(iso.piece_size(64, Weigh::Inputs), MIN_PIECE);
+        let requests_only = Weigh::for_limits(Some(1_000), None, 10.0);
+        assert_eq!(requests_only, Weigh::Requests { inputs_per_request: MAX_REQUEST_WEIGHT });
+        let big = iso.piece_size(64, requests_only);
+        assert!((24..=64).contains(&big), "{big}");
+        let (r_big, _) = expected_cost(big, 0.01);
+        let (r_pair, _) = expected_cost(2, 0.01);
+        assert!(r_big * 3.0 < r_pair, "{r_big} against pairs' {r_pair}");
+        // A token budget that binds long before the requests' (OpenAI tier 1 at 500 tokens
+        // an input: a request is worth 0.67 inputs) brings the pieces back down.
+        let tokens_bind = Weigh::for_limits(Some(3_000), Some(1_000_000), 500.0);
+        let small = iso.piece_size(64, tokens_bind);
+        assert!(small <= 8, "{small}");
+        let middle = iso.piece_size(64, Weigh::for_limits(Some(1_200), Some(400_000), 15.0));
+        assert!(small < middle && middle <= big, "{small} < {middle} <= {big}");
+        assert_eq!(Weigh::for_limits(None, Some(1_000), 10.0), Weigh::Inputs);
+        let clean = Isolation::default();
+        clean.settled(100_000);
+        assert_eq!(clean.piece_size(64, requests_only), 64, "no poison: full batches");
     }
 
     #[test]

@@ -255,7 +255,7 @@ impl Embedder {
             });
         }
         while let Some(piece) = progress.work.pop() {
-            let piece = self.carve(piece, &progress.suspects, &mut progress.work);
+            let piece = self.carve(piece, texts, &progress.suspects, &mut progress.work);
             if let Err(stop) = self.embed_piece(texts, piece, &mut progress).await {
                 let kept = progress
                     .outcomes
@@ -273,7 +273,7 @@ impl Embedder {
 
     /// The next request to send from `piece`: a remembered suspect alone first, else the
     /// head of the piece at the poison-aware request size; the rest goes back on `work`.
-    fn carve(&self, piece: Piece, suspects: &[bool], work: &mut Vec<Piece>) -> Piece {
+    fn carve(&self, piece: Piece, texts: &[&str], suspects: &[bool], work: &mut Vec<Piece>) -> Piece {
         if !piece.carve {
             return piece;
         }
@@ -287,11 +287,24 @@ impl Embedder {
             }
             return Piece { range: i..i + 1, isolating: true, carve: false, counted: false };
         }
-        let size = self.isolation.piece_size(end - start);
+        let size = self.isolation.piece_size(end - start, self.weigh(&texts[start..end]));
         if start + size < end {
             work.push(Piece { range: start + size..end, isolating: false, carve: true, counted: false });
         }
         Piece { range: start..start + size, isolating: piece.isolating, carve: false, counted: piece.counted }
+    }
+
+    /// How poison isolation weighs a request against an input: by the configured budgets
+    /// (a request budget makes requests count; see [`isolate::Weigh`]), with `texts` giving
+    /// the tokens an input is estimated at.
+    fn weigh(&self, texts: &[&str]) -> isolate::Weigh {
+        let limiter = self.client.limiter();
+        let limits = limiter.config();
+        if limits.max_requests_per_minute.is_none() {
+            return isolate::Weigh::Inputs;
+        }
+        let per_input = limiter.estimate(texts) as f64 / texts.len().max(1) as f64;
+        isolate::Weigh::for_limits(limits.max_requests_per_minute, limits.max_tokens_per_minute, per_input)
     }
 
     /// Sends one piece, retrying it under the policy, until it is settled: embedded, failed,

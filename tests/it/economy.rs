@@ -79,6 +79,41 @@ async fn half_a_percent_poison_costs_at_most_1_03_inputs_per_stored_chunk() {
     assert!(r.tokens_wasted > 0 && (r.tokens_wasted as f64) < 0.03 * r.tokens_stored as f64, "{r:?}");
 }
 
+/// Under a request budget (the account's binding limit is requests a minute), a 1% poison
+/// rate costs requests in proportion to the poison found, not to the batches holding one:
+/// the issue measured 30x the clean run's requests, pieces cut to two inputs around poison.
+/// Both runs, same settings, same database: only the poison differs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_request_budget_one_percent_poison_costs_requests_in_proportion_to_the_poison() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    let mut s = settings(&db, &mock);
+    s.options.batch_max_inputs = 64;
+    s.options.concurrency = 1;
+    // Far above what the run sends: the budget is what tells the tool requests bind.
+    s.limits.max_requests_per_minute = Some(6_000_000);
+    let clean = corpus_of("c", 6_400, usize::MAX, &[]);
+    let r = pipeline(&s).await.run(input(clean.into_bytes()), CancellationToken::new()).await.unwrap();
+    let clean_requests = mock.control.stats().requests;
+    assert_eq!(r.stored, 6_400);
+    let before = mock.control.stats();
+    let corpus = corpus_of("p", 6_400, 100, &[mock_provider::POISON_400, mock_provider::POISON_422]);
+    let r = pipeline(&s).await.run(input(corpus.into_bytes()), CancellationToken::new()).await.unwrap();
+    let after = mock.control.stats();
+    assert_eq!((r.stored, r.parked_total()), (6_336, 64), "no neighbour parked: {r:?}");
+    only_poison_parked_at_attempt_one(&db).await;
+    let requests = after.requests - before.requests;
+    let inputs = (after.inputs - before.inputs) as f64 / r.stored as f64;
+    let times = requests as f64 / clean_requests as f64;
+    eprintln!(
+        "1% poison under a request budget: {requests} requests ({times:.2}x the clean run's {clean_requests}), {inputs:.4} inputs per stored chunk"
+    );
+    // Identifying 64 poison inputs among 6,400 needs at least log2 C(6400, 64) = 513
+    // yes-or-no answers (4.4x the clean run's 116 requests); pieces of two cost 27.6x.
+    assert!(times <= 10.0, "{times:.2}x the clean run's requests");
+    assert!(inputs <= 1.6, "{inputs:.4} inputs per stored chunk");
+}
+
 /// A 500 that outlives the retries (some servers fail one input with 500 forever) is
 /// isolated by the same rules, and the isolation's failures never open the breaker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
