@@ -157,6 +157,13 @@ stage("Stream source", [
                  (f"max by (stream) (embed_dlq_source_lag{{{SEL}}})", "lag {{stream}}")]},
 ])
 
+stage("Table sources", [
+    {"title": "Table source lag", "description": "Per table source: the age of the oldest change its triggers queued that the follower has not applied (0 when the queue is empty). Alert EmbedDlqTableSourceBehind at 5 minutes (docs/table-source.md).", "unit": "s",
+     "targets": [(f"max by (source) (embed_dlq_table_source_lag_seconds{{{SEL}}})", "{{source}}")]},
+    {"title": "Table source changes queued", "description": "Per table source: changes queued and not yet applied (embed_table_changes).",
+     "targets": [(f"max by (source) (embed_dlq_table_source_changes{{{SEL}}})", "{{source}}")]},
+])
+
 stage("Revisions", [
     {"title": "Revision coverage", "description": "Per revision of each target with revisions: the share of the active revision's chunks it covers (the same text, stored, or parked where the active one has it parked); revision activate switches only at full coverage (or within --allow-missing). Sampled every minute by serve (docs/revisions.md).", "unit": "percentunit",
      "targets": [(f"max by (target, revision) (embed_dlq_revision_covered_ratio{{{SEL}}})", "{{target}} r{{revision}}")]},

@@ -56,6 +56,8 @@ pub(crate) const REVISION_UNCOVERED: &str = "embed_dlq_revision_uncovered";
 pub(crate) const REVISION_COVERED_RATIO: &str = "embed_dlq_revision_covered_ratio";
 pub(crate) const SOURCE_PENDING: &str = "embed_dlq_source_pending";
 pub(crate) const SOURCE_LAG: &str = "embed_dlq_source_lag";
+pub(crate) const TABLE_SOURCE_CHANGES: &str = "embed_dlq_table_source_changes";
+pub(crate) const TABLE_SOURCE_LAG: &str = "embed_dlq_table_source_lag_seconds";
 
 /// Why the exporter could not start.
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +113,8 @@ pub(crate) const SAMPLED_LABELS: &[(&str, &str)] = &[
     (RECONCILE_FINDINGS, "`check` (the reconciler's checks, summed over every target table)"),
     (SOURCE_PENDING, "`stream` = the configured source stream keys (at most 64)"),
     (SOURCE_LAG, "`stream` = the configured source stream keys (at most 64)"),
+    (TABLE_SOURCE_CHANGES, "`source` = the followed table source's name"),
+    (TABLE_SOURCE_LAG, "`source` = the followed table source's name"),
     (REVISION_ACTIVE, REVISION_LABELS),
     (REVISION_CHUNKS, REVISION_LABELS),
     (REVISION_DLQ_ROWS, REVISION_LABELS),
@@ -264,6 +268,15 @@ pub(crate) fn describe() {
         "Source stream entries not yet delivered to the ingest group, by stream (XINFO GROUPS lag)."
     );
     describe_gauge!(
+        TABLE_SOURCE_CHANGES,
+        "Changes a table source's triggers queued that its follower has not applied yet (sampled each poll)."
+    );
+    describe_gauge!(
+        TABLE_SOURCE_LAG,
+        metrics::Unit::Seconds,
+        "Age of a table source's oldest change not yet applied: the follower's lag (0 when the queue is empty)."
+    );
+    describe_gauge!(
         REVISION_ACTIVE,
         "1 for the revision a target's query name answers, 0 for its others (sampled every minute by serve)."
     );
@@ -287,6 +300,12 @@ fn revision_label(revision: i32) -> metrics::SharedString {
         1 => metrics::SharedString::const_str("1"),
         n => n.to_string().into(),
     }
+}
+
+/// Samples a table source's queue: changes pending and the oldest one's age.
+pub(crate) fn table_source_lag(source: &str, changes: i64, age_secs: f64) {
+    gauge!(TABLE_SOURCE_CHANGES, "source" => source.to_string()).set(changes as f64);
+    gauge!(TABLE_SOURCE_LAG, "source" => source.to_string()).set(age_secs);
 }
 
 /// Counts provider tokens spent for `revision`: those that produced a usable vector and

@@ -196,6 +196,7 @@ impl Reconciler {
         findings.extend(streams.findings);
         let stalled = sql::replay_stalled(pool, self.config.replay_stall_after, self.config.examples).await?;
         findings.push(finding(Check::ReplayStalled, stalled));
+        findings.push(self.table_source_check(repair).await?);
         // Where the next incremental run starts, per check: this run's horizon, or the oldest
         // finding it left unrepaired (so that finding is reported again until repaired).
         let resume: HashMap<String, DateTime<Utc>> = WINDOWED
@@ -232,6 +233,41 @@ impl Reconciler {
         };
         lock.finish(record).await?;
         Ok(report)
+    }
+
+    /// Every table source's capture triggers are in place and enabled; a repair reinstalls
+    /// the missing ones and schedules a full resync (what changed meanwhile was not queued).
+    async fn table_source_check(&self, repair: bool) -> Result<Finding, ReconcileError> {
+        use crate::store::table_source::{self, TableSourceError};
+        let pool = self.store.pool();
+        let mut f = Finding {
+            check: Check::TableSourceTriggers,
+            found: 0,
+            examples: vec![],
+            repaired: 0,
+            note: None,
+        };
+        let as_store = |e: TableSourceError| match e {
+            TableSourceError::Store(e) => ReconcileError::from(e),
+            other => ReconcileError::from(crate::store::StoreError::Target {
+                table: "embed_table_sources".into(),
+                problem: other.to_string(),
+            }),
+        };
+        for name in table_source::list(pool).await.map_err(as_store)? {
+            let source = table_source::load(pool, &name).await.map_err(as_store)?;
+            let missing = table_source::missing_triggers(pool, &source).await.map_err(as_store)?;
+            if missing.is_empty() {
+                continue;
+            }
+            f.found += missing.len() as u64;
+            f.add_examples(missing.iter().map(|t| format!("{name}: {t}")), self.config.examples);
+            if repair {
+                table_source::repair_triggers(pool, &source).await.map_err(as_store)?;
+                f.repaired += missing.len() as u64;
+            }
+        }
+        Ok(f)
     }
 
     async fn outbox_check(&self) -> Result<Finding, ReconcileError> {

@@ -166,6 +166,10 @@ pub enum Command {
     /// Revisions of a target: a new embedding model built beside the live one, switched to
     /// once it covers it, rolled back (docs/revisions.md).
     Revision(RevisionCommand),
+    /// Postgres tables as sources: register one (its capture triggers), list them, check
+    /// their triggers (docs/table-source.md). `ingest --from-table NAME` follows one.
+    #[command(subcommand)]
+    Source(SourceCommand),
     /// The operator console in the browser: DLQ overview, list, detail, bulk requeue/purge,
     /// live events, reconcile (token `EMBED_DLQ_CONSOLE_TOKEN` for actions).
     Console(ConsoleCommand),
@@ -179,6 +183,51 @@ pub enum Command {
         /// Which page.
         #[arg(value_enum)]
         page: ReferencePage,
+    },
+}
+
+/// `source`: Postgres tables followed by `ingest --from-table`.
+#[derive(Subcommand, Debug)]
+pub enum SourceCommand {
+    /// Register a table as a source and install its capture triggers, in one transaction: a
+    /// change committed after it is queued; the first follower snapshots what was there.
+    AddTable {
+        /// The source's name: 1..=40 of [a-z0-9_].
+        name: String,
+        /// The table followed (schema-qualified or on the search path).
+        #[arg(long)]
+        table: String,
+        /// The column whose value is the document id.
+        #[arg(long)]
+        key: String,
+        /// A row per chunk: the integer column holding the chunk index (default: a row is
+        /// one chunk, index 0).
+        #[arg(long)]
+        chunk_column: Option<String>,
+        /// The text embedded: `{column}` placeholders, `{{`/`}}` for braces, `\n` and `\t`
+        /// for a newline and a tab. An update that changes none of these columns (nor the
+        /// key) queues nothing and costs no provider call.
+        #[arg(long)]
+        text: String,
+        /// Columns kept as the chunk's metadata (in a parked chunk's DLQ payload).
+        #[arg(long, value_delimiter = ',')]
+        metadata: Vec<String>,
+        /// The vector table fed (default: the configured `[ingest] table`).
+        #[arg(long)]
+        target: Option<String>,
+    },
+    /// Reinstall a source's missing or disabled capture triggers and resync the table with
+    /// a full cleanup at the next follow (what changed meanwhile was never queued).
+    Repair {
+        /// The source's name.
+        name: String,
+    },
+    /// List the sources: table, target, snapshot state, queue depth and lag, triggers.
+    /// Exits 5 when a source's capture trigger is missing or disabled.
+    List {
+        /// Print JSON on stdout.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -238,9 +287,14 @@ pub struct IngestCommand {
     #[command(flatten)]
     pub source: SourceArgs,
     /// With --from-stream: stop once no entry has arrived for this long and the group has
-    /// nothing pending (a batch run over what the stream holds), 0..=86400000 ms.
+    /// nothing pending (a batch run over what the stream holds), 0..=86400000 ms. With
+    /// --from-table: once the change queue has been empty this long.
     #[arg(long, value_name = "MS")]
     pub idle_exit_ms: Option<u64>,
+    /// Follow a table source registered with `source add-table` (docs/table-source.md):
+    /// snapshot it if it was not yet, then apply its queued changes as they come.
+    #[arg(long, value_name = "NAME", conflicts_with = "dry_run")]
+    pub from_table: Option<String>,
 }
 
 /// The arguments of `serve`.

@@ -42,9 +42,17 @@ pub async fn command_as(
         dry_run,
         source,
         idle_exit_ms,
+        from_table,
     } = args;
     // A stream source only with --from-stream: a `[source]` in the config file is `serve`'s.
     let from_stream = !source.streams.is_empty();
+    if let Some(name) = from_table {
+        if from_stream || input != "-" || kind == Run::Backfill {
+            return exit::fail(exit::USAGE, "--from-table reads the table: no input file, no --from-stream");
+        }
+        let flags = FileConfig { provider: *provider, ingest: *ingest, retry: *retry, ..Default::default() };
+        return run_table(resolver, flags, &name, idle_exit_ms, yes, json, metrics_addr, cancel).await;
+    }
     if from_stream && input != "-" {
         return exit::fail(exit::USAGE, "give either an input file or --from-stream, not both");
     }
@@ -102,6 +110,99 @@ pub async fn command_as(
         return run_source(settings, opts, json, cancel).await;
     }
     run(settings, &input, kind, json, !no_progress, cancel).await
+}
+
+/// Follows table source `name` until stopped (or idle, with `--idle-exit-ms`).
+#[allow(clippy::too_many_arguments)]
+async fn run_table(
+    resolver: &Resolver,
+    mut flags: FileConfig,
+    name: &str,
+    idle_exit_ms: Option<u64>,
+    yes: bool,
+    json: bool,
+    metrics_addr: Option<std::net::SocketAddr>,
+    cancel: CancellationToken,
+) -> i32 {
+    use embed_dlq::store::table_source;
+    if idle_exit_ms.is_some_and(|ms| ms > 86_400_000) {
+        return exit::fail(exit::USAGE, "--idle-exit-ms is out of range 0..=86400000");
+    }
+    let source = {
+        let Ok((_, url)) = resolver.with_database(FileConfig::default()) else {
+            return exit::fail(
+                exit::USAGE,
+                "--from-table needs the database: set DATABASE_URL or --database-url",
+            );
+        };
+        let pool = match embed_dlq::store::connect(&url, 1).await {
+            Ok(p) => p,
+            Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+        };
+        match table_source::load(&pool, name).await {
+            Ok(s) => s,
+            Err(e) => return exit::fail(exit::USAGE, &e.to_string()),
+        }
+    };
+    flags.ingest.table = Some(source.target_table.clone());
+    let settings = match resolver.settings(flags).and_then(|s| {
+        super::warn_missing_api_key(&s);
+        s.ingest()
+    }) {
+        Ok(s) => s,
+        Err(e) => return exit::usage(&e),
+    };
+    if settings.options.cleanup.mode != embed_dlq::ingest::CleanupMode::None {
+        return exit::fail(
+            exit::USAGE,
+            "--cleanup goes with a corpus run: a table source deletes what its table deletes",
+        );
+    }
+    if let Some(addr) = metrics_addr
+        && let Err(e) = embed_dlq::metrics::install(addr)
+    {
+        return exit::fail(exit::FAILURE, &e.to_string());
+    }
+    let mut pipeline = match settings.pipeline().await {
+        Ok(p) => p,
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
+    pipeline.options.progress = false;
+    let options = embed_dlq::ingest::table::FollowOptions {
+        idle_exit: idle_exit_ms.map(std::time::Duration::from_millis),
+        confirmed: yes,
+        ..Default::default()
+    };
+    tracing::info!(source = name, table = %source.table, target = %source.target_table, "following a table source");
+    match pipeline.follow_table(&source, options, cancel.clone()).await {
+        Ok(done) => {
+            if json {
+                println!("{}", serde_json::to_string(&done).unwrap_or_default());
+            } else {
+                println!(
+                    "table source {name}: {} snapshot(s), {} changes applied in {} segment(s), {} left queued",
+                    done.snapshots, done.changes_applied, done.segments, done.changes_retried
+                );
+                print_summary(&done.ingest, false);
+            }
+            if cancel.is_cancelled() { exit::INTERRUPTED } else { exit::OK }
+        }
+        Err(IngestError::CleanupRefused { reason, summary }) => {
+            print_summary(&summary, json);
+            exit::fail(
+                exit::USAGE,
+                &format!("{reason} (the table was truncated: rerun with --yes to resync it)"),
+            )
+        }
+        Err(IngestError::Provider { stop, summary }) => {
+            print_summary(&summary, json);
+            exit::fail(
+                exit::PROVIDER_STOP,
+                &format!("{stop}. Nothing was parked for this; the changes stay queued."),
+            )
+        }
+        Err(e) => exit::fail(exit::FAILURE, &e.to_string()),
+    }
 }
 
 /// Ingests from Redis Stream(s) until stopped (or drained, with `--idle-exit-ms`).

@@ -22,6 +22,7 @@ mod reconcile;
 mod render;
 mod revision;
 mod serve;
+mod source;
 mod tail;
 
 use embed_dlq::config::{ConfigError, ConfigFile, FileConfig, Origins, ServiceArgs, Settings};
@@ -78,6 +79,7 @@ async fn dispatch(cli: Cli, cancel: CancellationToken) -> i32 {
         Command::Dlq(args) => dlq::command(&resolver, args).await,
         Command::Revision(args) => revision::command(&resolver, args, cancel).await,
         Command::Console(args) => console::command(&resolver, args, cancel).await,
+        Command::Source(args) => source::command(&resolver, args).await,
         Command::MockProvider(args) => mock::command(args, cancel).await,
         Command::Demo(args) => demo::command(&resolver, args, cancel).await,
         Command::Reference { page } => {

@@ -97,14 +97,23 @@ impl Feed {
     /// as parsed lines ([`Record::from_chunk`]).
     pub(super) async fn read_chunks<S: futures::Stream<Item = Chunk>>(self, chunks: S) {
         use futures::StreamExt;
-        let mut chunks = std::pin::pin!(chunks);
-        let mut handoff = Handoff::default();
         let mut position = 0u64;
-        loop {
-            let Some(Some(chunk)) = self.next_or_halt(&mut handoff, chunks.next()).await else { break };
+        self.read_records(chunks.map(move |chunk| {
             position += 1;
+            Record::from_chunk(position, chunk)
+        }))
+        .await
+    }
+
+    /// Like [`Feed::read_chunks`], for records already made (a table source's chunks and
+    /// deletes), each with its 1-based position in the stream as its line.
+    pub(super) async fn read_records<S: futures::Stream<Item = Record>>(self, records: S) {
+        use futures::StreamExt;
+        let mut records = std::pin::pin!(records);
+        let mut handoff = Handoff::default();
+        loop {
+            let Some(Some(rec)) = self.next_or_halt(&mut handoff, records.next()).await else { break };
             self.lines_read.fetch_add(1, Ordering::Relaxed);
-            let rec = Record::from_chunk(position, chunk);
             // The record's own size stands in for the line a JSONL record is charged first:
             // together about twice the record, like a parsed line.
             if !self.charge_into(&mut handoff, rec.approx_bytes()).await

@@ -49,6 +49,7 @@ pub(crate) mod lease;
 pub(crate) mod reader;
 mod seen;
 pub mod source;
+pub mod table;
 mod worker;
 mod writer;
 
@@ -396,6 +397,9 @@ pub enum IngestError {
     /// and a rerun of the same corpus does them.
     #[error("{0}")]
     Store(#[from] StoreError),
+    /// A table source cannot be followed (unknown, misconfigured, or followed already).
+    #[error("{0}")]
+    TableSource(#[from] crate::store::table_source::TableSourceError),
     /// A full cleanup was refused (the input was not read to its end, too many rejected lines,
     /// too large a share of the table): the run's writes are done, nothing was deleted.
     #[error("{reason}")]
@@ -524,6 +528,19 @@ impl Pipeline {
         S: futures::Stream<Item = Chunk> + Send + 'static,
     {
         self.execute(cancel, move |feed| feed.read_chunks(chunks)).await
+    }
+
+    /// One run over records a source made (chunks and deletes, e.g. a table source's): the
+    /// same pipeline as [`Pipeline::run_chunks`], a record's position being when the run read it.
+    pub(crate) async fn run_records<S>(
+        &self,
+        records: S,
+        cancel: CancellationToken,
+    ) -> Result<IngestSummary, IngestError>
+    where
+        S: futures::Stream<Item = reader::Record> + Send + 'static,
+    {
+        self.execute(cancel, move |feed| feed.read_records(records)).await
     }
 
     /// One run whose records come from the task `read` makes of its [`Feed`], with the

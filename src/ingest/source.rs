@@ -226,7 +226,7 @@ pub struct SourceError(
 
 impl IngestSummary {
     /// Adds a later segment's summary to this one.
-    fn absorb(&mut self, o: IngestSummary) {
+    pub(super) fn absorb(&mut self, o: IngestSummary) {
         self.lines_read += o.lines_read;
         self.records += o.records;
         self.stored += o.stored;

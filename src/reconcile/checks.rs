@@ -36,11 +36,14 @@ pub enum Check {
     OrphanStreamEntries,
     /// Rows due for replay for longer than the threshold: the replayers are not draining.
     ReplayStalled,
+    /// Capture triggers a table source needs that its table lacks or has disabled: the
+    /// table's changes are not reaching the vectors (docs/table-source.md).
+    TableSourceTriggers,
 }
 
 impl Check {
     /// Every check, in the order a report lists them.
-    pub const ALL: [Check; 11] = [
+    pub const ALL: [Check; 12] = [
         Check::Leaks,
         Check::Duplicates,
         Check::StoredDrift,
@@ -52,6 +55,7 @@ impl Check {
         Check::LostReplayWork,
         Check::OrphanStreamEntries,
         Check::ReplayStalled,
+        Check::TableSourceTriggers,
     ];
 
     /// Label value and report name.
@@ -68,6 +72,7 @@ impl Check {
             Check::LostReplayWork => "lost_replay_work",
             Check::OrphanStreamEntries => "orphan_stream_entries",
             Check::ReplayStalled => "replay_stalled",
+            Check::TableSourceTriggers => "table_source_triggers",
         }
     }
 
@@ -82,6 +87,9 @@ impl Check {
             Check::MissingEvents => Some("re-publish from the outbox"),
             Check::LostReplayWork => Some("release the leases: the scheduler issues the work again"),
             Check::OrphanStreamEntries => Some("acknowledge and delete the entries"),
+            Check::TableSourceTriggers => {
+                Some("reinstall the triggers and resync the table with a full cleanup at the next follow")
+            }
             Check::OutboxBacklog | Check::ReplayStalled => None,
         }
     }

@@ -47,6 +47,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0026_revisions.sql",
     "0027_event_revision.sql",
     "0028_revision_switch.sql",
+    "0029_table_sources.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

@@ -34,6 +34,7 @@ pub mod position;
 pub mod prefix;
 pub mod revision;
 pub(crate) mod source;
+pub mod table_source;
 pub(crate) mod write;
 
 use park::OnNewerParked;

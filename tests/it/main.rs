@@ -35,4 +35,5 @@ mod streams;
 mod superseded;
 mod support;
 mod sweeps;
+mod table_source;
 mod webdriver;

@@ -1,0 +1,308 @@
+//! A Postgres table as the input of ingest: `ingest --from-table NAME`, after `source
+//! add-table` registered it (docs/table-source.md).
+//!
+//! ```text
+//! user's transaction ──trigger──> embed_table_changes (keys) ──follower──> read the rows now
+//!                                                                   └──> pipeline run (chunks, deletes)
+//!                                         delete the changes <── every record settled
+//! ```
+//!
+//! - **Snapshot first.** A source not yet snapshotted (just added, or truncated since) is
+//!   read whole in key order, page by page, as one pipeline run; only when every row of it
+//!   settled is it marked done. Changes queued meanwhile are applied after it, reading the
+//!   rows again: no gap, and a row the snapshot already read at its newest is skipped as
+//!   unchanged, with no provider call.
+//! - **Changes in segments.** Up to `segment_changes` queued changes are collapsed by key,
+//!   their rows read as they are now, and run as one pipeline run: a row present is a chunk
+//!   (stored, skipped as unchanged, or parked), a row gone is a delete. The changes are
+//!   deleted only once the run settled every record, so a follower killed at any point
+//!   leaves them queued, and the next one reads the same rows again.
+//! - **Positions.** A run's positions are taken when it starts, and every read of a row
+//!   happens after the change that queued it committed: a later segment carries later
+//!   positions and reads later states, so an older text never overwrites a newer one.
+//! - **One follower a source** (a session advisory lock); a second one fails at once.
+//! - **TRUNCATE** queues a marker: the changes before it are dropped and the table is
+//!   resynced with a full cleanup (`--cleanup full`, under its guard: `--yes` to delete more
+//!   than `cleanup_max_fraction`).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::cleanup::CleanupMode;
+use super::reader::Record;
+use super::{IngestError, IngestSummary, Pipeline};
+use crate::model::Chunk;
+use crate::store::StoreError;
+use crate::store::table_source::{self, Change, SourceRow, TableSource, TableSourceError};
+
+/// Rows read per snapshot page.
+pub const SNAPSHOT_PAGE_ROWS: i64 = 1_000;
+/// Bounds of `segment_changes`: changes applied per pipeline run.
+pub const SEGMENT_CHANGES: std::ops::RangeInclusive<i64> = 1..=100_000;
+/// Bounds of the poll interval when the queue is empty, in milliseconds.
+pub const POLL_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
+
+/// How a follower runs.
+#[derive(Debug, Clone)]
+pub struct FollowOptions {
+    /// Changes applied per pipeline run ([`SEGMENT_CHANGES`]; default 5,000).
+    pub segment_changes: i64,
+    /// Wait between polls of an empty queue ([`POLL_MS`]; default 200 ms).
+    pub poll: Duration,
+    /// Stop once the queue has been empty this long (a batch run); `None`: follow forever.
+    pub idle_exit: Option<Duration>,
+    /// `--yes`: a TRUNCATE's resync may delete more than `cleanup_max_fraction`.
+    pub confirmed: bool,
+}
+
+impl Default for FollowOptions {
+    fn default() -> Self {
+        FollowOptions {
+            segment_changes: 5_000,
+            poll: Duration::from_millis(200),
+            idle_exit: None,
+            confirmed: false,
+        }
+    }
+}
+
+impl FollowOptions {
+    fn within_bounds(&self) -> FollowOptions {
+        let poll = (self.poll.as_millis() as u64).clamp(*POLL_MS.start(), *POLL_MS.end());
+        FollowOptions {
+            segment_changes: self.segment_changes.clamp(*SEGMENT_CHANGES.start(), *SEGMENT_CHANGES.end()),
+            poll: Duration::from_millis(poll),
+            ..self.clone()
+        }
+    }
+}
+
+/// What a follower did until it stopped.
+#[derive(Debug, Default, Serialize)]
+pub struct FollowSummary {
+    /// Snapshots run to their end (the first one, and one per TRUNCATE).
+    pub snapshots: u64,
+    /// Change segments applied.
+    pub segments: u64,
+    /// Queued changes applied and deleted.
+    pub changes_applied: u64,
+    /// Changes whose segment left a record unsettled (left to a later segment).
+    pub changes_retried: u64,
+    /// The pipeline runs' summaries added up.
+    pub ingest: IngestSummary,
+}
+
+/// The key of the advisory lock that makes a source's follower the only one.
+fn lock_key(name: &str) -> String {
+    format!("embed-dlq:table-source:{name}")
+}
+
+impl Pipeline {
+    /// Follows `source` until `cancel` fires, the queue stays empty for `idle_exit`, or a
+    /// run fails; every change settled is deleted from the queue, every other one stays.
+    pub async fn follow_table(
+        &self,
+        source: &TableSource,
+        options: FollowOptions,
+        cancel: CancellationToken,
+    ) -> Result<FollowSummary, IngestError> {
+        let options = options.within_bounds();
+        let pool = self.store.pool.clone();
+        let mut lock = pool.acquire().await.map_err(StoreError::from)?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
+            .bind(lock_key(&source.name))
+            .fetch_one(&mut *lock)
+            .await
+            .map_err(StoreError::from)?;
+        if !locked {
+            return Err(TableSourceError::Invalid {
+                name: source.name.clone(),
+                problem: "another follower holds this source".into(),
+            }
+            .into());
+        }
+        let mut summary = FollowSummary::default();
+        let result = self.follow_locked(&pool, &source.name, &options, &cancel, &mut summary).await;
+        // Closing the session releases the lock; an explicit unlock would need it healthy.
+        drop(lock.detach());
+        result.map(|()| summary)
+    }
+
+    async fn follow_locked(
+        &self,
+        pool: &PgPool,
+        name: &str,
+        options: &FollowOptions,
+        cancel: &CancellationToken,
+        summary: &mut FollowSummary,
+    ) -> Result<(), IngestError> {
+        let mut idle_since = Instant::now();
+        while !cancel.is_cancelled() {
+            let source = table_source::load(pool, name).await?;
+            if !source.snapshot_done {
+                self.snapshot(pool, &source, options, cancel, summary).await?;
+                if cancel.is_cancelled() {
+                    break;
+                }
+                continue;
+            }
+            let (pending, age) = table_source::lag(pool, name).await?;
+            crate::metrics::table_source_lag(name, pending, age);
+            let changes = table_source::pending_changes(pool, name, options.segment_changes).await?;
+            if changes.is_empty() {
+                if options.idle_exit.is_some_and(|idle| idle_since.elapsed() >= idle) {
+                    break;
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(options.poll) => {}
+                }
+                continue;
+            }
+            idle_since = Instant::now();
+            if let Some(truncate) = changes.iter().find(|c| c.key.is_none()) {
+                tracing::info!(
+                    source = name,
+                    "a TRUNCATE of the source table: resyncing it with a full cleanup"
+                );
+                table_source::start_resync(pool, name, truncate.id).await?;
+                continue;
+            }
+            self.apply_changes(pool, &source, changes, cancel, summary).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads the whole table as one run; marks the snapshot done when every row settled.
+    async fn snapshot(
+        &self,
+        pool: &PgPool,
+        source: &TableSource,
+        options: &FollowOptions,
+        cancel: &CancellationToken,
+        summary: &mut FollowSummary,
+    ) -> Result<(), IngestError> {
+        let mut pipeline = self.clone();
+        if source.resync_full {
+            pipeline.options.cleanup.mode = CleanupMode::Full;
+            pipeline.options.cleanup.confirmed = options.confirmed;
+        }
+        let failed: Arc<Mutex<Option<TableSourceError>>> = Arc::default();
+        let pages = snapshot_rows(pool.clone(), source.clone(), failed.clone());
+        let run = pipeline.run_records(pages, cancel.clone()).await;
+        let read_error = failed.lock().unwrap().take();
+        let run = absorb(summary, run)?;
+        if let Some(e) = read_error {
+            return Err(e.into());
+        }
+        if settled(&run) && !cancel.is_cancelled() {
+            table_source::snapshot_done(pool, &source.name).await?;
+            summary.snapshots += 1;
+            tracing::info!(source = %source.name, rows = run.records, "snapshot done");
+        }
+        Ok(())
+    }
+
+    /// One segment: the changes' rows as they are now, as one run; the changes are deleted
+    /// once it settled every record.
+    async fn apply_changes(
+        &self,
+        pool: &PgPool,
+        source: &TableSource,
+        changes: Vec<Change>,
+        cancel: &CancellationToken,
+        summary: &mut FollowSummary,
+    ) -> Result<(), IngestError> {
+        let keys: BTreeMap<(String, i32), ()> =
+            changes.iter().filter_map(|c| c.key.clone()).map(|k| (k, ())).collect();
+        let mut docs: Vec<String> = keys.keys().map(|k| k.0.clone()).collect();
+        docs.dedup();
+        let mut rows = source.read_rows(pool, &docs).await?;
+        let records: Vec<Record> = keys
+            .into_keys()
+            .enumerate()
+            .map(|(i, key)| match rows.remove(&key) {
+                Some(row) => chunk_record(i as u64 + 1, row),
+                None => Record::Delete {
+                    line: i as u64 + 1,
+                    doc_id: key.0,
+                    chunk_index: source.chunk_column.as_ref().map(|_| key.1),
+                },
+            })
+            .collect();
+        let run = self.run_records(futures::stream::iter(records), cancel.clone()).await;
+        let run = absorb(summary, run)?;
+        summary.segments += 1;
+        if settled(&run) {
+            let ids: Vec<i64> = changes.iter().map(|c| c.id).collect();
+            table_source::delete_changes(pool, &source.name, &ids).await?;
+            summary.changes_applied += ids.len() as u64;
+        } else {
+            summary.changes_retried += changes.len() as u64;
+            if !cancel.is_cancelled() {
+                // Leased by another run, or a shutdown: try again shortly, not in a hot loop.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether every record of a run has its outcome written (stored, skipped, parked, deleted).
+fn settled(run: &IngestSummary) -> bool {
+    run.not_attempted == 0 && run.leased_elsewhere == 0 && run.stopped.is_none()
+}
+
+/// Adds a run's summary to the follower's; a failed run's error is returned as it is.
+fn absorb(
+    summary: &mut FollowSummary,
+    run: Result<IngestSummary, IngestError>,
+) -> Result<IngestSummary, IngestError> {
+    let run = run?;
+    summary.ingest.absorb(run.clone());
+    Ok(run)
+}
+
+/// A source row as the pipeline's record (a key that is no valid id is rejected by it).
+fn chunk_record(line: u64, row: SourceRow) -> Record {
+    let (doc_id, chunk_index) = row.key;
+    Record::from_chunk(line, Chunk { doc_id, chunk_index, text: row.text, metadata: row.metadata })
+}
+
+/// Every row of the source in key order, one page per statement; a read that fails ends the
+/// stream and is left in `failed` (the snapshot is then not done).
+fn snapshot_rows(
+    pool: PgPool,
+    source: TableSource,
+    failed: Arc<Mutex<Option<TableSourceError>>>,
+) -> impl futures::Stream<Item = Record> + Send + 'static {
+    use futures::StreamExt;
+    let state = (pool, source, None::<(String, i32)>, false, 0u64);
+    futures::stream::unfold(state, move |(pool, source, after, done, line)| {
+        let failed = failed.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let page = match source.page(&pool, after.as_ref(), SNAPSHOT_PAGE_ROWS).await {
+                Ok(page) => page,
+                Err(e) => {
+                    *failed.lock().unwrap() = Some(e);
+                    return None;
+                }
+            };
+            let last = page.last().map(|r| r.key.clone());
+            let done = (page.len() as i64) < SNAPSHOT_PAGE_ROWS;
+            let records: Vec<Record> =
+                page.into_iter().enumerate().map(|(i, row)| chunk_record(line + i as u64 + 1, row)).collect();
+            let line = line + records.len() as u64;
+            Some((futures::stream::iter(records), (pool, source, last.or(after), done, line)))
+        }
+    })
+    .flatten()
+}
