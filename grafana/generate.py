@@ -158,7 +158,8 @@ stage("Stream source", [
 ])
 
 stage("Table sources", [
-    {"title": "Table source lag", "description": "Per table source: the age of the oldest change its triggers queued that the follower has not applied (0 when the queue is empty). Alert EmbedDlqTableSourceBehind at 5 minutes (docs/table-source.md).", "unit": "s",
+    {"title": "Table source lag", "description": "Per table source: the age of the oldest change its triggers queued that the follower has not applied (0 when the queue is empty; sampled by serve and by the follower, docs/table-source.md).", "unit": "s",
+     "alert": ("EmbedDlqTableSourceBehind", 300),
      "targets": [(f"max by (source) (embed_dlq_table_source_lag_seconds{{{SEL}}})", "{{source}}")]},
     {"title": "Table source changes queued", "description": "Per table source: changes queued and not yet applied (embed_table_changes).",
      "targets": [(f"max by (source) (embed_dlq_table_source_changes{{{SEL}}})", "{{source}}")]},

@@ -54,6 +54,16 @@ pub(crate) async fn sample(
     if let Some(t) = last {
         gauge!(RECONCILE_LAST_SUCCESS).set(t);
     }
+    // Sampled here too, not only by the follower: a follower that is down is when the lag
+    // matters, and its own gauges went with it.
+    match crate::store::table_source::lags(pool).await {
+        Ok(lags) => {
+            for (name, changes, age) in lags {
+                crate::metrics::table_source_lag(&name, changes, age);
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "table source lag not sampled"),
+    }
     if let Some(redis) = redis {
         for shard in keys.shard_ids() {
             sample_shard(redis, keys, shard).await?;

@@ -269,7 +269,7 @@ pub(crate) fn describe() {
     );
     describe_gauge!(
         TABLE_SOURCE_CHANGES,
-        "Changes a table source's triggers queued that its follower has not applied yet (sampled each poll)."
+        "Changes a table source's triggers queued that its follower has not applied yet, up to 1,000,000 (sampled by the follower each poll and by serve)."
     );
     describe_gauge!(
         TABLE_SOURCE_LAG,

@@ -414,17 +414,32 @@ pub async fn repair_triggers(pool: &PgPool, source: &TableSource) -> Result<(), 
     Ok(())
 }
 
-/// Queue depth of a source: changes pending and the age of the oldest, in seconds.
+/// Most changes counted for a source's queue depth: the count reads the queue's index, so
+/// it is capped to keep a sample cheap behind a huge backlog (the age is exact anyway).
+pub const LAG_COUNT_CAP: i64 = 1_000_000;
+
+/// Queue depth of a source (at most [`LAG_COUNT_CAP`]) and the age of its oldest change in
+/// seconds (0 when empty).
 pub async fn lag(pool: &PgPool, name: &str) -> Result<(i64, f64), TableSourceError> {
-    let r = sqlx::query(
-        "SELECT count(*) AS n,
-                COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(queued_at)), 0)::float8 AS age
-           FROM embed_table_changes WHERE source = $1",
+    let all = lags(pool).await?;
+    Ok(all.into_iter().find(|(n, _, _)| n == name).map_or((0, 0.0), |(_, c, a)| (c, a)))
+}
+
+/// [`lag`] of every registered source: `(name, changes, oldest age in seconds)`.
+pub async fn lags(pool: &PgPool) -> Result<Vec<(String, i64, f64)>, TableSourceError> {
+    let rows = sqlx::query(
+        "SELECT s.name,
+                (SELECT count(*) FROM (SELECT 1 FROM embed_table_changes c
+                                        WHERE c.source = s.name LIMIT $1) x) AS n,
+                COALESCE(EXTRACT(EPOCH FROM clock_timestamp() -
+                         (SELECT c.queued_at FROM embed_table_changes c
+                           WHERE c.source = s.name ORDER BY c.id LIMIT 1)), 0)::float8 AS age
+           FROM embed_table_sources s ORDER BY s.name",
     )
-    .bind(name)
-    .fetch_one(pool)
+    .bind(LAG_COUNT_CAP)
+    .fetch_all(pool)
     .await?;
-    Ok((r.get("n"), r.get("age")))
+    Ok(rows.into_iter().map(|r| (r.get("name"), r.get("n"), r.get("age"))).collect())
 }
 
 /// The oldest `limit` changes of a source, in queue order.
