@@ -13,8 +13,10 @@
 //!   corpus run alone uses [`Store::lookup_window`], which only reads, unless a stream source
 //!   feeds the table: then its unchanged skips move their rows' positions, see
 //!   `CLAIM_WINDOW_SQL`). When a
-//!   run starts beside an older one, the older one starts claiming at its next window; what
-//!   it had in flight before then may be embedded twice (a few windows at most).
+//!   run starts beside an older one, the older one starts claiming at its next window, and
+//!   what it had queued without leases is claimed by its workers before it is sent
+//!   (`worker::LateClaims`, one lock-table read a request while alone): what may be embedded
+//!   twice is what it had at the provider when the other began.
 //! - A backfill (`revision backfill`) never claims a lease ([`LeaseClaims::Never`]): it must
 //!   finish every chunk it copies even beside `serve`, which writes every revision.
 //! - A lease is live while it has not expired (`[ingest] lease_secs`) and its run still holds
@@ -236,6 +238,27 @@ impl Store {
         Ok(Some(claims))
     }
 }
+
+impl Store {
+    /// Whether another ingest run of this database is alive (holds its advisory lock): asked
+    /// before a request built without leases is sent (`worker::LateClaims`).
+    pub(crate) async fn other_run_alive(&self, run_id: i64) -> Result<bool, StoreError> {
+        Ok(sqlx::query_scalar(OTHER_RUN_ALIVE_SQL)
+            .bind(run_id)
+            .fetch_one(self.lookup_pool.as_ref().unwrap_or(&self.pool))
+            .await?)
+    }
+}
+
+/// [`Store::other_run_alive`]'s statement: the `live` runs of [`CLAIM_WINDOW_SQL`] but `$1`.
+const OTHER_RUN_ALIVE_SQL: &str = r#"
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+     WHERE locktype = 'advisory' AND granted AND objsubid = 2
+       AND classid = embed_dlq_lease_lock_space()::oid
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND objid::bigint <> $1::bigint)
+"#;
 
 /// The manifest ranges that cover a window's keys, for [`Store::lookup_window`], and which
 /// key each chunk of a range is. One `(doc_id, first, last)` chunk range per run of keys of

@@ -613,7 +613,7 @@ impl Pipeline {
         let (lines_read, input_error) = (feed.lines_read.clone(), feed.error.clone());
         // Beside the batcher, not taking turns with it on one worker (see the method).
         tasks.spawn_on_own_thread("ingest reader", read(feed));
-        let jobs = self.spawn_workers_and_writers(&mut tasks, &run);
+        let jobs = self.spawn_workers_and_writers(&mut tasks, &run, run_id);
         let first_position = positions.first();
         let (intake_error, batcher_failure) =
             self.batch_intake(&mut rec_rx, &jobs, &run, run_id, positions).await;
@@ -651,8 +651,12 @@ impl Pipeline {
     }
 
     /// Starts the writers and the workers; returns the workers' job queue.
-    fn spawn_workers_and_writers(&self, tasks: &mut Supervisor, run: &RunState) -> flume::Sender<Job> {
+    fn spawn_workers_and_writers(&self, tasks: &mut Supervisor, run: &RunState, run_id: i64) -> flume::Sender<Job> {
         let opts = &self.options;
+        // A corpus run may be alone, building requests without leases; a stream run's
+        // skips must be acknowledged to its source and a backfill never leases.
+        let late_claims = (run.acks.is_none() && opts.copy_of.is_none())
+            .then(|| Arc::new(LateClaims { store: self.store.clone(), run_id, lease: opts.lease }));
         // Multi-consumer channels: an idle writer or worker waits on the channel itself,
         // never on a lock another one needs to make progress.
         let (out_tx, out_rx) = flume::bounded::<Outcomes>(opts.concurrency * 2);
@@ -677,6 +681,7 @@ impl Pipeline {
                 cancel: run.cancel.clone(),
                 halt: run.halt.clone(),
                 writer: out_tx.clone(),
+                late_claims: late_claims.clone(),
             };
             tasks.spawn(format!("ingest worker {n}"), worker.run(job_rx.clone()));
         }

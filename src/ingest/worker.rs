@@ -17,6 +17,98 @@ pub(super) struct Worker {
     pub(super) cancel: CancellationToken,
     pub(super) halt: CancellationToken,
     pub(super) writer: flume::Sender<Outcomes>,
+    /// Set for a corpus run: its requests built while it was alone are claimed before they
+    /// are sent if another run has begun since.
+    pub(super) late_claims: Option<Arc<LateClaims>>,
+}
+
+/// A run alone past its first windows builds its requests without leases (`lease.rs`); a run
+/// that starts beside it meanwhile cannot see what it has queued and would embed all of it
+/// again (two runs started after the first one's leased windows re-sent 4,608 and 4,928
+/// inputs for 4,000 chunks). So before a request with an unleased chunk is sent, the worker
+/// asks whether another run is alive, and if so claims the request's unleased chunks as a
+/// window would: what another run holds or has finished is dropped, the rest is leased. What
+/// is sent twice is then at most what the lone run had at the provider when the other began.
+pub(super) struct LateClaims {
+    pub(super) store: Store,
+    pub(super) run_id: i64,
+    pub(super) lease: Duration,
+}
+
+impl LateClaims {
+    /// The job as it may be sent now. A failed check or claim sends it as it is: leases only
+    /// save provider calls, every write is fenced by its position anyway.
+    async fn claim(&self, mut job: Job, tally: &Mutex<Tally>) -> Job {
+        if job.embed.iter().all(|c| c.leased) {
+            return job;
+        }
+        match with_db_retry(|| self.store.other_run_alive(self.run_id)).await {
+            Ok(true) => {}
+            Ok(false) => return job,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not ask whether another ingest run is alive; sending the request");
+                return job;
+            }
+        }
+        let (unleased, mut kept): (Vec<Claimed>, Vec<Claimed>) = job.embed.drain(..).partition(|c| !c.leased);
+        let keys: Vec<WindowKey<'_>> = unleased
+            .iter()
+            .map(|c| WindowKey {
+                doc_id: &c.chunk.doc_id,
+                chunk_index: c.chunk.chunk_index,
+                content_hash: &c.hash,
+                source_seq: c.seq,
+                embeds: true,
+                // A repeat in the run is skipped only if the manifest holds its content at a
+                // position this claim confirmed (racing, below), never on a lookup alone.
+                repeated: false,
+            })
+            .collect();
+        // Racing: another run is alive, so a skip must move the manifest's position up.
+        let answer = with_db_retry(|| {
+            self.store.claim_window(&keys, self.run_id, self.lease, LeaseClaims::WhileShared, true)
+        })
+        .await;
+        drop(keys);
+        let claims = match answer {
+            Ok((claims, _)) => claims,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not claim the leases of a request built alone; sending it");
+                kept.extend(unleased);
+                job.embed = kept;
+                return job;
+            }
+        };
+        let (mut unchanged, mut already_parked, mut elsewhere) = (0u64, 0u64, Vec::new());
+        for (mut c, claim) in unleased.into_iter().zip(claims) {
+            match claim.manifest {
+                _ if claim.leased_elsewhere => elsewhere.push((c.chunk.doc_id, c.chunk.chunk_index)),
+                Some((true, ChunkStatus::Stored)) if claim.confirmed => unchanged += 1,
+                Some((true, ChunkStatus::Parked | ChunkStatus::Exhausted)) if claim.confirmed => {
+                    already_parked += 1
+                }
+                _ => {
+                    c.leased = claim.leased;
+                    kept.push(c);
+                }
+            }
+        }
+        job.embed = kept;
+        let revision = self.store.target().revision;
+        for (reason, n) in [
+            ("unchanged", unchanged),
+            ("already_parked", already_parked),
+            ("leased_elsewhere", elsewhere.len() as u64),
+        ] {
+            crate::metrics::skipped(revision, reason, n);
+        }
+        let mut t = tally.lock().unwrap();
+        t.summary.unchanged += unchanged;
+        t.summary.already_parked += already_parked;
+        t.summary.leased_elsewhere += elsewhere.len() as u64;
+        t.summary.note_unfinished(elsewhere.iter().map(|(d, i)| (d.as_str(), *i)));
+        job
+    }
 }
 
 impl Worker {
@@ -39,6 +131,10 @@ impl Worker {
 
     pub(super) async fn process(&self, job: Job) -> Option<Outcomes> {
         crate::failpoint::hit!("ingest_worker");
+        let job = match &self.late_claims {
+            Some(late) => late.claim(job, &self.tally).await,
+            None => job,
+        };
         let mut stats = BatchStats::default();
         let mut out =
             Outcomes { store: Vec::with_capacity(job.embed.len()), park: job.park, charge: job.charge };
