@@ -215,10 +215,32 @@ pub enum SourceCommand {
         /// The vector table fed (default: the configured `[ingest] table`).
         #[arg(long)]
         target: Option<String>,
+        /// A row holds a whole document: cut it into chunks of at most N characters
+        /// (16..=100000), chunk 0 first. An edit re-embeds only the chunks whose text
+        /// changed; a shorter document's trailing chunks are deleted.
+        #[arg(long, value_name = "N", conflicts_with_all = ["chunk_column", "chunk_tokens"])]
+        chunk_chars: Option<u32>,
+        /// As --chunk-chars, in cl100k_base tokens (8..=8191: the tokenizer and input limit
+        /// of OpenAI's embedding models).
+        #[arg(long, value_name = "N", conflicts_with = "chunk_column")]
+        chunk_tokens: Option<u32>,
+        /// Characters or tokens of a chunk's end repeated at the next one's start (below the
+        /// chunk size).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        chunk_overlap: u32,
+        /// Cut at Markdown's structure first (headings, blocks, lists), then at sentences.
+        #[arg(long)]
+        markdown: bool,
     },
     /// Reinstall a source's missing or disabled capture triggers and resync the table with
     /// a full cleanup at the next follow (what changed meanwhile was never queued).
     Repair {
+        /// The source's name.
+        name: String,
+    },
+    /// Unregister a source: drop its capture triggers and its queue (refused while its
+    /// follower runs). The vectors it wrote stay in the vector table.
+    Remove {
         /// The source's name.
         name: String,
     },

@@ -1,7 +1,7 @@
 //! `source add-table` and `source list`: Postgres tables as sources (docs/table-source.md).
 
 use embed_dlq::config::{FileConfig, IngestArgs};
-use embed_dlq::store::table_source::{self, TableSourceSpec};
+use embed_dlq::store::table_source::{self, ChunkUnit, Chunking, TableSourceSpec};
 
 use super::args::SourceCommand;
 use super::{Resolver, exit};
@@ -10,7 +10,7 @@ use super::{Resolver, exit};
 pub async fn command(resolver: &Resolver, args: SourceCommand) -> i32 {
     let target = match &args {
         SourceCommand::AddTable { target, .. } => target.clone(),
-        SourceCommand::List { .. } | SourceCommand::Repair { .. } => None,
+        SourceCommand::List { .. } | SourceCommand::Repair { .. } | SourceCommand::Remove { .. } => None,
     };
     let flags =
         FileConfig { ingest: IngestArgs { table: target, ..Default::default() }, ..Default::default() };
@@ -23,7 +23,31 @@ pub async fn command(resolver: &Resolver, args: SourceCommand) -> i32 {
         Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
     };
     match args {
-        SourceCommand::AddTable { name, table, key, chunk_column, text, metadata, target: _ } => {
+        SourceCommand::AddTable {
+            name,
+            table,
+            key,
+            chunk_column,
+            text,
+            metadata,
+            target: _,
+            chunk_chars,
+            chunk_tokens,
+            chunk_overlap,
+            markdown,
+        } => {
+            let chunking = match (chunk_chars, chunk_tokens) {
+                (Some(size), _) => Some((ChunkUnit::Chars, size)),
+                (None, Some(size)) => Some((ChunkUnit::Tokens, size)),
+                (None, None) if chunk_overlap > 0 || markdown => {
+                    return exit::fail(
+                        exit::USAGE,
+                        "--chunk-overlap and --markdown go with --chunk-chars or --chunk-tokens",
+                    );
+                }
+                (None, None) => None,
+            }
+            .map(|(unit, size)| Chunking { unit, size, overlap: chunk_overlap, markdown });
             let spec = TableSourceSpec {
                 name,
                 table,
@@ -32,6 +56,7 @@ pub async fn command(resolver: &Resolver, args: SourceCommand) -> i32 {
                 template: unescape(&text),
                 metadata_columns: metadata,
                 target_table: settings.table.clone(),
+                chunking,
             };
             match table_source::add_table(&pool, &spec).await {
                 Ok(s) => {
@@ -46,6 +71,23 @@ pub async fn command(resolver: &Resolver, args: SourceCommand) -> i32 {
             }
         }
         SourceCommand::List { json } => list(&pool, json).await,
+        SourceCommand::Remove { name } => {
+            let removed = async {
+                let s = table_source::load(&pool, &name).await?;
+                table_source::remove_table(&pool, &s).await.map(|()| s)
+            };
+            match removed.await {
+                Ok(s) => {
+                    println!(
+                        "table source {} removed: its triggers on {} are dropped; the vectors it wrote stay in {}",
+                        s.name, s.table, s.target_table
+                    );
+                    exit::OK
+                }
+                Err(table_source::TableSourceError::Store(e)) => exit::fail(exit::FAILURE, &e.to_string()),
+                Err(e) => exit::fail(exit::USAGE, &e.to_string()),
+            }
+        }
         SourceCommand::Repair { name } => {
             let repaired = async {
                 let s = table_source::load(&pool, &name).await?;
@@ -107,7 +149,7 @@ async fn list(pool: &sqlx::PgPool, json: bool) -> i32 {
                 broken |= !missing.is_empty();
                 rows.push(serde_json::json!({
                     "name": s.name, "table": s.table, "target": s.target_table, "key": s.key_column,
-                    "chunk_column": s.chunk_column, "template": s.template.source(),
+                    "chunk_column": s.chunk_column, "chunking": s.chunking, "template": s.template.source(),
                     "snapshot_done": s.snapshot_done, "resync_full": s.resync_full,
                     "changes_pending": changes, "lag_seconds": lag, "missing_triggers": missing,
                 }));

@@ -49,6 +49,7 @@ pub(crate) mod lease;
 pub(crate) mod reader;
 mod seen;
 pub mod source;
+mod split;
 pub mod table;
 mod worker;
 mod writer;
@@ -651,7 +652,12 @@ impl Pipeline {
     }
 
     /// Starts the writers and the workers; returns the workers' job queue.
-    fn spawn_workers_and_writers(&self, tasks: &mut Supervisor, run: &RunState, run_id: i64) -> flume::Sender<Job> {
+    fn spawn_workers_and_writers(
+        &self,
+        tasks: &mut Supervisor,
+        run: &RunState,
+        run_id: i64,
+    ) -> flume::Sender<Job> {
         let opts = &self.options;
         // A corpus run may be alone, building requests without leases; a stream run's
         // skips must be acknowledged to its source and a backfill never leases.

@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::cleanup::CleanupMode;
 use super::reader::Record;
+use super::split::Splitter;
 use super::{IngestError, IngestSummary, Pipeline};
 use crate::model::Chunk;
 use crate::store::StoreError;
@@ -97,11 +98,6 @@ pub struct FollowSummary {
     pub ingest: IngestSummary,
 }
 
-/// The key of the advisory lock that makes a source's follower the only one.
-fn lock_key(name: &str) -> String {
-    format!("embed-dlq:table-source:{name}")
-}
-
 impl Pipeline {
     /// Follows `source` until `cancel` fires, the queue stays empty for `idle_exit`, or a
     /// run fails; every change settled is deleted from the queue, every other one stays.
@@ -115,7 +111,7 @@ impl Pipeline {
         let pool = self.store.pool.clone();
         let mut lock = pool.acquire().await.map_err(StoreError::from)?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
-            .bind(lock_key(&source.name))
+            .bind(table_source::follower_lock_key(&source.name))
             .fetch_one(&mut *lock)
             .await
             .map_err(StoreError::from)?;
@@ -193,7 +189,8 @@ impl Pipeline {
             pipeline.options.cleanup.confirmed = options.confirmed;
         }
         let failed: Arc<Mutex<Option<TableSourceError>>> = Arc::default();
-        let pages = snapshot_rows(pool.clone(), source.clone(), failed.clone());
+        let target = self.store.target().name.clone();
+        let pages = snapshot_rows(pool.clone(), source.clone(), target, failed.clone());
         let run = pipeline.run_records(pages, cancel.clone()).await;
         let read_error = failed.lock().unwrap().take();
         let run = absorb(summary, run)?;
@@ -223,18 +220,26 @@ impl Pipeline {
         let mut docs: Vec<String> = keys.keys().map(|k| k.0.clone()).collect();
         docs.dedup();
         let mut rows = source.read_rows(pool, &docs).await?;
-        let records: Vec<Record> = keys
-            .into_keys()
-            .enumerate()
-            .map(|(i, key)| match rows.remove(&key) {
-                Some(row) => chunk_record(i as u64 + 1, row),
-                None => Record::Delete {
-                    line: i as u64 + 1,
+        let splitter = splitter_of(source)?;
+        let mut records = Vec::with_capacity(keys.len());
+        let mut counts = Vec::new();
+        for key in keys.into_keys() {
+            let line = records.len() as u64 + 1;
+            match rows.remove(&key) {
+                Some(row) => {
+                    let (doc, n) = row_records(splitter.as_ref(), line, row, &mut records);
+                    if splitter.is_some() {
+                        counts.push((doc, n));
+                    }
+                }
+                None => records.push(Record::Delete {
+                    line,
                     doc_id: key.0,
                     chunk_index: source.chunk_column.as_ref().map(|_| key.1),
-                },
-            })
-            .collect();
+                }),
+            }
+        }
+        trailing_deletes(pool, &self.store.target().name, &counts, 0, &mut records).await?;
         let run = self.run_records(futures::stream::iter(records), cancel.clone()).await;
         let run = absorb(summary, run)?;
         summary.segments += 1;
@@ -268,10 +273,81 @@ fn absorb(
     Ok(run)
 }
 
-/// A source row as the pipeline's record (a key that is no valid id is rejected by it).
-fn chunk_record(line: u64, row: SourceRow) -> Record {
+/// The cut of a source whose rows hold whole documents.
+fn splitter_of(source: &TableSource) -> Result<Option<Splitter>, TableSourceError> {
+    source
+        .chunking
+        .as_ref()
+        .map(Splitter::new)
+        .transpose()
+        .map_err(|problem| TableSourceError::Invalid { name: source.name.clone(), problem })
+}
+
+/// A source row as the pipeline's records, numbered from `line`: one chunk, or the chunks
+/// `splitter` cuts its text into (a key that is no valid id is rejected by the pipeline).
+/// Returns the document id and how many chunks it has now.
+fn row_records(
+    splitter: Option<&Splitter>,
+    line: u64,
+    row: SourceRow,
+    out: &mut Vec<Record>,
+) -> (String, i32) {
     let (doc_id, chunk_index) = row.key;
-    Record::from_chunk(line, Chunk { doc_id, chunk_index, text: row.text, metadata: row.metadata })
+    let Some(splitter) = splitter else {
+        out.push(Record::from_chunk(
+            line,
+            Chunk { doc_id: doc_id.clone(), chunk_index, text: row.text, metadata: row.metadata },
+        ));
+        return (doc_id, 1);
+    };
+    let chunks = splitter.split(&row.text);
+    // More chunks than an index holds cannot come from a bounded text; capped all the same.
+    let n = chunks.len().min(i32::MAX as usize);
+    for (i, text) in chunks.into_iter().take(n).enumerate() {
+        let chunk =
+            Chunk { doc_id: doc_id.clone(), chunk_index: i as i32, text, metadata: row.metadata.clone() };
+        out.push(Record::from_chunk(line + i as u64, chunk));
+    }
+    (doc_id, n as i32)
+}
+
+/// Deletes of the chunks the manifest holds past each document's count now (a document cut
+/// into fewer chunks than before), appended to `out`, whose first record is line `base + 1`.
+async fn trailing_deletes(
+    pool: &PgPool,
+    target: &str,
+    counts: &[(String, i32)],
+    base: u64,
+    out: &mut Vec<Record>,
+) -> Result<(), TableSourceError> {
+    for (doc_id, chunk_index) in table_source::trailing_chunks(pool, target, counts).await? {
+        let line = base + out.len() as u64 + 1;
+        out.push(Record::Delete { line, doc_id, chunk_index: Some(chunk_index) });
+    }
+    Ok(())
+}
+
+/// A snapshot page's records, numbered after `line`: its rows' chunks, and the deletes of
+/// chunks a document no longer has (left by an earlier cut of this target).
+async fn page_records(
+    pool: &PgPool,
+    source: &TableSource,
+    target: &str,
+    page: Vec<SourceRow>,
+    line: u64,
+) -> Result<Vec<Record>, TableSourceError> {
+    let splitter = splitter_of(source)?;
+    let mut records = Vec::with_capacity(page.len());
+    let mut counts = Vec::new();
+    for row in page {
+        let next = line + records.len() as u64 + 1;
+        let (doc, n) = row_records(splitter.as_ref(), next, row, &mut records);
+        if splitter.is_some() {
+            counts.push((doc, n));
+        }
+    }
+    trailing_deletes(pool, target, &counts, line, &mut records).await?;
+    Ok(records)
 }
 
 /// Every row of the source in key order, one page per statement; a read that fails ends the
@@ -279,12 +355,13 @@ fn chunk_record(line: u64, row: SourceRow) -> Record {
 fn snapshot_rows(
     pool: PgPool,
     source: TableSource,
+    target: String,
     failed: Arc<Mutex<Option<TableSourceError>>>,
 ) -> impl futures::Stream<Item = Record> + Send + 'static {
     use futures::StreamExt;
     let state = (pool, source, None::<(String, i32)>, false, 0u64);
     futures::stream::unfold(state, move |(pool, source, after, done, line)| {
-        let failed = failed.clone();
+        let (failed, target) = (failed.clone(), target.clone());
         async move {
             if done {
                 return None;
@@ -298,8 +375,13 @@ fn snapshot_rows(
             };
             let last = page.last().map(|r| r.key.clone());
             let done = (page.len() as i64) < SNAPSHOT_PAGE_ROWS;
-            let records: Vec<Record> =
-                page.into_iter().enumerate().map(|(i, row)| chunk_record(line + i as u64 + 1, row)).collect();
+            let records = match page_records(&pool, &source, &target, page, line).await {
+                Ok(records) => records,
+                Err(e) => {
+                    *failed.lock().unwrap() = Some(e);
+                    return None;
+                }
+            };
             let line = line + records.len() as u64;
             Some((futures::stream::iter(records), (pool, source, last.or(after), done, line)))
         }

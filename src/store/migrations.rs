@@ -48,6 +48,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0027_event_revision.sql",
     "0028_revision_switch.sql",
     "0029_table_sources.sql",
+    "0030_table_source_chunking.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

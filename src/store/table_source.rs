@@ -35,6 +35,70 @@ pub struct TableSourceSpec {
     pub metadata_columns: Vec<String>,
     /// The vector table the source feeds.
     pub target_table: String,
+    /// A row holds a whole document, cut into chunks this way. `None`: a row is one chunk.
+    pub chunking: Option<Chunking>,
+}
+
+/// How a row that holds a whole document is cut into chunks (`source add-table
+/// --chunk-chars`/`--chunk-tokens`, `src/ingest/split.rs`). Chunk 0 is the document's start;
+/// a cut is deterministic, so an unchanged document gives the same chunks and an edit changes
+/// only the chunks around it (the others are skipped as unchanged, with no provider call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Chunking {
+    /// What `size` and `overlap` count.
+    pub unit: ChunkUnit,
+    /// Most units a chunk holds ([`CHUNK_CHARS`], [`CHUNK_TOKENS`]).
+    pub size: u32,
+    /// Units of a chunk's end repeated at the next one's start (below `size`).
+    pub overlap: u32,
+    /// Cut at Markdown's structure first (headings, blocks, lists), then at sentences.
+    pub markdown: bool,
+}
+
+/// The unit of a [`Chunking`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChunkUnit {
+    /// Unicode scalar values.
+    Chars,
+    /// `cl100k_base` tokens, the tokenizer of OpenAI's `text-embedding-3-*` and `-ada-002`
+    /// (their input limit is 8,191 of them).
+    Tokens,
+}
+
+/// Bounds of a chunk's size in characters.
+pub const CHUNK_CHARS: std::ops::RangeInclusive<u32> = 16..=100_000;
+/// Bounds of a chunk's size in tokens (the embedding models' input limit at most).
+pub const CHUNK_TOKENS: std::ops::RangeInclusive<u32> = 8..=8_191;
+
+impl ChunkUnit {
+    fn as_str(self) -> &'static str {
+        match self {
+            ChunkUnit::Chars => "chars",
+            ChunkUnit::Tokens => "tokens",
+        }
+    }
+}
+
+impl Chunking {
+    /// Why this chunking is refused, if it is.
+    pub fn problem(&self) -> Option<String> {
+        let bounds = match self.unit {
+            ChunkUnit::Chars => CHUNK_CHARS,
+            ChunkUnit::Tokens => CHUNK_TOKENS,
+        };
+        if !bounds.contains(&self.size) {
+            return Some(format!(
+                "a chunk of {} {} is outside {}..={}",
+                self.size,
+                self.unit.as_str(),
+                bounds.start(),
+                bounds.end()
+            ));
+        }
+        (self.overlap >= self.size)
+            .then(|| format!("an overlap of {} is not below the chunk size {}", self.overlap, self.size))
+    }
 }
 
 /// A registered table source, as the follower reads it.
@@ -60,6 +124,8 @@ pub struct TableSource {
     pub snapshot_done: bool,
     /// Whether the next snapshot is a resync after a TRUNCATE (full cleanup).
     pub resync_full: bool,
+    /// A row is a whole document, cut this way.
+    pub chunking: Option<Chunking>,
 }
 
 /// A table source's problem that no retry fixes.
@@ -213,6 +279,33 @@ pub struct SourceRow {
     pub metadata: Option<serde_json::Value>,
 }
 
+/// The chunks of `target` the manifest holds for each document at or past the count its
+/// current text cuts into: what a document that got shorter no longer has, deleted by the
+/// follower at its run's position (so a write older than the cut goes, a newer one stays).
+pub async fn trailing_chunks(
+    pool: &PgPool,
+    target: &str,
+    counts: &[(String, i32)],
+) -> Result<Vec<(String, i32)>, TableSourceError> {
+    if counts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (docs, ns): (Vec<&str>, Vec<i32>) = counts.iter().map(|(d, n)| (d.as_str(), *n)).unzip();
+    let rows = sqlx::query(
+        "SELECT m.doc_id, m.chunk_index
+           FROM UNNEST($2::text[], $3::int[]) AS d(doc_id, n)
+           JOIN ingest_manifest m
+             ON m.target_table = $1 AND m.doc_id = d.doc_id AND m.chunk_index >= d.n
+          ORDER BY 1, 2",
+    )
+    .bind(target)
+    .bind(&docs)
+    .bind(&ns)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
 /// An identifier quoted for SQL.
 fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -244,6 +337,14 @@ pub async fn add_table(pool: &PgPool, spec: &TableSourceSpec) -> Result<TableSou
         return Err(invalid(format!("a source name is 1..={MAX_SOURCE_NAME} of [a-z0-9_]")));
     }
     let template = Template::parse(&spec.template).map_err(|e| invalid(format!("template: {e}")))?;
+    if let Some(chunking) = &spec.chunking {
+        if spec.chunk_column.is_some() {
+            return Err(invalid("a row with a chunk column is a chunk already: no chunking".into()));
+        }
+        if let Some(problem) = chunking.problem() {
+            return Err(invalid(problem));
+        }
+    }
     let mut tx = pool.begin().await?;
     let Some(row) = sqlx::query(
         "SELECT c.oid, c.oid::regclass::text AS name FROM pg_class c WHERE c.oid = to_regclass($1)",
@@ -280,8 +381,9 @@ pub async fn add_table(pool: &PgPool, spec: &TableSourceSpec) -> Result<TableSou
     sqlx::query(
         "INSERT INTO embed_table_sources
             (name, source_table, source_oid, key_column, key_type, chunk_column, template,
-             text_columns, metadata_columns, target_table)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+             text_columns, metadata_columns, target_table, chunk_unit, chunk_size, chunk_overlap,
+             chunk_markdown)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
     )
     .bind(&spec.name)
     .bind(&table)
@@ -293,6 +395,10 @@ pub async fn add_table(pool: &PgPool, spec: &TableSourceSpec) -> Result<TableSou
     .bind(&text_columns)
     .bind(&spec.metadata_columns)
     .bind(&spec.target_table)
+    .bind(spec.chunking.map(|c| c.unit.as_str()))
+    .bind(spec.chunking.map(|c| c.size as i32))
+    .bind(spec.chunking.map_or(0, |c| c.overlap as i32))
+    .bind(spec.chunking.is_some_and(|c| c.markdown))
     .execute(&mut *tx)
     .await
     .map_err(|e| match &e {
@@ -344,7 +450,8 @@ fn trigger_sql(
 pub async fn load(pool: &PgPool, name: &str) -> Result<TableSource, TableSourceError> {
     let Some(r) = sqlx::query(
         "SELECT name, source_oid::regclass::text AS tbl, key_column, key_type, chunk_column, template,
-                metadata_columns, target_table, snapshot_done_at IS NOT NULL AS done, resync_full
+                metadata_columns, target_table, snapshot_done_at IS NOT NULL AS done, resync_full,
+                chunk_unit, chunk_size, chunk_overlap, chunk_markdown
            FROM embed_table_sources WHERE name = $1",
     )
     .bind(name)
@@ -354,6 +461,23 @@ pub async fn load(pool: &PgPool, name: &str) -> Result<TableSource, TableSourceE
         return Err(TableSourceError::Unknown(name.into()));
     };
     let template: String = r.get("template");
+    let unit = match r.get::<Option<&str>, _>("chunk_unit") {
+        None => None,
+        Some("chars") => Some(ChunkUnit::Chars),
+        Some("tokens") => Some(ChunkUnit::Tokens),
+        Some(other) => {
+            return Err(TableSourceError::Invalid {
+                name: name.into(),
+                problem: format!("chunk unit {other}"),
+            });
+        }
+    };
+    let chunking = unit.map(|unit| Chunking {
+        unit,
+        size: r.get::<Option<i32>, _>("chunk_size").unwrap_or(0).max(0) as u32,
+        overlap: r.get::<i32, _>("chunk_overlap").max(0) as u32,
+        markdown: r.get("chunk_markdown"),
+    });
     Ok(TableSource {
         name: r.get("name"),
         table: r.get("tbl"),
@@ -366,6 +490,7 @@ pub async fn load(pool: &PgPool, name: &str) -> Result<TableSource, TableSourceE
         target_table: r.get("target_table"),
         snapshot_done: r.get("done"),
         resync_full: r.get("resync_full"),
+        chunking,
     })
 }
 
@@ -407,6 +532,38 @@ pub async fn repair_triggers(pool: &PgPool, source: &TableSource) -> Result<(), 
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await?;
     }
     sqlx::query("UPDATE embed_table_sources SET snapshot_done_at = NULL, resync_full = true WHERE name = $1")
+        .bind(&source.name)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The key of the advisory lock a source's follower holds (`ingest::table`).
+pub(crate) fn follower_lock_key(name: &str) -> String {
+    format!("embed-dlq:table-source:{name}")
+}
+
+/// Unregisters a source: drops its triggers and its queue, in one transaction, and only while
+/// no follower runs (its lock is taken for the transaction). The vectors it wrote stay.
+pub async fn remove_table(pool: &PgPool, source: &TableSource) -> Result<(), TableSourceError> {
+    let mut tx = pool.begin().await?;
+    let free: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
+        .bind(follower_lock_key(&source.name))
+        .fetch_one(&mut *tx)
+        .await?;
+    if !free {
+        return Err(TableSourceError::Invalid {
+            name: source.name.clone(),
+            problem: "a follower is running: stop it first".into(),
+        });
+    }
+    for t in trigger_names(&source.name) {
+        let sql = format!("DROP TRIGGER IF EXISTS {} ON {}", ident(&t), source.table);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await?;
+    }
+    // The queue's rows go with it (ON DELETE CASCADE).
+    sqlx::query("DELETE FROM embed_table_sources WHERE name = $1")
         .bind(&source.name)
         .execute(&mut *tx)
         .await?;

@@ -154,6 +154,7 @@ async fn every_metric_it_uses_is_in_a_real_scrape_and_every_family_has_a_panel()
         template: "{body}".into(),
         metadata_columns: vec![],
         target_table: "doc_embeddings".into(),
+        chunking: None,
     };
     embed_dlq::store::table_source::add_table(&db.pool, &spec).await.unwrap();
     let body = scrape_serve_until(&db, |text| used.iter().all(|m| exported(text).contains(m))).await;

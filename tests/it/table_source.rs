@@ -41,6 +41,7 @@ fn spec() -> TableSourceSpec {
         template: "{title}\n\n{body}".into(),
         metadata_columns: vec!["views".into()],
         target_table: "doc_embeddings".into(),
+        chunking: None,
     }
 }
 
@@ -176,6 +177,8 @@ async fn a_second_follower_of_a_source_is_refused_and_bad_specs_are_explained() 
     until_in_sync(&db).await;
     let second = p.follow_table(&source, FollowOptions::default(), CancellationToken::new()).await;
     assert!(second.unwrap_err().to_string().contains("another follower"));
+    let removed = table_source::remove_table(&db.pool, &source).await.unwrap_err().to_string();
+    assert!(removed.contains("a follower is running"), "{removed}");
     cancel.cancel();
     first.await.unwrap().unwrap();
 
@@ -237,6 +240,24 @@ async fn a_second_follower_of_a_source_is_refused_and_bad_specs_are_explained() 
     };
     p.follow_table(&s, idle, CancellationToken::new()).await.unwrap();
     assert_eq!(disagreement(&db).await, None);
+
+    // Removed (no follower now): its triggers are gone from the catalog, a write queues
+    // nothing, the vectors stay, and the name is free again.
+    let removed =
+        binary().args(["source", "remove", "docs", "--database-url", &db.url]).output().await.unwrap();
+    assert!(removed.status.success(), "{removed:?}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'embed_dlq_docs_%'").await,
+        0,
+        "its triggers are dropped"
+    );
+    sqlx::raw_sql("UPDATE documents SET body = 'after the removal' WHERE id = 4")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embed_table_changes").await, 0, "nothing queued");
+    assert_eq!(db.count("SELECT count(*) FROM doc_embeddings").await, 5, "the vectors stay");
+    table_source::add_table(&db.pool, &spec()).await.unwrap();
 }
 
 /// The follower SIGKILLed eight times at random moments while a writer edits, deletes and
@@ -313,4 +334,179 @@ async fn a_follower_killed_again_and_again_under_live_writes_loses_nothing_and_k
     }
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq").await, 0);
     assert_eq!(db.count("SELECT count(*) FROM embed_table_changes").await, 0, "the queue was drained");
+}
+
+/// The chunk size of the document table below, in characters.
+const ARTICLE_CHUNK: usize = 200;
+
+/// A document of `paragraphs` paragraphs, its words depending on `id` and `version`.
+fn article(id: i64, paragraphs: i64, version: &str) -> String {
+    (0..paragraphs)
+        .map(|p| {
+            format!("Paragraph {p} of article {id} ({version}) says something about topic {}.", (id + p) % 7)
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// The test's own cut of every row of `articles` (text-splitter, configured as the source
+/// is), keyed by document and chunk index.
+async fn article_chunks(db: &TestDb) -> HashMap<(String, i32), String> {
+    let splitter = text_splitter::TextSplitter::new(ARTICLE_CHUNK);
+    let rows: Vec<(i64, String, String)> =
+        sqlx::query_as("SELECT id, title, body FROM articles").fetch_all(&db.pool).await.unwrap();
+    let mut want = HashMap::new();
+    for (id, title, body) in rows {
+        let text = format!("{title}\n\n{body}");
+        for (i, chunk) in splitter.chunks(&text).enumerate() {
+            want.insert((id.to_string(), i as i32), chunk.to_owned());
+        }
+    }
+    want
+}
+
+/// Whether the vector table holds exactly the chunks of [`article_chunks`], each the mock's
+/// vector of its text; the first disagreement otherwise.
+async fn article_disagreement(db: &TestDb) -> Option<String> {
+    let want = article_chunks(db).await;
+    let got: Vec<(String, i32, pgvector::Vector)> =
+        sqlx::query_as("SELECT doc_id, chunk_index, embedding FROM doc_embeddings")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let mut extra = 0;
+    for (doc, idx, v) in &got {
+        let Some(text) = want.get(&(doc.clone(), *idx)) else {
+            extra += 1;
+            continue;
+        };
+        let expected = mock_provider::vector_for(text, DIMS);
+        let max = v.to_vec().iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        if max > 1e-6 {
+            return Some(format!("{doc}/{idx}: a stale vector (not the one of {text:?})"));
+        }
+    }
+    (extra > 0 || got.len() != want.len())
+        .then(|| format!("{} vectors for {} chunks, {extra} of them for no chunk", got.len(), want.len()))
+}
+
+async fn until_articles_in_sync(db: &TestDb) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let Some(why) = article_disagreement(db).await else { return };
+        assert!(tokio::time::Instant::now() < deadline, "never in sync: {why}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// How many chunks of `after` differ from `before`'s chunk of the same document and index:
+/// what an edit should cost in provider inputs.
+fn changed_chunks(before: &HashMap<(String, i32), String>, after: &HashMap<(String, i32), String>) -> u64 {
+    after.iter().filter(|(key, text)| before.get(*key) != Some(*text)).count() as u64
+}
+
+/// A table of whole documents, cut into chunks of 200 characters: the snapshot stores every
+/// chunk; an edit at a document's end sends only the chunks whose text changed; a document
+/// cut shorter loses its trailing chunks; an update of a column that is not embedded sends
+/// nothing; a deleted row loses every chunk; an empty document is parked, not dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_table_is_cut_into_chunks_and_an_edit_sends_only_the_chunks_it_changed() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    sqlx::raw_sql(
+        "CREATE TABLE articles (id bigint PRIMARY KEY, title text NOT NULL, body text NOT NULL, views integer NOT NULL DEFAULT 0)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for id in 1..=120i64 {
+        sqlx::query("INSERT INTO articles (id, title, body) VALUES ($1, $2, $3)")
+            .bind(id)
+            .bind(format!("Article {id}"))
+            .bind(article(id, 3 + id % 12, "v1"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let spec = TableSourceSpec {
+        name: "articles".into(),
+        table: "articles".into(),
+        metadata_columns: vec![],
+        chunking: Some(table_source::Chunking {
+            unit: table_source::ChunkUnit::Chars,
+            size: ARTICLE_CHUNK as u32,
+            overlap: 0,
+            markdown: false,
+        }),
+        ..spec()
+    };
+    let bad = TableSourceSpec { name: "bad".into(), chunk_column: Some("views".into()), ..spec.clone() };
+    let refused = table_source::add_table(&db.pool, &bad).await.unwrap_err().to_string();
+    assert!(refused.contains("chunk column"), "{refused}");
+    let source = table_source::add_table(&db.pool, &spec).await.unwrap();
+    let p = pipeline(&settings(&db, &mock)).await;
+    let cancel = CancellationToken::new();
+    let follower = {
+        let (p, source, cancel) = (p.clone(), source.clone(), cancel.clone());
+        tokio::spawn(async move { p.follow_table(&source, FollowOptions::default(), cancel).await })
+    };
+    until_articles_in_sync(&db).await;
+    let first = article_chunks(&db).await;
+    assert!(first.len() > 240, "{} chunks: most documents are several", first.len());
+    assert_eq!(mock.control.stats().inputs, first.len() as u64, "each chunk sent once");
+
+    // A sentence added at the end of 30 documents: only the chunks it changed are sent.
+    let before = article_chunks(&db).await;
+    let sent = mock.control.stats().inputs;
+    sqlx::raw_sql("UPDATE articles SET body = body || ' One more closing sentence.' WHERE id % 4 = 0")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    until_articles_in_sync(&db).await;
+    let after = article_chunks(&db).await;
+    let changed = changed_chunks(&before, &after);
+    assert!((30..90).contains(&changed), "{changed} chunks changed by the edit");
+    assert_eq!(mock.control.stats().inputs - sent, changed, "only the changed chunks were sent");
+
+    // 30 documents cut to two paragraphs: their trailing chunks go, the rest is skipped.
+    let before = after;
+    let sent = mock.control.stats().inputs;
+    for id in (1..=120i64).filter(|id| id % 4 == 1) {
+        sqlx::query("UPDATE articles SET body = $2 WHERE id = $1")
+            .bind(id)
+            .bind(article(id, 2, "v1"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    until_articles_in_sync(&db).await;
+    let after = article_chunks(&db).await;
+    assert!(after.len() < before.len() - 30, "{} chunks after, {} before", after.len(), before.len());
+    assert_eq!(mock.control.stats().inputs - sent, changed_chunks(&before, &after));
+
+    // Views only, then one edit: the edit's chunks are the only inputs.
+    let before = after;
+    let sent = mock.control.stats().inputs;
+    sqlx::raw_sql("UPDATE articles SET views = views + 1").execute(&db.pool).await.unwrap();
+    sqlx::raw_sql("UPDATE articles SET title = 'Renamed' WHERE id = 3").execute(&db.pool).await.unwrap();
+    until_articles_in_sync(&db).await;
+    let after = article_chunks(&db).await;
+    let changed = changed_chunks(&before, &after);
+    assert!(changed >= 1);
+    assert_eq!(mock.control.stats().inputs - sent, changed, "a views update sent nothing");
+
+    // Deleted rows lose every chunk; an empty document is parked, never silently dropped.
+    sqlx::raw_sql("DELETE FROM articles WHERE id % 10 = 7").execute(&db.pool).await.unwrap();
+    until_articles_in_sync(&db).await;
+    sqlx::raw_sql("INSERT INTO articles (id, title, body) VALUES (500, '', '')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    wait_for("the empty document parked", Duration::from_secs(30), async || {
+        db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id = '500' AND chunk_index = 0").await == 1
+    })
+    .await;
+    cancel.cancel();
+    follower.await.unwrap().unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id <> '500'").await, 0);
 }
