@@ -76,6 +76,28 @@ pub struct ServeConfig {
     pub source: Option<crate::ingest::source::SourceOptions>,
     /// The ingest options of the stream source's pipeline (`[ingest]`).
     pub source_ingest: crate::ingest::IngestOptions,
+    /// Postgres table sources followed by this process (`serve --follow-table`): set by the
+    /// caller, which resolves each source's target (none from the settings alone).
+    pub table_followers: Vec<TableFollower>,
+}
+
+/// Most table sources one `serve` follows.
+pub const MAX_TABLE_FOLLOWERS: usize = 16;
+
+/// A table source `serve` follows (docs/table-source.md), into every live revision of its
+/// target.
+#[derive(Clone)]
+pub struct TableFollower {
+    /// The source.
+    pub source: crate::store::table_source::TableSource,
+    /// What it writes (`IngestSettings::source_targets` of the source's target).
+    pub targets: std::sync::Arc<dyn crate::ingest::source::SourceTargets>,
+}
+
+impl std::fmt::Debug for TableFollower {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableFollower").field("source", &self.source.name).finish_non_exhaustive()
+    }
 }
 
 impl ServeConfig {
@@ -99,6 +121,7 @@ impl ServeConfig {
                 cleanup: crate::ingest::CleanupOptions::default(),
                 ..settings.options.clone()
             },
+            table_followers: Vec::new(),
         }
     }
 
@@ -219,6 +242,10 @@ pub async fn serve_with_console(
         });
         tasks.spawn_until("source", stop.clone(), run_source(targets, client.clone(), source, stop.clone()));
     }
+    for follower in config.table_followers.iter().take(MAX_TABLE_FOLLOWERS).cloned() {
+        let name = format!("table source {}", follower.source.name);
+        tasks.spawn_until(name, stop.clone(), run_table_source(follower, stop.clone()));
+    }
     if config.metrics || config.reconcile_every.is_some() {
         let sampler = sample_and_reconcile(store.clone(), manager.clone(), config.clone(), stop.clone());
         tasks.spawn_until("sampler", stop.clone(), sampler);
@@ -300,6 +327,55 @@ async fn run_source(
                 crate::shutdown::sleep_or_cancel(backoff.next_delay(), &stop).await;
             }
         }
+    }
+    Ok(())
+}
+
+/// Follows a table source until `stop`. A failed run (Postgres gone, a provider stop) is
+/// retried with capped backoff: its changes stay queued and its lag gauge and alert show
+/// the wait. A resync after a TRUNCATE that needs `--yes` is logged at ERROR and retried
+/// after at least 30 s; between tries the source is free for `ingest --from-table NAME
+/// --yes`. While another process follows the source, this one stands by and tries again
+/// every few seconds. A source that is gone or no longer fits its table ends the task (and
+/// `serve`).
+async fn run_table_source(
+    follower: TableFollower,
+    stop: CancellationToken,
+) -> Result<(), crate::ingest::IngestError> {
+    use crate::ingest::IngestError;
+    use crate::ingest::table::{FollowOptions, follow_table};
+    use crate::store::table_source::TableSourceError;
+    let name = follower.source.name.clone();
+    let mut backoff = crate::embed::retry::Reconnect::new(Duration::from_secs(1), Duration::from_secs(60));
+    tracing::info!(source = %name, table = %follower.source.table, target = %follower.source.target_table, "serving a table source");
+    while !stop.is_cancelled() {
+        let run =
+            follow_table(&*follower.targets, &follower.source, FollowOptions::default(), stop.clone()).await;
+        let wait = match run {
+            Ok(done) => {
+                tracing::info!(source = %name, snapshots = done.snapshots, changes = done.changes_applied, "table source stopped");
+                backoff.reset();
+                continue;
+            }
+            Err(IngestError::TableSource(
+                e @ (TableSourceError::Unknown(_) | TableSourceError::Invalid { .. }),
+            )) => {
+                return Err(IngestError::TableSource(e));
+            }
+            Err(IngestError::TableSource(TableSourceError::FollowerRunning(_))) => {
+                tracing::info!(source = %name, "another follower holds this table source: standing by");
+                backoff.next_delay().min(Duration::from_secs(5))
+            }
+            Err(IngestError::CleanupRefused { reason, .. }) => {
+                tracing::error!(source = %name, %reason, "the table was truncated: its resync needs `embed-dlq ingest --from-table NAME --yes`; retrying");
+                backoff.next_delay().max(Duration::from_secs(30))
+            }
+            Err(e) => {
+                tracing::warn!(source = %name, error = %e, "table source run failed; its changes stay queued; restarting");
+                backoff.next_delay()
+            }
+        };
+        crate::shutdown::sleep_or_cancel(wait, &stop).await;
     }
     Ok(())
 }

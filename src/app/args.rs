@@ -333,6 +333,11 @@ pub struct ServeCommand {
     /// `[source]`: ingest from Redis Stream(s) too (docs/sources.md).
     #[command(flatten)]
     pub source: SourceArgs,
+    /// Also follow this Postgres table source (`source add-table`; repeatable, at most 16):
+    /// its snapshot, then its changes, into every live revision of its target. While
+    /// another process follows it, this one stands by (docs/table-source.md).
+    #[arg(long = "follow-table", value_name = "NAME")]
+    pub follow_table: Vec<String>,
     /// Also serve the operator console here (e.g. 127.0.0.1:8088); see `console --help`.
     #[arg(long)]
     pub console_addr: Option<SocketAddr>,

@@ -447,6 +447,7 @@ fn demo_serve_config(
         metrics: false,
         source: None,
         source_ingest: Default::default(),
+        table_followers: Vec::new(),
     }
 }
 

@@ -163,18 +163,17 @@ async fn run_table(
     {
         return exit::fail(exit::FAILURE, &e.to_string());
     }
-    let mut pipeline = match settings.pipeline().await {
-        Ok(p) => p,
-        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
-    };
-    pipeline.options.progress = false;
+    let mut settings = settings;
+    settings.options.progress = false;
+    // Every live revision of the target, looked up for each segment.
+    let targets = settings.source_targets();
     let options = embed_dlq::ingest::table::FollowOptions {
         idle_exit: idle_exit_ms.map(std::time::Duration::from_millis),
         confirmed: yes,
         ..Default::default()
     };
     tracing::info!(source = name, table = %source.table, target = %source.target_table, "following a table source");
-    match pipeline.follow_table(&source, options, cancel.clone()).await {
+    match embed_dlq::ingest::table::follow_table(&targets, &source, options, cancel.clone()).await {
         Ok(done) => {
             if json {
                 println!("{}", serde_json::to_string(&done).unwrap_or_default());

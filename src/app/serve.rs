@@ -19,6 +19,7 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
         retry,
         serve,
         source,
+        follow_table,
         console_addr,
         console_read_only,
         console_public_read,
@@ -58,7 +59,39 @@ pub async fn command(resolver: &Resolver, args: ServeCommand, cancel: Cancellati
         }
         mounted = Some(MountedConsole { config: console, redis: redis.clone() });
     }
-    run(&settings, mounted, ingest, redis, cancel).await
+    if follow_table.len() > embed_dlq::serve::MAX_TABLE_FOLLOWERS {
+        return exit::fail(
+            exit::USAGE,
+            &format!("--follow-table: at most {} sources a process", embed_dlq::serve::MAX_TABLE_FOLLOWERS),
+        );
+    }
+    run(&settings, mounted, ingest, redis, &follow_table, cancel).await
+}
+
+/// The table sources named, each aimed at every live revision of its own target.
+async fn table_followers(
+    ingest: &IngestSettings,
+    names: &[String],
+) -> Result<Vec<embed_dlq::serve::TableFollower>, String> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let pool = embed_dlq::store::connect(&ingest.database_url, 1).await.map_err(|e| e.to_string())?;
+    let mut followers = Vec::with_capacity(names.len());
+    for name in names {
+        let source = embed_dlq::store::table_source::load(&pool, name).await.map_err(|e| e.to_string())?;
+        let mut settings = ingest.clone();
+        settings.table = source.target_table.clone();
+        settings.options.progress = false;
+        // A table source deletes what its table deletes: no corpus cleanup.
+        settings.options.cleanup = embed_dlq::ingest::CleanupOptions::default();
+        followers.push(embed_dlq::serve::TableFollower {
+            source,
+            targets: std::sync::Arc::new(settings.source_targets()),
+        });
+    }
+    pool.close().await;
+    Ok(followers)
 }
 
 /// Builds the pipeline and runs the service.
@@ -67,9 +100,14 @@ async fn run(
     console: Option<MountedConsole>,
     ingest: IngestSettings,
     redis: RedisClient,
+    follow_table: &[String],
     cancel: CancellationToken,
 ) -> i32 {
-    let config = ServeConfig::from_settings(settings);
+    let mut config = ServeConfig::from_settings(settings);
+    config.table_followers = match table_followers(&ingest, follow_table).await {
+        Ok(f) => f,
+        Err(e) => return exit::fail(exit::USAGE, &format!("--follow-table: {e}")),
+    };
     let ingest = config.pipeline_settings(ingest);
     let source_targets: Option<std::sync::Arc<dyn embed_dlq::ingest::source::SourceTargets>> =
         config.source.is_some().then(|| {

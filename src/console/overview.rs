@@ -33,6 +33,46 @@ pub struct Overview {
     /// Every revision of the targets with revisions (none: empty), with its chunks, DLQ rows
     /// and coverage of its target's active revision, or why they could not be read.
     pub revisions: Result<Vec<crate::store::revision::RevisionNumbers>, String>,
+    /// Every Postgres table source with its queue and lag (none registered: empty), or why
+    /// they could not be read.
+    pub table_sources: Result<Vec<TableSourceStats>, String>,
+}
+
+/// One Postgres table source as the overview shows it.
+#[derive(Debug, Clone)]
+pub struct TableSourceStats {
+    pub name: String,
+    pub table: String,
+    pub target: String,
+    pub snapshot_done: bool,
+    /// Queued changes (capped at `table_source::LAG_COUNT_CAP`).
+    pub changes: i64,
+    /// Age of the oldest queued change, seconds.
+    pub lag_secs: f64,
+    /// Capture triggers missing or disabled: changes are not captured.
+    pub missing_triggers: Vec<String>,
+}
+
+/// Every table source's numbers (a database without the migration has none).
+async fn table_sources(pool: &sqlx::PgPool) -> Result<Vec<TableSourceStats>, String> {
+    use crate::store::table_source;
+    let names = table_source::list(pool).await.map_err(|e| e.to_string())?;
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let s = table_source::load(pool, &name).await.map_err(|e| e.to_string())?;
+        let (changes, lag_secs) = table_source::lag(pool, &name).await.map_err(|e| e.to_string())?;
+        let missing_triggers = table_source::missing_triggers(pool, &s).await.map_err(|e| e.to_string())?;
+        out.push(TableSourceStats {
+            name: s.name,
+            table: s.table,
+            target: s.target_table,
+            snapshot_done: s.snapshot_done,
+            changes,
+            lag_secs,
+            missing_triggers,
+        });
+    }
+    Ok(out)
 }
 
 /// One source stream as its consumer group sees it.
@@ -105,6 +145,7 @@ pub async fn gather(state: &State) -> Result<Overview, StoreError> {
     let breakers = breakers(state).await;
     let sources = sources(state).await;
     let revisions = crate::store::revision::numbers(pool, None).await.map_err(|e| e.to_string());
+    let table_sources = table_sources(pool).await;
     Ok(Overview {
         stats,
         reasons,
@@ -117,6 +158,7 @@ pub async fn gather(state: &State) -> Result<Overview, StoreError> {
         breakers,
         sources,
         revisions,
+        table_sources,
     })
 }
 

@@ -151,6 +151,38 @@ fn revisions(revisions: &Result<Vec<crate::store::revision::RevisionNumbers>, St
     }
 }
 
+/// The overview's table sources section: each source's queue, lag and capture triggers;
+/// nothing when none is registered.
+fn table_sources(sources: &Result<Vec<super::overview::TableSourceStats>, String>) -> Markup {
+    html! {
+        @match sources {
+            Ok(rows) if rows.is_empty() => {}
+            Ok(rows) => {
+                h2 { "Table sources" }
+                table #table-sources {
+                    thead { tr { th { "source" } th { "table" } th { "target" } th { "snapshot" } th.num { "changes queued" } th.num { "lag" } th { "triggers" } } }
+                    tbody {
+                        @for s in rows {
+                            tr {
+                                td { code { (s.name) } }
+                                td { code { (s.table) } }
+                                td { code { (s.target) } }
+                                td { @if s.snapshot_done { "done" } @else { span.badge { "pending" } } }
+                                td.num { (s.changes) }
+                                td.num { (format!("{:.1} s", s.lag_secs)) }
+                                @if s.missing_triggers.is_empty() { td { "ok" } }
+                                @else { td.warn { "missing: " (s.missing_triggers.join(", ")) } }
+                            }
+                        }
+                    }
+                }
+                p.note { "Changes are queued by triggers in the writing transaction and deleted once applied; a missing trigger is repaired by " code { "embed-dlq source repair NAME" } " (or " code { "reconcile --repair" } ")." }
+            }
+            Err(e) => { h2 { "Table sources" } p.warn { "Table sources unavailable: " (e) } }
+        }
+    }
+}
+
 pub fn overview(ctx: &Ctx, o: &Overview) -> Markup {
     let total: i64 = o.stats.by_class.iter().map(|c| c.parked).sum();
     layout(
@@ -250,6 +282,7 @@ pub fn overview(ctx: &Ctx, o: &Overview) -> Markup {
                         Err(e) => { h2 { "Source streams" } p.warn { "Source streams unavailable: " (e) } }
                     }
                     (revisions(&o.revisions))
+                    (table_sources(&o.table_sources))
                     h2 { "Provider breaker" }
                     @if o.breakers.is_empty() {
                         p.note { "No source: run the console inside " code { "serve --console-addr" } ", or give " code { "--metrics-url" } " of the ingest and serve processes." }

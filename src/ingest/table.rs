@@ -25,7 +25,6 @@
 //!   resynced with a full cleanup (`--cleanup full`, under its guard: `--yes` to delete more
 //!   than `cleanup_max_fraction`).
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::cleanup::CleanupMode;
 use super::reader::Record;
+use super::source::{SourceTargets, SourceWriter};
 use super::split::Splitter;
 use super::{IngestError, IngestSummary, Pipeline};
 use crate::model::Chunk;
@@ -99,49 +99,71 @@ pub struct FollowSummary {
 }
 
 impl Pipeline {
-    /// Follows `source` until `cancel` fires, the queue stays empty for `idle_exit`, or a
-    /// run fails; every change settled is deleted from the queue, every other one stays.
+    /// Follows `source` into this pipeline's table alone ([`follow_table`]).
     pub async fn follow_table(
         &self,
         source: &TableSource,
         options: FollowOptions,
         cancel: CancellationToken,
     ) -> Result<FollowSummary, IngestError> {
-        let options = options.within_bounds();
-        let pool = self.store.pool.clone();
-        let mut lock = pool.acquire().await.map_err(StoreError::from)?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
-            .bind(table_source::follower_lock_key(&source.name))
-            .fetch_one(&mut *lock)
-            .await
-            .map_err(StoreError::from)?;
-        if !locked {
-            return Err(TableSourceError::Invalid {
-                name: source.name.clone(),
-                problem: "another follower holds this source".into(),
-            }
-            .into());
-        }
-        let mut summary = FollowSummary::default();
-        let result = self.follow_locked(&pool, &source.name, &options, &cancel, &mut summary).await;
-        // Closing the session releases the lock; an explicit unlock would need it healthy.
-        drop(lock.detach());
-        result.map(|()| summary)
+        follow_table(self, source, options, cancel).await
     }
+}
 
-    async fn follow_locked(
-        &self,
-        pool: &PgPool,
-        name: &str,
-        options: &FollowOptions,
-        cancel: &CancellationToken,
-        summary: &mut FollowSummary,
-    ) -> Result<(), IngestError> {
+/// Follows `source` into what `targets` names for each segment (every live revision of the
+/// target, the active one first: `IngestSettings::source_targets`), until `cancel` fires,
+/// the queue stays empty for `idle_exit`, or a run fails. A segment's changes are deleted
+/// only once every revision's run settled every record; a snapshot is done only once every
+/// revision's run of it settled. While a switch asks writers to pause
+/// (`revision activate --wait-secs`), no new segment starts.
+pub async fn follow_table(
+    targets: &dyn SourceTargets,
+    source: &TableSource,
+    options: FollowOptions,
+    cancel: CancellationToken,
+) -> Result<FollowSummary, IngestError> {
+    let options = options.within_bounds();
+    let writers = targets.writers().await?;
+    let pool = writers.first().ok_or_else(no_writer)?.pipeline.store.pool.clone();
+    let mut lock = pool.acquire().await.map_err(StoreError::from)?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
+        .bind(table_source::follower_lock_key(&source.name))
+        .fetch_one(&mut *lock)
+        .await
+        .map_err(StoreError::from)?;
+    if !locked {
+        return Err(TableSourceError::FollowerRunning(source.name.clone()).into());
+    }
+    let mut summary = FollowSummary::default();
+    let follower = Follower { targets, pool: &pool, name: &source.name, options: &options, cancel: &cancel };
+    let result = follower.follow(&mut summary).await;
+    // Closing the session releases the lock; an explicit unlock would need it healthy.
+    drop(lock.detach());
+    result.map(|()| summary)
+}
+
+fn no_writer() -> IngestError {
+    IngestError::Source(super::source::SourceError("the table source has no target to write".into()))
+}
+
+/// One follower's loop, under the source's lock.
+struct Follower<'a> {
+    targets: &'a dyn SourceTargets,
+    pool: &'a PgPool,
+    name: &'a str,
+    options: &'a FollowOptions,
+    cancel: &'a CancellationToken,
+}
+
+impl Follower<'_> {
+    async fn follow(&self, summary: &mut FollowSummary) -> Result<(), IngestError> {
+        let (pool, name, options, cancel) = (self.pool, self.name, self.options, self.cancel);
         let mut idle_since = Instant::now();
         while !cancel.is_cancelled() {
             let source = table_source::load(pool, name).await?;
             if !source.snapshot_done {
-                self.snapshot(pool, &source, options, cancel, summary).await?;
+                let writers = self.writers().await?;
+                self.snapshot(&writers, &source, summary).await?;
                 if cancel.is_cancelled() {
                     break;
                 }
@@ -154,10 +176,7 @@ impl Pipeline {
                 if options.idle_exit.is_some_and(|idle| idle_since.elapsed() >= idle) {
                     break;
                 }
-                tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(options.poll) => {}
-                }
+                self.sleep(options.poll).await;
                 continue;
             }
             idle_since = Instant::now();
@@ -169,89 +188,125 @@ impl Pipeline {
                 table_source::start_resync(pool, name, truncate.id).await?;
                 continue;
             }
-            self.apply_changes(pool, &source, changes, cancel, summary).await?;
+            let writers = self.writers().await?;
+            if self.targets.paused(&writers).await {
+                self.sleep(options.poll).await;
+                continue;
+            }
+            self.apply_changes(&writers, &source, changes, summary).await?;
         }
         Ok(())
     }
 
-    /// Reads the whole table as one run; marks the snapshot done when every row settled.
+    async fn writers(&self) -> Result<Vec<SourceWriter>, IngestError> {
+        let writers = self.targets.writers().await?;
+        if writers.is_empty() {
+            return Err(no_writer());
+        }
+        Ok(writers)
+    }
+
+    async fn sleep(&self, wait: Duration) {
+        tokio::select! {
+            _ = self.cancel.cancelled() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+
+    /// Reads the whole table as one run per revision; marks the snapshot done when every
+    /// row settled in every one.
     async fn snapshot(
         &self,
-        pool: &PgPool,
+        writers: &[SourceWriter],
         source: &TableSource,
-        options: &FollowOptions,
-        cancel: &CancellationToken,
         summary: &mut FollowSummary,
     ) -> Result<(), IngestError> {
-        let mut pipeline = self.clone();
-        if source.resync_full {
-            pipeline.options.cleanup.mode = CleanupMode::Full;
-            pipeline.options.cleanup.confirmed = options.confirmed;
+        let mut all_settled = true;
+        let mut rows = 0;
+        for writer in writers {
+            let mut pipeline = writer.pipeline.clone();
+            if source.resync_full {
+                pipeline.options.cleanup.mode = CleanupMode::Full;
+                pipeline.options.cleanup.confirmed = self.options.confirmed;
+            }
+            let failed: Arc<Mutex<Option<TableSourceError>>> = Arc::default();
+            let target = pipeline.store.target().name.clone();
+            let pages = snapshot_rows(self.pool.clone(), source.clone(), target, failed.clone());
+            let run = pipeline.run_records(pages, self.cancel.clone()).await;
+            let read_error = failed.lock().unwrap().take();
+            let run = absorb(summary, run)?;
+            if let Some(e) = read_error {
+                return Err(e.into());
+            }
+            all_settled &= settled(&run);
+            rows = run.records;
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
         }
-        let failed: Arc<Mutex<Option<TableSourceError>>> = Arc::default();
-        let target = self.store.target().name.clone();
-        let pages = snapshot_rows(pool.clone(), source.clone(), target, failed.clone());
-        let run = pipeline.run_records(pages, cancel.clone()).await;
-        let read_error = failed.lock().unwrap().take();
-        let run = absorb(summary, run)?;
-        if let Some(e) = read_error {
-            return Err(e.into());
-        }
-        if settled(&run) && !cancel.is_cancelled() {
-            table_source::snapshot_done(pool, &source.name).await?;
+        if all_settled {
+            table_source::snapshot_done(self.pool, &source.name).await?;
             summary.snapshots += 1;
-            tracing::info!(source = %source.name, rows = run.records, "snapshot done");
+            tracing::info!(source = %source.name, rows, revisions = writers.len(), "snapshot done");
         }
         Ok(())
     }
 
-    /// One segment: the changes' rows as they are now, as one run; the changes are deleted
-    /// once it settled every record.
+    /// One segment: the changes' rows as they are now, as one run per revision; the changes
+    /// are deleted once every run settled every record.
     async fn apply_changes(
         &self,
-        pool: &PgPool,
+        writers: &[SourceWriter],
         source: &TableSource,
         changes: Vec<Change>,
-        cancel: &CancellationToken,
         summary: &mut FollowSummary,
     ) -> Result<(), IngestError> {
-        let keys: BTreeMap<(String, i32), ()> =
-            changes.iter().filter_map(|c| c.key.clone()).map(|k| (k, ())).collect();
-        let mut docs: Vec<String> = keys.keys().map(|k| k.0.clone()).collect();
+        let keys: Vec<(String, i32)> = changes
+            .iter()
+            .filter_map(|c| c.key.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let mut docs: Vec<String> = keys.iter().map(|k| k.0.clone()).collect();
         docs.dedup();
-        let mut rows = source.read_rows(pool, &docs).await?;
+        let rows = source.read_rows(self.pool, &docs).await?;
         let splitter = splitter_of(source)?;
-        let mut records = Vec::with_capacity(keys.len());
-        let mut counts = Vec::new();
-        for key in keys.into_keys() {
-            let line = records.len() as u64 + 1;
-            match rows.remove(&key) {
-                Some(row) => {
-                    let (doc, n) = row_records(splitter.as_ref(), line, row, &mut records);
-                    if splitter.is_some() {
-                        counts.push((doc, n));
+        let mut all_settled = true;
+        for writer in writers {
+            let mut records = Vec::with_capacity(keys.len());
+            let mut counts = Vec::new();
+            for key in &keys {
+                let line = records.len() as u64 + 1;
+                match rows.get(key) {
+                    Some(row) => {
+                        let (doc, n) = row_records(splitter.as_ref(), line, row.clone(), &mut records);
+                        if splitter.is_some() {
+                            counts.push((doc, n));
+                        }
                     }
+                    None => records.push(Record::Delete {
+                        line,
+                        doc_id: key.0.clone(),
+                        chunk_index: source.chunk_column.as_ref().map(|_| key.1),
+                    }),
                 }
-                None => records.push(Record::Delete {
-                    line,
-                    doc_id: key.0,
-                    chunk_index: source.chunk_column.as_ref().map(|_| key.1),
-                }),
             }
+            let target = &writer.pipeline.store.target().name;
+            trailing_deletes(self.pool, target, &counts, 0, &mut records).await?;
+            let run = writer.pipeline.run_records(futures::stream::iter(records), self.cancel.clone()).await;
+            let run = absorb(summary, run)?;
+            all_settled &= settled(&run);
         }
-        trailing_deletes(pool, &self.store.target().name, &counts, 0, &mut records).await?;
-        let run = self.run_records(futures::stream::iter(records), cancel.clone()).await;
-        let run = absorb(summary, run)?;
         summary.segments += 1;
-        if settled(&run) {
+        if all_settled {
             let ids: Vec<i64> = changes.iter().map(|c| c.id).collect();
-            table_source::delete_changes(pool, &source.name, &ids).await?;
+            table_source::delete_changes(self.pool, &source.name, &ids).await?;
             summary.changes_applied += ids.len() as u64;
         } else {
             summary.changes_retried += changes.len() as u64;
-            if !cancel.is_cancelled() {
+            if !self.cancel.is_cancelled() {
                 // Leased by another run, or a shutdown: try again shortly, not in a hot loop.
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                self.sleep(Duration::from_millis(200)).await;
             }
         }
         Ok(())

@@ -142,6 +142,9 @@ pub enum TableSourceError {
     /// No source of that name is registered.
     #[error("no table source named {0} (see `embed-dlq source list`)")]
     Unknown(String),
+    /// Another follower holds the source (one follower a source): a standby waits for it.
+    #[error("table source {0}: another follower holds this source")]
+    FollowerRunning(String),
     /// The database failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -553,10 +556,7 @@ pub async fn remove_table(pool: &PgPool, source: &TableSource) -> Result<(), Tab
         .fetch_one(&mut *tx)
         .await?;
     if !free {
-        return Err(TableSourceError::Invalid {
-            name: source.name.clone(),
-            problem: "a follower is running: stop it first".into(),
-        });
+        return Err(TableSourceError::FollowerRunning(source.name.clone()));
     }
     for t in trigger_names(&source.name) {
         let sql = format!("DROP TRIGGER IF EXISTS {} ON {}", ident(&t), source.table);

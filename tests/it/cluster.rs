@@ -294,5 +294,6 @@ pub(crate) fn drain_config(keys: &StreamKeys, consumer_prefix: &str) -> ServeCon
         metrics: false,
         source: None,
         source_ingest: Default::default(),
+        table_followers: Vec::new(),
     }
 }

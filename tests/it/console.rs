@@ -1286,3 +1286,44 @@ async fn the_overview_shows_each_revision_and_its_coverage() {
     );
     served.stop().await;
 }
+
+/// The overview lists each Postgres table source with its snapshot state, queued changes,
+/// lag and triggers; a trigger dropped by hand shows as missing. The oracle is what the
+/// test queued (three inserts after the source was added) and the trigger it dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_shows_each_table_source_its_queue_and_a_missing_trigger() {
+    let db = TestDb::new().await;
+    let keys = fresh_keys();
+    seed(&db, &keys, MockConfig::default(), &[line("t", 0, "seed")]).await;
+    let served = serve_console(&db, &keys, true).await;
+    let client = embed_dlq::http::client_builder().build().unwrap();
+    let page = async || client.get(format!("{}/", served.base)).send().await.unwrap().text().await.unwrap();
+    assert!(!page().await.contains("id=\"table-sources\""), "no table source, no section");
+    sqlx::raw_sql("CREATE TABLE notes (id bigint PRIMARY KEY, body text NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let spec = embed_dlq::store::table_source::TableSourceSpec {
+        name: "notes".into(),
+        table: "notes".into(),
+        key_column: "id".into(),
+        chunk_column: None,
+        template: "{body}".into(),
+        metadata_columns: vec![],
+        target_table: "doc_embeddings".into(),
+        chunking: None,
+    };
+    embed_dlq::store::table_source::add_table(&db.pool, &spec).await.unwrap();
+    sqlx::raw_sql("INSERT INTO notes VALUES (1, 'a'), (2, 'b'), (3, 'c')").execute(&db.pool).await.unwrap();
+    let body = page().await;
+    let section = body.split("id=\"table-sources\"").nth(1).expect("a table sources table");
+    let row = section.split("</table>").next().unwrap();
+    assert!(row.contains("<code>notes</code>") && row.contains("pending"), "{row}");
+    assert!(row.contains(">3</td>"), "three changes queued: {row}");
+    assert!(row.contains(">ok</td>"), "{row}");
+    sqlx::raw_sql("DROP TRIGGER embed_dlq_notes_update ON notes").execute(&db.pool).await.unwrap();
+    let body = page().await;
+    let row = body.split("id=\"table-sources\"").nth(1).unwrap().split("</table>").next().unwrap();
+    assert!(row.contains("missing: embed_dlq_notes_update"), "{row}");
+    served.stop().await;
+}

@@ -157,6 +157,7 @@ async fn serve_replays_each_table_into_itself_with_its_own_dimensions() {
         metrics: false,
         source: None,
         source_ingest: Default::default(),
+        table_followers: Vec::new(),
     };
     let cancel = CancellationToken::new();
     let task = tokio::spawn(embed_dlq::serve::serve(

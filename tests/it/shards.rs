@@ -92,6 +92,7 @@ async fn a_parked_corpus_drains_through_four_shards_with_two_replayers() {
         metrics: false,
         source: None,
         source_ingest: Default::default(),
+        table_followers: Vec::new(),
     };
     let cancel = CancellationToken::new();
     let serve = tokio::spawn(embed_dlq::serve::serve(
@@ -272,6 +273,7 @@ async fn another_shard_count_is_refused_with_a_clear_message() {
         metrics: false,
         source: None,
         source_ingest: Default::default(),
+        table_followers: Vec::new(),
     };
     let served = embed_dlq::serve::serve(p.store.clone(), p.embedder.clone(), redis_client(), config, CancellationToken::new()).await;
     assert!(matches!(served, Err(ServeError::Shards(_))), "{served:?}");

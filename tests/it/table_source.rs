@@ -178,7 +178,7 @@ async fn a_second_follower_of_a_source_is_refused_and_bad_specs_are_explained() 
     let second = p.follow_table(&source, FollowOptions::default(), CancellationToken::new()).await;
     assert!(second.unwrap_err().to_string().contains("another follower"));
     let removed = table_source::remove_table(&db.pool, &source).await.unwrap_err().to_string();
-    assert!(removed.contains("a follower is running"), "{removed}");
+    assert!(removed.contains("another follower holds"), "{removed}");
     cancel.cancel();
     first.await.unwrap().unwrap();
 
@@ -509,4 +509,96 @@ async fn a_document_table_is_cut_into_chunks_and_an_edit_sends_only_the_chunks_i
     cancel.cancel();
     follower.await.unwrap().unwrap();
     assert_eq!(db.count("SELECT count(*) FROM embedding_dlq WHERE doc_id <> '500'").await, 0);
+}
+
+/// A target with a shadow revision: the follower writes every change into both revisions,
+/// each with its own model (the shadow at 256 dimensions), deletes from both, and stops
+/// writing a revision once it is retired. Before the fan-out it wrote the target's table
+/// alone, so a revision switched to after a backfill lacked every change made meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_source_writes_every_live_revision_of_its_target() {
+    use embed_dlq::model::content_hash;
+    use embed_dlq::store::revision::create_shadow;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    create_documents(&db, 40).await;
+    let source = table_source::add_table(&db.pool, &spec()).await.unwrap();
+    let s = settings(&db, &mock);
+    let idle = FollowOptions { idle_exit: Some(Duration::from_millis(300)), ..FollowOptions::default() };
+    let follow = async || {
+        let targets = s.source_targets();
+        embed_dlq::ingest::table::follow_table(&targets, &source, idle.clone(), CancellationToken::new())
+            .await
+            .unwrap()
+    };
+    follow().await;
+    until_in_sync(&db).await;
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    sqlx::raw_sql(
+        "UPDATE documents SET body = 'second version ' || id WHERE id <= 10;
+         DELETE FROM documents WHERE id BETWEEN 11 AND 15;
+         INSERT INTO documents (id, title, body) SELECT i, 'late ' || i, 'late body' FROM generate_series(100, 104) AS i;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    follow().await;
+    let rows: Vec<(i64, String, Option<String>)> =
+        sqlx::query_as("SELECT id, title, body FROM documents").fetch_all(&db.pool).await.unwrap();
+    let text =
+        |title: &str, body: &Option<String>| format!("{title}\n\n{}", body.clone().unwrap_or_default());
+    let r1 = crate::revisions::hashes(&db, "doc_embeddings__r1").await;
+    let r2 = crate::revisions::hashes(&db, "doc_embeddings__r2").await;
+    for (id, title, body) in &rows {
+        let key = (id.to_string(), 0);
+        assert_eq!(r1.get(&key), Some(&content_hash("mock", 768, &text(title, body))), "r1 {id}");
+        if *id <= 10 || *id >= 100 {
+            assert_eq!(r2.get(&key), Some(&content_hash("mock-next", 256, &text(title, body))), "r2 {id}");
+        }
+    }
+    for id in 11..=15 {
+        assert!(
+            !r1.contains_key(&(id.to_string(), 0)) && !r2.contains_key(&(id.to_string(), 0)),
+            "{id} deleted"
+        );
+    }
+    assert_eq!(r2.len(), 15, "the shadow holds what changed since it was made (a backfill copies the rest)");
+}
+
+/// `serve --follow-table` in two processes: one follows, the other stands by; the follower
+/// SIGKILLed, the standby takes the source over and applies the edits made since, with
+/// nothing lost and nothing stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_follows_a_table_source_and_a_standby_takes_over_when_it_is_killed() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    create_documents(&db, 200).await;
+    table_source::add_table(&db.pool, &spec()).await.unwrap();
+    let keys = fresh_keys();
+    let extra = ["--replayers", "0", "--follow-table", "docs"];
+    let mut first = serve_process(&db.url, &mock.base_url(), &keys, &extra).spawn().unwrap();
+    until_in_sync(&db).await;
+    let mut standby = serve_process(&db.url, &mock.base_url(), &keys, &extra).spawn().unwrap();
+    sqlx::raw_sql("UPDATE documents SET body = 'seen by the first' WHERE id <= 20")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    until_in_sync(&db).await;
+    assert!(standby.try_wait().unwrap().is_none(), "the standby waits, it does not fail");
+    first.kill().await.unwrap();
+    sqlx::raw_sql(
+        "UPDATE documents SET body = 'after the kill' WHERE id BETWEEN 21 AND 60;
+         DELETE FROM documents WHERE id > 190;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    until_in_sync(&db).await;
+    let unknown =
+        serve_process(&db.url, &mock.base_url(), &keys, &["--replayers", "0", "--follow-table", "nope"])
+            .status()
+            .await
+            .unwrap();
+    assert_eq!(unknown.code(), Some(2), "an unknown source is a usage error");
+    standby.kill().await.unwrap();
 }
