@@ -314,7 +314,8 @@ pub struct IngestCommand {
     #[arg(long, value_name = "MS")]
     pub idle_exit_ms: Option<u64>,
     /// Follow a table source registered with `source add-table` (docs/table-source.md):
-    /// snapshot it if it was not yet, then apply its queued changes as they come.
+    /// snapshot it if it was not yet, then apply its queued changes as they come. With
+    /// `revision backfill`: read the table once, in key order, as the corpus to copy.
     #[arg(long, value_name = "NAME", conflicts_with = "dry_run")]
     pub from_table: Option<String>,
 }
@@ -549,8 +550,9 @@ pub enum RevisionAction {
         #[arg(long)]
         active_model: Option<String>,
     },
-    /// Fill the shadow revisions from a corpus: an ingest of INPUT into every live revision
-    /// of the target (the active one finds it unchanged and sends nothing), which also
+    /// Fill the shadow revisions from a corpus (INPUT, or a table source's table with
+    /// `--from-table NAME`): each chunk is copied into every live revision but the active
+    /// one, with its model, where the active revision holds that very text; this also
     /// records the text hashes of chunks written before they existed. Resumable: a rerun
     /// embeds only what is missing. Takes the flags of `ingest`.
     Backfill(Box<IngestCommand>),

@@ -47,10 +47,16 @@ pub async fn command_as(
     // A stream source only with --from-stream: a `[source]` in the config file is `serve`'s.
     let from_stream = !source.streams.is_empty();
     if let Some(name) = from_table {
-        if from_stream || input != "-" || kind == Run::Backfill {
+        if from_stream || input != "-" {
             return exit::fail(exit::USAGE, "--from-table reads the table: no input file, no --from-stream");
         }
         let flags = FileConfig { provider: *provider, ingest: *ingest, retry: *retry, ..Default::default() };
+        if kind == Run::Backfill {
+            if dry_run || idle_exit_ms.is_some() {
+                return exit::fail(exit::USAGE, "--dry-run and --idle-exit-ms do not go with a backfill");
+            }
+            return backfill_table(resolver, flags, &name, json, cancel).await;
+        }
         return run_table(resolver, flags, &name, idle_exit_ms, yes, json, metrics_addr, cancel).await;
     }
     if from_stream && input != "-" {
@@ -112,6 +118,83 @@ pub async fn command_as(
     run(settings, &input, kind, json, !no_progress, cancel).await
 }
 
+/// The table source `name`, read from the database the flags name; `Err` holds the exit code
+/// (reported).
+async fn load_table_source(
+    resolver: &Resolver,
+    name: &str,
+) -> Result<embed_dlq::store::table_source::TableSource, i32> {
+    let Ok((_, url)) = resolver.with_database(FileConfig::default()) else {
+        return Err(exit::fail(
+            exit::USAGE,
+            "--from-table needs the database: set DATABASE_URL or --database-url",
+        ));
+    };
+    let pool =
+        embed_dlq::store::connect(&url, 1).await.map_err(|e| exit::fail(exit::FAILURE, &e.to_string()))?;
+    let source = embed_dlq::store::table_source::load(&pool, name).await;
+    pool.close().await;
+    source.map_err(|e| exit::fail(exit::USAGE, &e.to_string()))
+}
+
+/// `revision backfill --from-table NAME`: the source table's rows, in key order, copied into
+/// every live revision of its target but the active one, as a corpus backfill copies a
+/// corpus (each row only where the active revision holds that very text). Reading the table
+/// is checked at the end: a read that failed part way is exit 1, since what follows it was
+/// never offered (a rerun skips what was copied).
+async fn backfill_table(
+    resolver: &Resolver,
+    mut flags: FileConfig,
+    name: &str,
+    json: bool,
+    cancel: CancellationToken,
+) -> i32 {
+    let source = match load_table_source(resolver, name).await {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    flags.ingest.table = Some(source.target_table.clone());
+    let mut settings = match resolver.settings(flags).and_then(|s| {
+        super::warn_missing_api_key(&s);
+        s.ingest()
+    }) {
+        Ok(s) => s,
+        Err(e) => return exit::usage(&e),
+    };
+    if settings.options.cleanup.mode != embed_dlq::ingest::CleanupMode::None {
+        return exit::fail(exit::USAGE, "--cleanup goes with an ingest, not a backfill");
+    }
+    {
+        use std::io::IsTerminal;
+        settings.options.progress &= !json && std::io::stderr().is_terminal();
+    }
+    let fanout = match settings.backfill().await {
+        Ok(Some(fanout)) => fanout,
+        Ok(None) => {
+            return exit::fail(
+                exit::USAGE,
+                &format!("{} has no revision to backfill besides the active one", settings.table),
+            );
+        }
+        Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
+    };
+    let pool = fanout.revisions[0].1.store.pool().clone();
+    tracing::info!(source = name, table = %source.table, target = %source.target_table, "backfilling from a table source");
+    let (rows, reading) = embed_dlq::ingest::table::table_as_jsonl(pool, source);
+    let reader = Box::new(tokio::io::BufReader::with_capacity(256 * 1024, rows));
+    let code = run_revisions(fanout, reader, json, false, cancel).await;
+    match reading.await {
+        Ok(Ok(_)) => code,
+        Ok(Err(e)) => exit::fail(
+            exit::FAILURE,
+            &format!(
+                "reading table source {name} failed part way ({e}); rerun the backfill: what it copied is skipped"
+            ),
+        ),
+        Err(e) => exit::fail(exit::FAILURE, &format!("reading table source {name} stopped: {e}")),
+    }
+}
+
 /// Follows table source `name` until stopped (or idle, with `--idle-exit-ms`).
 #[allow(clippy::too_many_arguments)]
 async fn run_table(
@@ -124,25 +207,12 @@ async fn run_table(
     metrics_addr: Option<std::net::SocketAddr>,
     cancel: CancellationToken,
 ) -> i32 {
-    use embed_dlq::store::table_source;
     if idle_exit_ms.is_some_and(|ms| ms > 86_400_000) {
         return exit::fail(exit::USAGE, "--idle-exit-ms is out of range 0..=86400000");
     }
-    let source = {
-        let Ok((_, url)) = resolver.with_database(FileConfig::default()) else {
-            return exit::fail(
-                exit::USAGE,
-                "--from-table needs the database: set DATABASE_URL or --database-url",
-            );
-        };
-        let pool = match embed_dlq::store::connect(&url, 1).await {
-            Ok(p) => p,
-            Err(e) => return exit::fail(exit::FAILURE, &e.to_string()),
-        };
-        match table_source::load(&pool, name).await {
-            Ok(s) => s,
-            Err(e) => return exit::fail(exit::USAGE, &e.to_string()),
-        }
+    let source = match load_table_source(resolver, name).await {
+        Ok(s) => s,
+        Err(code) => return code,
     };
     flags.ingest.table = Some(source.target_table.clone());
     let settings = match resolver.settings(flags).and_then(|s| {

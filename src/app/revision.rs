@@ -146,14 +146,27 @@ async fn backfill(
         Ok(r) => r,
         Err(code) => return code,
     };
-    match revision::live(&pool, &settings.table).await {
+    let mut table = settings.table.clone();
+    if let Some(name) = &ingest.from_table {
+        let source = match embed_dlq::store::table_source::load(&pool, name).await {
+            Ok(s) => s,
+            Err(e) => return exit::fail(exit::USAGE, &e.to_string()),
+        };
+        if ingest.ingest.table.as_ref().is_some_and(|t| *t != source.target_table) {
+            return exit::fail(
+                exit::USAGE,
+                &format!("table source {name} writes {}, not --table {table}", source.target_table),
+            );
+        }
+        table = source.target_table;
+    }
+    match revision::live(&pool, &table).await {
         Ok(live) if live.len() > 1 => {}
         Ok(_) => {
             return exit::fail(
                 exit::USAGE,
                 &format!(
-                    "{} has no revision to backfill: make one with `embed-dlq revision create --table {} --model M --dimensions N`",
-                    settings.table, settings.table
+                    "{table} has no revision to backfill: make one with `embed-dlq revision create --table {table} --model M --dimensions N`"
                 ),
             );
         }

@@ -43,6 +43,8 @@ use crate::store::table_source::{self, Change, SourceRow, TableSource, TableSour
 
 /// Rows read per snapshot page.
 pub const SNAPSHOT_PAGE_ROWS: i64 = 1_000;
+/// Bounds of `snapshot_part_rows`: rows a snapshot settles before it records how far it got.
+pub const SNAPSHOT_PART_ROWS: std::ops::RangeInclusive<i64> = SNAPSHOT_PAGE_ROWS..=10_000_000;
 /// Bounds of `segment_changes`: changes applied per pipeline run.
 pub const SEGMENT_CHANGES: std::ops::RangeInclusive<i64> = 1..=100_000;
 /// Bounds of the poll interval when the queue is empty, in milliseconds.
@@ -59,6 +61,11 @@ pub struct FollowOptions {
     pub idle_exit: Option<Duration>,
     /// `--yes`: a TRUNCATE's resync may delete more than `cleanup_max_fraction`.
     pub confirmed: bool,
+    /// Rows of a snapshot run as one pipeline run per revision, after which the snapshot
+    /// records the last key it settled: a follower killed during a long snapshot resumes
+    /// there ([`SNAPSHOT_PART_ROWS`]; default 50,000). A resync after a TRUNCATE is one run
+    /// whatever this says (its full cleanup deletes what the run did not meet).
+    pub snapshot_part_rows: i64,
 }
 
 impl Default for FollowOptions {
@@ -68,6 +75,7 @@ impl Default for FollowOptions {
             poll: Duration::from_millis(200),
             idle_exit: None,
             confirmed: false,
+            snapshot_part_rows: 50_000,
         }
     }
 }
@@ -77,6 +85,9 @@ impl FollowOptions {
         let poll = (self.poll.as_millis() as u64).clamp(*POLL_MS.start(), *POLL_MS.end());
         FollowOptions {
             segment_changes: self.segment_changes.clamp(*SEGMENT_CHANGES.start(), *SEGMENT_CHANGES.end()),
+            snapshot_part_rows: self
+                .snapshot_part_rows
+                .clamp(*SNAPSHOT_PART_ROWS.start(), *SNAPSHOT_PART_ROWS.end()),
             poll: Duration::from_millis(poll),
             ..self.clone()
         }
@@ -213,42 +224,76 @@ impl Follower<'_> {
         }
     }
 
-    /// Reads the whole table as one run per revision; marks the snapshot done when every
-    /// row settled in every one.
+    /// Reads the table in key order, a part at a time (each part one run per revision),
+    /// from where an earlier follower's snapshot got to; records after each part the last
+    /// key every revision settled, and marks the snapshot done after the last part. A
+    /// resync after a TRUNCATE is one run over the whole table, from its first row.
     async fn snapshot(
         &self,
         writers: &[SourceWriter],
         source: &TableSource,
         summary: &mut FollowSummary,
     ) -> Result<(), IngestError> {
-        let mut all_settled = true;
+        let whole = source.resync_full;
+        let mut after = if whole { None } else { source.snapshot_after.clone() };
+        if after.is_some() {
+            tracing::info!(source = %source.name, after = ?after, "resuming the snapshot where it got to");
+        }
         let mut rows = 0;
-        for writer in writers {
-            let mut pipeline = writer.pipeline.clone();
-            if source.resync_full {
-                pipeline.options.cleanup.mode = CleanupMode::Full;
-                pipeline.options.cleanup.confirmed = self.options.confirmed;
+        loop {
+            let mut all_settled = true;
+            // The first revision's read sets the part: up to so many rows; the others read
+            // the same key range (rows inserted meanwhile are queued changes anyway).
+            let mut part = SnapshotPart {
+                after: after.clone(),
+                until: None,
+                max_rows: (!whole).then_some(self.options.snapshot_part_rows),
+            };
+            let mut ended = false;
+            for (n, writer) in writers.iter().enumerate() {
+                let mut pipeline = writer.pipeline.clone();
+                if whole {
+                    pipeline.options.cleanup.mode = CleanupMode::Full;
+                    pipeline.options.cleanup.confirmed = self.options.confirmed;
+                }
+                let read: Arc<Mutex<PartRead>> = Arc::default();
+                let target = pipeline.store.target().name.clone();
+                let pages =
+                    snapshot_rows(self.pool.clone(), source.clone(), target, part.clone(), read.clone());
+                let run = pipeline.run_records(pages, self.cancel.clone()).await;
+                let read = std::mem::take(&mut *read.lock().unwrap());
+                let run = absorb(summary, run)?;
+                if let Some(e) = read.failed {
+                    return Err(e.into());
+                }
+                if self.cancel.is_cancelled() {
+                    return Ok(());
+                }
+                all_settled &= settled(&run);
+                if n == 0 {
+                    rows += read.rows;
+                    ended = read.ended;
+                    if read.last.is_some() {
+                        part = SnapshotPart { until: read.last.clone(), max_rows: None, ..part };
+                    }
+                }
             }
-            let failed: Arc<Mutex<Option<TableSourceError>>> = Arc::default();
-            let target = pipeline.store.target().name.clone();
-            let pages = snapshot_rows(self.pool.clone(), source.clone(), target, failed.clone());
-            let run = pipeline.run_records(pages, self.cancel.clone()).await;
-            let read_error = failed.lock().unwrap().take();
-            let run = absorb(summary, run)?;
-            if let Some(e) = read_error {
-                return Err(e.into());
-            }
-            all_settled &= settled(&run);
-            rows = run.records;
-            if self.cancel.is_cancelled() {
+            if !all_settled {
+                // Leased by another run, or a shutdown: the part is read again shortly.
+                self.sleep(Duration::from_millis(200)).await;
                 return Ok(());
             }
+            match part.until {
+                Some(last) if !ended => {
+                    table_source::snapshot_reached(self.pool, &source.name, &last).await?;
+                    after = Some(last);
+                }
+                _ => break,
+            }
         }
-        if all_settled {
-            table_source::snapshot_done(self.pool, &source.name).await?;
-            summary.snapshots += 1;
-            tracing::info!(source = %source.name, rows, revisions = writers.len(), "snapshot done");
-        }
+        table_source::snapshot_done(self.pool, &source.name).await?;
+        summary.snapshots += 1;
+        tracing::info!(source = %source.name, rows, revisions = writers.len(), "snapshot done");
         Ok(())
     }
 
@@ -338,32 +383,45 @@ fn splitter_of(source: &TableSource) -> Result<Option<Splitter>, TableSourceErro
         .map_err(|problem| TableSourceError::Invalid { name: source.name.clone(), problem })
 }
 
-/// A source row as the pipeline's records, numbered from `line`: one chunk, or the chunks
-/// `splitter` cuts its text into (a key that is no valid id is rejected by the pipeline).
-/// Returns the document id and how many chunks it has now.
+/// A source row's chunks: the row itself, or the chunks `splitter` cuts its text into,
+/// chunk 0 first.
+fn row_chunks(splitter: Option<&Splitter>, row: SourceRow) -> Vec<Chunk> {
+    let (doc_id, chunk_index) = row.key;
+    let Some(splitter) = splitter else {
+        return vec![Chunk { doc_id, chunk_index, text: row.text, metadata: row.metadata }];
+    };
+    let chunks = splitter.split(&row.text);
+    // More chunks than an index holds cannot come from a bounded text; capped all the same.
+    let n = chunks.len().min(i32::MAX as usize);
+    chunks
+        .into_iter()
+        .take(n)
+        .enumerate()
+        .map(|(i, text)| Chunk {
+            doc_id: doc_id.clone(),
+            chunk_index: i as i32,
+            text,
+            metadata: row.metadata.clone(),
+        })
+        .collect()
+}
+
+/// A source row as the pipeline's records, numbered from `line` ([`row_chunks`]; a key that
+/// is no valid id is rejected by the pipeline). Returns the document id and how many chunks
+/// it has now.
 fn row_records(
     splitter: Option<&Splitter>,
     line: u64,
     row: SourceRow,
     out: &mut Vec<Record>,
 ) -> (String, i32) {
-    let (doc_id, chunk_index) = row.key;
-    let Some(splitter) = splitter else {
-        out.push(Record::from_chunk(
-            line,
-            Chunk { doc_id: doc_id.clone(), chunk_index, text: row.text, metadata: row.metadata },
-        ));
-        return (doc_id, 1);
-    };
-    let chunks = splitter.split(&row.text);
-    // More chunks than an index holds cannot come from a bounded text; capped all the same.
-    let n = chunks.len().min(i32::MAX as usize);
-    for (i, text) in chunks.into_iter().take(n).enumerate() {
-        let chunk =
-            Chunk { doc_id: doc_id.clone(), chunk_index: i as i32, text, metadata: row.metadata.clone() };
+    let doc_id = row.key.0.clone();
+    let chunks = row_chunks(splitter, row);
+    let n = chunks.len() as i32;
+    for (i, chunk) in chunks.into_iter().enumerate() {
         out.push(Record::from_chunk(line + i as u64, chunk));
     }
-    (doc_id, n as i32)
+    (doc_id, n)
 }
 
 /// Deletes of the chunks the manifest holds past each document's count now (a document cut
@@ -405,35 +463,73 @@ async fn page_records(
     Ok(records)
 }
 
-/// Every row of the source in key order, one page per statement; a read that fails ends the
-/// stream and is left in `failed` (the snapshot is then not done).
+/// The key range of a snapshot part.
+#[derive(Debug, Clone)]
+struct SnapshotPart {
+    /// Rows after this key (`None`: from the first).
+    after: Option<(String, i32)>,
+    /// Rows up to this key, inclusive (`None`: no upper key).
+    until: Option<(String, i32)>,
+    /// At most this many rows (`None`: every row in range).
+    max_rows: Option<i64>,
+}
+
+/// What reading a snapshot part met.
+#[derive(Debug, Default)]
+struct PartRead {
+    /// Why reading stopped early (the part is then not done).
+    failed: Option<TableSourceError>,
+    /// The key of the last row read.
+    last: Option<(String, i32)>,
+    /// Rows read.
+    rows: u64,
+    /// Whether the table ended within the part (a page came back short).
+    ended: bool,
+}
+
+/// The rows of `part` in key order, one page per statement, as records; what was read is
+/// kept in `read` (a read that fails ends the stream there).
 fn snapshot_rows(
     pool: PgPool,
     source: TableSource,
     target: String,
-    failed: Arc<Mutex<Option<TableSourceError>>>,
+    part: SnapshotPart,
+    read: Arc<Mutex<PartRead>>,
 ) -> impl futures::Stream<Item = Record> + Send + 'static {
     use futures::StreamExt;
-    let state = (pool, source, None::<(String, i32)>, false, 0u64);
+    let state = (pool, source, part.after.clone(), false, 0u64);
     futures::stream::unfold(state, move |(pool, source, after, done, line)| {
-        let (failed, target) = (failed.clone(), target.clone());
+        let (read, target, part) = (read.clone(), target.clone(), part.clone());
         async move {
             if done {
                 return None;
             }
-            let page = match source.page(&pool, after.as_ref(), SNAPSHOT_PAGE_ROWS).await {
+            let so_far = read.lock().unwrap().rows as i64;
+            let limit = part.max_rows.map_or(SNAPSHOT_PAGE_ROWS, |m| (m - so_far).min(SNAPSHOT_PAGE_ROWS));
+            if limit <= 0 {
+                return None;
+            }
+            let page = match source.page(&pool, after.as_ref(), part.until.as_ref(), limit).await {
                 Ok(page) => page,
                 Err(e) => {
-                    *failed.lock().unwrap() = Some(e);
+                    read.lock().unwrap().failed = Some(e);
                     return None;
                 }
             };
             let last = page.last().map(|r| r.key.clone());
-            let done = (page.len() as i64) < SNAPSHOT_PAGE_ROWS;
+            let done = (page.len() as i64) < limit;
+            {
+                let mut read = read.lock().unwrap();
+                read.rows += page.len() as u64;
+                read.ended = done;
+                if last.is_some() {
+                    read.last = last.clone();
+                }
+            }
             let records = match page_records(&pool, &source, &target, page, line).await {
                 Ok(records) => records,
                 Err(e) => {
-                    *failed.lock().unwrap() = Some(e);
+                    read.lock().unwrap().failed = Some(e);
                     return None;
                 }
             };
@@ -442,4 +538,46 @@ fn snapshot_rows(
         }
     })
     .flatten()
+}
+
+/// Rows of a table source read per statement by [`table_as_jsonl`].
+const JSONL_PAGE_ROWS: i64 = 1_000;
+
+/// The source's rows in key order as JSONL chunk records (a document cut as the source
+/// says), written into a pipe a page at a time: the input of `revision backfill
+/// --from-table`, which copies them into the shadow revisions as it would a corpus. The
+/// task returns the rows read, or why reading stopped: the pipe then ends early, so a run
+/// over it did not see the whole table. It stops when the reader is dropped.
+pub fn table_as_jsonl(
+    pool: PgPool,
+    source: TableSource,
+) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<Result<u64, TableSourceError>>) {
+    use tokio::io::AsyncWriteExt;
+    let (mut writer, reader) = tokio::io::duplex(256 * 1024);
+    let task = tokio::spawn(async move {
+        let splitter = splitter_of(&source)?;
+        let (mut after, mut rows) = (None, 0u64);
+        loop {
+            let page = source.page(&pool, after.as_ref(), None, JSONL_PAGE_ROWS).await?;
+            let mut out = Vec::with_capacity(page.len() * 256);
+            let full = page.len() as i64 == JSONL_PAGE_ROWS;
+            rows += page.len() as u64;
+            for row in page {
+                after = Some(row.key.clone());
+                for chunk in row_chunks(splitter.as_ref(), row) {
+                    serde_json::to_writer(&mut out, &chunk).expect("a chunk serializes");
+                    out.push(b'\n');
+                }
+            }
+            if writer.write_all(&out).await.is_err() {
+                // The run stopped reading: nothing more is wanted.
+                return Ok(rows);
+            }
+            if !full {
+                let _ = writer.shutdown().await;
+                return Ok(rows);
+            }
+        }
+    });
+    (reader, task)
 }

@@ -49,6 +49,7 @@ const FILES: &[(&str, &str)] = embedded![
     "0028_revision_switch.sql",
     "0029_table_sources.sql",
     "0030_table_source_chunking.sql",
+    "0031_table_source_snapshot_cursor.sql",
 ];
 
 /// The embedded migrations. [`super::migrate`] applies them all; tests use it to stop at an

@@ -124,6 +124,9 @@ pub struct TableSource {
     pub snapshot_done: bool,
     /// Whether the next snapshot is a resync after a TRUNCATE (full cleanup).
     pub resync_full: bool,
+    /// The key the unfinished snapshot resumes after: the last row of its last part that
+    /// settled in every revision (`None`: from the first row).
+    pub snapshot_after: Option<(String, i32)>,
     /// A row is a whole document, cut this way.
     pub chunking: Option<Chunking>,
 }
@@ -454,7 +457,7 @@ pub async fn load(pool: &PgPool, name: &str) -> Result<TableSource, TableSourceE
     let Some(r) = sqlx::query(
         "SELECT name, source_oid::regclass::text AS tbl, key_column, key_type, chunk_column, template,
                 metadata_columns, target_table, snapshot_done_at IS NOT NULL AS done, resync_full,
-                chunk_unit, chunk_size, chunk_overlap, chunk_markdown
+                chunk_unit, chunk_size, chunk_overlap, chunk_markdown, snapshot_after_key, snapshot_after_chunk
            FROM embed_table_sources WHERE name = $1",
     )
     .bind(name)
@@ -493,6 +496,9 @@ pub async fn load(pool: &PgPool, name: &str) -> Result<TableSource, TableSourceE
         target_table: r.get("target_table"),
         snapshot_done: r.get("done"),
         resync_full: r.get("resync_full"),
+        snapshot_after: r
+            .get::<Option<String>, _>("snapshot_after_key")
+            .map(|k| (k, r.get::<Option<i32>, _>("snapshot_after_chunk").unwrap_or(0))),
         chunking,
     })
 }
@@ -534,7 +540,7 @@ pub async fn repair_triggers(pool: &PgPool, source: &TableSource) -> Result<(), 
     ) {
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await?;
     }
-    sqlx::query("UPDATE embed_table_sources SET snapshot_done_at = NULL, resync_full = true WHERE name = $1")
+    sqlx::query("UPDATE embed_table_sources SET snapshot_done_at = NULL, resync_full = true, snapshot_after_key = NULL, snapshot_after_chunk = NULL WHERE name = $1")
         .bind(&source.name)
         .execute(&mut *tx)
         .await?;
@@ -632,7 +638,7 @@ pub async fn delete_changes(pool: &PgPool, name: &str, ids: &[i64]) -> Result<()
 /// table with a full cleanup, which the next snapshot performs.
 pub async fn start_resync(pool: &PgPool, name: &str, id: i64) -> Result<(), TableSourceError> {
     let mut tx = pool.begin().await?;
-    sqlx::query("UPDATE embed_table_sources SET snapshot_done_at = NULL, resync_full = true WHERE name = $1")
+    sqlx::query("UPDATE embed_table_sources SET snapshot_done_at = NULL, resync_full = true, snapshot_after_key = NULL, snapshot_after_chunk = NULL WHERE name = $1")
         .bind(name)
         .execute(&mut *tx)
         .await?;
@@ -645,10 +651,30 @@ pub async fn start_resync(pool: &PgPool, name: &str, id: i64) -> Result<(), Tabl
     Ok(())
 }
 
+/// Records that the snapshot has settled every row up to `key` (in key order) in every
+/// revision: a follower that starts later resumes after it.
+pub async fn snapshot_reached(
+    pool: &PgPool,
+    name: &str,
+    key: &(String, i32),
+) -> Result<(), TableSourceError> {
+    sqlx::query(
+        "UPDATE embed_table_sources SET snapshot_after_key = $2, snapshot_after_chunk = $3
+          WHERE name = $1 AND snapshot_done_at IS NULL",
+    )
+    .bind(name)
+    .bind(&key.0)
+    .bind(key.1)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// Records that a snapshot over every row has settled.
 pub async fn snapshot_done(pool: &PgPool, name: &str) -> Result<(), TableSourceError> {
     sqlx::query(
-        "UPDATE embed_table_sources SET snapshot_done_at = now(), resync_full = false WHERE name = $1",
+        "UPDATE embed_table_sources SET snapshot_done_at = now(), resync_full = false,
+                snapshot_after_key = NULL, snapshot_after_chunk = NULL WHERE name = $1",
     )
     .bind(name)
     .execute(pool)
@@ -702,37 +728,47 @@ impl TableSource {
         Ok(rows.iter().map(|r| self.row_of(r)).map(|row| (row.key.clone(), row)).collect())
     }
 
-    /// Up to `limit` rows after `after` in key order (keyset paging, each page its own
-    /// statement: a later page reads a later state).
+    /// Up to `limit` rows after `after` and at or before `until` in key order: keyset
+    /// paging, each page its own statement, so a later page reads a later state. Each bound
+    /// is in the statement only when given, so that every page is an index range scan.
     pub async fn page(
         &self,
         pool: &PgPool,
         after: Option<&(String, i32)>,
+        until: Option<&(String, i32)>,
         limit: i64,
     ) -> Result<Vec<SourceRow>, TableSourceError> {
         let key = ident(&self.key_column);
-        let order = match &self.chunk_column {
-            Some(c) => format!("{key}, {}", ident(c)),
-            None => key.clone(),
+        let ty = &self.key_type;
+        let (order, row_key) = match &self.chunk_column {
+            Some(c) => (format!("{key}, {}", ident(c)), format!("({key}, {})", ident(c))),
+            None => (key.clone(), key.clone()),
         };
-        let filter = match (&self.chunk_column, after) {
-            (_, None) => "$1::text IS NULL AND $2::integer IS NULL".to_string(),
-            (Some(c), Some(_)) => {
-                format!("({key}, {}) > ($1::text::{}, $2::integer)", ident(c), self.key_type)
-            }
-            (None, Some(_)) => format!("{key} > $1::text::{} AND $2::integer IS NOT NULL", self.key_type),
-        };
+        let mut bounds = Vec::new();
+        let mut keys = Vec::new();
+        for (op, bound) in [(">", after), ("<=", until)] {
+            let Some(bound) = bound else { continue };
+            let n = keys.len() * 2 + 1;
+            let value = match &self.chunk_column {
+                Some(_) => format!("(${n}::text::{ty}, ${}::integer)", n + 1),
+                // The chunk parameter is bound all the same: used, so that its type is known.
+                None => format!("${n}::text::{ty} AND ${}::integer IS NOT NULL", n + 1),
+            };
+            bounds.push(format!("{row_key} {op} {value}"));
+            keys.push(bound);
+        }
+        let filter = if bounds.is_empty() { "true".to_string() } else { bounds.join(" AND ") };
         let sql = format!(
-            "SELECT {} FROM {} WHERE {filter} ORDER BY {order} LIMIT $3",
+            "SELECT {} FROM {} WHERE {filter} ORDER BY {order} LIMIT ${}",
             self.select_list(),
-            self.table
+            self.table,
+            keys.len() * 2 + 1
         );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(after.map(|a| a.0.clone()))
-            .bind(after.map(|a| a.1))
-            .bind(limit)
-            .fetch_all(pool)
-            .await?;
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for k in keys {
+            query = query.bind(k.0.clone()).bind(k.1);
+        }
+        let rows = query.bind(limit).fetch_all(pool).await?;
         Ok(rows.iter().map(|r| self.row_of(r)).collect())
     }
 }

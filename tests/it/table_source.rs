@@ -565,6 +565,153 @@ async fn a_table_source_writes_every_live_revision_of_its_target() {
     assert_eq!(r2.len(), 15, "the shadow holds what changed since it was made (a backfill copies the rest)");
 }
 
+/// `revision backfill --from-table`: a shadow made after the first snapshot gets every row
+/// of the table (not only those changed since), each with the shadow's model, while the
+/// follower applies edits beside it; the target without a shadow, or a --table that is not
+/// the source's, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revision_backfill_from_the_table_fills_the_shadow_with_every_row_under_live_edits() {
+    use embed_dlq::model::content_hash;
+    use embed_dlq::store::revision::create_shadow;
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig::default()).await;
+    create_documents(&db, 1_500).await;
+    let source = table_source::add_table(&db.pool, &spec()).await.unwrap();
+    let s = settings(&db, &mock);
+    let idle = FollowOptions { idle_exit: Some(Duration::from_millis(300)), ..FollowOptions::default() };
+    let targets = s.source_targets();
+    embed_dlq::ingest::table::follow_table(&targets, &source, idle.clone(), CancellationToken::new())
+        .await
+        .unwrap();
+    let backfill = |extra: &[&str]| {
+        let mut c = binary();
+        c.args(["revision", "backfill", "--from-table", "docs", "--json", "--no-progress"])
+            .args(["--database-url", &db.url, "--base-url", &mock.base_url(), "--model", "mock"])
+            .args(extra);
+        c
+    };
+    let refused = backfill(&[]).output().await.unwrap();
+    assert_eq!(refused.status.code(), Some(2), "no shadow yet: {}", String::from_utf8_lossy(&refused.stderr));
+    create_shadow(&db.pool, "doc_embeddings", Some("mock"), "mock-next", 256, Some(256)).await.unwrap();
+    let wrong = backfill(&["--table", "other_embeddings"]).output().await.unwrap();
+    assert_eq!(wrong.status.code(), Some(2), "{}", String::from_utf8_lossy(&wrong.stderr));
+
+    let cancel = CancellationToken::new();
+    let follower = {
+        let (targets, source, cancel) = (s.source_targets(), source.clone(), cancel.clone());
+        tokio::spawn(async move {
+            embed_dlq::ingest::table::follow_table(&targets, &source, FollowOptions::default(), cancel).await
+        })
+    };
+    let edits = {
+        let pool = db.pool.clone();
+        tokio::spawn(async move {
+            for round in 0..30i64 {
+                let sql = format!(
+                    "UPDATE documents SET body = 'round {round} of ' || id WHERE id % 30 = {round};
+                     DELETE FROM documents WHERE id = {};
+                     INSERT INTO documents (id, title, body) VALUES ({}, 'late', 'late body');",
+                    round * 7 + 3,
+                    10_000 + round
+                );
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let out = backfill(&[]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    edits.await.unwrap();
+    // The follower settles the last edits in both revisions, then stops.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while db.count("SELECT count(*) FROM embed_table_changes").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the follower never drained its queue");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel.cancel();
+    follower.await.unwrap().unwrap();
+
+    let rows: Vec<(i64, String, Option<String>)> =
+        sqlx::query_as("SELECT id, title, body FROM documents").fetch_all(&db.pool).await.unwrap();
+    let text =
+        |title: &str, body: &Option<String>| format!("{title}\n\n{}", body.clone().unwrap_or_default());
+    let r1 = crate::revisions::hashes(&db, "doc_embeddings__r1").await;
+    let r2 = crate::revisions::hashes(&db, "doc_embeddings__r2").await;
+    for (id, title, body) in &rows {
+        let key = (id.to_string(), 0);
+        assert_eq!(r1.get(&key), Some(&content_hash("mock", 768, &text(title, body))), "r1 {id}");
+        assert_eq!(r2.get(&key), Some(&content_hash("mock-next", 256, &text(title, body))), "r2 {id}");
+    }
+    assert_eq!((r1.len(), r2.len()), (rows.len(), rows.len()), "nothing but the rows");
+    let activated = binary()
+        .args(["revision", "activate", "--revision", "2", "--database-url", &db.url, "--json"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(
+        activated.status.code(),
+        Some(0),
+        "the shadow covers: {}",
+        String::from_utf8_lossy(&activated.stdout)
+    );
+}
+
+/// A snapshot stopped part way resumes after the last part it settled: the second follower
+/// reads what the first did not store (and one part at most again), not the whole table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_stopped_part_way_resumes_after_the_last_part_it_settled() {
+    let db = TestDb::new().await;
+    let mock = start_mock(MockConfig { latency_ms: 15, ..MockConfig::default() }).await;
+    const ROWS: i64 = 6_000;
+    const PART: i64 = 1_000;
+    create_documents(&db, ROWS).await;
+    let source = table_source::add_table(&db.pool, &spec()).await.unwrap();
+    let s = settings(&db, &mock);
+    let options = FollowOptions {
+        idle_exit: Some(Duration::from_millis(300)),
+        snapshot_part_rows: PART,
+        ..FollowOptions::default()
+    };
+    let cancel = CancellationToken::new();
+    let first = {
+        let (targets, source, cancel, options) =
+            (s.source_targets(), source.clone(), cancel.clone(), options.clone());
+        tokio::spawn(async move {
+            embed_dlq::ingest::table::follow_table(&targets, &source, options, cancel).await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while db.count("SELECT count(*) FROM doc_embeddings").await < ROWS / 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the first snapshot never got half way");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancel.cancel();
+    let stopped = first.await.unwrap().unwrap();
+    assert_eq!(stopped.snapshots, 0, "stopped before its end");
+    let stored_before = db.count("SELECT count(*) FROM doc_embeddings").await;
+    assert!(stored_before < ROWS, "stopped part way: {stored_before}");
+    // An edit made meanwhile, before where the snapshot got to, comes through the queue.
+    sqlx::raw_sql("UPDATE documents SET body = 'edited while stopped' WHERE id = 5")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let targets = s.source_targets();
+    let second = embed_dlq::ingest::table::follow_table(&targets, &source, options, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(second.snapshots, 1);
+    let unstored = (ROWS - stored_before) as u64;
+    assert!(
+        second.ingest.records <= unstored + PART as u64 + 1,
+        "the second follower read {} records for the {unstored} rows the first did not store",
+        second.ingest.records
+    );
+    until_in_sync(&db).await;
+    let sent = mock.control.stats().inputs;
+    assert!(sent <= ROWS as u64 + 1 + 256, "{sent} inputs for {ROWS} rows and one edit");
+}
+
 /// `serve --follow-table` in two processes: one follows, the other stands by; the follower
 /// SIGKILLed, the standby takes the source over and applies the edits made since, with
 /// nothing lost and nothing stale.
